@@ -1,0 +1,411 @@
+"""A2Pipeline: Elements-to-Video inference on Wan, and THE conditioning code (`prepare_latents`).
+
+Training imports `prepare_latents`, `preprocess_image` and `element_tensors` from here, so what a
+model is trained on and what it is sampled with are built by the same lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.loaders import WanLoraLoaderMixin
+from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
+from tqdm import tqdm
+
+from a2.transformer import TEXT_TOKENS, is_e2v
+
+VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
+PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")
+
+
+# ---------------------------------------------------------------- element images
+
+
+def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
+    """Bring an RGB image to size=(height, width).
+
+    resize: stretch. center_crop: cover then crop the middle. pad_white / letterbox: fit inside
+    and pad with white / black (A2 pads its subject and object references with white)."""
+    if mode not in PREPROCESS_MODES:
+        raise ValueError(f"unknown preprocess mode {mode!r}; choose one of {PREPROCESS_MODES}")
+    image = image.convert("RGB")
+    h, w = size
+    iw, ih = image.size
+    if mode == "resize":
+        return image.resize((w, h), Image.BICUBIC)
+    if mode == "center_crop":
+        s = max(h / ih, w / iw)
+        rw, rh = max(w, round(iw * s)), max(h, round(ih * s))
+        image = image.resize((rw, rh), Image.BICUBIC)
+        left, top = (rw - w) // 2, (rh - h) // 2
+        return image.crop((left, top, left + w, top + h))
+    s = min(h / ih, w / iw)
+    rw, rh = min(w, max(1, round(iw * s))), min(h, max(1, round(ih * s)))
+    fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
+    canvas = Image.new("RGB", (w, h), fill)
+    canvas.paste(image.resize((rw, rh), Image.BICUBIC), ((w - rw) // 2, (h - rh) // 2))
+    return canvas
+
+
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL -> (3, H, W) float in [-1, 1] (the VAE's pixel range)."""
+    # /255 then 2x-1 in float32, exactly as diffusers' VaeImageProcessor (bit-parity with its I2V pipeline)
+    x = torch.from_numpy(np.asarray(image.convert("RGB")).astype(np.float32) / 255.0)
+    return (2.0 * x - 1.0).permute(2, 0, 1).contiguous()
+
+
+def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
+    """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
+
+    `element` needs `.vae_preprocess` and `.clip_preprocess` (config.Element). The CLIP tensor is
+    the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
+    vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
+    clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))
+    return vae, clip
+
+
+def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(..., 3, H, W) in [-1, 1] -> (..., H, W, 3) uint8 (inverse of pil_to_tensor on uint8 images)."""
+    x = ((x.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return x.movedim(-3, -1).numpy()
+
+
+# ---------------------------------------------------------------- text and image encoders
+
+
+def encode_prompt(tokenizer, text_encoder, prompts: list[str], max_length: int = TEXT_TOKENS) -> torch.Tensor:
+    """T5 embeddings (B, 512, D): real tokens then exact zeros, as Wan was trained.
+
+    Always 512 tokens: diffusers' Wan attention takes the last 512 context tokens as text and the
+    rest as image tokens, so a shorter text would silently be read as image tokens."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    prompts = [prompt_clean(p) for p in prompts]
+    inputs = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True,
+                       add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    device = next(text_encoder.parameters()).device
+    ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
+    seq_lens = mask.gt(0).sum(dim=1)
+    emb = text_encoder(ids, mask).last_hidden_state  # (B, 512, D)
+    keep = torch.arange(max_length, device=device)[None, :] < seq_lens[:, None]
+    return emb * keep[..., None].to(emb.dtype)
+
+
+def encode_image(image_encoder, image_processor, clip_pixels: torch.Tensor) -> torch.Tensor:
+    """CLIP penultimate hidden states of each element, concatenated in position order.
+
+    clip_pixels: (B, N, 3, h, w) in [-1, 1], already preprocessed to the CLIP resolution.
+    Returns (B, N*257, C). The uint8 round trip is exact for images that came from uint8 files, and
+    lets CLIPImageProcessor do the same resize/crop/normalise as for a PIL image."""
+    b, n = clip_pixels.shape[:2]
+    images = list(tensor_to_uint8(clip_pixels.flatten(0, 1)))
+    device = next(image_encoder.parameters()).device
+    pixel_values = image_processor(images=images, return_tensors="pt").pixel_values
+    pixel_values = pixel_values.to(device, next(image_encoder.parameters()).dtype)
+    hidden = image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
+    return hidden.reshape(b, n * hidden.shape[1], hidden.shape[2])  # (B, N*257, C)
+
+
+# ---------------------------------------------------------------- VAE latents
+
+
+def latent_stats(vae, device, dtype):
+    mean = torch.tensor(vae.config.latents_mean, device=device, dtype=dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device, dtype=dtype).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+def encode_vae(vae, pixels: torch.Tensor, sample_mode: str = "argmax", generator=None) -> torch.Tensor:
+    """(B, 3, F, H, W) in [-1, 1] -> normalised latents (B, 16, (F-1)//4+1, H/8, W/8), float32.
+
+    sample_mode "sample" draws from the posterior with `generator` (SkyReels-A2), "argmax" takes
+    its mode (diffusers' Wan I2V)."""
+    if sample_mode not in ("sample", "argmax"):
+        raise ValueError(f"sample_mode must be 'sample' or 'argmax', got {sample_mode!r}")
+    vae_param = next(vae.parameters())
+    dist = vae.encode(pixels.to(vae_param.device, vae_param.dtype)).latent_dist
+    z = dist.sample(generator) if sample_mode == "sample" else dist.mode()
+    z = z.float()
+    mean, std = latent_stats(vae, z.device, z.dtype)
+    return (z - mean) / std
+
+
+def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents (B, 16, T, h, w) -> pixels (B, 3, 4(T-1)+1, H, W) in [-1, 1]."""
+    vae_param = next(vae.parameters())
+    mean, std = latent_stats(vae, latents.device, torch.float32)
+    z = latents.float() * std + mean
+    return vae.decode(z.to(vae_param.device, vae_param.dtype), return_dict=False)[0].float().clamp(-1, 1)
+
+
+def num_latent_frames(num_frames: int) -> int:
+    return (num_frames - 1) // VAE_T + 1
+
+
+def frame_mask(cond_frames: torch.Tensor, latent_hw: tuple[int, int]) -> torch.Tensor:
+    """Per-pixel-frame conditioning flags (B, F) -> the 4-channel latent mask (B, 4, T, h, w).
+
+    Wan's rule: the first frame's flag is repeated 4 times (the causal VAE's first latent holds one
+    frame), then the F+3 flags are read as (T, 4): channel c of latent t is pixel frame 4t+c-3."""
+    b, f = cond_frames.shape
+    flags = torch.cat([cond_frames[:, :1].repeat(1, VAE_T - 1), cond_frames], dim=1).float()  # (B, F+3)
+    mask = flags.view(b, -1, VAE_T).transpose(1, 2)  # (B, 4, T)
+    return mask[..., None, None].expand(-1, -1, -1, *latent_hw).contiguous()
+
+
+@dataclass
+class Conditioning:
+    condition: torch.Tensor  # (B, 20, T, h, w): mask (4) | condition latents (16); the transformer's extra input
+    num_ref_latents: int  # latent frames at the start that hold references (prefix layout), else 0
+    ref_latents: torch.Tensor | None  # (B, 16, L_ref, h, w): the references' latents, start of x0 in prefix layout
+
+
+def prepare_latents(
+    vae,
+    num_frames: int,
+    *,
+    references: torch.Tensor | None = None,
+    repeats: tuple[int, ...] = (),
+    combine: str = "before",
+    video: torch.Tensor | None = None,
+    cond_frame_indices: tuple[int, ...] = (),
+    sample_mode: str = "argmax",
+    generator=None,
+) -> Conditioning:
+    """THE conditioning of the E2V/I2V transformer, shared by training and inference.
+
+    layout `prefix` (A2): `references` (B, N, 3, H, W) in [-1, 1], in position order; element i
+      fills `repeats[i]` pixel frames of a mini-video, zeros fill it up to `num_frames`.
+      combine="before": the whole mini-video is VAE-encoded at once (A2's default);
+      combine="after": each element's frames are encoded alone, the latents concatenated and
+      zero-padded (in normalised latent space) to T latent frames.
+    layout `inplace` (Wan I2V / FLF2V): `video` (B, 3, F, H, W) holds the conditioning frames at
+      `cond_frame_indices` (other frames are zeroed here), and they are encoded in place.
+    The mask marks the conditioning pixel frames by `frame_mask`'s rule. With sample_mode="sample"
+    the posterior is sampled with `generator` (A2 draws its noise first, then this)."""
+    if (references is None) == (video is None):
+        raise ValueError("prepare_latents takes either references (prefix layout) or video (inplace layout)")
+    t = num_latent_frames(num_frames)
+    if references is not None:
+        b, n, _, h, w = references.shape
+        if len(repeats) != n or min(repeats, default=1) < 1:
+            raise ValueError(f"need one repeat >= 1 per element: {n} elements, repeats {tuple(repeats)}")
+        r = sum(repeats)
+        if r >= num_frames:
+            raise ValueError(f"{n} elements fill {r} frames (repeats {tuple(repeats)}); num_frames={num_frames} "
+                             "leaves no frame to generate")
+        refs = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(repeats)]
+        if combine == "before":
+            zeros = references.new_zeros(b, 3, num_frames - r, h, w)
+            latents = encode_vae(vae, torch.cat(refs + [zeros], dim=2), sample_mode, generator)
+            num_ref = num_latent_frames(r)
+        elif combine == "after":
+            parts = [encode_vae(vae, x, sample_mode, generator) for x in refs]
+            num_ref = sum(p.shape[2] for p in parts)
+            if num_ref >= t:
+                raise ValueError(f"elements take {num_ref} of {t} latent frames; raise num_frames")
+            latents = torch.cat(parts, dim=2)
+            latents = torch.cat([latents, latents.new_zeros(*latents.shape[:2], t - num_ref, *latents.shape[3:])], 2)
+            r = VAE_T * (num_ref - 1) + 1  # the mask then marks exactly the first num_ref latent frames
+        else:
+            raise ValueError(f"combine must be 'before' or 'after', got {combine!r}")
+        flags = torch.zeros(b, num_frames, device=latents.device)
+        flags[:, :r] = 1
+        mask = frame_mask(flags, latents.shape[-2:])
+        return Conditioning(torch.cat([mask, latents], dim=1), num_ref, latents[:, :, :num_ref])
+    b, _, f, h, w = video.shape
+    if f != num_frames:
+        raise ValueError(f"video has {f} frames, num_frames is {num_frames}")
+    flags = torch.zeros(b, num_frames, device=video.device)
+    flags[:, list(cond_frame_indices)] = 1
+    pixels = video * flags[:, None, :, None, None].to(video.dtype)
+    latents = encode_vae(vae, pixels, sample_mode, generator)
+    mask = frame_mask(flags.to(latents.device), latents.shape[-2:])
+    return Conditioning(torch.cat([mask, latents], dim=1), 0, None)
+
+
+def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefix: int = 1,
+                               generator: torch.Generator | None = None) -> tuple[int, ...]:
+    """Frames conditioned on in the inplace layout: first | first_and_last | index | prefix | random."""
+    if mode == "first":
+        return (0,)
+    if mode == "first_and_last":
+        return (0, num_frames - 1)
+    if mode == "index":
+        if not -num_frames <= index < num_frames:
+            raise ValueError(f"frame index {index} outside a {num_frames}-frame clip")
+        return (index % num_frames,)
+    if mode == "prefix":
+        if not 1 <= prefix < num_frames:
+            raise ValueError(f"prefix of {prefix} frames needs 1 <= prefix < num_frames={num_frames}")
+        return tuple(range(prefix))
+    if mode == "random":  # one random frame; a generator keeps it a function of the sample's seed
+        return (int(torch.randint(num_frames, (1,), generator=generator)),)
+    raise ValueError(f"unknown frame conditioning {mode!r}")
+
+
+# ---------------------------------------------------------------- the pipeline
+
+A2_NEGATIVE_PROMPT = (
+    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+    "background, three legs, many people in the background, walking backwards"
+)
+
+
+def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000):
+    """UniPC (A2 and Wan's default; A2 uses flow_shift 8) or FlowMatchEuler, both in flow-matching mode."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if name == "unipc":
+        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                       num_train_timesteps=num_train_timesteps, flow_shift=flow_shift)
+    if name == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=flow_shift)
+    raise ValueError(f"unknown scheduler {name!r}; choose unipc or euler")
+
+
+class A2Pipeline(WanLoraLoaderMixin):
+    """Prompt + element images -> video, on an E2V (A2 / Wan I2V) or T2V Wan transformer.
+
+    A plain class (diffusers' WanImageToVideoPipeline takes one image); LoRA loading comes from
+    diffusers' Wan loader mixin, so `load_lora_weights` reads diffusers, original-Wan and musubi keys."""
+
+    _lora_loadable_modules = ["transformer"]
+    transformer_name = "transformer"
+
+    def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None):
+        self.transformer, self.vae = transformer, vae
+        self.tokenizer, self.text_encoder = tokenizer, text_encoder
+        self.image_encoder, self.image_processor = image_encoder, image_processor
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
+                        image_encoder_dir=None):
+        """Load each component from a diffusers-format dir (`tiny` = the built-in offline tiny model)."""
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+        from a2.tiny import tiny_model_dir
+        from a2.transformer import load_transformer
+
+        model_dir = tiny_model_dir() if str(model_dir) == "tiny" else Path(model_dir)
+        if not (model_dir / "model_index.json").exists():
+            raise FileNotFoundError(f"{model_dir}: no model_index.json; expected a diffusers-format Wan/A2 model dir")
+        transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
+        vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
+        image_encoder = image_processor = None
+        if transformer.config.image_dim is not None:
+            src = Path(image_encoder_dir) if image_encoder_dir else model_dir
+            if not (src / "image_encoder").exists():
+                raise FileNotFoundError(f"{src}: the transformer has an image branch but there is no image_encoder/; "
+                                        "pass --image-encoder DIR")
+            image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=dtype)
+            image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
+        pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
+        return pipe.to(device)
+
+    def to(self, device):
+        for m in (self.transformer, self.vae, self.text_encoder, self.image_encoder):
+            if m is not None:
+                m.to(device).eval()
+        return self
+
+    @property
+    def device(self):
+        return next(self.transformer.parameters()).device
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str,
+        references: torch.Tensor | None = None,
+        clip_references: torch.Tensor | None = None,
+        repeats: tuple[int, ...] = (),
+        *,
+        negative_prompt: str = A2_NEGATIVE_PROMPT,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        scheduler: str = "unipc",
+        flow_shift: float = 8.0,
+        combine: str = "before",
+        sample_mode: str = "sample",
+        generator: torch.Generator | None = None,
+        decode: str = "drop_refs",
+        progress: bool = True,
+    ) -> dict:
+        """Generate one video.
+
+        references: (1, N, 3, H, W) VAE-path element images in [-1, 1]; clip_references (1, N, 3, h, w)
+        the CLIP-path ones (None for models without an image branch). Noise is drawn first, then the
+        posterior is sampled with the same generator (A2's order, needed for bit-parity).
+        decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
+        "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
+        Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition, num_ref_latents)."""
+        tr = self.transformer
+        check_size(height, width, num_frames)
+        device, dtype = self.device, tr.dtype
+        sched = make_scheduler(scheduler, flow_shift)
+        sched.set_timesteps(num_inference_steps, device=device)
+
+        prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)
+        negative_embeds = None
+        if guidance_scale > 1.0:
+            negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
+        image_embeds = None
+        if tr.config.image_dim is not None:
+            if clip_references is None:
+                raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
+            image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
+
+        t = num_latent_frames(num_frames)
+        shape = (1, tr.config.out_channels, t, height // 8, width // 8)
+        latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+        condition, num_ref = None, 0
+        if is_e2v(tr):
+            if references is None:
+                raise ValueError("this E2V/I2V model needs reference images")
+            cond = prepare_latents(self.vae, num_frames, references=references.to(device), repeats=repeats,
+                                   combine=combine, sample_mode=sample_mode, generator=generator)
+            condition, num_ref = cond.condition.to(device), cond.num_ref_latents
+
+        for t_ in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
+            x = latents if condition is None else torch.cat([latents, condition], dim=1)
+            x = x.to(dtype)
+            timestep = t_.expand(1)
+            noise_pred = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                            encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+            if negative_embeds is not None:  # CFG on text only: the same image tokens in both branches (A2)
+                noise_uncond = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
+                                  encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+                noise_pred = noise_uncond + guidance_scale * (noise_pred - noise_uncond)
+            latents = sched.step(noise_pred.float(), t_, latents, return_dict=False)[0]
+
+        video = None
+        if decode == "drop_refs":
+            video = decode_vae(self.vae, latents)[:, :, VAE_T * num_ref:]
+        elif decode == "video_only":
+            video = decode_vae(self.vae, latents[:, :, num_ref:])
+        elif decode == "all":
+            video = decode_vae(self.vae, latents)
+        elif decode != "none":
+            raise ValueError(f"unknown decode mode {decode!r}")
+        return dict(video=video, latents=latents, condition=condition, num_ref_latents=num_ref)
+
+
+def check_size(height: int, width: int, num_frames: int) -> None:
+    """The shapes a Wan model can take: H, W multiples of 16 (VAE 8 x patch 2), F = 4k+1."""
+    if height % 16 or width % 16 or height <= 0 or width <= 0:
+        raise ValueError(f"height and width must be positive multiples of 16, got {height}x{width}")
+    if num_frames < 1 or (num_frames - 1) % VAE_T:
+        raise ValueError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")

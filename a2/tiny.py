@@ -1,0 +1,112 @@
+"""A complete, tiny, random Wan I2V / A2 model dir, built offline and deterministically.
+
+Same classes as the real model (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, a fast
+tokenizer, CLIPVisionModel giving 257 tokens like ViT-H/14, CLIPImageProcessor, UniPC), saved in
+diffusers format, so every test and the demo go through the real loading code.
+
+    python -m a2.tiny OUT_DIR [--t2v]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from a2.transformer import preset_config
+
+TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
+a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
+a red square and a blue circle move across a green field. bright tones overexposed static blurred
+details subtitles style works paintings images overall gray worst quality low quality jpeg
+compression residue ugly incomplete extra fingers poorly drawn hands faces deformed disfigured
+misshapen limbs fused still picture messy background three legs many people walking backwards
+the video shows a cat sitting on a sofa while the camera slowly pans to the left in this video"""
+
+
+def tiny_tokenizer():
+    """Byte-level BPE trained on a fixed corpus: covers any text, pad=0, eos appended like UMT5's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TINY_CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=512)
+
+
+def build_tiny(seed: int = 0, t2v: bool = False) -> dict:
+    """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
+    )).eval()
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True]).eval()
+    transformer = WanTransformer3DModel(**preset_config("tiny", e2v=not t2v)).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=8.0)
+    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                 scheduler=scheduler)
+    if not t2v:
+        parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=224,
+            patch_size=14, projection_dim=32,
+        )).eval()
+        parts["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+            image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        )
+    return parts
+
+
+def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False) -> Path:
+    """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline)."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    out_dir = Path(out_dir)
+    parts = build_tiny(seed, t2v)
+    pipe = WanPipeline(**parts) if t2v else WanImageToVideoPipeline(**parts)
+    pipe.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_model_dir(t2v: bool = False) -> Path:
+    """The built-in tiny model, built once into a cache dir (what `--model tiny` means)."""
+    import os
+
+    root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
+    d = root / ("tiny-t2v" if t2v else "tiny-i2v")
+    if not (d / "model_index.json").exists():
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        save_tiny(tmp, t2v=t2v)
+        try:
+            tmp.rename(d)  # atomic: concurrent builders (DDP ranks, pytest workers) never see half a dir
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return d
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv))
