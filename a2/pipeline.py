@@ -68,6 +68,29 @@ def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_siz
     return vae, clip
 
 
+def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512)):
+    """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats), in position order.
+
+    Errors name the file: a missing or unreadable image stops here, before any model is loaded."""
+    items = sorted(items, key=lambda it: it[0].position)
+    vae, clip = [], []
+    for element, path in items:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
+        try:
+            with Image.open(path) as im:
+                im.load()
+                image = im.convert("RGB")
+        except Exception as e:  # PIL raises several types for bad files
+            raise ValueError(f"{path}: element '{element.name}' is not a readable image ({e})") from e
+        v, c = element_tensors(image, element, size, clip_size)
+        vae.append(v)
+        clip.append(c)
+    repeats = tuple(e.repeat for e, _ in items)
+    return torch.stack(vae)[None], torch.stack(clip)[None], repeats
+
+
 def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
     """(..., 3, H, W) in [-1, 1] -> (..., H, W, 3) uint8 (inverse of pil_to_tensor on uint8 images)."""
     x = ((x.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
@@ -409,3 +432,18 @@ def check_size(height: int, width: int, num_frames: int) -> None:
         raise ValueError(f"height and width must be positive multiples of 16, got {height}x{width}")
     if num_frames < 1 or (num_frames - 1) % VAE_T:
         raise ValueError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
+
+
+def save_video(path, video: torch.Tensor, fps: int = 15, references: torch.Tensor | None = None) -> Path:
+    """Write (3, F, H, W) in [-1, 1] as mp4; with references (N, 3, H, W), each frame gets the
+    references to its left, as A2's infer.py does."""
+    import imageio.v3 as iio
+
+    frames = tensor_to_uint8(video.permute(1, 0, 2, 3))  # (F, H, W, 3)
+    if references is not None and len(references):
+        refs = np.concatenate(list(tensor_to_uint8(references)), axis=1)  # (H, N*W, 3)
+        frames = np.stack([np.concatenate([refs, f], axis=1) for f in frames])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(path, frames, fps=fps, codec="libx264", plugin="pyav")
+    return path

@@ -1,0 +1,148 @@
+"""Generate a video from element images + a prompt, and check parity between runs.
+
+    python infer.py --model tiny --elements subject=human.png object=thing.png background=env.png \
+        --prompt "A man is holding a teddy bear in the forest." --out out.mp4
+    python infer.py ... --save-latents run_a.pt          # keep the final latents and the condition
+    python infer.py ... --compare run_a.pt               # max |Δ| and PSNR per tensor; exit 1 above tolerance
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
+from config import A2_ELEMENTS, Element, parse_elements
+
+
+@dataclass
+class InferConfig:
+    model: str = "tiny"
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` for the built-in offline tiny model."""
+    elements: tuple[str, ...] = ()
+    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png)."""
+    element_specs: tuple[str, ...] = ()
+    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
+    prompt: str = "A man is holding a teddy bear in the forest."
+    negative_prompt: str = A2_NEGATIVE_PROMPT
+    """A2's default negative prompt."""
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    """4k+1 pixel frames generated in all, reference frames included (A2: 81, of which 12 are references)."""
+    steps: int = 50
+    guidance_scale: float = 5.0
+    seed: int = 42
+    flow_shift: float = 8.0
+    """Sigma shift of the sampler (A2 uses 8; Wan I2V 480P uses 3-5)."""
+    scheduler: Literal["unipc", "euler"] = "unipc"
+    combine: Literal["before", "after"] = "before"
+    """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
+    sample_mode: Literal["sample", "argmax"] = "sample"
+    """Condition latents: a posterior sample with the seed's generator (A2) or the posterior mode (diffusers)."""
+    clip_size: int = 512
+    """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
+    decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
+    """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
+    lora: str | None = None
+    """LoRA file or dir (diffusers, original Wan/ComfyUI or musubi keys)."""
+    lora_scale: float = 1.0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    out: str = "outputs/a2.mp4"
+    fps: int = 15
+    side_by_side: bool = True
+    """Show the reference images left of each frame, as A2's infer.py does."""
+    save_latents: str | None = None
+    """Write the final latents and the condition tensor here (a parity reference)."""
+    compare: str | None = None
+    """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
+    tolerance: float = 1e-4
+
+
+def resolve_elements(cfg: InferConfig) -> list[tuple[Element, str]]:
+    """Pair each image with its element spec: by name when given as name=path, else by position."""
+    specs = parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS
+    by_name = {e.name: e for e in specs}
+    if len(cfg.elements) > len(specs):
+        raise ValueError(f"{len(cfg.elements)} element images but only {len(specs)} element specs")
+    items = []
+    for i, item in enumerate(cfg.elements):
+        name, sep, path = item.partition("=")
+        if sep and name in by_name:
+            items.append((by_name[name], path))
+        elif sep and not Path(item).exists():
+            raise ValueError(f"--elements {item}: unknown element name {name!r}; known: {sorted(by_name)}")
+        else:
+            items.append((specs[i], item))
+    names = [e.name for e, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--elements: element given twice in {names}")
+    return items
+
+
+def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
+    """Print max |Δ| and PSNR (over the saved tensor's range) per tensor; True when all are within tolerance."""
+    saved = torch.load(saved_path, map_location="cpu", weights_only=True)
+    ok = True
+    for key in ("latents", "condition"):
+        a, b = current.get(key), saved.get(key)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape:
+            shapes = [None if x is None else tuple(x.shape) for x in (a, b)]
+            print(f"{key}: shape mismatch {shapes[0]} vs {shapes[1]}")
+            ok = False
+            continue
+        diff = (a.float().cpu() - b.float()).abs()
+        mse = diff.pow(2).mean().item()
+        peak = (b.max() - b.min()).item() or 1.0
+        psnr = math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
+        print(f"{key}: max|Δ|={diff.max().item():.3e} PSNR={psnr:.1f} dB")
+        ok &= diff.max().item() <= tolerance
+    print("parity: PASS" if ok else f"parity: FAIL (tolerance {tolerance:g})")
+    return ok
+
+
+def main(cfg: InferConfig) -> int:
+    check_size(cfg.height, cfg.width, cfg.num_frames)
+    items = resolve_elements(cfg)
+    refs = clip_refs = None
+    repeats: tuple[int, ...] = ()
+    if items:  # read and check the images before loading any model
+        refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
+        if sum(repeats) >= cfg.num_frames:
+            raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
+                             f"num_frames={cfg.num_frames} leaves none to generate")
+    dtype = getattr(torch, cfg.dtype)
+    pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device)
+    if cfg.lora:
+        pipe.load_lora_weights(cfg.lora, adapter_name="default")
+        pipe.transformer.set_adapters(["default"], [cfg.lora_scale])
+    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+    out = pipe(cfg.prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
+               width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
+               guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
+               combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+    if out["video"] is not None:
+        side = refs[0] if (cfg.side_by_side and refs is not None) else None
+        path = save_video(cfg.out, out["video"][0], cfg.fps, side)
+        print(f"wrote {path} ({out['video'].shape[2]} frames, {cfg.height}x{cfg.width})")
+    if cfg.save_latents:
+        Path(cfg.save_latents).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None
+                    else out["condition"].cpu(), "config": asdict(cfg)}, cfg.save_latents)
+        print(f"wrote {cfg.save_latents}")
+    if cfg.compare and not compare_runs(out, cfg.compare, cfg.tolerance):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(InferConfig)))

@@ -1,0 +1,200 @@
+"""prepare_latents: masks, shapes and values against independently built expectations; T2V expansion;
+preprocessing on the real photos."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from a2.pipeline import (
+    conditioning_frame_indices,
+    encode_vae,
+    frame_mask,
+    pil_to_tensor,
+    prepare_latents,
+    preprocess_image,
+)
+
+H, W = 32, 48
+
+
+@pytest.fixture(scope="module")
+def vae(tiny_dir):
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(tiny_dir, subfolder="vae").eval()
+
+
+def a2_mask(num_images, num_frames, repeat=True):
+    """SkyReels-A2's mask construction, written out per its branches (2/3 references). For one reference
+    A2 repeats the first frame 8 times, building F+7 mask frames that cannot be reshaped; diffusers' Wan
+    I2V rule (repeat 4) is the expectation there."""
+    extra = {1: 0, 2: 4, 3: 8 if repeat else 2}[num_images]  # first frame repeated 4 + extra
+    skip = {1: 1, 2: 5, 3: 9 if repeat else 3}[num_images]
+    m = torch.ones(num_frames)
+    m[1:] = 0
+    m = torch.cat([m[:1].repeat(4 + extra), m[skip:]])
+    return m.view(-1, 4).T  # (4, T)
+
+
+@pytest.mark.parametrize("repeats", [(1,), (1, 4), (1, 4, 4), (1, 1, 1)])
+def test_prefix_before_mask_and_latents(vae, repeats):
+    f = 21
+    g = torch.Generator().manual_seed(0)
+    refs = torch.rand(2, len(repeats), 3, H, W, generator=g) * 2 - 1
+    with torch.no_grad():
+        cond = prepare_latents(vae, f, references=refs, repeats=repeats, combine="before")
+        # expected: the mini-video spelled out frame by frame, then zeros, encoded once
+        frames = [refs[:, i] for i, k in enumerate(repeats) for _ in range(k)]
+        frames += [torch.zeros_like(refs[:, 0])] * (f - sum(repeats))
+        expected = encode_vae(vae, torch.stack(frames, dim=2))
+    t = (f - 1) // 4 + 1
+    assert cond.condition.shape == (2, 20, t, H // 8, W // 8)
+    torch.testing.assert_close(cond.condition[:, 4:], expected, rtol=0, atol=1e-6)
+    want = a2_mask(len(repeats), f, repeat=repeats != (1, 1, 1))
+    assert torch.equal(cond.condition[:, :4, :, 0, 0], want[None].expand(2, -1, -1))
+    assert (cond.condition[:, :4] == cond.condition[:, :4, :, :1, :1]).all()  # constant over space
+    assert cond.num_ref_latents == (sum(repeats) - 1) // 4 + 1
+    torch.testing.assert_close(cond.ref_latents, expected[:, :, : cond.num_ref_latents], rtol=0, atol=1e-6)
+
+
+def test_prefix_after_encodes_each_element_alone(vae):
+    f, repeats = 21, (1, 4, 4)
+    refs = torch.rand(1, 3, 3, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        cond = prepare_latents(vae, f, references=refs, repeats=repeats, combine="after")
+        parts = [encode_vae(vae, refs[:, i, :, None].repeat(1, 1, k, 1, 1)) for i, k in enumerate(repeats)]
+    lat = cond.condition[:, 4:]
+    assert cond.num_ref_latents == 3  # 1 + (4-1)//4 + 1 ... one latent per element
+    torch.testing.assert_close(lat[:, :, :3], torch.cat(parts, 2), rtol=0, atol=1e-6)
+    assert (lat[:, :, 3:] == 0).all()
+    mask = cond.condition[0, :4, :, 0, 0]
+    assert (mask[:, :3] == 1).all() and (mask[:, 3:] == 0).all()
+
+
+def test_before_and_after_differ(vae):
+    refs = torch.rand(1, 2, 3, H, W, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        a = prepare_latents(vae, 13, references=refs, repeats=(1, 4), combine="before").condition
+        b = prepare_latents(vae, 13, references=refs, repeats=(1, 4), combine="after").condition
+    assert a.shape == b.shape and (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mode,flags", [
+    ("first", [0]), ("first_and_last", [0, 16]), ("index", [5]), ("prefix", [0, 1, 2, 3, 4]),
+])
+def test_inplace_modes(vae, mode, flags):
+    f = 17
+    video = torch.rand(1, 3, f, H, W, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    idx = conditioning_frame_indices(mode, f, index=5, prefix=5)
+    assert sorted(idx) == flags
+    with torch.no_grad():
+        cond = prepare_latents(vae, f, video=video, cond_frame_indices=idx)
+        kept = torch.zeros_like(video)
+        kept[:, :, flags] = video[:, :, flags]
+        expected = encode_vae(vae, kept)
+    torch.testing.assert_close(cond.condition[:, 4:], expected, rtol=0, atol=1e-6)
+    # mask channel c of latent t is pixel frame 4t+c-3 (frame 0 fills all of latent 0)
+    mask = cond.condition[0, :4, :, 0, 0]
+    for t in range(mask.shape[1]):
+        for c in range(4):
+            frame = 0 if t == 0 else 4 * t + c - 3
+            assert mask[c, t] == (1.0 if frame in flags else 0.0), (mode, t, c)
+    assert cond.num_ref_latents == 0 and cond.ref_latents is None
+
+
+def test_random_frame_is_a_function_of_the_generator():
+    a = conditioning_frame_indices("random", 81, generator=torch.Generator().manual_seed(5))
+    b = conditioning_frame_indices("random", 81, generator=torch.Generator().manual_seed(5))
+    assert a == b and 0 <= a[0] < 81
+
+
+def test_sample_mode_uses_generator(vae):
+    refs = torch.rand(1, 1, 3, H, W) * 2 - 1
+    with torch.no_grad():
+        s1 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+                             generator=torch.Generator().manual_seed(0)).condition
+        s2 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+                             generator=torch.Generator().manual_seed(0)).condition
+        s3 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+                             generator=torch.Generator().manual_seed(1)).condition
+        m = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="argmax").condition
+    assert torch.equal(s1, s2) and not torch.equal(s1, s3) and not torch.equal(s1, m)
+
+
+def test_bad_inputs_raise(vae):
+    refs = torch.zeros(1, 3, 3, H, W)
+    with pytest.raises(ValueError, match="leaves no frame"):
+        prepare_latents(vae, 9, references=refs, repeats=(1, 4, 4))
+    with pytest.raises(ValueError, match="one repeat"):
+        prepare_latents(vae, 21, references=refs, repeats=(1, 4))
+    with pytest.raises(ValueError, match="either references"):
+        prepare_latents(vae, 21)
+
+
+def test_frame_mask_matches_diffusers_rule():
+    flags = torch.zeros(1, 9)
+    flags[0, 0] = 1
+    m = frame_mask(flags, (1, 1))[0, :, :, 0, 0]
+    assert torch.equal(m, torch.tensor([[1.0, 0, 0]] * 4))
+
+
+def test_expanded_t2v_equals_base(tiny_t2v_dir):
+    from a2.transformer import expand_to_e2v, load_transformer
+
+    base = load_transformer(tiny_t2v_dir).eval()
+    e2v = expand_to_e2v(base, image_dim=32).eval()
+    assert e2v.config.in_channels == 36 and e2v.config.image_dim == 32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 3, 8, 8, generator=g)
+    cond = torch.randn(1, 20, 3, 8, 8, generator=g)
+    text = torch.randn(1, 512, 32, generator=g)
+    image = torch.randn(1, 2 * 257, 32, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        want = base(x, t, text, return_dict=False)[0]
+        got = e2v(torch.cat([x, cond], 1), t, text, encoder_hidden_states_image=image, return_dict=False)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the new parameters are live: perturbing add_v_proj changes the output
+    with torch.no_grad():
+        e2v.blocks[0].attn2.add_v_proj.bias.fill_(1.0)
+        moved = e2v(torch.cat([x, cond], 1), t, text, encoder_hidden_states_image=image, return_dict=False)[0]
+    assert (moved - want).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("name", ["a2_human.png", "a2_thing.png", "a2_env.png"])
+def test_preprocess_modes_on_real_photos(shared_data, name):
+    image = Image.open(shared_data / name).convert("RGB")
+    h, w = 480, 832
+    iw, ih = image.size
+    for mode in ("resize", "center_crop", "pad_white", "letterbox"):
+        out = preprocess_image(image, mode, (h, w))
+        assert out.size == (w, h), mode
+    a = np.asarray(preprocess_image(image, "pad_white", (h, w)))
+    b = np.asarray(preprocess_image(image, "letterbox", (h, w)))
+    if ih / iw > h / w:  # taller than the target: bars left and right
+        assert (a[:, :5] == 255).all() and (b[:, :5] == 0).all() and (a[:, -5:] == 255).all()
+        inner = a[:, w // 2]
+    else:  # wider: bars top and bottom
+        assert (a[:5] == 255).all() and (b[:5] == 0).all() and (a[-5:] == 255).all()
+        inner = a[h // 2]
+    assert inner.std() > 1  # the photo itself, not padding
+    # center_crop adds no border: it is the middle of the photo at the target aspect, resized
+    # (compared at 1/8 size: the two roundings of the crop box may differ by a sub-pixel shift)
+    small = (w // 8, h // 8)
+    c = np.asarray(preprocess_image(image, "center_crop", (h, w)).resize(small, Image.BOX)).astype(float)
+    cw, ch = (iw, iw * h / w) if ih / iw > h / w else (ih * w / h, ih)
+    box = ((iw - cw) / 2, (ih - ch) / 2, (iw + cw) / 2, (ih + ch) / 2)
+    ref = np.asarray(image.resize(small, Image.BOX, box=box)).astype(float)
+    assert np.abs(c - ref).mean() < 4.0
+    # square CLIP path (A2: pad_white to 512x512)
+    sq = np.asarray(preprocess_image(image, "pad_white", (512, 512)))
+    assert sq.shape == (512, 512, 3)
+    if iw != ih:
+        edge = sq[:, :3] if ih > iw else sq[:3]
+        assert (edge == 255).all()
+
+
+def test_pil_to_tensor_range():
+    x = pil_to_tensor(Image.fromarray(np.array([[[0, 255, 128]]], dtype=np.uint8)))
+    assert x.shape == (3, 1, 1) and x[0].item() == -1.0 and x[1].item() == 1.0
