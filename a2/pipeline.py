@@ -180,6 +180,14 @@ def frame_mask(cond_frames: torch.Tensor, latent_hw: tuple[int, int]) -> torch.T
     return mask[..., None, None].expand(-1, -1, -1, *latent_hw).contiguous()
 
 
+def num_ref_latents(repeats, combine: str = "before") -> int:
+    """Latent frames the elements occupy: the R = sum(repeats) frames encoded together (before), or
+    1 + (r-1)//4 latents per element encoded alone (after). A2's 1/4/4 gives 3 either way."""
+    if combine == "before":
+        return num_latent_frames(sum(repeats))
+    return sum(num_latent_frames(r) for r in repeats)
+
+
 @dataclass
 class Conditioning:
     condition: torch.Tensor  # (B, 20, T, h, w): mask (4) | condition latents (16); the transformer's extra input
@@ -225,7 +233,7 @@ def prepare_latents(
         if combine == "before":
             zeros = references.new_zeros(b, 3, num_frames - r, h, w)
             latents = encode_vae(vae, torch.cat(refs + [zeros], dim=2), sample_mode, generator)
-            num_ref = num_latent_frames(r)
+            num_ref = num_ref_latents(repeats, combine)
         elif combine == "after":
             parts = [encode_vae(vae, x, sample_mode, generator) for x in refs]
             num_ref = sum(p.shape[2] for p in parts)

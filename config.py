@@ -1,0 +1,378 @@
+"""Configs: the Element spec, dataset/processor configs (CLI grammar and JSON file), and TrainConfig (tyro).
+
+Element grammar for `--elements` (one string per element, position = order given unless pos= is set):
+
+    NAME=SUFFIX[,SUFFIX...][:OPTION[,OPTION...]]
+    options: required | repeat=N | pos=N | vae=MODE | clip=MODE | clip=off
+    MODE: resize | center_crop | pad_white | letterbox
+
+    subject=_person.png,_mask.png:required,repeat=1,clip=pad_white
+    background=_background.png:repeat=4,vae=center_crop
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from a2.pipeline import PREPROCESS_MODES
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the file (or flag) and the key."""
+
+
+@dataclass(frozen=True)
+class Element:
+    name: str
+    suffixes: tuple[str, ...]  # first match wins
+    required: bool = False
+    repeat: int = 1  # pixel frames this element occupies in the VAE mini-video
+    position: int = 0  # order in the sequence
+    vae_preprocess: str = "resize"
+    clip_preprocess: str = "pad_white"
+    clip: bool = True  # encode with CLIP (image tokens)
+
+
+# SkyReels-A2's published layout: repeats 1/4/4, VAE pad_white/pad_white/center_crop, CLIP pad_white (512x512)
+A2_ELEMENTS: tuple[Element, ...] = (
+    Element("subject", ("_person.png", "_mask.png", "_subject.png"), False, 1, 0, "pad_white", "pad_white"),
+    Element("object", ("_object.png", "_thing.png"), False, 4, 1, "pad_white", "pad_white"),
+    Element("background", ("_background.png", "_env.png", "_scene.png"), False, 4, 2, "center_crop", "pad_white"),
+)
+
+
+def check_element(e: Element, where: str) -> Element:
+    if not e.name or not e.suffixes:
+        raise ConfigError(f"{where}: an element needs a name and at least one suffix")
+    if e.repeat < 1:
+        raise ConfigError(f"{where}: element '{e.name}': repeat must be >= 1, got {e.repeat}")
+    for key, mode in (("vae preprocess", e.vae_preprocess), ("clip preprocess", e.clip_preprocess)):
+        if mode not in PREPROCESS_MODES:
+            raise ConfigError(f"{where}: element '{e.name}': {key} {mode!r} is not one of {PREPROCESS_MODES}")
+    return e
+
+
+def check_elements(elements, where: str) -> tuple[Element, ...]:
+    elements = tuple(sorted((check_element(e, where) for e in elements), key=lambda e: e.position))
+    for attr in ("name", "position"):
+        values = [getattr(e, attr) for e in elements]
+        if len(set(values)) != len(values):
+            raise ConfigError(f"{where}: element {attr}s must be unique, got {values}")
+    return elements
+
+
+def parse_element(spec: str, position: int, default_vae: str = "resize", default_clip: str = "pad_white") -> Element:
+    where = f"--elements {spec!r}"
+    name, sep, rest = spec.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"{where}: expected NAME=SUFFIX[,SUFFIX...][:OPTIONS]")
+    suffixes, _, options = rest.partition(":")
+    kw = dict(name=name, suffixes=tuple(s for s in suffixes.split(",") if s), position=position,
+              vae_preprocess=default_vae, clip_preprocess=default_clip)
+    for opt in filter(None, options.split(",")):
+        key, _, value = opt.partition("=")
+        if key == "required" and not value:
+            kw["required"] = True
+        elif key in ("repeat", "pos") and value.lstrip("-").isdigit():
+            kw["repeat" if key == "repeat" else "position"] = int(value)
+        elif key == "vae" and value:
+            kw["vae_preprocess"] = value
+        elif key == "clip" and value:
+            kw["clip"] = value != "off"
+            if value != "off":
+                kw["clip_preprocess"] = value
+        else:
+            raise ConfigError(f"{where}: unknown option {opt!r} "
+                              "(required | repeat=N | pos=N | vae=MODE | clip=MODE|off)")
+    return Element(**kw)
+
+
+def parse_elements(specs) -> tuple[Element, ...]:
+    """The --elements grammar (module docstring) -> Elements sorted by position."""
+    return check_elements([parse_element(s, i) for i, s in enumerate(specs)], "--elements")
+
+
+# ---------------------------------------------------------------- dataset configs
+
+
+@dataclass(frozen=True)
+class VaeProcessorConfig:
+    resolution: tuple[int, int] = (480, 832)
+    combine: str = "before"  # before | after
+    default_preprocess: str = "resize"
+    frame_conditioning: str = "full"  # full (A2 element prefix) | first | first_and_last | index | prefix | random
+    frame_index: int = 0
+    concatenate_mask: bool = True
+
+
+@dataclass(frozen=True)
+class ClipProcessorConfig:
+    resolution: tuple[int, int] = (512, 512)
+    default_preprocess: str = "pad_white"
+
+
+@dataclass(frozen=True)
+class VisualizationConfig:
+    enabled: bool = False
+    output_dir: str = "visualizations/{run_id}"
+    frequency: int = 100
+    processors: tuple = ()
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    data_root: str
+    dataset_type: str = "e2v"  # e2v | t2v
+    weight: float = 1.0
+    target_resolution: tuple[int, int] = (480, 832)
+    auto_frame_buckets: bool = False
+    frame_buckets: tuple[int, ...] = ()
+    reshape_mode: str = "center_crop"  # how a video frame is brought to the target size (PREPROCESS_MODES)
+    remove_common_llm_caption_prefixes: bool = True
+    elements: tuple[Element, ...] = A2_ELEMENTS
+    vae: VaeProcessorConfig = field(default_factory=VaeProcessorConfig)
+    clip: ClipProcessorConfig = field(default_factory=ClipProcessorConfig)
+    visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
+    manifest: str | None = None  # CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips
+
+
+FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
+
+
+def _check_keys(d: dict, allowed, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _hw(v, where: str) -> tuple[int, int]:
+    if not (isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int) for x in v)):
+        raise ConfigError(f"{where}: expected [height, width], got {v!r}")
+    if v[0] % 16 or v[1] % 16 or min(v) <= 0:
+        raise ConfigError(f"{where}: height and width must be positive multiples of 16, got {v}")
+    return (v[0], v[1])
+
+
+def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
+    """Both forms of the design documents: flat (vae_repeat, position, clip_process) and nested (vae: {...})."""
+    _check_keys(d, {"name", "suffixes", "required", "vae_repeat", "position", "clip_process", "vae_preprocess",
+                    "vae", "clip"}, where)
+    for k in ("name", "suffixes"):
+        if k not in d:
+            raise ConfigError(f"{where}: missing key '{k}'")
+    suffixes = d["suffixes"]
+    if isinstance(suffixes, str):
+        suffixes = [suffixes]
+    kw = dict(name=d["name"], suffixes=tuple(suffixes), required=bool(d.get("required", False)),
+              repeat=d.get("vae_repeat", 1), position=d.get("position", i),
+              vae_preprocess=d.get("vae_preprocess", defaults[0]), clip_preprocess=d.get("clip_process", defaults[1]))
+    if "vae" in d:
+        _check_keys(d["vae"], {"repeat", "position", "preprocess"}, f"{where}.vae")
+        kw.update(repeat=d["vae"].get("repeat", kw["repeat"]), position=d["vae"].get("position", kw["position"]),
+                  vae_preprocess=d["vae"].get("preprocess", kw["vae_preprocess"]))
+    if "clip" in d:
+        if d["clip"] is False:
+            kw["clip"] = False
+        else:
+            _check_keys(d["clip"], {"preprocess"}, f"{where}.clip")
+            kw["clip_preprocess"] = d["clip"].get("preprocess", kw["clip_preprocess"])
+    for k in ("repeat", "position"):
+        if not isinstance(kw[k], int):
+            raise ConfigError(f"{where}: {k} must be an integer, got {kw[k]!r}")
+    return Element(**kw)
+
+
+def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
+    _check_keys(d, {"data_root", "dataset_type", "weight", "target_resolution", "auto_frame_buckets", "frame_buckets",
+                    "reshape_mode", "remove_common_llm_caption_prefixes", "elements", "processors", "visualization",
+                    "clip_resolution", "vae_combine", "manifest"}, where)
+    if "data_root" not in d:
+        raise ConfigError(f"{where}: missing key 'data_root'")
+    if d.get("dataset_type", "e2v") not in ("e2v", "t2v"):
+        raise ConfigError(f"{where}.dataset_type: expected 'e2v' or 't2v', got {d['dataset_type']!r}")
+    res = _hw(d.get("target_resolution", [480, 832]), f"{where}.target_resolution")
+    procs = d.get("processors", {})
+    _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
+    pv, pc = procs.get("vae", {}), procs.get("clip", {})
+    _check_keys(pv, {f.name for f in fields(VaeProcessorConfig)}, f"{where}.processors.vae")
+    _check_keys(pc, {f.name for f in fields(ClipProcessorConfig)}, f"{where}.processors.clip")
+    vae = VaeProcessorConfig(
+        resolution=_hw(pv.get("resolution", list(res)), f"{where}.processors.vae.resolution"),
+        combine=pv.get("combine", d.get("vae_combine", "before")),
+        default_preprocess=pv.get("default_preprocess", "resize"),
+        frame_conditioning=pv.get("frame_conditioning", "full"), frame_index=pv.get("frame_index", 0),
+        concatenate_mask=pv.get("concatenate_mask", True))
+    clip = ClipProcessorConfig(
+        resolution=_hw(pc.get("resolution", d.get("clip_resolution", [512, 512])), f"{where}.processors.clip"),
+        default_preprocess=pc.get("default_preprocess", "pad_white"))
+    if vae.combine not in ("before", "after"):
+        raise ConfigError(f"{where}.processors.vae.combine: expected 'before' or 'after', got {vae.combine!r}")
+    if vae.frame_conditioning not in FRAME_CONDITIONING:
+        raise ConfigError(f"{where}.processors.vae.frame_conditioning: {vae.frame_conditioning!r} is not one of "
+                          f"{FRAME_CONDITIONING}")
+    for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
+        if m not in PREPROCESS_MODES:
+            raise ConfigError(f"{where}.processors.{k}.default_preprocess: {m!r} is not one of {PREPROCESS_MODES}")
+    if d.get("reshape_mode", "center_crop") not in PREPROCESS_MODES + ("bicubic", "bilinear"):
+        raise ConfigError(f"{where}.reshape_mode: {d['reshape_mode']!r} is not one of {PREPROCESS_MODES}")
+    defaults = (vae.default_preprocess, clip.default_preprocess)
+    raw = d.get("elements", [])
+    elements = check_elements([_element_from_json(e, i, defaults, f"{where}.elements[{i}]") for i, e in enumerate(raw)],
+                              f"{where}.elements")
+    buckets = tuple(d.get("frame_buckets", ()))
+    if any((not isinstance(f, int)) or f < 1 or (f - 1) % 4 for f in buckets):
+        raise ConfigError(f"{where}.frame_buckets: every bucket must be 4k+1, got {list(buckets)}")
+    vis = d.get("visualization", {})
+    _check_keys(vis, {f.name for f in fields(VisualizationConfig)}, f"{where}.visualization")
+    root = Path(d["data_root"])
+    # "bicubic"/"bilinear" in the design documents name the filter, not the framing; they mean a plain resize
+    reshape = d.get("reshape_mode", "center_crop")
+    return DatasetConfig(
+        data_root=str(root if root.is_absolute() else base / root), dataset_type=d.get("dataset_type", "e2v"),
+        weight=float(d.get("weight", 1.0)), target_resolution=vae.resolution if "processors" in d else res,
+        auto_frame_buckets=bool(d.get("auto_frame_buckets", False)), frame_buckets=buckets,
+        reshape_mode="resize" if reshape in ("bicubic", "bilinear") else reshape,
+        remove_common_llm_caption_prefixes=bool(d.get("remove_common_llm_caption_prefixes", True)),
+        elements=elements, vae=vae, clip=clip,
+        visualization=VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))}),
+        manifest=d.get("manifest"))
+
+
+def load_dataset_config(path) -> list[DatasetConfig]:
+    """The JSON dataset config of the design documents: {"datasets": [{...}, ...]}."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: dataset config not found") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    _check_keys(raw, {"datasets"}, str(path))
+    if not raw.get("datasets"):
+        raise ConfigError(f"{path}: 'datasets' must be a non-empty list")
+    return [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
+
+
+# ---------------------------------------------------------------- training (train_a2.py)
+
+LORA_TARGETS = (
+    r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)"
+    r"|ffn\.net\.(0\.proj|2))"
+)
+
+
+@dataclass
+class TrainConfig:
+    """E2V training on Wan / SkyReels-A2. Defaults are a LoRA recipe for A2-14B at 480x832, 81 frames."""
+
+    # model
+    model: str = "tiny"
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V), or `tiny` (built-in offline tiny model)."""
+    image_encoder: str | None = None
+    """Dir with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
+    e2v_type: Literal["dual", "vae", "clip"] = "dual"
+    """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only."""
+    training_type: Literal["lora", "full"] = "lora"
+    lora_rank: int = 32
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target: str = LORA_TARGETS
+    """Regex over module names (peft full match): self/cross attention q/k/v/o, image K/V projections, FFN."""
+    gradient_checkpointing: bool = True
+    mixed_precision: Literal["bf16", "no"] = "bf16"
+    """bf16 autocast on CUDA (fp32 master weights); ignored on CPU."""
+
+    # data
+    data_root: str | None = None
+    """E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
+    dataset_config: str | None = None
+    """JSON dataset config (format of the design documents); overrides data_root/elements/resolution/frames."""
+    elements: tuple[str, ...] = ()
+    """Element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements).
+    Empty: SkyReels-A2's subject/object/background."""
+    resolution: tuple[int, int] = (480, 832)
+    """Training (height, width); multiples of 16."""
+    num_frames: int = 81
+    """Pixel frames of the whole sequence, reference frames included (4k+1)."""
+    clip_size: int = 512
+    """Square size the CLIP-path element images are brought to (A2: 512, pad_white)."""
+    combine: Literal["before", "after"] = "before"
+    frame_conditioning: Literal["full", "first", "first_and_last", "index", "prefix", "random"] = "full"
+    """full: A2's element prefix; the others condition on frames of the target video itself (Wan I2V/FLF2V)."""
+    frame_index: int = 0
+    prefix_frames: int = 1
+    vae_sample_mode: Literal["sample", "argmax"] = "sample"
+    """Condition/target latents: a posterior sample (A2 samples at inference) or the posterior mode."""
+    skip_bad_samples: bool = False
+    """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
+    num_workers: int = 2
+
+    # objective
+    sigma_sampling: Literal["logit_normal", "uniform", "shifted"] = "logit_normal"
+    """logit_normal(0, 1) (SD3's default: puts the steps where flow matching learns most) | uniform | shifted
+    (uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule)."""
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    sigma_shift: float = 5.0
+    loss_weighting: Literal["none", "cosmap"] = "none"
+    loss_on_references: bool = True
+    """Include the reference latent frames in the loss (the model denoises them at inference too)."""
+    text_dropout: float = 0.1
+    """Probability to train a sample with the empty prompt (classifier-free guidance on text)."""
+    reference_dropout: float = 0.0
+    """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
+
+    # optimisation
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    max_grad_norm: float = 1.0
+    micro_batch: int = 1
+    """Samples per rank per forward."""
+    grad_accum: int = 1
+    max_steps: int = 2000
+    seed: int = 0
+    """Everything random (data order, sigma, noise, dropout, VAE posterior) is a function of this seed, the step
+    and the sample's index in the global batch, never of the rank."""
+
+    # run
+    output_dir: str = "runs"
+    run_name: str | None = None
+    """Run dir = output_dir/run_name (default: a timestamp)."""
+    resume: str | None = None
+    """`auto` (latest checkpoint of this run dir) or a checkpoint dir."""
+    ckpt_every: int = 500
+    keep_last: int = 3
+    log_every: int = 10
+    tensorboard: bool = False
+    val_every: int = 0
+    """Render validation videos every N steps (0: only at the end when val_elements are given)."""
+    val_elements: tuple[str, ...] = ()
+    """Validation element images (path or name=path), as infer.py --elements."""
+    val_prompt: str = "A man is holding a teddy bear in the forest."
+    val_steps: int = 30
+    val_guidance_scale: float = 5.0
+    val_flow_shift: float = 8.0
+
+
+def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
+    """The datasets of a run: the JSON file if given, else one dataset from the flags."""
+    if cfg.dataset_config:
+        return load_dataset_config(cfg.dataset_config)
+    if not cfg.data_root:
+        raise ConfigError("give --data-root DIR or --dataset-config FILE.json")
+    _hw(list(cfg.resolution), "--resolution")
+    elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
+    return [DatasetConfig(
+        data_root=cfg.data_root, target_resolution=tuple(cfg.resolution), frame_buckets=(),
+        elements=elements if cfg.frame_conditioning == "full" else (),
+        dataset_type="e2v" if cfg.frame_conditioning == "full" else "t2v",
+        vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
+                               frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index),
+        clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]

@@ -1,0 +1,479 @@
+"""Elements-to-Video training on Wan / SkyReels-A2: one main(cfg), a hand-written DDP loop.
+
+    python train_a2.py --model tiny --data-root sample_data --max-steps 20          # CPU, built-in tiny model
+    torchrun --nproc_per_node 8 train_a2.py --model /models/SkyReels-A2 --data-root /data/e2v \
+        --elements "subject=_person.png,_mask.png:required,repeat=1" "object=_object.png:repeat=4" \
+        "background=_background.png:repeat=4,vae=center_crop"
+
+Everything random in a step (sigma, noise, dropout, VAE posterior) is drawn from a generator seeded by
+(seed, step, index of the sample in the global batch), so N ranks, gradient accumulation and one process
+compute the same update, and a resumed run continues the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from a2.pipeline import (
+    A2Pipeline,
+    check_size,
+    conditioning_frame_indices,
+    decode_vae,
+    encode_image,
+    encode_prompt,
+    encode_vae,
+    load_references,
+    num_ref_latents,
+    prepare_latents,
+    save_video,
+)
+from a2.transformer import expand_to_e2v, has_image_branch, is_e2v, load_transformer
+from config import TrainConfig, dataset_configs, parse_elements
+from data import BucketBatchSampler, E2VDataset, collate, rank_slice
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+def log(*args, **kwargs):
+    """The one rank-0 print."""
+    if RANK == 0:
+        tqdm.write(" ".join(str(a) for a in args), **kwargs)
+
+
+def sample_generator(seed: int, step: int, k: int, device="cpu") -> torch.Generator:
+    """The generator of the k-th sample of the global batch at `step`: independent of rank and split."""
+    s = int(np.random.SeedSequence([seed, step, k]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return torch.Generator(device=device).manual_seed(s)
+
+
+def sample_sigma(cfg: TrainConfig, g: torch.Generator) -> float:
+    if cfg.sigma_sampling == "logit_normal":
+        return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
+    u = torch.rand((), generator=g).item()
+    if cfg.sigma_sampling == "uniform":
+        return u
+    return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then constant or cosine to 0 at max_steps (step counts from 0)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "cosine":
+        p = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+    return cfg.lr
+
+
+def global_batches(sampler, start: int):
+    """Endless global batches (epoch after epoch), from the `start`-th on: the data position is the step."""
+    n, epoch = 0, 0
+    while True:
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            if n >= start:
+                yield n, batch
+            n += 1
+        epoch += 1
+
+
+class RankMicroBatches:
+    """batch_sampler for the DataLoader: this rank's `accum` micro-batches of each global batch."""
+
+    def __init__(self, sampler, start, rank, world, micro, accum):
+        self.args = (sampler, start, rank, world, micro, accum)
+
+    def __iter__(self):
+        sampler, start, rank, world, micro, accum = self.args
+        for _, batch in global_batches(sampler, start):
+            yield from rank_slice(batch, rank, world, micro, accum)
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int) -> Path:
+    """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`."""
+    final = run_dir / f"ckpt-{step:07d}"
+    tmp = run_dir / f".tmp-ckpt-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(trainable, tmp / "trainable.safetensors")
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    torch.save(dict(step=step, data_position=step, rng=rng), tmp / "state.pt")
+    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(run_dir.glob("ckpt-*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def export_weights(run_dir: Path, model, cfg: TrainConfig) -> Path:
+    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it);
+    full fine-tune -> a save_pretrained transformer dir."""
+    if cfg.training_type == "lora":
+        from diffusers.loaders import WanLoraLoaderMixin
+        from peft import get_peft_model_state_dict
+
+        WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=get_peft_model_state_dict(model))
+        return run_dir / "pytorch_lora_weights.safetensors"
+    model.save_pretrained(run_dir / "transformer")
+    return run_dir / "transformer"
+
+
+def main(cfg: TrainConfig) -> dict:
+    # ---------------------------------------------------------------- distributed setup
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    global RANK
+    RANK = rank
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16"
+           else nullcontext())
+
+    # ---------------------------------------------------------------- checks that need no data or model
+    h, w = cfg.resolution
+    check_size(h, w, cfg.num_frames)
+    if cfg.micro_batch < 1 or cfg.grad_accum < 1:
+        raise ValueError("micro_batch and grad_accum must be >= 1")
+    global_batch = cfg.micro_batch * cfg.grad_accum * world
+    ds_cfgs = dataset_configs(cfg)
+    vae_cfg = ds_cfgs[0].vae
+    if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
+        raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
+    elements = ds_cfgs[0].elements
+    prefix = vae_cfg.frame_conditioning == "full" and bool(elements)
+    # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
+    l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if prefix else 0
+    clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
+    if clip_frames < 1:
+        raise ValueError(f"num_frames={cfg.num_frames} leaves no video frames after {l_ref} reference latents")
+
+    # ---------------------------------------------------------------- run dir, resolved config
+    run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log(f"run dir {run_dir} | world {world} | global batch {global_batch} = micro {cfg.micro_batch} x accum "
+        f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
+
+    # ---------------------------------------------------------------- data (validated before any model loads)
+    dataset = E2VDataset(ds_cfgs, num_frames=clip_frames, skip_bad_samples=cfg.skip_bad_samples,
+                         verbose=rank == 0)
+    sampler = BucketBatchSampler(dataset, global_batch, seed=cfg.seed)
+
+    # ---------------------------------------------------------------- models
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+    from a2.tiny import tiny_model_dir
+
+    model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
+    frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
+    transformer = load_transformer(model_dir, torch.float32)
+    if prefix or vae_cfg.frame_conditioning != "full":
+        if not is_e2v(transformer):
+            if cfg.image_encoder is None and cfg.e2v_type != "vae":
+                raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
+                                 "encoder (--image-encoder DIR) or --e2v-type vae")
+            log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
+            transformer = expand_to_e2v(transformer, image_dim=1280 if cfg.model != "tiny" else 32, seed=cfg.seed)
+    use_clip = has_image_branch(transformer) and cfg.e2v_type != "vae" and prefix
+    vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+    text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=frozen_dtype)
+    text_encoder.to(device).eval()
+    image_encoder = image_processor = None
+    if has_image_branch(transformer):
+        src = Path(cfg.image_encoder) if cfg.image_encoder else model_dir
+        image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=frozen_dtype)
+        image_encoder.to(device).eval()
+        image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
+    for m in (vae, text_encoder, image_encoder):
+        if m is not None:
+            m.requires_grad_(False)
+
+    if cfg.training_type == "lora":
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.to(frozen_dtype)
+        target = cfg.lora_target if use_clip else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
+        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                           target_modules=target, init_lora_weights=True))
+        for p in transformer.parameters():  # LoRA weights train in fp32
+            if p.requires_grad:
+                p.data = p.data.float()
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.to(device).train()
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
+        f"{sum(p.numel() for p in params) / 1e6:.3f}M trainable ({cfg.training_type})")
+    model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if world > 1 else transformer
+
+    # ---------------------------------------------------------------- optimiser, resume
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+                            fused=use_cuda)
+    start_step = 0
+    resume = cfg.resume
+    if resume == "auto":
+        ckpts = sorted(run_dir.glob("ckpt-*"))
+        resume = str(ckpts[-1]) if ckpts else None
+    if resume:
+        ckpt = Path(resume)
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        start_step = state["step"]
+        log(f"resumed from {ckpt} at step {start_step}")
+
+    micro_batches = RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=micro_batches, collate_fn=collate,
+                                         num_workers=cfg.num_workers, pin_memory=use_cuda,
+                                         persistent_workers=cfg.num_workers > 0)
+    empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
+
+    # ---------------------------------------------------------------- signals: checkpoint and exit cleanly
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    # ---------------------------------------------------------------- one training step
+    def forward_loss(batch, step: int, j: int):
+        """Loss of this rank's j-th micro-batch of `step`, each sample with its own generator."""
+        b = batch["video"].shape[0]
+        ks = [(j * world + rank) * cfg.micro_batch + i for i in range(b)]
+        gens = [sample_generator(cfg.seed, step, k) for k in ks]
+        drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
+        drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
+        sigmas = torch.tensor([sample_sigma(cfg, g) for g in gens], device=device)
+        video = batch["video"].to(device)  # (B, 3, F_clip, H, W)
+        with torch.no_grad():
+            # noise first, then the VAE posteriors, as A2's inference orders its draws
+            if prefix:
+                repeats = batch["repeats"]
+                f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(repeats, vae_cfg.combine)) + 1
+            else:
+                f_total = clip_frames
+            t_lat = (f_total - 1) // 4 + 1
+            noise = torch.stack([torch.randn(16, t_lat, video.shape[-2] // 8, video.shape[-1] // 8, generator=g)
+                                 for g in gens]).to(device)
+            if prefix:
+                cond = prepare_latents(vae, f_total, references=batch["ref_vae"].to(device), repeats=repeats,
+                                       combine=vae_cfg.combine, sample_mode=cfg.vae_sample_mode, generator=gens)
+                x0 = torch.cat([cond.ref_latents, encode_vae(vae, video, cfg.vae_sample_mode, gens)], dim=2)
+            else:
+                x0 = encode_vae(vae, video, cfg.vae_sample_mode, gens)
+                cond = None
+                if vae_cfg.frame_conditioning != "full":
+                    idx = conditioning_frame_indices(vae_cfg.frame_conditioning, f_total, vae_cfg.frame_index,
+                                                     cfg.prefix_frames, gens[0])
+                    cond = prepare_latents(vae, f_total, video=video, cond_frame_indices=idx,
+                                           sample_mode=cfg.vae_sample_mode, generator=gens)
+            condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
+            if condition is not None and cfg.e2v_type == "clip":
+                condition = torch.zeros_like(condition)
+            text = encode_prompt(tokenizer, text_encoder, batch["prompts"]).to(device)
+            text = torch.where(torch.tensor(drop_text, device=device)[:, None, None], empty_text, text)
+            image = None
+            if use_clip:
+                image = encode_image(image_encoder, image_processor, batch["ref_clip"].to(device))
+            keep_refs = torch.tensor([not d for d in drop_refs], device=device, dtype=torch.float32)
+            if condition is not None:
+                condition = condition * keep_refs[:, None, None, None, None]
+            if image is not None:
+                image = image * keep_refs[:, None, None].to(image.dtype)
+        s = sigmas[:, None, None, None, None]
+        x_t = (1 - s) * x0 + s * noise  # flow matching: x_t on the straight line from x0 to noise
+        target = noise - x0
+        x_in = x_t if condition is None else torch.cat([x_t, condition], dim=1)
+        with amp:
+            pred = model(hidden_states=x_in.to(transformer.dtype), timestep=sigmas * 1000,
+                         encoder_hidden_states=text.to(transformer.dtype),
+                         encoder_hidden_states_image=None if image is None else image.to(transformer.dtype),
+                         return_dict=False)[0]
+        err = (pred.float() - target).pow(2)  # (B, 16, T, h, w)
+        if prefix and not cfg.loss_on_references:
+            err = err[:, :, t_lat - (clip_frames - 1) // 4 - 1:]
+        per_sample = err.mean(dim=(1, 2, 3, 4))
+        if cfg.loss_weighting == "cosmap":
+            per_sample = per_sample * 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+        viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
+                   reference_images=batch.get("ref_vae"))
+        tokens = b * t_lat * (video.shape[-2] // 16) * (video.shape[-1] // 16)
+        return per_sample.mean(), tokens, viz
+
+    # ---------------------------------------------------------------- validation videos
+    def validate(step: int):
+        if not cfg.val_elements or rank != 0:
+            return
+        specs = parse_elements(cfg.elements) if cfg.elements else elements
+        by_name = {e.name: e for e in specs}
+        items = []
+        for i, it in enumerate(cfg.val_elements):
+            name, sep, path = it.partition("=")
+            items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
+        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
+        transformer.eval()
+        pipe = A2Pipeline(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
+        with amp:
+            out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
+                       num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
+                       flow_shift=cfg.val_flow_shift, combine=vae_cfg.combine,
+                       generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
+        transformer.train()
+        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15, refs[0])
+        log(f"validation video: {path}")
+
+    def visualize(step: int, viz: dict):
+        vis = ds_cfgs[0].visualization
+        if rank != 0 or not vis.enabled or step % vis.frequency:
+            return
+        out = Path(vis.output_dir.format(run_id=run_dir.name))
+        out = out if out.is_absolute() else run_dir / out
+        out.mkdir(parents=True, exist_ok=True)
+        for proc in vis.processors:
+            for key in proc.get("data", []):
+                x = viz.get(key)
+                if x is None:
+                    continue
+                if proc["type"] == "latent_save" or key == "reference_images":
+                    torch.save(x.detach().cpu(), out / f"step{step:07d}_{key}.pt")
+                elif proc["type"] == "vae_decode":
+                    with torch.no_grad():
+                        frames = decode_vae(vae, x[:, :16].detach().float())[0]  # (3, F, H, W)
+                    from PIL import Image
+
+                    for fi in proc.get("frames", [0, -1]):
+                        img = ((frames[:, fi].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte()
+                        Image.fromarray(img.cpu().numpy()).save(out / f"step{step:07d}_{key}_f{fi}.png")
+
+    # ---------------------------------------------------------------- the loop
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+    tb = None
+    if cfg.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(run_dir / "tb")
+    losses: list[float] = []
+    data_iter = iter(loader)
+    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
+               desc="train")
+    t0, seen, tok, step = time.time(), 0, 0, start_step
+    loss_acc = torch.zeros((), device=device)
+    for step in bar:
+        random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
+        torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        step_loss = torch.zeros((), device=device)
+        for j in range(cfg.grad_accum):
+            batch = next(data_iter)
+            sync = j == cfg.grad_accum - 1
+            with (model.no_sync() if world > 1 and not sync else nullcontext()):
+                loss, tokens, viz = forward_loss(batch, step, j)
+                (loss / cfg.grad_accum).backward()
+            step_loss += loss.detach() / cfg.grad_accum
+            seen += batch["video"].shape[0] * world
+            tok += tokens * world
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+        loss_acc += step_loss
+        done = step + 1
+        visualize(done, viz)
+        if done % cfg.log_every == 0 or done == cfg.max_steps or stop["signal"] is not None:
+            value = step_loss.item()  # the only host sync of the step, at log intervals
+            if not math.isfinite(value):
+                log(f"loss is {value} at step {done}: stopping; the last good checkpoint is intact in {run_dir}")
+                raise FloatingPointError(f"non-finite loss {value} at step {done}")
+            dt = time.time() - t0
+            rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
+                       samples_per_s=seen / dt, tokens_per_s=tok / dt,
+                       peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
+            losses.append(value)
+            if metrics_file:
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+            if tb:
+                for k_, v_ in rec.items():
+                    if v_ is not None and k_ != "step":
+                        tb.add_scalar(k_, v_, done)
+            bar.set_postfix(loss=f"{value:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
+            t0, seen, tok = time.time(), 0, 0
+        interrupted = stop["signal"] is not None
+        if world > 1:
+            flag = torch.tensor([float(interrupted)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            interrupted = bool(flag.item())
+        if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
+            if not math.isfinite(step_loss.item()):
+                raise FloatingPointError(f"non-finite loss at step {done}; not checkpointing it")
+            if rank == 0:
+                path = save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last)
+                log(f"checkpoint {path}")
+            if world > 1:
+                dist.barrier()
+        if cfg.val_every and done % cfg.val_every == 0:
+            validate(done)
+        if interrupted:
+            log(f"signal {stop['signal']}: checkpoint written at step {done}, exiting")
+            break
+
+    # ---------------------------------------------------------------- export
+    result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
+    if rank == 0 and not stop["signal"]:
+        result["weights"] = export_weights(run_dir, transformer, cfg)
+        log(f"exported {result['weights']}")
+        if cfg.val_elements and not cfg.val_every:
+            validate(cfg.max_steps)
+    if metrics_file:
+        metrics_file.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(TrainConfig))
+    sys.exit(0)
