@@ -196,6 +196,7 @@ def main(cfg: TrainConfig) -> dict:
     from a2.tiny import tiny_model_dir
 
     model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
     transformer = load_transformer(model_dir, torch.float32)
     if prefix or vae_cfg.frame_conditioning != "full":
@@ -240,7 +241,7 @@ def main(cfg: TrainConfig) -> dict:
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if world > 1 else transformer
 
     # ---------------------------------------------------------------- optimiser, resume
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999),
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=use_cuda)
     start_step = 0
     resume = cfg.resume

@@ -309,6 +309,7 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     _lora_loadable_modules = ["transformer"]
     transformer_name = "transformer"
+    hf_device_map = None  # read by the LoRA loader mixin (no accelerate device map here)
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None):
         self.transformer, self.vae = transformer, vae
@@ -352,6 +353,11 @@ class A2Pipeline(WanLoraLoaderMixin):
     @property
     def device(self):
         return next(self.transformer.parameters()).device
+
+    @property
+    def components(self) -> dict:  # read by the LoRA loader mixin
+        return dict(transformer=self.transformer, vae=self.vae, text_encoder=self.text_encoder,
+                    image_encoder=self.image_encoder)
 
     @torch.no_grad()
     def __call__(

@@ -89,20 +89,24 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False) -> Path:
 
 
 def tiny_model_dir(t2v: bool = False) -> Path:
-    """The built-in tiny model, built once into a cache dir (what `--model tiny` means)."""
+    """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
+
+    A file lock serialises the build: DDP ranks started together must not save concurrently (two
+    concurrent transformers saves of the same model were seen to leave a shard missing)."""
+    import fcntl
     import os
+    import shutil
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
+    root.mkdir(parents=True, exist_ok=True)
     d = root / ("tiny-t2v" if t2v else "tiny-i2v")
-    if not (d / "model_index.json").exists():
-        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
-        save_tiny(tmp, t2v=t2v)
-        try:
-            tmp.rename(d)  # atomic: concurrent builders (DDP ranks, pytest workers) never see half a dir
-        except OSError:
-            import shutil
-
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / "model_index.json").exists():
+            tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
+            save_tiny(tmp, t2v=t2v)
+            os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 
 

@@ -23,9 +23,9 @@ CLIP_TOKENS = 257  # ViT-H/14 at 224: 16*16 patches + CLS
 # (= SkyReels-A2's). `tiny` matches the offline tiny components of a2/tiny.py (T5 d_model 32, CLIP 32).
 PRESETS: dict[str, dict] = {
     "tiny": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=E2V_IN_CHANNELS,
-        out_channels=Z_DIM, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=32, added_kv_proj_dim=32, rope_max_seq_len=1024,
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=E2V_IN_CHANNELS,
+        out_channels=Z_DIM, text_dim=32, freq_dim=256, ffn_dim=256, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=32, added_kv_proj_dim=128, rope_max_seq_len=1024,
     ),
     "1.3B": dict(
         patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=Z_DIM,
