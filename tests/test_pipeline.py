@@ -198,3 +198,24 @@ def test_preprocess_modes_on_real_photos(shared_data, name):
 def test_pil_to_tensor_range():
     x = pil_to_tensor(Image.fromarray(np.array([[[0, 255, 128]]], dtype=np.uint8)))
     assert x.shape == (3, 1, 1) and x[0].item() == -1.0 and x[1].item() == 1.0
+
+
+def test_a2_checkpoint_extra_norm_added_q_is_ignored(tiny_dir, tmp_path):
+    """SkyReels-A2's transformer files carry `norm_added_q` weights diffusers' Wan has no module for."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from a2.transformer import load_transformer
+
+    src = tiny_dir / "transformer"
+    dst = tmp_path / "transformer"
+    shutil.copytree(src, dst)
+    f = dst / "diffusion_pytorch_model.safetensors"
+    sd = load_file(f)
+    sd["blocks.0.attn2.norm_added_q.weight"] = torch.ones(128)
+    save_file(sd, f)
+    a, b = load_transformer(tiny_dir).eval(), load_transformer(tmp_path).eval()
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert not any("norm_added_q" in k for k in b.state_dict())
