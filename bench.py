@@ -1,0 +1,143 @@
+"""Time a training step of the A2/Wan transformer at a given shape, with random weights (no download).
+
+    python bench.py --preset tiny --frames 21 --height 64 --width 64            # CPU smoke
+    python bench.py --preset 14B --frames 81 --height 480 --width 832 --refs 3 --mode lora   # one H100
+
+Prints step time, tokens/s, achieved TFLOP/s, MFU and peak memory. FLOPs (forward, per sample), with
+L video tokens, Lc = 512 text + 257·refs image tokens, d model dim, f FFN dim, n layers:
+    per layer: self-attn projections 8·L·d² + core 4·L²·d; cross-attn q/o 4·L·d² + text/image k/v 4·Lc·d²
+               + core 4·L·Lc·d; FFN 4·L·d·f          (a multiply-add = 2 FLOPs)
+    + patch embedding 2·L·(4·in)·d + output 2·L·d·64.
+A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (recomputation not counted):
+full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
+for the frozen linears, the attention core's backward needs both of its inputs' gradients).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, preset_config
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
+
+
+@dataclass
+class BenchConfig:
+    preset: Literal["tiny", "1.3B", "14B"] = "tiny"
+    frames: int = 21
+    """Pixel frames of the whole sequence (4k+1), reference frames included."""
+    height: int = 64
+    width: int = 64
+    refs: int = 3
+    """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
+    mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = 32
+    batch: int = 1
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile the repeated transformer blocks (regional compilation)."""
+    attention_backend: str | None = None
+    """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
+    steps: int = 5
+    warmup: int = 2
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+
+
+def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
+    """(linear FLOPs, attention-core FLOPs) of one forward pass for one sample (see the module docstring)."""
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    f, n, L, Lc = cfg["ffn_dim"], cfg["num_layers"], tokens, context
+    linear = n * (8 * L * d * d + 4 * L * d * d + 4 * Lc * d * d + 4 * L * d * f)
+    linear += 2 * L * (4 * cfg["in_channels"]) * d + 2 * L * d * 4 * cfg["out_channels"]
+    core = n * (4 * L * L * d + 4 * L * Lc * d)
+    return float(linear), float(core)
+
+
+def main(b: BenchConfig) -> dict:
+    from diffusers import WanTransformer3DModel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, b.dtype)
+    cfg = preset_config(b.preset, e2v=b.refs > 0)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    with torch.device(device):
+        model = WanTransformer3DModel(**cfg).to(dtype)
+    if b.attention_backend:
+        model.set_attention_backend(b.attention_backend)
+    if b.mode == "lora":
+        from peft import LoraConfig
+
+        from config import LORA_TARGETS
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        model.float()  # fp32 master weights, bf16 autocast
+    if b.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if b.compile:
+        model.compile_repeated_blocks(fullgraph=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+
+    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
+    tokens = t_lat * (h // 2) * (w // 2)
+    context = TEXT_TOKENS + CLIP_TOKENS * b.refs
+    x = torch.randn(b.batch, cfg["in_channels"], t_lat, h, w, device=device)
+    text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
+    image = torch.randn(b.batch, CLIP_TOKENS * b.refs, cfg["image_dim"], device=device) if b.refs else None
+    target = torch.randn(b.batch, cfg["out_channels"], t_lat, h, w, device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+    def step():
+        with amp:
+            out = model(x, torch.full((b.batch,), 500.0, device=device), text, encoder_hidden_states_image=image,
+                        return_dict=False)[0]
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(b.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(b.steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / b.steps
+
+    linear, core = forward_flops(cfg, tokens, context)
+    model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
+    tflops = model_flops / dt / 1e12
+    peak = b.peak_tflops
+    if peak is None and device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=b.refs, mode=b.mode,
+               tokens=tokens, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
+               tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
+               peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+               device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
+    return res
+
+
+if __name__ == "__main__":
+    main(tyro.cli(BenchConfig))
