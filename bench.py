@@ -15,6 +15,7 @@ for the frozen linears, the attention core's backward needs both of its inputs' 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -22,7 +23,7 @@ from typing import Literal
 import torch
 import tyro
 
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, preset_config
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, enable_checkpointing, preset_config
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -40,6 +41,8 @@ class BenchConfig:
     lora_rank: int = 32
     batch: int = 1
     gradient_checkpointing: bool = False
+    checkpoint_fraction: float = 1.0
+    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.enable_checkpointing)."""
     compile: bool = False
     """torch.compile the repeated transformer blocks (regional compilation)."""
     attention_backend: str | None = None
@@ -47,6 +50,11 @@ class BenchConfig:
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
     steps: int = 5
     warmup: int = 2
+    out: str | None = None
+    """Append the result as one JSON line to this file."""
+    check_backends: tuple[str, ...] = ()
+    """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
+    attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
 
@@ -61,6 +69,40 @@ def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
     return float(linear), float(core)
 
 
+def check_backends(b: BenchConfig) -> dict:
+    from diffusers import WanTransformer3DModel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = {**preset_config(b.preset, e2v=b.refs > 0), "num_layers": 2}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = WanTransformer3DModel(**cfg)
+        t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
+        x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
+        text = torch.randn(1, TEXT_TOKENS, cfg["text_dim"])
+        image = torch.randn(1, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
+        timestep = torch.full((1,), 500.0)
+
+    def run(backend, bf16):
+        model.set_attention_backend(backend)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(x, timestep, text, encoder_hidden_states_image=image, return_dict=False)[0].float()
+        out.pow(2).mean().backward()
+        return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def rel(a, r):
+        return ((a - r).norm() / r.norm()).item()
+
+    ref_out, ref_grad = run("native", bf16=False)  # fp32 SDPA: the reference
+    res = {}
+    for backend in b.check_backends:
+        out, grad = run(backend, bf16=True)
+        res[backend] = dict(out_rel_err=rel(out, ref_out), grad_rel_err=rel(grad, ref_grad))
+        print(f"{backend}: output rel err {res[backend]['out_rel_err']:.2e}, grads {res[backend]['grad_rel_err']:.2e}")
+    return res
+
+
 def main(b: BenchConfig) -> dict:
     from diffusers import WanTransformer3DModel
 
@@ -69,8 +111,14 @@ def main(b: BenchConfig) -> dict:
     cfg = preset_config(b.preset, e2v=b.refs > 0)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    # Build directly in the compute dtype for LoRA: a 14B model in fp32 (56 GB) plus its bf16 copy would not fit.
+    torch.set_default_dtype(dtype if b.mode == "lora" else torch.float32)
     with torch.device(device):
         model = WanTransformer3DModel(**cfg).to(dtype)
+    torch.set_default_dtype(torch.float32)
+    for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=bf16) does: norms, time embedding, rope
+        if any(k in name.split(".") for k in model._keep_in_fp32_modules):
+            p.data = p.data.float()
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
     if b.mode == "lora":
@@ -86,7 +134,7 @@ def main(b: BenchConfig) -> dict:
     else:
         model.float()  # fp32 master weights, bf16 autocast
     if b.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        enable_checkpointing(model, b.checkpoint_fraction)
     if b.compile:
         model.compile_repeated_blocks(fullgraph=True)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -135,9 +183,15 @@ def main(b: BenchConfig) -> dict:
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    res.update(backend=b.attention_backend or "default", compile=b.compile,
+               checkpointing=b.checkpoint_fraction if b.gradient_checkpointing else 0.0)
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
+    if b.out:
+        with open(b.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
     return res
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchConfig))
+    b = tyro.cli(BenchConfig)
+    check_backends(b) if b.check_backends else main(b)

@@ -12,6 +12,7 @@ compute the same update, and a resumed run continues the same loss curve.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -45,7 +46,7 @@ from a2.pipeline import (
     prepare_latents,
     save_video,
 )
-from a2.transformer import expand_to_e2v, has_image_branch, is_e2v, load_transformer
+from a2.transformer import enable_checkpointing, expand_to_e2v, has_image_branch, is_e2v, load_transformer
 from config import TrainConfig, dataset_configs, parse_elements
 from data import BucketBatchSampler, E2VDataset, collate, rank_slice
 
@@ -83,8 +84,14 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr
 
 
-def global_batches(sampler, start: int):
-    """Endless global batches (epoch after epoch), from the `start`-th on: the data position is the step."""
+def global_batches(sampler, start: int, overfit: int = 0):
+    """Endless global batches (epoch after epoch), from the `start`-th on: the data position is the step.
+    With `overfit` > 0 the first `overfit` batches of epoch 0 repeat forever."""
+    if overfit:
+        sampler.set_epoch(0)
+        first = [b for _, b in zip(range(overfit), sampler)]
+        for n in itertools.count(start):
+            yield n, first[n % len(first)]
     n, epoch = 0, 0
     while True:
         sampler.set_epoch(epoch)
@@ -98,12 +105,12 @@ def global_batches(sampler, start: int):
 class RankMicroBatches:
     """batch_sampler for the DataLoader: this rank's `accum` micro-batches of each global batch."""
 
-    def __init__(self, sampler, start, rank, world, micro, accum):
-        self.args = (sampler, start, rank, world, micro, accum)
+    def __init__(self, sampler, start, rank, world, micro, accum, overfit=0):
+        self.args = (sampler, start, rank, world, micro, accum, overfit)
 
     def __iter__(self):
-        sampler, start, rank, world, micro, accum = self.args
-        for _, batch in global_batches(sampler, start):
+        sampler, start, rank, world, micro, accum, overfit = self.args
+        for _, batch in global_batches(sampler, start, overfit):
             yield from rank_slice(batch, rank, world, micro, accum)
 
 
@@ -151,6 +158,8 @@ def main(cfg: TrainConfig) -> dict:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
+    # the stop flag is agreed on through a CPU group each step, so that it never waits for the GPU
+    ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -233,8 +242,12 @@ def main(cfg: TrainConfig) -> dict:
             if p.requires_grad:
                 p.data = p.data.float()
     if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        enable_checkpointing(transformer, cfg.checkpoint_fraction)
     transformer.to(device).train()
+    if cfg.attention_backend:
+        transformer.set_attention_backend(cfg.attention_backend)
+    if cfg.compile and use_cuda:
+        transformer.compile_repeated_blocks(fullgraph=True)
     params = [p for p in transformer.parameters() if p.requires_grad]
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in params) / 1e6:.3f}M trainable ({cfg.training_type})")
@@ -261,10 +274,14 @@ def main(cfg: TrainConfig) -> dict:
         start_step = state["step"]
         log(f"resumed from {ckpt} at step {start_step}")
 
-    micro_batches = RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum)
+    micro_batches = RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
+                                     cfg.overfit_batches)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=micro_batches, collate_fn=collate,
                                          num_workers=cfg.num_workers, pin_memory=use_cuda,
-                                         persistent_workers=cfg.num_workers > 0)
+                                         persistent_workers=cfg.num_workers > 0,
+                                         # forked workers of a process that runs CUDA and OpenMP threads can hang
+                                         # (seen on an H100 machine); spawned ones cannot
+                                         multiprocessing_context="spawn" if cfg.num_workers > 0 else None)
     empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
 
     # ---------------------------------------------------------------- signals: checkpoint and exit cleanly
@@ -281,7 +298,8 @@ def main(cfg: TrainConfig) -> dict:
         """Loss of this rank's j-th micro-batch of `step`, each sample with its own generator."""
         b = batch["video"].shape[0]
         ks = [(j * world + rank) * cfg.micro_batch + i for i in range(b)]
-        gens = [sample_generator(cfg.seed, step, k) for k in ks]
+        key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
+        gens = [sample_generator(cfg.seed, key, k) for k in ks]
         drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
         drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
         sigmas = torch.tensor([sample_sigma(cfg, g) for g in gens], device=device)
@@ -443,8 +461,8 @@ def main(cfg: TrainConfig) -> dict:
             t0, seen, tok = time.time(), 0, 0
         interrupted = stop["signal"] is not None
         if world > 1:
-            flag = torch.tensor([float(interrupted)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            flag = torch.tensor([float(interrupted)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
             interrupted = bool(flag.item())
         if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
             if not math.isfinite(step_loss.item()):

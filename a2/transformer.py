@@ -105,3 +105,18 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int = 1280, seed: int 
         block.attn2.add_v_proj.weight.zero_()
         block.attn2.add_v_proj.bias.zero_()
     return e2v
+
+
+def enable_checkpointing(model: WanTransformer3DModel, fraction: float = 1.0) -> None:
+    """Recompute the first round(fraction·n) transformer blocks in backward instead of storing their activations.
+
+    1.0 is diffusers' gradient checkpointing; a lower fraction keeps the other blocks' activations and saves
+    their recomputation (each recomputed block costs one extra forward of it), when memory allows."""
+    chosen = {id(b) for b in list(model.blocks)[: round(fraction * len(model.blocks))]}
+
+    def checkpoint_func(block, *args):
+        if id(block) in chosen:
+            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+        return block(*args)
+
+    model.enable_gradient_checkpointing(checkpoint_func)

@@ -192,3 +192,17 @@ def test_bad_configs_fail_before_training(data_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown option 'repeat4'"):
         train(*args(data_dir, tmp_path, "e", "--elements", "subject=_person.png:repeat4"))
     assert not list(tmp_path.glob("*/ckpt-*"))  # nothing trained
+
+
+def test_overfit_one_batch(data_dir, tmp_path):
+    """One batch, the same sigma/noise each lap (--overfit-batches 1): the loss must collapse, not just drift.
+    (With fresh noise each step the loss has a floor: at small sigma the noise cannot be inferred from x_t.)"""
+    argv = args(data_dir, tmp_path, "overfit", "--training-type", "full", "--overfit-batches", "1",
+                "--max-steps", "40", "--warmup-steps", "5")
+    run = train(*argv)
+    per_step = losses(run["run_dir"])
+    assert per_step[1] / per_step[40] >= 5, per_step
+    # the loop really repeated one sample: a run that sees the data normally does not collapse the same way
+    normal = losses(train(*args(data_dir, tmp_path, "normal", "--training-type", "full", "--max-steps", "40",
+                                "--warmup-steps", "5"))["run_dir"])
+    assert normal[40] > 5 * per_step[40], (normal, per_step)
