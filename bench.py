@@ -52,6 +52,10 @@ class BenchConfig:
     warmup: int = 2
     out: str | None = None
     """Append the result as one JSON line to this file."""
+    data_root: str | None = None
+    """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
+    E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
+    num_workers: int = 0
     check_backends: tuple[str, ...] = ()
     """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
     attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
@@ -100,6 +104,36 @@ def check_backends(b: BenchConfig) -> dict:
         out, grad = run(backend, bf16=True)
         res[backend] = dict(out_rel_err=rel(out, ref_out), grad_rel_err=rel(grad, ref_grad))
         print(f"{backend}: output rel err {res[backend]['out_rel_err']:.2e}, grads {res[backend]['grad_rel_err']:.2e}")
+    return res
+
+
+def bench_loader(b: BenchConfig) -> dict:
+    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
+    from data import BucketBatchSampler, E2VDataset, collate
+
+    size = (b.height, b.width)
+    cfg = DatasetConfig(data_root=b.data_root, target_resolution=size, frame_buckets=(), elements=A2_ELEMENTS,
+                        vae=VaeProcessorConfig(resolution=size), clip=ClipProcessorConfig(resolution=(512, 512)))
+    dataset = E2VDataset([cfg], num_frames=b.frames, verbose=False)
+    sampler = BucketBatchSampler(dataset, 1, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
+                                         multiprocessing_context="spawn" if b.num_workers else None,
+                                         persistent_workers=b.num_workers > 0)
+    n, t0, epoch = 0, None, 0
+    while n < b.warmup + b.steps:
+        sampler.set_epoch(epoch)  # the sampler is positional: a new epoch starts its batches again
+        epoch += 1
+        for batch in loader:
+            n, shape = n + 1, tuple(batch["video"].shape)
+            if n == b.warmup:
+                t0 = time.perf_counter()
+            if n == b.warmup + b.steps:
+                break
+    dt = time.perf_counter() - t0
+    del loader  # shut the workers down before exit (a worker killed mid-batch at exit aborts noisily)
+    res = dict(data_root=b.data_root, shape=f"{b.frames}x{b.height}x{b.width}", num_workers=b.num_workers,
+               samples_per_s=b.steps / dt, video=shape)
+    print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     return res
 
 
@@ -194,4 +228,4 @@ def main(b: BenchConfig) -> dict:
 
 if __name__ == "__main__":
     b = tyro.cli(BenchConfig)
-    check_backends(b) if b.check_backends else main(b)
+    check_backends(b) if b.check_backends else bench_loader(b) if b.data_root else main(b)

@@ -101,28 +101,33 @@ def frame_indices(total: int, num_frames: int, sampling: str, rng: random.Random
 
 
 def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
-    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.pipeline.preprocess_image."""
+    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.pipeline.preprocess_image.
+
+    Resizes in uint8, channels-last: PyTorch's vectorised uint8 bicubic kernel is ~50x faster than the float one
+    (81 frames to 480x832: 0.1 s vs 4-5 s on one core) and differs from it only by the final rounding."""
     h, w = size
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float()  # (F, 3, H, W)
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (F, 3, H, W) uint8, channels-last in memory
     ih, iw = x.shape[-2:]
+
+    def resize(rh, rw):
+        return F.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
+
     if mode == "resize":
-        x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+        x = resize(h, w)
     elif mode == "center_crop":
         s = max(h / ih, w / iw)
         rh, rw = max(h, round(ih * s)), max(w, round(iw * s))
-        x = F.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
         top, left = (rh - h) // 2, (rw - w) // 2
-        x = x[..., top:top + h, left:left + w]
+        x = resize(rh, rw)[..., top:top + h, left:left + w]
     else:  # pad_white / letterbox
         s = min(h / ih, w / iw)
         rh, rw = min(h, max(1, round(ih * s))), min(w, max(1, round(iw * s)))
-        x = F.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
-        canvas = torch.full((x.shape[0], 3, h, w), 255.0 if mode == "pad_white" else 0.0)
+        canvas = torch.full((x.shape[0], 3, h, w), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
         top, left = (h - rh) // 2, (w - rw) // 2
-        canvas[..., top:top + rh, left:left + rw] = x
+        canvas[..., top:top + rh, left:left + rw] = resize(rh, rw)
         x = canvas
-    x = x.clamp(0, 255) / 255.0 * 2 - 1
-    return x.permute(1, 0, 2, 3).contiguous()
+    x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value
+    return x.to(torch.float32).mul_(2 / 255).sub_(1)
 
 
 # ---------------------------------------------------------------- scanning and validation

@@ -478,6 +478,7 @@ def main(cfg: TrainConfig) -> dict:
             log(f"signal {stop['signal']}: checkpoint written at step {done}, exiting")
             break
 
+    del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
     # ---------------------------------------------------------------- export
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
     if rank == 0 and not stop["signal"]:
