@@ -320,6 +320,12 @@ class TrainConfig:
     skip_bad_samples: bool = False
     """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
     num_workers: int = 2
+    cache_dir: str | None = None
+    """Precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
+    into a subdir named by a hash of everything they depend on; without, training reads them from there and
+    never constructs the VAE/T5/CLIP (unless validation videos need them)."""
+    precompute: bool = False
+    """Encode the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exit."""
 
     # objective
     sigma_sampling: Literal["logit_normal", "uniform", "shifted"] = "logit_normal"

@@ -25,6 +25,7 @@ import tyro
 from PIL import Image
 
 from a2.pipeline import element_tensors
+from a2.transformer import TEXT_TOKENS
 from config import A2_ELEMENTS, DatasetConfig, Element, parse_elements
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
@@ -236,8 +237,12 @@ class E2VDataset(torch.utils.data.Dataset):
     shorter clip goes to the largest 4k+1 bucket it fills."""
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
-                 frame_sampling: str = "uniform", verbose: bool = True):
+                 frame_sampling: str = "uniform", verbose: bool = True, cache_dir: str | Path | None = None):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
+        # from a precompute cache (train_a2.py --precompute) items hold the encoders' outputs, not pixels
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        if self.cache_dir and frame_sampling == "random":
+            raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
         buckets = sorted({f for c in cfgs for f in self.frame_buckets(c)})
         samples, problems = scan(cfgs, min_frames=buckets[0])
         bad = [s for s in samples if s.num_frames < 0]
@@ -288,6 +293,14 @@ class E2VDataset(torch.utils.data.Dataset):
         idx, seed = item if isinstance(item, tuple) else (item, 0)
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
+        if self.cache_dir:
+            c = torch.load(self.cache_dir / "samples" / f"{idx}.pt", weights_only=True)
+            text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
+            text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
+            elements = [e for e in cfg.elements if e.name in names]
+            return dict(id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text, clip=c.get("clip"),
+                        element_names=names, repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
+                        video_shape=(3, frames, h, w), ref_shape=(len(elements), 3, h, w))
         ids = frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed))
         if s.video.suffix == ".npz":
             with np.load(s.video) as z:
@@ -315,6 +328,15 @@ def collate(items: list[dict]) -> dict:
     b0 = items[0]["bucket"]
     if any(it["bucket"] != b0 for it in items):
         raise ValueError(f"a batch mixes buckets: {[it['bucket'] for it in items]}")
+    if "posteriors" in items[0]:  # from the precompute cache
+        n = len(items)
+        return dict(ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
+                    posteriors=[torch.stack([it["posteriors"][k] for it in items])
+                                for k in range(len(items[0]["posteriors"]))],  # per VAE encode: (B, 32, T, h, w)
+                    text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
+                    clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
+                    video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
+                    element_names=items[0]["element_names"], repeats=items[0]["repeats"])
     return dict(ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
                 video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
                 ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)

@@ -12,6 +12,7 @@ compute the same update, and a resumed run continues the same loss curve.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -35,6 +36,7 @@ from tqdm import tqdm
 
 from a2.pipeline import (
     A2Pipeline,
+    PosteriorCache,
     check_size,
     conditioning_frame_indices,
     decode_vae,
@@ -46,7 +48,7 @@ from a2.pipeline import (
     prepare_latents,
     save_video,
 )
-from a2.transformer import enable_checkpointing, expand_to_e2v, has_image_branch, is_e2v, load_transformer
+from a2.transformer import E2V_IN_CHANNELS, enable_checkpointing, expand_to_e2v, is_e2v, load_transformer
 from config import TrainConfig, dataset_configs, parse_elements
 from data import BucketBatchSampler, E2VDataset, collate, rank_slice
 
@@ -135,6 +137,24 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
     return final
 
 
+def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
+              cfg: TrainConfig) -> str:
+    """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
+    file, captions, the dataset/processor configs, clip length, layout, dtype). Any change -> a new dir."""
+    def stat(p: Path):
+        st = p.stat()
+        return [str(p.resolve()), st.st_size, st.st_mtime_ns]
+
+    dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
+    dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
+    key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
+               datasets=[asdict(c) for c in dataset.cfgs], clip_frames=clip_frames, dtype=dtype,
+               frame_sampling=dataset.frame_sampling, e2v_type=cfg.e2v_type, prefix_frames=cfg.prefix_frames,
+               samples=[[stat(s.video), s.caption, {k: stat(Path(v)) for k, v in s.elements.items()}]
+                        for s in dataset.samples])
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def export_weights(run_dir: Path, model, cfg: TrainConfig) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it);
     full fine-tune -> a save_pretrained transformer dir."""
@@ -205,30 +225,106 @@ def main(cfg: TrainConfig) -> dict:
     from a2.tiny import tiny_model_dir
 
     model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
-    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
+    t_cfg = json.loads((model_dir / "transformer" / "config.json").read_text())
+    expand = (prefix or vae_cfg.frame_conditioning != "full") and t_cfg["in_channels"] != E2V_IN_CHANNELS
+    use_clip = prefix and cfg.e2v_type != "vae" and (t_cfg.get("image_dim") is not None or expand)
+    image_src = Path(cfg.image_encoder) if cfg.image_encoder else model_dir
     frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
+    cache = None
+    if cfg.cache_dir:  # the encoders' outputs for this exact data/preprocessing/encoders, or a new dir for them
+        if vae_cfg.frame_conditioning == "random":
+            raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
+        cache = Path(cfg.cache_dir) / cache_key(model_dir, image_src if use_clip else None, dataset, clip_frames,
+                                                str(frozen_dtype), cfg)
+        if not cfg.precompute and not (cache / "done").exists():
+            raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
+                                    "--precompute first")
+    need_encoders = cache is None or cfg.precompute or bool(cfg.val_elements) or any(
+        p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors if ds_cfgs[0].visualization.enabled)
+    vae = tokenizer = text_encoder = image_encoder = image_processor = None
+    if need_encoders:
+        vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
+        vae.to(device).eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+        text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=frozen_dtype)
+        text_encoder.to(device).eval().requires_grad_(False)
+        if (t_cfg.get("image_dim") is not None or expand) and (image_src / "image_encoder").exists():
+            image_encoder = CLIPVisionModel.from_pretrained(image_src, subfolder="image_encoder",
+                                                            torch_dtype=frozen_dtype)
+            image_encoder.to(device).eval().requires_grad_(False)
+            image_processor = CLIPImageProcessor.from_pretrained(image_src, subfolder="image_processor")
+
+    # ---------------------------------------------------------------- precompute cache (then exit)
+    def encode_latents(vae_, batch, gens, sample_mode):
+        """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so
+        that a recording PosteriorCache (--precompute) and a replaying one (training from the cache) see the
+        same calls as the live VAE."""
+        cached = "posteriors" in batch
+        # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
+        video = torch.empty(batch["video_shape"], device="meta") if cached else batch["video"].to(device)
+        if prefix:
+            refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"].to(device)
+            f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
+            cond = prepare_latents(vae_, f_total, references=refs, repeats=batch["repeats"],
+                                   combine=vae_cfg.combine, sample_mode=sample_mode, generator=gens)
+            return torch.cat([cond.ref_latents, encode_vae(vae_, video, sample_mode, gens)], dim=2), cond
+        x0 = encode_vae(vae_, video, sample_mode, gens)
+        if vae_cfg.frame_conditioning == "full":
+            return x0, None
+        idx = conditioning_frame_indices(vae_cfg.frame_conditioning, clip_frames, vae_cfg.frame_index,
+                                         cfg.prefix_frames, gens[0] if gens else None)
+        return x0, prepare_latents(vae_, clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
+                                   generator=gens)
+
+    if cfg.precompute:
+        if cache is None:
+            raise ValueError("--precompute needs --cache-dir")
+        (cache / "samples").mkdir(parents=True, exist_ok=True)
+        todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
+        for i in tqdm(todo, desc="precompute", disable=rank != 0):
+            batch = collate([dataset[(i, 0)]])
+            rec = PosteriorCache(dict(vae.config), vae=vae)
+            with torch.no_grad():
+                encode_latents(rec, batch, None, "argmax")  # records the posteriors; no draw is made
+                text = encode_prompt(tokenizer, text_encoder, batch["prompts"])[0]  # (512, D)
+                n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
+                clip = None
+                if use_clip:
+                    clip = encode_image(image_encoder, image_processor, batch["ref_clip"].to(device))[0]
+            item = dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
+                        text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
+            torch.save(item, cache / "samples" / f"{i}.tmp")
+            os.replace(cache / "samples" / f"{i}.tmp", cache / "samples" / f"{i}.pt")  # a killed run resumes
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            torch.save(dict(empty_text=encode_prompt(tokenizer, text_encoder, [""]).cpu(),
+                            latents_config=dict(latents_mean=list(vae.config.latents_mean),
+                                                latents_std=list(vae.config.latents_std))), cache / "meta.pt")
+            (cache / "done").write_text(f"{len(dataset)} samples\n")
+            log(f"precomputed {len(dataset)} samples into {cache}")
+        if world > 1:
+            dist.destroy_process_group()
+        return dict(cache=cache)
+    if cache is not None:
+        dataset.cache_dir = cache
+        meta = torch.load(cache / "meta.pt", weights_only=True)
+        latents_config, empty_text = meta["latents_config"], meta["empty_text"].to(device)
+        log(f"training from the precompute cache {cache}" + ("" if vae is None else
+                                                             " (encoders loaded for validation/visualisation)"))
+    else:
+        latents_config = dict(latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
+        empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
+
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = load_transformer(model_dir, torch.float32)
-    if prefix or vae_cfg.frame_conditioning != "full":
-        if not is_e2v(transformer):
-            if cfg.image_encoder is None and cfg.e2v_type != "vae":
-                raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
-                                 "encoder (--image-encoder DIR) or --e2v-type vae")
-            log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-            transformer = expand_to_e2v(transformer, image_dim=1280 if cfg.model != "tiny" else 32, seed=cfg.seed)
-    use_clip = has_image_branch(transformer) and cfg.e2v_type != "vae" and prefix
-    vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-    text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=frozen_dtype)
-    text_encoder.to(device).eval()
-    image_encoder = image_processor = None
-    if has_image_branch(transformer):
-        src = Path(cfg.image_encoder) if cfg.image_encoder else model_dir
-        image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=frozen_dtype)
-        image_encoder.to(device).eval()
-        image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
-    for m in (vae, text_encoder, image_encoder):
-        if m is not None:
-            m.requires_grad_(False)
+    if expand:
+        if cfg.image_encoder is None and cfg.e2v_type != "vae":
+            raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
+                             "encoder (--image-encoder DIR) or --e2v-type vae")
+        log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
+        transformer = expand_to_e2v(transformer, image_dim=1280 if cfg.model != "tiny" else 32, seed=cfg.seed)
+    assert is_e2v(transformer) or not (prefix or vae_cfg.frame_conditioning != "full")
 
     if cfg.training_type == "lora":
         from peft import LoraConfig
@@ -282,7 +378,6 @@ def main(cfg: TrainConfig) -> dict:
                                          # forked workers of a process that runs CUDA and OpenMP threads can hang
                                          # (seen on an H100 machine); spawned ones cannot
                                          multiprocessing_context="spawn" if cfg.num_workers > 0 else None)
-    empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
 
     # ---------------------------------------------------------------- signals: checkpoint and exit cleanly
     stop = {"signal": None}
@@ -296,44 +391,32 @@ def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- one training step
     def forward_loss(batch, step: int, j: int):
         """Loss of this rank's j-th micro-batch of `step`, each sample with its own generator."""
-        b = batch["video"].shape[0]
+        cached = "posteriors" in batch
+        b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
         ks = [(j * world + rank) * cfg.micro_batch + i for i in range(b)]
         key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
         gens = [sample_generator(cfg.seed, key, k) for k in ks]
         drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
         drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
         sigmas = torch.tensor([sample_sigma(cfg, g) for g in gens], device=device)
-        video = batch["video"].to(device)  # (B, 3, F_clip, H, W)
         with torch.no_grad():
             # noise first, then the VAE posteriors, as A2's inference orders its draws
+            f_total = clip_frames
             if prefix:
-                repeats = batch["repeats"]
-                f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(repeats, vae_cfg.combine)) + 1
-            else:
-                f_total = clip_frames
+                f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
             t_lat = (f_total - 1) // 4 + 1
-            noise = torch.stack([torch.randn(16, t_lat, video.shape[-2] // 8, video.shape[-1] // 8, generator=g)
-                                 for g in gens]).to(device)
-            if prefix:
-                cond = prepare_latents(vae, f_total, references=batch["ref_vae"].to(device), repeats=repeats,
-                                       combine=vae_cfg.combine, sample_mode=cfg.vae_sample_mode, generator=gens)
-                x0 = torch.cat([cond.ref_latents, encode_vae(vae, video, cfg.vae_sample_mode, gens)], dim=2)
-            else:
-                x0 = encode_vae(vae, video, cfg.vae_sample_mode, gens)
-                cond = None
-                if vae_cfg.frame_conditioning != "full":
-                    idx = conditioning_frame_indices(vae_cfg.frame_conditioning, f_total, vae_cfg.frame_index,
-                                                     cfg.prefix_frames, gens[0])
-                    cond = prepare_latents(vae, f_total, video=video, cond_frame_indices=idx,
-                                           sample_mode=cfg.vae_sample_mode, generator=gens)
+            noise = torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]).to(device)
+            vae_ = PosteriorCache(latents_config, [p.to(device) for p in batch["posteriors"]]) if cached else vae
+            x0, cond = encode_latents(vae_, batch, gens, cfg.vae_sample_mode)
             condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
             if condition is not None and cfg.e2v_type == "clip":
                 condition = torch.zeros_like(condition)
-            text = encode_prompt(tokenizer, text_encoder, batch["prompts"]).to(device)
+            text = batch["text"].to(device) if cached else encode_prompt(tokenizer, text_encoder, batch["prompts"])
             text = torch.where(torch.tensor(drop_text, device=device)[:, None, None], empty_text, text)
             image = None
             if use_clip:
-                image = encode_image(image_encoder, image_processor, batch["ref_clip"].to(device))
+                image = (batch["clip"].to(device) if cached else
+                         encode_image(image_encoder, image_processor, batch["ref_clip"].to(device)))
             keep_refs = torch.tensor([not d for d in drop_refs], device=device, dtype=torch.float32)
             if condition is not None:
                 condition = condition * keep_refs[:, None, None, None, None]
@@ -356,7 +439,7 @@ def main(cfg: TrainConfig) -> dict:
             per_sample = per_sample * 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
         viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
                    reference_images=batch.get("ref_vae"))
-        tokens = b * t_lat * (video.shape[-2] // 16) * (video.shape[-1] // 16)
+        tokens = b * t_lat * (height // 16) * (width // 16)
         return per_sample.mean(), tokens, viz
 
     # ---------------------------------------------------------------- validation videos
@@ -430,7 +513,7 @@ def main(cfg: TrainConfig) -> dict:
                 loss, tokens, viz = forward_loss(batch, step, j)
                 (loss / cfg.grad_accum).backward()
             step_loss += loss.detach() / cfg.grad_accum
-            seen += batch["video"].shape[0] * world
+            seen += len(batch["prompts"]) * world
             tok += tokens * world
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()

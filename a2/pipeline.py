@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from a2.transformer import TEXT_TOKENS, is_e2v
 
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
+VAE_S = 8  # and spatial
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")
 
 
@@ -157,6 +159,41 @@ def encode_vae(vae, pixels: torch.Tensor, sample_mode: str = "argmax", generator
     return (z - mean) / std
 
 
+class PosteriorCache:
+    """Stands in for the VAE in encode_vae, so that prepare_latents runs unchanged on precomputed latents.
+
+    Recording (`vae` given): encodes as the VAE does and keeps each call's posterior parameters (mean | logvar).
+    Replaying (`posteriors` given): hands them out in call order; the pixels are not looked at (they may be
+    meta tensors), only their shape is checked against the posterior. Sampling then happens in encode_vae as
+    for a live VAE, with the same generators, so training from the cache equals training from pixels."""
+
+    def __init__(self, latents_config: dict, posteriors: list[torch.Tensor] | None = None, vae=None):
+        self.config = SimpleNamespace(**latents_config)  # latents_mean, latents_std
+        self.vae, self.posteriors, self.calls = vae, list(posteriors or []), 0
+
+    def parameters(self):
+        if self.vae is not None:
+            return self.vae.parameters()
+        return iter([torch.empty(0, device="meta")])  # pixels.to(meta) in encode_vae: a no-op
+
+    def encode(self, pixels: torch.Tensor):
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if self.vae is not None:
+            dist = self.vae.encode(pixels).latent_dist
+            self.posteriors.append(dist.parameters)
+            return SimpleNamespace(latent_dist=dist)
+        if self.calls >= len(self.posteriors):
+            raise RuntimeError(f"the cache holds {len(self.posteriors)} VAE encodes for this batch; asked for more")
+        params = self.posteriors[self.calls]  # (B, 2·16, T, h, w)
+        self.calls += 1
+        b, _, f, h, w = pixels.shape
+        if params.shape[0] != b or params.shape[2:] != (num_latent_frames(f), h // VAE_S, w // VAE_S):
+            raise RuntimeError(f"cached posterior {tuple(params.shape)} does not fit pixels {tuple(pixels.shape)}: "
+                               "the cache was built for another layout; rebuild it with --precompute")
+        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
+
+
 def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents (B, 16, T, h, w) -> pixels (B, 3, 4(T-1)+1, H, W) in [-1, 1]."""
     vae_param = next(vae.parameters())
@@ -251,9 +288,9 @@ def prepare_latents(
     b, _, f, h, w = video.shape
     if f != num_frames:
         raise ValueError(f"video has {f} frames, num_frames is {num_frames}")
-    flags = torch.zeros(b, num_frames, device=video.device)
+    flags = torch.zeros(b, num_frames)
     flags[:, list(cond_frame_indices)] = 1
-    pixels = video * flags[:, None, :, None, None].to(video.dtype)
+    pixels = video * flags[:, None, :, None, None].to(video.device, video.dtype)
     latents = encode_vae(vae, pixels, sample_mode, generator)
     mask = frame_mask(flags.to(latents.device), latents.shape[-2:])
     return Conditioning(torch.cat([mask, latents], dim=1), 0, None)

@@ -1,0 +1,46 @@
+"""Precompute cache: training from the cache equals training from pixels, without the encoders."""
+
+import pytest
+
+from tests.test_train import args, data_dir, losses, max_diff, params, train  # noqa: F401  (data_dir: fixture)
+
+
+def test_training_from_cache_equals_training_from_pixels(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    cache = tmp_path / "cache"
+    steps = ["--max-steps", "3", "--text-dropout", "0.5", "--reference-dropout", "0.3"]  # every branch of a step
+    raw = train(*args(data_dir, tmp_path, "raw", *steps))
+    done = train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute"))
+    (key_dir,) = cache.iterdir()
+    assert done["cache"] == key_dir and len(list((key_dir / "samples").glob("*.pt"))) == 4
+
+    # from the cache nothing but the transformer may be constructed
+    import diffusers
+    import transformers
+
+    def forbidden(*a, **k):
+        raise AssertionError("an encoder was constructed while training from the cache")
+
+    for cls in (diffusers.AutoencoderKLWan, transformers.UMT5EncoderModel, transformers.CLIPVisionModel):
+        monkeypatch.setattr(cls, "from_pretrained", forbidden)
+    cached = train(*args(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps))
+    assert losses(cached["run_dir"]) == losses(raw["run_dir"])
+    assert max_diff(params(cached["run_dir"] / "ckpt-0000003"), params(raw["run_dir"] / "ckpt-0000003")) == 0.0
+
+
+def test_cache_is_keyed_by_what_it_depends_on(data_dir, tmp_path):  # noqa: F811
+    cache = tmp_path / "cache"
+    train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute"))
+    # another resolution is another cache: training asks for a precompute instead of reading stale latents
+    other = args(data_dir, tmp_path, "other", "--cache-dir", str(cache), "--max-steps", "1")
+    other[other.index("--resolution") + 1:other.index("--resolution") + 3] = ["48", "48"]
+    with pytest.raises(FileNotFoundError, match="--precompute first"):
+        train(*other)
+    # a changed caption changes the key too
+    caption = sorted(data_dir.glob("*.txt"))[0]
+    old = caption.read_text()
+    try:
+        caption.write_text(old + " at dusk")
+        with pytest.raises(FileNotFoundError, match="no precompute cache"):
+            train(*args(data_dir, tmp_path, "other2", "--cache-dir", str(cache), "--max-steps", "1"))
+    finally:
+        caption.write_text(old)
