@@ -283,6 +283,11 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_target: str = LORA_TARGETS
     """Regex over module names (peft full match): self/cross attention q/k/v/o, image K/V projections, FFN."""
+    fsdp: bool = False
+    """Full fine-tuning only: shard weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per
+    transformer block, then the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit
+    per GPU. Checkpoints are sharded (torch.distributed.checkpoint, loadable at another world size); the final
+    transformer dir is gathered on rank 0."""
     gradient_checkpointing: bool = True
     checkpoint_fraction: float = 1.0
     """Fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""

@@ -29,8 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import tyro
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -117,14 +126,25 @@ class RankMicroBatches:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int) -> Path:
-    """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`."""
+    """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`.
+    DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
+    (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier."""
     final = run_dir / f"ckpt-{step:07d}"
     tmp = run_dir / f".tmp-ckpt-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-    save_file(trainable, tmp / "trainable.safetensors")
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    if RANK == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if cfg.fsdp:
+        dist.barrier()  # the temp dir is there, with nothing stale in it, before any rank writes
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "sharded")
+        dist.barrier()  # every rank's shards are on disk
+        if RANK != 0:
+            return final
+    else:
+        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(trainable, tmp / "trainable.safetensors")
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
     rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(dict(step=step, data_position=step, rng=rng), tmp / "state.pt")
@@ -155,15 +175,31 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig) -> Path:
+def load_sharded(ckpt: Path, model, opt) -> None:
+    """--fsdp resume: every rank reads its shards of the model and optimizer state (any world size)."""
+    if not (ckpt / "sharded").is_dir():
+        raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt / "sharded")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it);
-    full fine-tune -> a save_pretrained transformer dir."""
+    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights)."""
     if cfg.training_type == "lora":
         from diffusers.loaders import WanLoraLoaderMixin
         from peft import get_peft_model_state_dict
 
         WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=get_peft_model_state_dict(model))
         return run_dir / "pytorch_lora_weights.safetensors"
+    if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
+        from diffusers import WanTransformer3DModel
+
+        with torch.device("meta"):
+            model = WanTransformer3DModel.from_config(model.config)
+        model.load_state_dict(full_state, assign=True)
     model.save_pretrained(run_dir / "transformer")
     return run_dir / "transformer"
 
@@ -176,8 +212,13 @@ def main(cfg: TrainConfig) -> dict:
     RANK = rank
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if cfg.fsdp and cfg.training_type != "full":
+        raise ValueError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
+                         "of a frozen model: drop --fsdp (DDP)")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
+    elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     # the stop flag is agreed on through a CPU group each step, so that it never waits for the GPU
     ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
     if use_cuda:
@@ -224,6 +265,10 @@ def main(cfg: TrainConfig) -> dict:
 
     from a2.tiny import tiny_model_dir
 
+    if cfg.model == "tiny" and dist.is_initialized():  # rank 0 builds it: transformers' save_pretrained
+        if rank == 0:  # silently writes no weights on another rank of an initialised process group
+            tiny_model_dir()
+        dist.barrier()
     model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
     t_cfg = json.loads((model_dir / "transformer" / "config.json").read_text())
     expand = (prefix or vae_cfg.frame_conditioning != "full") and t_cfg["in_channels"] != E2V_IN_CHANNELS
@@ -303,7 +348,7 @@ def main(cfg: TrainConfig) -> dict:
                                                 latents_std=list(vae.config.latents_std))), cache / "meta.pt")
             (cache / "done").write_text(f"{len(dataset)} samples\n")
             log(f"precomputed {len(dataset)} samples into {cache}")
-        if world > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
         return dict(cache=cache)
     if cache is not None:
@@ -339,15 +384,25 @@ def main(cfg: TrainConfig) -> dict:
                 p.data = p.data.float()
     if cfg.gradient_checkpointing:
         enable_checkpointing(transformer, cfg.checkpoint_fraction)
-    transformer.to(device).train()
+    transformer.train()
+    if not cfg.fsdp:  # fully_shard moves the weights to the device one block at a time
+        transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
     if cfg.compile and use_cuda:
         transformer.compile_repeated_blocks(fullgraph=True)
-    params = [p for p in transformer.parameters() if p.requires_grad]
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
-        f"{sum(p.numel() for p in params) / 1e6:.3f}M trainable ({cfg.training_type})")
-    model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if world > 1 else transformer
+        f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
+        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
+    if cfg.fsdp:  # each block, then the root (embeddings, head); `transformer` becomes the sharded module itself
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=frozen_dtype, reduce_dtype=torch.float32)  # bf16 on CUDA
+        for block in transformer.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(transformer, mesh=mesh, mp_policy=mp)
+    params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
+    ddp = world > 1 and not cfg.fsdp
+    model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
 
     # ---------------------------------------------------------------- optimiser, resume
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
@@ -360,10 +415,15 @@ def main(cfg: TrainConfig) -> dict:
     if resume:
         ckpt = Path(resume)
         state = torch.load(ckpt / "state.pt", weights_only=False)
-        missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
-        if missing.unexpected_keys:
-            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        if cfg.fsdp:
+            load_sharded(ckpt, model, opt)
+        else:
+            if not (ckpt / "trainable.safetensors").exists():
+                raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
+            missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
+            if missing.unexpected_keys:
+                raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
+            opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
@@ -444,7 +504,7 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- validation videos
     def validate(step: int):
-        if not cfg.val_elements or rank != 0:
+        if not cfg.val_elements or (rank != 0 and not cfg.fsdp):  # FSDP: every rank runs the (collective) forwards
             return
         specs = parse_elements(cfg.elements) if cfg.elements else elements
         by_name = {e.name: e for e in specs}
@@ -461,8 +521,9 @@ def main(cfg: TrainConfig) -> dict:
                        flow_shift=cfg.val_flow_shift, combine=vae_cfg.combine,
                        generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
         transformer.train()
-        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15, refs[0])
-        log(f"validation video: {path}")
+        if rank == 0:
+            path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15, refs[0])
+            log(f"validation video: {path}")
 
     def visualize(step: int, viz: dict):
         vis = ds_cfgs[0].visualization
@@ -499,6 +560,7 @@ def main(cfg: TrainConfig) -> dict:
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
                desc="train")
     t0, seen, tok, step = time.time(), 0, 0, start_step
+    interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
     loss_acc = torch.zeros((), device=device)
     for step in bar:
         random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
@@ -509,7 +571,9 @@ def main(cfg: TrainConfig) -> dict:
         for j in range(cfg.grad_accum):
             batch = next(data_iter)
             sync = j == cfg.grad_accum - 1
-            with (model.no_sync() if world > 1 and not sync else nullcontext()):
+            if cfg.fsdp:
+                model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
+            with (model.no_sync() if ddp and not sync else nullcontext()):
                 loss, tokens, viz = forward_loss(batch, step, j)
                 (loss / cfg.grad_accum).backward()
             step_loss += loss.detach() / cfg.grad_accum
@@ -550,7 +614,7 @@ def main(cfg: TrainConfig) -> dict:
         if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
             if not math.isfinite(step_loss.item()):
                 raise FloatingPointError(f"non-finite loss at step {done}; not checkpointing it")
-            if rank == 0:
+            if rank == 0 or cfg.fsdp:
                 path = save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last)
                 log(f"checkpoint {path}")
             if world > 1:
@@ -564,14 +628,18 @@ def main(cfg: TrainConfig) -> dict:
     del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
     # ---------------------------------------------------------------- export
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
-    if rank == 0 and not stop["signal"]:
-        result["weights"] = export_weights(run_dir, transformer, cfg)
+    full_state = None
+    if cfg.fsdp and not interrupted:  # a collective: rank 0 gets the full weights on CPU, the others {}
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0 and not interrupted:
+        result["weights"] = export_weights(run_dir, transformer, cfg, full_state)
         log(f"exported {result['weights']}")
-        if cfg.val_elements and not cfg.val_every:
-            validate(cfg.max_steps)
+    del full_state
+    if cfg.val_elements and not cfg.val_every and not interrupted:
+        validate(cfg.max_steps)
     if metrics_file:
         metrics_file.close()
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return result

@@ -1,0 +1,104 @@
+"""--fsdp (FSDP2 full fine-tuning) on CPU/gloo, 2 ranks with gradient accumulation: the same update as DDP
+(params, loss, clipped grad norm), sharded checkpoint -> resume == uninterrupted, LoRA refused. Compared weights
+are full tensors: the exported transformer (gathered on rank 0) and the sharded checkpoint converted to one file."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.test_train import args, launch, losses, max_diff, train
+
+# micro-batch 1 x accumulation 2 x 2 ranks; adam-eps: see TrainConfig.adam_eps
+STEPS = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-eps", "1e-4", "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from data import make_synthetic_dataset
+
+    return make_synthetic_dataset(tmp_path_factory.mktemp("data") / "e2v", num_samples=4, num_frames=17,
+                                  size=(32, 32))
+
+
+def run2(data_dir, out, run, *extra):
+    return launch(args(data_dir, out, run, *STEPS, *extra), nproc=2), out / run
+
+
+def finish(p):
+    log, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, log[-4000:]
+    return log
+
+
+def exported(run_dir):
+    return load_file(run_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def metrics(run_dir, key):
+    return {r["step"]: r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """FSDP and DDP, 2 ranks x micro-batch 1 x accumulation 2, 4 steps, checkpoints at 2 and 4 (launched together)."""
+    out = tmp_path_factory.mktemp("runs")
+    (pf, fsdp), (pd, ddp) = run2(data_dir, out, "fsdp", "--fsdp", "--max-steps", "4"), run2(data_dir, out, "ddp",
+                                                                                              "--max-steps", "4")
+    return dict(fsdp=fsdp, ddp=ddp, fsdp_log=finish(pf), ddp_log=finish(pd))
+
+
+def test_fsdp_equals_ddp(runs):
+    fsdp, ddp, log = runs["fsdp"], runs["ddp"], runs["fsdp_log"]
+    assert "full, FSDP2" in log and "global batch 4 = micro 1 x accum 2 x world 2" in log
+    assert len(list((fsdp / "ckpt-0000004" / "sharded").glob("*.distcp"))) == 2  # one file per rank
+    assert not (fsdp / "ckpt-0000004" / "trainable.safetensors").exists()
+    a, b = exported(fsdp), exported(ddp)  # fsdp: gathered on rank 0 at the end
+    assert all(a[k].shape == b[k].shape for k in a)  # full tensors, not shards
+    diff = max_diff(a, b)
+    print(f"FSDP vs DDP after 4 steps: max |param diff| {diff:.3g}")
+    assert diff <= 1e-6
+    assert max_diff(a, load_file(ddp / "ckpt-0000002" / "trainable.safetensors")) > 1e-4  # the weights did move
+    for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5)):  # grad_norm: the total norm clipped over DTensor grads
+        got, want = metrics(fsdp, key), metrics(ddp, key)
+        assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in want) <= tol, (key, got, want)
+    from a2.transformer import load_transformer
+
+    load_transformer(fsdp)  # the export is a loadable transformer dir
+
+
+def test_fsdp_resume_equals_uninterrupted(runs, data_dir, tmp_path):
+    """The 4-step run's step-2 checkpoint is what a run stopped at step 2 leaves (the same save at the same
+    point); put in a fresh run dir, --resume auto continues it to step 4."""
+    full = runs["fsdp"]
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copytree(full / "ckpt-0000002", cut / "ckpt-0000002")
+    p, _ = run2(data_dir, tmp_path, "cut", "--fsdp", "--max-steps", "4", "--resume", "auto")
+    log = finish(p)
+    assert f"resumed from {cut / 'ckpt-0000002'} at step 2" in log
+    want, got = losses(full), losses(cut)
+    assert sorted(got) == [3, 4] and max(abs(want[s] - got[s]) for s in got) <= 1e-6, (want, got)
+    assert max_diff(exported(full), exported(cut)) <= 1e-6
+    # the sharded checkpoints themselves, gathered into one file: model and optimizer state equal, full shapes
+    ckpts = []
+    for r in (full, cut):
+        dcp_to_torch_save(r / "ckpt-0000004" / "sharded", tmp_path / f"{r.name}.pt")
+        ckpts.append(torch.load(tmp_path / f"{r.name}.pt", weights_only=False))
+    (m1, o1), (m2, o2) = ((c["model"], c["optim"]["state"]) for c in ckpts)
+    ref = exported(full)
+    assert m1.keys() == ref.keys() and all(m1[k].shape == ref[k].shape for k in ref)
+    assert max_diff(m1, m2) <= 1e-6 and max_diff(m1, ref) == 0
+    for k in ref:
+        assert o1[k]["step"] == o2[k]["step"] == 4
+        assert max_diff({s: o1[k][s] for s in ("exp_avg", "exp_avg_sq")},
+                        {s: o2[k][s] for s in ("exp_avg", "exp_avg_sq")}) <= 1e-6
+
+
+def test_fsdp_refuses_lora(data_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"--fsdp shards full fine-tuning \(--training-type full\)"):
+        train(*args(data_dir, tmp_path, "lora", "--fsdp"))
+    assert not (tmp_path / "lora").exists()  # refused before the run dir, data or model
