@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import tyro
 
+from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from config import A2_ELEMENTS, Element, parse_elements
 
@@ -51,7 +52,8 @@ class InferConfig:
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
     """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
     lora: str | None = None
-    """LoRA file or dir (diffusers, original Wan/ComfyUI or musubi keys)."""
+    """LoRA file or dir: diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original Wan / ComfyUI keys
+    (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors) or musubi-tuner keys (`lora_unet_`)."""
     lora_scale: float = 1.0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,8 +125,7 @@ def main(cfg: InferConfig) -> int:
     dtype = getattr(torch, cfg.dtype)
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device)
     if cfg.lora:
-        pipe.load_lora_weights(cfg.lora, adapter_name="default")
-        pipe.transformer.set_adapters(["default"], [cfg.lora_scale])
+        load_lora(pipe, cfg.lora, cfg.lora_scale)
     generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     out = pipe(cfg.prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
                width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,

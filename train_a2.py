@@ -136,14 +136,13 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig) -> Path:
-    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it);
+    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
+    pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir."""
     if cfg.training_type == "lora":
-        from diffusers.loaders import WanLoraLoaderMixin
-        from peft import get_peft_model_state_dict
+        from a2.lora import export_lora
 
-        WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=get_peft_model_state_dict(model))
-        return run_dir / "pytorch_lora_weights.safetensors"
+        return export_lora(run_dir, model)[0]
     model.save_pretrained(run_dir / "transformer")
     return run_dir / "transformer"
 

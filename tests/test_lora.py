@@ -1,0 +1,107 @@
+"""LoRA interop: the exported files (diffusers, original Wan / ComfyUI keys) and a musubi-tuner file load back into
+the model with the in-memory adapter's output."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+# every Linear the diffusers converter maps back outside the blocks
+TOP_TARGETS = (r"proj_out|condition_embedder\.(time_proj|text_embedder\.linear_[12]|time_embedder\.linear_[12]"
+               r"|image_embedder\.ff\.net\.(0\.proj|2))")
+
+
+def transformer_out(tr):
+    """One transformer forward on fixed random E2V inputs (36 channels, 512 text + 257 image tokens)."""
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 36, 3, 4, 4, generator=g), torch.randn(1, 512, 32, generator=g)
+    image = torch.randn(1, 257, 32, generator=g)
+    with torch.no_grad():
+        return tr(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=text,
+                  encoder_hidden_states_image=image, return_dict=False)[0]
+
+
+def adapted_pipe(tiny_dir, target):
+    """The tiny E2V pipeline with a LoRA of rank 4, alpha 8 (scale 2: a lost alpha shows) and non-zero weights."""
+    from peft import LoraConfig
+
+    from a2.pipeline import A2Pipeline
+
+    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    torch.manual_seed(0)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=target))
+    for name, p in pipe.transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return pipe
+
+
+def musubi_from_original(sd):
+    """musubi-tuner keys (lora_unet_blocks_0_self_attn_q.lora_down.weight + .alpha), written from the original-key
+    file independently of a2/lora.py; alpha = 2·rank with the down matrix halved, so the alpha must be applied."""
+    out = {}
+    for key, value in sd.items():
+        module, kind = key.removeprefix("diffusion_model.").rsplit(".", 2)[0], key.split(".")[-2]
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.{kind}.weight"] = value / 2 if kind == "lora_down" else value
+        if kind == "lora_down":
+            out[f"{name}.alpha"] = torch.tensor(2.0 * value.shape[0])
+    return out
+
+
+def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
+    from a2.lora import COMFY_NAME, load_lora
+    from a2.pipeline import A2Pipeline
+    from config import LORA_TARGETS, TrainConfig
+    from train_a2 import export_weights
+
+    pipe = adapted_pipe(tiny_dir, LORA_TARGETS)  # the training default: block attention (+ image K/V) and FFN
+    want = transformer_out(pipe.transformer)
+    pipe.transformer.disable_lora()
+    base = transformer_out(pipe.transformer)
+    pipe.transformer.enable_lora()
+    exported = export_weights(tmp_path, pipe.transformer, TrainConfig())
+    comfy = tmp_path / COMFY_NAME
+    original = load_file(comfy)
+    assert all(k.startswith("diffusion_model.blocks.") for k in original)
+    assert "diffusion_model.blocks.1.cross_attn.k_img.lora_down.weight" in original
+    assert "diffusion_model.blocks.0.ffn.2.lora_up.weight" in original
+    musubi = tmp_path / "musubi" / "lora.safetensors"
+    musubi.parent.mkdir()
+    save_file(musubi_from_original(original), musubi)
+    sources = {"diffusers": exported, "run dir": tmp_path, "original/comfy": comfy, "musubi": musubi}
+    for fmt, path in sources.items():
+        loaded = A2Pipeline.from_pretrained(tiny_dir)
+        load_lora(loaded, str(path))
+        d = (transformer_out(loaded.transformer) - want).abs().max().item()
+        print(f"{fmt}: max|Δ| vs in-memory adapter {d:.2e}")
+        assert d <= 1e-5, fmt
+    assert (want - base).abs().max().item() > 0.05  # the adapter does change the output
+
+
+def test_original_keys_cover_the_modules_outside_the_blocks(tiny_dir, tmp_path):
+    from a2.lora import export_lora, load_lora, to_original
+    from a2.pipeline import A2Pipeline
+
+    pipe = adapted_pipe(tiny_dir, TOP_TARGETS + r"|blocks\.0\.attn1\.to_q")
+    want = transformer_out(pipe.transformer)
+    _, comfy = export_lora(tmp_path, pipe.transformer)
+    names = {k.rsplit(".", 2)[0] for k in load_file(comfy)}
+    assert {"diffusion_model.head.head", "diffusion_model.time_projection.1", "diffusion_model.img_emb.proj.3",
+            "diffusion_model.text_embedding.0", "diffusion_model.time_embedding.2"} <= names
+    loaded = A2Pipeline.from_pretrained(tiny_dir)
+    load_lora(loaded, str(comfy))
+    assert (transformer_out(loaded.transformer) - want).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="patch_embedding"):
+        to_original({"transformer.patch_embedding.lora_A.weight": torch.zeros(1)})
+
+
+def test_unusable_lora_files_fail(tiny_dir, tmp_path):
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+
+    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    save_file({"unet.down.lora_A.weight": torch.zeros(2, 2)}, tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="no LoRA key matched the transformer"):
+        load_lora(pipe, str(tmp_path / "other.safetensors"))  # diffusers alone only warns
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        load_lora(pipe, str(tmp_path / "nope.safetensors"))
