@@ -1,9 +1,10 @@
-"""Generate a video from element images + a prompt, and check parity between runs.
+"""Generate a video from element images + a prompt (or a prompt alone on a T2V model), and check parity between runs.
 
     python infer.py --model tiny --elements subject=human.png object=thing.png background=env.png \
         --prompt "A man is holding a teddy bear in the forest." --out out.mp4
     python infer.py ... --save-latents run_a.pt          # keep the final latents and the condition
     python infer.py ... --compare run_a.pt               # max |Δ| and PSNR per tensor; exit 1 above tolerance
+    python infer.py --model tiny-t2v --prompt "a person clapping" --lora runs/t2v/pytorch_lora_weights.safetensors
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import tyro
 
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
+from a2.transformer import is_e2v
 from config import A2_ELEMENTS, Element, parse_elements
 
 
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` for the built-in offline tiny model."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` / `tiny-t2v` (built-in offline models)."""
     elements: tuple[str, ...] = ()
-    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png)."""
+    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
+    Empty for a T2V model (text only)."""
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
     prompt: str = "A man is holding a teddy bear in the forest."
@@ -112,6 +115,14 @@ def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
     return ok
 
 
+def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats) -> dict:
+    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+    return pipe(prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
+                width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
+                guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
+                combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+
+
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
     items = resolve_elements(cfg)
@@ -124,13 +135,12 @@ def main(cfg: InferConfig) -> int:
                              f"num_frames={cfg.num_frames} leaves none to generate")
     dtype = getattr(torch, cfg.dtype)
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device)
+    if items and not is_e2v(pipe.transformer):
+        raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
+                         "a prompt only, no --elements")
     if cfg.lora:
         load_lora(pipe, cfg.lora, cfg.lora_scale)
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    out = pipe(cfg.prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
-               width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
-               guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
-               combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+    out = generate(cfg, pipe, cfg.prompt, refs, clip_refs, repeats)
     if out["video"] is not None:
         side = refs[0] if (cfg.side_by_side and refs is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

@@ -1,6 +1,7 @@
 """Elements-to-Video training on Wan / SkyReels-A2: one main(cfg), a hand-written DDP loop.
 
     python train_a2.py --model tiny --data-root sample_data --max-steps 20          # CPU, built-in tiny model
+    python train_a2.py --model /models/Wan2.1-T2V-1.3B-Diffusers --dataset-type t2v --manifest data/train.jsonl
     torchrun --nproc_per_node 8 train_a2.py --model /models/SkyReels-A2 --data-root /data/e2v \
         --elements "subject=_person.png,_mask.png:required,repeat=1" "object=_object.png:repeat=4" \
         "background=_background.png:repeat=4,vae=center_crop"
@@ -178,6 +179,7 @@ def main(cfg: TrainConfig) -> dict:
         raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
     prefix = vae_cfg.frame_conditioning == "full" and bool(elements)
+    text_only = vae_cfg.frame_conditioning == "full" and not elements  # T2V: no condition input at all
     # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
     l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if prefix else 0
     clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
@@ -201,19 +203,23 @@ def main(cfg: TrainConfig) -> dict:
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-    from a2.tiny import tiny_model_dir
+    from a2.tiny import model_path
 
-    model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
+    model_dir = model_path(cfg.model)
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
     transformer = load_transformer(model_dir, torch.float32)
-    if prefix or vae_cfg.frame_conditioning != "full":
+    if not text_only:
         if not is_e2v(transformer):
             if cfg.image_encoder is None and cfg.e2v_type != "vae":
                 raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
                                  "encoder (--image-encoder DIR) or --e2v-type vae")
             log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-            transformer = expand_to_e2v(transformer, image_dim=1280 if cfg.model != "tiny" else 32, seed=cfg.seed)
+            tiny = cfg.model in ("tiny", "tiny-t2v")  # the tiny CLIP is 32 wide, ViT-H/14 1280
+            transformer = expand_to_e2v(transformer, image_dim=32 if tiny else 1280, seed=cfg.seed)
+    elif is_e2v(transformer):
+        raise ValueError(f"{model_dir} is an E2V/I2V model (in_channels {transformer.config.in_channels}): text-only "
+                         "training needs a T2V model (in_channels 16); give elements or --frame-conditioning")
     use_clip = has_image_branch(transformer) and cfg.e2v_type != "vae" and prefix
     vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
@@ -360,15 +366,18 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- validation videos
     def validate(step: int):
-        if not cfg.val_elements or rank != 0:
+        if not (cfg.val_elements or text_only) or rank != 0:
             return
-        specs = parse_elements(cfg.elements) if cfg.elements else elements
-        by_name = {e.name: e for e in specs}
-        items = []
-        for i, it in enumerate(cfg.val_elements):
-            name, sep, path = it.partition("=")
-            items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
-        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
+        refs = clips = None
+        repeats: tuple[int, ...] = ()
+        if cfg.val_elements:
+            specs = parse_elements(cfg.elements) if cfg.elements else elements
+            by_name = {e.name: e for e in specs}
+            items = []
+            for i, it in enumerate(cfg.val_elements):
+                name, sep, path = it.partition("=")
+                items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
+            refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
         transformer.eval()
         pipe = A2Pipeline(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
         with amp:
@@ -377,7 +386,8 @@ def main(cfg: TrainConfig) -> dict:
                        flow_shift=cfg.val_flow_shift, combine=vae_cfg.combine,
                        generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
         transformer.train()
-        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15, refs[0])
+        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
+                          None if refs is None else refs[0])
         log(f"validation video: {path}")
 
     def visualize(step: int, viz: dict):

@@ -1,9 +1,16 @@
 """LoRA interop: the exported files (diffusers, original Wan / ComfyUI keys) and a musubi-tuner file load back into
-the model with the in-memory adapter's output."""
+the model with the in-memory adapter's output; T2V-only training on .npz clips + train.jsonl, then text-only
+generation with and without the LoRA."""
 
+import json
+
+import imageio.v3 as iio
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from tests.test_train import train
 
 # every Linear the diffusers converter maps back outside the blocks
 TOP_TARGETS = (r"proj_out|condition_embedder\.(time_proj|text_embedder\.linear_[12]|time_embedder\.linear_[12]"
@@ -105,3 +112,79 @@ def test_unusable_lora_files_fail(tiny_dir, tmp_path):
         load_lora(pipe, str(tmp_path / "other.safetensors"))  # diffusers alone only warns
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         load_lora(pipe, str(tmp_path / "nope.safetensors"))
+
+
+# ---------------------------------------------------------------- T2V-only training on .npz clips
+
+
+@pytest.fixture(scope="module")
+def npz_data(tmp_path_factory):
+    """The seed workflow's form: uint8 clips (F, H, W, 3) under `frames` in .npz files, prompts in train.jsonl."""
+    d = tmp_path_factory.mktemp("npz")
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in range(2):
+        frames = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (12, 40, 48, 3)).copy()
+        for t in range(12):
+            frames[t, 10:22, 3 * t:3 * t + 12] = 255  # a white square moving right
+        np.savez(d / f"clip{n}.npz", frames=frames)
+        rows.append({"path": f"clip{n}.npz", "prompt": f"a white square moving right, clip {n}"})
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def t2v_args(model, manifest, out, run, *extra):
+    return ["--model", str(model), "--dataset-type", "t2v", "--manifest", str(manifest), "--resolution", "32", "32",
+            "--num-frames", "9", "--num-workers", "0", "--output-dir", str(out), "--run-name", run, "--log-every",
+            "1", "--warmup-steps", "0", "--lr", "5e-2", "--lora-rank", "4", "--lora-alpha", "8",
+            "--no-gradient-checkpointing", *extra]
+
+
+@pytest.fixture(scope="module")
+def t2v_run(npz_data, tiny_t2v_dir, tmp_path_factory):
+    return train(*t2v_args(tiny_t2v_dir, npz_data / "train.jsonl", tmp_path_factory.mktemp("runs"), "t2v",
+                           "--max-steps", "3"))
+
+
+def t2v_infer(model, **kw):
+    import infer
+
+    base = dict(model=str(model), prompt="a white square moving right", height=32, width=32, num_frames=9, steps=2,
+                device="cpu")
+    return infer.main(infer.InferConfig(**{**base, **kw}))
+
+
+def test_t2v_only_training_then_text_only_generation(t2v_run, tiny_t2v_dir, tmp_path):
+    from a2.lora import COMFY_NAME
+
+    run_dir = t2v_run["run_dir"]
+    assert t2v_run["step"] == 3 and all(np.isfinite(t2v_run["losses"]))
+    lora = load_file(t2v_run["weights"])
+    # a T2V model trained as it is: attention/FFN LoRA only, no image K/V (there is no image branch)
+    assert any(".attn1.to_q.lora_B" in k for k in lora) and not any("add_k_proj" in k for k in lora)
+    assert all(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)  # every up matrix trained
+    runs = {}
+    for name, path in (("base", None), ("lora", t2v_run["weights"]), ("comfy", run_dir / COMFY_NAME)):
+        runs[name] = tmp_path / f"{name}.pt"
+        assert t2v_infer(tiny_t2v_dir, lora=None if path is None else str(path), out=str(tmp_path / f"{name}.mp4"),
+                         save_latents=str(runs[name])) == 0
+        assert iio.imread(tmp_path / f"{name}.mp4", plugin="pyav").shape == (9, 32, 32, 3)
+    latents = {k: torch.load(v, weights_only=False)["latents"] for k, v in runs.items()}
+    assert latents["base"].shape == (1, 16, 3, 4, 4)
+    d_lora = (latents["lora"] - latents["base"]).abs().max().item()
+    d_comfy = (latents["comfy"] - latents["lora"]).abs().max().item()
+    print(f"latents: LoRA vs base max|Δ| {d_lora:.3e}; ComfyUI file vs diffusers file {d_comfy:.2e}")
+    assert d_lora > 1e-2 and d_comfy <= 1e-5
+
+
+def test_t2v_misuse_is_a_clear_error(npz_data, tiny_dir, tiny_t2v_dir, tmp_path):
+    with pytest.raises(ValueError, match="is an E2V/I2V model .* text-only training needs a T2V model"):
+        train(*t2v_args(tiny_dir, npz_data / "train.jsonl", tmp_path, "e2v", "--max-steps", "1"))
+    with pytest.raises(ValueError, match="drop --elements"):
+        train(*t2v_args(tiny_t2v_dir, npz_data / "train.jsonl", tmp_path, "el", "--elements", "subject=_p.png"))
+    from PIL import Image
+
+    Image.new("RGB", (16, 16)).save(tmp_path / "person.png")
+    with pytest.raises(ValueError, match="is a T2V model .* no --elements"):
+        t2v_infer(tiny_t2v_dir, elements=(str(tmp_path / "person.png"),))
+    assert not list(tmp_path.glob("*/ckpt-*"))
