@@ -1,8 +1,9 @@
 """LoRA interop: the exported files (diffusers, original Wan / ComfyUI keys) and a musubi-tuner file load back into
 the model with the in-memory adapter's output; T2V-only training on .npz clips + train.jsonl, then text-only
-generation with and without the LoRA."""
+generation with and without the LoRA; infer.py --prompts-file writes one side-by-side video per prompt."""
 
 import json
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
@@ -188,3 +189,49 @@ def test_t2v_misuse_is_a_clear_error(npz_data, tiny_dir, tiny_t2v_dir, tmp_path)
     with pytest.raises(ValueError, match="is a T2V model .* no --elements"):
         t2v_infer(tiny_t2v_dir, elements=(str(tmp_path / "person.png"),))
     assert not list(tmp_path.glob("*/ckpt-*"))
+
+
+# ---------------------------------------------------------------- evaluation: base | LoRA per prompt
+
+
+def test_evaluate_writes_one_side_by_side_video_per_prompt(t2v_run, tmp_path, monkeypatch):
+    import tyro
+
+    import infer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a white square moving right"}) + "\n\n"
+                       + json.dumps({"caption": "a red ball"}) + "\n")
+    (tmp_path / "p.txt").write_text("first prompt\n\n  second prompt \n")
+    assert infer.read_prompts(str(tmp_path / "p.txt")) == ["first prompt", "second prompt"]
+    # keep what is written, as tensors: the mp4 coding blurs small differences
+    written, real_save = {}, infer.save_video
+
+    def save_video(path, video, *args):
+        written[Path(path).name] = video
+        return real_save(path, video, *args)
+
+    monkeypatch.setattr(infer, "save_video", save_video)
+    out = tmp_path / "eval"
+    lora = str(t2v_run["weights"])
+    common = ["--model", "tiny-t2v", "--height", "32", "--width", "32", "--num-frames", "9", "--steps", "2",
+              "--device", "cpu"]
+    run = lambda *argv: infer.main(tyro.cli(infer.InferConfig, args=common + list(argv)))  # noqa: E731
+    assert run("--prompts-file", str(prompts), "--lora", str(t2v_run["run_dir"]), "--out-dir", str(out)) == 0
+    index = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in index] == ["a white square moving right", "a red ball"]
+    assert sorted(p.name for p in out.glob("*.mp4")) == [row["file"] for row in index]
+    assert index[0]["file"] == "000_a-white-square-moving-right.mp4"
+    for row in index:  # (F, H, base | LoRA, 3)
+        assert iio.imread(out / row["file"], plugin="pyav").shape == (9, 32, 64, 3)
+    # left half == a plain render of the prompt (same seed) without the LoRA, right half == with it
+    assert run("--prompt", index[0]["prompt"], "--out", str(tmp_path / "b.mp4")) == 0
+    assert run("--prompt", index[0]["prompt"], "--out", str(tmp_path / "l.mp4"), "--lora", lora) == 0
+    both = written[index[0]["file"]]
+    assert both.shape == (3, 9, 32, 64)
+    assert torch.equal(both[..., :32], written["b.mp4"]) and torch.equal(both[..., 32:], written["l.mp4"])
+    d = (written["l.mp4"] - written["b.mp4"]).abs().max().item()
+    print(f"evaluate: left half == base render, right half == LoRA render; LoRA vs base pixels max|Δ| {d:.3f}")
+    assert d > 1e-2
+    with pytest.raises(ValueError, match="give --lora"):
+        run("--prompts-file", str(prompts))
