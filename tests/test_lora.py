@@ -144,7 +144,7 @@ def t2v_args(model, manifest, out, run, *extra):
 @pytest.fixture(scope="module")
 def t2v_run(npz_data, tiny_t2v_dir, tmp_path_factory):
     return train(*t2v_args(tiny_t2v_dir, npz_data / "train.jsonl", tmp_path_factory.mktemp("runs"), "t2v",
-                           "--max-steps", "3"))
+                           "--max-steps", "3", "--val-every", "3", "--val-steps", "1"))
 
 
 def t2v_infer(model, **kw):
@@ -160,6 +160,8 @@ def test_t2v_only_training_then_text_only_generation(t2v_run, tiny_t2v_dir, tmp_
 
     run_dir = t2v_run["run_dir"]
     assert t2v_run["step"] == 3 and all(np.isfinite(t2v_run["losses"]))
+    # the validation video of a text-only run: the prompt alone, no reference frames beside it
+    assert iio.imread(run_dir / "samples" / "step-0000003.mp4", plugin="pyav").shape == (9, 32, 32, 3)
     lora = load_file(t2v_run["weights"])
     # a T2V model trained as it is: attention/FFN LoRA only, no image K/V (there is no image branch)
     assert any(".attn1.to_q.lora_B" in k for k in lora) and not any("add_k_proj" in k for k in lora)
