@@ -306,9 +306,15 @@ class TrainConfig:
     """E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
     dataset_config: str | None = None
     """JSON dataset config (format of the design documents); overrides data_root/elements/resolution/frames."""
+    manifest: str | None = None
+    """CSV/JSONL listing the clips (`video`/`path` + `caption`/`prompt` columns), e.g. the T2V workflow's train.jsonl
+    of .npz clips (uint8 `frames`); paths inside are relative to its dir, which is the default --data-root."""
+    dataset_type: Literal["e2v", "t2v"] = "e2v"
+    """e2v: clips + element images (A2). t2v: clips + prompts only, no elements: text-to-video training; a T2V model
+    (16 input channels) then trains as it is, without expansion."""
     elements: tuple[str, ...] = ()
     """Element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements).
-    Empty: SkyReels-A2's subject/object/background."""
+    Empty: SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
     resolution: tuple[int, int] = (480, 832)
     """Training (height, width); multiples of 16."""
     num_frames: int = 81
@@ -378,7 +384,8 @@ class TrainConfig:
     log_every: int = 10
     tensorboard: bool = False
     val_every: int = 0
-    """Render validation videos every N steps (0: only at the end when val_elements are given)."""
+    """Render validation videos every N steps (0: only at the end when val_elements are given). Text-only runs
+    (--dataset-type t2v) render --val-prompt alone, every N steps."""
     val_elements: tuple[str, ...] = ()
     """Validation element images (path or name=path), as infer.py --elements."""
     val_prompt: str = "A man is holding a teddy bear in the forest."
@@ -391,14 +398,19 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
     if cfg.dataset_config:
         return load_dataset_config(cfg.dataset_config)
-    if not cfg.data_root:
-        raise ConfigError("give --data-root DIR or --dataset-config FILE.json")
+    if not cfg.data_root and not cfg.manifest:
+        raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
     _hw(list(cfg.resolution), "--resolution")
+    if cfg.dataset_type == "t2v" and cfg.elements:
+        raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
+    # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
+    no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
+    manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
     return [DatasetConfig(
-        data_root=cfg.data_root, target_resolution=tuple(cfg.resolution), frame_buckets=(),
-        elements=elements if cfg.frame_conditioning == "full" else (),
-        dataset_type="e2v" if cfg.frame_conditioning == "full" else "t2v",
+        data_root=cfg.data_root or str(Path(manifest).parent), manifest=manifest,
+        target_resolution=tuple(cfg.resolution), frame_buckets=(),
+        elements=() if no_elements else elements, dataset_type="t2v" if no_elements else "e2v",
         vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
                                frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index),
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]

@@ -1,14 +1,19 @@
-"""Generate a video from element images + a prompt, and check parity between runs.
+"""Generate a video from element images + a prompt (or a prompt alone on a T2V model), check parity between runs,
+and compare a LoRA with its base model over a prompt list.
 
     python infer.py --model tiny --elements subject=human.png object=thing.png background=env.png \
         --prompt "A man is holding a teddy bear in the forest." --out out.mp4
     python infer.py ... --save-latents run_a.pt          # keep the final latents and the condition
     python infer.py ... --compare run_a.pt               # max |Δ| and PSNR per tensor; exit 1 above tolerance
+    python infer.py --model tiny-t2v --prompt "a person clapping" --lora runs/t2v/pytorch_lora_weights.safetensors
+    python infer.py --model tiny-t2v --prompts-file prompts.txt --lora runs/t2v --out-dir eval/   # base | LoRA
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,16 +22,19 @@ from typing import Literal
 import torch
 import tyro
 
+from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
+from a2.transformer import is_e2v
 from config import A2_ELEMENTS, Element, parse_elements
 
 
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` for the built-in offline tiny model."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` / `tiny-t2v` (built-in offline models)."""
     elements: tuple[str, ...] = ()
-    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png)."""
+    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
+    Empty for a T2V model (text only)."""
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
     prompt: str = "A man is holding a teddy bear in the forest."
@@ -51,7 +59,8 @@ class InferConfig:
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
     """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
     lora: str | None = None
-    """LoRA file or dir (diffusers, original Wan/ComfyUI or musubi keys)."""
+    """LoRA file or dir: diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original Wan / ComfyUI keys
+    (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors) or musubi-tuner keys (`lora_unet_`)."""
     lora_scale: float = 1.0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +73,11 @@ class InferConfig:
     compare: str | None = None
     """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
     tolerance: float = 1e-4
+    prompts_file: str | None = None
+    """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
+    train.jsonl) without and with --lora, same seed, side by side (left: base, right: LoRA): one mp4 per prompt."""
+    out_dir: str = "outputs/eval"
+    """Where --prompts-file writes <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
 
 
 def resolve_elements(cfg: InferConfig) -> list[tuple[Element, str]]:
@@ -110,8 +124,62 @@ def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
     return ok
 
 
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line, or (.jsonl) a JSON object per line with `prompt` (or `caption` / `text`); blanks skipped."""
+    path = Path(path)
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            row = json.loads(line)
+            line = row.get("prompt") or row.get("caption") or row.get("text")
+            if not line:
+                raise ValueError(f"{path}:{n}: no 'prompt' (or 'caption' / 'text') field")
+        prompts.append(line.strip())
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats) -> dict:
+    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+    return pipe(prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
+                width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
+                guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
+                combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+
+
+def evaluate(cfg: InferConfig, pipe: A2Pipeline, prompts: list[str], refs, clip_refs, repeats) -> list[Path]:
+    """Each prompt without and with the loaded LoRA from the same seed, side by side in one mp4 per prompt."""
+    out_dir = Path(cfg.out_dir)
+    side = refs[0] if (cfg.side_by_side and refs is not None) else None
+    paths, index = [], []
+    for i, prompt in enumerate(prompts):
+        halves = []
+        for use_lora in (False, True):
+            if use_lora:
+                pipe.transformer.enable_lora()
+            else:
+                pipe.transformer.disable_lora()
+            halves.append(generate(cfg, pipe, prompt, refs, clip_refs, repeats)["video"][0])
+        name = f"{i:03d}_{re.sub(r'[^a-z0-9]+', '-', prompt.lower()).strip('-')[:48]}.mp4"
+        paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, 2W)
+        index.append(dict(file=name, prompt=prompt, seed=cfg.seed, lora=cfg.lora, lora_scale=cfg.lora_scale))
+        print(f"wrote {paths[-1]} (left: base, right: LoRA)")
+    (out_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
+    return paths
+
+
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
+    prompts = None
+    if cfg.prompts_file:
+        if not cfg.lora:
+            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora")
+        if cfg.save_latents or cfg.compare or cfg.decode == "none":
+            raise ValueError("--prompts-file writes videos: it takes no --save-latents / --compare / --decode none")
+        prompts = read_prompts(cfg.prompts_file)
     items = resolve_elements(cfg)
     refs = clip_refs = None
     repeats: tuple[int, ...] = ()
@@ -122,14 +190,15 @@ def main(cfg: InferConfig) -> int:
                              f"num_frames={cfg.num_frames} leaves none to generate")
     dtype = getattr(torch, cfg.dtype)
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device)
+    if items and not is_e2v(pipe.transformer):
+        raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
+                         "a prompt only, no --elements")
     if cfg.lora:
-        pipe.load_lora_weights(cfg.lora, adapter_name="default")
-        pipe.transformer.set_adapters(["default"], [cfg.lora_scale])
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    out = pipe(cfg.prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
-               width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
-               guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
-               combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+        load_lora(pipe, cfg.lora, cfg.lora_scale)
+    if prompts is not None:
+        evaluate(cfg, pipe, prompts, refs, clip_refs, repeats)
+        return 0
+    out = generate(cfg, pipe, cfg.prompt, refs, clip_refs, repeats)
     if out["video"] is not None:
         side = refs[0] if (cfg.side_by_side and refs is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

@@ -1,6 +1,7 @@
 """Elements-to-Video training on Wan / SkyReels-A2: one main(cfg), a hand-written DDP loop.
 
     python train_a2.py --model tiny --data-root sample_data --max-steps 20          # CPU, built-in tiny model
+    python train_a2.py --model /models/Wan2.1-T2V-1.3B-Diffusers --dataset-type t2v --manifest data/train.jsonl
     torchrun --nproc_per_node 8 train_a2.py --model /models/SkyReels-A2 --data-root /data/e2v \
         --elements "subject=_person.png,_mask.png:required,repeat=1" "object=_object.png:repeat=4" \
         "background=_background.png:repeat=4,vae=center_crop"
@@ -186,14 +187,13 @@ def load_sharded(ckpt: Path, model, opt) -> None:
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
-    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it);
+    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
+    pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights)."""
     if cfg.training_type == "lora":
-        from diffusers.loaders import WanLoraLoaderMixin
-        from peft import get_peft_model_state_dict
+        from a2.lora import export_lora
 
-        WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=get_peft_model_state_dict(model))
-        return run_dir / "pytorch_lora_weights.safetensors"
+        return export_lora(run_dir, model)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
@@ -240,6 +240,7 @@ def main(cfg: TrainConfig) -> dict:
         raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
     prefix = vae_cfg.frame_conditioning == "full" and bool(elements)
+    text_only = vae_cfg.frame_conditioning == "full" and not elements  # T2V: no condition input at all
     # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
     l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if prefix else 0
     clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
@@ -263,13 +264,13 @@ def main(cfg: TrainConfig) -> dict:
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-    from a2.tiny import tiny_model_dir
+    from a2.tiny import model_path
 
-    if cfg.model == "tiny" and dist.is_initialized():  # rank 0 builds it: transformers' save_pretrained
+    if cfg.model.startswith("tiny") and dist.is_initialized():  # rank 0 builds it: transformers' save_pretrained
         if rank == 0:  # silently writes no weights on another rank of an initialised process group
-            tiny_model_dir()
+            model_path(cfg.model)
         dist.barrier()
-    model_dir = tiny_model_dir() if cfg.model == "tiny" else Path(cfg.model)
+    model_dir = model_path(cfg.model)
     t_cfg = json.loads((model_dir / "transformer" / "config.json").read_text())
     expand = (prefix or vae_cfg.frame_conditioning != "full") and t_cfg["in_channels"] != E2V_IN_CHANNELS
     use_clip = prefix and cfg.e2v_type != "vae" and (t_cfg.get("image_dim") is not None or expand)
@@ -284,7 +285,7 @@ def main(cfg: TrainConfig) -> dict:
         if not cfg.precompute and not (cache / "done").exists():
             raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                     "--precompute first")
-    need_encoders = cache is None or cfg.precompute or bool(cfg.val_elements) or any(
+    need_encoders = cache is None or cfg.precompute or bool(cfg.val_elements or text_only and cfg.val_every) or any(
         p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors if ds_cfgs[0].visualization.enabled)
     vae = tokenizer = text_encoder = image_encoder = image_processor = None
     if need_encoders:
@@ -368,7 +369,11 @@ def main(cfg: TrainConfig) -> dict:
             raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
                              "encoder (--image-encoder DIR) or --e2v-type vae")
         log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-        transformer = expand_to_e2v(transformer, image_dim=1280 if cfg.model != "tiny" else 32, seed=cfg.seed)
+        tiny = cfg.model in ("tiny", "tiny-t2v")  # the tiny CLIP is 32 wide, ViT-H/14 1280
+        transformer = expand_to_e2v(transformer, image_dim=32 if tiny else 1280, seed=cfg.seed)
+    elif text_only and is_e2v(transformer):
+        raise ValueError(f"{model_dir} is an E2V/I2V model (in_channels {transformer.config.in_channels}): text-only "
+                         "training needs a T2V model (in_channels 16); give elements or --frame-conditioning")
     assert is_e2v(transformer) or not (prefix or vae_cfg.frame_conditioning != "full")
 
     if cfg.training_type == "lora":
@@ -504,15 +509,18 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- validation videos
     def validate(step: int):
-        if not cfg.val_elements or (rank != 0 and not cfg.fsdp):  # FSDP: every rank runs the (collective) forwards
+        if not (cfg.val_elements or text_only) or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks run the forwards
             return
-        specs = parse_elements(cfg.elements) if cfg.elements else elements
-        by_name = {e.name: e for e in specs}
-        items = []
-        for i, it in enumerate(cfg.val_elements):
-            name, sep, path = it.partition("=")
-            items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
-        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
+        refs = clips = None
+        repeats: tuple[int, ...] = ()
+        if cfg.val_elements:
+            specs = parse_elements(cfg.elements) if cfg.elements else elements
+            by_name = {e.name: e for e in specs}
+            items = []
+            for i, it in enumerate(cfg.val_elements):
+                name, sep, path = it.partition("=")
+                items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
+            refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
         transformer.eval()
         pipe = A2Pipeline(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
         with amp:
@@ -522,7 +530,8 @@ def main(cfg: TrainConfig) -> dict:
                        generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
         transformer.train()
         if rank == 0:
-            path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15, refs[0])
+            path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
+                              None if refs is None else refs[0])
             log(f"validation video: {path}")
 
     def visualize(step: int, viz: dict):

@@ -356,14 +356,14 @@ class A2Pipeline(WanLoraLoaderMixin):
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
                         image_encoder_dir=None):
-        """Load each component from a diffusers-format dir (`tiny` = the built-in offline tiny model)."""
+        """Load each component from a diffusers-format dir (`tiny` / `tiny-t2v`: the built-in offline tiny models)."""
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-        from a2.tiny import tiny_model_dir
+        from a2.tiny import model_path
         from a2.transformer import load_transformer
 
-        model_dir = tiny_model_dir() if str(model_dir) == "tiny" else Path(model_dir)
+        model_dir = model_path(model_dir)
         if not (model_dir / "model_index.json").exists():
             raise FileNotFoundError(f"{model_dir}: no model_index.json; expected a diffusers-format Wan/A2 model dir")
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)

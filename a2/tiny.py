@@ -110,6 +110,13 @@ def tiny_model_dir(t2v: bool = False) -> Path:
     return d
 
 
+def model_path(name) -> Path:
+    """`tiny` / `tiny-t2v`: the built-in tiny I2V (A2 architecture) / T2V model dir; anything else is a path."""
+    if str(name) in ("tiny", "tiny-t2v"):
+        return tiny_model_dir(t2v=str(name) == "tiny-t2v")
+    return Path(name)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)

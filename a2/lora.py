@@ -1,0 +1,101 @@
+"""LoRA files: what training exports and what `infer.py --lora` reads.
+
+Export writes the adapter twice, with peft's scaling (alpha/r) folded into the up matrix so that both files mean
+`W + up @ down` under every loader's no-alpha convention (diffusers without metadata takes alpha = r):
+  pytorch_lora_weights.safetensors        diffusers keys  transformer.blocks.0.attn1.to_q.lora_A.weight
+  pytorch_lora_weights_comfy.safetensors  original Wan    diffusion_model.blocks.0.self_attn.q.lora_down.weight
+The second is what ComfyUI's Wan LoRA loader, the Wan repo's key names and diffusers'
+`_convert_non_diffusers_wan_lora_to_diffusers` read. Loading goes through diffusers' own `lora_state_dict`, which
+converts original (`diffusion_model.`) and musubi-tuner (`lora_unet_`) keys itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
+COMFY_NAME = "pytorch_lora_weights_comfy.safetensors"  # not *pytorch_lora_weights.safetensors: diffusers' dir lookup
+# picks the file ending in that name, so a run dir still loads as the diffusers file
+
+# diffusers module -> original Wan module; exactly the names diffusers' converter maps back
+_BLOCK = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+_TOP = {
+    "proj_out": "head.head", "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+}
+
+
+def original_module(name: str) -> str:
+    """diffusers WanTransformer3DModel module name -> the original Wan (and ComfyUI) one."""
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m and m[2] in _BLOCK:
+        return f"blocks.{m[1]}.{_BLOCK[m[2]]}"
+    if name in _TOP:
+        return _TOP[name]
+    raise ValueError(f"LoRA on {name!r}: no original-Wan name that ComfyUI/diffusers loaders map back")
+
+
+def adapter_state_dict(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter as `<module>.lora_A/lora_B.weight` (peft names, no prefix), scaling folded into lora_B."""
+    from peft.tuners.lora import LoraLayer
+
+    sd = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer) or adapter not in m.lora_A:
+            continue
+        if m.use_dora.get(adapter) or m.lora_bias.get(adapter):
+            raise ValueError(f"{name}: DoRA / LoRA bias have no plain lora_A/lora_B export")
+        sd[f"{name}.lora_A.weight"] = m.lora_A[adapter].weight.detach().float().cpu().contiguous()
+        sd[f"{name}.lora_B.weight"] = (m.lora_B[adapter].weight.detach().float() * m.scaling[adapter]).cpu()
+    if not sd:
+        raise ValueError(f"the model has no LoRA adapter {adapter!r}")
+    return sd
+
+
+def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers LoRA keys (with or without the `transformer.` prefix, scale 1) -> original Wan / ComfyUI keys."""
+    out = {}
+    for key, value in state_dict.items():
+        m = re.fullmatch(r"(?:transformer\.)?(.+)\.lora_(A|B)\.weight", key)
+        if m is None:
+            raise ValueError(f"{key}: not a diffusers LoRA key (<module>.lora_A/lora_B.weight)")
+        out[f"diffusion_model.{original_module(m[1])}.lora_{'down' if m[2] == 'A' else 'up'}.weight"] = value
+    return out
+
+
+def export_lora(run_dir: Path, model) -> tuple[Path, Path]:
+    """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file)."""
+    from diffusers.loaders import WanLoraLoaderMixin
+    from safetensors.torch import save_file
+
+    sd = adapter_state_dict(model)
+    WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=DIFFUSERS_NAME)
+    save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / COMFY_NAME, metadata={"format": "pt"})
+    return run_dir / DIFFUSERS_NAME, run_dir / COMFY_NAME
+
+
+def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default") -> None:
+    """A LoRA file or dir in diffusers, original Wan/ComfyUI or musubi-tuner keys -> pipe.transformer.
+
+    diffusers converts the formats; it only warns when no key matched the model, so that is an error here."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--lora {path}: no such file or dir")
+    pipe.load_lora_weights(path, adapter_name=adapter)
+    if adapter not in (getattr(pipe.transformer, "peft_config", None) or {}):
+        raise ValueError(f"--lora {path}: no LoRA key matched the transformer (expected diffusers `transformer.`, "
+                         "original `diffusion_model.` or musubi `lora_unet_` keys)")
+    pipe.transformer.set_adapters([adapter], [scale])
