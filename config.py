@@ -272,11 +272,18 @@ class TrainConfig:
 
     # model
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V), or `tiny` (built-in offline tiny model)."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
+    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v."""
     image_encoder: str | None = None
     """Dir with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
-    e2v_type: Literal["dual", "vae", "clip"] = "dual"
-    """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only."""
+    e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
+    """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only.
+    auto: dual when the model has (or, a T2V base with --image-encoder, gets) an image branch; vae for Wan 2.2 I2V
+    A14B, which has none."""
+    expert: Literal["high", "low"] | None = None
+    """Wan 2.2 A14B (two experts): train one. high = `transformer` (sigma >= boundary_ratio, the noisy steps), low =
+    `transformer_2` (sigma < boundary_ratio). Only that expert is loaded; sigma is drawn from --sigma-sampling's
+    distribution truncated to the expert's range (inverse CDF), so the two experts together see exactly it."""
     training_type: Literal["lora", "full"] = "lora"
     lora_rank: int = 32
     lora_alpha: float = 32.0

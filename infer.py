@@ -24,14 +24,15 @@ import tyro
 
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
-from a2.transformer import is_e2v
+from a2.transformer import detect_model, is_e2v
 from config import A2_ELEMENTS, Element, parse_elements
 
 
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V), or `tiny` / `tiny-t2v` (built-in offline models)."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
+    model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v). A Wan 2.2 pair samples with both experts."""
     elements: tuple[str, ...] = ()
     """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
     Empty for a T2V model (text only)."""
@@ -46,6 +47,8 @@ class InferConfig:
     """4k+1 pixel frames generated in all, reference frames included (A2: 81, of which 12 are references)."""
     steps: int = 50
     guidance_scale: float = 5.0
+    guidance_scale_2: float | None = None
+    """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
     seed: int = 42
     flow_shift: float = 8.0
     """Sigma shift of the sampler (A2 uses 8; Wan I2V 480P uses 3-5)."""
@@ -61,6 +64,10 @@ class InferConfig:
     lora: str | None = None
     """LoRA file or dir: diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original Wan / ComfyUI keys
     (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors) or musubi-tuner keys (`lora_unet_`)."""
+    lora_high: str | None = None
+    """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
+    lora_low: str | None = None
+    """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
     lora_scale: float = 1.0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,7 +153,8 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
     generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     return pipe(prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
                 width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
-                guidance_scale=cfg.guidance_scale, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
+                guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
+                flow_shift=cfg.flow_shift,
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
 
 
@@ -173,6 +181,12 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, prompts: list[str], refs, clip_
 
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
+    info = detect_model(cfg.model)  # an unsupported dir fails here, before anything is read or loaded
+    if info.two_experts and cfg.lora:
+        raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
+    if not info.two_experts and (cfg.lora_high or cfg.lora_low):
+        raise ValueError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
+                         "A14B; use --lora")
     prompts = None
     if cfg.prompts_file:
         if not cfg.lora:
@@ -195,6 +209,10 @@ def main(cfg: InferConfig) -> int:
                          "a prompt only, no --elements")
     if cfg.lora:
         load_lora(pipe, cfg.lora, cfg.lora_scale)
+    for path, name, model in ((cfg.lora_high, "high", pipe.transformer), (cfg.lora_low, "low", pipe.transformer_2)):
+        if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
+            pipe.load_lora_weights(path, adapter_name=name, load_into_transformer_2=name == "low")
+            model.set_adapters([name], [cfg.lora_scale])
     if prompts is not None:
         evaluate(cfg, pipe, prompts, refs, clip_refs, repeats)
         return 0

@@ -58,7 +58,17 @@ from a2.pipeline import (
     prepare_latents,
     save_video,
 )
-from a2.transformer import E2V_IN_CHANNELS, enable_checkpointing, expand_to_e2v, is_e2v, load_transformer
+from a2.transformer import (
+    EXPERTS,
+    ModelInfo,
+    UnsupportedModel,
+    detect_model,
+    enable_checkpointing,
+    expand_to_e2v,
+    expert_sigma_range,
+    is_e2v,
+    load_transformer,
+)
 from config import TrainConfig, dataset_configs, parse_elements
 from data import BucketBatchSampler, E2VDataset, collate, rank_slice
 
@@ -77,13 +87,69 @@ def sample_generator(seed: int, step: int, k: int, device="cpu") -> torch.Genera
     return torch.Generator(device=device).manual_seed(s)
 
 
-def sample_sigma(cfg: TrainConfig, g: torch.Generator) -> float:
+def sigma_cdf(cfg: TrainConfig, s: float) -> float:
+    """P(sigma <= s) under cfg's sigma distribution."""
+    if s <= 0.0 or s >= 1.0:
+        return min(max(s, 0.0), 1.0)
     if cfg.sigma_sampling == "logit_normal":
-        return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
-    u = torch.rand((), generator=g).item()
+        return 0.5 * (1 + math.erf((math.log(s / (1 - s)) - cfg.logit_mean) / (cfg.logit_std * math.sqrt(2))))
+    if cfg.sigma_sampling == "uniform":
+        return s
+    return s / (cfg.sigma_shift - (cfg.sigma_shift - 1) * s)  # shifted: the inverse of the shift map
+
+
+def sigma_quantile(cfg: TrainConfig, u: float) -> float:
+    """The inverse of sigma_cdf: u in [0, 1] -> sigma."""
+    if cfg.sigma_sampling == "logit_normal":
+        z = math.sqrt(2) * torch.erfinv(torch.tensor(2 * u - 1, dtype=torch.float64)).item()
+        return 1 / (1 + math.exp(-(cfg.logit_mean + cfg.logit_std * z))) if math.isfinite(z) else float(z > 0)
     if cfg.sigma_sampling == "uniform":
         return u
     return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
+
+
+def sample_sigma(cfg: TrainConfig, g: torch.Generator, lo: float = 0.0, hi: float = 1.0) -> float:
+    """sigma from cfg's distribution; with [lo, hi) narrower than [0, 1] (a Wan 2.2 expert's range) from that
+    distribution truncated to the range: one uniform draw between the CDF's values at lo and hi, mapped back
+    by the quantile function. The shape inside the range is kept, so the high- and low-noise experts together
+    are trained on exactly the configured distribution (rescaling it into each range would not)."""
+    if lo <= 0.0 and hi >= 1.0:
+        if cfg.sigma_sampling == "logit_normal":
+            return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
+        u = torch.rand((), generator=g).item()
+        if cfg.sigma_sampling == "uniform":
+            return u
+        return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
+    a, b = sigma_cdf(cfg, lo), sigma_cdf(cfg, hi)
+    s = sigma_quantile(cfg, a + (b - a) * torch.rand((), generator=g, dtype=torch.float64).item())
+    # rounding must not cross the boundary: below hi strictly (in float32, the dtype the timestep is made in)
+    top = 1.0 if hi >= 1.0 else float(np.nextafter(np.float32(hi), np.float32(0)))
+    return min(max(s, lo), top)
+
+
+def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
+    """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
+    take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
+    where = f"{info.path} ({info.name})"
+    if not conditioned:
+        if info.e2v:
+            raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
+                                   "(no elements, no frame conditioning) needs a T2V model")
+        return "none"
+    if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
+        if e2v_type in ("dual", "clip"):
+            raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "
+                                   f"(--e2v-type vae or auto), not {e2v_type}")
+        return "vae"
+    if not info.e2v:  # a T2V base is expanded to the E2V inputs
+        if info.two_experts:
+            raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
+                                   "keeps 16, and the pair could not be sampled; train T2V here (a dataset config "
+                                   "without elements), or E2V on Wan 2.2 I2V A14B")
+        if e2v_type != "vae" and info.image_encoder_dir is None:
+            raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
+                                   "(--image-encoder DIR) or --e2v-type vae")
+    return "dual" if e2v_type == "auto" else e2v_type
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -159,7 +225,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
 
 
 def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
-              cfg: TrainConfig) -> str:
+              e2v_type: str, cfg: TrainConfig) -> str:
     """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
     file, captions, the dataset/processor configs, clip length, layout, dtype). Any change -> a new dir."""
     def stat(p: Path):
@@ -170,7 +236,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
     key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[asdict(c) for c in dataset.cfgs], clip_frames=clip_frames, dtype=dtype,
-               frame_sampling=dataset.frame_sampling, e2v_type=cfg.e2v_type, prefix_frames=cfg.prefix_frames,
+               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=cfg.prefix_frames,
                samples=[[stat(s.video), s.caption, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -189,19 +255,23 @@ def load_sharded(ckpt: Path, model, opt) -> None:
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
-    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights)."""
+    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights).
+    A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
+    diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
+    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir."""
     if cfg.training_type == "lora":
         from a2.lora import export_lora
 
-        return export_lora(run_dir, model)[0]
+        return export_lora(run_dir, model, cfg.expert)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
         with torch.device("meta"):
             model = WanTransformer3DModel.from_config(model.config)
         model.load_state_dict(full_state, assign=True)
-    model.save_pretrained(run_dir / "transformer")
-    return run_dir / "transformer"
+    out = run_dir / (EXPERTS[cfg.expert] if cfg.expert else "transformer")
+    model.save_pretrained(out)
+    return out
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -270,18 +340,27 @@ def main(cfg: TrainConfig) -> dict:
         if rank == 0:  # silently writes no weights on another rank of an initialised process group
             model_path(cfg.model)
         dist.barrier()
-    model_dir = model_path(cfg.model)
-    t_cfg = json.loads((model_dir / "transformer" / "config.json").read_text())
-    expand = (prefix or vae_cfg.frame_conditioning != "full") and t_cfg["in_channels"] != E2V_IN_CHANNELS
-    use_clip = prefix and cfg.e2v_type != "vae" and (t_cfg.get("image_dim") is not None or expand)
-    image_src = Path(cfg.image_encoder) if cfg.image_encoder else model_dir
+    info = detect_model(cfg.model, cfg.image_encoder)  # clear errors for unsupported dirs, before any weights load
+    model_dir = info.path
+    subfolder = info.subfolder(cfg.expert)  # a Wan 2.2 pair trains one expert: only it is loaded
+    conditioned = prefix or vae_cfg.frame_conditioning != "full"
+    e2v_type = resolve_e2v_type(info, cfg.e2v_type, conditioned)
+    sigma_range = expert_sigma_range(cfg.expert, info.boundary_ratio)
+    log(f"model {model_dir}: {info.name}" + (f", E2V type {e2v_type}" if conditioned else ", T2V"))
+    if cfg.expert:
+        log(f"training the {cfg.expert}-noise expert {subfolder}/ on sigma in [{sigma_range[0]}, {sigma_range[1]}"
+            + ("]" if cfg.expert == "high" else ")"))
+    expand = conditioned and not info.e2v  # a T2V base gets the E2V inputs (a2/transformer.py: expand_to_e2v)
+    image_branch = info.image_branch or (expand and e2v_type != "vae")
+    use_clip = prefix and e2v_type != "vae" and image_branch
+    image_src = info.image_encoder_dir
     frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
     cache = None
     if cfg.cache_dir:  # the encoders' outputs for this exact data/preprocessing/encoders, or a new dir for them
         if vae_cfg.frame_conditioning == "random":
             raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
         cache = Path(cfg.cache_dir) / cache_key(model_dir, image_src if use_clip else None, dataset, clip_frames,
-                                                str(frozen_dtype), cfg)
+                                                str(frozen_dtype), e2v_type, cfg)
         if not cfg.precompute and not (cache / "done").exists():
             raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                     "--precompute first")
@@ -294,7 +373,7 @@ def main(cfg: TrainConfig) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
         text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=frozen_dtype)
         text_encoder.to(device).eval().requires_grad_(False)
-        if (t_cfg.get("image_dim") is not None or expand) and (image_src / "image_encoder").exists():
+        if image_branch and image_src is not None:
             image_encoder = CLIPVisionModel.from_pretrained(image_src, subfolder="image_encoder",
                                                             torch_dtype=frozen_dtype)
             image_encoder.to(device).eval().requires_grad_(False)
@@ -363,17 +442,11 @@ def main(cfg: TrainConfig) -> dict:
         empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
-    transformer = load_transformer(model_dir, torch.float32)
+    transformer = load_transformer(model_dir, torch.float32, subfolder)
     if expand:
-        if cfg.image_encoder is None and cfg.e2v_type != "vae":
-            raise ValueError(f"{model_dir} is a T2V model: E2V training expands it and needs a CLIP image "
-                             "encoder (--image-encoder DIR) or --e2v-type vae")
         log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-        tiny = cfg.model in ("tiny", "tiny-t2v")  # the tiny CLIP is 32 wide, ViT-H/14 1280
-        transformer = expand_to_e2v(transformer, image_dim=32 if tiny else 1280, seed=cfg.seed)
-    elif text_only and is_e2v(transformer):
-        raise ValueError(f"{model_dir} is an E2V/I2V model (in_channels {transformer.config.in_channels}): text-only "
-                         "training needs a T2V model (in_channels 16); give elements or --frame-conditioning")
+        transformer = expand_to_e2v(transformer, image_dim=info.image_encoder_dim if e2v_type != "vae" else None,
+                                    seed=cfg.seed)
     assert is_e2v(transformer) or not (prefix or vae_cfg.frame_conditioning != "full")
 
     if cfg.training_type == "lora":
@@ -463,7 +536,7 @@ def main(cfg: TrainConfig) -> dict:
         gens = [sample_generator(cfg.seed, key, k) for k in ks]
         drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
         drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
-        sigmas = torch.tensor([sample_sigma(cfg, g) for g in gens], device=device)
+        sigmas = torch.tensor([sample_sigma(cfg, g, *sigma_range) for g in gens], device=device)
         with torch.no_grad():
             # noise first, then the VAE posteriors, as A2's inference orders its draws
             f_total = clip_frames
@@ -474,7 +547,7 @@ def main(cfg: TrainConfig) -> dict:
             vae_ = PosteriorCache(latents_config, [p.to(device) for p in batch["posteriors"]]) if cached else vae
             x0, cond = encode_latents(vae_, batch, gens, cfg.vae_sample_mode)
             condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
-            if condition is not None and cfg.e2v_type == "clip":
+            if condition is not None and e2v_type == "clip":
                 condition = torch.zeros_like(condition)
             text = batch["text"].to(device) if cached else encode_prompt(tokenizer, text_encoder, batch["prompts"])
             text = torch.where(torch.tensor(drop_text, device=device)[:, None, None], empty_text, text)
@@ -508,6 +581,8 @@ def main(cfg: TrainConfig) -> dict:
         return per_sample.mean(), tokens, viz
 
     # ---------------------------------------------------------------- validation videos
+    frozen = {}
+
     def validate(step: int):
         if not (cfg.val_elements or text_only) or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks run the forwards
             return
@@ -522,7 +597,16 @@ def main(cfg: TrainConfig) -> dict:
                 items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
             refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
         transformer.eval()
-        pipe = A2Pipeline(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
+        experts = {}
+        if info.two_experts:  # the other expert, frozen, loaded once at the first validation (memory: one more model)
+            if "other" not in frozen:
+                other = "low" if cfg.expert == "high" else "high"
+                frozen["other"] = load_transformer(model_dir, frozen_dtype, EXPERTS[other]).to(device).eval()
+            high, low = ((transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer))
+            experts = dict(transformer_2=low, boundary_ratio=info.boundary_ratio)
+        else:
+            high = transformer
+        pipe = A2Pipeline(high, vae, tokenizer, text_encoder, image_encoder, image_processor, **experts)
         with amp:
             out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                        num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,

@@ -77,15 +77,17 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_lora(run_dir: Path, model) -> tuple[Path, Path]:
-    """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file)."""
+def export_lora(run_dir: Path, model, expert: str | None = None) -> tuple[Path, Path]:
+    """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file).
+    A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors."""
     from diffusers.loaders import WanLoraLoaderMixin
     from safetensors.torch import save_file
 
+    names = [n.replace("weights", f"weights_{expert}") if expert else n for n in (DIFFUSERS_NAME, COMFY_NAME)]
     sd = adapter_state_dict(model)
-    WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=DIFFUSERS_NAME)
-    save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / COMFY_NAME, metadata={"format": "pt"})
-    return run_dir / DIFFUSERS_NAME, run_dir / COMFY_NAME
+    WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=names[0])
+    save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / names[1], metadata={"format": "pt"})
+    return run_dir / names[0], run_dir / names[1]
 
 
 def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default") -> None:

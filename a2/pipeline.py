@@ -17,7 +17,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 from tqdm import tqdm
 
-from a2.transformer import TEXT_TOKENS, is_e2v
+from a2.transformer import TEXT_TOKENS, expert_for_timestep, is_e2v
 
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial
@@ -339,50 +339,60 @@ def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000
 
 
 class A2Pipeline(WanLoraLoaderMixin):
-    """Prompt + element images -> video, on an E2V (A2 / Wan I2V) or T2V Wan transformer.
+    """Prompt + element images -> video, on an E2V (A2 / Wan I2V) or T2V Wan transformer, or a Wan 2.2
+    A14B expert pair (`transformer` for the high-noise steps, `transformer_2` below the boundary).
 
     A plain class (diffusers' WanImageToVideoPipeline takes one image); LoRA loading comes from
-    diffusers' Wan loader mixin, so `load_lora_weights` reads diffusers, original-Wan and musubi keys."""
+    diffusers' Wan loader mixin, so `load_lora_weights` reads diffusers, original-Wan and musubi keys
+    (`load_into_transformer_2=True` puts a LoRA on the low-noise expert)."""
 
-    _lora_loadable_modules = ["transformer"]
+    _lora_loadable_modules = ["transformer", "transformer_2"]
     transformer_name = "transformer"
     hf_device_map = None  # read by the LoRA loader mixin (no accelerate device map here)
 
-    def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None):
+    def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
+                 transformer_2=None, boundary_ratio: float | None = None):
+        if (transformer_2 is None) != (boundary_ratio is None):
+            raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
         self.tokenizer, self.text_encoder = tokenizer, text_encoder
         self.image_encoder, self.image_processor = image_encoder, image_processor
+        self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
-                        image_encoder_dir=None):
-        """Load each component from a diffusers-format dir (`tiny` / `tiny-t2v`: the built-in offline tiny models)."""
+                        image_encoder_dir=None, transformer_2=None):
+        """Load each component from a diffusers-format dir (`tiny`... = a built-in offline tiny model).
+
+        The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
+        experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory)."""
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-        from a2.tiny import model_path
-        from a2.transformer import load_transformer
+        from a2.transformer import detect_model, load_transformer
 
-        model_dir = model_path(model_dir)
-        if not (model_dir / "model_index.json").exists():
-            raise FileNotFoundError(f"{model_dir}: no model_index.json; expected a diffusers-format Wan/A2 model dir")
+        info = detect_model(model_dir, image_encoder_dir)
+        model_dir = info.path
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
+        if info.two_experts and transformer_2 is None:
+            transformer_2 = load_transformer(model_dir, dtype, subfolder="transformer_2")
         vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
         text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
         image_encoder = image_processor = None
         if transformer.config.image_dim is not None:
-            src = Path(image_encoder_dir) if image_encoder_dir else model_dir
-            if not (src / "image_encoder").exists():
-                raise FileNotFoundError(f"{src}: the transformer has an image branch but there is no image_encoder/; "
-                                        "pass --image-encoder DIR")
+            src = info.image_encoder_dir
+            if src is None:
+                raise FileNotFoundError(f"{model_dir}: the transformer has an image branch but there is no "
+                                        "image_encoder/; pass --image-encoder DIR")
             image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=dtype)
             image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
-        pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor)
+        pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
+                   transformer_2 if info.two_experts else None, info.boundary_ratio)
         return pipe.to(device)
 
     def to(self, device):
-        for m in (self.transformer, self.vae, self.text_encoder, self.image_encoder):
+        for m in (self.transformer, self.transformer_2, self.vae, self.text_encoder, self.image_encoder):
             if m is not None:
                 m.to(device).eval()
         return self
@@ -393,8 +403,8 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     @property
     def components(self) -> dict:  # read by the LoRA loader mixin
-        return dict(transformer=self.transformer, vae=self.vae, text_encoder=self.text_encoder,
-                    image_encoder=self.image_encoder)
+        return dict(transformer=self.transformer, transformer_2=self.transformer_2, vae=self.vae,
+                    text_encoder=self.text_encoder, image_encoder=self.image_encoder)
 
     @torch.no_grad()
     def __call__(
@@ -410,6 +420,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         num_frames: int = 81,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
+        guidance_scale_2: float | None = None,
         scheduler: str = "unipc",
         flow_shift: float = 8.0,
         combine: str = "before",
@@ -425,6 +436,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         posterior is sampled with the same generator (A2's order, needed for bit-parity).
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
+        Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
+        else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition, num_ref_latents)."""
         tr = self.transformer
         check_size(height, width, num_frames)
@@ -453,16 +466,21 @@ class A2Pipeline(WanLoraLoaderMixin):
                                    combine=combine, sample_mode=sample_mode, generator=generator)
             condition, num_ref = cond.condition.to(device), cond.num_ref_latents
 
+        if self.boundary_ratio is None and guidance_scale_2 is not None:
+            raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
+        guidance_scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
         for t_ in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
+            low = expert_for_timestep(t_, self.boundary_ratio, sched.config.num_train_timesteps) == "low"
+            model, scale = (self.transformer_2, guidance_scale_2) if low else (tr, guidance_scale)
             x = latents if condition is None else torch.cat([latents, condition], dim=1)
             x = x.to(dtype)
             timestep = t_.expand(1)
-            noise_pred = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                            encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+            noise_pred = model(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                               encoder_hidden_states_image=image_embeds, return_dict=False)[0]
             if negative_embeds is not None:  # CFG on text only: the same image tokens in both branches (A2)
-                noise_uncond = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
-                                  encoder_hidden_states_image=image_embeds, return_dict=False)[0]
-                noise_pred = noise_uncond + guidance_scale * (noise_pred - noise_uncond)
+                noise_uncond = model(hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
+                                     encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
             latents = sched.step(noise_pred.float(), t_, latents, return_dict=False)[0]
 
         video = None

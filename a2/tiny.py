@@ -2,9 +2,11 @@
 
 Same classes as the real model (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, a fast
 tokenizer, CLIPVisionModel giving 257 tokens like ViT-H/14, CLIPImageProcessor, UniPC), saved in
-diffusers format, so every test and the demo go through the real loading code.
+diffusers format, so every test and the demo go through the real loading code. Also shaped like
+Wan2.1 T2V (--t2v) and the Wan 2.2 A14B expert pairs (--wan22: T2V, or I2V with 36 input channels
+and no image branch).
 
-    python -m a2.tiny OUT_DIR [--t2v]
+    python -m a2.tiny OUT_DIR [--t2v] [--wan22]
 """
 
 from __future__ import annotations
@@ -41,8 +43,20 @@ def tiny_tokenizer():
                                    model_max_length=512)
 
 
-def build_tiny(seed: int = 0, t2v: bool = False) -> dict:
-    """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True."""
+# Wan 2.2 A14B's switch points: the high-noise expert takes timesteps >= ratio*1000
+WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
+
+# `--model` names of the built-in tiny models -> tiny_model_dir arguments
+TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
+               "tiny-wan22-i2v": dict(wan22=True)}
+
+
+def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False) -> dict:
+    """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
+
+    wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
+    other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
+    branch and no CLIP, as Wan2.2-I2V-A14B."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import (
         CLIPImageProcessor,
@@ -60,12 +74,17 @@ def build_tiny(seed: int = 0, t2v: bool = False) -> dict:
     )).eval()
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
                            temperal_downsample=[False, True, True]).eval()
-    transformer = WanTransformer3DModel(**preset_config("tiny", e2v=not t2v)).eval()
+    tcfg = preset_config("tiny", e2v=not t2v)
+    if wan22:
+        tcfg.update(image_dim=None, added_kv_proj_dim=None)
+    transformer = WanTransformer3DModel(**tcfg).eval()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=8.0)
     parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                  scheduler=scheduler)
-    if not t2v:
+    if wan22:
+        parts.update(transformer_2=WanTransformer3DModel(**tcfg).eval(), boundary_ratio=WAN22_BOUNDARY[t2v])
+    elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=224,
             patch_size=14, projection_dim=32,
@@ -77,18 +96,18 @@ def build_tiny(seed: int = 0, t2v: bool = False) -> dict:
     return parts
 
 
-def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False) -> Path:
+def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False) -> Path:
     """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     out_dir = Path(out_dir)
-    parts = build_tiny(seed, t2v)
+    parts = build_tiny(seed, t2v, wan22)
     pipe = WanPipeline(**parts) if t2v else WanImageToVideoPipeline(**parts)
     pipe.save_pretrained(out_dir)
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False) -> Path:
+def tiny_model_dir(t2v: bool = False, wan22: bool = False) -> Path:
     """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
@@ -99,13 +118,13 @@ def tiny_model_dir(t2v: bool = False) -> Path:
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
     root.mkdir(parents=True, exist_ok=True)
-    d = root / ("tiny-t2v" if t2v else "tiny-i2v")
+    d = root / (("tiny-wan22-" if wan22 else "tiny-") + ("t2v" if t2v else "i2v"))
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (d / "model_index.json").exists():
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_tiny(tmp, t2v=t2v)
+            save_tiny(tmp, t2v=t2v, wan22=wan22)
             os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 
@@ -120,4 +139,4 @@ def model_path(name) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv))
+    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv, wan22="--wan22" in sys.argv))

@@ -8,6 +8,8 @@ to the E2V inputs (36 channels, CLIP image tokens) that leaves its output unchan
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +66,168 @@ def has_image_branch(transformer: WanTransformer3DModel) -> bool:
     return transformer.config.image_dim is not None
 
 
+# ---------------------------------------------------------------- model dirs: what is in them
+
+
+class UnsupportedModel(ValueError):
+    """A model dir this project cannot train or sample from; the message names the dir and the reason."""
+
+
+# transformer classes whose weights load into WanTransformer3DModel unchanged (A2's own class subclasses it)
+WAN_TRANSFORMER_CLASSES = ("WanTransformer3DModel", "A2Model")
+EXPERTS = {"high": "transformer", "low": "transformer_2"}  # Wan 2.2 A14B: subfolder of each noise-level expert
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What detect_model read from a model dir's configs."""
+
+    path: Path
+    name: str  # SkyReels-A2 | Wan2.1 I2V | Wan2.1 T2V | Wan2.2 T2V A14B | Wan2.2 I2V A14B
+    in_channels: int  # 16 (T2V) or 36 (I2V/E2V: noisy | mask | condition)
+    image_branch: bool  # the transformer takes CLIP image tokens (image_dim is set)
+    image_encoder_dir: Path | None  # a dir with image_encoder/ + image_processor/ (the model's or --image-encoder)
+    image_encoder_dim: int | None  # that CLIP's hidden size (ViT-H/14: 1280), the image_dim of an expansion
+    boundary_ratio: float | None  # Wan 2.2 A14B: `transformer` (high) for timesteps >= ratio*1000, else `transformer_2`
+
+    @property
+    def e2v(self) -> bool:
+        return self.in_channels == E2V_IN_CHANNELS
+
+    @property
+    def two_experts(self) -> bool:
+        return self.boundary_ratio is not None
+
+    def subfolder(self, expert: str | None) -> str:
+        """The transformer subfolder to train: `transformer`, or a Wan 2.2 expert's (`--expert high|low`)."""
+        if self.two_experts and expert is None:
+            raise UnsupportedModel(f"{self.path}: {self.name} has two experts (boundary_ratio {self.boundary_ratio}); "
+                                   "train one at a time with --expert high or --expert low")
+        if not self.two_experts and expert is not None:
+            raise UnsupportedModel(f"{self.path}: {self.name} has one transformer; --expert is for Wan 2.2 A14B")
+        if expert is not None and expert not in EXPERTS:
+            raise ValueError(f"--expert must be one of {sorted(EXPERTS)}, got {expert!r}")
+        return EXPERTS[expert] if expert else "transformer"
+
+
+def _read_json(path: Path, model_dir: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnsupportedModel(f"{model_dir}: {path.relative_to(model_dir)} is missing") from None
+    except json.JSONDecodeError as e:
+        raise UnsupportedModel(f"{model_dir}: {path.relative_to(model_dir)} is not valid JSON ({e})") from None
+
+
+def _listed(index: dict, name: str) -> bool:
+    """model_index.json lists a component as [library, class]; [null, null] (or absent) means none."""
+    v = index.get(name)
+    return isinstance(v, list) and len(v) == 2 and v[0] is not None
+
+
+def detect_model(model_dir, image_encoder=None) -> ModelInfo:
+    """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
+
+    Supported: SkyReels-A2 and Wan2.1 I2V 14B 480P/720P (36 input channels, CLIP image branch), Wan2.1 T2V
+    1.3B/14B (16 channels), Wan 2.2 A14B T2V/I2V (two experts `transformer`/`transformer_2` switched at
+    `boundary_ratio`; the I2V pair has 36 channels but no image branch). `tiny`, `tiny-t2v`, `tiny-wan22-t2v`
+    and `tiny-wan22-i2v` name the built-in offline tiny models. `image_encoder` is a dir with
+    image_encoder/ + image_processor/ that overrides the model's own (for a T2V model expanded to E2V)."""
+    from a2.tiny import TINY_MODELS, tiny_model_dir
+
+    if str(model_dir) in TINY_MODELS:
+        model_dir = tiny_model_dir(**TINY_MODELS[str(model_dir)])
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or one of "
+                               f"{sorted(TINY_MODELS)})")
+    if not (d / "model_index.json").exists():
+        raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
+                               "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V); original Wan checkpoints need converting")
+    index = _read_json(d / "model_index.json", d)
+    if index.get("expand_timesteps"):
+        raise UnsupportedModel(f"{d}: expand_timesteps is set (Wan 2.2 TI2V-5B, per-token timesteps and a "
+                               "48-channel VAE): not supported")
+    for part in ("transformer", "vae", "text_encoder", "tokenizer"):
+        if not _listed(index, part) or not (d / part).is_dir():
+            raise UnsupportedModel(f"{d}: component {part!r} is missing (model_index.json lists "
+                                   f"{index.get(part)!r}; dir {'present' if (d / part).is_dir() else 'absent'})")
+    vae = _read_json(d / "vae" / "config.json", d)
+    if vae.get("_class_name") != "AutoencoderKLWan" or vae.get("z_dim") != Z_DIM:
+        raise UnsupportedModel(f"{d}: vae is {vae.get('_class_name')} with z_dim {vae.get('z_dim')}; need the Wan "
+                               f"2.1 AutoencoderKLWan, z_dim {Z_DIM} (Wan 2.2 TI2V-5B's 48-channel VAE: not supported)")
+
+    experts = ["transformer"]
+    ratio = index.get("boundary_ratio")
+    if _listed(index, "transformer_2"):
+        if not isinstance(ratio, int | float) or not 0 < ratio < 1:
+            raise UnsupportedModel(f"{d}: transformer_2 is listed but boundary_ratio is {ratio!r}; a Wan 2.2 A14B "
+                                   "dir switches experts at a boundary_ratio in (0, 1)")
+        experts.append("transformer_2")
+    elif ratio is not None:
+        raise UnsupportedModel(f"{d}: boundary_ratio {ratio} is set but there is no transformer_2")
+    configs = []
+    for sub in experts:
+        cfg = _read_json(d / sub / "config.json", d)
+        cls = cfg.get("_class_name")
+        if cls not in WAN_TRANSFORMER_CLASSES:
+            raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
+                                   f"({' / '.join(WAN_TRANSFORMER_CLASSES)})")
+        cin, cout, image_dim = cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("image_dim")
+        if cin not in (Z_DIM, E2V_IN_CHANNELS) or cout != Z_DIM:
+            raise UnsupportedModel(f"{d}: {sub} has in_channels {cin}, out_channels {cout}; supported: in 16 (T2V) "
+                                   f"or 36 (I2V/E2V), out 16")
+        if image_dim is not None and cin != E2V_IN_CHANNELS:
+            raise UnsupportedModel(f"{d}: {sub} has an image branch but {cin} input channels (I2V needs 36)")
+        configs.append((cin, image_dim is not None))
+    if len(set(configs)) > 1:
+        raise UnsupportedModel(f"{d}: transformer and transformer_2 take different inputs "
+                               f"(in_channels, image branch) {configs[0]} vs {configs[1]}")
+    in_channels, image_branch = configs[0]
+
+    enc = Path(image_encoder) if image_encoder else d
+    if not ((enc / "image_encoder" / "config.json").exists() and (enc / "image_processor").is_dir()):
+        if image_encoder:
+            raise UnsupportedModel(f"{enc}: --image-encoder needs image_encoder/ (CLIPVisionModel) and "
+                                   "image_processor/ subfolders")
+        enc = None
+    if image_branch and enc is None:
+        raise UnsupportedModel(f"{d}: the transformer has a CLIP image branch (image_dim) but there is no "
+                               "image_encoder/ + image_processor/; pass --image-encoder DIR")
+    enc_dim = _read_json(enc / "image_encoder" / "config.json", enc).get("hidden_size") if enc else None
+
+    two = len(experts) == 2
+    if two:
+        name = "Wan2.2 I2V A14B" if in_channels == E2V_IN_CHANNELS else "Wan2.2 T2V A14B"
+        if image_branch:
+            raise UnsupportedModel(f"{d}: a two-expert model with a CLIP image branch is not a known Wan 2.2 model")
+    elif in_channels == Z_DIM:
+        name = "Wan2.1 T2V"
+    elif not image_branch:
+        raise UnsupportedModel(f"{d}: 36 input channels without an image branch and one transformer: not a known "
+                               "Wan model (Wan 2.2 I2V A14B has transformer_2 and boundary_ratio)")
+    else:  # A2 ships the same architecture as Wan2.1 I2V; its own classes name it
+        a2 = index.get("_class_name") == "A2Pipeline" or _read_json(d / "transformer" / "config.json", d).get(
+            "_class_name") == "A2Model"
+        name = "SkyReels-A2" if a2 else "Wan2.1 I2V"
+    return ModelInfo(d, name, in_channels, image_branch, enc, enc_dim, float(ratio) if two else None)
+
+
+def expert_for_timestep(t, boundary_ratio: float | None, num_train_timesteps: int = 1000) -> str | None:
+    """Which Wan 2.2 expert denoises at timestep t, as diffusers' Wan pipelines decide: high when
+    t >= boundary_ratio * num_train_timesteps, else low (None for a one-transformer model)."""
+    if boundary_ratio is None:
+        return None
+    return "high" if t >= boundary_ratio * num_train_timesteps else "low"
+
+
+def expert_sigma_range(expert: str | None, boundary_ratio: float | None) -> tuple[float, float]:
+    """[lo, hi) of the sigmas an expert is trained on (timestep = 1000·sigma); high includes sigma = 1."""
+    if expert is None:
+        return 0.0, 1.0
+    return (boundary_ratio, 1.0) if expert == "high" else (0.0, boundary_ratio)
+
+
 def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, subfolder: str = "transformer"):
     """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`) or a transformer dir."""
     model_dir = Path(model_dir)
@@ -75,20 +239,21 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
 
 
 @torch.no_grad()
-def expand_to_e2v(base: WanTransformer3DModel, image_dim: int = 1280, seed: int = 0) -> WanTransformer3DModel:
+def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, seed: int = 0) -> WanTransformer3DModel:
     """A T2V transformer -> the E2V architecture with the same output at init.
 
     The patch embedding is widened from 16 to 36 input channels with the new (mask, condition)
     channels zero, so they contribute nothing. The image branch (image embedder, add_k_proj,
     add_v_proj, norm_added_k) is added with add_v_proj zero: the image attention then returns 0
     and is added to the text attention, so the block output is unchanged, while add_k_proj and the
-    embedder are random so that gradients reach them as soon as add_v_proj moves."""
+    embedder are random so that gradients reach them as soon as add_v_proj moves. image_dim=None:
+    no image branch (E2V through the VAE path only)."""
     if is_e2v(base) or has_image_branch(base):
         raise ValueError("expand_to_e2v expects a T2V transformer (in_channels 16, no image branch)")
     cfg = dict(base.config)
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    cfg.update(in_channels=E2V_IN_CHANNELS, image_dim=image_dim, added_kv_proj_dim=inner)
+    cfg.update(in_channels=E2V_IN_CHANNELS, image_dim=image_dim, added_kv_proj_dim=inner if image_dim else None)
     torch.manual_seed(seed)
     e2v = WanTransformer3DModel(**cfg).to(base.dtype)
     missing, unexpected = e2v.load_state_dict(
@@ -101,7 +266,7 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int = 1280, seed: int 
     w = base.patch_embedding.weight  # (inner, 16, 1, 2, 2)
     e2v.patch_embedding.weight.zero_()
     e2v.patch_embedding.weight[:, : w.shape[1]] = w
-    for block in e2v.blocks:
+    for block in e2v.blocks if image_dim else ():
         block.attn2.add_v_proj.weight.zero_()
         block.attn2.add_v_proj.bias.zero_()
     return e2v
