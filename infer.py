@@ -24,7 +24,7 @@ import tyro
 
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
-from a2.transformer import detect_model, is_e2v
+from a2.transformer import detect_model, is_e2v, load_transformer
 from config import A2_ELEMENTS, Element, parse_elements
 
 
@@ -33,6 +33,14 @@ class InferConfig:
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
     model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v). A Wan 2.2 pair samples with both experts."""
+    transformer: str | None = None
+    """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
+    T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
+    transformer_2: str | None = None
+    """Wan 2.2 A14B: a low-noise expert dir replacing the model's transformer_2 (runs/<run>/transformer_2)."""
+    image_encoder: str | None = None
+    """Dir with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose model dir has
+    none (a T2V base expanded to E2V)."""
     elements: tuple[str, ...] = ()
     """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
     Empty for a T2V model (text only)."""
@@ -181,7 +189,7 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, prompts: list[str], refs, clip_
 
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
-    info = detect_model(cfg.model)  # an unsupported dir fails here, before anything is read or loaded
+    info = detect_model(cfg.model, cfg.image_encoder)  # an unsupported dir fails here, before anything is loaded
     if info.two_experts and cfg.lora:
         raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
@@ -203,7 +211,9 @@ def main(cfg: InferConfig) -> int:
             raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
                              f"num_frames={cfg.num_frames} leaves none to generate")
     dtype = getattr(torch, cfg.dtype)
-    pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device)
+    transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
+    pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
+                                      transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
     if items and not is_e2v(pipe.transformer):
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
                          "a prompt only, no --elements")

@@ -444,6 +444,9 @@ def main(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = load_transformer(model_dir, torch.float32, subfolder)
     if expand:
+        if cfg.training_type == "lora":  # the new input channels (and image K/V) must train, and ship with the model
+            raise ValueError(f"{model_dir} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
+                             "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
         log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
         transformer = expand_to_e2v(transformer, image_dim=info.image_encoder_dim if e2v_type != "vae" else None,
                                     seed=cfg.seed)

@@ -181,7 +181,7 @@ def test_t2v_only_training_then_text_only_generation(t2v_run, tiny_t2v_dir, tmp_
 
 
 def test_t2v_misuse_is_a_clear_error(npz_data, tiny_dir, tiny_t2v_dir, tmp_path):
-    with pytest.raises(ValueError, match="is an E2V/I2V model .* text-only training needs a T2V model"):
+    with pytest.raises(ValueError, match="takes 36 input channels .* T2V-only training .* needs a T2V model"):
         train(*t2v_args(tiny_dir, npz_data / "train.jsonl", tmp_path, "e2v", "--max-steps", "1"))
     with pytest.raises(ValueError, match="drop --elements"):
         train(*t2v_args(tiny_t2v_dir, npz_data / "train.jsonl", tmp_path, "el", "--elements", "subject=_p.png"))

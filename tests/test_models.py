@@ -296,10 +296,23 @@ def test_t2v_base_e2v_vae_only(tiny_t2v_dir, tiny_dir, data_dir, tmp_path, monke
     made = []
     real = train_a2.expand_to_e2v
     monkeypatch.setattr(train_a2, "expand_to_e2v", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    train(*args(data_dir, tmp_path, "vae", "--e2v-type", "vae", "--max-steps", "1", model=tiny_t2v_dir))
-    train(*args(data_dir, tmp_path, "dual", "--image-encoder", str(tiny_dir), "--max-steps", "1",
-                model=tiny_t2v_dir))
+    full = ("--training-type", "full", "--max-steps", "1")  # the widened input layer must train and ship
+    train(*args(data_dir, tmp_path, "vae", "--e2v-type", "vae", *full, model=tiny_t2v_dir))
+    run = train(*args(data_dir, tmp_path, "dual", "--image-encoder", str(tiny_dir), *full, model=tiny_t2v_dir))
     assert [m.config.image_dim for m in made] == [None, 32]
+    with pytest.raises(ValueError, match="a LoRA cannot train or carry"):
+        train(*args(data_dir, tmp_path, "lora", "--image-encoder", str(tiny_dir), "--max-steps", "1",
+                    model=tiny_t2v_dir))
+    # the E2V fine-tune of the T2V base samples with elements through infer.py (--transformer, --image-encoder)
+    import infer
+
+    els = tuple(str(sorted(data_dir.glob(f"*{s}"))[0]) for s in ("_person.png", "_object.png", "_background.png"))
+    out = tmp_path / "e2v.pt"
+    assert infer.main(infer.InferConfig(model=str(tiny_t2v_dir), transformer=str(run["weights"]),
+                                        image_encoder=str(tiny_dir), elements=els, height=32, width=32,
+                                        num_frames=21, steps=2, device="cpu", decode="none",
+                                        save_latents=str(out))) == 0
+    assert torch.load(out)["condition"].shape[1] == 20  # mask | reference latents: the E2V path ran
     with pytest.raises(UnsupportedModel, match=r"is a T2V model: E2V training expands it and needs a CLIP"):
         train(*args(data_dir, tmp_path, "none", "--max-steps", "1", model=tiny_t2v_dir))
 
