@@ -380,15 +380,22 @@ def main(cfg: TrainConfig) -> dict:
             image_processor = CLIPImageProcessor.from_pretrained(image_src, subfolder="image_processor")
 
     # ---------------------------------------------------------------- precompute cache (then exit)
+    def h2d(x: torch.Tensor) -> torch.Tensor:
+        """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
+        .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""
+        if not use_cuda:
+            return x
+        return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+
     def encode_latents(vae_, batch, gens, sample_mode):
         """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so
         that a recording PosteriorCache (--precompute) and a replaying one (training from the cache) see the
         same calls as the live VAE."""
         cached = "posteriors" in batch
         # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
-        video = torch.empty(batch["video_shape"], device="meta") if cached else batch["video"].to(device)
+        video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"])
         if prefix:
-            refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"].to(device)
+            refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"])
             f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
             cond = prepare_latents(vae_, f_total, references=refs, repeats=batch["repeats"],
                                    combine=vae_cfg.combine, sample_mode=sample_mode, generator=gens)
@@ -539,26 +546,26 @@ def main(cfg: TrainConfig) -> dict:
         gens = [sample_generator(cfg.seed, key, k) for k in ks]
         drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
         drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
-        sigmas = torch.tensor([sample_sigma(cfg, g, *sigma_range) for g in gens], device=device)
+        sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *sigma_range) for g in gens]))
         with torch.no_grad():
             # noise first, then the VAE posteriors, as A2's inference orders its draws
             f_total = clip_frames
             if prefix:
                 f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
             t_lat = (f_total - 1) // 4 + 1
-            noise = torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]).to(device)
-            vae_ = PosteriorCache(latents_config, [p.to(device) for p in batch["posteriors"]]) if cached else vae
+            noise = h2d(torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]))
+            vae_ = PosteriorCache(latents_config, [h2d(p) for p in batch["posteriors"]]) if cached else vae
             x0, cond = encode_latents(vae_, batch, gens, cfg.vae_sample_mode)
             condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
             if condition is not None and e2v_type == "clip":
                 condition = torch.zeros_like(condition)
-            text = batch["text"].to(device) if cached else encode_prompt(tokenizer, text_encoder, batch["prompts"])
-            text = torch.where(torch.tensor(drop_text, device=device)[:, None, None], empty_text, text)
+            text = h2d(batch["text"]) if cached else encode_prompt(tokenizer, text_encoder, batch["prompts"])
+            text = torch.where(h2d(torch.tensor(drop_text))[:, None, None], empty_text, text)
             image = None
             if use_clip:
-                image = (batch["clip"].to(device) if cached else
+                image = (h2d(batch["clip"]) if cached else
                          encode_image(image_encoder, image_processor, batch["ref_clip"].to(device)))
-            keep_refs = torch.tensor([not d for d in drop_refs], device=device, dtype=torch.float32)
+            keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32))
             if condition is not None:
                 condition = condition * keep_refs[:, None, None, None, None]
             if image is not None:
