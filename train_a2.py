@@ -343,7 +343,7 @@ def main(cfg: TrainConfig) -> dict:
     info = detect_model(cfg.model, cfg.image_encoder)  # clear errors for unsupported dirs, before any weights load
     model_dir = info.path
     subfolder = info.subfolder(cfg.expert)  # a Wan 2.2 pair trains one expert: only it is loaded
-    conditioned = prefix or vae_cfg.frame_conditioning != "full"
+    conditioned = not text_only
     e2v_type = resolve_e2v_type(info, cfg.e2v_type, conditioned)
     sigma_range = expert_sigma_range(cfg.expert, info.boundary_ratio)
     log(f"model {model_dir}: {info.name}" + (f", E2V type {e2v_type}" if conditioned else ", T2V"))
