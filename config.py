@@ -398,7 +398,8 @@ class TrainConfig:
     val_prompt: str = "A man is holding a teddy bear in the forest."
     val_steps: int = 30
     val_guidance_scale: float = 5.0
-    val_flow_shift: float = 8.0
+    val_flow_shift: float | None = None
+    """Sampler shift of the validation videos (default: the model dir's scheduler config)."""
 
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:

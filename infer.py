@@ -58,8 +58,8 @@ class InferConfig:
     guidance_scale_2: float | None = None
     """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
     seed: int = 42
-    flow_shift: float = 8.0
-    """Sigma shift of the sampler (A2 uses 8; Wan I2V 480P uses 3-5)."""
+    flow_shift: float | None = None
+    """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
     scheduler: Literal["unipc", "euler"] = "unipc"
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""

@@ -54,6 +54,7 @@ from a2.pipeline import (
     encode_prompt,
     encode_vae,
     load_references,
+    model_flow_shift,
     num_ref_latents,
     prepare_latents,
     save_video,
@@ -616,7 +617,8 @@ def main(cfg: TrainConfig) -> dict:
             experts = dict(transformer_2=low, boundary_ratio=info.boundary_ratio)
         else:
             high = transformer
-        pipe = A2Pipeline(high, vae, tokenizer, text_encoder, image_encoder, image_processor, **experts)
+        pipe = A2Pipeline(high, vae, tokenizer, text_encoder, image_encoder, image_processor, **experts,
+                          flow_shift=model_flow_shift(model_dir))
         with amp:
             out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                        num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,

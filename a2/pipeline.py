@@ -326,6 +326,17 @@ A2_NEGATIVE_PROMPT = (
 )
 
 
+def model_flow_shift(model_dir, default: float = 8.0) -> float:
+    """The sampler shift a model dir ships (scheduler_config flow_shift / shift: A2 8, Wan2.1 T2V 3, ...)."""
+    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    if not path.exists():
+        return default
+    import json
+
+    c = json.loads(path.read_text())
+    return float(c.get("flow_shift") or c.get("shift") or default)
+
+
 def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000):
     """UniPC (A2 and Wan's default; A2 uses flow_shift 8) or FlowMatchEuler, both in flow-matching mode."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
@@ -351,13 +362,14 @@ class A2Pipeline(WanLoraLoaderMixin):
     hf_device_map = None  # read by the LoRA loader mixin (no accelerate device map here)
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
-                 transformer_2=None, boundary_ratio: float | None = None):
+                 transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
         self.tokenizer, self.text_encoder = tokenizer, text_encoder
         self.image_encoder, self.image_processor = image_encoder, image_processor
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
+        self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -388,7 +400,7 @@ class A2Pipeline(WanLoraLoaderMixin):
             image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=dtype)
             image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
-                   transformer_2 if info.two_experts else None, info.boundary_ratio)
+                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir))
         return pipe.to(device)
 
     def to(self, device):
@@ -422,7 +434,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         guidance_scale: float = 5.0,
         guidance_scale_2: float | None = None,
         scheduler: str = "unipc",
-        flow_shift: float = 8.0,
+        flow_shift: float | None = None,
         combine: str = "before",
         sample_mode: str = "sample",
         generator: torch.Generator | None = None,
@@ -436,13 +448,14 @@ class A2Pipeline(WanLoraLoaderMixin):
         posterior is sampled with the same generator (A2's order, needed for bit-parity).
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
+        flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition, num_ref_latents)."""
         tr = self.transformer
         check_size(height, width, num_frames)
         device, dtype = self.device, tr.dtype
-        sched = make_scheduler(scheduler, flow_shift)
+        sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
         sched.set_timesteps(num_inference_steps, device=device)
 
         prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)

@@ -6,6 +6,7 @@ import sys
 import imageio.v3 as iio
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tests.conftest import ROOT
@@ -74,3 +75,21 @@ def test_infer_unreadable_image(tiny_dir, tmp_path):
     bad.write_bytes(b"not a png")
     with pytest.raises(ValueError, match="broken.png: element 'subject' is not a readable image"):
         infer_main(tiny_dir, elements=(str(bad),))
+
+
+def test_flow_shift_defaults_to_the_model_dirs(tiny_t2v_dir, tmp_path):
+    """A T2V model ships its own sampler shift (Wan2.1 T2V: 3): with no --flow-shift infer.py samples with it."""
+    import json
+    import shutil
+
+    model = tmp_path / "t2v_shift3"
+    shutil.copytree(tiny_t2v_dir, model)
+    cfg_path = model / "scheduler" / "scheduler_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "flow_shift": 3.0}))
+    runs = {}
+    for name, shift in (("default", None), ("three", 3.0), ("eight", 8.0)):
+        out = tmp_path / f"{name}.pt"
+        assert infer_main(model, flow_shift=shift, decode="none", save_latents=str(out)) == 0
+        runs[name] = torch.load(out)["latents"]
+    assert torch.equal(runs["default"], runs["three"])
+    assert (runs["default"] - runs["eight"]).abs().max() > 1e-3
