@@ -95,6 +95,26 @@ def parse_elements(specs) -> tuple[Element, ...]:
     return check_elements([parse_element(s, i) for i, s in enumerate(specs)], "--elements")
 
 
+def pair_elements(images, specs: tuple[Element, ...]) -> list[tuple[Element, str]]:
+    """Pair each element image (`path` or `name=path`) with its spec: by name when named, else by position."""
+    by_name = {e.name: e for e in specs}
+    if len(images) > len(specs):
+        raise ValueError(f"{len(images)} element images but only {len(specs)} element specs")
+    items = []
+    for i, item in enumerate(images):
+        name, sep, path = item.partition("=")
+        if sep and name in by_name:
+            items.append((by_name[name], path))
+        elif sep and not Path(item).exists():
+            raise ValueError(f"element image {item}: unknown element name {name!r}; known: {sorted(by_name)}")
+        else:
+            items.append((specs[i], item))
+    names = [e.name for e, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"element given twice in {names}")
+    return items
+
+
 # ---------------------------------------------------------------- dataset configs
 
 

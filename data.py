@@ -12,10 +12,12 @@ columns, plus optional element-name columns) and the T2V workflow's `train.jsonl
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import os
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -342,6 +344,39 @@ def collate(items: list[dict]) -> dict:
                 ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
                 ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
                 element_names=items[0]["element_names"], repeats=items[0]["repeats"])
+
+
+# ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
+
+
+def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
+              e2v_type: str, prefix_frames: int) -> str:
+    """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
+    file, captions, the dataset/processor configs, clip length, layout, dtype). Any change -> a new dir."""
+    def stat(p: Path):
+        st = p.stat()
+        return [str(p.resolve()), st.st_size, st.st_mtime_ns]
+
+    dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
+    dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
+    key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
+               datasets=[asdict(c) for c in dataset.cfgs], clip_frames=clip_frames, dtype=dtype,
+               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
+               samples=[[stat(s.video), s.caption, {k: stat(Path(v)) for k, v in s.elements.items()}]
+                        for s in dataset.samples])
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: int = 1):
+    """Encode this rank's share of the samples into cache/samples/<index>.pt (skipping those already there, so a
+    killed precompute resumes); `encode(batch) -> dict` runs the encoders on a one-sample batch."""
+    from tqdm import tqdm
+
+    (cache / "samples").mkdir(parents=True, exist_ok=True)
+    todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
+    for i in tqdm(todo, desc="precompute", disable=rank != 0):
+        torch.save(encode(collate([dataset[(i, 0)]])), cache / "samples" / f"{i}.tmp")
+        os.replace(cache / "samples" / f"{i}.tmp", cache / "samples" / f"{i}.pt")
 
 
 # ---------------------------------------------------------------- batching and sharding

@@ -25,7 +25,7 @@ import tyro
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from a2.transformer import detect_model, is_e2v, load_transformer
-from config import A2_ELEMENTS, Element, parse_elements
+from config import A2_ELEMENTS, pair_elements, parse_elements
 
 
 @dataclass
@@ -93,27 +93,6 @@ class InferConfig:
     train.jsonl) without and with --lora, same seed, side by side (left: base, right: LoRA): one mp4 per prompt."""
     out_dir: str = "outputs/eval"
     """Where --prompts-file writes <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
-
-
-def resolve_elements(cfg: InferConfig) -> list[tuple[Element, str]]:
-    """Pair each image with its element spec: by name when given as name=path, else by position."""
-    specs = parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS
-    by_name = {e.name: e for e in specs}
-    if len(cfg.elements) > len(specs):
-        raise ValueError(f"{len(cfg.elements)} element images but only {len(specs)} element specs")
-    items = []
-    for i, item in enumerate(cfg.elements):
-        name, sep, path = item.partition("=")
-        if sep and name in by_name:
-            items.append((by_name[name], path))
-        elif sep and not Path(item).exists():
-            raise ValueError(f"--elements {item}: unknown element name {name!r}; known: {sorted(by_name)}")
-        else:
-            items.append((specs[i], item))
-    names = [e.name for e, _ in items]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--elements: element given twice in {names}")
-    return items
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -202,7 +181,7 @@ def main(cfg: InferConfig) -> int:
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
             raise ValueError("--prompts-file writes videos: it takes no --save-latents / --compare / --decode none")
         prompts = read_prompts(cfg.prompts_file)
-    items = resolve_elements(cfg)
+    items = pair_elements(cfg.elements, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
     refs = clip_refs = None
     repeats: tuple[int, ...] = ()
     if items:  # read and check the images before loading any model

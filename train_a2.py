@@ -13,7 +13,6 @@ compute the same update, and a resumed run continues the same loss curve.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -53,25 +52,26 @@ from a2.pipeline import (
     encode_image,
     encode_prompt,
     encode_vae,
+    load_encoders,
     load_references,
     model_flow_shift,
     num_ref_latents,
     prepare_latents,
     save_video,
+    tensor_to_uint8,
 )
 from a2.transformer import (
     EXPERTS,
-    ModelInfo,
-    UnsupportedModel,
     detect_model,
     enable_checkpointing,
     expand_to_e2v,
     expert_sigma_range,
     is_e2v,
     load_transformer,
+    resolve_e2v_type,
 )
-from config import TrainConfig, dataset_configs, parse_elements
-from data import BucketBatchSampler, E2VDataset, collate, rank_slice
+from config import TrainConfig, dataset_configs, pair_elements
+from data import BucketBatchSampler, E2VDataset, cache_key, collate, rank_slice, write_cache
 
 RANK = int(os.environ.get("RANK", 0))
 
@@ -117,40 +117,12 @@ def sample_sigma(cfg: TrainConfig, g: torch.Generator, lo: float = 0.0, hi: floa
     if lo <= 0.0 and hi >= 1.0:
         if cfg.sigma_sampling == "logit_normal":
             return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
-        u = torch.rand((), generator=g).item()
-        if cfg.sigma_sampling == "uniform":
-            return u
-        return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
+        return sigma_quantile(cfg, torch.rand((), generator=g).item())
     a, b = sigma_cdf(cfg, lo), sigma_cdf(cfg, hi)
     s = sigma_quantile(cfg, a + (b - a) * torch.rand((), generator=g, dtype=torch.float64).item())
     # rounding must not cross the boundary: below hi strictly (in float32, the dtype the timestep is made in)
     top = 1.0 if hi >= 1.0 else float(np.nextafter(np.float32(hi), np.float32(0)))
     return min(max(s, lo), top)
-
-
-def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
-    """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
-    take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
-    where = f"{info.path} ({info.name})"
-    if not conditioned:
-        if info.e2v:
-            raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
-                                   "(no elements, no frame conditioning) needs a T2V model")
-        return "none"
-    if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
-        if e2v_type in ("dual", "clip"):
-            raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "
-                                   f"(--e2v-type vae or auto), not {e2v_type}")
-        return "vae"
-    if not info.e2v:  # a T2V base is expanded to the E2V inputs
-        if info.two_experts:
-            raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
-                                   "keeps 16, and the pair could not be sampled; train T2V here (a dataset config "
-                                   "without elements), or E2V on Wan 2.2 I2V A14B")
-        if e2v_type != "vae" and info.image_encoder_dir is None:
-            raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
-                                   "(--image-encoder DIR) or --e2v-type vae")
-    return "dual" if e2v_type == "auto" else e2v_type
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -223,24 +195,6 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
     for old in sorted(run_dir.glob("ckpt-*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
-              e2v_type: str, cfg: TrainConfig) -> str:
-    """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
-    file, captions, the dataset/processor configs, clip length, layout, dtype). Any change -> a new dir."""
-    def stat(p: Path):
-        st = p.stat()
-        return [str(p.resolve()), st.st_size, st.st_mtime_ns]
-
-    dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
-    dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
-               datasets=[asdict(c) for c in dataset.cfgs], clip_frames=clip_frames, dtype=dtype,
-               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=cfg.prefix_frames,
-               samples=[[stat(s.video), s.caption, {k: stat(Path(v)) for k, v in s.elements.items()}]
-                        for s in dataset.samples])
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_sharded(ckpt: Path, model, opt) -> None:
@@ -332,9 +286,6 @@ def main(cfg: TrainConfig) -> dict:
     sampler = BucketBatchSampler(dataset, global_batch, seed=cfg.seed)
 
     # ---------------------------------------------------------------- models
-    from diffusers import AutoencoderKLWan
-    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
-
     from a2.tiny import model_path
 
     if cfg.model.startswith("tiny") and dist.is_initialized():  # rank 0 builds it: transformers' save_pretrained
@@ -361,7 +312,7 @@ def main(cfg: TrainConfig) -> dict:
         if vae_cfg.frame_conditioning == "random":
             raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
         cache = Path(cfg.cache_dir) / cache_key(model_dir, image_src if use_clip else None, dataset, clip_frames,
-                                                str(frozen_dtype), e2v_type, cfg)
+                                                str(frozen_dtype), e2v_type, cfg.prefix_frames)
         if not cfg.precompute and not (cache / "done").exists():
             raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                     "--precompute first")
@@ -369,16 +320,11 @@ def main(cfg: TrainConfig) -> dict:
         p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors if ds_cfgs[0].visualization.enabled)
     vae = tokenizer = text_encoder = image_encoder = image_processor = None
     if need_encoders:
-        vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
-        vae.to(device).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=frozen_dtype)
-        text_encoder.to(device).eval().requires_grad_(False)
-        if image_branch and image_src is not None:
-            image_encoder = CLIPVisionModel.from_pretrained(image_src, subfolder="image_encoder",
-                                                            torch_dtype=frozen_dtype)
-            image_encoder.to(device).eval().requires_grad_(False)
-            image_processor = CLIPImageProcessor.from_pretrained(image_src, subfolder="image_processor")
+        vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
+            model_dir, image_src if image_branch else None, frozen_dtype)
+        for m in (vae, text_encoder, image_encoder):
+            if m is not None:
+                m.to(device)
 
     # ---------------------------------------------------------------- precompute cache (then exit)
     def h2d(x: torch.Tensor) -> torch.Tensor:
@@ -387,6 +333,12 @@ def main(cfg: TrainConfig) -> dict:
         if not use_cuda:
             return x
         return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+
+    def total_frames(batch) -> int:
+        """Pixel frames of the whole sequence: the clip, plus the reference latents' frames in the prefix layout."""
+        if not prefix:
+            return clip_frames
+        return 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
 
     def encode_latents(vae_, batch, gens, sample_mode):
         """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so
@@ -397,8 +349,7 @@ def main(cfg: TrainConfig) -> dict:
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"])
         if prefix:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"])
-            f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
-            cond = prepare_latents(vae_, f_total, references=refs, repeats=batch["repeats"],
+            cond = prepare_latents(vae_, total_frames(batch), references=refs, repeats=batch["repeats"],
                                    combine=vae_cfg.combine, sample_mode=sample_mode, generator=gens)
             return torch.cat([cond.ref_latents, encode_vae(vae_, video, sample_mode, gens)], dim=2), cond
         x0 = encode_vae(vae_, video, sample_mode, gens)
@@ -412,22 +363,18 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.precompute:
         if cache is None:
             raise ValueError("--precompute needs --cache-dir")
-        (cache / "samples").mkdir(parents=True, exist_ok=True)
-        todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
-        for i in tqdm(todo, desc="precompute", disable=rank != 0):
-            batch = collate([dataset[(i, 0)]])
+
+        def encode(batch):  # one sample: posteriors (recorded, no draw), T5 trimmed to its tokens, CLIP
             rec = PosteriorCache(dict(vae.config), vae=vae)
             with torch.no_grad():
-                encode_latents(rec, batch, None, "argmax")  # records the posteriors; no draw is made
-                text = encode_prompt(tokenizer, text_encoder, batch["prompts"])[0]  # (512, D)
-                n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
-                clip = None
-                if use_clip:
-                    clip = encode_image(image_encoder, image_processor, batch["ref_clip"].to(device))[0]
-            item = dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
+                encode_latents(rec, batch, None, "argmax")
+                text = encode_prompt(tokenizer, text_encoder, batch["prompts"])[0]  # (512, D), zeros after the tokens
+                clip = encode_image(image_encoder, image_processor, batch["ref_clip"])[0] if use_clip else None
+            n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
+            return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                         text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
-            torch.save(item, cache / "samples" / f"{i}.tmp")
-            os.replace(cache / "samples" / f"{i}.tmp", cache / "samples" / f"{i}.pt")  # a killed run resumes
+
+        write_cache(cache, dataset, encode, rank, world)
         if world > 1:
             dist.barrier()
         if rank == 0:
@@ -550,10 +497,7 @@ def main(cfg: TrainConfig) -> dict:
         sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *sigma_range) for g in gens]))
         with torch.no_grad():
             # noise first, then the VAE posteriors, as A2's inference orders its draws
-            f_total = clip_frames
-            if prefix:
-                f_total = 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
-            t_lat = (f_total - 1) // 4 + 1
+            t_lat = (total_frames(batch) - 1) // 4 + 1
             noise = h2d(torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]))
             vae_ = PosteriorCache(latents_config, [h2d(p) for p in batch["posteriors"]]) if cached else vae
             x0, cond = encode_latents(vae_, batch, gens, cfg.vae_sample_mode)
@@ -565,7 +509,7 @@ def main(cfg: TrainConfig) -> dict:
             image = None
             if use_clip:
                 image = (h2d(batch["clip"]) if cached else
-                         encode_image(image_encoder, image_processor, batch["ref_clip"].to(device)))
+                         encode_image(image_encoder, image_processor, batch["ref_clip"]))
             keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32))
             if condition is not None:
                 condition = condition * keep_refs[:, None, None, None, None]
@@ -600,12 +544,7 @@ def main(cfg: TrainConfig) -> dict:
         refs = clips = None
         repeats: tuple[int, ...] = ()
         if cfg.val_elements:
-            specs = parse_elements(cfg.elements) if cfg.elements else elements
-            by_name = {e.name: e for e in specs}
-            items = []
-            for i, it in enumerate(cfg.val_elements):
-                name, sep, path = it.partition("=")
-                items.append((by_name[name], path) if sep and name in by_name else (specs[i], it))
+            items = pair_elements(cfg.val_elements, elements)
             refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
         transformer.eval()
         experts = {}
@@ -650,8 +589,7 @@ def main(cfg: TrainConfig) -> dict:
                     from PIL import Image
 
                     for fi in proc.get("frames", [0, -1]):
-                        img = ((frames[:, fi].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte()
-                        Image.fromarray(img.cpu().numpy()).save(out / f"step{step:07d}_{key}_f{fi}.png")
+                        Image.fromarray(tensor_to_uint8(frames[:, fi])).save(out / f"step{step:07d}_{key}_f{fi}.png")
 
     # ---------------------------------------------------------------- the loop
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
@@ -666,7 +604,6 @@ def main(cfg: TrainConfig) -> dict:
                desc="train")
     t0, seen, tok, step = time.time(), 0, 0, start_step
     interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
-    loss_acc = torch.zeros((), device=device)
     for step in bar:
         random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
         torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
@@ -689,7 +626,6 @@ def main(cfg: TrainConfig) -> dict:
         opt.zero_grad(set_to_none=True)
         if world > 1:
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-        loss_acc += step_loss
         done = step + 1
         visualize(done, viz)
         if done % cfg.log_every == 0 or done == cfg.max_steps or stop["signal"] is not None:

@@ -349,6 +349,26 @@ def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000
     raise ValueError(f"unknown scheduler {name!r}; choose unipc or euler")
 
 
+def load_encoders(model_dir: Path, image_encoder_dir: Path | None, dtype: torch.dtype):
+    """The frozen encoders of a model dir: VAE (always fp32), tokenizer, T5, and CLIP + its processor from
+    `image_encoder_dir` (None: no image branch). Returns (vae, tokenizer, text_encoder, image_encoder,
+    image_processor), on the CPU, in eval mode, without gradients."""
+    from diffusers import AutoencoderKLWan
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+    vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
+    text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
+    image_encoder = image_processor = None
+    if image_encoder_dir is not None:
+        image_encoder = CLIPVisionModel.from_pretrained(image_encoder_dir, subfolder="image_encoder", torch_dtype=dtype)
+        image_processor = CLIPImageProcessor.from_pretrained(image_encoder_dir, subfolder="image_processor")
+    for m in (vae, text_encoder, image_encoder):
+        if m is not None:
+            m.eval().requires_grad_(False)
+    return vae, tokenizer, text_encoder, image_encoder, image_processor
+
+
 class A2Pipeline(WanLoraLoaderMixin):
     """Prompt + element images -> video, on an E2V (A2 / Wan I2V) or T2V Wan transformer, or a Wan 2.2
     A14B expert pair (`transformer` for the high-noise steps, `transformer_2` below the boundary).
@@ -378,9 +398,6 @@ class A2Pipeline(WanLoraLoaderMixin):
 
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
         experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory)."""
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
-
         from a2.transformer import detect_model, load_transformer
 
         info = detect_model(model_dir, image_encoder_dir)
@@ -388,17 +405,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
         if info.two_experts and transformer_2 is None:
             transformer_2 = load_transformer(model_dir, dtype, subfolder="transformer_2")
-        vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-        text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
-        image_encoder = image_processor = None
-        if transformer.config.image_dim is not None:
-            src = info.image_encoder_dir
-            if src is None:
-                raise FileNotFoundError(f"{model_dir}: the transformer has an image branch but there is no "
-                                        "image_encoder/; pass --image-encoder DIR")
-            image_encoder = CLIPVisionModel.from_pretrained(src, subfolder="image_encoder", torch_dtype=dtype)
-            image_processor = CLIPImageProcessor.from_pretrained(src, subfolder="image_processor")
+        if transformer.config.image_dim is not None and info.image_encoder_dir is None:
+            raise FileNotFoundError(f"{model_dir}: the transformer has an image branch but there is no "
+                                    "image_encoder/; pass --image-encoder DIR")
+        vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
+            model_dir, info.image_encoder_dir if transformer.config.image_dim is not None else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
                    transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir))
         return pipe.to(device)

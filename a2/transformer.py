@@ -285,3 +285,28 @@ def enable_checkpointing(model: WanTransformer3DModel, fraction: float = 1.0) ->
         return block(*args)
 
     model.enable_gradient_checkpointing(checkpoint_func)
+
+
+def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
+    """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
+    take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
+    where = f"{info.path} ({info.name})"
+    if not conditioned:
+        if info.e2v:
+            raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
+                                   "(no elements, no frame conditioning) needs a T2V model")
+        return "none"
+    if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
+        if e2v_type in ("dual", "clip"):
+            raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "
+                                   f"(--e2v-type vae or auto), not {e2v_type}")
+        return "vae"
+    if not info.e2v:  # a T2V base is expanded to the E2V inputs
+        if info.two_experts:
+            raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
+                                   "keeps 16, and the pair could not be sampled; train T2V here (a dataset config "
+                                   "without elements), or E2V on Wan 2.2 I2V A14B")
+        if e2v_type != "vae" and info.image_encoder_dir is None:
+            raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
+                                   "(--image-encoder DIR) or --e2v-type vae")
+    return "dual" if e2v_type == "auto" else e2v_type
