@@ -239,12 +239,10 @@ class E2VDataset(torch.utils.data.Dataset):
     shorter clip goes to the largest 4k+1 bucket it fills."""
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
-                 frame_sampling: str = "uniform", verbose: bool = True, cache_dir: str | Path | None = None):
+                 frame_sampling: str = "uniform", verbose: bool = True):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
-        # from a precompute cache (train_a2.py --precompute) items hold the encoders' outputs, not pixels
-        self.cache_dir = None if cache_dir is None else Path(cache_dir)
-        if self.cache_dir and frame_sampling == "random":
-            raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
+        # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
+        self.cache_dir: Path | None = None
         buckets = sorted({f for c in cfgs for f in self.frame_buckets(c)})
         samples, problems = scan(cfgs, min_frames=buckets[0])
         bad = [s for s in samples if s.num_frames < 0]
@@ -372,6 +370,8 @@ def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: 
     killed precompute resumes); `encode(batch) -> dict` runs the encoders on a one-sample batch."""
     from tqdm import tqdm
 
+    if dataset.frame_sampling == "random":
+        raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
     (cache / "samples").mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
     for i in tqdm(todo, desc="precompute", disable=rank != 0):
