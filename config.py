@@ -313,8 +313,9 @@ class TrainConfig:
     fsdp: bool = False
     """Full fine-tuning only: shard weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per
     transformer block, then the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit
-    per GPU. Checkpoints are sharded (torch.distributed.checkpoint, loadable at another world size); the final
-    transformer dir is gathered on rank 0."""
+    per GPU. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards),
+    so host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint,
+    loadable at another world size); the final transformer dir is gathered on rank 0."""
     gradient_checkpointing: bool = True
     checkpoint_fraction: float = 1.0
     """Fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""

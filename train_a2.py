@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -205,6 +206,35 @@ def load_sharded(ckpt: Path, model, opt) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=ckpt / "sharded")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def meta_replica(transformer):
+    """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
+    other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
+    Returns (meta model, what load_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
+    from diffusers import WanTransformer3DModel
+
+    config = [dict(transformer.config) if RANK == 0 else None]
+    dist.broadcast_object_list(config, src=0)
+    with torch.device("meta"):
+        replica = WanTransformer3DModel.from_config(config[0])
+    source = None
+    if RANK == 0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
+        source = transformer.state_dict(), dict(transformer.named_buffers())
+    return replica, source
+
+
+def load_from_rank0(model, source, device) -> None:
+    """Materialise a fully_shard-ed meta model on `device` and fill it from rank 0 (meta_replica's source):
+    each weight is broadcast once and every rank keeps its own shard; unsharded buffers are copied whole."""
+    model.to_empty(device=device)
+    set_model_state_dict(model, source[0] if RANK == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # to_empty left them uninitialised (not in a state dict)
+            if RANK == 0:
+                buf.copy_(source[1][name])
+            dist.broadcast(buf, src=0)
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
@@ -396,15 +426,19 @@ def main(cfg: TrainConfig) -> dict:
         latents_config = dict(latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
         empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
 
+    if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
+        raise ValueError(f"{model_dir} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
+                         "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
-    transformer = load_transformer(model_dir, torch.float32, subfolder)
-    if expand:
-        if cfg.training_type == "lora":  # the new input channels (and image K/V) must train, and ship with the model
-            raise ValueError(f"{model_dir} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
-                             "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
-        log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-        transformer = expand_to_e2v(transformer, image_dim=info.image_encoder_dim if e2v_type != "vae" else None,
-                                    seed=cfg.seed)
+    transformer = None
+    if rank == 0 or not cfg.fsdp:  # --fsdp: rank 0 alone reads the weights and broadcasts them once sharded
+        transformer = load_transformer(model_dir, torch.float32, subfolder)
+        if expand:
+            log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
+            transformer = expand_to_e2v(transformer, image_dim=info.image_encoder_dim if e2v_type != "vae" else None,
+                                        seed=cfg.seed)
+    if cfg.fsdp:
+        transformer, rank0_weights = meta_replica(transformer)
     assert is_e2v(transformer) or not (prefix or vae_cfg.frame_conditioning != "full")
 
     if cfg.training_type == "lora":
@@ -421,7 +455,7 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.gradient_checkpointing:
         enable_checkpointing(transformer, cfg.checkpoint_fraction)
     transformer.train()
-    if not cfg.fsdp:  # fully_shard moves the weights to the device one block at a time
+    if not cfg.fsdp:  # --fsdp: load_from_rank0 puts each rank's shards on the device
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
@@ -436,6 +470,8 @@ def main(cfg: TrainConfig) -> dict:
         for block in transformer.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(transformer, mesh=mesh, mp_policy=mp)
+        load_from_rank0(transformer, rank0_weights, device)
+        del rank0_weights
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
