@@ -71,7 +71,8 @@ class InferConfig:
     """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
     lora: str | None = None
     """LoRA file or dir: diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original Wan / ComfyUI keys
-    (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors) or musubi-tuner keys (`lora_unet_`)."""
+    (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys (`lora_unet_`), or a peft
+    `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors)."""
     lora_high: str | None = None
     """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
     lora_low: str | None = None
@@ -198,10 +199,9 @@ def main(cfg: InferConfig) -> int:
                          "a prompt only, no --elements")
     if cfg.lora:
         load_lora(pipe, cfg.lora, cfg.lora_scale)
-    for path, name, model in ((cfg.lora_high, "high", pipe.transformer), (cfg.lora_low, "low", pipe.transformer_2)):
+    for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
         if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
-            pipe.load_lora_weights(path, adapter_name=name, load_into_transformer_2=name == "low")
-            model.set_adapters([name], [cfg.lora_scale])
+            load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low")
     if prompts is not None:
         evaluate(cfg, pipe, prompts, refs, clip_refs, repeats)
         return 0

@@ -6,7 +6,8 @@ Export writes the adapter twice, with peft's scaling (alpha/r) folded into the u
   pytorch_lora_weights_comfy.safetensors  original Wan    diffusion_model.blocks.0.self_attn.q.lora_down.weight
 The second is what ComfyUI's Wan LoRA loader, the Wan repo's key names and diffusers'
 `_convert_non_diffusers_wan_lora_to_diffusers` read. Loading goes through diffusers' own `lora_state_dict`, which
-converts original (`diffusion_model.`) and musubi-tuner (`lora_unet_`) keys itself.
+converts original (`diffusion_model.`) and musubi-tuner (`lora_unet_`) keys itself; a peft `save_pretrained` dir is
+converted here (peft_dir_state_dict).
 """
 
 from __future__ import annotations
@@ -90,14 +91,49 @@ def export_lora(run_dir: Path, model, expert: str | None = None) -> tuple[Path, 
     return run_dir / names[0], run_dir / names[1]
 
 
-def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default") -> None:
-    """A LoRA file or dir in diffusers, original Wan/ComfyUI or musubi-tuner keys -> pipe.transformer.
+def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
+    .save_pretrained` writes, design document 004) -> diffusers keys with peft's scaling folded into lora_B."""
+    import json
+    import math
 
-    diffusers converts the formats; it only warns when no key matched the model, so that is an error here."""
-    if not Path(path).exists():
+    from peft.utils.other import get_pattern_key
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
+        raise ValueError(f"{path}: a {cfg.get('peft_type')}{' (DoRA)' if cfg.get('use_dora') else ''} adapter; "
+                         "only plain LoRA loads")
+    weights = path / "adapter_model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"{path}: adapter_config.json without adapter_model.safetensors")
+    sd, out = load_file(weights), {}
+    for key, value in sd.items():
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_(A|B)\.weight", key)
+        if m is None:
+            raise ValueError(f"{weights}: {key}: not a lora_A/lora_B weight (LoRA bias, modules_to_save do not load)")
+        if m[2] == "B":  # scaling = alpha / r (rsLoRA: alpha / sqrt(r)), alpha per module if alpha_pattern says so
+            r = sd[key.replace(".lora_B.", ".lora_A.")].shape[0]
+            patterns = cfg.get("alpha_pattern") or {}
+            alpha = patterns.get(get_pattern_key(patterns.keys(), m[1]), cfg["lora_alpha"])
+            value = value.float() * (alpha / (math.sqrt(r) if cfg.get("use_rslora") else r))
+        out[f"transformer.{m[1]}.lora_{m[2]}.weight"] = value
+    return out
+
+
+def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low_expert: bool = False) -> None:
+    """A LoRA -> pipe.transformer (pipe.transformer_2: low_expert, Wan 2.2's low-noise expert). Read: a file or dir in
+    diffusers, original Wan/ComfyUI or musubi-tuner keys (diffusers converts them), or a peft save_pretrained dir.
+
+    diffusers only warns when no key matched the model, so that is an error here."""
+    path_ = Path(path)
+    if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
-    pipe.load_lora_weights(path, adapter_name=adapter)
-    if adapter not in (getattr(pipe.transformer, "peft_config", None) or {}):
+    peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
+    pipe.load_lora_weights(peft_dir_state_dict(path_) if peft_dir else path, adapter_name=adapter,
+                           load_into_transformer_2=low_expert)
+    model = pipe.transformer_2 if low_expert else pipe.transformer
+    if adapter not in (getattr(model, "peft_config", None) or {}):
         raise ValueError(f"--lora {path}: no LoRA key matched the transformer (expected diffusers `transformer.`, "
-                         "original `diffusion_model.` or musubi `lora_unet_` keys)")
-    pipe.transformer.set_adapters([adapter], [scale])
+                         "original `diffusion_model.` or musubi `lora_unet_` keys, or a peft adapter dir)")
+    model.set_adapters([adapter], [scale])

@@ -103,6 +103,35 @@ def test_original_keys_cover_the_modules_outside_the_blocks(tiny_dir, tmp_path):
         to_original({"transformer.patch_embedding.lora_A.weight": torch.zeros(1)})
 
 
+@pytest.mark.parametrize("extra", [{}, {"alpha_pattern": {"proj_out": 2}, "use_rslora": True}])
+def test_peft_save_pretrained_dir_loads(tiny_dir, tmp_path, extra):
+    """Design document 004 trains with get_peft_model(transformer, LoraConfig(...)) and saves with save_pretrained:
+    a dir of adapter_config.json + adapter_model.safetensors (keys base_model.model.*, alpha in the config)."""
+    from peft import LoraConfig, get_peft_model
+
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+
+    transformer = A2Pipeline.from_pretrained(tiny_dir).transformer
+    torch.manual_seed(0)
+    model = get_peft_model(transformer, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", **extra,
+                                                   target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_in",
+                                                                   "proj_out"]))  # the document's list
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    want = transformer_out(transformer)
+    model.save_pretrained(tmp_path / "lora_epoch_0")
+    assert any(k.startswith("base_model.model.") for k in load_file(tmp_path / "lora_epoch_0" /
+                                                                    "adapter_model.safetensors"))
+    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    base = transformer_out(pipe.transformer)
+    load_lora(pipe, str(tmp_path / "lora_epoch_0"))
+    d = (transformer_out(pipe.transformer) - want).abs().max().item()
+    print(f"peft dir {extra}: max|Δ| vs the peft model {d:.2e}, LoRA effect {(want - base).abs().max().item():.3f}")
+    assert d <= 1e-5 and (want - base).abs().max().item() > 0.05
+
+
 def test_unusable_lora_files_fail(tiny_dir, tmp_path):
     from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
@@ -113,6 +142,10 @@ def test_unusable_lora_files_fail(tiny_dir, tmp_path):
         load_lora(pipe, str(tmp_path / "other.safetensors"))  # diffusers alone only warns
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         load_lora(pipe, str(tmp_path / "nope.safetensors"))
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
+    with pytest.raises(ValueError, match=r"dora: a LORA \(DoRA\) adapter; only plain LoRA loads"):
+        load_lora(pipe, str(tmp_path / "dora"))
 
 
 # ---------------------------------------------------------------- T2V-only training on .npz clips
