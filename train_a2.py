@@ -584,10 +584,11 @@ def main(cfg: TrainConfig) -> dict:
             refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
         transformer.eval()
         experts = {}
-        if info.two_experts:  # the other expert, frozen, loaded once at the first validation (memory: one more model)
-            if "other" not in frozen:
+        if info.two_experts:  # the other expert, frozen, loaded at the first validation; between validations it
+            if "other" not in frozen:  # waits in host memory: on the GPU it would add a whole model to every step
                 other = "low" if cfg.expert == "high" else "high"
-                frozen["other"] = load_transformer(model_dir, frozen_dtype, EXPERTS[other]).to(device).eval()
+                frozen["other"] = load_transformer(model_dir, frozen_dtype, EXPERTS[other]).eval()
+            frozen["other"].to(device)
             high, low = ((transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer))
             experts = dict(transformer_2=low, boundary_ratio=info.boundary_ratio)
         else:
@@ -600,6 +601,8 @@ def main(cfg: TrainConfig) -> dict:
                        flow_shift=cfg.val_flow_shift, combine=vae_cfg.combine,
                        generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
         transformer.train()
+        if "other" in frozen:
+            frozen["other"].to("cpu")
         if rank == 0:
             path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
                               None if refs is None else refs[0])
