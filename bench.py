@@ -10,7 +10,8 @@ L video tokens, Lc = 512 text + 257·refs image tokens, d model dim, f FFN dim, 
     + patch embedding 2·L·(4·in)·d + output 2·L·d·64.
 A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (recomputation not counted):
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
-for the frozen linears, the attention core's backward needs both of its inputs' gradients).
+for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
+checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Literal
 import torch
 import tyro
 
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, enable_checkpointing, preset_config
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -42,9 +43,11 @@ class BenchConfig:
     batch: int = 1
     gradient_checkpointing: bool = False
     checkpoint_fraction: float = 1.0
-    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.enable_checkpointing)."""
+    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
+    save_attention: bool = False
+    """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
     compile: bool = False
-    """torch.compile the repeated transformer blocks (regional compilation)."""
+    """torch.compile the transformer blocks (regional compilation)."""
     attention_backend: str | None = None
     """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -167,10 +170,7 @@ def main(b: BenchConfig) -> dict:
                 p.data = p.data.float()
     else:
         model.float()  # fp32 master weights, bf16 autocast
-    if b.gradient_checkpointing:
-        enable_checkpointing(model, b.checkpoint_fraction)
-    if b.compile:
-        model.compile_repeated_blocks(fullgraph=True)
+    configure_blocks(model, b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, b.compile)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
@@ -207,6 +207,11 @@ def main(b: BenchConfig) -> dict:
 
     linear, core = forward_flops(cfg, tokens, context)
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
+    # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
+    # with save_attention); HFU = hardware FLOP utilisation
+    recomputed = round(b.checkpoint_fraction * cfg["num_layers"]) / cfg["num_layers"] if b.gradient_checkpointing else 0
+    self_core = cfg["num_layers"] * 4 * tokens * tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    hardware_flops = model_flops + b.batch * recomputed * (linear + core - (self_core if b.save_attention else 0))
     tflops = model_flops / dt / 1e12
     peak = b.peak_tflops
     if peak is None and device.type == "cuda":
@@ -215,10 +220,12 @@ def main(b: BenchConfig) -> dict:
     res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=b.refs, mode=b.mode,
                tokens=tokens, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
+               hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     res.update(backend=b.attention_backend or "default", compile=b.compile,
-               checkpointing=b.checkpoint_fraction if b.gradient_checkpointing else 0.0)
+               checkpointing=b.checkpoint_fraction if b.gradient_checkpointing else 0.0,
+               save_attention=b.save_attention and b.gradient_checkpointing)
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     if b.out:
         with open(b.out, "a") as f:

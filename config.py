@@ -319,13 +319,17 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     checkpoint_fraction: float = 1.0
     """Fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""
+    save_attention: bool = False
+    """Selective checkpointing: recomputed blocks keep their self-attention outputs (about half the forward FLOPs at
+    81x480x832) and redo only the rest; costs tokens x dim bf16 per block (A2-14B at 81x480x832: 0.34 GB, ~13 GB
+    for 40 blocks). Off by default: not yet measured on a GPU (a2.transformer.configure_blocks)."""
     attention_backend: str | None = None
     """diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
     SDPA's own choice, which on an H100 ran as fast as _native_cudnn and 1.3x faster than _native_flash (bench.py)."""
     compile: bool = False
-    """torch.compile the repeated transformer blocks on CUDA (regional). bench.py on an H100: 1.3B full FT 3.16 ->
-    2.40 s/step, A2-14B LoRA 15.3 -> 12.1 s/step. Costs ~1 min up front and a recompile per new bucket shape (so
-    it is off by default: with many buckets, or short runs, it loses). Ignored on CPU."""
+    """torch.compile each transformer block (recomputed blocks together with their checkpoint). bench.py on an
+    H100: 1.3B full FT 3.16 -> 2.40 s/step, A2-14B LoRA 15.3 -> 12.1 s/step. Costs ~1 min up front and a recompile
+    per new bucket shape (so it is off by default: with many buckets, or short runs, it loses)."""
     mixed_precision: Literal["bf16", "no"] = "bf16"
     """bf16 autocast on CUDA (fp32 master weights); ignored on CPU."""
 

@@ -63,8 +63,8 @@ from a2.pipeline import (
 )
 from a2.transformer import (
     EXPERTS,
+    configure_blocks,
     detect_model,
-    enable_checkpointing,
     expand_to_e2v,
     expert_sigma_range,
     is_e2v,
@@ -270,6 +270,9 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.fsdp and cfg.training_type != "full":
         raise ValueError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
                          "of a frozen model: drop --fsdp (DDP)")
+    if cfg.fsdp and cfg.compile and cfg.save_attention and cfg.gradient_checkpointing:
+        raise ValueError("--fsdp --compile cannot --save-attention: FSDP2's hooks keep the checkpoint outside the "
+                         "compiled forward, where the selective policy would undo compilation (a2/transformer.py)")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
@@ -452,15 +455,13 @@ def main(cfg: TrainConfig) -> dict:
         for p in transformer.parameters():  # LoRA weights train in fp32
             if p.requires_grad:
                 p.data = p.data.float()
-    if cfg.gradient_checkpointing:
-        enable_checkpointing(transformer, cfg.checkpoint_fraction)
+    configure_blocks(transformer, cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention,
+                     cfg.compile, cfg.fsdp)
     transformer.train()
     if not cfg.fsdp:  # --fsdp: load_from_rank0 puts each rank's shards on the device
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
-    if cfg.compile and use_cuda:
-        transformer.compile_repeated_blocks(fullgraph=True)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")

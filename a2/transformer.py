@@ -272,19 +272,62 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, see
     return e2v
 
 
-def enable_checkpointing(model: WanTransformer3DModel, fraction: float = 1.0) -> None:
-    """Recompute the first round(fraction·n) transformer blocks in backward instead of storing their activations.
+def _is_self_attention(func, args) -> bool:
+    """An attention-core op (PyTorch SDPA, any backend, or the flash-attn package) whose keys are as many as its
+    queries: self-attention. Cross-attention (512 text / 257-per-reference image keys) is cheap to recompute."""
+    name = str(func)
+    return (("scaled_dot_product" in name or "flash_attn" in name) and "backward" not in name
+            and len(args) > 1 and args[0].numel() == args[1].numel())
 
-    1.0 is diffusers' gradient checkpointing; a lower fraction keeps the other blocks' activations and saves
-    their recomputation (each recomputed block costs one extra forward of it), when memory allows."""
-    chosen = {id(b) for b in list(model.blocks)[: round(fraction * len(model.blocks))]}
 
-    def checkpoint_func(block, *args):
-        if id(block) in chosen:
-            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
-        return block(*args)
+def _save_self_attention(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    model.enable_gradient_checkpointing(checkpoint_func)
+    return CheckpointPolicy.MUST_SAVE if _is_self_attention(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 0.0, save_attention: bool = False,
+                     compile: bool = False, fsdp: bool = False) -> None:
+    """How the transformer blocks run in training: recomputation (gradient checkpointing) and compilation.
+
+    checkpoint_fraction: the first round(fraction·n) blocks store only their inputs and recompute the forward in
+      backward (one extra forward of each); 1.0 is diffusers' gradient checkpointing, 0 none.
+    save_attention: in those blocks, keep the self-attention outputs (and log-sum-exp) instead of recomputing them
+      (selective checkpointing): the attention core is about half the forward FLOPs at 81x480x832, the
+      projections around it are cheap to redo. Memory: tokens x dim bf16 per block (A2-14B: 0.34 GB, 1.3B: 0.1 GB).
+    compile: torch.compile each block (one graph shared by all blocks). A checkpointed block is compiled together
+      with its checkpoint, so that backward replays the compiled recomputation and the selective policy applies
+      inside it. (An eager checkpoint around a compiled block recomputes eagerly whenever a dispatch mode is
+      active, e.g. the selective policy or a FLOP counter, and then fails its saved-tensor check.)
+    fsdp: the blocks will be fully_shard-ed. FSDP2's hooks (all-gather, reshard) cannot run inside a compiled
+      region, so only each block's forward is compiled, inside them, and checkpointing stays eager: --save-attention
+      with --compile is refused."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    n = round(checkpoint_fraction * len(model.blocks))
+    chosen = {id(b) for b in list(model.blocks)[:n]}
+    # no context_fn at all for plain recomputation: dynamo cannot trace checkpoint's default one
+    policy = {}
+    if save_attention:
+        policy["context_fn"] = partial(create_selective_checkpoint_contexts, _save_self_attention)
+
+    def recompute(block, *args):
+        return checkpoint(block, *args, use_reentrant=False, **policy)
+
+    if compile and fsdp:
+        assert not (save_attention and n), "save_attention + compile + fsdp: see train_a2.py's check"
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward, fullgraph=True)
+    elif compile:
+        recompute = torch.compile(recompute, fullgraph=True)
+        for block in model.blocks:
+            if id(block) not in chosen:
+                block.compile(fullgraph=True)
+    if n:  # diffusers calls this for every block when gradients are on (not in no-grad validation)
+        model.enable_gradient_checkpointing(lambda block, *args: recompute(block, *args) if id(block) in chosen
+                                            else block(*args))
 
 
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
