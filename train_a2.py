@@ -211,7 +211,7 @@ def load_sharded(ckpt: Path, model, opt) -> None:
 def meta_replica(transformer):
     """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
     other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
-    Returns (meta model, what load_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
+    Returns (meta model, what shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
     from diffusers import WanTransformer3DModel
 
     config = [dict(transformer.config) if RANK == 0 else None]
@@ -224,9 +224,15 @@ def meta_replica(transformer):
     return replica, source
 
 
-def load_from_rank0(model, source, device) -> None:
-    """Materialise a fully_shard-ed meta model on `device` and fill it from rank 0 (meta_replica's source):
-    each weight is broadcast once and every rank keeps its own shard; unsharded buffers are copied whole."""
+def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
+    """FSDP2: shard meta_replica's model (each block, then the root: embeddings, head; compute in param_dtype,
+    gradients reduced in fp32), materialise it on `device` and fill it from rank 0's `source`: each weight is
+    broadcast once and every rank keeps its own shard; unsharded buffers are copied whole."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # `model` becomes the sharded module itself
     model.to_empty(device=device)
     set_model_state_dict(model, source[0] if RANK == 0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -458,20 +464,15 @@ def main(cfg: TrainConfig) -> dict:
     configure_blocks(transformer, cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention,
                      cfg.compile, cfg.fsdp)
     transformer.train()
-    if not cfg.fsdp:  # --fsdp: load_from_rank0 puts each rank's shards on the device
+    if not cfg.fsdp:  # --fsdp: shard_from_rank0 puts each rank's shards on the device
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
-    if cfg.fsdp:  # each block, then the root (embeddings, head); `transformer` becomes the sharded module itself
-        mesh = init_device_mesh(device.type, (world,))
-        mp = MixedPrecisionPolicy(param_dtype=frozen_dtype, reduce_dtype=torch.float32)  # bf16 on CUDA
-        for block in transformer.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(transformer, mesh=mesh, mp_policy=mp)
-        load_from_rank0(transformer, rank0_weights, device)
+    if cfg.fsdp:
+        shard_from_rank0(transformer, rank0_weights, device, frozen_dtype)  # bf16 compute on CUDA
         del rank0_weights
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp

@@ -60,16 +60,21 @@ def test_recomputation_settings(compile):
         assert err <= (1e-5 if compile else 1e-7), (fraction, save)
 
 
-def test_training_with_save_attention_and_compile(tmp_path):
-    """train_a2.py --save-attention --compile (LoRA, full checkpointing) follows the default run's losses."""
+def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
+    """train_a2.py --save-attention --compile (LoRA, full checkpointing) sets its blocks up so and follows the
+    default run's losses."""
     from safetensors.torch import load_file
 
+    import train_a2
     from data import make_synthetic_dataset
     from tests.test_train import args, losses, max_diff, train
 
+    setups = []
+    monkeypatch.setattr(train_a2, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
     runs = [train(*args(data, tmp_path, name, "--max-steps", "3", *extra))
             for name, extra in (("default", ()), ("fast", ("--save-attention", "--compile")))]
+    assert setups == [(1.0, False, False, False), (1.0, True, True, False)]  # fraction, save, compile, fsdp
     (a, b) = (losses(r["run_dir"]) for r in runs)
     assert sorted(a) == sorted(b) == [1, 2, 3] and max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
     assert max_diff(load_file(runs[0]["weights"]), load_file(runs[1]["weights"])) <= 1e-5

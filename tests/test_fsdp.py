@@ -103,8 +103,6 @@ def _replica_rank(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
     from diffusers import WanTransformer3DModel
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import train_a2
     from a2.transformer import preset_config
@@ -118,11 +116,7 @@ def _replica_rank(rank: int, init_file: str, out: str) -> None:
         torch.save(model.state_dict() | dict(model.named_buffers()), f"{out}/want.pt")
     replica, source = train_a2.meta_replica(model)
     assert all(p.is_meta for p in replica.parameters()) and (source is None) == (rank != 0)
-    mesh = init_device_mesh("cpu", (2,))
-    for block in replica.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(replica, mesh=mesh)
-    train_a2.load_from_rank0(replica, source, torch.device("cpu"))
+    train_a2.shard_from_rank0(replica, source, torch.device("cpu"), torch.float32)
     full = get_model_state_dict(replica, options=StateDictOptions(full_state_dict=True))  # a collective
     torch.save(full | dict(replica.named_buffers()), f"{out}/got{rank}.pt")
     dist.destroy_process_group()
