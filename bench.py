@@ -24,7 +24,8 @@ from typing import Literal
 import torch
 import tyro
 
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config
+from a2.memory import plan_for_model, use_expandable_segments
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -41,6 +42,13 @@ class BenchConfig:
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = 32
     batch: int = 1
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU when there is one."""
+    memory: Literal["auto", "manual"] = "auto"
+    """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
+    manual, and on the CPU: the three flags below."""
+    max_memory_gb: float | None = None
+    """--memory auto plans for this many GB instead of the free memory (a smaller card)."""
     gradient_checkpointing: bool = False
     checkpoint_fraction: float = 1.0
     """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
@@ -64,6 +72,9 @@ class BenchConfig:
     attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+    compare_run: str | None = None
+    """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
+    the first logged interval) against this step's, as the training loop's overhead over the bare step."""
 
 
 def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
@@ -140,22 +151,29 @@ def bench_loader(b: BenchConfig) -> dict:
     return res
 
 
-def main(b: BenchConfig) -> dict:
-    from diffusers import WanTransformer3DModel
+def loop_overhead(run_dir: str, bench_s: float) -> dict:
+    """train_a2.py's median s/step (its metrics.jsonl, first logged interval left out: compilation, warm-up) over
+    this bare step's: what the real loop (data, conditioning, logging) adds."""
+    import statistics
+    from pathlib import Path
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    s = statistics.median(r["s_per_step"] for r in rows[1:] or rows)
+    print(f"train_a2.py {run_dir}: {s:.3f} s/step vs bench {bench_s:.3f} s/step: loop overhead {s / bench_s - 1:+.1%}")
+    return dict(train_s_per_step=s, loop_overhead=s / bench_s - 1)
+
+
+def main(b: BenchConfig) -> dict:
+    use_expandable_segments()  # as train_a2.py: before CUDA initialises
+    cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, b.dtype)
     cfg = preset_config(b.preset, e2v=b.refs > 0)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    # Build directly in the compute dtype for LoRA: a 14B model in fp32 (56 GB) plus its bf16 copy would not fit.
-    torch.set_default_dtype(dtype if b.mode == "lora" else torch.float32)
-    with torch.device(device):
-        model = WanTransformer3DModel(**cfg).to(dtype)
-    torch.set_default_dtype(torch.float32)
-    for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=bf16) does: norms, time embedding, rope
-        if any(k in name.split(".") for k in model._keep_in_fp32_modules):
-            p.data = p.data.float()
+    # built in place on the device: LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
+    # would not fit), full fine-tuning in fp32 (master weights, bf16 autocast)
+    model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
     if b.mode == "lora":
@@ -168,14 +186,17 @@ def main(b: BenchConfig) -> dict:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    else:
-        model.float()  # fp32 master weights, bf16 autocast
-    configure_blocks(model, b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, b.compile)
+    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
+    tokens = t_lat * (h // 2) * (w // 2)
+    fraction, save = (b.checkpoint_fraction if b.gradient_checkpointing else 0.0), b.save_attention
+    if b.memory == "auto" and device.type == "cuda":
+        plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device)
+        fraction, save = plan.checkpoint_fraction, plan.save_attention
+        print(f"--memory auto: {plan}")
+    configure_blocks(model, fraction, save, b.compile)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
-    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
-    tokens = t_lat * (h // 2) * (w // 2)
     context = TEXT_TOKENS + CLIP_TOKENS * b.refs
     x = torch.randn(b.batch, cfg["in_channels"], t_lat, h, w, device=device)
     text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
@@ -209,9 +230,9 @@ def main(b: BenchConfig) -> dict:
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
     # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
     # with save_attention); HFU = hardware FLOP utilisation
-    recomputed = round(b.checkpoint_fraction * cfg["num_layers"]) / cfg["num_layers"] if b.gradient_checkpointing else 0
+    recomputed = round(fraction * cfg["num_layers"]) / cfg["num_layers"]
     self_core = cfg["num_layers"] * 4 * tokens * tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    hardware_flops = model_flops + b.batch * recomputed * (linear + core - (self_core if b.save_attention else 0))
+    hardware_flops = model_flops + b.batch * recomputed * (linear + core - (self_core if save else 0))
     tflops = model_flops / dt / 1e12
     peak = b.peak_tflops
     if peak is None and device.type == "cuda":
@@ -223,9 +244,10 @@ def main(b: BenchConfig) -> dict:
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
-    res.update(backend=b.attention_backend or "default", compile=b.compile,
-               checkpointing=b.checkpoint_fraction if b.gradient_checkpointing else 0.0,
-               save_attention=b.save_attention and b.gradient_checkpointing)
+    res.update(backend=b.attention_backend or "default", compile=b.compile, checkpointing=fraction,
+               save_attention=save and fraction > 0)
+    if b.compare_run:
+        res.update(loop_overhead(b.compare_run, dt))
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     if b.out:
         with open(b.out, "a") as f:

@@ -316,13 +316,23 @@ class TrainConfig:
     per GPU. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards),
     so host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint,
     loadable at another world size); the final transformer dir is gathered on rank 0."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to train: auto = CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
+    memory: Literal["auto", "manual"] = "auto"
+    """auto (CUDA): recomputation is planned from the model, the shape and the free GPU memory by one rule
+    (a2/memory.py: the fewest recomputed blocks that fit, keeping their self-attention; all blocks if that does not
+    fit), printed at start; --gradient-checkpointing/--checkpoint-fraction/--save-attention are then ignored.
+    manual, and on the CPU: those flags as given."""
+    max_memory_gb: float | None = None
+    """--memory auto plans for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller card)."""
     gradient_checkpointing: bool = True
+    """--memory manual: recompute blocks in backward (see --checkpoint-fraction)."""
     checkpoint_fraction: float = 1.0
-    """Fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""
+    """--memory manual: fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""
     save_attention: bool = False
-    """Selective checkpointing: recomputed blocks keep their self-attention outputs (about half the forward FLOPs at
-    81x480x832) and redo only the rest; costs tokens x dim bf16 per block (A2-14B at 81x480x832: 0.34 GB, ~13 GB
-    for 40 blocks). Off by default: not yet measured on a GPU (a2.transformer.configure_blocks)."""
+    """--memory manual: selective checkpointing, recomputed blocks keep their self-attention outputs (about half the
+    forward FLOPs at 81x480x832) and redo only the rest; costs tokens x dim bf16 per block (A2-14B at 81x480x832:
+    0.34 GB, ~13 GB for 40 blocks). a2.transformer.configure_blocks."""
     attention_backend: str | None = None
     """diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
     SDPA's own choice, which on an H100 ran as fast as _native_cudnn and 1.3x faster than _native_flash (bench.py)."""

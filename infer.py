@@ -24,6 +24,7 @@ import tyro
 
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
+from a2.tiny import model_path
 from a2.transformer import detect_model, is_e2v, load_transformer
 from config import A2_ELEMENTS, pair_elements, parse_elements
 
@@ -169,7 +170,7 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, prompts: list[str], refs, clip_
 
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
-    info = detect_model(cfg.model, cfg.image_encoder)  # an unsupported dir fails here, before anything is loaded
+    info = detect_model(model_path(cfg.model), cfg.image_encoder)  # an unsupported dir fails here, before any loading
     if info.two_experts and cfg.lora:
         raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):

@@ -8,7 +8,8 @@
 
 Everything random in a step (sigma, noise, dropout, VAE posterior) is drawn from a generator seeded by
 (seed, step, index of the sample in the global batch), so N ranks, gradient accumulation and one process
-compute the same update, and a resumed run continues the same loss curve.
+compute the same update, and a resumed run continues the same loss curve. The objective is in a2/flow.py,
+the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
+from a2.memory import plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
     PosteriorCache,
@@ -61,8 +64,10 @@ from a2.pipeline import (
     save_video,
     tensor_to_uint8,
 )
+from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
     EXPERTS,
+    ModelInfo,
     configure_blocks,
     detect_model,
     expand_to_e2v,
@@ -71,10 +76,11 @@ from a2.transformer import (
     load_transformer,
     resolve_e2v_type,
 )
-from config import TrainConfig, dataset_configs, pair_elements
+from config import Element, TrainConfig, VaeProcessorConfig, dataset_configs, pair_elements
 from data import BucketBatchSampler, E2VDataset, cache_key, collate, rank_slice, write_cache
 
 RANK = int(os.environ.get("RANK", 0))
+STOP = {"signal": None}  # set by the SIGTERM/SIGINT handler; the loop checkpoints and exits at the step's end
 
 
 def log(*args, **kwargs):
@@ -83,47 +89,106 @@ def log(*args, **kwargs):
         tqdm.write(" ".join(str(a) for a in args), **kwargs)
 
 
-def sample_generator(seed: int, step: int, k: int, device="cpu") -> torch.Generator:
-    """The generator of the k-th sample of the global batch at `step`: independent of rank and split."""
-    s = int(np.random.SeedSequence([seed, step, k]).generate_state(1, dtype=np.uint64)[0] >> 1)
-    return torch.Generator(device=device).manual_seed(s)
+def on_signal(signum, _frame):
+    STOP["signal"] = signum
 
 
-def sigma_cdf(cfg: TrainConfig, s: float) -> float:
-    """P(sigma <= s) under cfg's sigma distribution."""
-    if s <= 0.0 or s >= 1.0:
-        return min(max(s, 0.0), 1.0)
-    if cfg.sigma_sampling == "logit_normal":
-        return 0.5 * (1 + math.erf((math.log(s / (1 - s)) - cfg.logit_mean) / (cfg.logit_std * math.sqrt(2))))
-    if cfg.sigma_sampling == "uniform":
-        return s
-    return s / (cfg.sigma_shift - (cfg.sigma_shift - 1) * s)  # shifted: the inverse of the shift map
+# ---------------------------------------------------------------- the run: what a config derives
 
 
-def sigma_quantile(cfg: TrainConfig, u: float) -> float:
-    """The inverse of sigma_cdf: u in [0, 1] -> sigma."""
-    if cfg.sigma_sampling == "logit_normal":
-        z = math.sqrt(2) * torch.erfinv(torch.tensor(2 * u - 1, dtype=torch.float64)).item()
-        return 1 / (1 + math.exp(-(cfg.logit_mean + cfg.logit_std * z))) if math.isfinite(z) else float(z > 0)
-    if cfg.sigma_sampling == "uniform":
-        return u
-    return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
+@dataclass(frozen=True)
+class Run:
+    """What a run derives from its config and model dir, computed once by plan_run, printed at start and saved
+    as run.json beside config.json. Never written back into the config."""
+
+    world: int
+    global_batch: int  # micro_batch x grad_accum x world
+    layout: str  # prefix: A2's element frames before the clip | inplace: frames of the clip (I2V) | t2v: none
+    elements: tuple[Element, ...]
+    vae: VaeProcessorConfig  # the datasets' shared VAE processing (combine, frame conditioning)
+    ref_latents: int  # latent frames the references take in the prefix layout (A2's 1, 4, 4 repeats: 3)
+    clip_frames: int  # pixel frames of the target clip: 4·(T - ref_latents - 1) + 1 (A2 at 81 frames: 69)
+    info: ModelInfo  # what detect_model read from the model dir
+    subfolder: str  # the transformer trained: transformer, or a Wan 2.2 expert's transformer_2
+    e2v_type: str  # dual | vae | clip (which reference paths), none for T2V
+    expand: bool  # a T2V base widened to the E2V inputs (a2/transformer.py: expand_to_e2v)
+    image_branch: bool  # the trained transformer has CLIP image attention (its own, or from the expansion)
+    use_clip: bool  # the step feeds CLIP image tokens
+    compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
+    sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
+    cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
+
+    @property
+    def prefix(self) -> bool:
+        return self.layout == "prefix"
+
+    @property
+    def loss_start(self) -> int:
+        """First latent frame of the clip in the prefix layout (the loss may leave the references out)."""
+        return self.ref_latents
 
 
-def sample_sigma(cfg: TrainConfig, g: torch.Generator, lo: float = 0.0, hi: float = 1.0) -> float:
-    """sigma from cfg's distribution; with [lo, hi) narrower than [0, 1] (a Wan 2.2 expert's range) from that
-    distribution truncated to the range: one uniform draw between the CDF's values at lo and hi, mapped back
-    by the quantile function. The shape inside the range is kept, so the high- and low-noise experts together
-    are trained on exactly the configured distribution (rescaling it into each range would not)."""
-    if lo <= 0.0 and hi >= 1.0:
-        if cfg.sigma_sampling == "logit_normal":
-            return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
-        return sigma_quantile(cfg, torch.rand((), generator=g).item())
-    a, b = sigma_cdf(cfg, lo), sigma_cdf(cfg, hi)
-    s = sigma_quantile(cfg, a + (b - a) * torch.rand((), generator=g, dtype=torch.float64).item())
-    # rounding must not cross the boundary: below hi strictly (in float32, the dtype the timestep is made in)
-    top = 1.0 if hi >= 1.0 else float(np.nextafter(np.float32(hi), np.float32(0)))
-    return min(max(s, lo), top)
+def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
+    """All derived settings and every check that needs no data or weights: a bad config fails here, before any
+    loading. The precompute cache, which hashes the data, is added by with_cache once the dataset is scanned."""
+    h, w = cfg.resolution
+    check_size(h, w, cfg.num_frames)
+    if cfg.micro_batch < 1 or cfg.grad_accum < 1:
+        raise ValueError("micro_batch and grad_accum must be >= 1")
+    if cfg.fsdp and cfg.training_type != "full":
+        raise ValueError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
+                         "of a frozen model: drop --fsdp (DDP)")
+    vae_cfg = ds_cfgs[0].vae
+    if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
+        raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
+    elements = ds_cfgs[0].elements
+    layout = "inplace" if vae_cfg.frame_conditioning != "full" else "prefix" if elements else "t2v"
+    # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
+    l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if layout == "prefix" else 0
+    clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
+    if clip_frames < 1:
+        raise ValueError(f"num_frames={cfg.num_frames} leaves no video frames after {l_ref} reference latents")
+    info = detect_model(model_path(cfg.model), cfg.image_encoder)  # clear errors for unsupported dirs
+    e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
+    expand = layout != "t2v" and not info.e2v
+    if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
+        raise ValueError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
+                         "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
+    image_branch = info.image_branch or (expand and e2v_type != "vae")
+    use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
+    if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
+        raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
+    if cfg.precompute and not cfg.cache_dir:
+        raise ValueError("--precompute needs --cache-dir")
+    dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
+    return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, vae_cfg, l_ref, clip_frames, info,
+               info.subfolder(cfg.expert), e2v_type, expand, image_branch, use_clip, dtype,
+               expert_sigma_range(cfg.expert, info.boundary_ratio), None)
+
+
+def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
+    """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
+    if not cfg.cache_dir:
+        return run
+    cache = Path(cfg.cache_dir) / cache_key(run.info.path, run.info.image_encoder_dir if run.use_clip else None,
+                                            dataset, run.clip_frames, str(run.compute_dtype), run.e2v_type,
+                                            cfg.prefix_frames)
+    if not cfg.precompute and not (cache / "done").exists():
+        raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
+                                "--precompute first")
+    return replace(run, cache=cache)
+
+
+def describe(run: Run) -> str:
+    prefix = f"{run.ref_latents} reference latents + " if run.prefix else ""
+    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, layout {run.layout}"
+            + (f", E2V type {run.e2v_type}{', CLIP tokens' if run.use_clip else ''}" if run.layout != "t2v" else "")
+            + (", expanded to the E2V inputs" if run.expand else "")
+            + f" | sequence: {prefix}a {run.clip_frames}-frame clip | {str(run.compute_dtype)[6:]} frozen weights"
+            + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else ""))
+
+
+# ---------------------------------------------------------------- data position
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -166,6 +231,308 @@ class RankMicroBatches:
             yield from rank_slice(batch, rank, world, micro, accum)
 
 
+# ---------------------------------------------------------------- models
+
+
+@dataclass
+class Encoders:
+    """The frozen encoders of a run (None where not loaded: training from the precompute cache) and what the step
+    needs of them: the latents' normalisation and the empty prompt of text dropout."""
+
+    vae: object = None
+    tokenizer: object = None
+    text_encoder: object = None
+    image_encoder: object = None
+    image_processor: object = None
+    latents_config: dict | None = None
+    empty_text: torch.Tensor | None = None  # (1, 512, D)
+
+
+def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
+    enc = Encoders()
+    if needed:
+        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.image_branch else None,
+                              run.compute_dtype)
+        enc = Encoders(*parts)
+        for m in (enc.vae, enc.text_encoder, enc.image_encoder):
+            if m is not None:
+                m.to(device)
+    if run.cache is not None and not cfg.precompute:
+        meta = torch.load(run.cache / "meta.pt", weights_only=True)
+        enc.latents_config, enc.empty_text = meta["latents_config"], meta["empty_text"].to(device)
+    elif needed:
+        enc.latents_config = dict(latents_mean=list(enc.vae.config.latents_mean),
+                                  latents_std=list(enc.vae.config.latents_std))
+        enc.empty_text = encode_prompt(enc.tokenizer, enc.text_encoder, [""]).to(device)  # the CFG-dropout prompt
+    return enc
+
+
+def build_transformer(cfg: TrainConfig, run: Run, rank: int):
+    """The transformer to train: loaded, expanded (a T2V base), LoRA-adapted or full (fp32 master weights); a LoRA's
+    frozen weights load in the compute dtype (norms and time embedding stay fp32, as diffusers loads them).
+    --fsdp: rank 0 alone reads the weights; every rank gets a meta-device replica, and rank 0 also the weights to
+    broadcast once it is sharded (shard_from_rank0). Returns (transformer, rank 0's weights or None)."""
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
+    transformer = None
+    if rank == 0 or not cfg.fsdp:
+        frozen = cfg.training_type == "lora"  # (an expansion trains in full)
+        transformer = load_transformer(run.info.path, run.compute_dtype if frozen else torch.float32, run.subfolder)
+        if run.expand:
+            log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
+            transformer = expand_to_e2v(transformer, image_dim=run.info.image_encoder_dim if run.image_branch
+                                        else None, seed=cfg.seed)
+    source = None
+    if cfg.fsdp:
+        transformer, source = meta_replica(transformer)
+    assert is_e2v(transformer) or run.layout == "t2v"
+    if cfg.training_type == "lora":
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        target = cfg.lora_target if run.use_clip else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
+        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                           target_modules=target, init_lora_weights=True))
+        for p in transformer.parameters():  # LoRA weights train in fp32
+            if p.requires_grad:
+                p.data = p.data.float()
+    transformer.train()
+    return transformer, source
+
+
+def block_plan(cfg: TrainConfig, transformer, device) -> tuple[float, bool, str]:
+    """(checkpoint fraction, save attention, why): --memory auto on CUDA plans them from the model, the shape and
+    the free memory (a2/memory.py); --memory manual and the CPU take the flags."""
+    if cfg.memory == "manual" or device.type != "cuda":
+        return cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, "the flags"
+    h, w = cfg.resolution
+    tokens = cfg.micro_batch * ((cfg.num_frames - 1) // 4 + 1) * (h // 16) * (w // 16)
+    plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device)
+    return plan.checkpoint_fraction, plan.save_attention, f"--memory auto: {plan}"
+
+
+def meta_replica(transformer):
+    """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
+    other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
+    Returns (meta model, what shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
+    from diffusers import WanTransformer3DModel
+
+    config = [dict(transformer.config) if RANK == 0 else None]
+    dist.broadcast_object_list(config, src=0)
+    with torch.device("meta"):
+        replica = WanTransformer3DModel.from_config(config[0])
+    source = None
+    if RANK == 0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
+        source = transformer.state_dict(), dict(transformer.named_buffers())
+    return replica, source
+
+
+def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
+    """FSDP2: shard meta_replica's model (each block, then the root: embeddings, head; compute in param_dtype,
+    gradients reduced in fp32), materialise it on `device` and fill it from rank 0's `source`: each weight is
+    broadcast once and every rank keeps its own shard; unsharded buffers are copied whole.
+    Inputs are not cast (cast_forward_inputs=False): bf16 autocast does the casting as under DDP, and the timestep
+    and RoPE tables, which FSDP would cast to bf16 (a timestep of 937.5 becomes 936), stay fp32 as under DDP."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # `model` becomes the sharded module itself
+    model.to_empty(device=device)
+    set_model_state_dict(model, source[0] if RANK == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # to_empty left them uninitialised (not in a state dict)
+            if RANK == 0:
+                buf.copy_(source[1][name])
+            dist.broadcast(buf, src=0)
+
+
+# ---------------------------------------------------------------- one step: model inputs, loss
+
+
+def h2d(x: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
+    .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""
+    if device.type != "cuda":
+        return x
+    return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+
+
+def total_frames(run: Run, batch) -> int:
+    """Pixel frames of the whole sequence: the clip, plus the reference latents' frames in the prefix layout."""
+    if not run.prefix:
+        return run.clip_frames
+    return 4 * ((run.clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], run.vae.combine)) + 1
+
+
+def encode_latents(vae, batch, gens, sample_mode: str, run: Run, prefix_frames: int, device):
+    """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so that a
+    recording PosteriorCache (--precompute) and a replaying one (training from the cache) see the same calls as
+    the live VAE."""
+    cached = "posteriors" in batch
+    # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
+    video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
+    if run.prefix:
+        refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
+        cond = prepare_latents(vae, total_frames(run, batch), references=refs, repeats=batch["repeats"],
+                               combine=run.vae.combine, sample_mode=sample_mode, generator=gens)
+        return torch.cat([cond.ref_latents, encode_vae(vae, video, sample_mode, gens)], dim=2), cond
+    x0 = encode_vae(vae, video, sample_mode, gens)
+    if run.layout == "t2v":
+        return x0, None
+    idx = conditioning_frame_indices(run.vae.frame_conditioning, run.clip_frames, run.vae.frame_index, prefix_frames,
+                                     gens[0] if gens else None)
+    return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
+                               generator=gens)
+
+
+def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device) -> dict:
+    """Everything the transformer and the loss take for this rank's j-th micro-batch of `step`: x0, noise, sigma,
+    the condition (mask | latents), text and image tokens, with text/reference dropout applied. Each sample draws
+    from its own generator (a2/flow.py: sample_generator): sigma, dropout, noise, then the VAE posteriors, as A2's
+    inference orders its draws."""
+    cached = "posteriors" in batch
+    b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
+    ks = [(j * run.world + rank) * cfg.micro_batch + i for i in range(b)]
+    key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
+    gens = [sample_generator(cfg.seed, key, k) for k in ks]
+    drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
+    drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
+    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range) for g in gens]), device)  # (B,)
+    with torch.no_grad():
+        t_lat = (total_frames(run, batch) - 1) // 4 + 1
+        noise = h2d(torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]), device)
+        vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
+        x0, cond = encode_latents(vae, batch, gens, cfg.vae_sample_mode, run, cfg.prefix_frames, device)
+        condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
+        if condition is not None and run.e2v_type == "clip":
+            condition = torch.zeros_like(condition)
+        text = (h2d(batch["text"], device) if cached
+                else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
+        text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
+        image = None
+        if run.use_clip:
+            image = (h2d(batch["clip"], device) if cached else
+                     encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
+        keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)
+        if condition is not None:
+            condition = condition * keep_refs[:, None, None, None, None]
+        if image is not None:
+            image = image * keep_refs[:, None, None].to(image.dtype)
+    return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, text=text, image=image,
+                tokens=b * t_lat * (height // 16) * (width // 16), reference_images=batch.get("ref_vae"))
+
+
+def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
+    """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
+    x0, sigmas, condition = inputs["x0"], inputs["sigmas"], inputs["condition"]
+    x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
+    x_in = x_t if condition is None else torch.cat([x_t, condition], dim=1)  # (B, 16 | 36, T, h, w)
+    image = inputs["image"]
+    with amp:
+        pred = model(hidden_states=x_in.to(dtype), timestep=sigmas * 1000,
+                     encoder_hidden_states=inputs["text"].to(dtype),
+                     encoder_hidden_states_image=None if image is None else image.to(dtype), return_dict=False)[0]
+    first = run.loss_start if run.prefix and not cfg.loss_on_references else 0
+    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, first)
+    s = sigmas.view(-1, 1, 1, 1, 1)
+    viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
+               reference_images=inputs["reference_images"])
+    return loss, viz
+
+
+# ---------------------------------------------------------------- precompute, validation, visualisation
+
+
+def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
+    """Encode every sample into run.cache (sharded over ranks, resumable): VAE posteriors (recorded, no draw), T5
+    trimmed to its tokens, CLIP tokens; rank 0 adds the empty prompt and the latents' normalisation."""
+    def encode(batch):
+        rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
+        with torch.no_grad():
+            encode_latents(rec, batch, None, "argmax", run, 1, enc.vae.device)
+            text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
+            clip = encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"])[0] if run.use_clip else None
+        n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
+        return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
+                    text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
+
+    write_cache(run.cache, dataset, encode, rank, world)
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        torch.save(dict(empty_text=encode_prompt(enc.tokenizer, enc.text_encoder, [""]).cpu(),
+                        latents_config=dict(latents_mean=list(enc.vae.config.latents_mean),
+                                            latents_std=list(enc.vae.config.latents_std))), run.cache / "meta.pt")
+        (run.cache / "done").write_text(f"{len(dataset)} samples\n")
+        log(f"precomputed {len(dataset)} samples into {run.cache}")
+
+
+def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
+             rank: int, device, amp) -> None:
+    """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
+    Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
+    between validations (on the GPU it would add a whole model to every step)."""
+    if not (cfg.val_elements or run.layout == "t2v") or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
+        return
+    h, w = cfg.resolution
+    refs = clips = None
+    repeats: tuple[int, ...] = ()
+    if cfg.val_elements:
+        refs, clips, repeats = load_references(pair_elements(cfg.val_elements, run.elements), (h, w),
+                                               (cfg.clip_size, cfg.clip_size))
+    transformer.eval()
+    experts = {}
+    high = transformer
+    if run.info.two_experts:
+        if "other" not in frozen:
+            other = "low" if cfg.expert == "high" else "high"
+            frozen["other"] = load_transformer(run.info.path, run.compute_dtype, EXPERTS[other]).eval()
+        frozen["other"].to(device)
+        high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
+        experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
+    pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
+                      **experts, flow_shift=model_flow_shift(run.info.path))
+    with amp:
+        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
+                   num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
+                   flow_shift=cfg.val_flow_shift, combine=run.vae.combine,
+                   generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
+    transformer.train()
+    if "other" in frozen:
+        frozen["other"].to("cpu")
+    if rank == 0:
+        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
+                          None if refs is None else refs[0])
+        log(f"validation video: {path}")
+
+
+def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
+    """The dataset config's visualization processors: latents saved as .pt, or decoded to PNG frames."""
+    if not vis.enabled or step % vis.frequency:
+        return
+    out = Path(vis.output_dir.format(run_id=run_dir.name))
+    out = out if out.is_absolute() else run_dir / out
+    out.mkdir(parents=True, exist_ok=True)
+    for proc in vis.processors:
+        for key in proc.get("data", []):
+            x = viz.get(key)
+            if x is None:
+                continue
+            if proc["type"] == "latent_save" or key == "reference_images":
+                torch.save(x.detach().cpu(), out / f"step{step:07d}_{key}.pt")
+            elif proc["type"] == "vae_decode":
+                with torch.no_grad():
+                    frames = decode_vae(vae, x[:, :16].detach().float())[0]  # (3, F, H, W)
+                from PIL import Image
+
+                for fi in proc.get("frames", [0, -1]):
+                    Image.fromarray(tensor_to_uint8(frames[:, fi])).save(out / f"step{step:07d}_{key}_f{fi}.png")
+
+
+# ---------------------------------------------------------------- checkpoints, export
+
+
 def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int) -> Path:
     """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`.
     DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
@@ -198,49 +565,27 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
     return final
 
 
-def load_sharded(ckpt: Path, model, opt) -> None:
-    """--fsdp resume: every rank reads its shards of the model and optimizer state (any world size)."""
-    if not (ckpt / "sharded").is_dir():
-        raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=ckpt / "sharded")
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def meta_replica(transformer):
-    """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
-    other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
-    Returns (meta model, what shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
-    from diffusers import WanTransformer3DModel
-
-    config = [dict(transformer.config) if RANK == 0 else None]
-    dist.broadcast_object_list(config, src=0)
-    with torch.device("meta"):
-        replica = WanTransformer3DModel.from_config(config[0])
-    source = None
-    if RANK == 0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
-        source = transformer.state_dict(), dict(transformer.named_buffers())
-    return replica, source
-
-
-def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
-    """FSDP2: shard meta_replica's model (each block, then the root: embeddings, head; compute in param_dtype,
-    gradients reduced in fp32), materialise it on `device` and fill it from rank 0's `source`: each weight is
-    broadcast once and every rank keeps its own shard; unsharded buffers are copied whole."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # `model` becomes the sharded module itself
-    model.to_empty(device=device)
-    set_model_state_dict(model, source[0] if RANK == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    with torch.no_grad():
-        for name, buf in model.named_buffers():  # to_empty left them uninitialised (not in a state dict)
-            if RANK == 0:
-                buf.copy_(source[1][name])
-            dist.broadcast(buf, src=0)
+def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool) -> int:
+    """Restore weights (or adapter), optimizer and RNG from ckpt; returns its step (the data position)."""
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    if fsdp:
+        if not (ckpt / "sharded").is_dir():
+            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
+        model_sd, optim_sd = get_state_dict(transformer, opt)
+        sharded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sharded, checkpoint_id=ckpt / "sharded")  # every rank reads its shards (any world size)
+        set_state_dict(transformer, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
+    else:
+        if not (ckpt / "trainable.safetensors").exists():
+            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
+        missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state["step"]
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
@@ -265,20 +610,30 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     return out
 
 
+def log_step(rec: dict, metrics_file, tb) -> None:
+    if metrics_file:
+        metrics_file.write(json.dumps(rec) + "\n")
+        metrics_file.flush()
+    if tb:
+        for k, v in rec.items():
+            if v is not None and k != "step":
+                tb.add_scalar(k, v, rec["step"])
+
+
+# ---------------------------------------------------------------- main
+
+
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
+    global RANK
+    use_expandable_segments()  # before CUDA initialises
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    global RANK
     RANK = rank
-    use_cuda = torch.cuda.is_available()
+    use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if cfg.fsdp and cfg.training_type != "full":
-        raise ValueError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
-                         "of a frozen model: drop --fsdp (DDP)")
-    if cfg.fsdp and cfg.compile and cfg.save_attention and cfg.gradient_checkpointing:
-        raise ValueError("--fsdp --compile cannot --save-attention: FSDP2's hooks keep the checkpoint outside the "
-                         "compiled forward, where the selective policy would undo compilation (a2/transformer.py)")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
@@ -289,348 +644,83 @@ def main(cfg: TrainConfig) -> dict:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16"
-           else nullcontext())
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 
-    # ---------------------------------------------------------------- checks that need no data or model
-    h, w = cfg.resolution
-    check_size(h, w, cfg.num_frames)
-    if cfg.micro_batch < 1 or cfg.grad_accum < 1:
-        raise ValueError("micro_batch and grad_accum must be >= 1")
-    global_batch = cfg.micro_batch * cfg.grad_accum * world
+    # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
-    vae_cfg = ds_cfgs[0].vae
-    if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
-        raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
-    elements = ds_cfgs[0].elements
-    prefix = vae_cfg.frame_conditioning == "full" and bool(elements)
-    text_only = vae_cfg.frame_conditioning == "full" and not elements  # T2V: no condition input at all
-    # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
-    l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if prefix else 0
-    clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
-    if clip_frames < 1:
-        raise ValueError(f"num_frames={cfg.num_frames} leaves no video frames after {l_ref} reference latents")
-
-    # ---------------------------------------------------------------- run dir, resolved config
+    if cfg.model in TINY_MODELS and dist.is_initialized():
+        if rank == 0:  # rank 0 builds it: transformers' save_pretrained writes no weights on another rank
+            model_path(cfg.model)
+        dist.barrier()
+    run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    log(f"run dir {run_dir} | world {world} | global batch {global_batch} = micro {cfg.micro_batch} x accum "
+    log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
         f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
-    dataset = E2VDataset(ds_cfgs, num_frames=clip_frames, skip_bad_samples=cfg.skip_bad_samples,
+    dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
                          verbose=rank == 0)
-    sampler = BucketBatchSampler(dataset, global_batch, seed=cfg.seed)
+    run = with_cache(cfg, run, dataset)
+    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
+    log(describe(run))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
 
-    # ---------------------------------------------------------------- models
-    from a2.tiny import model_path
-
-    if cfg.model.startswith("tiny") and dist.is_initialized():  # rank 0 builds it: transformers' save_pretrained
-        if rank == 0:  # silently writes no weights on another rank of an initialised process group
-            model_path(cfg.model)
-        dist.barrier()
-    info = detect_model(cfg.model, cfg.image_encoder)  # clear errors for unsupported dirs, before any weights load
-    model_dir = info.path
-    subfolder = info.subfolder(cfg.expert)  # a Wan 2.2 pair trains one expert: only it is loaded
-    conditioned = not text_only
-    e2v_type = resolve_e2v_type(info, cfg.e2v_type, conditioned)
-    sigma_range = expert_sigma_range(cfg.expert, info.boundary_ratio)
-    log(f"model {model_dir}: {info.name}" + (f", E2V type {e2v_type}" if conditioned else ", T2V"))
-    if cfg.expert:
-        log(f"training the {cfg.expert}-noise expert {subfolder}/ on sigma in [{sigma_range[0]}, {sigma_range[1]}"
-            + ("]" if cfg.expert == "high" else ")"))
-    expand = conditioned and not info.e2v  # a T2V base gets the E2V inputs (a2/transformer.py: expand_to_e2v)
-    image_branch = info.image_branch or (expand and e2v_type != "vae")
-    use_clip = prefix and e2v_type != "vae" and image_branch
-    image_src = info.image_encoder_dir
-    frozen_dtype = torch.bfloat16 if use_cuda and cfg.mixed_precision == "bf16" else torch.float32
-    cache = None
-    if cfg.cache_dir:  # the encoders' outputs for this exact data/preprocessing/encoders, or a new dir for them
-        if vae_cfg.frame_conditioning == "random":
-            raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
-        cache = Path(cfg.cache_dir) / cache_key(model_dir, image_src if use_clip else None, dataset, clip_frames,
-                                                str(frozen_dtype), e2v_type, cfg.prefix_frames)
-        if not cfg.precompute and not (cache / "done").exists():
-            raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
-                                    "--precompute first")
-    need_encoders = cache is None or cfg.precompute or bool(cfg.val_elements or text_only and cfg.val_every) or any(
-        p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors if ds_cfgs[0].visualization.enabled)
-    vae = tokenizer = text_encoder = image_encoder = image_processor = None
-    if need_encoders:
-        vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
-            model_dir, image_src if image_branch else None, frozen_dtype)
-        for m in (vae, text_encoder, image_encoder):
-            if m is not None:
-                m.to(device)
-
-    # ---------------------------------------------------------------- precompute cache (then exit)
-    def h2d(x: torch.Tensor) -> torch.Tensor:
-        """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
-        .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""
-        if not use_cuda:
-            return x
-        return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
-
-    def total_frames(batch) -> int:
-        """Pixel frames of the whole sequence: the clip, plus the reference latents' frames in the prefix layout."""
-        if not prefix:
-            return clip_frames
-        return 4 * ((clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], vae_cfg.combine)) + 1
-
-    def encode_latents(vae_, batch, gens, sample_mode):
-        """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so
-        that a recording PosteriorCache (--precompute) and a replaying one (training from the cache) see the
-        same calls as the live VAE."""
-        cached = "posteriors" in batch
-        # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
-        video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"])
-        if prefix:
-            refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"])
-            cond = prepare_latents(vae_, total_frames(batch), references=refs, repeats=batch["repeats"],
-                                   combine=vae_cfg.combine, sample_mode=sample_mode, generator=gens)
-            return torch.cat([cond.ref_latents, encode_vae(vae_, video, sample_mode, gens)], dim=2), cond
-        x0 = encode_vae(vae_, video, sample_mode, gens)
-        if vae_cfg.frame_conditioning == "full":
-            return x0, None
-        idx = conditioning_frame_indices(vae_cfg.frame_conditioning, clip_frames, vae_cfg.frame_index,
-                                         cfg.prefix_frames, gens[0] if gens else None)
-        return x0, prepare_latents(vae_, clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
-                                   generator=gens)
-
+    # ---------------------------------------------------------------- encoders; precompute cache (then exit)
+    needed = run.cache is None or cfg.precompute or bool(cfg.val_elements or run.layout == "t2v" and cfg.val_every) \
+        or any(p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors
+               if ds_cfgs[0].visualization.enabled)
+    enc = load_run_encoders(cfg, run, device, needed)
     if cfg.precompute:
-        if cache is None:
-            raise ValueError("--precompute needs --cache-dir")
-
-        def encode(batch):  # one sample: posteriors (recorded, no draw), T5 trimmed to its tokens, CLIP
-            rec = PosteriorCache(dict(vae.config), vae=vae)
-            with torch.no_grad():
-                encode_latents(rec, batch, None, "argmax")
-                text = encode_prompt(tokenizer, text_encoder, batch["prompts"])[0]  # (512, D), zeros after the tokens
-                clip = encode_image(image_encoder, image_processor, batch["ref_clip"])[0] if use_clip else None
-            n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
-            return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
-                        text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
-
-        write_cache(cache, dataset, encode, rank, world)
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            torch.save(dict(empty_text=encode_prompt(tokenizer, text_encoder, [""]).cpu(),
-                            latents_config=dict(latents_mean=list(vae.config.latents_mean),
-                                                latents_std=list(vae.config.latents_std))), cache / "meta.pt")
-            (cache / "done").write_text(f"{len(dataset)} samples\n")
-            log(f"precomputed {len(dataset)} samples into {cache}")
+        precompute(run, dataset, enc, rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
-        return dict(cache=cache)
-    if cache is not None:
-        dataset.cache_dir = cache
-        meta = torch.load(cache / "meta.pt", weights_only=True)
-        latents_config, empty_text = meta["latents_config"], meta["empty_text"].to(device)
-        log(f"training from the precompute cache {cache}" + ("" if vae is None else
-                                                             " (encoders loaded for validation/visualisation)"))
-    else:
-        latents_config = dict(latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
-        empty_text = encode_prompt(tokenizer, text_encoder, [""]).to(device)  # the CFG-dropout prompt
+        return dict(cache=run.cache)
+    if run.cache is not None:
+        dataset.cache_dir = run.cache
+        log(f"training from the precompute cache {run.cache}"
+            + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
 
-    if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
-        raise ValueError(f"{model_dir} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
-                         "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
-    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
-    transformer = None
-    if rank == 0 or not cfg.fsdp:  # --fsdp: rank 0 alone reads the weights and broadcasts them once sharded
-        transformer = load_transformer(model_dir, torch.float32, subfolder)
-        if expand:
-            log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-            transformer = expand_to_e2v(transformer, image_dim=info.image_encoder_dim if e2v_type != "vae" else None,
-                                        seed=cfg.seed)
+    # ---------------------------------------------------------------- transformer: DDP or FSDP2
+    transformer, rank0_weights = build_transformer(cfg, run, rank)
     if cfg.fsdp:
-        transformer, rank0_weights = meta_replica(transformer)
-    assert is_e2v(transformer) or not (prefix or vae_cfg.frame_conditioning != "full")
-
-    if cfg.training_type == "lora":
-        from peft import LoraConfig
-
-        transformer.requires_grad_(False)
-        transformer.to(frozen_dtype)
-        target = cfg.lora_target if use_clip else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
-        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                           target_modules=target, init_lora_weights=True))
-        for p in transformer.parameters():  # LoRA weights train in fp32
-            if p.requires_grad:
-                p.data = p.data.float()
-    configure_blocks(transformer, cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention,
-                     cfg.compile, cfg.fsdp)
-    transformer.train()
-    if not cfg.fsdp:  # --fsdp: shard_from_rank0 puts each rank's shards on the device
+        shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
+        del rank0_weights
+    else:
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
+    fraction, save_attention, why = block_plan(cfg, transformer, device)
+    configure_blocks(transformer, fraction, save_attention, cfg.compile)
+    log(f"blocks: {fraction:.0%} recomputed{', keeping self-attention' if save_attention and fraction else ''}"
+        f"{', compiled' if cfg.compile else ''} ({why})")
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
-    if cfg.fsdp:
-        shard_from_rank0(transformer, rank0_weights, device, frozen_dtype)  # bf16 compute on CUDA
-        del rank0_weights
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
 
-    # ---------------------------------------------------------------- optimiser, resume
+    # ---------------------------------------------------------------- optimiser, resume, loader
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=use_cuda)
-    start_step = 0
     resume = cfg.resume
     if resume == "auto":
         ckpts = sorted(run_dir.glob("ckpt-*"))
         resume = str(ckpts[-1]) if ckpts else None
+    start_step = load_checkpoint(Path(resume), transformer, opt, cfg.fsdp) if resume else 0
     if resume:
-        ckpt = Path(resume)
-        state = torch.load(ckpt / "state.pt", weights_only=False)
-        if cfg.fsdp:
-            load_sharded(ckpt, model, opt)
-        else:
-            if not (ckpt / "trainable.safetensors").exists():
-                raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
-            missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
-            if missing.unexpected_keys:
-                raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
-            opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        start_step = state["step"]
-        log(f"resumed from {ckpt} at step {start_step}")
-
-    micro_batches = RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
-                                     cfg.overfit_batches)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=micro_batches, collate_fn=collate,
-                                         num_workers=cfg.num_workers, pin_memory=use_cuda,
-                                         persistent_workers=cfg.num_workers > 0,
-                                         # forked workers of a process that runs CUDA and OpenMP threads can hang
-                                         # (seen on an H100 machine); spawned ones cannot
-                                         multiprocessing_context="spawn" if cfg.num_workers > 0 else None)
-
-    # ---------------------------------------------------------------- signals: checkpoint and exit cleanly
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame):
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGTERM, on_signal)
+        log(f"resumed from {resume} at step {start_step}")
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
+                                                cfg.overfit_batches),
+        collate_fn=collate, num_workers=cfg.num_workers, pin_memory=use_cuda, persistent_workers=cfg.num_workers > 0,
+        # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
+        multiprocessing_context="spawn" if cfg.num_workers > 0 else None)
+    signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
-
-    # ---------------------------------------------------------------- one training step
-    def forward_loss(batch, step: int, j: int):
-        """Loss of this rank's j-th micro-batch of `step`, each sample with its own generator."""
-        cached = "posteriors" in batch
-        b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
-        ks = [(j * world + rank) * cfg.micro_batch + i for i in range(b)]
-        key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
-        gens = [sample_generator(cfg.seed, key, k) for k in ks]
-        drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
-        drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
-        sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *sigma_range) for g in gens]))
-        with torch.no_grad():
-            # noise first, then the VAE posteriors, as A2's inference orders its draws
-            t_lat = (total_frames(batch) - 1) // 4 + 1
-            noise = h2d(torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]))
-            vae_ = PosteriorCache(latents_config, [h2d(p) for p in batch["posteriors"]]) if cached else vae
-            x0, cond = encode_latents(vae_, batch, gens, cfg.vae_sample_mode)
-            condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
-            if condition is not None and e2v_type == "clip":
-                condition = torch.zeros_like(condition)
-            text = h2d(batch["text"]) if cached else encode_prompt(tokenizer, text_encoder, batch["prompts"])
-            text = torch.where(h2d(torch.tensor(drop_text))[:, None, None], empty_text, text)
-            image = None
-            if use_clip:
-                image = (h2d(batch["clip"]) if cached else
-                         encode_image(image_encoder, image_processor, batch["ref_clip"]))
-            keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32))
-            if condition is not None:
-                condition = condition * keep_refs[:, None, None, None, None]
-            if image is not None:
-                image = image * keep_refs[:, None, None].to(image.dtype)
-        s = sigmas[:, None, None, None, None]
-        x_t = (1 - s) * x0 + s * noise  # flow matching: x_t on the straight line from x0 to noise
-        target = noise - x0
-        x_in = x_t if condition is None else torch.cat([x_t, condition], dim=1)
-        with amp:
-            pred = model(hidden_states=x_in.to(transformer.dtype), timestep=sigmas * 1000,
-                         encoder_hidden_states=text.to(transformer.dtype),
-                         encoder_hidden_states_image=None if image is None else image.to(transformer.dtype),
-                         return_dict=False)[0]
-        err = (pred.float() - target).pow(2)  # (B, 16, T, h, w)
-        if prefix and not cfg.loss_on_references:
-            err = err[:, :, t_lat - (clip_frames - 1) // 4 - 1:]
-        per_sample = err.mean(dim=(1, 2, 3, 4))
-        if cfg.loss_weighting == "cosmap":
-            per_sample = per_sample * 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
-        viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
-                   reference_images=batch.get("ref_vae"))
-        tokens = b * t_lat * (height // 16) * (width // 16)
-        return per_sample.mean(), tokens, viz
-
-    # ---------------------------------------------------------------- validation videos
-    frozen = {}
-
-    def validate(step: int):
-        if not (cfg.val_elements or text_only) or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks run the forwards
-            return
-        refs = clips = None
-        repeats: tuple[int, ...] = ()
-        if cfg.val_elements:
-            items = pair_elements(cfg.val_elements, elements)
-            refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
-        transformer.eval()
-        experts = {}
-        if info.two_experts:  # the other expert, frozen, loaded at the first validation; between validations it
-            if "other" not in frozen:  # waits in host memory: on the GPU it would add a whole model to every step
-                other = "low" if cfg.expert == "high" else "high"
-                frozen["other"] = load_transformer(model_dir, frozen_dtype, EXPERTS[other]).eval()
-            frozen["other"].to(device)
-            high, low = ((transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer))
-            experts = dict(transformer_2=low, boundary_ratio=info.boundary_ratio)
-        else:
-            high = transformer
-        pipe = A2Pipeline(high, vae, tokenizer, text_encoder, image_encoder, image_processor, **experts,
-                          flow_shift=model_flow_shift(model_dir))
-        with amp:
-            out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
-                       num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                       flow_shift=cfg.val_flow_shift, combine=vae_cfg.combine,
-                       generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
-        transformer.train()
-        if "other" in frozen:
-            frozen["other"].to("cpu")
-        if rank == 0:
-            path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
-                              None if refs is None else refs[0])
-            log(f"validation video: {path}")
-
-    def visualize(step: int, viz: dict):
-        vis = ds_cfgs[0].visualization
-        if rank != 0 or not vis.enabled or step % vis.frequency:
-            return
-        out = Path(vis.output_dir.format(run_id=run_dir.name))
-        out = out if out.is_absolute() else run_dir / out
-        out.mkdir(parents=True, exist_ok=True)
-        for proc in vis.processors:
-            for key in proc.get("data", []):
-                x = viz.get(key)
-                if x is None:
-                    continue
-                if proc["type"] == "latent_save" or key == "reference_images":
-                    torch.save(x.detach().cpu(), out / f"step{step:07d}_{key}.pt")
-                elif proc["type"] == "vae_decode":
-                    with torch.no_grad():
-                        frames = decode_vae(vae, x[:, :16].detach().float())[0]  # (3, F, H, W)
-                    from PIL import Image
-
-                    for fi in proc.get("frames", [0, -1]):
-                        Image.fromarray(tensor_to_uint8(frames[:, fi])).save(out / f"step{step:07d}_{key}_f{fi}.png")
 
     # ---------------------------------------------------------------- the loop
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
@@ -640,10 +730,11 @@ def main(cfg: TrainConfig) -> dict:
 
         tb = SummaryWriter(run_dir / "tb")
     losses: list[float] = []
+    frozen: dict = {}  # validation's other Wan 2.2 expert
     data_iter = iter(loader)
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
                desc="train")
-    t0, seen, tok, step = time.time(), 0, 0, start_step
+    t0, seen, tok, step, logged = time.time(), 0, 0, start_step, start_step
     interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
     for step in bar:
         random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
@@ -656,39 +747,35 @@ def main(cfg: TrainConfig) -> dict:
             sync = j == cfg.grad_accum - 1
             if cfg.fsdp:
                 model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
-            with (model.no_sync() if ddp and not sync else nullcontext()):
-                loss, tokens, viz = forward_loss(batch, step, j)
+            with model.no_sync() if ddp and not sync else nullcontext():
+                inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
+                loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
                 (loss / cfg.grad_accum).backward()
             step_loss += loss.detach() / cfg.grad_accum
             seen += len(batch["prompts"]) * world
-            tok += tokens * world
+            tok += inputs["tokens"] * world
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if world > 1:
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         done = step + 1
-        visualize(done, viz)
-        if done % cfg.log_every == 0 or done == cfg.max_steps or stop["signal"] is not None:
+        if rank == 0:
+            visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
+        if done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None:
             value = step_loss.item()  # the only host sync of the step, at log intervals
             if not math.isfinite(value):
                 log(f"loss is {value} at step {done}: stopping; the last good checkpoint is intact in {run_dir}")
                 raise FloatingPointError(f"non-finite loss {value} at step {done}")
             dt = time.time() - t0
             rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
-                       samples_per_s=seen / dt, tokens_per_s=tok / dt,
+                       s_per_step=dt / (done - logged), samples_per_s=seen / dt, tokens_per_s=tok / dt,
                        peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
             losses.append(value)
-            if metrics_file:
-                metrics_file.write(json.dumps(rec) + "\n")
-                metrics_file.flush()
-            if tb:
-                for k_, v_ in rec.items():
-                    if v_ is not None and k_ != "step":
-                        tb.add_scalar(k_, v_, done)
+            log_step(rec, metrics_file, tb)
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
-            t0, seen, tok = time.time(), 0, 0
-        interrupted = stop["signal"] is not None
+            t0, seen, tok, logged = time.time(), 0, 0, done
+        interrupted = STOP["signal"] is not None
         if world > 1:
             flag = torch.tensor([float(interrupted)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
@@ -697,17 +784,16 @@ def main(cfg: TrainConfig) -> dict:
             if not math.isfinite(step_loss.item()):
                 raise FloatingPointError(f"non-finite loss at step {done}; not checkpointing it")
             if rank == 0 or cfg.fsdp:
-                path = save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last)
-                log(f"checkpoint {path}")
+                log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last)}")
             if world > 1:
                 dist.barrier()
         if cfg.val_every and done % cfg.val_every == 0:
-            validate(done)
+            validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp)
         if interrupted:
-            log(f"signal {stop['signal']}: checkpoint written at step {done}, exiting")
+            log(f"signal {STOP['signal']}: checkpoint written at step {done}, exiting")
             break
-
     del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
+
     # ---------------------------------------------------------------- export
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
     full_state = None
@@ -718,7 +804,7 @@ def main(cfg: TrainConfig) -> dict:
         log(f"exported {result['weights']}")
     del full_state
     if cfg.val_elements and not cfg.val_every and not interrupted:
-        validate(cfg.max_steps)
+        validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp)
     if metrics_file:
         metrics_file.close()
     if dist.is_initialized():

@@ -398,9 +398,10 @@ class A2Pipeline(WanLoraLoaderMixin):
 
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
         experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory)."""
+        from a2.tiny import model_path
         from a2.transformer import detect_model, load_transformer
 
-        info = detect_model(model_dir, image_encoder_dir)
+        info = detect_model(model_path(model_dir), image_encoder_dir)
         model_dir = info.path
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
         if info.two_experts and transformer_2 is None:

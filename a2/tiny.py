@@ -6,6 +6,11 @@ diffusers format, so every test and the demo go through the real loading code. A
 Wan2.1 T2V (--t2v) and the Wan 2.2 A14B expert pairs (--wan22: T2V, or I2V with 36 input channels
 and no image branch).
 
+`random-1.3B` / `random-14B` are real-size model dirs without weights, for measuring the real training loop
+at real shapes with no download: the transformer dir holds Wan2.1-T2V-1.3B's / A2-14B's config and a
+RANDOM_WEIGHTS marker (load_transformer builds random weights on the GPU), and the encoders are tiny ones
+with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their outputs have the real shapes.
+
     python -m a2.tiny OUT_DIR [--t2v] [--wan22]
 """
 
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from a2.transformer import preset_config
+from a2.transformer import RANDOM_WEIGHTS, preset_config
 
 TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
 a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
@@ -48,15 +53,17 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 
 # `--model` names of the built-in tiny models -> tiny_model_dir arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
-               "tiny-wan22-i2v": dict(wan22=True)}
+               "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
+               "random-14B": dict(preset="14B")}
 
 
-def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False) -> dict:
+def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny") -> dict:
     """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
 
     wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
     other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
-    branch and no CLIP, as Wan2.2-I2V-A14B."""
+    branch and no CLIP, as Wan2.2-I2V-A14B.
+    preset `1.3B` / `14B`: encoders with that model's widths, and the transformer as a config dict (no weights)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import (
         CLIPImageProcessor,
@@ -68,16 +75,16 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False) -> dict:
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
+    tcfg = preset_config(preset, e2v=not t2v)
     text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        vocab_size=len(tokenizer), d_model=tcfg["text_dim"], d_kv=8, d_ff=64, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
     )).eval()
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
                            temperal_downsample=[False, True, True]).eval()
-    tcfg = preset_config("tiny", e2v=not t2v)
     if wan22:
         tcfg.update(image_dim=None, added_kv_proj_dim=None)
-    transformer = WanTransformer3DModel(**tcfg).eval()
+    transformer = WanTransformer3DModel(**tcfg).eval() if preset == "tiny" else tcfg
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=8.0)
     parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
@@ -86,8 +93,8 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False) -> dict:
         parts.update(transformer_2=WanTransformer3DModel(**tcfg).eval(), boundary_ratio=WAN22_BOUNDARY[t2v])
     elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=224,
-            patch_size=14, projection_dim=32,
+            hidden_size=tcfg["image_dim"], intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=224, patch_size=14, projection_dim=32,
         )).eval()
         parts["image_processor"] = CLIPImageProcessor(
             size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
@@ -96,18 +103,31 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False) -> dict:
     return parts
 
 
-def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False) -> Path:
-    """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
+def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False,
+              preset: str = "tiny") -> Path:
+    """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline); for a
+    real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of weights."""
+    import json
+
+    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
     out_dir = Path(out_dir)
-    parts = build_tiny(seed, t2v, wan22)
+    parts = build_tiny(seed, t2v, wan22, preset)
+    config = None if preset == "tiny" else parts.pop("transformer")
     pipe = WanPipeline(**parts) if t2v else WanImageToVideoPipeline(**parts)
     pipe.save_pretrained(out_dir)
+    if config is not None:
+        with torch.device("meta"):
+            WanTransformer3DModel(**config).save_config(out_dir / "transformer")
+        (out_dir / "transformer" / RANDOM_WEIGHTS).write_text("no weights: a2.transformer.load_transformer builds "
+                                                              "random ones of this config (a2/tiny.py)\n")
+        index = json.loads((out_dir / "model_index.json").read_text())
+        index["transformer"] = ["diffusers", "WanTransformer3DModel"]
+        (out_dir / "model_index.json").write_text(json.dumps(index, indent=2))
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False, wan22: bool = False) -> Path:
+def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny") -> Path:
     """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
@@ -118,22 +138,21 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False) -> Path:
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
     root.mkdir(parents=True, exist_ok=True)
-    d = root / (("tiny-wan22-" if wan22 else "tiny-") + ("t2v" if t2v else "i2v"))
+    d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
+                + ("t2v" if t2v else "i2v"))
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (d / "model_index.json").exists():
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_tiny(tmp, t2v=t2v, wan22=wan22)
+            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset)
             os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 
 
 def model_path(name) -> Path:
-    """`tiny` / `tiny-t2v`: the built-in tiny I2V (A2 architecture) / T2V model dir; anything else is a path."""
-    if str(name) in ("tiny", "tiny-t2v"):
-        return tiny_model_dir(t2v=str(name) == "tiny-t2v")
-    return Path(name)
+    """What `--model NAME` means: a built-in tiny model's dir (built on first use), else the path itself."""
+    return tiny_model_dir(**TINY_MODELS[str(name)]) if str(name) in TINY_MODELS else Path(name)
 
 
 if __name__ == "__main__":

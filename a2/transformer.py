@@ -130,17 +130,13 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
 
     Supported: SkyReels-A2 and Wan2.1 I2V 14B 480P/720P (36 input channels, CLIP image branch), Wan2.1 T2V
     1.3B/14B (16 channels), Wan 2.2 A14B T2V/I2V (two experts `transformer`/`transformer_2` switched at
-    `boundary_ratio`; the I2V pair has 36 channels but no image branch). `tiny`, `tiny-t2v`, `tiny-wan22-t2v`
-    and `tiny-wan22-i2v` name the built-in offline tiny models. `image_encoder` is a dir with
-    image_encoder/ + image_processor/ that overrides the model's own (for a T2V model expanded to E2V)."""
-    from a2.tiny import TINY_MODELS, tiny_model_dir
-
-    if str(model_dir) in TINY_MODELS:
-        model_dir = tiny_model_dir(**TINY_MODELS[str(model_dir)])
+    `boundary_ratio`; the I2V pair has 36 channels but no image branch). `image_encoder` is a dir with
+    image_encoder/ + image_processor/ that overrides the model's own (for a T2V model expanded to E2V).
+    The built-in tiny models' names are resolved to their dirs by a2.tiny.model_path, before this."""
     d = Path(model_dir)
     if not d.is_dir():
-        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or one of "
-                               f"{sorted(TINY_MODELS)})")
+        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or the name of a "
+                               "built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v)")
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
                                "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V); original Wan checkpoints need converting")
@@ -228,14 +224,43 @@ def expert_sigma_range(expert: str | None, boundary_ratio: float | None) -> tupl
     return (boundary_ratio, 1.0) if expert == "high" else (0.0, boundary_ratio)
 
 
+RANDOM_WEIGHTS = "RANDOM_WEIGHTS"  # marker file of a transformer dir that holds a config and no weights (a2/tiny.py)
+
+
 def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, subfolder: str = "transformer"):
-    """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`) or a transformer dir."""
+    """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`) or a transformer dir.
+    A `random-*` model dir (a2/tiny.py) has a config and no weights: random ones are built, on the GPU when there
+    is one (a 14B model in bf16 is 28 GB: built where it runs, not on the host)."""
     model_dir = Path(model_dir)
+    if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, device)
     if (model_dir / subfolder / "config.json").exists():
         return WanTransformer3DModel.from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     if (model_dir / "config.json").exists():
         return WanTransformer3DModel.from_pretrained(model_dir, torch_dtype=dtype)
     raise FileNotFoundError(f"{model_dir}: no {subfolder}/config.json or config.json (not a diffusers model dir)")
+
+
+@torch.no_grad()
+def random_transformer(config: dict, dtype: torch.dtype, device, seed: int = 0) -> WanTransformer3DModel:
+    """A transformer of `config` with random weights, allocated on `device` in `dtype` (no fp32 copy first) and
+    filled in place: matrices N(0, 0.02), norm scales 1, the rest 0 (fast on any size; real-size runs measure
+    speed and memory, not quality). As from_pretrained(torch_dtype=bf16) loads real weights, the modules diffusers
+    keeps in fp32 (norms, time embedding, scale-shift tables) are fp32."""
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(config)
+    keep = set(model._keep_in_fp32_modules)
+    model.to_empty(device=device)
+    g = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.02, generator=g)
+        else:
+            p.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)
+    model.rope = type(model.rope)(config["attention_head_dim"], config["patch_size"], config["rope_max_seq_len"])
+    return model.to(device).eval()
 
 
 @torch.no_grad()
@@ -287,47 +312,37 @@ def _save_self_attention(ctx, func, *args, **kwargs):
 
 
 def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 0.0, save_attention: bool = False,
-                     compile: bool = False, fsdp: bool = False) -> None:
+                     compile: bool = False) -> None:
     """How the transformer blocks run in training: recomputation (gradient checkpointing) and compilation.
 
     checkpoint_fraction: the first round(fraction·n) blocks store only their inputs and recompute the forward in
-      backward (one extra forward of each); 1.0 is diffusers' gradient checkpointing, 0 none.
+      backward (one extra forward of each); 1.0 recomputes every block, 0 none.
     save_attention: in those blocks, keep the self-attention outputs (and log-sum-exp) instead of recomputing them
       (selective checkpointing): the attention core is about half the forward FLOPs at 81x480x832, the
       projections around it are cheap to redo. Memory: tokens x dim bf16 per block (A2-14B: 0.34 GB, 1.3B: 0.1 GB).
-    compile: torch.compile each block (one graph shared by all blocks). A checkpointed block is compiled together
-      with its checkpoint, so that backward replays the compiled recomputation and the selective policy applies
-      inside it. (An eager checkpoint around a compiled block recomputes eagerly whenever a dispatch mode is
-      active, e.g. the selective policy or a FLOP counter, and then fails its saved-tensor check.)
-    fsdp: the blocks will be fully_shard-ed. FSDP2's hooks (all-gather, reshard) cannot run inside a compiled
-      region, so only each block's forward is compiled, inside them, and checkpointing stays eager: --save-attention
-      with --compile is refused."""
+    compile: torch.compile each block's forward (one graph shared by all blocks).
+
+    The checkpoint goes *inside* each block's forward (block.forward = checkpoint(original forward)), not around
+    the block call as diffusers' enable_gradient_checkpointing puts it. Then whatever wraps the block call, FSDP2's
+    hooks (all-gather, mixed-precision input casts, reshard) or nothing, runs once, outside the checkpoint: the
+    recomputation sees exactly the inputs the forward saw. (Around the call, the recompute re-enters FSDP2's
+    pre-forward hook, which skips its input cast in backward: bf16 in the forward, fp32 in the recompute, and
+    torch.utils.checkpoint fails its metadata check.) A compiled block is compiled together with its checkpoint,
+    so the selective policy applies inside the graph and backward replays the compiled recomputation."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     n = round(checkpoint_fraction * len(model.blocks))
-    chosen = {id(b) for b in list(model.blocks)[:n]}
     # no context_fn at all for plain recomputation: dynamo cannot trace checkpoint's default one
     policy = {}
     if save_attention:
         policy["context_fn"] = partial(create_selective_checkpoint_contexts, _save_self_attention)
-
-    def recompute(block, *args):
-        return checkpoint(block, *args, use_reentrant=False, **policy)
-
-    if compile and fsdp:
-        assert not (save_attention and n), "save_attention + compile + fsdp: see train_a2.py's check"
-        for block in model.blocks:
-            block.forward = torch.compile(block.forward, fullgraph=True)
-    elif compile:
-        recompute = torch.compile(recompute, fullgraph=True)
-        for block in model.blocks:
-            if id(block) not in chosen:
-                block.compile(fullgraph=True)
-    if n:  # diffusers calls this for every block when gradients are on (not in no-grad validation)
-        model.enable_gradient_checkpointing(lambda block, *args: recompute(block, *args) if id(block) in chosen
-                                            else block(*args))
+    for i, block in enumerate(model.blocks):
+        forward = type(block).forward.__get__(block)  # the class's forward, also when configured before
+        if i < n:
+            forward = partial(checkpoint, forward, use_reentrant=False, **policy)
+        block.forward = torch.compile(forward, fullgraph=True) if compile else forward
 
 
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:

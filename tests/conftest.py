@@ -9,6 +9,18 @@ sys.path.insert(0, str(ROOT))
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where CUDA is present; elsewhere they are reported as skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/test_gpu.py; scripts/gpu_check.sh runs them)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _a2_cache(tmp_path_factory):
     """`--model tiny` builds into A2_CACHE: keep it inside the test session."""

@@ -19,7 +19,7 @@ def test_flops_match_the_stated_real_shapes():
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_bench_runs_on_cpu(mode):
     r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode=mode, steps=1, warmup=1,
-                         dtype="float32", gradient_checkpointing=True, save_attention=mode == "lora",
+                         dtype="float32", device="cpu", gradient_checkpointing=True, save_attention=mode == "lora",
                          peak_tflops=1.0))
     assert r["hfu"] > r["mfu"] > 0  # the recomputed forward is hardware work on top of the model FLOPs
     assert r["tokens"] == 3 * 2 * 2 and r["s_per_step"] > 0 and r["tflops"] > 0

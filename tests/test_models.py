@@ -69,7 +69,9 @@ def test_detects_each_supported_model(tiny_dir, tiny_t2v_dir, wan22_t2v_dir, wan
     # a T2V base with another dir's CLIP (expansion to E2V), and the built-in tiny names
     with_clip = detect_model(tiny_t2v_dir, image_encoder=tiny_dir)
     assert with_clip.image_encoder_dir == tiny_dir and with_clip.image_encoder_dim == 32
-    assert detect_model("tiny-wan22-i2v").name == "Wan2.2 I2V A14B"
+    from a2.tiny import model_path
+
+    assert detect_model(model_path("tiny-wan22-i2v")).name == "Wan2.2 I2V A14B"
     # which transformer each expert trains
     assert (w22i.subfolder("high"), w22i.subfolder("low"), i2v.subfolder(None)) == ("transformer", "transformer_2",
                                                                                     "transformer")

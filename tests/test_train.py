@@ -23,10 +23,12 @@ def data_dir(tmp_path_factory):
                                   size=(32, 32))
 
 
-def args(data_dir, out, run, *extra, model="tiny"):
+def args(data_dir, out, run, *extra, model="tiny", device="cpu"):
+    """A tiny run's flags. The CPU suite pins the CPU (and gloo), also on a machine with a GPU: its tolerances are
+    the CPU's; tests/test_gpu.py runs the same helpers with device="cuda"."""
     return ["--model", str(model), "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "21",
             "--num-workers", "0", "--output-dir", str(out), "--run-name", run, "--log-every", "1",
-            "--warmup-steps", "2", "--lr", "1e-3", "--ckpt-every", "1000", *extra]
+            "--warmup-steps", "2", "--lr", "1e-3", "--ckpt-every", "1000", "--device", device, *extra]
 
 
 def train(*argv):
