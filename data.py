@@ -350,9 +350,11 @@ def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Probl
         if not ref:
             problems.append(Problem("-", path, why or "no 'video' (or 'path') value", f"line {n}"))
             continue
-        video = path.parent / ref.replace("\\", "/")  # Windows separators; an absolute path stays absolute
-        s = Sample(str(r.get("id") or Path(ref.replace("\\", "/")).with_suffix("").as_posix()), di, video, "",
-                   where=where)
+        ref = Path(ref.replace("\\", "/"))  # Windows separators
+        video = path.parent / ref  # an absolute path stays absolute
+        # default id: the path as written without its extension (unique beside the manifest), else the file's stem
+        s = Sample(str(r.get("id") or (ref.stem if ref.is_absolute() else ref.with_suffix("").as_posix())), di,
+                   video, "", where=where)
         s.prompt, s.problems = caption_problems(s.id, str(r.get("caption") or r.get("prompt") or r.get("text") or ""),
                                                 path, where, cfg)
         s.elements = {e.name: path.parent / str(r[e.name.lower()]).replace("\\", "/") for e in cfg.elements
