@@ -77,7 +77,7 @@ class Problem:
 
     def __str__(self):
         where = f" ({self.where})" if self.where else ""
-        return printable(f"{self.id}: {self.file}{where}: {'warning: ' if self.warning else ''}{self.what}")
+        return printable(f"{self.id}: {self.file}{where}: {self.what}")
 
 
 # ---------------------------------------------------------------- captions
@@ -419,9 +419,26 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
         found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # decoding releases the GIL
-            samples += pool.map(partial(check_sample, cfg=cfg, num_frames=num_frames, sampling=sampling), found)
+        samples += _check_all(found, partial(check_sample, cfg=cfg, num_frames=num_frames, sampling=sampling))
     return samples, problems
+
+
+def _check_all(found: list[Sample], check) -> list[Sample]:
+    """check() every sample on a thread pool (decoding releases the GIL). Under torch.distributed each rank checks
+    its share and all ranks get every result: N ranks do not decode the whole dataset N times."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        mine = list(pool.map(check, found[rank::world]))
+    if world == 1:
+        return mine
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    checked = list(found)
+    for r, theirs in enumerate(every):
+        checked[r::world] = theirs
+    return checked
 
 
 # ---------------------------------------------------------------- the dataset
@@ -443,7 +460,8 @@ class E2VDataset(torch.utils.data.Dataset):
         problems = loose + [p for s in samples for p in s.problems]
         errors = [p for p in problems if not p.warning]
         if errors and not skip_bad_samples:
-            raise DatasetError(f"{len(errors)} problem(s) in the dataset:\n  " + "\n  ".join(map(str, problems))
+            raise DatasetError(f"{len(errors)} problem(s) in the dataset:\n  " + "\n  ".join(
+                ("warning: " if p.warning else "") + str(p) for p in problems)
                                + "\n(--skip-bad-samples drops these samples instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]

@@ -170,10 +170,16 @@ def test_load_failures_skip_and_drop_deterministically():
     assert strict.dropped == {} and "--skip-bad-samples" in strict.stop_message(7)
 
 
-def _two_ranks(rank, world, port, out):
+def _two_ranks(rank, world, port, out, data_dir):
     import torch.distributed as dist
 
+    import data
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    checked = []
+    check = data.check_sample
+    data.check_sample = lambda s, **kw: checked.append(s.id) or check(s, **kw)
+    ds = E2VDataset([cfg_of(data_dir)], num_frames=9, skip_bad_samples=True, verbose=False)  # validation is shared
     f = LoadFailures(skip_bad_samples=True)
     # rank 1's micro-batch of step 0 fails; rank 0's is fine. Step 1: rank 0 holds the dropped sample.
     steps = [[dict(indices=[0]), dict(indices=[1], failed=[(1, "001: a.mp4: failed to load (x)")])],
@@ -183,20 +189,25 @@ def _two_ranks(rank, world, port, out):
         refused.append(f.refuses(batches[rank]))
         if refused[-1]:
             f.skip_step(step)
-    torch.save(dict(refused=refused, state=f.state_dict()), out / f"{rank}.pt")
+    torch.save(dict(refused=refused, state=f.state_dict(), checked=checked,
+                    samples=[(s.id, s.num_frames, s.size) for s in ds.samples]), out / f"{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_every_rank_skips_the_same_steps(tmp_path):
+def test_ranks_share_validation_and_skip_the_same_steps(synth, tmp_path):
     import socket
 
+    d = copy_of(synth, tmp_path)
+    (d / "002.mp4").write_bytes(b"garbage")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_two_ranks, args=(2, port, tmp_path), nprocs=2, start_method="fork")
+    torch.multiprocessing.start_processes(_two_ranks, args=(2, port, tmp_path, d), nprocs=2, start_method="fork")
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert r0 == r1 and r0["refused"] == [True, True, False]
-    assert r0["state"] == dict(dropped={1: "001: a.mp4: failed to load (x)"}, skipped_steps=2)
+    assert r0["checked"] == ["000", "002"] and r1["checked"] == ["001", "003"]  # each rank decodes half
+    assert r0["samples"] == r1["samples"] == [("000", 17, (32, 48)), ("001", 17, (32, 48)), ("003", 17, (32, 48))]
+    assert r0["refused"] == r1["refused"] == [True, True, False]
+    assert r0["state"] == r1["state"] == dict(dropped={1: "001: a.mp4: failed to load (x)"}, skipped_steps=2)
 
 
 # ---------------------------------------------------------------- 3. content read the way the file means it
@@ -292,7 +303,7 @@ def test_captions_decoded_with_boms_and_bad_ones_reported(synth, tmp_path, capsy
     (d / "003.txt").write_text("A dog.")
     ds = E2VDataset([cfg_of(d)], num_frames=9)  # a warning only: the sample trains
     assert len(ds) == 4
-    assert f"warning: 002: {d / '002.txt'}: warning: caption has at least 601 T5 tokens; the text encoder reads " \
+    assert f"warning: 002: {d / '002.txt'}: caption has at least 601 T5 tokens; the text encoder reads " \
            "the first 512" in capsys.readouterr().out
 
 
