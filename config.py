@@ -497,7 +497,7 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
 
 
-def clip_frames(num_frames: int, cfgs: list[DatasetConfig]) -> int:
+def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:
     """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): in the
     prefix layout (A2's elements) what the reference latents leave of it (81 -> 69 for repeats 1, 4, 4), else all of
     it. train_a2.py and `data.py validate` both read clips of this length."""

@@ -43,7 +43,7 @@ from config import (
     Element,
     InputError,
     TrainConfig,
-    clip_frames,
+    clip_frames_for,
     dataset_configs,
     printable,
     read_text,
@@ -800,7 +800,7 @@ class Validate(TrainConfig):
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    return E2VDataset(cfgs, clip_frames(a.num_frames, cfgs), a.skip_bad_samples,
+    return E2VDataset(cfgs, clip_frames_for(a.num_frames, cfgs), a.skip_bad_samples,
                       global_batch=a.micro_batch * a.grad_accum * a.world_size)
 
 
