@@ -497,14 +497,20 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
 
 
-def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:
-    """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): in the
-    prefix layout (A2's elements) what the reference latents leave of it (81 -> 69 for repeats 1, 4, 4), else all of
-    it. train_a2.py and `data.py validate` both read clips of this length."""
+def ref_latents(cfgs: list[DatasetConfig]) -> int:
+    """Latent frames the element references take before the clip in the prefix layout (A2's repeats 1, 4, 4: 3);
+    0 when the condition is frames of the clip itself (frame_conditioning other than full) or there are no elements."""
     vae, elements = cfgs[0].vae, cfgs[0].elements
-    prefix = vae.frame_conditioning == "full" and bool(elements)
-    l_ref = num_ref_latents([e.repeat for e in elements], vae.combine) if prefix else 0
-    n = 4 * ((num_frames - 1) // 4 - l_ref) + 1
+    return num_ref_latents([e.repeat for e in elements], vae.combine) if vae.frame_conditioning == "full" and \
+        elements else 0
+
+
+def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:
+    """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): what the
+    reference latents leave of it (A2 at 81 frames: 69), all of it without references. train_a2.py and
+    `data.py validate` both read clips of this length."""
+    n = 4 * ((num_frames - 1) // 4 - ref_latents(cfgs)) + 1
     if n < 1:
-        raise ConfigError(f"--num-frames {num_frames} leaves no video frames after {l_ref} reference latents")
+        raise ConfigError(f"--num-frames {num_frames} leaves no video frames after {ref_latents(cfgs)} reference "
+                          "latents")
     return n

@@ -452,3 +452,56 @@ def test_real_rotated_hiker_and_cut_out(shared_data, tmp_path):
     r = np.asarray(read_image(tmp_path / "cut.png"))
     assert (r[:, : person.shape[1] // 2] == 255).all() and (r[:, person.shape[1] // 2:] == person[:, person.shape[
         1] // 2:]).all()
+
+
+# ---------------------------------------------------------------- train_a2.py: refused runs, failures mid-run
+
+
+def test_train_refuses_bad_data_in_one_block_and_leaves_no_run_dir(synth, tmp_path):
+    from tests.test_train import args
+
+    d = copy_of(synth, tmp_path)
+    (d / "002.mp4").write_bytes(b"garbage")
+    r = subprocess.run([sys.executable, str(ROOT / "train_a2.py"), *args(d, tmp_path / "runs", "r")],
+                       capture_output=True, cwd=ROOT, timeout=600)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert f"error: 1 problem(s) in the dataset:\n  002: {d / '002.mp4'}: unreadable video" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_sample_failing_mid_run_stops_with_a_checkpoint_or_is_dropped_the_same_way(synth, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """Validation passes; then 001.mp4 fails whenever training reads it. Without --skip-bad-samples the run writes
+    the checkpoint before that step and stops with one line; resumed with --skip-bad-samples it ends exactly as a run
+    that skipped from the start (the same steps untrained, the same weights)."""
+    import data
+    from tests.test_train import args, params, train
+
+    d = copy_of(synth, tmp_path)
+    read = data.read_clip
+
+    def flaky(path, indices):
+        if path.name == "001.mp4":
+            raise OSError("Input/output error")
+        return read(path, indices)
+
+    monkeypatch.setattr(data, "read_clip", flaky)
+    steps = ["--max-steps", "4", "--ckpt-every", "2"]
+    skipped = train(*args(d, tmp_path, "skip", *steps, "--skip-bad-samples"))
+    out = capsys.readouterr().out
+    assert f"sample failed to load: 001: {d / '001.mp4'}: failed to load (OSError: Input/output error)" in out
+    n = out.count("not trained;")
+    assert n >= 1 and f"1 sample(s) dropped after failing to load; {n} step(s) not trained" in out
+    assert len(skipped["losses"]) == 4 - n  # untrained steps log no loss
+    with pytest.raises(DatasetError, match=r"stopped at step (\d+) on a sample that failed to load") as e:
+        train(*args(d, tmp_path, "stop", *steps))
+    first = int(re.search(r"step (\d+)", str(e.value)).group(1))  # 1-based: the step that was not trained
+    assert sorted(p.name for p in (tmp_path / "stop").glob("ckpt-*"))[-1] == f"ckpt-{first - 1:07d}"
+    train(*args(d, tmp_path, "stop", *steps, "--skip-bad-samples", "--resume", "auto"))
+    assert max_diff_is_zero(params(tmp_path / "skip" / "ckpt-0000004"), params(tmp_path / "stop" / "ckpt-0000004"))
+
+
+def max_diff_is_zero(a: dict, b: dict) -> bool:
+    assert a.keys() == b.keys() and len(a) > 0
+    return all(torch.equal(a[k], b[k]) for k in a)
