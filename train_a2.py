@@ -156,7 +156,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
     if cfg.fsdp and cfg.training_type != "full":
         raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
-                         "of a frozen model: drop --fsdp (DDP)")
+                          "of a frozen model: drop --fsdp (DDP)")
     vae_cfg = ds_cfgs[0].vae
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
         raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
@@ -169,7 +169,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     expand = layout != "t2v" and not info.e2v
     if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
         raise ConfigError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
-                         "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
+                          "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
