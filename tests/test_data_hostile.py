@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import av
 import numpy as np
@@ -27,8 +26,9 @@ from data import (
     make_synthetic_dataset,
     read_frames,
 )
+from tests.conftest import ROOT
+from tests.test_data import copy_of
 
-ROOT = Path(__file__).resolve().parents[1]
 RED, WHITE = [255, 0, 0], [255, 255, 255]
 
 
@@ -36,12 +36,6 @@ RED, WHITE = [255, 0, 0], [255, 255, 255]
 def synth(tmp_path_factory):
     return make_synthetic_dataset(tmp_path_factory.mktemp("synth") / "d", num_samples=4, num_frames=17,
                                   size=(32, 48))
-
-
-def copy_of(synth, tmp_path):
-    d = tmp_path / "d"
-    shutil.copytree(synth, d)
-    return d
 
 
 def write_video(path, frames: np.ndarray, rotation: int | None = None, faststart: bool = False):
