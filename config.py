@@ -12,16 +12,48 @@ Element grammar for `--elements` (one string per element, position = order given
 
 from __future__ import annotations
 
+import codecs
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from a2.pipeline import PREPROCESS_MODES
+from a2.pipeline import PREPROCESS_MODES, num_ref_latents
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input from the user (flags, config, data): the CLIs print it as it is, one line per problem, no traceback."""
+
+
+class ConfigError(InputError):
     """A bad config value; the message names the file (or flag) and the key."""
+
+
+def printable(text: str) -> str:
+    """Text that print() cannot choke on: file names that are not UTF-8 (surrogate escapes) as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def run_cli(main, *args):
+    """main(*args), with an InputError printed as its message (no traceback) and exit status 2."""
+    try:
+        return main(*args)
+    except InputError as e:
+        print(printable(f"error: {e}"), file=sys.stderr)
+        sys.exit(2)
+
+
+def read_text(path) -> str:
+    """A text file as its writer meant it: UTF-8, UTF-8 with a BOM (Excel "CSV UTF-8", Notepad), or UTF-16 with a BOM
+    (Excel "Unicode text"). Anything else (cp1252, Latin-1) raises ValueError rather than train as mojibake."""
+    raw = Path(path).read_bytes()
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return raw.decode("utf-16")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save it as UTF-8") from None
 
 
 @dataclass(frozen=True)
@@ -157,6 +189,7 @@ class DatasetConfig:
     clip: ClipProcessorConfig = field(default_factory=ClipProcessorConfig)
     visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
     manifest: str | None = None  # CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips
+    source: str = ""  # where it was defined (config file and entry, or flags), for messages; not part of the data
 
 
 FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
@@ -260,22 +293,27 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
         remove_common_llm_caption_prefixes=bool(d.get("remove_common_llm_caption_prefixes", True)),
         elements=elements, vae=vae, clip=clip,
         visualization=VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))}),
-        manifest=d.get("manifest"))
+        manifest=d.get("manifest"), source=where)
 
 
 def load_dataset_config(path) -> list[DatasetConfig]:
     """The JSON dataset config of the design documents: {"datasets": [{...}, ...]}."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_text(path))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: dataset config not found") from e
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, ValueError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
     _check_keys(raw, {"datasets"}, str(path))
-    if not raw.get("datasets"):
+    if not raw.get("datasets") or not isinstance(raw["datasets"], list):
         raise ConfigError(f"{path}: 'datasets' must be a non-empty list")
-    return [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
+    cfgs = [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
+    for c in cfgs[1:]:  # one run builds every sample's condition the same way
+        if c.vae != cfgs[0].vae:
+            raise ConfigError(f"{c.source}.processors.vae: differs from datasets[0]'s; all datasets of one run must "
+                              "share processors.vae (resolution, combine, frame conditioning)")
+    return cfgs
 
 
 # ---------------------------------------------------------------- training (train_a2.py)
@@ -450,10 +488,29 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
-    return [DatasetConfig(
+    return [DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
         data_root=cfg.data_root or str(Path(manifest).parent), manifest=manifest,
         target_resolution=tuple(cfg.resolution), frame_buckets=(),
         elements=() if no_elements else elements, dataset_type="t2v" if no_elements else "e2v",
         vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
                                frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index),
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
+
+
+def ref_latents(cfgs: list[DatasetConfig]) -> int:
+    """Latent frames the element references take before the clip in the prefix layout (A2's repeats 1, 4, 4: 3);
+    0 when the condition is frames of the clip itself (frame_conditioning other than full) or there are no elements."""
+    vae, elements = cfgs[0].vae, cfgs[0].elements
+    return num_ref_latents([e.repeat for e in elements], vae.combine) if vae.frame_conditioning == "full" and \
+        elements else 0
+
+
+def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:
+    """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): what the
+    reference latents leave of it (A2 at 81 frames: 69), all of it without references. train_a2.py and
+    `data.py validate` both read clips of this length."""
+    n = 4 * ((num_frames - 1) // 4 - ref_latents(cfgs)) + 1
+    if n < 1:
+        raise ConfigError(f"--num-frames {num_frames} leaves no video frames after {ref_latents(cfgs)} reference "
+                          "latents")
+    return n

@@ -1,23 +1,32 @@
 """E2V data: scan and validate a dataset, load clips and element images, bucket and shard batches.
 
-A sample id links `<id>.mp4` (or .webm/.mov/.mkv), `<id>.txt` (the prompt) and element images
-`<id><suffix>` (config.Element). Also read: a manifest (CSV or JSONL with `video` and `caption`
-columns, plus optional element-name columns) and the T2V workflow's `train.jsonl` of `.npz` clips
-(uint8 frames under key `frames`, prompt under `prompt`).
+A sample id links `<id>.mp4` (or .webm/.mov/.mkv), `<id>.txt` (the prompt) and element images `<id><suffix>`
+(config.Element); names match case-insensitively, and hidden files (macOS `._*` included) are no part of a dataset.
+Also read: a manifest (CSV or JSONL with `video` and `caption` columns, plus optional `id` and element-name columns)
+and the T2V workflow's `train.jsonl` of `.npz` clips (uint8 frames (F, H, W, 3) under key `frames`, prompt under
+`prompt`). Files are read as they mean: EXIF orientation, video rotation metadata, transparency on white.
+
+Validation reads what training will read (every frame index a clip can be asked for, every image fully, the clip
+arrays' layout). A file that fails later anyway does not end the run: see LoadFailures.
 
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
-    python data.py validate --data-root DIR [--elements ...]
+    python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import random
+import re
 import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +35,20 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.pipeline import element_tensors
+from a2.pipeline import element_tensors, read_image
 from a2.transformer import TEXT_TOKENS
-from config import A2_ELEMENTS, DatasetConfig, Element, parse_elements
+from config import (
+    A2_ELEMENTS,
+    DatasetConfig,
+    Element,
+    InputError,
+    TrainConfig,
+    clip_frames_for,
+    dataset_configs,
+    printable,
+    read_text,
+    run_cli,
+)
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
@@ -40,8 +60,27 @@ LLM_PREFIXES = (
 )
 
 
-class DatasetError(ValueError):
-    """Invalid dataset: the message lists every problem as `<id>: <file>: <problem>`."""
+class DatasetError(InputError):
+    """Invalid dataset: the message lists every problem, one line each (Problem)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of one sample, printed `<id>: <file> (<where>): <what>`; where: the manifest line, if any.
+    A warning is reported and the sample kept; any other problem makes the sample bad."""
+
+    id: str
+    file: object
+    what: str
+    where: str = ""
+    warning: bool = False
+
+    def __str__(self):
+        where = f" ({self.where})" if self.where else ""
+        return printable(f"{self.id}: {self.file}{where}: {self.what}")
+
+
+# ---------------------------------------------------------------- captions
 
 
 def clean_caption(text: str) -> str:
@@ -55,37 +94,99 @@ def clean_caption(text: str) -> str:
     return text
 
 
+def t5_tokens_at_least(text: str) -> int:
+    """A lower bound of the prompt's T5 (umT5 SentencePiece) tokens without loading a tokenizer: every word and every
+    punctuation mark is at least one token (rare and long words are several), plus the end-of-text token."""
+    return len(re.findall(r"\w+|[^\w\s]", text)) + 1
+
+
+def caption_problems(sid: str, text: str, file, where: str, cfg: DatasetConfig) -> tuple[str, list[Problem]]:
+    """The prompt a caption trains as, and what is wrong with it."""
+    prompt = clean_caption(text) if cfg.remove_common_llm_caption_prefixes else text.strip()
+    if not prompt:
+        what = ("empty caption" if not text.strip() else
+                f"caption {text.strip()[:40]!r} is empty once the captioner's boilerplate is removed")
+        return prompt, [Problem(sid, file, what, where)]
+    n = t5_tokens_at_least(prompt)
+    if n > TEXT_TOKENS:
+        return prompt, [Problem(sid, file, f"caption has at least {n} T5 tokens; the text encoder reads the first "
+                                           f"{TEXT_TOKENS}", where, warning=True)]
+    return prompt, []
+
+
 # ---------------------------------------------------------------- video decoding
 
 
-def video_num_frames(path: Path) -> int:
-    """Frame count from the container, decoding only when it does not say."""
+def _decode(path: Path, last: int | None = None):
+    """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
     import av
 
     with av.open(str(path)) as c:
-        s = c.streams.video[0]
-        if s.frames:
-            return int(s.frames)
-        return sum(1 for _ in c.decode(video=0))
+        if not c.streams.video:
+            raise ValueError("no video stream (an audio-only file?)")
+        stream = c.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(c.decode(stream)):
+            yield i, frame
+            if last is not None and i >= last:
+                return
+
+
+def displayed(frame) -> np.ndarray:
+    """A decoded frame as it is meant to be shown, (H, W, 3) uint8: the rotation of the display matrix applied (a
+    portrait phone video is stored landscape with a 90 degree rotation)."""
+    return np.rot90(frame.to_ndarray(format="rgb24"), k=round(frame.rotation / 90) % 4)
+
+
+def probe_video(path: Path) -> tuple[int, tuple[int, int]]:
+    """(frames the container lists, 0 if it does not; (H, W) as displayed), from the first decoded frame."""
+    import av
+
+    with av.open(str(path)) as c:
+        listed = int(c.streams.video[0].frames) if c.streams.video else 0
+    for _, frame in _decode(path, 0):
+        turned = round(frame.rotation / 90) % 2
+        return listed, ((frame.width, frame.height) if turned else (frame.height, frame.width))
+    raise ValueError("no frame decodes")
+
+
+def decodable_frames(path: Path, last: int | None = None) -> int:
+    """How many of frames 0..last decode (all frames when last is None)."""
+    return sum(1 for _ in _decode(path, last))
 
 
 def read_frames(path: Path, indices: list[int]) -> np.ndarray:
-    """Decode the frames at `indices` (sorted, may repeat) -> (len, H, W, 3) uint8. PyAV, decoding up to the last."""
-    import av
-
-    want = sorted(set(indices))
-    got: dict[int, np.ndarray] = {}
-    with av.open(str(path)) as c:
-        c.streams.video[0].thread_type = "AUTO"
-        for i, frame in enumerate(c.decode(video=0)):
-            if i in want:
-                got[i] = frame.to_ndarray(format="rgb24")
-            if i >= want[-1]:
-                break
-    missing = [i for i in want if i not in got]
+    """Decode the frames at `indices` (may repeat) -> (len, H, W, 3) uint8 as displayed. PyAV, decoding up to the
+    last."""
+    want, got = set(indices), {}
+    for i, frame in _decode(path, max(indices)):
+        if i in want:
+            got[i] = displayed(frame)
+    missing = sorted(want - set(got))
     if missing:
-        raise ValueError(f"{path}: could not decode frames {missing[:5]} (file has fewer frames than it claims)")
+        raise ValueError(f"could not decode frames {missing[:5]} (the file has fewer frames than it lists)")
     return np.stack([got[i] for i in indices])
+
+
+def read_npz(path: Path) -> np.ndarray:
+    """The `frames` of a T2V-workflow clip, checked: (F, H, W, 3) uint8, else ValueError naming the fix."""
+    with np.load(path) as z:  # no pickles: allow_pickle stays False
+        if "frames" not in z.files:
+            raise ValueError(f"no 'frames' array (it has {z.files})")
+        x = z["frames"]
+    if x.ndim == 4 and x.shape[1] == 3 and x.shape[-1] != 3:
+        raise ValueError(f"frames are (F, 3, H, W) {x.shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
+    if x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"frames have shape {x.shape}; expected (F, H, W, 3)")
+    if x.dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
+        raise ValueError(f"frames are {x.dtype}; store uint8 0..255 (from floats in [0, 1]: "
+                         "(frames * 255).round().astype(np.uint8))")
+    return x
+
+
+def read_clip(path: Path, indices: list[int]) -> np.ndarray:
+    """Frames `indices` of a video or .npz clip -> (len, H, W, 3) uint8."""
+    return read_npz(path)[indices] if path.suffix.lower() == ".npz" else read_frames(path, indices)
 
 
 def frame_indices(total: int, num_frames: int, sampling: str, rng: random.Random | None = None) -> list[int]:
@@ -101,6 +202,23 @@ def frame_indices(total: int, num_frames: int, sampling: str, rng: random.Random
     if sampling == "uniform":
         return [int(i * total / num_frames) for i in range(num_frames)]
     raise ValueError(f"unknown frame sampling {sampling!r}")
+
+
+def last_frame_read(total: int, num_frames: int, sampling: str) -> int:
+    """The highest frame index training can ask a clip of `total` frames for."""
+    return total - 1 if sampling == "random" else max(frame_indices(total, num_frames, sampling))
+
+
+def frame_buckets(cfg: DatasetConfig, num_frames: int) -> tuple[int, ...]:
+    """Clip lengths a dataset trains with: num_frames, or with auto_frame_buckets each bucket up to it."""
+    if not cfg.auto_frame_buckets:
+        return (num_frames,)
+    return tuple(f for f in (cfg.frame_buckets or DEFAULT_FRAME_BUCKETS) if f <= num_frames) or (num_frames,)
+
+
+def clip_length(cfg: DatasetConfig, num_frames: int, total: int) -> int:
+    """Frames a clip of `total` frames trains with: the largest of its dataset's buckets it fills (0: none)."""
+    return max((f for f in frame_buckets(cfg, num_frames) if f <= total), default=0)
 
 
 def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
@@ -141,91 +259,186 @@ class Sample:
     id: str
     dataset: int  # index into the run's dataset configs
     video: Path
-    caption: str
+    prompt: str  # the caption as trained (decoded, boilerplate removed)
     elements: dict[str, Path] = field(default_factory=dict)  # element name -> image
     num_frames: int = 0
-    size: tuple[int, int] = (0, 0)  # (H, W) of the source video
+    size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
+    where: str = ""  # its manifest line, for messages
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def bad(self) -> bool:
+        return any(not p.warning for p in self.problems)
 
 
-def _scan_dir(root: Path, elements: tuple[Element, ...], problems: list[str]) -> list[tuple[str, Path, str, dict]]:
+def _visible_files(root: Path) -> dict[str, list[Path]]:
+    """Lower-cased name -> files: names match case-insensitively (datasets come from macOS and Windows); hidden files,
+    macOS's AppleDouble `._*` among them, are not data."""
+    files: dict[str, list[Path]] = {}
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith(".") and p.is_file():
+            files.setdefault(p.name.lower(), []).append(p)
+    return files
+
+
+def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
+    files = _visible_files(root)
+    videos: dict[str, list[Path]] = {}
+    for name, paths in files.items():
+        stem, ext = os.path.splitext(name)
+        if ext in VIDEO_EXTS:
+            videos.setdefault(stem, []).extend(paths)
     out = []
-    for video in sorted(p for p in root.iterdir() if p.suffix.lower() in VIDEO_EXTS):
-        sid = video.stem
-        cap = root / f"{sid}.txt"
-        caption = cap.read_text(errors="replace").strip() if cap.exists() else ""
-        if not cap.exists():
-            problems.append(f"{sid}: {cap}: caption file missing")
-        found = {}
-        for e in elements:
-            matches = [root / f"{sid}{s}" for s in e.suffixes if (root / f"{sid}{s}").exists()]
+    for stem, paths in sorted(videos.items()):
+        s = Sample(paths[0].stem, di, paths[0], "")
+        if len(paths) > 1:
+            s.problems.append(Problem(s.id, ", ".join(map(str, paths)), "several videos for one id; keep one"))
+        for e in cfg.elements:
+            matches = [p for suffix in e.suffixes for p in files.get((stem + suffix).lower(), [])]
             if len(matches) > 1:
-                problems.append(f"{sid}: {', '.join(map(str, matches))}: several files match element '{e.name}'")
+                s.problems.append(Problem(s.id, ", ".join(map(str, matches)), f"several files match element "
+                                                                               f"'{e.name}'; keep one"))
             if matches:
-                found[e.name] = matches[0]
-        out.append((sid, video, caption, found))
+                s.elements[e.name] = matches[0]
+        caption = files.get(stem + ".txt", [root / f"{s.id}.txt"])[0]
+        try:
+            s.prompt, problems = caption_problems(s.id, read_text(caption), caption, "", cfg)
+            s.problems += problems
+        except FileNotFoundError:
+            s.problems.append(Problem(s.id, caption, "caption file missing"))
+        except ValueError as e:
+            s.problems.append(Problem(s.id, caption, f"caption is {e}"))
+        out.append(s)
     return out
 
 
-def _scan_manifest(path: Path, elements: tuple[Element, ...]) -> list[tuple[str, Path, str, dict]]:
-    rows = (list(csv.DictReader(path.open())) if path.suffix.lower() == ".csv"
-            else [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
-    out = []
-    for i, r in enumerate(rows):
-        video = r.get("video") or r.get("path") or r.get("file")
-        if video is None:
-            raise DatasetError(f"{path}: row {i}: no 'video' (or 'path') column")
-        video = Path(video) if Path(video).is_absolute() else path.parent / video
-        caption = r.get("caption") or r.get("prompt") or r.get("text") or ""
-        found = {e.name: path.parent / r[e.name] for e in elements if r.get(e.name)}
-        out.append((r.get("id") or video.stem, video, str(caption), found))
+def _manifest_rows(path: Path) -> list[tuple[int, dict | None, str]]:
+    """(line, row with stripped lower-case keys or None, why not): CSV (any of , ; tab as Excel writes them) or
+    JSONL."""
+    try:
+        text = read_text(path)
+    except ValueError as e:
+        raise DatasetError(f"{path}: manifest is {e}") from None
+    if path.suffix.lower() in (".csv", ".tsv"):
+        header = text.split("\n", 1)[0]
+        reader = csv.DictReader(io.StringIO(text), delimiter=max(",;\t", key=header.count))
+        return [(reader.line_num, {k.strip().lower(): v.strip() for k, v in r.items() if isinstance(k, str)
+                                   and isinstance(v, str)}, "") for r in reader]
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            rows.append((n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
+            continue
+        rows.append((n, {str(k).strip().lower(): v for k, v in r.items()}, "") if isinstance(r, dict)
+                    else (n, None, f"expected a JSON object, got {type(r).__name__}"))
+    return rows
+
+
+def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
+    rows = _manifest_rows(path)
+    if rows and not any(r and {"video", "path", "file"} & set(r) for _, r, _ in rows):
+        cols = sorted({k for _, r, _ in rows if r for k in r})
+        raise DatasetError(f"{path}: no 'video' (or 'path') column; its columns: {cols}")
+    out, first_line = [], {}
+    for n, r, why in rows:
+        where = f"{path.name} line {n}"
+        ref = r and str(r.get("video") or r.get("path") or r.get("file") or "")
+        if not ref:
+            problems.append(Problem("-", path, why or "no 'video' (or 'path') value", f"line {n}"))
+            continue
+        ref = Path(ref.replace("\\", "/"))  # Windows separators
+        video = path.parent / ref  # an absolute path stays absolute
+        # default id: the path as written without its extension (unique beside the manifest), else the file's stem
+        s = Sample(str(r.get("id") or (ref.stem if ref.is_absolute() else ref.with_suffix("").as_posix())), di,
+                   video, "", where=where)
+        s.prompt, s.problems = caption_problems(s.id, str(r.get("caption") or r.get("prompt") or r.get("text") or ""),
+                                                path, where, cfg)
+        s.elements = {e.name: path.parent / str(r[e.name.lower()]).replace("\\", "/") for e in cfg.elements
+                      if r.get(e.name.lower())}
+        if s.id in first_line:
+            s.problems.append(Problem(s.id, video, f"duplicate id (first on line {first_line[s.id]})", where))
+        first_line.setdefault(s.id, n)
+        out.append(s)
     return out
 
 
-def scan(cfgs: list[DatasetConfig], min_frames: int) -> tuple[list[Sample], list[str]]:
-    """Every sample of every dataset, and every problem found (`<id>: <file>: <problem>`)."""
+def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
+    """Read what training will read; set the clip's frames and size, and add what fails to s.problems."""
+    for e in cfg.elements:
+        if e.required and e.name not in s.elements:
+            s.problems.append(Problem(s.id, s.video.with_name(s.video.stem + e.suffixes[0]),
+                                      f"required element '{e.name}' missing", s.where))
+    for name, img in s.elements.items():
+        try:
+            read_image(img)
+        except ValueError as ex:
+            what = "not found" if not img.exists() else str(ex)
+            s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
+    try:
+        if s.video.suffix.lower() == ".npz":
+            x = read_npz(s.video)
+            listed, size = len(x), x.shape[1:3]
+        else:
+            listed, size = probe_video(s.video)
+        total = listed or decodable_frames(s.video)  # a container that lists no count (webm, mkv): count them
+        frames = clip_length(cfg, num_frames, total)
+        if not frames:
+            s.problems.append(Problem(s.id, s.video, f"{total} frames, shorter than the smallest bucket "
+                                                     f"({min(frame_buckets(cfg, num_frames))})", s.where))
+        elif listed and s.video.suffix.lower() != ".npz":
+            last = last_frame_read(total, frames, sampling)
+            got = decodable_frames(s.video, last)
+            if got <= last:
+                s.problems.append(Problem(s.id, s.video, f"only frames 0..{got - 1} of the {total} it lists decode "
+                                                         f"(truncated or damaged); training reads up to frame {last}",
+                                          s.where))
+        s.num_frames, s.size = total, tuple(int(v) for v in size)
+    except Exception as ex:  # PyAV, numpy and zip raise many types for damaged files
+        what = "video file not found" if not s.video.exists() else f"unreadable video ({type(ex).__name__}: {ex})"
+        s.problems.append(Problem(s.id, s.video, what, s.where))
+    return s
+
+
+def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") -> tuple[list[Sample], list[Problem]]:
+    """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample."""
     samples, problems = [], []
     for di, cfg in enumerate(cfgs):
         root = Path(cfg.data_root)
         manifest = Path(cfg.manifest) if cfg.manifest else None
-        if manifest is None and not root.is_dir():
-            raise DatasetError(f"{root}: data_root is not a directory")
         if manifest is not None and not manifest.is_absolute():
             manifest = root / manifest
-        found = _scan_manifest(manifest, cfg.elements) if manifest else _scan_dir(root, cfg.elements, problems)
+        where = cfg.source or f"datasets[{di}]"
+        if manifest is not None and not manifest.is_file():
+            raise DatasetError(f"{where}: manifest {manifest} not found")
+        if manifest is None and not root.is_dir():
+            raise DatasetError(f"{where}: data_root {root} is not a directory")
+        found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di)
         if not found:
-            problems.append(f"-: {manifest or root}: no samples (videos {VIDEO_EXTS} or manifest rows)")
-        for sid, video, caption, elems in found:
-            bad = False
-            if not caption.strip():
-                problems.append(f"{sid}: {video.with_suffix('.txt')}: empty caption")
-                bad = True
-            for e in cfg.elements:
-                if e.required and e.name not in elems:
-                    problems.append(f"{sid}: {root / (sid + e.suffixes[0])}: required element '{e.name}' missing")
-                    bad = True
-            for name, img in elems.items():
-                try:
-                    with Image.open(img) as im:
-                        im.verify()
-                except Exception as ex:
-                    problems.append(f"{sid}: {img}: unreadable image for element '{name}' ({ex})")
-                    bad = True
-            n, size = 0, (0, 0)
-            try:
-                if video.suffix == ".npz":
-                    with np.load(video) as z:
-                        n, size = z["frames"].shape[0], tuple(z["frames"].shape[1:3])
-                else:
-                    n = video_num_frames(video)
-                    size = read_frames(video, [0]).shape[1:3]
-            except Exception as ex:
-                problems.append(f"{sid}: {video}: unreadable video ({ex})")
-                bad = True
-            if n and n < min_frames:
-                problems.append(f"{sid}: {video}: {n} frames, shorter than the smallest bucket ({min_frames})")
-                bad = True
-            samples.append(Sample(sid, di, video, caption, elems, -1 if bad else n, tuple(size)))  # -1: bad
+            problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
+        samples += _check_all(found, partial(check_sample, cfg=cfg, num_frames=num_frames, sampling=sampling))
     return samples, problems
+
+
+def _check_all(found: list[Sample], check) -> list[Sample]:
+    """check() every sample on a thread pool (decoding releases the GIL). Under torch.distributed each rank checks
+    its share and all ranks get every result: N ranks do not decode the whole dataset N times."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        mine = list(pool.map(check, found[rank::world]))
+    if world == 1:
+        return mine
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    checked = list(found)
+    for r, theirs in enumerate(every):
+        checked[r::world] = theirs
+    return checked
 
 
 # ---------------------------------------------------------------- the dataset
@@ -235,49 +448,58 @@ class E2VDataset(torch.utils.data.Dataset):
     """Samples for training. Items are picked by (index, seed) pairs from BucketBatchSampler so that
     random frame windows are a function of the data order seed, not of the worker.
 
-    num_frames: the clip length (train_a2.py derives it from the layout); with auto_frame_buckets a
-    shorter clip goes to the largest 4k+1 bucket it fills."""
+    num_frames: the clip length (config.clip_frames); with auto_frame_buckets a shorter clip goes to the
+    largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one)."""
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
-                 frame_sampling: str = "uniform", verbose: bool = True):
+                 frame_sampling: str = "uniform", verbose: bool = True, global_batch: int = 1):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
-        buckets = sorted({f for c in cfgs for f in self.frame_buckets(c)})
-        samples, problems = scan(cfgs, min_frames=buckets[0])
-        bad = [s for s in samples if s.num_frames < 0]
-        if problems and not skip_bad_samples:
-            raise DatasetError(f"{len(problems)} problem(s) in the dataset:\n  " + "\n  ".join(problems)
+        samples, loose = scan(cfgs, num_frames, frame_sampling)
+        problems = loose + [p for s in samples for p in s.problems]
+        errors = [p for p in problems if not p.warning]
+        if errors and not skip_bad_samples:
+            raise DatasetError(f"{len(errors)} problem(s) in the dataset:\n  " + "\n  ".join(
+                ("warning: " if p.warning else "") + str(p) for p in problems)
                                + "\n(--skip-bad-samples drops these samples instead)")
-        self.samples = [s for s in samples if s.num_frames >= 0]
+        self.samples = [s for s in samples if not s.bad]
+        self.buckets = [self.bucket_of(s) for s in self.samples]
         if verbose:
-            self.summary(skipped=len(bad), problems=problems)
+            print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
         if not self.samples:
             raise DatasetError("no valid samples left in " + ", ".join(c.data_root for c in cfgs))
-        self.buckets = [self.bucket_of(s) for s in self.samples]
 
-    def frame_buckets(self, cfg: DatasetConfig) -> tuple[int, ...]:
-        if not cfg.auto_frame_buckets:
-            return (self.num_frames,)
-        return tuple(f for f in (cfg.frame_buckets or DEFAULT_FRAME_BUCKETS) if f <= self.num_frames) or (
-            self.num_frames,)
-
-    def summary(self, skipped: int, problems: list[str]):
-        n = len(self.samples)
-        print(f"dataset: {n} samples from {len(self.cfgs)} dataset(s)" + (f"; skipped {skipped} bad sample(s)"
-                                                                            if skipped else ""))
-        for p in problems if skipped else ():
-            print(f"  skipped: {p}")
+    def summary(self, problems: list[Problem], skipped: int, global_batch: int) -> list[str]:
+        """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
+        lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
+                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")]
+        lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
         for di, c in enumerate(self.cfgs):
             mine = [s for s in self.samples if s.dataset == di]
             cover = ", ".join(f"{e.name} {sum(e.name in s.elements for s in mine)}/{len(mine)}" for e in c.elements)
-            print(f"  {c.data_root}: {len(mine)} samples" + (f"; elements: {cover}" if cover else ""))
+            lines.append(f"  {c.data_root}: {len(mine)} samples" + (f"; elements: {cover}" if cover else ""))
+        per_epoch = Counter()  # samples drawn from each bucket per epoch (dataset weights)
+        for s, b in zip(self.samples, self.buckets):
+            per_epoch[b] += self.cfgs[s.dataset].weight
+        untrained = 0
+        for b in sorted(per_epoch, key=str):
+            n = self.buckets.count(b)
+            frames, h, w, names = b
+            line = f"  bucket {frames} frames {h}x{w} [{', '.join(names) or 'no elements'}]: {n} samples"
+            if int(per_epoch[b]) < global_batch:
+                untrained += n
+                line += f", fewer than one global batch ({global_batch}) per epoch: never trained"
+            lines.append(line)
+        if untrained:
+            lines.append(f"  trained: {len(self.samples) - untrained} of {len(self.samples)} samples ({untrained} "
+                         "in buckets that never fill a global batch: add data, or lower the global batch)")
+        return lines
 
     def bucket_of(self, s: Sample) -> tuple:
         """(frames, H, W, element names): what every sample of a batch shares."""
         cfg = self.cfgs[s.dataset]
-        frames = max(f for f in self.frame_buckets(cfg) if f <= s.num_frames) if cfg.auto_frame_buckets \
-            else self.num_frames
+        frames = clip_length(cfg, self.num_frames, s.num_frames)
         h, w = cfg.target_resolution
         if cfg.auto_frame_buckets and s.size[0] and s.size[1]:  # aspect buckets at about the target's area
             area, ar = h * w, s.size[0] / s.size[1]
@@ -290,58 +512,115 @@ class E2VDataset(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, item):
+        """The sample's tensors, or, when a file fails to load, {index, failed: its problem line}: a bad file must
+        not end a run; LoadFailures decides what the step does, the same on every rank."""
         idx, seed = item if isinstance(item, tuple) else (item, 0)
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
-        if self.cache_dir:
-            c = torch.load(self.cache_dir / "samples" / f"{idx}.pt", weights_only=True)
-            text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
-            text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
-            elements = [e for e in cfg.elements if e.name in names]
-            return dict(id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text, clip=c.get("clip"),
-                        element_names=names, repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
-                        video_shape=(3, frames, h, w), ref_shape=(len(elements), 3, h, w))
-        ids = frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed))
-        if s.video.suffix == ".npz":
-            with np.load(s.video) as z:
-                raw = z["frames"][ids]
-        else:
-            raw = read_frames(s.video, ids)
-        video = resize_frames(raw, cfg.reshape_mode, (h, w))  # (3, F, H, W)
         elements = [e for e in cfg.elements if e.name in names]
-        vae, clip = [], []
-        for e in elements:
-            with Image.open(s.elements[e.name]) as im:
-                v, c = element_tensors(im.convert("RGB"), e, (h, w), tuple(cfg.clip.resolution))
-            vae.append(v)
-            clip.append(c)
+        file = s.video
+        try:
+            if self.cache_dir:
+                file = self.cache_dir / "samples" / f"{idx}.pt"
+                c = torch.load(file, weights_only=True)
+                text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
+                text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
+                return dict(index=idx, id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text,
+                            clip=c.get("clip"), element_names=names, repeats=tuple(e.repeat for e in elements),
+                            bucket=(frames, h, w, names), video_shape=(3, frames, h, w),
+                            ref_shape=(len(elements), 3, h, w))
+            raw = read_clip(s.video, frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed)))
+            vae, clip = [], []
+            for e in elements:
+                file = s.elements[e.name]
+                v, c = element_tensors(read_image(file), e, (h, w), tuple(cfg.clip.resolution))
+                vae.append(v)
+                clip.append(c)
+        except Exception as ex:  # whatever a damaged file raises
+            return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
+                s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
         ch, cw = cfg.clip.resolution
-        prompt = clean_caption(s.caption) if cfg.remove_common_llm_caption_prefixes else s.caption
-        return dict(id=s.id, video=video, prompt=prompt, element_names=names,
-                    repeats=tuple(e.repeat for e in elements),
+        return dict(index=idx, id=s.id, video=resize_frames(raw, cfg.reshape_mode, (h, w)),  # (3, F, H, W)
+                    prompt=s.prompt, element_names=names, repeats=tuple(e.repeat for e in elements),
                     ref_vae=torch.stack(vae) if vae else torch.zeros(0, 3, h, w),
                     ref_clip=torch.stack(clip) if clip else torch.zeros(0, 3, ch, cw),
                     bucket=(frames, h, w, names))
 
 
 def collate(items: list[dict]) -> dict:
+    """One micro-batch; {indices, failed: [(index, problem line)]} when an item failed to load."""
+    indices = [it["index"] for it in items]
+    if any("failed" in it for it in items):
+        return dict(indices=indices, failed=[(it["index"], it["failed"]) for it in items if "failed" in it])
     b0 = items[0]["bucket"]
     if any(it["bucket"] != b0 for it in items):
         raise ValueError(f"a batch mixes buckets: {[it['bucket'] for it in items]}")
     if "posteriors" in items[0]:  # from the precompute cache
         n = len(items)
-        return dict(ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
+        return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
                     posteriors=[torch.stack([it["posteriors"][k] for it in items])
                                 for k in range(len(items[0]["posteriors"]))],  # per VAE encode: (B, 32, T, h, w)
                     text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
                     clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
                     video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
                     element_names=items[0]["element_names"], repeats=items[0]["repeats"])
-    return dict(ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
+    return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
                 video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
                 ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
                 ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
                 element_names=items[0]["element_names"], repeats=items[0]["repeats"])
+
+
+class LoadFailures:
+    """Samples that failed to load mid-run, handled the same on every rank and after a resume.
+
+    Every rank calls refuses() on each micro-batch: it gathers the failures of all ranks, so all ranks agree that the
+    step is not trained (no optimizer step). With skip_bad_samples the sample is dropped for the rest of the run: each
+    later micro-batch holding it is refused too, without reading it, and the dropped set goes into checkpoints
+    (state_dict). Without, the run checkpoints the state before the step and stops with stop_message()."""
+
+    def __init__(self, skip_bad_samples: bool):
+        self.skip = skip_bad_samples
+        self.dropped: dict[int, str] = {}  # sample index -> its problem line
+        self.new: dict[int, str] = {}  # failures of the current step
+        self.skipped_steps = 0
+
+    def refuses(self, batch: dict, group=None) -> bool:
+        """Whether this micro-batch must not train (a sample of it failed now, on any rank, or was dropped before).
+        A collective over `group` when torch.distributed is initialised."""
+        import torch.distributed as dist
+
+        mine = list(batch.get("failed", [])) + [(i, self.dropped[i]) for i in batch["indices"] if i in self.dropped]
+        if dist.is_available() and dist.is_initialized():
+            every: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, mine, group=group)
+            mine = [x for rank_failures in every for x in rank_failures]
+        self.new.update((i, line) for i, line in mine if i not in self.dropped)
+        return bool(mine)
+
+    def skip_step(self, step: int) -> list[str]:
+        """After a step with a refused micro-batch: count it, drop its new failures (with skip_bad_samples), and
+        return the lines to log."""
+        self.skipped_steps += 1
+        lines = [f"step {step}: sample failed to load: {line}" for line in self.new.values()]
+        if self.skip:
+            self.dropped.update(self.new)
+            lines.append(f"step {step} not trained; {len(self.dropped)} sample(s) dropped so far")
+        self.new = {}
+        return lines
+
+    def stop_message(self, step: int) -> str:
+        return (f"stopped at step {step} on a sample that failed to load (above); the checkpoint before it is written: "
+                "fix or remove the file and --resume auto, or --resume auto --skip-bad-samples to drop it")
+
+    def summary(self) -> str:
+        return f"{len(self.dropped)} sample(s) dropped after failing to load; {self.skipped_steps} step(s) not trained"
+
+    def state_dict(self) -> dict:
+        return dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
+
+    def load_state_dict(self, state: dict):
+        self.dropped, self.skipped_steps = {int(k): v for k, v in state["dropped"].items()}, state["skipped_steps"]
 
 
 # ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
@@ -358,9 +637,10 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
     key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
-               datasets=[asdict(c) for c in dataset.cfgs], clip_frames=clip_frames, dtype=dtype,
+               datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
+               clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
-               samples=[[stat(s.video), s.caption, {k: stat(Path(v)) for k, v in s.elements.items()}]
+               samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -375,7 +655,10 @@ def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: 
     (cache / "samples").mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
     for i in tqdm(todo, desc="precompute", disable=rank != 0):
-        torch.save(encode(collate([dataset[(i, 0)]])), cache / "samples" / f"{i}.tmp")
+        batch = collate([dataset[(i, 0)]])
+        if "failed" in batch:
+            raise DatasetError(f"precompute: {batch['failed'][0][1]}")
+        torch.save(encode(batch), cache / "samples" / f"{i}.tmp")
         os.replace(cache / "samples" / f"{i}.tmp", cache / "samples" / f"{i}.pt")
 
 
@@ -506,14 +789,19 @@ class MakeSample:
 
 
 @dataclass
-class Validate:
-    """Scan and validate a dataset, print the summary and every problem."""
+class Validate(TrainConfig):
+    """Check a dataset as `train_a2.py` with the same flags reads it (give it the training command's flags), print
+    the summary and every problem; exit status 2 when a problem would stop training."""
 
-    data_root: str | None = None
-    dataset_config: str | None = None
-    elements: tuple[str, ...] = ()
-    num_frames: int = 17
-    skip_bad_samples: bool = False
+    world_size: int = 1
+    """Processes of the training run (torchrun: nproc_per_node x nnodes): with --micro-batch and --grad-accum it
+    makes the global batch that each bucket must fill to be trained."""
+
+
+def validate(a: Validate) -> E2VDataset:
+    cfgs = dataset_configs(a)
+    return E2VDataset(cfgs, clip_frames_for(a.num_frames, cfgs), a.skip_bad_samples,
+                      global_batch=a.micro_batch * a.grad_accum * a.world_size)
 
 
 def _cli(argv: list[str]):
@@ -521,12 +809,7 @@ def _cli(argv: list[str]):
         a = tyro.cli(MakeSample, args=argv[1:])
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif argv and argv[0] == "validate":
-        from config import load_dataset_config
-
-        a = tyro.cli(Validate, args=argv[1:])
-        cfgs = (load_dataset_config(a.dataset_config) if a.dataset_config else
-                [DatasetConfig(a.data_root, elements=parse_elements(a.elements) if a.elements else A2_ELEMENTS)])
-        E2VDataset(cfgs, a.num_frames, a.skip_bad_samples)
+        run_cli(validate, tyro.cli(Validate, args=argv[1:]))
     else:
         sys.exit(__doc__)
 

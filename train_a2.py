@@ -76,8 +76,27 @@ from a2.transformer import (
     load_transformer,
     resolve_e2v_type,
 )
-from config import Element, TrainConfig, VaeProcessorConfig, dataset_configs, pair_elements
-from data import BucketBatchSampler, E2VDataset, cache_key, collate, rank_slice, write_cache
+from config import (
+    ConfigError,
+    Element,
+    TrainConfig,
+    VaeProcessorConfig,
+    clip_frames_for,
+    dataset_configs,
+    pair_elements,
+    ref_latents,
+    run_cli,
+)
+from data import (
+    BucketBatchSampler,
+    DatasetError,
+    E2VDataset,
+    LoadFailures,
+    cache_key,
+    collate,
+    rank_slice,
+    write_cache,
+)
 
 RANK = int(os.environ.get("RANK", 0))
 STOP = {"signal": None}  # set by the SIGTERM/SIGINT handler; the loop checkpoints and exits at the step's end
@@ -134,32 +153,29 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     h, w = cfg.resolution
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
-        raise ValueError("micro_batch and grad_accum must be >= 1")
+        raise ConfigError("micro_batch and grad_accum must be >= 1")
     if cfg.fsdp and cfg.training_type != "full":
-        raise ValueError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
-                         "of a frozen model: drop --fsdp (DDP)")
+        raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
+                          "of a frozen model: drop --fsdp (DDP)")
     vae_cfg = ds_cfgs[0].vae
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
-        raise ValueError("all datasets of one run must share processors.vae (combine, frame conditioning)")
+        raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
     layout = "inplace" if vae_cfg.frame_conditioning != "full" else "prefix" if elements else "t2v"
     # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
-    l_ref = num_ref_latents([e.repeat for e in elements], vae_cfg.combine) if layout == "prefix" else 0
-    clip_frames = 4 * ((cfg.num_frames - 1) // 4 - l_ref) + 1
-    if clip_frames < 1:
-        raise ValueError(f"num_frames={cfg.num_frames} leaves no video frames after {l_ref} reference latents")
+    l_ref, clip_frames = ref_latents(ds_cfgs), clip_frames_for(cfg.num_frames, ds_cfgs)  # as data.py validate
     info = detect_model(model_path(cfg.model), cfg.image_encoder)  # clear errors for unsupported dirs
     e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
     expand = layout != "t2v" and not info.e2v
     if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
-        raise ValueError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
-                         "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
+        raise ConfigError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
+                          "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
-        raise ValueError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
+        raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
     if cfg.precompute and not cfg.cache_dir:
-        raise ValueError("--precompute needs --cache-dir")
+        raise ConfigError("--precompute needs --cache-dir")
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, vae_cfg, l_ref, clip_frames, info,
                info.subfolder(cfg.expert), e2v_type, expand, image_branch, use_clip, dtype,
@@ -530,10 +546,30 @@ def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
                     Image.fromarray(tensor_to_uint8(frames[:, fi])).save(out / f"step{step:07d}_{key}_f{fi}.png")
 
 
+# ---------------------------------------------------------------- samples that fail to load mid-run
+
+
+def skip_step(step: int, failures: LoadFailures, cfg: TrainConfig, run_dir: Path, transformer, opt, rank: int,
+              world: int) -> None:
+    """A step whose global batch holds a sample that failed to load (on any rank: LoadFailures.refuses) makes no
+    update. With --skip-bad-samples the sample is dropped and the run goes on; without, the state before this step
+    is checkpointed and the run stops with one line (--resume auto redoes the step)."""
+    for line in failures.skip_step(step + 1):
+        log(line)
+    if not cfg.skip_bad_samples:
+        opt.zero_grad(set_to_none=True)  # the checkpoint holds the optimizer, not the step's partial gradients
+        if rank == 0 or cfg.fsdp:
+            log(f"checkpoint {save_checkpoint(run_dir, step, transformer, opt, cfg, cfg.keep_last, failures)}")
+        if world > 1:
+            dist.barrier()
+        raise DatasetError(failures.stop_message(step + 1))
+
+
 # ---------------------------------------------------------------- checkpoints, export
 
 
-def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int,
+                    failures: LoadFailures) -> Path:
     """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`.
     DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
     (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier."""
@@ -555,7 +591,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
         torch.save(opt.state_dict(), tmp / "optimizer.pt")
     rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    torch.save(dict(step=step, data_position=step, rng=rng), tmp / "state.pt")
+    torch.save(dict(step=step, data_position=step, rng=rng, load_failures=failures.state_dict()), tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     if final.exists():
         shutil.rmtree(final)
@@ -565,8 +601,9 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
     return final
 
 
-def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool) -> int:
-    """Restore weights (or adapter), optimizer and RNG from ckpt; returns its step (the data position)."""
+def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFailures) -> int:
+    """Restore weights (or adapter), optimizer, RNG and dropped samples from ckpt; returns its step (the data
+    position)."""
     state = torch.load(ckpt / "state.pt", weights_only=False)
     if fsdp:
         if not (ckpt / "sharded").is_dir():
@@ -585,6 +622,8 @@ def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool) -> int:
     torch.set_rng_state(state["rng"]["torch"])
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])
+    if "load_failures" in state:
+        failures.load_state_dict(state["load_failures"])
     return state["step"]
 
 
@@ -659,7 +698,7 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- data (validated before any model loads)
     dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
-                         verbose=rank == 0)
+                         verbose=rank == 0, global_batch=run.global_batch)
     run = with_cache(cfg, run, dataset)
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
     log(describe(run))
@@ -710,7 +749,8 @@ def main(cfg: TrainConfig) -> dict:
     if resume == "auto":
         ckpts = sorted(run_dir.glob("ckpt-*"))
         resume = str(ckpts[-1]) if ckpts else None
-    start_step = load_checkpoint(Path(resume), transformer, opt, cfg.fsdp) if resume else 0
+    failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
+    start_step = load_checkpoint(Path(resume), transformer, opt, cfg.fsdp, failures) if resume else 0
     if resume:
         log(f"resumed from {resume} at step {start_step}")
     loader = torch.utils.data.DataLoader(
@@ -742,8 +782,12 @@ def main(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         step_loss = torch.zeros((), device=device)
+        refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
         for j in range(cfg.grad_accum):
             batch = next(data_iter)
+            refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
+            if refused:
+                continue
             sync = j == cfg.grad_accum - 1
             if cfg.fsdp:
                 model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
@@ -754,15 +798,18 @@ def main(cfg: TrainConfig) -> dict:
             step_loss += loss.detach() / cfg.grad_accum
             seen += len(batch["prompts"]) * world
             tok += inputs["tokens"] * world
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
+        if refused:
+            skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if world > 1:
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         done = step + 1
-        if rank == 0:
+        if rank == 0 and not refused:
             visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
-        if done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None:
+        if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
             value = step_loss.item()  # the only host sync of the step, at log intervals
             if not math.isfinite(value):
                 log(f"loss is {value} at step {done}: stopping; the last good checkpoint is intact in {run_dir}")
@@ -784,7 +831,7 @@ def main(cfg: TrainConfig) -> dict:
             if not math.isfinite(step_loss.item()):
                 raise FloatingPointError(f"non-finite loss at step {done}; not checkpointing it")
             if rank == 0 or cfg.fsdp:
-                log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last)}")
+                log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
             if world > 1:
                 dist.barrier()
         if cfg.val_every and done % cfg.val_every == 0:
@@ -793,6 +840,8 @@ def main(cfg: TrainConfig) -> dict:
             log(f"signal {STOP['signal']}: checkpoint written at step {done}, exiting")
             break
     del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
+    if failures.skipped_steps:
+        log(failures.summary())
 
     # ---------------------------------------------------------------- export
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
@@ -814,5 +863,5 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(TrainConfig))
+    run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit status 2
     sys.exit(0)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
 from diffusers.utils.torch_utils import randn_tensor
-from PIL import Image
+from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from a2.transformer import TEXT_TOKENS, expert_for_timestep, is_e2v
@@ -70,6 +70,25 @@ def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_siz
     return vae, clip
 
 
+def read_image(path) -> Image.Image:
+    """An image file as the RGB picture it means: fully decoded (a truncated file fails here, not mid-run), EXIF
+    orientation applied, transparency composited on white (A2's references are white-background cut-outs; black
+    would show inside pad_white's white padding), 16-bit brought to 8 bits (PIL's own convert clips it to white).
+    The one image reader of training, validation and inference. Raises ValueError saying what is wrong."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            image = ImageOps.exif_transpose(im)
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error... for damaged files
+        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from e
+    if image.mode.startswith("I"):  # I;16 / I: 16-bit samples, 0..65535
+        image = Image.fromarray((np.asarray(image, np.float64) / 257).round().clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
+
+
 def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512)):
     """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats), in position order.
 
@@ -81,11 +100,9 @@ def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (
         if not path.is_file():
             raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
         try:
-            with Image.open(path) as im:
-                im.load()
-                image = im.convert("RGB")
-        except Exception as e:  # PIL raises several types for bad files
-            raise ValueError(f"{path}: element '{element.name}' is not a readable image ({e})") from e
+            image = read_image(path)
+        except ValueError as e:
+            raise ValueError(f"{path}: element '{element.name}' is {e}") from e
         v, c = element_tensors(image, element, size, clip_size)
         vae.append(v)
         clip.append(c)
