@@ -278,6 +278,32 @@ def load_dataset_config(path) -> list[DatasetConfig]:
     return [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
 
 
+# ---------------------------------------------------------------- evaluation (a2/evaluate.py)
+
+
+@dataclass
+class EvalConfig:
+    """Encoders that score generated videos (a2/evaluate.py): local dirs only, nothing downloads; a metric whose
+    encoder is not given is skipped with one message."""
+
+    clip_image: str | None = None
+    """CLIP-I (and CLIP temporal consistency): a transformers CLIPModel / CLIPVisionModel(WithProjection) dir, or a
+    dir with image_encoder/ + image_processor/. Default: the model's own image encoder (A2: CLIP ViT-H/14)."""
+    clip_text: str | None = None
+    """CLIP-T: a transformers CLIPModel dir (text and vision towers, tokenizer, preprocessor_config.json), e.g.
+    laion/CLIP-ViT-H-14-laion2B-s32B-b79K, the CLIP that A2's image encoder comes from."""
+    dino: str | None = None
+    """DINO-I (and DINO temporal consistency): a transformers Dinov2Model dir, e.g. facebook/dinov2-base."""
+    face: str | None = None
+    """Face similarity: a dir with model.pt, a TorchScript module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings
+    that finds and aligns the face itself (non-finite rows: no face), or a transformers image model dir (embeds
+    whole images: for face-crop references)."""
+    faces: tuple[str, ...] = ("subject",)
+    """Elements scored by --eval.face (A2's subject is a person)."""
+    max_frames: int = 0
+    """Score this many evenly spaced frames (0: all)."""
+
+
 # ---------------------------------------------------------------- training (train_a2.py)
 
 LORA_TARGETS = (
