@@ -295,9 +295,9 @@ class EvalConfig:
     dino: str | None = None
     """DINO-I (and DINO temporal consistency): a transformers Dinov2Model dir, e.g. facebook/dinov2-base."""
     face: str | None = None
-    """Face similarity: a dir with model.pt, a TorchScript module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings
-    that finds and aligns the face itself (non-finite rows: no face), or a transformers image model dir (embeds
-    whole images: for face-crop references)."""
+    """Face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt (TorchScript), a
+    module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself (non-finite rows:
+    no face), or a transformers image model dir (embeds whole images: for face-crop references and videos)."""
     faces: tuple[str, ...] = ("subject",)
     """Elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0

@@ -16,6 +16,7 @@ DINO). Encoders come from local dirs only; one whose dir is not given is skipped
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,8 @@ class Embedder:
 
     A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
     embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
-    a TorchScript face model taking (B, 3, H, W) RGB in [0, 1]; its non-finite rows mean "no face found"."""
+    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
+    the face itself; its non-finite rows mean "no face found"."""
 
     def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
         self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
@@ -79,19 +81,22 @@ class Evaluators:
 
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
     """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
-    image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or model.pt (TorchScript face)."""
+    image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
+    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
     import transformers
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} ({flag}): no such model dir")
-    if (path / "model.pt").is_file():
+    if (path / "model.pt2").is_file():  # torch.export.save of a program with a dynamic batch and size
+        return Embedder(torch.export.load(path / "model.pt2").module().to(device), None, device)
+    if (path / "model.pt").is_file():  # TorchScript, as many face models ship
         return Embedder(torch.jit.load(path / "model.pt", map_location=device).eval(), None, device)
     sub = path / "image_encoder"
     model_dir, processor_dir = (sub, path / "image_processor") if sub.is_dir() else (path, path)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} ({flag}): no config.json (need a transformers model dir, image_encoder/"
-                                " + image_processor/, or a TorchScript model.pt)")
+                                " + image_processor/, or a face model.pt2 / model.pt)")
     arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or ["(none)"])[0]
     cls = getattr(transformers, arch, None)
     if cls is None:
@@ -238,3 +243,43 @@ def flat_metrics(result: dict, prefix: str = "") -> dict[str, float]:
     for name, metrics in result["elements"].items():
         flat.update({f"{prefix}{name}/{k}": v for k, v in metrics.items()})
     return flat
+
+
+def metric_rows(result: dict, **ident) -> list[dict]:
+    """evaluate_video's result as table rows: the video's (element "") then one per element, each led by `ident`."""
+    rows = [dict(ident, element="", **result["video"])]
+    rows += [dict(ident, element=name, **metrics) for name, metrics in result["elements"].items()]
+    return rows
+
+
+def mean_rows(rows: list[dict], by=("model", "element"), label: dict | None = None) -> list[dict]:
+    """Per group of `by` values (in first-seen order), the mean of each numeric metric over the rows that have it;
+    `label` is merged into each mean row (e.g. {"index": "mean"})."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(k) for k in by), []).append(row)
+    out = []
+    for key, members in groups.items():
+        metrics = [k for r in members for k, v in r.items() if k not in by and isinstance(v, float)]
+        means = {k: float(np.mean([r[k] for r in members if k in r])) for k in dict.fromkeys(metrics)}
+        out.append(dict(label or {}, **dict(zip(by, key)), **means))
+    return out
+
+
+def format_table(means: list[dict], models=("base", "lora")) -> str:
+    """Mean rows (mean_rows by model and element) as a text table: metric, one column per model, and the delta
+    of the last model over the first when there are two."""
+    models = [m for m in models if any(r["model"] == m for r in means)]
+    values: dict[str, dict[str, float]] = {}
+    for r in means:
+        for k, v in r.items():
+            if isinstance(v, float):
+                values.setdefault(f"{r['element']}/{k}" if r["element"] else k, {})[r["model"]] = v
+    width = max([len(k) for k in values] + [6])
+    cols = models + (["delta"] if len(models) == 2 else [])
+    lines = [f"{'metric':<{width}}" + "".join(f"{c:>10}" for c in cols)]
+    for name, by_model in values.items():
+        v = [by_model.get(m, math.nan) for m in models]
+        delta = f"{v[1] - v[0]:>+10.4f}" if len(models) == 2 else ""
+        lines.append(f"{name:<{width}}" + "".join(f"{x:>10.4f}" for x in v) + delta)
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ unrelated image, motion is zero when still and grows with displacement, shapes a
 import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from PIL import Image
 
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
 from a2.pipeline import load_references
-from config import EvalConfig, Element
+from config import Element, EvalConfig
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def test_reference_in_the_frames_scores_higher_than_an_unrelated_image(evaluator
     unrelated = flat_metrics(evaluate_video(pasted(other()), el, "a red ball", evaluators))
     frames_are_ref = flat_metrics(evaluate_video(torch.from_numpy(np.stack([ref()] * 3)), el, "x", evaluators))
     print(f"{ref.__name__} ref: pasted CLIP-I {same['clip_i']:.4f} DINO-I {same['dino_i']:.4f}; unrelated pasted "
-          f"{unrelated['clip_i']:.4f} / {unrelated['dino_i']:.4f}; frames = the reference {frames_are_ref['clip_i']:.5f}")
+          f"{unrelated['clip_i']:.4f} / {unrelated['dino_i']:.4f}; frames = the reference "
+          f"{frames_are_ref['clip_i']:.5f}")
     for key in ("clip_i", "dino_i"):
         # not vacuous: the identical image scores 1, the unrelated one clearly less (random encoders map all
         # images close together; these two differ in colour, layout and frequency, margin measured >= 0.09)
@@ -130,9 +132,12 @@ def test_missing_encoders_are_skipped_with_a_message(tmp_path, capsys):
         load_evaluators(EvalConfig(dino=str(tmp_path / "nosuch")))
 
 
-def test_face_similarity_with_a_torchscript_model(evaluators, tmp_path):
-    """The face interface: model.pt maps (B, 3, H, W) in [0, 1] to embeddings, NaN rows where it finds no face.
-    This stand-in 'finds a face' when the image is mostly red and embeds its mean colour."""
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # deprecated; face models still ship in it
+@pytest.mark.parametrize("fmt", ["model.pt2", "model.pt"])
+def test_face_similarity_with_an_exported_model(evaluators, tmp_path, fmt):
+    """The face interface: model.pt2 (torch.export) / model.pt (TorchScript) maps (B, 3, H, W) in [0, 1] to
+    embeddings, NaN rows where it finds no face. This stand-in 'finds a face' in mostly red images and embeds their
+    mean colour."""
     from a2.evaluate import load_embedder
 
     class Face(torch.nn.Module):
@@ -142,7 +147,14 @@ def test_face_similarity_with_a_torchscript_model(evaluators, tmp_path):
             return torch.where(found, colour, torch.full_like(colour, float("nan")))
 
     (tmp_path / "face").mkdir()
-    torch.jit.script(Face()).save(tmp_path / "face" / "model.pt")
+    if fmt == "model.pt2":
+        from torch.export import Dim
+
+        dims = {"x": {0: Dim("b", min=1), 2: Dim("h"), 3: Dim("w")}}
+        torch.export.save(torch.export.export(Face(), (torch.rand(2, 3, 64, 64),), dynamic_shapes=dims),
+                          tmp_path / "face" / fmt)
+    else:
+        torch.jit.script(Face()).save(tmp_path / "face" / fmt)
     evaluators.face = load_embedder(tmp_path / "face", "--eval.face")
     try:
         frames = torch.from_numpy(np.stack([disk()] * 2 + [stripes()] * 2))  # a face in 2 of 4 frames
@@ -153,3 +165,78 @@ def test_face_similarity_with_a_torchscript_model(evaluators, tmp_path):
     subject = r["elements"]["subject"]
     assert subject["face_frames"] == 0.5 and subject["face_sim_mean"] == pytest.approx(1.0, abs=1e-5)
     assert "face_sim_mean" not in r["elements"]["object"] and r["video"]["face_sim"] == subject["face_sim_mean"]
+
+
+# ---------------------------------------------------------------- infer.py --eval-set
+
+
+def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path, monkeypatch, capsys):
+    import tyro
+
+    import infer
+    from a2.tiny import save_tiny_evaluators
+    from config import LORA_TARGETS, TrainConfig
+    from tests.test_lora import adapted_pipe
+    from train_a2 import export_weights
+
+    lora = export_weights(tmp_path / "lora", adapted_pipe(tiny_dir, LORA_TARGETS).transformer, TrainConfig())
+    dirs = save_tiny_evaluators(tmp_path / "evaluators")
+    (tmp_path / "set" / "img").mkdir(parents=True)
+    for name, array in (("me", disk()), ("bear", stripes()), ("forest", stripes(32)[::-1].copy())):
+        Image.fromarray(array).save(tmp_path / "set" / "img" / f"{name}.png")
+    rows = [dict(prompt="A man is holding a teddy bear in the forest.", seed=3,
+                 elements={"subject": "img/me.png", "object": "img/bear.png", "background": "img/forest.png"}),
+            dict(prompt="a red ball", elements=["img/me.png"])]  # by position: the subject; seed: --seed
+    eval_set = tmp_path / "set" / "eval.jsonl"
+    eval_set.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written, real_save = {}, infer.save_video  # what is scored is the tensor, not the (lossy) mp4
+
+    def save_video(path, video, *args):
+        written[Path(path).name] = video
+        return real_save(path, video, *args)
+
+    monkeypatch.setattr(infer, "save_video", save_video)
+    out = tmp_path / "eval"
+    argv = ["--model", str(tiny_dir), "--height", "32", "--width", "48", "--num-frames", "17", "--steps", "2",
+            "--device", "cpu", "--seed", "5", "--eval-set", str(eval_set), "--lora", str(lora), "--out-dir", str(out),
+            "--eval.dino", str(dirs["dino"]), "--eval.clip-text", str(dirs["clip_text"])]
+    assert infer.main(tyro.cli(infer.InferConfig, args=argv)) == 0
+    printed = capsys.readouterr().out
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    with open(out / "metrics.csv") as f:
+        table = list(csv.DictReader(f))
+    # per model: row 0 = video + 3 elements, row 1 = video + subject; then means per (model, element)
+    keys = [(r["index"], r["model"], r["element"]) for r in jsonl]
+    per_row = [(i, m, e) for i, els in ((0, ["subject", "object", "background"]), (1, ["subject"]))
+               for m in ("base", "lora") for e in [""] + els]
+    means = [("mean", m, e) for m in ("base", "lora") for e in ("", "subject", "object", "background")]
+    assert keys == per_row + means
+    assert [(r["index"], r["model"], r["element"]) for r in table] == [tuple(map(str, k)) for k in keys]
+    assert [r["seed"] for r in jsonl[:12]] == [3] * 8 + [5] * 4
+    video_row = jsonl[0]
+    assert {"clip_t", "motion", "temporal_clip", "temporal_dino", "clip_i", "dino_i"} <= set(video_row)
+    assert {"clip_i_mean", "clip_i_max", "dino_i_mean", "dino_i_max"} <= set(jsonl[1])
+    # the scores are those of the rendered video: recompute row 0's base half from the written tensor
+    both = written[video_row["file"]]
+    assert both.shape == (3, 5, 32, 96)  # 17 frames - 12 reference frames; base | LoRA
+    refs = infer.read_references(infer.InferConfig(height=32, width=48, num_frames=17), infer.read_rows(
+        str(eval_set))[0]["elements"])
+    again = evaluate_video(both[..., :48], dict(zip(refs["names"], refs["clip_refs"][0])), rows[0]["prompt"],
+                           load_evaluators(EvalConfig(dino=str(dirs["dino"]), clip_text=str(dirs["clip_text"])),
+                                           tiny_dir))
+    assert again["video"] == pytest.approx({k: v for k, v in video_row.items() if isinstance(v, float)}, abs=1e-5)
+    assert again["elements"]["object"]["dino_i_max"] == pytest.approx(jsonl[2]["dino_i_max"], abs=1e-5)
+    # base and LoRA are different renders, and the means and the printed deltas follow from the rows
+    assert video_row["clip_t"] != jsonl[4]["clip_t"]
+    base_mean = next(r for r in jsonl if r["index"] == "mean" and r["model"] == "base" and r["element"] == "")
+    lora_mean = next(r for r in jsonl if r["index"] == "mean" and r["model"] == "lora" and r["element"] == "")
+    assert base_mean["clip_t"] == pytest.approx((jsonl[0]["clip_t"] + jsonl[8]["clip_t"]) / 2)
+    line = next(s for s in printed.splitlines() if s.startswith("clip_t "))
+    assert line.split()[1:] == [f"{base_mean['clip_t']:.4f}", f"{lora_mean['clip_t']:.4f}",
+                                f"{lora_mean['clip_t'] - base_mean['clip_t']:+.4f}"]
+    assert "delta" in printed and "subject/clip_i_mean" in printed and "skipping face similarity" in printed
+    assert sorted(p.name for p in out.glob("*.mp4")) == sorted({r["file"] for r in jsonl[:12]})
+    # a bad row is named before any model loads
+    eval_set.write_text(json.dumps(dict(prompt="x", elements={"subject": "img/none.png"})) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"eval.jsonl:1: .*none.png: element 'subject' image not found"):
+        infer.main(tyro.cli(infer.InferConfig, args=argv))
