@@ -461,6 +461,11 @@ class TrainConfig:
     val_guidance_scale: float = 5.0
     val_flow_shift: float | None = None
     """Sampler shift of the validation videos (default: the model dir's scheduler config)."""
+    val_metrics: bool = True
+    """Score each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its
+    step: motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face
+    similarity with the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import tyro
 
-from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows
+from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from a2.tiny import model_path
@@ -135,7 +135,8 @@ def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
 def read_rows(path: str) -> list[dict]:
     """A prompt list or eval set: one prompt per line, or (.jsonl) a JSON object per line with `prompt` (or
     `caption` / `text`) and optionally `elements`, `seed`, `faces` (--eval-set); blank lines skipped. Returns dicts
-    with `prompt`, `line` and the optional keys found; element paths resolved against the file's dir."""
+    with `prompt`, `line`, the seed and faces found and `images` (element images as --elements takes them, paths
+    resolved against the file's dir)."""
     path = Path(path)
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -153,9 +154,9 @@ def read_rows(path: str) -> list[dict]:
         out = dict(prompt=prompt.strip(), line=f"{path}:{n}", **{k: row[k] for k in ("seed", "faces") if k in row})
         elements = row.get("elements")
         if isinstance(elements, dict):
-            out["elements"] = [f"{name}={path.parent / p}" for name, p in elements.items()]
+            out["images"] = [f"{name}={path.parent / p}" for name, p in elements.items()]
         elif isinstance(elements, list):
-            out["elements"] = [str(path.parent / p) for p in elements]
+            out["images"] = [str(path.parent / p) for p in elements]
         elif elements is not None:
             raise ValueError(f"{path}:{n}: 'elements' must be {{name: path}} or [path, ...], got {elements!r}")
         rows.append(out)
@@ -166,16 +167,15 @@ def read_rows(path: str) -> list[dict]:
 
 def read_references(cfg: InferConfig, images) -> dict:
     """Element images (`path` or `name=path`) paired with the element specs and loaded (errors name the file):
-    dict(refs, clip_refs, repeats, names (position order))."""
+    dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video))."""
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
     if not items:
-        return dict(refs=None, clip_refs=None, repeats=(), names=[])
+        return dict(refs=None, clip_refs=None, repeats=(), elements={})
     refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
     if sum(repeats) >= cfg.num_frames:
         raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
                          f"num_frames={cfg.num_frames} leaves none to generate")
-    names = [e.name for e, _ in sorted(items, key=lambda it: it[0].position)]
-    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, names=names)
+    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs))
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None) -> dict:
@@ -209,9 +209,8 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
             video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed)["video"][0]
             halves.append(video)
             if evaluators is not None:
-                elements = dict(zip(row["names"], row["clip_refs"][0])) if row["names"] else {}
-                result = evaluate_video(video, elements, row["prompt"], evaluators, row.get("faces", cfg.eval.faces),
-                                        cfg.eval.max_frames)
+                result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
+                                        row.get("faces", cfg.eval.faces), cfg.eval.max_frames)
                 scores += metric_rows(result, index=i, file=name, prompt=row["prompt"], seed=seed, model=model)
         side = refs[0] if (cfg.side_by_side and refs is not None) else None
         paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, W*models)
@@ -255,13 +254,13 @@ def main(cfg: InferConfig) -> int:
         rows = read_rows(cfg.eval_set or cfg.prompts_file)
         for row in rows:  # read and check every row's images before loading any model
             try:
-                row.update(read_references(cfg, row.get("elements", cfg.elements)))
+                row.update(read_references(cfg, row.get("images", cfg.elements)))
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{row['line']}: {e}") from e
-        items = [n for row in rows for n in row["names"]]
+        items = [n for row in rows for n in row["elements"]]
     else:
         refs = read_references(cfg, cfg.elements)
-        items = refs["names"]
+        items = list(refs["elements"])
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],

@@ -136,6 +136,14 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     return ev
 
 
+def named_references(items, clip_refs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`a2.pipeline.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
+    `items` are the (Element, path) pairs they were loaded from (load_references orders them by position)."""
+    if clip_refs is None:
+        return {}
+    return dict(zip([e.name for e, _ in sorted(items, key=lambda it: it[0].position)], clip_refs[0]))
+
+
 def video_frames(video: torch.Tensor) -> np.ndarray:
     """(3, F, H, W) or (1, 3, F, H, W) float in [-1, 1] (A2Pipeline's video), or (F, H, W, 3) uint8 (an mp4 read
     by imageio) -> (F, H, W, 3) uint8."""

@@ -220,8 +220,8 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     both = written[video_row["file"]]
     assert both.shape == (3, 5, 32, 96)  # 17 frames - 12 reference frames; base | LoRA
     refs = infer.read_references(infer.InferConfig(height=32, width=48, num_frames=17), infer.read_rows(
-        str(eval_set))[0]["elements"])
-    again = evaluate_video(both[..., :48], dict(zip(refs["names"], refs["clip_refs"][0])), rows[0]["prompt"],
+        str(eval_set))[0]["images"])
+    again = evaluate_video(both[..., :48], refs["elements"], rows[0]["prompt"],
                            load_evaluators(EvalConfig(dino=str(dirs["dino"]), clip_text=str(dirs["clip_text"])),
                                            tiny_dir))
     assert again["video"] == pytest.approx({k: v for k, v in video_row.items() if isinstance(v, float)}, abs=1e-5)
