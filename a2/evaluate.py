@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -67,16 +67,15 @@ def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Evaluators:
-    """The encoders of the metrics; None: that metric is skipped. text: (CLIPModel, tokenizer) for CLIP-T, whose
-    frame embeddings `clip_t_images` computes with the same model."""
+    """The encoders of the metrics (None: that metric is skipped) and the device motion is computed on. clip_t
+    embeds the frames with a CLIPModel whose text tower embeds the prompt (`tokenizer`)."""
 
     clip: Embedder | None = None
     dino: Embedder | None = None
     face: Embedder | None = None
-    text: tuple | None = None
-    clip_t_images: Embedder | None = None
-    skipped: list[str] = field(default_factory=list)
-    device: str | torch.device = "cpu"  # where motion is computed
+    clip_t: Embedder | None = None
+    tokenizer: object = None
+    device: str | torch.device = "cpu"
 
 
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
@@ -121,17 +120,16 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     if cfg.clip_text:
         from transformers import AutoTokenizer
 
-        ev.clip_t_images = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
-        if not hasattr(ev.clip_t_images.model, "get_text_features"):
+        ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
+        if not hasattr(ev.clip_t.model, "get_text_features"):
             raise ValueError(f"{cfg.clip_text} (--eval.clip-text): needs a CLIPModel (text and vision towers), got "
-                             f"{type(ev.clip_t_images.model).__name__}")
-        ev.text = (ev.clip_t_images.model, AutoTokenizer.from_pretrained(cfg.clip_text))
+                             f"{type(ev.clip_t.model).__name__}")
+        ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
     for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
                           (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
-                          (ev.text is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
+                          (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
                           (ev.face is None, "face similarity: no --eval.face model dir")):
         if missing:
-            ev.skipped.append(what)
             print(f"evaluate: skipping {what}")
     return ev
 
@@ -192,15 +190,6 @@ def motion_magnitude(frames: np.ndarray, radius: int = 8, window: int = 9, max_s
     return total / ((len(grey) - 1) * h * w) / scale
 
 
-def _sim_stats(ref: torch.Tensor, frames: torch.Tensor, name: str) -> dict:
-    """Cosines of one normalised embedding (D,) against frames (F, D): mean and max over the finite ones."""
-    cos = frames @ ref
-    cos = cos[torch.isfinite(cos)]
-    if not len(cos):
-        return {}
-    return {f"{name}_mean": cos.mean().item(), f"{name}_max": cos.max().item()}
-
-
 def _adjacent(frames: torch.Tensor) -> float:
     """Mean cosine of adjacent frames' embeddings; a 1-frame video (no change) counts as fully consistent: 1."""
     return (frames[:-1] * frames[1:]).sum(-1).mean().item() if len(frames) > 1 else 1.0
@@ -209,7 +198,7 @@ def _adjacent(frames: torch.Tensor) -> float:
 def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], prompt: str, ev: Evaluators,
                    faces=(), max_frames: int = 0) -> dict:
     """Score one generated video (see the module docstring); `elements`: name -> the element's CLIP-path image
-    (3, h, w) in [-1, 1], as `a2.pipeline.load_references` returns them (its clip output, in position order);
+    (3, h, w) in [-1, 1] as `a2.pipeline.load_references` makes it (`named_references`);
     faces: names of the elements scored with the face model; max_frames > 0 scores that many evenly spaced frames.
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
     frames = video_frames(video)
@@ -224,24 +213,27 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
             continue
         emb = enc(frames)
         if key != "face_sim":
-            per_video["temporal_" + key[:-2]] = _adjacent(emb)
-        ref_emb = enc(refs) if names else None
-        for i, name in enumerate(elements):
-            if name in names:
-                stats = _sim_stats(ref_emb[i], emb, key)
-                per_element[name].update(stats)
-                if key == "face_sim":  # frames where the face model found a face
-                    per_element[name]["face_frames"] = torch.isfinite(emb @ ref_emb[i]).float().mean().item()
+            per_video["temporal_" + key.removesuffix("_i")] = _adjacent(emb)
+        if not names:
+            continue
+        for name, ref in zip(names, enc(refs[[list(elements).index(n) for n in names]])):
+            cos = emb @ ref
+            found = torch.isfinite(cos)  # a face model's rows are NaN where it finds no face
+            if found.any():
+                cos = cos[found]
+                per_element[name].update({f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
+            if key == "face_sim":
+                per_element[name]["face_frames"] = found.float().mean().item()
         scored = [per_element[n][f"{key}_mean"] for n in names if f"{key}_mean" in per_element[n]]
         if scored:
             per_video[key] = float(np.mean(scored))
-    if ev.text is not None:
-        model, tokenizer = ev.text
-        max_len = model.config.text_config.max_position_embeddings
-        tokens = tokenizer([prompt], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    if ev.clip_t is not None:
+        model = ev.clip_t.model
+        tokens = ev.tokenizer([prompt], padding=True, truncation=True, return_tensors="pt",
+                              max_length=model.config.text_config.max_position_embeddings)
         with torch.no_grad():
-            text = _pooled(model.get_text_features(**tokens.to(ev.clip_t_images.device)))
-        per_video["clip_t"] = (ev.clip_t_images(frames) @ F.normalize(text.float(), dim=-1).cpu()[0]).mean().item()
+            text = _pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
+        per_video["clip_t"] = (ev.clip_t(frames) @ F.normalize(text.float(), dim=-1).cpu()[0]).mean().item()
     return {"video": per_video, "elements": per_element}
 
 
