@@ -96,7 +96,8 @@ class InferConfig:
     tolerance: float = 1e-4
     prompts_file: str | None = None
     """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
-    train.jsonl) without and with --lora, same seed, side by side (left: base, right: LoRA): one mp4 per prompt."""
+    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
+    side (left: base, right: LoRA): one mp4 per prompt."""
     eval_set: str | None = None
     """Score the model (and a --lora against it): a .jsonl file, one video per row: {"prompt": "...", "elements":
     {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":

@@ -240,3 +240,31 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     eval_set.write_text(json.dumps(dict(prompt="x", elements={"subject": "img/none.png"})) + "\n")
     with pytest.raises(FileNotFoundError, match=r"eval.jsonl:1: .*none.png: element 'subject' image not found"):
         infer.main(tyro.cli(infer.InferConfig, args=argv))
+
+
+# ---------------------------------------------------------------- validation during training
+
+
+def test_validation_logs_the_metrics_next_to_the_loss(tiny_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from a2.tiny import save_tiny_evaluators
+    from data import make_synthetic_dataset
+    from tests.test_train import args, train
+
+    data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
+    dino = save_tiny_evaluators(tmp_path / "evaluators")["dino"]
+    images = [str(data / f"000_{name}.png") for name in ("person", "object", "background")]
+    result = train(*args(data, tmp_path / "runs", "val", "--max-steps", "4", "--val-every", "2", "--val-steps", "1",
+                         "--val-elements", *images, "--eval.dino", str(dino), "--tensorboard", model=tiny_dir))
+    rows = [json.loads(line) for line in (result["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val/motion" in r]
+    assert [r["step"] for r in val] == [2, 4] and [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    for r in val:  # CLIP-I from the model's own image encoder, DINO-I from --eval.dino; per element and per video
+        assert {"val/clip_i", "val/dino_i", "val/temporal_clip", "val/temporal_dino", "val/subject/clip_i_mean",
+                "val/background/dino_i_max"} <= set(r)
+        assert all(math.isfinite(v) for k, v in r.items() if k != "step")
+    assert val[0]["val/clip_i"] != val[1]["val/clip_i"]  # the second video is the trained model's
+    tb = EventAccumulator(str(result["run_dir"] / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("val/subject/clip_i_mean")] == [2, 4]
