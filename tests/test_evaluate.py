@@ -94,10 +94,14 @@ def test_motion_zero_when_still_and_growing_with_displacement():
     assert motion[0] == 0.0
     for dx in (1, 2, 4, 6):  # a uniform translation is recovered to within 10 % (the wrap-around seam excepted)
         assert motion[dx] == pytest.approx(dx, rel=0.1)
-    # downscaled analysis: the same motion at 4x the resolution reads in input pixels
-    big = torch.from_numpy(moving(1)).permute(0, 3, 1, 2).float()
-    big = F.interpolate(big, scale_factor=4, mode="nearest").permute(0, 2, 3, 1).byte().numpy()  # 4 px/frame
-    assert motion_magnitude(big, max_side=96) == pytest.approx(4, rel=0.1)
+    # analysis at a quarter of the resolution (max_side): motion reads in input pixels, to sub-pixel precision of
+    # the analysis grid (3 and 6 px/frame are 0.75 and 1.5 analysis pixels); under half an analysis pixel reads ~0
+    big = F.interpolate(texture.permute(2, 0, 1)[None].float(), scale_factor=4, mode="bicubic")[0]
+    big = big.clamp(0, 255).byte().permute(1, 2, 0)
+    sub = {dx: motion_magnitude(torch.stack([torch.roll(big, dx * t, dims=1) for t in range(4)]).numpy(), max_side=96)
+           for dx in (1, 3, 6)}
+    print("at 4x resolution, analysed at 1/4:", {k: round(v, 3) for k, v in sub.items()})
+    assert sub[1] < 0.1 and sub[3] == pytest.approx(3, rel=0.1) and sub[6] == pytest.approx(6, rel=0.1)
     # a 1-frame video has no pairs
     assert motion_magnitude(moving(2, n=1)) == 0.0
 
