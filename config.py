@@ -316,6 +316,32 @@ def load_dataset_config(path) -> list[DatasetConfig]:
     return cfgs
 
 
+# ---------------------------------------------------------------- evaluation (a2/evaluate.py)
+
+
+@dataclass
+class EvalConfig:
+    """Encoders that score generated videos (a2/evaluate.py): local dirs only, nothing downloads; a metric whose
+    encoder is not given is skipped with one message."""
+
+    clip_image: str | None = None
+    """CLIP-I (and CLIP temporal consistency): a transformers CLIPModel / CLIPVisionModel(WithProjection) dir, or a
+    dir with image_encoder/ + image_processor/. Default: the model's own image encoder (A2: CLIP ViT-H/14)."""
+    clip_text: str | None = None
+    """CLIP-T: a transformers CLIPModel dir (text and vision towers, tokenizer, preprocessor_config.json), e.g.
+    laion/CLIP-ViT-H-14-laion2B-s32B-b79K, the CLIP that A2's image encoder comes from."""
+    dino: str | None = None
+    """DINO-I (and DINO temporal consistency): a transformers Dinov2Model dir, e.g. facebook/dinov2-base."""
+    face: str | None = None
+    """Face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt (TorchScript), a
+    module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself (non-finite rows:
+    no face), or a transformers image model dir (embeds whole images: for face-crop references and videos)."""
+    faces: tuple[str, ...] = ("subject",)
+    """Elements scored by --eval.face (A2's subject is a person)."""
+    max_frames: int = 0
+    """Score this many evenly spaced frames (0: all)."""
+
+
 # ---------------------------------------------------------------- training (train_a2.py)
 
 LORA_TARGETS = (
@@ -473,6 +499,11 @@ class TrainConfig:
     val_guidance_scale: float = 5.0
     val_flow_shift: float | None = None
     """Sampler shift of the validation videos (default: the model dir's scheduler config)."""
+    val_metrics: bool = True
+    """Score each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its
+    step: motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face
+    similarity with the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:

@@ -7,26 +7,30 @@ and compare a LoRA with its base model over a prompt list.
     python infer.py ... --compare run_a.pt               # max |Δ| and PSNR per tensor; exit 1 above tolerance
     python infer.py --model tiny-t2v --prompt "a person clapping" --lora runs/t2v/pytorch_lora_weights.safetensors
     python infer.py --model tiny-t2v --prompts-file prompts.txt --lora runs/t2v --out-dir eval/   # base | LoRA
+    python infer.py --model /models/SkyReels-A2 --eval-set eval.jsonl --lora runs/a2 --out-dir eval/ \
+        --eval.dino /models/dinov2-base --eval.clip-text /models/CLIP-ViT-H-14   # + metrics.csv, base vs LoRA
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 import tyro
 
+from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from a2.tiny import model_path
 from a2.transformer import detect_model, is_e2v, load_transformer
-from config import A2_ELEMENTS, pair_elements, parse_elements
+from config import A2_ELEMENTS, EvalConfig, pair_elements, parse_elements
 
 
 @dataclass
@@ -92,9 +96,18 @@ class InferConfig:
     tolerance: float = 1e-4
     prompts_file: str | None = None
     """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
-    train.jsonl) without and with --lora, same seed, side by side (left: base, right: LoRA): one mp4 per prompt."""
+    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
+    side (left: base, right: LoRA): one mp4 per prompt."""
+    eval_set: str | None = None
+    """Score the model (and a --lora against it): a .jsonl file, one video per row: {"prompt": "...", "elements":
+    {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
+    ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
+    rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
+    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with
+    the base vs LoRA deltas."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
     out_dir: str = "outputs/eval"
-    """Where --prompts-file writes <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
+    """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -120,26 +133,54 @@ def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
     return ok
 
 
-def read_prompts(path: str) -> list[str]:
-    """One prompt per line, or (.jsonl) a JSON object per line with `prompt` (or `caption` / `text`); blanks skipped."""
+def read_rows(path: str) -> list[dict]:
+    """A prompt list or eval set: one prompt per line, or (.jsonl) a JSON object per line with `prompt` (or
+    `caption` / `text`) and optionally `elements`, `seed`, `faces` (--eval-set); blank lines skipped. Returns dicts
+    with `prompt`, `line`, the seed and faces found and `images` (element images as --elements takes them, paths
+    resolved against the file's dir)."""
     path = Path(path)
-    prompts = []
+    rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
-            row = json.loads(line)
-            line = row.get("prompt") or row.get("caption") or row.get("text")
-            if not line:
-                raise ValueError(f"{path}:{n}: no 'prompt' (or 'caption' / 'text') field")
-        prompts.append(line.strip())
-    if not prompts:
+        try:
+            row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {line.strip()[:60]}")
+        prompt = row.get("prompt") or row.get("caption") or row.get("text")
+        if not prompt:
+            raise ValueError(f"{path}:{n}: no 'prompt' (or 'caption' / 'text') field")
+        out = dict(prompt=prompt.strip(), line=f"{path}:{n}", **{k: row[k] for k in ("seed", "faces") if k in row})
+        elements = row.get("elements")
+        if isinstance(elements, dict):
+            out["images"] = [f"{name}={path.parent / p}" for name, p in elements.items()]
+        elif isinstance(elements, list):
+            out["images"] = [str(path.parent / p) for p in elements]
+        elif elements is not None:
+            raise ValueError(f"{path}:{n}: 'elements' must be {{name: path}} or [path, ...], got {elements!r}")
+        rows.append(out)
+    if not rows:
         raise ValueError(f"{path}: no prompts")
-    return prompts
+    return rows
 
 
-def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats) -> dict:
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
+def read_references(cfg: InferConfig, images) -> dict:
+    """Element images (`path` or `name=path`) paired with the element specs and loaded (errors name the file):
+    dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video))."""
+    items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
+    if not items:
+        return dict(refs=None, clip_refs=None, repeats=(), elements={})
+    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
+    if sum(repeats) >= cfg.num_frames:
+        raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
+                         f"num_frames={cfg.num_frames} leaves none to generate")
+    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs))
+
+
+def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None) -> dict:
+    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed if seed is None else seed)
     return pipe(prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
                 width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
                 guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
@@ -147,25 +188,51 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
 
 
-def evaluate(cfg: InferConfig, pipe: A2Pipeline, prompts: list[str], refs, clip_refs, repeats) -> list[Path]:
-    """Each prompt without and with the loaded LoRA from the same seed, side by side in one mp4 per prompt."""
+def set_lora(pipe: A2Pipeline, on: bool) -> None:
+    """Switch the loaded LoRA(s) on or off, on whichever transformers carry one (Wan 2.2: either expert)."""
+    for model in (pipe.transformer, pipe.transformer_2):
+        if getattr(model, "peft_config", None):
+            model.enable_lora() if on else model.disable_lora()
+
+
+def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=None) -> list[dict]:
+    """Each row without and (a LoRA loaded) with the LoRA, from the row's seed, side by side in one mp4 per row;
+    with `evaluators`, each render scored (a2/evaluate.py). Returns the metric rows (a2.evaluate.metric_rows)."""
     out_dir = Path(cfg.out_dir)
-    side = refs[0] if (cfg.side_by_side and refs is not None) else None
-    paths, index = [], []
-    for i, prompt in enumerate(prompts):
+    models = ("base", "lora") if (cfg.lora or cfg.lora_high or cfg.lora_low) else ("base",)
+    paths, index, scores = [], [], []
+    for i, row in enumerate(rows):
+        refs, seed = row["refs"], row.get("seed", cfg.seed)
+        name = f"{i:03d}_{re.sub(r'[^a-z0-9]+', '-', row['prompt'].lower()).strip('-')[:48]}.mp4"
         halves = []
-        for use_lora in (False, True):
-            if use_lora:
-                pipe.transformer.enable_lora()
-            else:
-                pipe.transformer.disable_lora()
-            halves.append(generate(cfg, pipe, prompt, refs, clip_refs, repeats)["video"][0])
-        name = f"{i:03d}_{re.sub(r'[^a-z0-9]+', '-', prompt.lower()).strip('-')[:48]}.mp4"
-        paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, 2W)
-        index.append(dict(file=name, prompt=prompt, seed=cfg.seed, lora=cfg.lora, lora_scale=cfg.lora_scale))
-        print(f"wrote {paths[-1]} (left: base, right: LoRA)")
+        for model in models:
+            set_lora(pipe, model == "lora")
+            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed)["video"][0]
+            halves.append(video)
+            if evaluators is not None:
+                result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
+                                        row.get("faces", cfg.eval.faces), cfg.eval.max_frames)
+                scores += metric_rows(result, index=i, file=name, prompt=row["prompt"], seed=seed, model=model)
+        side = refs[0] if (cfg.side_by_side and refs is not None) else None
+        paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, W*models)
+        index.append(dict(file=name, prompt=row["prompt"], seed=seed, lora=cfg.lora, lora_scale=cfg.lora_scale))
+        print(f"wrote {paths[-1]}" + (" (left: base, right: LoRA)" if len(models) == 2 else ""))
     (out_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
-    return paths
+    return scores
+
+
+def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
+    """metrics.jsonl and metrics.csv: the rows per video and element, then their means per model and element
+    (index "mean"). Returns the mean rows."""
+    means = mean_rows(scores, label=dict(index="mean"))
+    rows = scores + means
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return means
 
 
 def main(cfg: InferConfig) -> int:
@@ -176,21 +243,25 @@ def main(cfg: InferConfig) -> int:
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
         raise ValueError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
                          "A14B; use --lora")
-    prompts = None
-    if cfg.prompts_file:
-        if not cfg.lora:
+    rows = None
+    if cfg.prompts_file or cfg.eval_set:
+        if cfg.prompts_file and cfg.eval_set:
+            raise ValueError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
+        if cfg.prompts_file and not cfg.lora:
             raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora")
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
-            raise ValueError("--prompts-file writes videos: it takes no --save-latents / --compare / --decode none")
-        prompts = read_prompts(cfg.prompts_file)
-    items = pair_elements(cfg.elements, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
-    refs = clip_refs = None
-    repeats: tuple[int, ...] = ()
-    if items:  # read and check the images before loading any model
-        refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
-        if sum(repeats) >= cfg.num_frames:
-            raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
-                             f"num_frames={cfg.num_frames} leaves none to generate")
+            raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
+                             "--decode none")
+        rows = read_rows(cfg.eval_set or cfg.prompts_file)
+        for row in rows:  # read and check every row's images before loading any model
+            try:
+                row.update(read_references(cfg, row.get("images", cfg.elements)))
+            except (ValueError, FileNotFoundError) as e:
+                raise type(e)(f"{row['line']}: {e}") from e
+        items = [n for row in rows for n in row["elements"]]
+    else:
+        refs = read_references(cfg, cfg.elements)
+        items = list(refs["elements"])
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
@@ -203,12 +274,19 @@ def main(cfg: InferConfig) -> int:
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
         if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low")
-    if prompts is not None:
-        evaluate(cfg, pipe, prompts, refs, clip_refs, repeats)
+    if rows is not None:
+        evaluators = None
+        if cfg.eval_set:
+            evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
+        scores = evaluate(cfg, pipe, rows, evaluators)
+        if cfg.eval_set:
+            means = write_metrics(Path(cfg.out_dir), scores)
+            print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
+                  + format_table(means))
         return 0
-    out = generate(cfg, pipe, cfg.prompt, refs, clip_refs, repeats)
+    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"])
     if out["video"] is not None:
-        side = refs[0] if (cfg.side_by_side and refs is not None) else None
+        side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)
         print(f"wrote {path} ({out['video'].shape[2]} frames, {cfg.height}x{cfg.width})")
     if cfg.save_latents:

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
 from a2.memory import plan_for_model, use_expandable_segments
 from a2.pipeline import (
@@ -485,18 +486,19 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
 
 
 def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
-             rank: int, device, amp) -> None:
+             rank: int, device, amp, evaluators=None) -> dict | None:
     """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
     Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
-    between validations (on the GPU it would add a whole model to every step)."""
+    between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
+    the video's metrics (a2/evaluate.py) as a metrics.jsonl record: step, val/<metric>."""
     if not (cfg.val_elements or run.layout == "t2v") or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
-        return
+        return None
     h, w = cfg.resolution
     refs = clips = None
     repeats: tuple[int, ...] = ()
-    if cfg.val_elements:
-        refs, clips, repeats = load_references(pair_elements(cfg.val_elements, run.elements), (h, w),
-                                               (cfg.clip_size, cfg.clip_size))
+    items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
+    if items:
+        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
     transformer.eval()
     experts = {}
     high = transformer
@@ -521,6 +523,23 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
                           None if refs is None else refs[0])
         log(f"validation video: {path}")
+    # ---- issue 15: validation metrics
+    if evaluators is None or rank != 0:
+        return None
+    result = evaluate_video(out["video"][0], named_references(items, clips), cfg.val_prompt, evaluators,
+                            cfg.eval.faces, cfg.eval.max_frames)
+    return dict(step=step, **flat_metrics(result, "val/"))
+
+
+def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device):
+    """The metric encoders of the validation videos (--val-metrics, rank 0), loaded before training so that a bad
+    --eval.* dir fails first. CLIP-I uses the run's own image encoder when it has one."""
+    if not cfg.val_metrics or rank != 0 or not (cfg.val_elements or run.layout == "t2v" and cfg.val_every):
+        return None
+    clip = None
+    if enc.image_encoder is not None:
+        clip = Embedder(enc.image_encoder, enc.image_processor, device, next(enc.image_encoder.parameters()).dtype)
+    return load_evaluators(cfg.eval, run.info.image_encoder_dir, device, run.compute_dtype, clip=clip)
 
 
 def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
@@ -721,6 +740,7 @@ def main(cfg: TrainConfig) -> dict:
         dataset.cache_dir = run.cache
         log(f"training from the precompute cache {run.cache}"
             + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
+    evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # issue 15: validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
     transformer, rank0_weights = build_transformer(cfg, run, rank)
@@ -835,7 +855,9 @@ def main(cfg: TrainConfig) -> dict:
             if world > 1:
                 dist.barrier()
         if cfg.val_every and done % cfg.val_every == 0:
-            validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp)
+            scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
+            if scores:  # issue 15: validation metrics
+                log_step(scores, metrics_file, tb)
         if interrupted:
             log(f"signal {STOP['signal']}: checkpoint written at step {done}, exiting")
             break
@@ -853,7 +875,9 @@ def main(cfg: TrainConfig) -> dict:
         log(f"exported {result['weights']}")
     del full_state
     if cfg.val_elements and not cfg.val_every and not interrupted:
-        validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp)
+        scores = validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
+        if scores:  # issue 15: validation metrics
+            log_step(scores, metrics_file, tb)
     if metrics_file:
         metrics_file.close()
     if dist.is_initialized():

@@ -238,7 +238,7 @@ def test_evaluate_writes_one_side_by_side_video_per_prompt(t2v_run, tmp_path, mo
     prompts.write_text(json.dumps({"prompt": "a white square moving right"}) + "\n\n"
                        + json.dumps({"caption": "a red ball"}) + "\n")
     (tmp_path / "p.txt").write_text("first prompt\n\n  second prompt \n")
-    assert infer.read_prompts(str(tmp_path / "p.txt")) == ["first prompt", "second prompt"]
+    assert [r["prompt"] for r in infer.read_rows(str(tmp_path / "p.txt"))] == ["first prompt", "second prompt"]
     # keep what is written, as tensors: the mp4 coding blurs small differences
     written, real_save = {}, infer.save_video
 

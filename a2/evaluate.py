@@ -1,0 +1,304 @@
+"""E2V quality metrics: do the elements survive into the video, does it follow the prompt, does it move.
+
+    encoders = load_evaluators(EvalConfig(dino="/models/dinov2-base"), default_clip_dir="/models/SkyReels-A2")
+    result = evaluate_video(video, {"subject": clip_ref, ...}, "A man ...", encoders, faces=("subject",))
+    # {"video": {"clip_t", "motion", "temporal_clip", "temporal_dino", "clip_i", "dino_i", "face_sim"},
+    #  "elements": {"subject": {"clip_i_mean", "clip_i_max", "dino_i_mean", "dino_i_max", "face_sim_mean", ...}}}
+
+Per element: CLIP-I / DINO-I = cosine of the image embeddings of the element image (after its own CLIP-path
+preprocessing, `a2.pipeline.load_references`) and of each scored frame, mean and max over frames; face_sim the same
+with a face-embedding model, for the elements named as faces. Per video: CLIP-T = mean cosine of the prompt's and the
+frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
+Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
+DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from a2.pipeline import tensor_to_uint8
+
+
+class Embedder:
+    """Images (N, H, W, 3) uint8 -> L2-normalised embeddings (N, D) float32 on the CPU.
+
+    A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
+    embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
+    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
+    the face itself; its non-finite rows mean "no face found"."""
+
+    def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
+        self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        out = []
+        for i in range(0, len(images), self.batch):
+            chunk = images[i:i + self.batch]
+            if self.processor is None:
+                x = torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2).float() / 255
+                e = self.model(x.to(self.device))
+            else:
+                x = self.processor(images=list(chunk), return_tensors="pt").pixel_values
+                e = image_features(self.model, x.to(self.device, self.dtype))
+            out.append(F.normalize(e.float(), dim=-1).cpu())
+        return torch.cat(out)
+
+
+def _pooled(out) -> torch.Tensor:
+    """transformers < 5 returns the features as a tensor, >= 5 as an output whose pooler_output holds them."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "get_image_features"):  # CLIPModel: the projected embedding shared with the text tower
+        return _pooled(model.get_image_features(pixel_values=pixel_values))
+    out = model(pixel_values=pixel_values)
+    return out.image_embeds if getattr(out, "image_embeds", None) is not None else out.pooler_output
+
+
+@dataclass
+class Evaluators:
+    """The encoders of the metrics (None: that metric is skipped) and the device motion is computed on. clip_t
+    embeds the frames with a CLIPModel whose text tower embeds the prompt (`tokenizer`)."""
+
+    clip: Embedder | None = None
+    dino: Embedder | None = None
+    face: Embedder | None = None
+    clip_t: Embedder | None = None
+    tokenizer: object = None
+    device: str | torch.device = "cpu"
+
+
+def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
+    """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
+    image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
+    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
+    import transformers
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} ({flag}): no such model dir")
+    if (path / "model.pt2").is_file():  # torch.export.save of a program with a dynamic batch and size
+        return Embedder(torch.export.load(path / "model.pt2").module().to(device), None, device)
+    if (path / "model.pt").is_file():  # TorchScript, as many face models ship
+        return Embedder(torch.jit.load(path / "model.pt", map_location=device).eval(), None, device)
+    sub = path / "image_encoder"
+    model_dir, processor_dir = (sub, path / "image_processor") if sub.is_dir() else (path, path)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} ({flag}): no config.json (need a transformers model dir, image_encoder/"
+                                " + image_processor/, or a face model.pt2 / model.pt)")
+    arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or ["(none)"])[0]
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise ValueError(f"{model_dir} ({flag}): config.json names architecture {arch!r}, not a transformers class")
+    model = cls.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    processor = transformers.AutoImageProcessor.from_pretrained(processor_dir)
+    return Embedder(model, processor, device, dtype)
+
+
+def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float32, clip: Embedder | None = None):
+    """Encoders of config.EvalConfig `cfg`. CLIP-I uses cfg.clip_image, else `clip` (an encoder already in memory,
+    e.g. training's), else `default_clip_dir` (a model dir's image_encoder/ + image_processor/). Prints one line per
+    skipped metric."""
+    ev = Evaluators(device=device)
+    if cfg.clip_image or (clip is None and default_clip_dir):
+        clip = load_embedder(cfg.clip_image or default_clip_dir, "--eval.clip-image", device, dtype)
+    ev.clip = clip
+    if cfg.dino:
+        ev.dino = load_embedder(cfg.dino, "--eval.dino", device, dtype)
+    if cfg.face:
+        ev.face = load_embedder(cfg.face, "--eval.face", device, dtype)
+    if cfg.clip_text:
+        from transformers import AutoTokenizer
+
+        ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
+        if not hasattr(ev.clip_t.model, "get_text_features"):
+            raise ValueError(f"{cfg.clip_text} (--eval.clip-text): needs a CLIPModel (text and vision towers), got "
+                             f"{type(ev.clip_t.model).__name__}")
+        ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
+    for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
+                          (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
+                          (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
+                          (ev.face is None, "face similarity: no --eval.face model dir")):
+        if missing:
+            print(f"evaluate: skipping {what}")
+    return ev
+
+
+def named_references(items, clip_refs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`a2.pipeline.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
+    `items` are the (Element, path) pairs they were loaded from (load_references orders them by position)."""
+    if clip_refs is None:
+        return {}
+    return dict(zip([e.name for e, _ in sorted(items, key=lambda it: it[0].position)], clip_refs[0]))
+
+
+def video_frames(video: torch.Tensor) -> np.ndarray:
+    """(3, F, H, W) or (1, 3, F, H, W) float in [-1, 1] (A2Pipeline's video), or (F, H, W, 3) uint8 (an mp4 read
+    by imageio) -> (F, H, W, 3) uint8."""
+    if video.dtype == torch.uint8:
+        if video.ndim != 4 or video.shape[-1] != 3:
+            raise ValueError(f"uint8 frames must be (F, H, W, 3), got {tuple(video.shape)}")
+        return video.cpu().numpy()
+    video = video[0] if video.ndim == 5 else video
+    if video.ndim != 4 or video.shape[0] != 3:
+        raise ValueError(f"float video must be (3, F, H, W) in [-1, 1], got {tuple(video.shape)}")
+    return tensor_to_uint8(video.transpose(0, 1))
+
+
+def _flow_magnitude(grey: torch.Tensor, radius: int, window: int, penalty: float) -> torch.Tensor:
+    """Block-matching flow magnitude (P, 1, h, w) of consecutive frames of grey (P+1, h, w): see motion_magnitude."""
+    a, b = grey[:-1], grey[1:]
+    p, h, w = a.shape
+    k = 2 * radius + 1
+    offsets = torch.arange(k, device=grey.device, dtype=torch.float32) - radius
+    length = torch.hypot(offsets[:, None], offsets[None, :]).flatten()  # |d| of each candidate, in unfold's order
+    moved = F.unfold(F.pad(b[:, None], (radius,) * 4, mode="replicate"), k)  # (P, k*k, h*w): b shifted by each d
+    cost = (moved - a.flatten(1)[:, None]).abs().view(-1, 1, h, w)
+    # the window mean as two 1-D means (2x faster than one 2-D pool on a CPU)
+    cost = F.avg_pool2d(cost, (1, window), 1, (0, window // 2), count_include_pad=False)
+    cost = F.avg_pool2d(cost, (window, 1), 1, (window // 2, 0), count_include_pad=False).view(p, k * k, h, w)
+    best = (cost + penalty * length[:, None, None]).argmin(1, keepdim=True)
+    by, bx = best // k, best % k
+
+    def at(dy, dx):  # the cost next to the chosen displacement (clamped to the search window)
+        return cost.gather(1, (by + dy).clamp(0, k - 1) * k + (bx + dx).clamp(0, k - 1))
+
+    def offset(c_minus, c_plus):  # equiangular line fit: SAD is V-shaped around its minimum; in [-0.5, 0.5]
+        slope = 2 * (torch.maximum(c_minus, c_plus) - at(0, 0))
+        return ((c_minus - c_plus) / slope.clamp_min(1e-12)).clamp(-0.5, 0.5)
+
+    dy, dx = by - radius + offset(at(-1, 0), at(1, 0)), bx - radius + offset(at(0, -1), at(0, 1))
+    return torch.where(best == k * k // 2, 0.0, torch.hypot(dy, dx))  # index k*k // 2 is d = 0
+
+
+@torch.no_grad()
+def motion_magnitude(frames: np.ndarray, radius: int = 8, window: int = 9, max_side: int = 256,
+                     penalty: float = 1 / 255, device="cpu") -> float:
+    """Mean optical-flow magnitude in pixels per frame (of the given resolution) over adjacent frame pairs, by
+    dense block matching (no learned flow model, no download).
+
+    Grey frames (in [0, 1]) are area-downscaled so that the longer side is <= max_side. Each pixel of frame t gets
+    the integer displacement d, |dy|, |dx| <= radius, minimising the mean absolute grey difference between frame t
+    and frame t+1 shifted by d over a window x window neighbourhood, plus penalty * |d|: a displacement must pay
+    for itself, so static, textureless or merely flickering regions read 0 (their flow is unknowable anyway: the
+    aperture problem). A nonzero d is refined to sub-pixel precision per axis by an equiangular line fit of the
+    costs beside it (SAD is V-shaped around its minimum); d = 0 stays 0, so motion under about half an analysis
+    pixel per frame reads 0. The mean |d| over pixels and pairs is scaled back to the input resolution. Motion
+    beyond `radius` analysis pixels per frame is not measured (reads lower). A 1-frame video has no pairs: 0."""
+    if len(frames) < 2:
+        return 0.0
+    grey = torch.from_numpy(frames).to(device).float().mean(-1) / 255  # (F, H, W)
+    h, w = grey.shape[1:]
+    scale = min(1.0, max_side / max(h, w))
+    if scale < 1:
+        grey = F.interpolate(grey[:, None], size=(round(h * scale), round(w * scale)), mode="area")[:, 0]
+    h, w = grey.shape[1:]
+    chunk = max(1, 2**25 // ((2 * radius + 1) ** 2 * h * w))  # pairs per cost volume (<= 128 MB of float32)
+    total = sum(_flow_magnitude(grey[i:i + chunk + 1], radius, window, penalty).sum().item()
+                for i in range(0, len(grey) - 1, chunk))
+    return total / ((len(grey) - 1) * h * w) / scale
+
+
+def _adjacent(frames: torch.Tensor) -> float:
+    """Mean cosine of adjacent frames' embeddings; a 1-frame video (no change) counts as fully consistent: 1."""
+    return (frames[:-1] * frames[1:]).sum(-1).mean().item() if len(frames) > 1 else 1.0
+
+
+def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], prompt: str, ev: Evaluators,
+                   faces=(), max_frames: int = 0) -> dict:
+    """Score one generated video (see the module docstring); `elements`: name -> the element's CLIP-path image
+    (3, h, w) in [-1, 1] as `a2.pipeline.load_references` makes it (`named_references`);
+    faces: names of the elements scored with the face model; max_frames > 0 scores that many evenly spaced frames.
+    Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
+    frames = video_frames(video)
+    if max_frames and len(frames) > max_frames:
+        frames = frames[np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
+    refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
+    per_video = {"motion": motion_magnitude(frames, device=ev.device)}
+    per_element = {name: {} for name in elements}
+    for key, enc, names in (("clip_i", ev.clip, list(elements)), ("dino_i", ev.dino, list(elements)),
+                            ("face_sim", ev.face, [n for n in elements if n in faces])):
+        if enc is None:
+            continue
+        emb = enc(frames)
+        if key != "face_sim":
+            per_video["temporal_" + key.removesuffix("_i")] = _adjacent(emb)
+        if not names:
+            continue
+        for name, ref in zip(names, enc(refs[[list(elements).index(n) for n in names]])):
+            cos = emb @ ref
+            found = torch.isfinite(cos)  # a face model's rows are NaN where it finds no face
+            if found.any():
+                cos = cos[found]
+                per_element[name].update({f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
+            if key == "face_sim":
+                per_element[name]["face_frames"] = found.float().mean().item()
+        scored = [per_element[n][f"{key}_mean"] for n in names if f"{key}_mean" in per_element[n]]
+        if scored:
+            per_video[key] = float(np.mean(scored))
+    if ev.clip_t is not None:
+        model = ev.clip_t.model
+        tokens = ev.tokenizer([prompt], padding=True, truncation=True, return_tensors="pt",
+                              max_length=model.config.text_config.max_position_embeddings)
+        with torch.no_grad():
+            text = _pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
+        per_video["clip_t"] = (ev.clip_t(frames) @ F.normalize(text.float(), dim=-1).cpu()[0]).mean().item()
+    return {"video": per_video, "elements": per_element}
+
+
+def flat_metrics(result: dict, prefix: str = "") -> dict[str, float]:
+    """evaluate_video's result as flat keys (`clip_t`, `subject/clip_i_mean`), for metrics.jsonl and tensorboard."""
+    flat = {f"{prefix}{k}": v for k, v in result["video"].items()}
+    for name, metrics in result["elements"].items():
+        flat.update({f"{prefix}{name}/{k}": v for k, v in metrics.items()})
+    return flat
+
+
+def metric_rows(result: dict, **ident) -> list[dict]:
+    """evaluate_video's result as table rows: the video's (element "") then one per element, each led by `ident`."""
+    rows = [dict(ident, element="", **result["video"])]
+    rows += [dict(ident, element=name, **metrics) for name, metrics in result["elements"].items()]
+    return rows
+
+
+def mean_rows(rows: list[dict], by=("model", "element"), label: dict | None = None) -> list[dict]:
+    """Per group of `by` values (in first-seen order), the mean of each numeric metric over the rows that have it;
+    `label` is merged into each mean row (e.g. {"index": "mean"})."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row.get(k) for k in by), []).append(row)
+    out = []
+    for key, members in groups.items():
+        metrics = [k for r in members for k, v in r.items() if k not in by and isinstance(v, float)]
+        means = {k: float(np.mean([r[k] for r in members if k in r])) for k in dict.fromkeys(metrics)}
+        out.append(dict(label or {}, **dict(zip(by, key)), **means))
+    return out
+
+
+def format_table(means: list[dict], models=("base", "lora")) -> str:
+    """Mean rows (mean_rows by model and element) as a text table: metric, one column per model, and the delta
+    of the last model over the first when there are two."""
+    models = [m for m in models if any(r["model"] == m for r in means)]
+    values: dict[str, dict[str, float]] = {}
+    for r in means:
+        for k, v in r.items():
+            if isinstance(v, float):
+                values.setdefault(f"{r['element']}/{k}" if r["element"] else k, {})[r["model"]] = v
+    width = max([len(k) for k in values] + [6])
+    cols = models + (["delta"] if len(models) == 2 else [])
+    lines = [f"{'metric':<{width}}" + "".join(f"{c:>10}" for c in cols)]
+    for name, by_model in values.items():
+        v = [by_model.get(m, math.nan) for m in models]
+        delta = f"{v[1] - v[0]:>+10.4f}" if len(models) == 2 else ""
+        lines.append(f"{name:<{width}}" + "".join(f"{x:>10.4f}" for x in v) + delta)
+    return "\n".join(lines)
