@@ -481,9 +481,9 @@ class A2Pipeline(WanLoraLoaderMixin):
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition, num_ref_latents)."""
-        tr = self.transformer
+        transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
         check_size(height, width, num_frames)
-        device, dtype = self.device, tr.dtype
+        device, dtype = self.device, transformer.dtype
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
         sched.set_timesteps(num_inference_steps, device=device)
 
@@ -492,16 +492,15 @@ class A2Pipeline(WanLoraLoaderMixin):
         if guidance_scale > 1.0:
             negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
         image_embeds = None
-        if tr.config.image_dim is not None:
+        if transformer.config.image_dim is not None:
             if clip_references is None:
                 raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
             image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
 
-        t = num_latent_frames(num_frames)
-        shape = (1, tr.config.out_channels, t, height // 8, width // 8)
+        shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // 8, width // 8)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
         condition, num_ref = None, 0
-        if is_e2v(tr):
+        if is_e2v(transformer):
             if references is None:
                 raise ValueError("this E2V/I2V model needs reference images")
             cond = prepare_latents(self.vae, num_frames, references=references.to(device), repeats=repeats,
@@ -511,19 +510,19 @@ class A2Pipeline(WanLoraLoaderMixin):
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         guidance_scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-        for t_ in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
-            low = expert_for_timestep(t_, self.boundary_ratio, sched.config.num_train_timesteps) == "low"
-            model, scale = (self.transformer_2, guidance_scale_2) if low else (tr, guidance_scale)
+        for t in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
+            low = expert_for_timestep(t, self.boundary_ratio, sched.config.num_train_timesteps) == "low"
+            model, scale = (self.transformer_2, guidance_scale_2) if low else (transformer, guidance_scale)
             x = latents if condition is None else torch.cat([latents, condition], dim=1)
             x = x.to(dtype)
-            timestep = t_.expand(1)
+            timestep = t.expand(1)
             noise_pred = model(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
                                encoder_hidden_states_image=image_embeds, return_dict=False)[0]
             if negative_embeds is not None:  # CFG on text only: the same image tokens in both branches (A2)
                 noise_uncond = model(hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
                                      encoder_hidden_states_image=image_embeds, return_dict=False)[0]
                 noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
-            latents = sched.step(noise_pred.float(), t_, latents, return_dict=False)[0]
+            latents = sched.step(noise_pred.float(), t, latents, return_dict=False)[0]
 
         video = None
         if decode == "drop_refs":
