@@ -22,9 +22,11 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -623,6 +625,32 @@ class LoadFailures:
         self.dropped, self.skipped_steps = {int(k): v for k, v in state["dropped"].items()}, state["skipped_steps"]
 
 
+# ---------------------------------------------------------------- loader workers and stop signals
+# A scheduler preempts by sending SIGTERM to the whole process group (Ctrl-C sends SIGINT to it): loader workers
+# that died of it would make the DataLoader raise in the middle of the step that is to be checkpointed. So workers
+# ignore both; the main process catches them, finishes its step, checkpoints and shuts the workers down.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: SIGTERM and SIGINT are the main process's to handle."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by stop_signals_blocked while it started
+
+
+@contextmanager
+def stop_signals_blocked():
+    """Start loader workers inside this: a spawned worker inherits the blocked mask, so a signal that arrives while it
+    imports torch (seconds, before its worker_init_fn runs) waits and is then ignored, instead of killing it. The
+    main process gets a signal that arrived meanwhile when the block is lifted."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 # ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
 
 
@@ -782,10 +810,15 @@ class MakeSample:
     """Write a tiny synthetic E2V dataset (videos, captions, element images)."""
 
     out: tyro.conf.Positional[str]
+    """Dir to write the dataset into (created)."""
     num_samples: int = 4
+    """Number of samples (clips)."""
     num_frames: int = 33
+    """Frames per clip."""
     height: int = 64
+    """Frame height in pixels."""
     width: int = 64
+    """Frame width in pixels."""
 
 
 @dataclass
@@ -805,13 +838,12 @@ def validate(a: Validate) -> E2VDataset:
 
 
 def _cli(argv: list[str]):
-    if argv and argv[0] == "make-sample":
-        a = tyro.cli(MakeSample, args=argv[1:])
+    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate}, args=argv,
+                                             description=__doc__)
+    if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
-    elif argv and argv[0] == "validate":
-        run_cli(validate, tyro.cli(Validate, args=argv[1:]))
     else:
-        sys.exit(__doc__)
+        run_cli(validate, a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,409 @@
+"""Run dirs and checkpoints that survive a cluster: one run per dir (a lock), checkpoints that say they are complete
+(a manifest written last), resuming from the newest complete, compatible one (checked before any model loads),
+metrics and config history that match the resumed state, and optimizer steps skipped on the device when the loss
+or gradient norm is not finite.
+
+A run dir `output_dir/run_name`:
+    .lock             flock'ed by the running process (pid, host, start time inside); free when it exits or dies
+    config.json       the run's config, written once, plus `resumes`: one entry per resume (step, checkpoint, what
+                      changed)
+    metrics.jsonl     one row per logged step; cut back to the resumed step on resume
+    ckpt-<step>/      trainable.safetensors + optimizer.pt (DDP) or sharded/ (--fsdp, torch.distributed.checkpoint),
+                      state.pt, config.json, and manifest.json, written last: the checkpoint is complete iff its
+                      manifest is there and every file has the size (and, up to CHECKSUM_MAX_BYTES, the crc32) it lists
+    .tmp-ckpt-<step>/ a checkpoint being written (renamed to ckpt-<step> once its manifest is on disk)
+
+Exit codes of train_a2.py: 0 finished; EXIT_RESUMABLE (143) stopped by SIGTERM/SIGINT after writing a complete
+checkpoint of the step it stopped at (run the same command with --resume auto); 1 an error (a diverged run names its
+last checkpoint with finite weights).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+EXIT_RESUMABLE = 143  # 128 + SIGTERM: what schedulers (and Kubernetes restart policies) treat as "retry"
+MANIFEST = "manifest.json"
+CHECKSUM_MAX_BYTES = 256 * 2**20  # files up to this size get a crc32 (LoRA weights, optimizer, state); larger ones
+# (full fine-tuning shards, tens of GB) only their size: reading them back would cost minutes per checkpoint
+_CKPT_PREFIX = "ckpt-"
+
+# what must agree between a checkpoint's config and the resuming run's: the trainable weights' names and shapes
+# (model, expert, LoRA rank/targets), what they mean (alpha scales the LoRA update), and how they are stored (fsdp)
+_MUST_MATCH = ("model", "expert", "training_type")
+_MUST_MATCH_LORA = ("lora_rank", "lora_alpha", "lora_target")
+
+
+class RunLocked(RuntimeError):
+    """The run dir is in use by another process."""
+
+
+class ResumeError(ValueError):
+    """No checkpoint can be resumed as asked; the message says which and why, in one line."""
+
+
+class Diverged(FloatingPointError):
+    """The loss or gradient norm stayed non-finite; the message names the last checkpoint with finite weights."""
+
+
+# ---------------------------------------------------------------- the run-dir lock
+
+
+class RunLock:
+    """An exclusive flock on run_dir/.lock, held until release() or the process ends (a killed process frees it: no
+    stale locks). The file says who holds it, so a second run fails at once naming pid, host and start time.
+    flock is per open file: two RunLocks in one process exclude each other too. (On NFS, Linux emulates flock with
+    fcntl locks, which NFS supports; a file system mounted without locking would let two runs through.)"""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            try:
+                h = json.loads(holder)
+                who = f"pid {h['pid']} on {h['host']}, running since {h['started']}"
+            except (ValueError, KeyError, TypeError):
+                who = "a process that has not written its pid yet"
+            raise RunLocked(f"{self.path.parent}: in use by another run ({who}); wait for it, stop it, or give "
+                            "another --run-name") from None
+        info = dict(pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# ---------------------------------------------------------------- checkpoint manifest
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(2**22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(ckpt: Path, **meta) -> dict:
+    """Make every file under `ckpt` durable (fsync), then write manifest.json (files, sizes, crc32s, `meta`) last,
+    durably too. Call it on the temp dir once every rank's files are written, then rename the dir."""
+    ckpt = Path(ckpt)
+    files = {}
+    for f in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST):
+        _fsync(f)
+        size = f.stat().st_size
+        files[f.relative_to(ckpt).as_posix()] = dict(size=size, **({"crc32": _crc32(f)}
+                                                                    if size <= CHECKSUM_MAX_BYTES else {}))
+    manifest = dict(version=1, written=time.strftime("%Y-%m-%d %H:%M:%S"), **meta, files=files)
+    tmp = ckpt / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, ckpt / MANIFEST)
+    for d in {ckpt, *((ckpt / name).parent for name in files)}:
+        _fsync(d)
+    return manifest
+
+
+def read_manifest(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / MANIFEST).read_text())
+
+
+def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
+    """Why `ckpt` cannot be resumed (incomplete, truncated, corrupt, unreadable), or None when it can. Cheap: sizes,
+    the recorded crc32s, and the small files parsed (state.pt, config.json, the safetensors header)."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return "not a directory"
+    try:
+        manifest = read_manifest(ckpt)
+    except FileNotFoundError:
+        return f"incomplete: no {MANIFEST} (its writer was stopped before finishing it)"
+    except ValueError as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, want in manifest.get("files", {}).items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
+        if checksums and "crc32" in want and _crc32(f) != want["crc32"]:
+            return f"{name}: crc32 {_crc32(f)} != {want['crc32']} in the manifest (corrupt)"
+    for name in ("state.pt", "config.json"):
+        if name not in manifest.get("files", {}):
+            return f"{name} not in the manifest"
+    try:
+        torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
+        json.loads((ckpt / "config.json").read_text())
+        if (ckpt / "trainable.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(ckpt / "trainable.safetensors", "pt") as f:
+                f.keys()
+    except Exception as e:  # any reader's error means: not loadable
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every ckpt-<step> dir of the run, oldest first (complete or not)."""
+    out = []
+    for p in Path(run_dir).glob(_CKPT_PREFIX + "*"):
+        step = p.name[len(_CKPT_PREFIX):]
+        if p.is_dir() and step.isdigit():
+            out.append((int(step), p))
+    return sorted(out)
+
+
+def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
+    """The last act of a checkpoint write: manifest into the temp dir, rename it to `final`, then drop all but the
+    newest `keep_last` complete checkpoints (and any incomplete ones older than them)."""
+    write_manifest(tmp, **meta)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    complete = [p for _, p in checkpoints(final.parent) if (p / MANIFEST).exists()]
+    keep = set(complete[-keep_last:]) if keep_last > 0 else set(complete)
+    oldest_kept = min((int(p.name[len(_CKPT_PREFIX):]) for p in keep), default=0)
+    for step, p in checkpoints(final.parent):
+        if p not in keep and step < oldest_kept:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------- resuming
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts: a checkpoint and its step (path None: step 0), and what was skipped or noticed on the way
+    (log lines)."""
+
+    path: Path | None = None
+    step: int = 0
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def find_resumable(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete, loadable checkpoint of the run dir (None if there is none), and each newer one that was
+    skipped with the reason."""
+    skipped = []
+    for _, p in reversed(checkpoints(run_dir)):
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p, skipped
+        skipped.append((p, problem))
+    return None, skipped
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return Path(a).exists() and Path(b).exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_compatible(ckpt: Path, current: dict, world_size: int) -> list[str]:
+    """Raise ResumeError (one line) when `ckpt` cannot be resumed by a run with config `current` (a TrainConfig as a
+    dict) at `world_size` ranks: a different model or expert, training type, LoRA rank/alpha/targets, or --fsdp
+    against a DDP checkpoint (or the reverse). DDP checkpoints resume at any world size, --fsdp (sharded) ones too
+    (torch.distributed.checkpoint reshards). Returns notes on what else differs (e.g. the global batch)."""
+    ckpt = Path(ckpt)
+    saved = json.loads((ckpt / "config.json").read_text())
+    current = json.loads(json.dumps(current))  # tuples as lists, as the saved one reads back
+    manifest = read_manifest(ckpt)
+    keys = _MUST_MATCH + (_MUST_MATCH_LORA if current.get("training_type") == "lora" else ())
+    for k in keys:
+        a, b = saved.get(k), current.get(k)
+        if a != b and not (k == "model" and _same_model(str(a), str(b))):
+            raise ResumeError(f"{ckpt}: trained with --{k.replace('_', '-')} {a}, this run has {b}: the weights do "
+                              f"not fit; resume with the checkpoint's setting or start a new --run-name")
+    sharded = (ckpt / "sharded").is_dir()
+    if sharded != bool(current.get("fsdp")):
+        raise ResumeError(f"{ckpt}: a {'sharded --fsdp' if sharded else 'DDP (not --fsdp)'} checkpoint; resume it "
+                          f"{'with' if sharded else 'without'} --fsdp")
+    notes = []
+    old_world = manifest.get("world_size", world_size)
+    old_batch = saved.get("micro_batch", 1) * saved.get("grad_accum", 1) * old_world
+    new_batch = current.get("micro_batch", 1) * current.get("grad_accum", 1) * world_size
+    if old_batch != new_batch:
+        notes.append(f"global batch {old_batch} -> {new_batch}: the data order after step {manifest.get('step')} "
+                     "differs from the uninterrupted run's")
+    changed = sorted(k for k in current if k in saved and saved[k] != current[k] and k not in ("resume",))
+    if changed:
+        notes.append("changed since the checkpoint: " + ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}"
+                                                                   for k in changed))
+    return notes
+
+
+def plan_resume(resume: str | None, run_dir: Path, current: dict, world_size: int,
+                named: bool = True) -> ResumePoint:
+    """What --resume means for this run, decided before any model loads.
+
+    `auto`: the newest complete, loadable checkpoint of run_dir (newer incomplete ones are skipped and named); a run
+    dir that does not exist, or holds no complete checkpoint, starts at 0 and says so in the notes. A path: that
+    checkpoint, which must be complete. No --resume: a run dir that already holds complete checkpoints is refused
+    (continuing or overwriting it must be asked for). Every resume is checked with check_compatible."""
+    run_dir = Path(run_dir)
+    if resume is None:
+        done = [p for _, p in checkpoints(run_dir) if (p / MANIFEST).exists()]
+        if done:
+            raise ResumeError(f"{run_dir} already holds checkpoints (newest {done[-1].name}): give --resume auto to "
+                              "continue that run, or another --run-name")
+        return ResumePoint()
+    if resume == "auto":
+        if not named:
+            raise ResumeError("--resume auto continues the run named by --run-name; without it every run gets a new "
+                              "timestamped dir, so there is nothing to resume")
+        if not run_dir.is_dir():
+            return ResumePoint(notes=[f"--resume auto: {run_dir} does not exist yet: starting a new run at step 0"])
+        ckpt, skipped = find_resumable(run_dir)
+        if ckpt is None:
+            why = "; ".join(f"{p.name}: {r}" for p, r in skipped) or "none written yet"
+            return ResumePoint(None, 0, skipped, [f"--resume auto: no complete checkpoint in {run_dir} ({why}): "
+                                                     "starting at step 0"])
+    else:
+        ckpt, skipped = Path(resume), []
+        problem = checkpoint_problem(ckpt)
+        if problem:
+            raise ResumeError(f"--resume {ckpt}: {problem}")
+        newer = [p.name for s, p in checkpoints(run_dir) if s > read_manifest(ckpt)["step"]
+                 and (p / MANIFEST).exists() and p.resolve() != ckpt.resolve()]
+        if newer:
+            raise ResumeError(f"--resume {ckpt}: {run_dir} holds newer checkpoints ({', '.join(newer)}) that going "
+                              "back would overwrite; continue from a checkpoint in a new --run-name instead")
+    manifest = read_manifest(ckpt)
+    notes = check_compatible(ckpt, current, world_size)
+    return ResumePoint(ckpt, int(manifest["step"]), skipped, notes)
+
+
+# ---------------------------------------------------------------- run-dir files on (re)start
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def record_start(run_dir: Path, current: dict, point: ResumePoint, world_size: int) -> None:
+    """config.json: written when the run starts at step 0, else left as it was with this resume appended to its
+    `resumes` (step, checkpoint, host, world size, the fields that differ from the run's config). metrics.jsonl: rows
+    after the resumed step dropped (they are recomputed). Stale temp checkpoint dirs removed. Call with the lock."""
+    run_dir = Path(run_dir)
+    current = json.loads(json.dumps(current))  # tuples as lists, as the saved one reads back
+    path = run_dir / "config.json"
+    cfg = json.loads(path.read_text()) if point.path is not None and path.exists() else {**current, "resumes": []}
+    if point.path is not None:  # a resume (from this run's checkpoint, or another run's: a fork)
+        changed = {k: [cfg[k], v] for k, v in current.items() if k in cfg and cfg[k] != v and k != "resume"}
+        cfg.setdefault("resumes", []).append(dict(
+            time=time.strftime("%Y-%m-%d %H:%M:%S"), step=point.step, checkpoint=str(point.path),
+            host=socket.gethostname(), world_size=world_size, changed=changed))
+    _write_json(path, cfg)
+    truncate_metrics(run_dir / "metrics.jsonl", point.step)
+    for tmp in run_dir.glob(".tmp-" + _CKPT_PREFIX + "*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the rows of metrics.jsonl logged at or before `step` (and drop a line cut by a kill); returns how many
+    rows were dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+
+class NonFiniteSteps:
+    """Skips the optimizer step of every step whose loss or gradient norm is not finite, on the device and without a
+    host sync: fused AdamW's `found_inf` (the mechanism GradScaler uses) leaves weights, moments and step count
+    untouched when it is 1. The check rides on the norm clip_grad_norm_ computes anyway. Consecutive and total
+    skipped steps are counted on the device; read them (one sync) where the loop syncs anyway (log, checkpoint)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, device):
+        if not opt.defaults.get("fused"):
+            raise ValueError("NonFiniteSteps skips steps through fused AdamW's found_inf: build it with fused=True")
+        self.opt = opt
+        self.streak = torch.zeros((), device=device)  # consecutive non-finite steps up to the last one
+        self.total = torch.zeros((), device=device)
+
+    def before_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Call between clip_grad_norm_ and opt.step() with the step's (rank-averaged) loss and the gradient norm."""
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        bad = (~(torch.isfinite(grad_norm) & torch.isfinite(loss))).float()
+        self.opt.found_inf = bad
+        self.streak = (self.streak + 1) * bad
+        self.total = self.total + bad
+
+    def counts(self) -> tuple[int, int]:
+        """(consecutive non-finite steps up to now, all of them): a host sync."""
+        return int(self.streak.item()), int(self.total.item())
+
+
+def params_finite(params) -> bool:
+    """All trainable weights finite (FSDP2: this rank's shards; the caller all-reduces across ranks)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return bool(torch.stack([torch.isfinite(p.detach()).all() for p in local]).all().item()) if local else True

@@ -1,0 +1,305 @@
+"""a2/runs.py: the run-dir lock, checkpoint manifests and what counts as complete, choosing the checkpoint to resume
+and checking it against the run before any model loads, config/metrics bookkeeping on resume, skipped non-finite
+steps; data.py: loader workers that survive a SIGTERM/SIGINT to the process group."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from a2.runs import (
+    MANIFEST,
+    NonFiniteSteps,
+    ResumeError,
+    RunLock,
+    RunLocked,
+    check_compatible,
+    checkpoint_problem,
+    commit_checkpoint,
+    find_resumable,
+    params_finite,
+    plan_resume,
+    record_start,
+    truncate_metrics,
+)
+from config import TrainConfig
+from tests.conftest import ROOT
+
+
+def config(**kw) -> dict:
+    """A TrainConfig as a dict, as it reads back from JSON."""
+    return json.loads(json.dumps(asdict(TrainConfig(**kw))))
+
+
+def make_ckpt(run_dir, step, cfg=None, world=1, sharded=False, keep_last=100):
+    """A checkpoint as train_a2.py writes it (small tensors), committed with its manifest."""
+    tmp = run_dir / f".tmp-ckpt-{step:07d}"
+    tmp.mkdir(parents=True)
+    if sharded:
+        (tmp / "sharded").mkdir()
+        (tmp / "sharded" / "__0_0.distcp").write_bytes(os.urandom(1000))
+        (tmp / "sharded" / ".metadata").write_bytes(b"meta")
+    else:
+        save_file({"w": torch.randn(8, 4)}, tmp / "trainable.safetensors")
+        torch.save({"state": {}, "param_groups": []}, tmp / "optimizer.pt")
+    torch.save(dict(step=step, data_position=step, rng={}), tmp / "state.pt")
+    (tmp / "config.json").write_text(json.dumps(cfg or config()))
+    return commit_checkpoint(tmp, run_dir / f"ckpt-{step:07d}", keep_last, step=step, world_size=world)
+
+
+# ---------------------------------------------------------------- lock
+
+
+def test_lock_refuses_a_second_run_and_names_the_holder(tmp_path):
+    first = RunLock(tmp_path).acquire()
+    with pytest.raises(RunLocked, match=rf"in use by another run \(pid {os.getpid()} on .*, running since "):
+        RunLock(tmp_path).acquire()
+    first.release()
+    with RunLock(tmp_path):  # free again
+        pass
+
+
+def test_lock_of_a_killed_run_is_free(tmp_path):
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from a2.runs import RunLock; "
+            "RunLock(sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLocked, match=f"pid {p.pid} "):
+            RunLock(tmp_path).acquire()
+    finally:
+        p.kill()
+        p.wait()
+    RunLock(tmp_path).acquire().release()  # kill -9 released it: no stale lock
+
+
+# ---------------------------------------------------------------- manifest, completeness
+
+
+def test_manifest_detects_incomplete_truncated_corrupt_and_missing(tmp_path):
+    ckpt = make_ckpt(tmp_path, 10)
+    assert checkpoint_problem(ckpt) is None
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"trainable.safetensors", "optimizer.pt", "state.pt", "config.json"}
+    assert manifest["step"] == 10 and all("crc32" in f for f in manifest["files"].values())
+
+    f = ckpt / "trainable.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-7])
+    assert "truncated" in checkpoint_problem(ckpt)
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    assert "crc32" in checkpoint_problem(ckpt)
+    f.write_bytes(data)
+    assert checkpoint_problem(ckpt) is None
+    (ckpt / "optimizer.pt").unlink()
+    assert checkpoint_problem(ckpt) == "optimizer.pt missing"
+    (ckpt / MANIFEST).unlink()
+    assert checkpoint_problem(ckpt).startswith("incomplete: no manifest.json")
+
+
+def test_commit_keeps_the_last_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        make_ckpt(tmp_path, step)
+    (tmp_path / "ckpt-0000001" / MANIFEST).unlink()  # 1 incomplete
+    make_ckpt(tmp_path, 4, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000003", "ckpt-0000004"]
+    assert not list(tmp_path.glob(".tmp-*"))
+    make_ckpt(tmp_path, 5, keep_last=2)
+    (tmp_path / "ckpt-0000005" / MANIFEST).unlink()  # the newest is incomplete: two complete ones are kept
+    make_ckpt(tmp_path, 6, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000005", "ckpt-0000006"]
+
+
+def test_find_resumable_falls_back_and_says_why(tmp_path):
+    assert find_resumable(tmp_path) == (None, [])
+    for step in (2, 4, 6):
+        make_ckpt(tmp_path, step)
+    (tmp_path / "ckpt-0000006" / "trainable.safetensors").write_bytes(b"")  # cut by a full disk
+    (tmp_path / "ckpt-0000008").mkdir()  # a dir that was never completed
+    ckpt, skipped = find_resumable(tmp_path)
+    assert ckpt == tmp_path / "ckpt-0000004"
+    assert [(p.name, r.split(" ")[0]) for p, r in skipped] == [("ckpt-0000008", "incomplete:"),
+                                                              ("ckpt-0000006", "trainable.safetensors")]
+
+
+# ---------------------------------------------------------------- resume planning, compatibility
+
+
+def test_plan_resume(tmp_path):
+    run = tmp_path / "run"
+    cur = config(lora_rank=8, run_name="run", resume="auto")
+    point = plan_resume("auto", run, cur, 1)
+    assert point.path is None and point.step == 0 and "does not exist" in point.notes[0]
+    with pytest.raises(ResumeError, match="--resume auto continues the run named by --run-name"):
+        plan_resume("auto", run, cur, 1, named=False)
+    run.mkdir()
+    assert plan_resume(None, run, cur, 1).path is None  # an empty (or failed, checkpoint-less) run dir: fresh start
+    make_ckpt(run, 3, config(lora_rank=8))
+    make_ckpt(run, 5, config(lora_rank=8))
+    (run / "ckpt-0000005" / "state.pt").write_bytes(b"garbage")
+    point = plan_resume("auto", run, cur, 1)
+    assert (point.path, point.step) == (run / "ckpt-0000003", 3)
+    assert point.skipped[0][0].name == "ckpt-0000005" and "state.pt" in point.skipped[0][1]
+    with pytest.raises(ResumeError, match="already holds checkpoints .* give --resume auto"):
+        plan_resume(None, run, cur, 1)
+    with pytest.raises(ResumeError, match="ckpt-0000005: state.pt has"):
+        plan_resume(str(run / "ckpt-0000005"), run, cur, 1)
+    make_ckpt(run, 7, config(lora_rank=8))
+    with pytest.raises(ResumeError, match="holds newer checkpoints .*ckpt-0000007.* new --run-name"):
+        plan_resume(str(run / "ckpt-0000003"), run, cur, 1)
+    # another run dir may start from it (a fork)
+    assert plan_resume(str(run / "ckpt-0000003"), tmp_path / "fork", cur, 1).step == 3
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(lora_rank=16), "trained with --lora-rank 8, this run has 16"),
+    (dict(lora_alpha=4.0), "--lora-alpha 32.0, this run has 4.0"),
+    (dict(lora_target="x"), "--lora-target"),
+    (dict(model="/models/other"), "trained with --model tiny, this run has /models/other"),
+    (dict(training_type="full"), "--training-type lora, this run has full"),
+    (dict(expert="high"), "--expert None"),
+])
+def test_incompatible_checkpoints_fail_in_one_line(tmp_path, change, error):
+    ckpt = make_ckpt(tmp_path, 2, config(lora_rank=8))
+    with pytest.raises(ResumeError, match=error) as e:
+        check_compatible(ckpt, config(**{"lora_rank": 8, **change}), 1)
+    assert "\n" not in str(e.value)
+
+
+def test_world_size_and_fsdp_rules(tmp_path):
+    full = dict(training_type="full")
+    ddp = make_ckpt(tmp_path / "ddp", 2, config(**full), world=2)
+    fsdp = make_ckpt(tmp_path / "fsdp", 2, config(**full, fsdp=True), world=2, sharded=True)
+    assert checkpoint_problem(fsdp) is None
+    notes = check_compatible(ddp, config(**full, micro_batch=2), 1)  # 1 x 2 == 2 x 1: the same global batch
+    assert notes == ["changed since the checkpoint: micro_batch 1 -> 2"]
+    assert check_compatible(fsdp, config(**full, fsdp=True), 4)[0].startswith("global batch 2 -> 4")
+    with pytest.raises(ResumeError, match="a sharded --fsdp checkpoint; resume it with --fsdp"):
+        check_compatible(fsdp, config(**full), 2)
+    with pytest.raises(ResumeError, match=r"a DDP \(not --fsdp\) checkpoint; resume it without --fsdp"):
+        check_compatible(ddp, config(**full, fsdp=True), 2)
+    # the same model dir spelled differently is the same model
+    (tmp_path / "m").mkdir()
+    ckpt = make_ckpt(tmp_path / "r", 1, config(model=str(tmp_path / "m")))
+    (tmp_path / "x").mkdir()
+    check_compatible(ckpt, config(model=str(tmp_path / "x" / ".." / "m")), 1)  # no error
+
+
+# ---------------------------------------------------------------- config history, metrics
+
+
+def test_record_start_keeps_config_history_and_truncates_metrics(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    first = config(lora_rank=8, max_steps=10)
+    record_start(run, first, plan_resume(None, run, first, 1), 1)
+    assert json.loads((run / "config.json").read_text()) == {**first, "resumes": []}
+    rows = [json.dumps(dict(step=s, loss=1.0 / s)) for s in range(1, 8)]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 8, "lo')  # cut by a kill
+    make_ckpt(run, 5, first)
+    (run / ".tmp-ckpt-0000006").mkdir()  # left by a kill during a checkpoint write
+    again = config(lora_rank=8, max_steps=20, resume="auto")
+    record_start(run, again, plan_resume("auto", run, again, 2), 2)
+    cfg = json.loads((run / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "resumes"} == first  # the run's config, written once
+    assert len(cfg["resumes"]) == 1
+    r = cfg["resumes"][0]
+    assert (r["step"], r["world_size"], r["changed"]) == (5, 2, {"max_steps": [10, 20]})
+    assert r["checkpoint"].endswith("ckpt-0000005")
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert not list(run.glob(".tmp-*"))
+    assert truncate_metrics(run / "metrics.jsonl", 3) == 2 and truncate_metrics(run / "nope.jsonl", 3) == 0
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+
+def test_non_finite_steps_are_skipped_on_the_device():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = NonFiniteSteps(opt, "cpu")
+    x = torch.randn(8, 4)
+
+    def step(poison=False):
+        loss = model(x).pow(2).mean() * (float("nan") if poison else 1.0)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        guard.before_step(loss.detach(), norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    step(poison=True)
+    step(poison=True)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # weights untouched
+    assert all(torch.equal(m, opt.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())  # as if they never happened
+    assert guard.counts() == (2, 2) and params_finite(model.parameters())
+    step()
+    assert guard.counts() == (0, 2)
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="fused=True"):
+        NonFiniteSteps(torch.optim.AdamW(model.parameters()), "cpu")
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    assert not params_finite(model.parameters())
+
+
+# ---------------------------------------------------------------- loader workers and stop signals
+
+
+class Pids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return os.getpid()
+
+
+def test_loader_workers_survive_stop_signals():
+    from data import ignore_stop_signals, stop_signals_blocked
+
+    def loader(init):
+        return torch.utils.data.DataLoader(Pids(), batch_size=1, num_workers=1, worker_init_fn=init,
+                                           multiprocessing_context="spawn", persistent_workers=True)
+
+    with stop_signals_blocked():
+        it = iter(loader(ignore_stop_signals))
+    worker = int(next(it))
+    for s in (signal.SIGTERM, signal.SIGINT):
+        os.kill(worker, s)
+    time.sleep(0.5)
+    assert [int(next(it)) for _ in range(20)] == [worker] * 20  # still there, still serving
+    del it
+    # without it a worker dies of the signal and the loader fails mid-epoch (what a preempted run hit)
+    it = iter(loader(None))
+    worker = int(next(it))
+    os.kill(worker, signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="DataLoader worker .* (killed by signal|exited unexpectedly)"):
+        for _ in range(200):
+            next(it)
+
+
+def test_signals_blocked_while_workers_start_are_delivered_after():
+    from data import stop_signals_blocked
+
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        with stop_signals_blocked():
+            signal.raise_signal(signal.SIGTERM)
+            assert got == []
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
