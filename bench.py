@@ -19,29 +19,40 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
 
 from a2.memory import plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
+from config import height_width
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
 
 @dataclass
 class BenchConfig:
+    """Time a training step (or the data loader) at a real shape with random weights."""
+
     preset: Literal["tiny", "1.3B", "14B"] = "tiny"
-    frames: int = 21
-    """Pixel frames of the whole sequence (4k+1), reference frames included."""
-    height: int = 64
-    width: int = 64
+    """Transformer size: tiny (tests), Wan 1.3B, or Wan/A2 14B (random weights, no download)."""
+    frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
+    """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
+    height: int | None = None
+    """Video height in pixels, a multiple of 16 (default 64)."""
+    width: int | None = None
+    """Video width in pixels, a multiple of 16 (default 64)."""
+    resolution: tuple[int, int] | None = None
+    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
     refs: int = 3
     """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
-    mode: Literal["lora", "full"] = "lora"
+    mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
+    """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
     lora_rank: int = 32
-    batch: int = 1
+    """LoRA rank r (alpha = r)."""
+    batch: Annotated[int, tyro.conf.arg(aliases=("--micro-batch",))] = 1
+    """Samples per forward (train_a2.py: --micro-batch)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto: the GPU when there is one."""
     memory: Literal["auto", "manual"] = "auto"
@@ -50,6 +61,7 @@ class BenchConfig:
     max_memory_gb: float | None = None
     """--memory auto plans for this many GB instead of the free memory (a smaller card)."""
     gradient_checkpointing: bool = False
+    """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
     checkpoint_fraction: float = 1.0
     """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
     save_attention: bool = False
@@ -59,14 +71,18 @@ class BenchConfig:
     attention_backend: str | None = None
     """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
+    """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it)."""
     steps: int = 5
+    """Timed training steps (loader: timed samples)."""
     warmup: int = 2
+    """Untimed steps first (compilation, allocator warmup)."""
     out: str | None = None
     """Append the result as one JSON line to this file."""
     data_root: str | None = None
     """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
     E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
     num_workers: int = 0
+    """--data-root: DataLoader worker processes."""
     check_backends: tuple[str, ...] = ()
     """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
     attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
@@ -75,6 +91,10 @@ class BenchConfig:
     compare_run: str | None = None
     """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
     the first logged interval) against this step's, as the training loop's overhead over the bare step."""
+
+    def __post_init__(self):
+        self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
+        self.resolution = (self.height, self.width)
 
 
 def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:

@@ -58,14 +58,24 @@ def read_text(path) -> str:
 
 @dataclass(frozen=True)
 class Element:
+    """One reference image of a sample: how it is found, framed and placed in the sequence."""
+
     name: str
-    suffixes: tuple[str, ...]  # first match wins
+    """Element name (subject, object, background, ...), unique in a dataset."""
+    suffixes: tuple[str, ...]
+    """File name endings after the sample id (`_person.png`); the first that exists wins."""
     required: bool = False
-    repeat: int = 1  # pixel frames this element occupies in the VAE mini-video
-    position: int = 0  # order in the sequence
+    """A sample without this element is a dataset error (else the element is optional)."""
+    repeat: int = 1
+    """Pixel frames this element occupies in the VAE mini-video."""
+    position: int = 0
+    """Order in the sequence (ascending)."""
     vae_preprocess: str = "resize"
+    """How the image is framed to the video size for the VAE path (PREPROCESS_MODES)."""
     clip_preprocess: str = "pad_white"
-    clip: bool = True  # encode with CLIP (image tokens)
+    """How the image is framed to the CLIP size (PREPROCESS_MODES)."""
+    clip: bool = True
+    """Encode with CLIP too (257 image tokens)."""
 
 
 # SkyReels-A2's published layout: repeats 1/4/4, VAE pad_white/pad_white/center_crop, CLIP pad_white (512x512)
@@ -147,49 +157,95 @@ def pair_elements(images, specs: tuple[Element, ...]) -> list[tuple[Element, str
     return items
 
 
+def height_width(height: int | None, width: int | None, resolution: tuple[int, int] | None,
+                 default: tuple[int, int]) -> tuple[int, int]:
+    """The video size from --height/--width or --resolution H W (train_a2.py's name for it; infer.py and bench.py
+    take both forms): whichever is given, `default` for what is not; the two forms must agree."""
+    if resolution is not None:
+        if any(v is not None and v != r for v, r in zip((height, width), resolution)):
+            raise ConfigError(f"--resolution {resolution[0]} {resolution[1]} and --height {height} --width {width} "
+                              "disagree: give one of them")
+        return tuple(resolution)
+    return (default[0] if height is None else height, default[1] if width is None else width)
+
+
 # ---------------------------------------------------------------- dataset configs
 
 
 @dataclass(frozen=True)
 class VaeProcessorConfig:
+    """The VAE path of the conditioning."""
+
     resolution: tuple[int, int] = (480, 832)
-    combine: str = "before"  # before | after
+    """(height, width) in pixels the video and the element images are brought to."""
+    combine: str = "before"
+    """before: the element mini-video is VAE-encoded at once (A2); after: each element alone, latents concatenated."""
     default_preprocess: str = "resize"
-    frame_conditioning: str = "full"  # full (A2 element prefix) | first | first_and_last | index | prefix | random
+    """Framing of elements that do not set their own (PREPROCESS_MODES)."""
+    frame_conditioning: str = "full"
+    """full (A2's element prefix) | first | first_and_last | index | prefix | random (frames of the video itself)."""
     frame_index: int = 0
+    """The conditioning frame of frame_conditioning=index (0-based pixel frame)."""
     concatenate_mask: bool = True
+    """Put the 4-channel mask between noisy and condition latents (the 36-channel input)."""
 
 
 @dataclass(frozen=True)
 class ClipProcessorConfig:
+    """The CLIP path of the conditioning."""
+
     resolution: tuple[int, int] = (512, 512)
+    """(height, width) in pixels element images are brought to before CLIPImageProcessor (A2: 512x512)."""
     default_preprocess: str = "pad_white"
+    """Framing of elements that do not set their own (PREPROCESS_MODES)."""
 
 
 @dataclass(frozen=True)
 class VisualizationConfig:
+    """Training-time dumps of latents and decoded frames (the design documents' `visualization` block)."""
+
     enabled: bool = False
+    """Write visualisations during training."""
     output_dir: str = "visualizations/{run_id}"
+    """Where, relative to the run dir unless absolute; {run_id} is the run dir's name."""
     frequency: int = 100
+    """Every this many steps."""
     processors: tuple = ()
+    """Dicts {type: latent_save | vae_decode, data: [tensor names], frames: [indices]}."""
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
+    """One dataset of a run (a JSON dataset config holds several)."""
+
     data_root: str
-    dataset_type: str = "e2v"  # e2v | t2v
+    """Dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>), and the base of a manifest's relative paths."""
+    dataset_type: str = "e2v"
+    """e2v: clips + element images; t2v: clips + prompts only."""
     weight: float = 1.0
+    """Times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)
+    """(height, width) in pixels of the training clips."""
     auto_frame_buckets: bool = False
+    """Put a clip shorter than num_frames into the largest 4k+1 frame bucket it fills, and into an aspect bucket."""
     frame_buckets: tuple[int, ...] = ()
-    reshape_mode: str = "center_crop"  # how a video frame is brought to the target size (PREPROCESS_MODES)
+    """Frame counts (4k+1) of the buckets with auto_frame_buckets (default 17, 33, 49, 65, 81)."""
+    reshape_mode: str = "center_crop"
+    """How a video frame is brought to the target size (PREPROCESS_MODES)."""
     remove_common_llm_caption_prefixes: bool = True
+    """Strip captioner boilerplate ("The video shows ...") from captions."""
     elements: tuple[Element, ...] = A2_ELEMENTS
+    """The reference elements of each sample, in position order."""
     vae: VaeProcessorConfig = field(default_factory=VaeProcessorConfig)
+    """VAE-path settings."""
     clip: ClipProcessorConfig = field(default_factory=ClipProcessorConfig)
+    """CLIP-path settings."""
     visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
-    manifest: str | None = None  # CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips
-    source: str = ""  # where it was defined (config file and entry, or flags), for messages; not part of the data
+    """Training-time visualisation dumps."""
+    manifest: str | None = None
+    """CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips, instead of scanning data_root."""
+    source: str = ""
+    """Where it was defined (config file and entry, or flags), for messages; not part of the data."""
 
 
 FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
@@ -354,7 +410,8 @@ LORA_TARGETS = (
 class TrainConfig:
     """E2V training on Wan / SkyReels-A2. Defaults are a LoRA recipe for A2-14B at 480x832, 81 frames."""
 
-    # model
+    # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
+
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
     model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v."""
@@ -369,9 +426,13 @@ class TrainConfig:
     `transformer_2` (sigma < boundary_ratio). Only that expert is loaded; sigma is drawn from --sigma-sampling's
     distribution truncated to the expert's range (inverse CDF), so the two experts together see exactly it."""
     training_type: Literal["lora", "full"] = "lora"
+    """lora: train a LoRA adapter on the frozen transformer; full: train all transformer weights."""
     lora_rank: int = 32
+    """LoRA rank r (columns of the down matrix)."""
     lora_alpha: float = 32.0
+    """LoRA alpha: the update is scaled by alpha / rank."""
     lora_dropout: float = 0.0
+    """Dropout probability on the LoRA input."""
     lora_target: str = LORA_TARGETS
     """Regex over module names (peft full match): self/cross attention q/k/v/o, image K/V projections, FFN."""
     fsdp: bool = False
@@ -408,6 +469,7 @@ class TrainConfig:
     """bf16 autocast on CUDA (fp32 master weights); ignored on CPU."""
 
     # data
+
     data_root: str | None = None
     """E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
     dataset_config: str | None = None
@@ -428,15 +490,20 @@ class TrainConfig:
     clip_size: int = 512
     """Square size the CLIP-path element images are brought to (A2: 512, pad_white)."""
     combine: Literal["before", "after"] = "before"
+    """VAE-encode the element mini-video at once (before, A2) or each element alone, latents concatenated (after)."""
     frame_conditioning: Literal["full", "first", "first_and_last", "index", "prefix", "random"] = "full"
     """full: A2's element prefix; the others condition on frames of the target video itself (Wan I2V/FLF2V)."""
     frame_index: int = 0
+    """--frame-conditioning index: the 0-based pixel frame of the video given as the condition."""
     prefix_frames: int = 1
+    """--frame-conditioning prefix: how many leading pixel frames of the video are given as the condition."""
     vae_sample_mode: Literal["sample", "argmax"] = "sample"
     """Condition/target latents: a posterior sample (A2 samples at inference) or the posterior mode."""
     skip_bad_samples: bool = False
     """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
     num_workers: int = 2
+    """DataLoader worker processes per rank (0: load in the training process). They ignore SIGTERM/SIGINT: the
+    training process handles those."""
     cache_dir: str | None = None
     """Precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
     into a subdir named by a hash of everything they depend on; without, training reads them from there and
@@ -445,13 +512,18 @@ class TrainConfig:
     """Encode the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exit."""
 
     # objective
+
     sigma_sampling: Literal["logit_normal", "uniform", "shifted"] = "logit_normal"
     """logit_normal(0, 1) (SD3's default: puts the steps where flow matching learns most) | uniform | shifted
     (uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule)."""
     logit_mean: float = 0.0
+    """Mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
     logit_std: float = 1.0
+    """Standard deviation of that normal (--sigma-sampling logit_normal)."""
     sigma_shift: float = 5.0
+    """Shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise)."""
     loss_weighting: Literal["none", "cosmap"] = "none"
+    """Per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
     loss_on_references: bool = True
     """Include the reference latent frames in the loss (the model denoises them at inference too)."""
     text_dropout: float = 0.1
@@ -460,18 +532,30 @@ class TrainConfig:
     """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
 
     # optimisation
+
     lr: float = 1e-4
+    """AdamW peak learning rate (after warmup)."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
     adam_eps: float = 1e-8
     """AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions),
     which Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
     warmup_steps: int = 100
+    """Optimizer steps of linear learning-rate warmup from lr / warmup_steps to lr."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to 0 at --max-steps."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this (its value is logged as grad_norm, before clipping)."""
+    max_nonfinite_steps: int = 3
+    """Divergence guard: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
+    device, no extra sync); after this many in a row the run stops (exit 1) naming its last checkpoint with finite
+    weights. Checked at every log step and checkpoint; no checkpoint is written while the last step was non-finite."""
     micro_batch: int = 1
     """Samples per rank per forward."""
     grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = micro_batch x grad_accum x ranks)."""
     max_steps: int = 2000
+    """Optimizer steps of the whole run (a resumed run counts on from its checkpoint's step)."""
     seed: int = 0
     """Everything random (data order, sigma, noise, dropout, VAE posterior) is a function of this seed, the step
     and the sample's index in the global batch, never of the rank."""
@@ -480,23 +564,36 @@ class TrainConfig:
     (overfit-one-batch check: the loss must fall far towards 0; a loop or conditioning bug shows here first)."""
 
     # run
+
     output_dir: str = "runs"
+    """Parent dir of the run dirs."""
     run_name: str | None = None
     """Run dir = output_dir/run_name (default: a timestamp)."""
     resume: str | None = None
-    """`auto` (latest checkpoint of this run dir) or a checkpoint dir."""
+    """`auto`: continue this run dir from its newest complete checkpoint (a dir that does not exist yet, or holds
+    none, starts at step 0, so the same command serves the first launch and every requeue); or a checkpoint dir.
+    Checked against this run's config before any model loads. Without --resume a run dir holding checkpoints is
+    refused. Exit codes: 0 done; 143 stopped by SIGTERM/SIGINT (any rank, torchrun or the process group) after
+    checkpointing the step it was in: resumable; 1 error."""
     ckpt_every: int = 500
+    """Write a checkpoint every N optimizer steps (and at the end, and on SIGTERM/SIGINT)."""
     keep_last: int = 3
+    """Complete checkpoints kept in the run dir (older ones are deleted)."""
     log_every: int = 10
+    """Log loss, lr, grad norm and throughput to metrics.jsonl every N steps (the one host sync of a step)."""
     tensorboard: bool = False
+    """Also write the logged values as TensorBoard scalars into run_dir/tb."""
     val_every: int = 0
     """Render validation videos every N steps (0: only at the end when val_elements are given). Text-only runs
     (--dataset-type t2v) render --val-prompt alone, every N steps."""
     val_elements: tuple[str, ...] = ()
     """Validation element images (path or name=path), as infer.py --elements."""
     val_prompt: str = "A man is holding a teddy bear in the forest."
+    """Prompt of the validation videos."""
     val_steps: int = 30
+    """Sampler steps of a validation video."""
     val_guidance_scale: float = 5.0
+    """Classifier-free guidance scale of the validation videos."""
     val_flow_shift: float | None = None
     """Sampler shift of the validation videos (default: the model dir's scheduler config)."""
     val_metrics: bool = True

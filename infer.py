@@ -30,7 +30,7 @@ from a2.lora import load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from a2.tiny import model_path
 from a2.transformer import detect_model, is_e2v, load_transformer
-from config import A2_ELEMENTS, EvalConfig, pair_elements, parse_elements
+from config import A2_ELEMENTS, EvalConfig, height_width, pair_elements, parse_elements
 
 
 @dataclass
@@ -52,20 +52,29 @@ class InferConfig:
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
     prompt: str = "A man is holding a teddy bear in the forest."
+    """Text prompt of the video."""
     negative_prompt: str = A2_NEGATIVE_PROMPT
-    """A2's default negative prompt."""
-    height: int = 480
-    width: int = 832
+    """Negative prompt of classifier-free guidance (default: A2's)."""
+    height: int | None = None
+    """Video height in pixels, a multiple of 16 (default 480)."""
+    width: int | None = None
+    """Video width in pixels, a multiple of 16 (default 832)."""
+    resolution: tuple[int, int] | None = None
+    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
     num_frames: int = 81
     """4k+1 pixel frames generated in all, reference frames included (A2: 81, of which 12 are references)."""
     steps: int = 50
+    """Denoising steps of the sampler."""
     guidance_scale: float = 5.0
+    """Classifier-free guidance scale (1: no guidance, one forward per step)."""
     guidance_scale_2: float | None = None
     """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
     seed: int = 42
+    """Seed of the initial noise and of the condition's VAE posterior sample."""
     flow_shift: float | None = None
     """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
     scheduler: Literal["unipc", "euler"] = "unipc"
+    """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
     sample_mode: Literal["sample", "argmax"] = "sample"
@@ -83,10 +92,15 @@ class InferConfig:
     lora_low: str | None = None
     """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
     lora_scale: float = 1.0
+    """Multiplier of the LoRA update (1: as trained)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of all model weights and of the computation."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """torch device to run on (cuda, cuda:1, cpu)."""
     out: str = "outputs/a2.mp4"
+    """Output mp4 path."""
     fps: int = 15
+    """Frames per second of the written mp4."""
     side_by_side: bool = True
     """Show the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None
@@ -94,6 +108,7 @@ class InferConfig:
     compare: str | None = None
     """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
     tolerance: float = 1e-4
+    """--compare: largest max |Δ| per tensor that passes."""
     prompts_file: str | None = None
     """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
     train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
@@ -108,6 +123,11 @@ class InferConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     out_dir: str = "outputs/eval"
     """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
+
+
+    def __post_init__(self):
+        self.height, self.width = height_width(self.height, self.width, self.resolution, (480, 832))
+        self.resolution = (self.height, self.width)
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -269,11 +289,20 @@ def main(cfg: InferConfig) -> int:
     if items and not is_e2v(pipe.transformer):
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
                          "a prompt only, no --elements")
+    params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
+    print(f"model {info.path}: {info.name}, transformer {params:.1f}M params"
+          + (f" from {cfg.transformer}" if cfg.transformer else "")
+          + (f"; two experts: transformer for sigma >= {info.boundary_ratio}, transformer_2 below"
+             + (f" (from {cfg.transformer_2})" if cfg.transformer_2 else "") if pipe.transformer_2 is not None else "")
+          + (f"; image encoder {info.image_encoder_dir}" if pipe.image_encoder is not None else "; no image encoder"))
+    if items:  # what each element's image became: its name (and, for one video, the frames it fills)
+        print("elements: " + ", ".join(dict.fromkeys(items))
+              + (f" (repeats {refs['repeats']})" if rows is None else ""))
     if cfg.lora:
-        load_lora(pipe, cfg.lora, cfg.lora_scale)
+        print(load_lora(pipe, cfg.lora, cfg.lora_scale))
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
         if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
-            load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low")
+            print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
     if rows is not None:
         evaluators = None
         if cfg.eval_set:

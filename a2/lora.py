@@ -121,19 +121,44 @@ def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low_expert: bool = False) -> None:
+def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low_expert: bool = False) -> str:
     """A LoRA -> pipe.transformer (pipe.transformer_2: low_expert, Wan 2.2's low-noise expert). Read: a file or dir in
     diffusers, original Wan/ComfyUI or musubi-tuner keys (diffusers converts them), or a peft save_pretrained dir.
+    Returns a line saying what was loaded: the key format, how many LoRA weights the file holds and how many
+    modules of the transformer took them.
 
     diffusers only warns when no key matched the model, so that is an error here."""
+    from peft.tuners.lora import LoraLayer
+
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
-    pipe.load_lora_weights(peft_dir_state_dict(path_) if peft_dir else path, adapter_name=adapter,
-                           load_into_transformer_2=low_expert)
+    source = peft_dir_state_dict(path_) if peft_dir else path
+    # the file's tensors after diffusers' key conversion (what it tries to match); read again, LoRA files are small
+    file_keys = list(source if peft_dir else pipe.lora_state_dict(path))
+    pipe.load_lora_weights(source, adapter_name=adapter, load_into_transformer_2=low_expert)
     model = pipe.transformer_2 if low_expert else pipe.transformer
     if adapter not in (getattr(model, "peft_config", None) or {}):
         raise ValueError(f"--lora {path}: no LoRA key matched the transformer (expected diffusers `transformer.`, "
                          "original `diffusion_model.` or musubi `lora_unet_` keys, or a peft adapter dir)")
     model.set_adapters([adapter], [scale])
+    modules = sum(isinstance(m, LoraLayer) and adapter in m.lora_A for m in model.modules())
+    weights = sum(bool(re.search(r"\.lora_[AB]\.weight$", k)) for k in file_keys)
+    fmt = "peft adapter dir" if peft_dir else _key_format(path_)
+    return (f"LoRA {path} ({fmt}): {weights} lora_A/lora_B weights, {modules} modules of "
+            f"{'transformer_2' if low_expert else 'transformer'} adapted ({2 * modules} weights matched), "
+            f"scale {scale:g}")
+
+
+def _key_format(path: Path) -> str:
+    """diffusers | original Wan / ComfyUI | musubi-tuner, from the first key of the file (a dir: diffusers' file)."""
+    from safetensors import safe_open
+
+    f = path if path.is_file() else next(iter(sorted(path.glob("*.safetensors"))), None)
+    if f is None or f.suffix != ".safetensors":  # a .bin/.pt file: diffusers reads those too
+        return "diffusers keys"
+    with safe_open(f, "pt") as fh:
+        key = next(iter(fh.keys()), "")
+    return ("original Wan / ComfyUI keys" if key.startswith("diffusion_model.") else
+            "musubi-tuner keys" if key.startswith("lora_unet_") else "diffusers keys")

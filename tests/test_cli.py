@@ -1,0 +1,95 @@
+"""Every CLI documents every option in --help, and one thing has one name across the CLIs (or both names work)."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import tyro
+
+from tests.conftest import ROOT
+
+# the dataclasses tyro parses, and every config dataclass (config.py; the JSON dataset config's fields too)
+CLI_CLASSES = {"config.py": None, "infer.py": None, "bench.py": None, "data.py": ("MakeSample", "Validate")}
+
+
+def undocumented_fields(path, classes=None):
+    """`file: Class.field` for each dataclass field not followed by a docstring (what tyro shows as its help)."""
+    missing = []
+    for cls in ast.parse(path.read_text()).body:
+        if not isinstance(cls, ast.ClassDef) or not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
+            continue
+        if classes is not None and cls.name not in classes:
+            continue
+        for node, nxt in zip(cls.body, cls.body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(
+                    nxt.value.value, str)
+                if not doc:
+                    missing.append(f"{path.name}: {cls.name}.{node.target.id}")
+    return missing
+
+
+def test_every_field_has_a_docstring(tmp_path):
+    assert [m for f, classes in CLI_CLASSES.items() for m in undocumented_fields(ROOT / f, classes)] == []
+    # the check sees a missing docstring (and a comment above a field does not count as one)
+    (tmp_path / "x.py").write_text("@dataclass\nclass A:\n    a: int = 1\n    \"\"\"doc\"\"\"\n    # section\n"
+                                   "    b: int = 2\n")
+    assert undocumented_fields(tmp_path / "x.py") == ["x.py: A.b"]
+
+
+def help_text(capsys, monkeypatch, cli, args):
+    """What `--help` prints, in process (tyro prints and exits 0)."""
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as e:
+        cli(args + ["--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def option_help(text, option):
+    """The help of `option` in tyro's box layout: its lines up to the next option."""
+    lines = [ln.strip("│ ").rstrip() for ln in text.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(option + " ") or ln == option
+                 or ln.startswith(option + ","))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("-")), len(lines))
+    return " ".join(lines[start:end])
+
+
+def test_help(capsys, monkeypatch):
+    import bench
+    import data
+    import infer
+    from config import TrainConfig
+
+    text = help_text(capsys, monkeypatch, lambda a: tyro.cli(TrainConfig, args=a), [])
+    lr = option_help(text, "--lr")
+    assert "learning rate" in lr and "optimisation" not in lr, lr
+    assert "optimisation" not in option_help(text, "--weight-decay")
+    assert "143" in option_help(text, "--resume")
+    assert "lora" in option_help(help_text(capsys, monkeypatch, lambda a: tyro.cli(infer.InferConfig, args=a), []),
+                                 "--lora")
+    assert "--num-frames" in help_text(capsys, monkeypatch, lambda a: tyro.cli(bench.BenchConfig, args=a), [])
+    assert "--num-samples" in help_text(capsys, monkeypatch, data._cli, ["make-sample"])
+    assert "--data-root" in help_text(capsys, monkeypatch, data._cli, ["validate"])
+    # the script itself: `python3 data.py --help` lists the subcommands and exits 0
+    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"}, timeout=300)
+    assert r.returncode == 0 and "make-sample" in r.stdout and "validate" in r.stdout, r.stderr[-2000:]
+
+
+def test_resolution_is_one_name_across_clis():
+    import bench
+    import infer
+
+    for cls, default in ((infer.InferConfig, (480, 832)), (bench.BenchConfig, (64, 64))):
+        a = tyro.cli(cls, args=["--resolution", "32", "48"])
+        b = tyro.cli(cls, args=["--height", "32", "--width", "48"])
+        assert (a.height, a.width) == (b.height, b.width) == (32, 48) and a.resolution == b.resolution == (32, 48)
+        c = tyro.cli(cls, args=[])
+        assert (c.height, c.width) == default
+        with pytest.raises(ValueError, match="disagree"):
+            cls(resolution=(32, 48), height=64)
+    assert tyro.cli(bench.BenchConfig, args=["--num-frames", "9"]).frames == 9
+    assert tyro.cli(bench.BenchConfig, args=["--training-type", "full", "--micro-batch", "2"]).mode == "full"
