@@ -77,9 +77,14 @@ def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
     musubi.parent.mkdir()
     save_file(musubi_from_original(original), musubi)
     sources = {"diffusers": exported, "run dir": tmp_path, "original/comfy": comfy, "musubi": musubi}
+    formats = {"diffusers": "diffusers keys", "run dir": "diffusers keys", "original/comfy": "original Wan / ComfyUI "
+               "keys", "musubi": "musubi-tuner keys"}
+    n = len(load_file(exported)) // 2  # adapted modules
     for fmt, path in sources.items():
         loaded = A2Pipeline.from_pretrained(tiny_dir)
-        load_lora(loaded, str(path))
+        said = load_lora(loaded, str(path))  # infer.py prints it
+        assert said == (f"LoRA {path} ({formats[fmt]}): {2 * n} lora_A/lora_B weights, {n} modules of transformer "
+                        f"adapted ({2 * n} weights matched), scale 1"), said
         d = (transformer_out(loaded.transformer) - want).abs().max().item()
         print(f"{fmt}: max|Δ| vs in-memory adapter {d:.2e}")
         assert d <= 1e-5, fmt
