@@ -402,6 +402,21 @@ class NonFiniteSteps:
         """(consecutive non-finite steps up to now, all of them): a host sync."""
         return int(self.streak.item()), int(self.total.item())
 
+    def check(self, step: int, limit: int, last_ckpt: Path | None) -> tuple[int, int]:
+        """counts() after `step` (1-based, done); raises Diverged once `limit` steps in a row were non-finite, naming
+        `last_ckpt`, the run's newest checkpoint (the loop writes none from non-finite weights)."""
+        streak, total = self.counts()
+        if streak >= limit:
+            first = step - streak + 1
+            after = ""
+            if last_ckpt is not None and int(Path(last_ckpt).name[len(_CKPT_PREFIX):]) == first - 1:
+                after = (f" (the step right after it, {first}, was already non-finite: resume it with a lower --lr, or "
+                         "go back further)")
+            raise Diverged(f"steps {first}-{step}: loss or gradient norm not finite {streak} times in a row (their "
+                           f"optimizer steps skipped; {total} skipped since the start); the last checkpoint with "
+                           f"finite weights: {last_ckpt or 'none'}{after}")
+        return streak, total
+
 
 def params_finite(params) -> bool:
     """All trainable weights finite (FSDP2: this rank's shards; the caller all-reduces across ranks)."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 
 from a2.runs import (
     MANIFEST,
+    Diverged,
     NonFiniteSteps,
     ResumeError,
     RunLock,
@@ -245,6 +247,11 @@ def test_non_finite_steps_are_skipped_on_the_device():
     assert all(torch.equal(m, opt.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
     assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())  # as if they never happened
     assert guard.counts() == (2, 2) and params_finite(model.parameters())
+    with pytest.raises(Diverged, match=r"steps 2-3: .* 2 times in a row .* finite weights: none$"):
+        guard.check(3, 2, None)
+    with pytest.raises(Diverged, match=r"finite weights: r/ckpt-0000001 \(the step right after it, 2, was already"):
+        guard.check(3, 2, Path("r/ckpt-0000001"))
+    assert guard.check(3, 3, None) == (2, 2)
     step()
     assert guard.counts() == (0, 2)
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
