@@ -574,7 +574,8 @@ class TrainConfig:
     none, starts at step 0, so the same command serves the first launch and every requeue); or a checkpoint dir.
     Checked against this run's config before any model loads. Without --resume a run dir holding checkpoints is
     refused. Exit codes: 0 done; 143 stopped by SIGTERM/SIGINT (any rank, torchrun or the process group) after
-    checkpointing the step it was in: resumable; 1 error."""
+    checkpointing the step it was in: resumable; 2 an input problem (config, data, run dir in use, checkpoint that
+    does not fit), one line; 1 a failure (a diverged run names its last checkpoint with finite weights)."""
     ckpt_every: int = 500
     """Write a checkpoint every N optimizer steps (and at the end, and on SIGTERM/SIGINT)."""
     keep_last: int = 3

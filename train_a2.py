@@ -65,6 +65,19 @@ from a2.pipeline import (
     save_video,
     tensor_to_uint8,
 )
+from a2.runs import (
+    EXIT_RESUMABLE,
+    Diverged,
+    NonFiniteSteps,
+    ResumeError,
+    ResumePoint,
+    RunLock,
+    RunLocked,
+    commit_checkpoint,
+    params_finite,
+    plan_resume,
+    record_start,
+)
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
     EXPERTS,
@@ -95,7 +108,9 @@ from data import (
     LoadFailures,
     cache_key,
     collate,
+    ignore_stop_signals,
     rank_slice,
+    stop_signals_blocked,
     write_cache,
 )
 
@@ -111,6 +126,22 @@ def log(*args, **kwargs):
 
 def on_signal(signum, _frame):
     STOP["signal"] = signum
+
+
+def on_rank0(fn):
+    """fn() on rank 0 alone; its result, or the exception it raised, on every rank (a refusal stops all ranks)."""
+    out = [None]
+    if RANK == 0:
+        try:
+            out = [(True, fn())]
+        except Exception as e:  # raised again below, on every rank
+            out = [(False, e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(out, src=0)
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 # ---------------------------------------------------------------- the run: what a config derives
@@ -177,6 +208,15 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
+    if cfg.val_elements:  # read now, not after training and export
+        if layout == "t2v":
+            raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
+        try:
+            load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"--val-elements: {e}") from e
+    if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
+        raise ConfigError("--val-prompt is empty: validation videos need a prompt")
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, vae_cfg, l_ref, clip_frames, info,
                info.subfolder(cfg.expert), e2v_type, expand, image_branch, use_clip, dtype,
@@ -589,7 +629,7 @@ def skip_step(step: int, failures: LoadFailures, cfg: TrainConfig, run_dir: Path
 
 def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int,
                     failures: LoadFailures) -> Path:
-    """Write ckpt-<step> atomically (temp dir, then rename) and keep the last `keep_last`.
+    """Write ckpt-<step> atomically (temp dir, manifest written last, then rename) and keep the last `keep_last`.
     DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
     (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier."""
     final = run_dir / f"ckpt-{step:07d}"
@@ -612,12 +652,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(dict(step=step, data_position=step, rng=rng, load_failures=failures.state_dict()), tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(run_dir.glob("ckpt-*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return commit_checkpoint(tmp, final, keep_last, step=step, world_size=world, fsdp=cfg.fsdp)  # manifest last
 
 
 def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFailures) -> int:
@@ -668,6 +704,16 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     return out
 
 
+def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
+    """Create and lock the run dir; config.json (once per run, then a `resumes` entry per resume), metrics.jsonl cut
+    back to the resumed step, run.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if lock.fd is None:
+        lock.acquire()
+    record_start(run_dir, asdict(cfg), point, run.world)
+    (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
+
+
 def log_step(rec: dict, metrics_file, tb) -> None:
     if metrics_file:
         metrics_file.write(json.dumps(rec) + "\n")
@@ -712,6 +758,8 @@ def main(cfg: TrainConfig) -> dict:
         dist.barrier()
     run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
+    on_rank0(lambda: run_dir.is_dir() and lock.acquire() and None)
     log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
         f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
@@ -721,10 +769,13 @@ def main(cfg: TrainConfig) -> dict:
     run = with_cache(cfg, run, dataset)
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
     log(describe(run))
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
+    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
+    point = ResumePoint() if cfg.precompute else on_rank0(
+        lambda: plan_resume(cfg.resume, run_dir, asdict(cfg), world, named=cfg.run_name is not None))
+    for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
+        log(f"resume: {line}")
+    if not cfg.precompute:  # every check passed: the run dir is created (locked) now, and nothing before
+        on_rank0(lambda: open_run_dir(run_dir, lock, cfg, run, point))
 
     # ---------------------------------------------------------------- encoders; precompute cache (then exit)
     needed = run.cache is None or cfg.precompute or bool(cfg.val_elements or run.layout == "t2v" and cfg.val_every) \
@@ -735,6 +786,7 @@ def main(cfg: TrainConfig) -> dict:
         precompute(run, dataset, enc, rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
+        lock.release()
         return dict(cache=run.cache)
     if run.cache is not None:
         dataset.cache_dir = run.cache
@@ -763,22 +815,21 @@ def main(cfg: TrainConfig) -> dict:
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
 
     # ---------------------------------------------------------------- optimiser, resume, loader
+    # fused: a non-finite step is skipped through its found_inf (NonFiniteSteps), on the device
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
-                            fused=use_cuda)
-    resume = cfg.resume
-    if resume == "auto":
-        ckpts = sorted(run_dir.glob("ckpt-*"))
-        resume = str(ckpts[-1]) if ckpts else None
+                            fused=True)
+    guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
-    start_step = load_checkpoint(Path(resume), transformer, opt, cfg.fsdp, failures) if resume else 0
-    if resume:
-        log(f"resumed from {resume} at step {start_step}")
+    start_step = load_checkpoint(point.path, transformer, opt, cfg.fsdp, failures) if point.path else 0
+    if point.path:
+        log(f"resumed from {point.path} at step {start_step}")
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
                                                 cfg.overfit_batches),
         collate_fn=collate, num_workers=cfg.num_workers, pin_memory=use_cuda, persistent_workers=cfg.num_workers > 0,
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
-        multiprocessing_context="spawn" if cfg.num_workers > 0 else None)
+        multiprocessing_context="spawn" if cfg.num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
 
@@ -791,7 +842,9 @@ def main(cfg: TrainConfig) -> dict:
         tb = SummaryWriter(run_dir / "tb")
     losses: list[float] = []
     frozen: dict = {}  # validation's other Wan 2.2 expert
-    data_iter = iter(loader)
+    with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
+        data_iter = iter(loader)
+    last_ckpt = point.path  # the run's newest checkpoint (none is written from non-finite weights)
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
                desc="train")
     t0, seen, tok, step, logged = time.time(), 0, 0, start_step, start_step
@@ -821,21 +874,21 @@ def main(cfg: TrainConfig) -> dict:
         if refused:
             skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
         else:
+            if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
+                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
             opt.step()
         opt.zero_grad(set_to_none=True)
-        if world > 1:
-            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         done = step + 1
         if rank == 0 and not refused:
             visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
         if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
             value = step_loss.item()  # the only host sync of the step, at log intervals
-            if not math.isfinite(value):
-                log(f"loss is {value} at step {done}: stopping; the last good checkpoint is intact in {run_dir}")
-                raise FloatingPointError(f"non-finite loss {value} at step {done}")
+            _, skipped = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)  # raises Diverged
             dt = time.time() - t0
             rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
+                       skipped_steps=skipped,
                        s_per_step=dt / (done - logged), samples_per_s=seen / dt, tokens_per_s=tok / dt,
                        peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
             losses.append(value)
@@ -848,25 +901,37 @@ def main(cfg: TrainConfig) -> dict:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
             interrupted = bool(flag.item())
         if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
-            if not math.isfinite(step_loss.item()):
-                raise FloatingPointError(f"non-finite loss at step {done}; not checkpointing it")
-            if rank == 0 or cfg.fsdp:
-                log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
-            if world > 1:
-                dist.barrier()
+            streak, _ = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
+            finite = torch.tensor([float(params_finite(params))])
+            if cfg.fsdp and world > 1:  # each rank checked its shards
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():
+                raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with finite "
+                               f"weights: {last_ckpt or 'none'}")
+            if streak and not interrupted and done != cfg.max_steps:  # amid skipped steps: postponed, so that
+                log(f"step {done} was not finite: checkpoint postponed")  # it pushes out no earlier checkpoint
+            else:
+                last_ckpt = run_dir / f"ckpt-{done:07d}"
+                if rank == 0 or cfg.fsdp:
+                    log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
+                if world > 1:
+                    dist.barrier()
         if cfg.val_every and done % cfg.val_every == 0:
             scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
             if scores:  # issue 15: validation metrics
                 log_step(scores, metrics_file, tb)
         if interrupted:
-            log(f"signal {STOP['signal']}: checkpoint written at step {done}, exiting")
+            by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
+            log(f"stopped by {by} at step {done}, checkpoint {last_ckpt}: exit {EXIT_RESUMABLE} (resumable: the same "
+                "command with --resume auto continues it)")
             break
     del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
     if failures.skipped_steps:
         log(failures.summary())
 
     # ---------------------------------------------------------------- export
-    result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses)
+    result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
+                  interrupted=interrupted)
     full_state = None
     if cfg.fsdp and not interrupted:  # a collective: rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -883,9 +948,17 @@ def main(cfg: TrainConfig) -> dict:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    lock.release()
     return result
 
 
 if __name__ == "__main__":
-    run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit status 2
-    sys.exit(0)
+    try:
+        result = run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit 2
+    except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Diverged as e:
+        print(f"error: diverged: {e}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(EXIT_RESUMABLE if result.get("interrupted") else 0)

@@ -14,8 +14,8 @@ A run dir `output_dir/run_name`:
     .tmp-ckpt-<step>/ a checkpoint being written (renamed to ckpt-<step> once its manifest is on disk)
 
 Exit codes of train_a2.py: 0 finished; EXIT_RESUMABLE (143) stopped by SIGTERM/SIGINT after writing a complete
-checkpoint of the step it stopped at (run the same command with --resume auto); 1 an error (a diverged run names its
-last checkpoint with finite weights).
+checkpoint of the step it stopped at (run the same command with --resume auto); 2 an input problem, one line (RunLocked,
+ResumeError among them); 1 a failure (Diverged names the last checkpoint with finite weights).
 """
 
 from __future__ import annotations
@@ -59,17 +59,24 @@ class Diverged(FloatingPointError):
 # ---------------------------------------------------------------- the run-dir lock
 
 
+_HELD: dict[str, RunLock] = {}  # the locks this process holds, by lock file
+
+
 class RunLock:
     """An exclusive flock on run_dir/.lock, held until release() or the process ends (a killed process frees it: no
     stale locks). The file says who holds it, so a second run fails at once naming pid, host and start time.
-    flock is per open file: two RunLocks in one process exclude each other too. (On NFS, Linux emulates flock with
-    fcntl locks, which NFS supports; a file system mounted without locking would let two runs through.)"""
+    A process runs one training at a time: a lock it still holds from an earlier one (train_a2.main called in
+    process, ended by an exception) is taken over, not refused. (On NFS, Linux emulates flock with fcntl locks,
+    which NFS supports; a file system mounted without locking would let two runs through.)"""
 
     def __init__(self, run_dir):
         self.path = Path(run_dir) / ".lock"
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
+        key = str(self.path.resolve())
+        if key in _HELD:
+            _HELD[key].release()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,6 +94,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self.fd = fd
+        _HELD[key] = self
         return self
 
     def release(self) -> None:
@@ -95,6 +103,7 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+            _HELD.pop(str(self.path.resolve()), None)
 
     def __enter__(self):
         return self.acquire()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from a2.runs import EXIT_RESUMABLE
 from tests.test_train import args as cpu_args
 from tests.test_train import launch, losses, max_diff, params, train, wait_for
 
@@ -92,7 +93,7 @@ def test_resume_after_sigterm_on_cuda(data_dir, tmp_path):
     wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 2, p, timeout=600)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
-    assert "checkpoint written" in out, out[-3000:]
+    assert p.returncode == EXIT_RESUMABLE and "(resumable" in out, out[-3000:]
     train(*args(data_dir, tmp_path, "cut", "--max-steps", str(total), "--ckpt-every", "2", "--resume", "auto"))
     ref = train(*args(data_dir, tmp_path, "full", "--max-steps", str(total), "--ckpt-every", "2"))
     assert close(losses(run), losses(ref["run_dir"]), 1e-3)

@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from a2.runs import EXIT_RESUMABLE
 from tests.conftest import ROOT
 
 
@@ -93,32 +95,164 @@ def wait_for(pred, proc, timeout=300):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("how", ["sigterm", "kill"])
-def test_resume_equals_uninterrupted(data_dir, tmp_path, how):
-    total = 8
+def children(pid):
+    """Pids of the processes whose parent is `pid` (torchrun's ranks)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+# 2 ranks x micro 1 == 1 process x micro 2 (the same global batch; AdamW's eps as in the DDP test): a run stopped
+# under torchrun resumes in one process (a DDP checkpoint at another world size), and all compare with one reference
+RESUME_TOTAL = 8
+RESUMED = ["--max-steps", str(RESUME_TOTAL), "--ckpt-every", "2", "--micro-batch", "2", "--adam-eps", "1e-4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    return train(*args(data_dir, tmp_path_factory.mktemp("ref"), "full", *RESUMED))["run_dir"]
+
+
+# how the run is stopped: SIGTERM to the python process, kill -9, SIGTERM to its process group (what a scheduler
+# sends on preemption: the loader workers get it too), SIGTERM to torchrun (it forwards it to its 2 ranks), SIGTERM
+# to one of torchrun's ranks. Value: processes.
+STOPS = {"sigterm": 1, "kill": 1, "group": 1, "torchrun": 2, "one-rank": 2}
+
+
+@pytest.mark.parametrize("how", list(STOPS))
+def test_resume_equals_uninterrupted(data_dir, tmp_path, uninterrupted, how):
+    total, nproc = RESUME_TOTAL, STOPS[how]
     run = tmp_path / "cut"
-    extra = ["--max-steps", "1000", "--ckpt-every", "2"]
-    p = launch(args(data_dir, tmp_path, "cut", *extra))
-    if how == "sigterm":  # SIGTERM after step 2 is logged: checkpoint at the current step, clean exit
-        wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 2, p)
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
-        assert "checkpoint written" in out
-    else:  # hard kill once the first checkpoint is complete
+    workers = ["--num-workers", "1"] if how in ("group", "torchrun") else []
+    extra = ["--max-steps", "1000", "--ckpt-every", "2", "--micro-batch", str(2 // nproc), "--adam-eps", "1e-4"]
+    p = launch(args(data_dir, tmp_path, "cut", *extra, *workers), nproc=nproc, start_new_session=True)
+    if how == "kill":  # hard kill once the first checkpoint is complete
         wait_for(lambda: (run / "ckpt-0000002" / "config.json").exists(), p)
         p.kill()
         p.communicate(timeout=60)
+    else:  # a signal after step 2 is logged: every rank finishes its step, checkpoints it and exits 143
+        wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 2, p)
+        if how == "group":
+            os.killpg(p.pid, signal.SIGTERM)
+        elif how == "one-rank":
+            os.kill(children(p.pid)[0], signal.SIGTERM)
+        else:
+            p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=300)
+        # torchrun itself exits 1 whenever a rank exits non-zero; the ranks exit 143 (EXIT_RESUMABLE)
+        assert p.returncode == (1 if nproc > 1 else EXIT_RESUMABLE), out[-3000:]
+        assert out.count(f"exit {EXIT_RESUMABLE} (resumable") == 1, out[-3000:]
+        assert "DataLoader worker" not in out and "Traceback" not in out.split("(resumable")[0], out[-3000:]
     ckpts = sorted(run.glob("ckpt-*"))
     cut = int(ckpts[-1].name.split("-")[1])
     assert 2 <= cut < total, f"interrupted at {cut}"
+    assert all((c / "manifest.json").exists() for c in ckpts)
     assert not list(run.glob(".tmp-ckpt-*")) or how == "kill"
-    train(*args(data_dir, tmp_path, "cut", "--max-steps", str(total), "--ckpt-every", "2", "--resume", "auto"))
-    ref = train(*args(data_dir, tmp_path, "full", "--max-steps", str(total), "--ckpt-every", "2"))
-    want, got = losses(ref["run_dir"]), losses(run)
+    train(*args(data_dir, tmp_path, "cut", *RESUMED, "--resume", "auto"))
+    want, got = losses(uninterrupted), losses(run)
     assert sorted(want) == list(range(1, total + 1)) and sorted(got) == list(range(1, total + 1))
-    assert max(abs(want[s] - got[s]) for s in want) <= 1e-6
-    assert max_diff(params(run / f"ckpt-{total:07d}"), params(ref["run_dir"] / f"ckpt-{total:07d}")) <= 1e-6
+    tol = 1e-6 if nproc == 1 else 1e-5
+    assert max(abs(want[s] - got[s]) for s in want) <= tol
+    assert max_diff(params(run / f"ckpt-{total:07d}"), params(uninterrupted / f"ckpt-{total:07d}")) <= tol
+    # metrics.jsonl was cut back to the checkpoint (each step once); config.json: the run's config + one resume
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, total + 1))
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["max_steps"] == 1000 and [r["step"] for r in cfg["resumes"]] == [cut]
+    assert cfg["resumes"][0]["changed"]["max_steps"] == [1000, total]
+
+
+def test_resume_auto_skips_a_broken_checkpoint(data_dir, tmp_path, uninterrupted, capsys):
+    run = tmp_path / "r"
+    train(*args(data_dir, tmp_path, "r", *RESUMED[2:], "--max-steps", "6"))
+    weights = run / "ckpt-0000006" / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # e.g. a copy cut short by a full disk
+    capsys.readouterr()
+    train(*args(data_dir, tmp_path, "r", *RESUMED, "--resume", "auto"))
+    out = capsys.readouterr().out
+    assert f"resume: skipping {run / 'ckpt-0000006'}: trainable.safetensors has" in out
+    assert f"resumed from {run / 'ckpt-0000004'} at step 4" in out
+    want, got = losses(uninterrupted), losses(run)
+    assert sorted(got) == list(range(1, RESUME_TOTAL + 1)) and max(abs(want[s] - got[s]) for s in want) <= 1e-6
+
+
+def test_run_dir_lock_and_resume_refusals(data_dir, tmp_path, monkeypatch, capsys):
+    import train_a2
+    from a2.runs import ResumeError, RunLocked
+
+    run = tmp_path / "busy"
+    p = launch(args(data_dir, tmp_path, "busy", "--max-steps", "1000", "--ckpt-every", "1"))
+    try:
+        wait_for(lambda: (run / "ckpt-0000001" / "config.json").exists(), p)
+        with pytest.raises(RunLocked, match=rf"{run}: in use by another run \(pid {p.pid} on "):
+            train(*args(data_dir, tmp_path, "busy", "--resume", "auto"))
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=300)
+    assert p.returncode == EXIT_RESUMABLE
+    before = sorted(x.name for x in run.iterdir())
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(train_a2, "load_transformer", no_model)  # every refusal comes before any model loads
+    with pytest.raises(ResumeError, match=rf"{run} already holds checkpoints .* give --resume auto"):
+        train(*args(data_dir, tmp_path, "busy"))
+    with pytest.raises(ResumeError, match=r"trained with --lora-rank 32, this run has 4: the weights do not fit"):
+        train(*args(data_dir, tmp_path, "busy", "--resume", "auto", "--lora-rank", "4"))
+    with pytest.raises(ResumeError, match=r"trained with --training-type lora, this run has full"):
+        train(*args(data_dir, tmp_path, "busy", "--resume", "auto", "--training-type", "full"))
+    assert sorted(x.name for x in run.iterdir()) == before  # refused runs changed nothing
+    # --resume auto on a run dir that does not exist says so (a mistyped name starts a new run, visibly)
+    monkeypatch.undo()
+    capsys.readouterr()
+    train(*args(data_dir, tmp_path, "bsuy", "--resume", "auto", "--max-steps", "1"))
+    said = capsys.readouterr().out
+    assert f"resume: --resume auto: {tmp_path / 'bsuy'} does not exist yet: starting a new run" in said
+
+
+def test_divergence_stops_naming_the_last_finite_checkpoint(data_dir, tmp_path):
+    from a2.runs import Diverged
+
+    run = tmp_path / "lr1e6"
+    with pytest.raises(Diverged, match="3 times in a row") as e:
+        train(*args(data_dir, tmp_path, "lr1e6", "--lr", "1e6", "--ckpt-every", "1", "--max-steps", "50",
+                    "--training-type", "full"))
+    named = str(e.value).split("the last checkpoint with finite weights: ")[1].split(" ")[0]
+    ckpts = sorted(run.glob("ckpt-*"))
+    print(e.value, [c.name for c in ckpts])
+    assert named == (str(ckpts[-1]) if ckpts else "none")
+    for c in ckpts:  # no checkpoint was written from non-finite weights
+        assert all(torch.isfinite(t).all() for t in params(c).values()), c
+
+
+def test_a_non_finite_step_is_skipped(data_dir, tmp_path, monkeypatch):
+    """A NaN gradient at step 2 (of 4): its update is skipped, the run goes on; the checkpoint of step 2 waits."""
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def poisoned(params, max_norm):
+        calls.append(1)
+        if len(calls) == 2:
+            for p in params:
+                p.grad.fill_(float("nan"))
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    r = train(*args(data_dir, tmp_path, "nan", "--ckpt-every", "1", "--max-steps", "4", "--keep-last", "10"))
+    rows = [json.loads(line) for line in (r["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [row["skipped_steps"] for row in rows] == [0, 1, 1, 1]
+    assert sorted(c.name for c in r["run_dir"].glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000003", "ckpt-0000004"]
+    opt = torch.load(r["run_dir"] / "ckpt-0000004" / "optimizer.pt", weights_only=True)
+    assert {s["step"].item() for s in opt["state"].values()} == {3.0}  # 4 steps, one skipped
+    assert r["weights"].exists() and all(torch.isfinite(t).all() for t in params(r["run_dir"] / "ckpt-0000004")
+                                         .values())
 
 
 def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
@@ -193,7 +327,11 @@ def test_bad_configs_fail_before_training(data_dir, tmp_path):
         train(*args(data_dir, tmp_path, "b", "--micro-batch", "4", "--grad-accum", "2"))
     with pytest.raises(ValueError, match="unknown option 'repeat4'"):
         train(*args(data_dir, tmp_path, "e", "--elements", "subject=_person.png:repeat4"))
-    assert not list(tmp_path.glob("*/ckpt-*"))  # nothing trained
+    with pytest.raises(FileNotFoundError, match="nope.png: element 'subject' image not found"):
+        train(*args(data_dir, tmp_path, "v", "--val-elements", str(tmp_path / "nope.png")))
+    with pytest.raises(ValueError, match="--val-prompt is empty"):
+        train(*args(data_dir, tmp_path, "p", "--val-every", "2", "--val-prompt", " "))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]  # refused runs leave nothing behind
 
 
 def test_overfit_one_batch(data_dir, tmp_path):
