@@ -602,6 +602,8 @@ class TrainConfig:
     step: motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face
     similarity with the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Local encoder dirs that score validation videos (--eval.clip-image, --eval.dino, --eval.clip-text, --eval.face;
+    a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
 
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:

@@ -121,6 +121,8 @@ class InferConfig:
     metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with
     the base vs LoRA deltas."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
+    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
     out_dir: str = "outputs/eval"
     """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
 
