@@ -327,7 +327,7 @@ def test_bad_configs_fail_before_training(data_dir, tmp_path):
         train(*args(data_dir, tmp_path, "b", "--micro-batch", "4", "--grad-accum", "2"))
     with pytest.raises(ValueError, match="unknown option 'repeat4'"):
         train(*args(data_dir, tmp_path, "e", "--elements", "subject=_person.png:repeat4"))
-    with pytest.raises(FileNotFoundError, match="nope.png: element 'subject' image not found"):
+    with pytest.raises(ConfigError, match="--val-elements: .*nope.png: element .subject. image not found"):
         train(*args(data_dir, tmp_path, "v", "--val-elements", str(tmp_path / "nope.png")))
     with pytest.raises(ValueError, match="--val-prompt is empty"):
         train(*args(data_dir, tmp_path, "p", "--val-every", "2", "--val-prompt", " "))
