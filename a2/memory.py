@@ -1,26 +1,41 @@
 """GPU memory of a training step: an estimate of its peak, and the `--memory auto` rule built on it.
 
 The step's peak, on one rank, is taken as
-    resident   what is on the GPU when the plan is made: weights (frozen bf16 or fp32 masters, a rank's shards
-               under FSDP), the encoders that stay loaded, the CUDA context's share of the allocator;
+    weights    what never leaves the GPU (weights outside the blocks, trainable weights, encoders left loaded,
+               the allocator's share), plus each block's frozen weights: all n blocks in their dtype, or, with
+               `fp8`, their linear weights as float8 with one fp32 scale per row (a2/fp8.py), or, with
+               `swap_blocks` s, n - s blocks resident and two staging copies of a swapped block (the one in use,
+               the one being fetched; a2/offload.py)
   + state      fp32 gradients and AdamW's two moments of the trainable weights (12 bytes each), and for full
                fine-tuning without FSDP autocast's bf16 copies of the weights, which live through the forward;
   + saved      what the forward keeps for backward, per block, with L tokens, model dim d, FFN dim f, h heads:
                  recomputed block:            its input, 2·L·d bytes (bf16)
                  + with save_attention:       the self-attention output and log-sum-exp, 2·L·d + 4·L·h
                  block not recomputed:        all its activations, L·(A·d + B·f) bytes
+               with `offload`, recomputed blocks' saved tensors go to pinned host memory as soon as they are made
+               and come back one block ahead of their backward: two blocks' worth stays on the GPU;
   + transient  one block's activations and their gradients while it is recomputed and back-propagated,
                2·L·(A·d + B·f), plus (FSDP) two unsharded bf16 blocks (the current one and the prefetched one).
 A and B are per-token byte counts of a Wan block under bf16 autocast, measured on an H100 (bench.py, see the
 README's speed section): the FFN keeps its input and two f-wide tensors, the attention its projections, norms
-and RoPE'd queries/keys.
+and RoPE'd queries/keys. Host (pinned) memory: the swapped blocks' weights and the offloaded activations.
 
-The rule (`plan_memory`): recomputation only costs time, so take the fewest recomputed blocks that fit the budget,
-each keeping its self-attention (`save_attention`, which saves half a block's forward FLOPs at 32k tokens for
-2·L·d bytes); if even all blocks recomputed with saved attention do not fit, recompute everything; if that does
-not fit either, say so before the first step (the estimate, the budget, what to change). The budget is the free
-GPU memory (or `--max-memory-gb` minus what is already allocated, to plan for a smaller card) less a margin for
-the allocator's fragmentation and cuBLAS/cuDNN workspaces.
+The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the first that fits the budget:
+  1. recompute the fewest blocks that fit, each keeping its self-attention (`save_attention`: half a block's
+     forward FLOPs at 32k tokens for 2·L·d bytes); 0 blocks when everything fits. Exact; costs recomputation.
+  2. recompute every block keeping attention, and offload what they keep to host memory (`offload`). Exact;
+     costs PCIe copies (A2-14B at 720p: 1.5 GB per block each way, ~0.1 s at 25 GB/s against ~0.6 s of block
+     compute), overlapped with compute on a side stream.
+  3. (if the host cannot hold the offloaded activations) recompute every block without saving attention.
+  4. LoRA: frozen linear weights in fp8 (`fp8`): half the weight bytes; costs an upcast per linear per use
+     (memory-bound, a few % of the step) and the weights' rounding (e4m3: <= 2^-4 relative, tests/test_fp8.py).
+  5. LoRA: fp8 and the fewest swapped blocks that fit (`swap_blocks`): their weights are fetched from host
+     memory before each use in forward and backward, overlapped with compute. Exact relative to rung 4.
+  fp8 comes before swapping because it costs no transfer and makes each swapped block half the bytes; a user
+  who wants bf16 weights with swapping sets the flags with `--memory manual`. If nothing fits: "DOES NOT FIT",
+  before the first step (the estimate, the budget, what to change). The budget is the free GPU memory (or
+  `--max-memory-gb`, to plan for a smaller card) less a margin for the allocator's fragmentation and
+  cuBLAS/cuDNN workspaces; the host budget is the host's available memory less a margin.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ ACT_PER_TOKEN_D = 24.0  # A: bytes per token per model dim of a block's activati
 ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
 MARGIN_GB = 1.0
+HOST_MARGIN = 0.8  # of the host's available memory that pinned buffers may take
 GB = 2**30
 
 
@@ -43,17 +59,43 @@ def use_expandable_segments() -> None:
 
 
 @dataclass(frozen=True)
+class ModelBytes:
+    """What the rule needs of the transformer on one rank (`model_bytes` reads it from a model)."""
+
+    fixed: float  # bytes that stay on the GPU whatever the plan: weights outside the blocks, trainable weights,
+    #               and what else is allocated (encoders)
+    block: float  # one block's frozen weights in their dtypes (the mean over blocks)
+    block_fp8: float  # the same with its frozen linear weights in float8 + fp32 row scales
+    trainable: int  # trainable weights (fp32 gradients and AdamW moments: 12 bytes each)
+    full_weights: int = 0  # weights autocast copies to bf16 (full fine-tuning without FSDP), else 0
+    fsdp_block: float = 0.0  # one block's unsharded bf16 weights under FSDP, else 0
+    lora: bool = True  # frozen base weights: fp8 and block swapping are allowed
+
+    @property
+    def frozen_blocks(self) -> bool:
+        return self.block > 0
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     checkpoint_fraction: float  # of the blocks, recomputed in backward (the first ones)
     save_attention: bool  # recomputed blocks keep their self-attention outputs
-    estimate_gb: float  # the step's estimated peak
+    estimate_gb: float  # the step's estimated GPU peak
     budget_gb: float
     why: str
+    offload: bool = False  # recomputed blocks' saved tensors live in pinned host memory between forward and backward
+    swap_blocks: int = 0  # blocks whose frozen weights live in pinned host memory
+    fp8: bool = False  # frozen linear weights stored as float8
+    host_gb: float = 0.0  # pinned host memory the plan takes
 
     def __str__(self) -> str:
+        extra = [s for s, on in (("fp8 frozen weights", self.fp8), (f"{self.swap_blocks} blocks swapped to host",
+                                 self.swap_blocks), ("activations offloaded to host", self.offload)) if on]
         return (f"recompute {self.checkpoint_fraction:.0%} of the blocks"
                 + (" keeping self-attention" if self.save_attention and self.checkpoint_fraction else "")
-                + f": ~{self.estimate_gb:.1f} GB of {self.budget_gb:.1f} GB ({self.why})")
+                + "".join(", " + s for s in extra)
+                + f": ~{self.estimate_gb:.1f} GB of {self.budget_gb:.1f} GB"
+                + (f", {self.host_gb:.1f} GB pinned host memory" if self.host_gb else "") + f" ({self.why})")
 
 
 def block_bytes(config: dict, tokens: int) -> dict[str, float]:
@@ -65,47 +107,115 @@ def block_bytes(config: dict, tokens: int) -> dict[str, float]:
                 full=tokens * (ACT_PER_TOKEN_D * d + ACT_PER_TOKEN_F * config["ffn_dim"]))
 
 
-def step_estimate(config: dict, tokens: int, resident: float, trainable: int, full_weights: int, checkpointed: int,
-                  save_attention: bool, fsdp_block_bytes: float = 0.0) -> float:
-    """The step's peak in bytes (module docstring). trainable: number of trainable weights on this rank;
-    full_weights: weights autocast copies to bf16 (full fine-tuning without FSDP), else 0; fsdp_block_bytes: one
-    block's unsharded bf16 weights under FSDP, else 0."""
+def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, save_attention: bool,
+                  offload: bool = False, fp8: bool = False, swap_blocks: int = 0) -> tuple[float, float]:
+    """(GPU peak, pinned host bytes) of the step under a plan (module docstring)."""
     b = block_bytes(config, tokens)
     n = config["num_layers"]
-    saved = checkpointed * b["save" if save_attention else "ckpt"] + (n - checkpointed) * b["full"]
-    return resident + 12.0 * trainable + 2.0 * full_weights + saved + 2 * b["full"] + 2 * fsdp_block_bytes
+    per_block = m.block_fp8 if fp8 else m.block
+    weights = m.fixed + (n - swap_blocks) * per_block + (2 * per_block if swap_blocks else 0)
+    kept = b["save" if save_attention else "ckpt"]
+    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * b["full"]
+    gpu = weights + 12.0 * m.trainable + 2.0 * m.full_weights + saved + 2 * b["full"] + 2 * m.fsdp_block
+    host = swap_blocks * per_block + (checkpointed * kept if offload else 0)
+    return gpu, host
 
 
-def plan_memory(config: dict, tokens: int, budget: float, **weights) -> MemoryPlan:
+def ladder(n: int, lora: bool):
+    """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks)."""
+    yield from ((k, True, False, False, 0) for k in range(n + 1))
+    yield n, True, True, False, 0
+    yield n, False, False, False, 0
+    if lora:
+        yield n, True, True, True, 0
+        yield from ((n, True, True, True, s) for s in range(1, n + 1))
+
+
+def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf")
+                ) -> MemoryPlan:
     """The `--memory auto` rule (module docstring). budget: bytes the step may use on this GPU (resident
-    included); weights: step_estimate's resident / trainable / full_weights / fsdp_block_bytes."""
+    included); host_budget: pinned host bytes it may take."""
     n = config["num_layers"]
     usable = budget * (1 - MARGIN) - MARGIN_GB * GB
-    for k in range(n + 1):
-        est = step_estimate(config, tokens, checkpointed=k, save_attention=True, **weights)
-        if est <= usable:
-            why = "no recomputation needed" if k == 0 else f"the fewest recomputed blocks that fit ({k}/{n})"
-            return MemoryPlan(k / n, k > 0, est / GB, budget / GB, why)
-    est = step_estimate(config, tokens, checkpointed=n, save_attention=False, **weights)
-    if est <= usable:
-        return MemoryPlan(1.0, False, est / GB, budget / GB, "saving attention outputs would not fit")
-    return MemoryPlan(1.0, False, est / GB, budget / GB,
+    host_usable = host_budget * HOST_MARGIN
+    lean = None  # the plan with the smallest estimate, said when none fits
+    for k, save, offload, fp8, swap in ladder(n, m.lora and m.frozen_blocks):
+        gpu, host = step_estimate(config, tokens, m, k, save, offload, fp8, swap)
+        if host > host_usable:
+            continue
+        if lean is None or gpu < lean[5]:
+            lean = (k, save, offload, fp8, swap, gpu, host)
+        if gpu <= usable:
+            why = ("no recomputation needed" if k == 0 else f"the fewest recomputed blocks that fit ({k}/{n})"
+                   if not offload else "saving attention outputs would not fit" if not save else
+                   "recomputed blocks' inputs and attention do not fit on the GPU" if not fp8 else
+                   "bf16 frozen weights do not fit" if not swap else f"the fewest swapped blocks that fit ({swap}/{n})")
+            return MemoryPlan(k / n, save and k > 0, gpu / GB, budget / GB, why, offload, swap, fp8, host / GB)
+    if lean is None:
+        return MemoryPlan(1.0, False, float("inf"), budget / GB, "DOES NOT FIT: not enough host memory for any plan")
+    k, save, offload, fp8, swap, gpu, host = lean
+    return MemoryPlan(k / n, save, gpu / GB, budget / GB,
                       "DOES NOT FIT: the leanest plan; lower the resolution or frames, train a LoRA, or shard with "
-                      "--fsdp over more GPUs")
+                      "--fsdp over more GPUs", offload, swap, fp8, host / GB)
+
+
+def fp8_bytes(weight) -> float:
+    """Bytes of a frozen linear weight stored as float8 with one fp32 scale per output row (a2/fp8.py)."""
+    return weight.numel() + 4.0 * weight.shape[0]
+
+
+def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0) -> ModelBytes:
+    """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not). other: bytes allocated on
+    the GPU besides the transformer (encoders)."""
+    import torch
+
+    def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def nbytes(t):
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    in_blocks = {id(t) for b in model.blocks for t in [*b.parameters(), *b.buffers()]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fixed = other + sum(nbytes(p) for p in trainable)
+    fixed += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
+                 and not t.requires_grad)
+    block = block_fp8 = 0.0
+    for b in model.blocks:
+        frozen = {id(t): t for t in [*b.parameters(), *b.buffers()] if not t.requires_grad}
+        block += sum(nbytes(t) for t in frozen.values())
+        linear = {id(mod.weight): mod.weight for mod in b.modules() if isinstance(mod, torch.nn.Linear)
+                  and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
+        block_fp8 += sum(nbytes(t) for i, t in frozen.items() if i not in linear)
+        block_fp8 += sum(fp8_bytes(local(t)) for t in linear.values())
+    n = len(model.blocks)
+    return ModelBytes(fixed=fixed, block=block / n, block_fp8=block_fp8 / n,
+                      trainable=sum(local(p).numel() for p in trainable),
+                      full_weights=sum(p.numel() for p in model.parameters()) if full and not fsdp else 0,
+                      fsdp_block=2.0 * sum(p.numel() for p in model.blocks[0].parameters()) if fsdp else 0.0,
+                      lora=not full)
+
+
+def host_available() -> float:
+    """The host's available memory (Linux /proc/meminfo MemAvailable), infinite where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(float(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return float("inf")
 
 
 def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device) -> MemoryPlan:
-    """plan_memory for a transformer already on its GPU (sharded, with --fsdp): what is allocated now is resident;
-    the budget is what this process holds plus the device's free memory, or max_memory_gb."""
+    """plan_memory for a transformer before its weights move to the GPU (or already there, or sharded): the
+    transformer's bytes are counted from its tensors, everything else allocated on the device is resident; the
+    budget is what this process holds plus the device's free memory, or max_memory_gb."""
     import torch
-
-    def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the parameter
-        return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
     torch.cuda.synchronize(device)
     free, _ = torch.cuda.mem_get_info(device)
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+    on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
+    other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
     budget = max_memory_gb * GB if max_memory_gb else free + torch.cuda.memory_reserved(device)
-    return plan_memory(dict(model.config), tokens, budget, resident=torch.cuda.memory_allocated(device),
-                       trainable=sum(local(p) for p in model.parameters() if p.requires_grad),
-                       full_weights=sum(p.numel() for p in model.parameters()) if full and not fsdp else 0,
-                       fsdp_block_bytes=2.0 * sum(p.numel() for p in model.blocks[0].parameters()) if fsdp else 0.0)
+    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other), host_available())

@@ -1,5 +1,5 @@
 """The training step's pieces called directly (no subprocess): flow matching, the loss's reference slicing, dropout,
-sigma ranges per Wan 2.2 expert, the derived Run, and the --memory auto rule."""
+sigma ranges per Wan 2.2 expert, the derived Run (the --memory auto rule: tests/test_memory.py)."""
 
 import math
 
@@ -9,7 +9,6 @@ import tyro
 
 import train_a2
 from a2.flow import flow_loss, noisy_latents
-from a2.memory import GB, block_bytes, plan_memory, step_estimate
 from a2.transformer import preset_config
 from config import TrainConfig, dataset_configs
 from data import E2VDataset, collate
@@ -111,38 +110,6 @@ def test_sigmas_stay_in_the_experts_range(data_dir):
         s = torch.cat([train_a2.model_inputs(batch, step, 0, cfg, run, enc, 0, torch.device("cpu"))["sigmas"]
                        for step in range(10)])
         assert (s >= lo).all() and (s < hi if hi < 1 else s <= 1).all(), s
-
-
-# ---------------------------------------------------------------- --memory auto (a2/memory.py)
-
-A2_14B, WAN_13B, L = preset_config("14B"), preset_config("1.3B"), 21 * 30 * 52  # 81x480x832: 32,760 tokens
-
-
-def test_memory_plan_prefers_the_least_recomputation_that_fits():
-    lora = dict(resident=29 * GB, trainable=180_000_000, full_weights=0, fsdp_block_bytes=0)
-    # A2-14B LoRA on 80 GB: every block recomputed, keeping self-attention (measured on an H100: 68.3 GB peak)
-    plan = plan_memory(A2_14B, L, 78 * GB, **lora)
-    assert (plan.checkpoint_fraction, plan.save_attention) == (1.0, True) and 60 < plan.estimate_gb < 75
-    # a larger budget: fewer blocks recomputed; a tiny shape: none
-    big = plan_memory(A2_14B, L, 140 * GB, **lora)
-    assert 0 < big.checkpoint_fraction < 1 and big.save_attention
-    assert plan_memory(A2_14B, 1000, 78 * GB, **lora).checkpoint_fraction == 0.0
-    # less memory: plain recomputation, then "does not fit" said before the first step
-    tight = step_estimate(A2_14B, L, checkpointed=40, save_attention=False, **lora) / GB
-    lean = plan_memory(A2_14B, L, (tight + 2) / (1 - 0.08) * GB, **lora)
-    assert (lean.checkpoint_fraction, lean.save_attention) == (1.0, False) and "DOES NOT FIT" not in lean.why
-    assert "DOES NOT FIT" in plan_memory(A2_14B, L, 40 * GB, **lora).why
-    # the estimate grows with what a plan keeps
-    b = block_bytes(A2_14B, L)
-    assert b["ckpt"] < b["save"] < b["full"]
-
-
-def test_memory_plan_counts_full_finetuning_state():
-    full = dict(resident=5.7 * GB, trainable=1_420_000_000, full_weights=1_420_000_000, fsdp_block_bytes=0)
-    plan = plan_memory(WAN_13B, L, 78 * GB, **full)
-    assert 0 < plan.checkpoint_fraction < 1 and plan.save_attention  # bench.py: 70% recomputation fits at 45.8 GB
-    lora = dict(resident=2.9 * GB, trainable=20_000_000, full_weights=0, fsdp_block_bytes=0)
-    assert plan_memory(WAN_13B, L, 78 * GB, **lora).checkpoint_fraction < plan.checkpoint_fraction
 
 
 def test_random_real_size_model_dir(tmp_path):
