@@ -186,6 +186,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
+    if cfg.fp8_base and cfg.training_type != "lora":  # fp8 base weights (issue 13)
+        raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
     if cfg.fsdp and cfg.training_type != "full":
         raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
                           "of a frozen model: drop --fsdp (DDP)")
@@ -352,6 +354,11 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         for p in transformer.parameters():  # LoRA weights train in fp32
             if p.requires_grad:
                 p.data = p.data.float()
+        if cfg.fp8_base:  # issue 13: frozen block linears as e4m3 + scales, before the model goes to the GPU
+            from a2.fp8 import quantize_base_weights
+
+            saved = quantize_base_weights(transformer)
+            log(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / 2**30:.2f} GB saved")
     transformer.train()
     return transformer, source
 
