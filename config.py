@@ -440,6 +440,10 @@ class TrainConfig:
     the bytes of bf16; A2-14B: 15 GiB less), dequantized per layer in the forward (a2/fp8.py). Norms, embeddings,
     the output head and the LoRA stay as they are; the exported LoRA loads on the bf16 model. Gradients differ from
     the bf16 model's by ~3% (e4m3 rounding, tests/test_fp8.py)."""
+    fp8_matmul: bool = False
+    """With --fp8-base, on CUDA compute capability 9.0+ (H100): the forward's linears multiply fp8 x fp8
+    (torch._scaled_mm, the input quantized per token) instead of dequantizing to bf16; the backward stays bf16.
+    Not yet measured faster; off by default."""
     fsdp: bool = False
     """Full fine-tuning only: shard weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per
     transformer block, then the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
+from a2.fp8 import quantize_base_weights, scaled_mm_supported
 from a2.memory import plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
@@ -188,6 +189,11 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
     if cfg.fp8_base and cfg.training_type != "lora":  # fp8 base weights (issue 13)
         raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
+    if cfg.fp8_matmul and not cfg.fp8_base:
+        raise ConfigError("--fp8-matmul multiplies by the fp8 base weights: add --fp8-base")
+    if cfg.fp8_matmul and not scaled_mm_supported(device):
+        raise ConfigError(f"--fp8-matmul needs a CUDA GPU of compute capability 9.0+ (H100), not {device}: drop it "
+                          "(--fp8-base alone computes in bf16)")
     if cfg.fsdp and cfg.training_type != "full":
         raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
                           "of a frozen model: drop --fsdp (DDP)")
@@ -355,9 +361,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
             if p.requires_grad:
                 p.data = p.data.float()
         if cfg.fp8_base:  # issue 13: frozen block linears as e4m3 + scales, before the model goes to the GPU
-            from a2.fp8 import quantize_base_weights
-
-            saved = quantize_base_weights(transformer)
+            saved = quantize_base_weights(transformer, scaled_mm=cfg.fp8_matmul)
             log(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / 2**30:.2f} GB saved")
     transformer.train()
     return transformer, source

@@ -14,12 +14,14 @@ Error: e4m3 has 3 mantissa bits, so a weight in its normal range (|W/scale| >= 2
 itself (half a unit in the last place); below that the spacing is 2^-9, so at most scale · 2^-10 absolutely
 (tests/test_fp8.py asserts |W' - W| <= 2^-4 |W| + 2^-10 scale).
 
-Optional fp8 matmul (scaled_mm=True, CUDA with compute capability >= 9.0, bf16): the input is quantized per row
-(token) to e4m3 as well and torch._scaled_mm multiplies the two fp8 operands with row-wise scales, accumulating in
-fp32 — ~2x the bf16 tensor-core rate on an H100, at the price of the activations' e4m3 rounding too (another
-2^-4 relative per element). The backward stays a bf16 matmul on the dequantized weight: the weight's per-channel
-scale lies along the contraction dimension of grad_out @ W, which row-wise scaling cannot express. Not measured
-here (no GPU): off by default.
+Optional fp8 matmul (scaled_mm=True, CUDA with compute capability >= 9.0, bf16; --fp8-matmul): the input is
+quantized per row (token) to e4m3 as well and torch._scaled_mm multiplies the two fp8 operands with row-wise scales,
+accumulating in fp32. An H100's fp8 peak is twice its bf16 peak; frozen weights need no weight gradient, so the
+forward (and its recomputation) is 1/2 (2/3 with recomputation) of the linears' FLOPs, at the price of the
+activations' e4m3 rounding too (2.6% RMS relative). The backward stays a bf16 matmul on the dequantized weight: the
+weight's per-channel scale lies along the contraction dimension of grad_out @ W, which row-wise scaling cannot
+express. Its numerics are tested on the CPU (torch's CPU _scaled_mm); its speed on an H100 is not measured yet,
+so it is off by default.
 
 Like torchao's Float8WeightOnlyConfig (per-channel e4m3, matmul in the high precision) and musubi-tuner's
 fp8_scaled (per-channel scales, dequantize in the linear's forward), without a new dependency: a frozen weight
@@ -132,8 +134,9 @@ def fp8_bytes_saved(transformer: nn.Module) -> int:
 def quantize_base_weights(transformer: nn.Module, scaled_mm: bool = False) -> int:
     """Store the frozen linears of the blocks (base_linears) as e4m3 with per-output-channel scales, in place; call
     it after peft's add_adapter (so the LoRA matrices, trainable by then, are left alone) and before the model
-    moves to the GPU (the bf16 model need not fit there). scaled_mm: forwards with fp8 matmuls where the device
-    supports them (scaled_mm_supported; otherwise the dequantizing path). Returns the bytes saved.
+    moves to the GPU (the bf16 model need not fit there). scaled_mm: CUDA bf16 forwards with fp8 matmuls (the
+    caller checks scaled_mm_supported: older GPUs fail in _scaled_mm; CPU inputs take the dequantizing path).
+    Returns the bytes saved.
     Idempotent: an already quantized layer is only given the scaled_mm setting."""
     saved = fp8_bytes_saved(transformer)
     ignore = []
