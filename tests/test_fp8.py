@@ -277,3 +277,24 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
         train(*args(data_dir, tmp_path, "mm", "--fp8-matmul"))
     with pytest.raises(ConfigError, match=r"--fp8-matmul needs a CUDA GPU of .* 9\.0\+ \(H100\), not cpu"):
         train(*args(data_dir, tmp_path, "mm", "--fp8-base", "--fp8-matmul"))
+
+
+def test_recomputed_blocks_over_fp8_give_the_same_gradients(tiny_dir):
+    """Selective recomputation (a2.transformer.configure_blocks, the default on CUDA) re-runs the fp8 linears in
+    backward: the LoRA gradients equal the un-recomputed run's (the dequantization is deterministic)."""
+    from a2.transformer import configure_blocks
+
+    _, fp8 = tiny_lora_models(tiny_dir)
+    quantize_base_weights(fp8)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 36, 2, 8, 8, generator=g), timestep=torch.tensor([300.0]),
+                  encoder_hidden_states=torch.randn(1, 512, 32, generator=g),
+                  encoder_hidden_states_image=torch.randn(1, 257, 32, generator=g))
+    target = torch.randn(1, 16, 2, 8, 8, generator=g)
+    gx, gr = lora_grads(fp8, inputs, target)
+    fp8.zero_grad(set_to_none=True)
+    configure_blocks(fp8, 1.0, save_attention=True)
+    qx, qr = lora_grads(fp8, inputs, target)
+    torch.testing.assert_close(qx, gx, rtol=1e-6, atol=1e-7)
+    for k in gr:
+        torch.testing.assert_close(qr[k], gr[k], rtol=1e-6, atol=1e-7)
