@@ -298,3 +298,18 @@ def test_recomputed_blocks_over_fp8_give_the_same_gradients(tiny_dir):
     torch.testing.assert_close(qx, gx, rtol=1e-6, atol=1e-7)
     for k in gr:
         torch.testing.assert_close(qr[k], gr[k], rtol=1e-6, atol=1e-7)
+
+
+def test_memory_rule_counts_what_fp8_stores(tiny_dir):
+    """a2.memory's estimate of fp8 blocks (ModelBytes.block_fp8, read from the unquantized model) is the bytes the
+    quantized blocks really hold, and its saving is fp8_bytes_saved's."""
+    from a2.memory import model_bytes
+
+    ref, fp8 = tiny_lora_models(tiny_dir)
+    before = model_bytes(ref, full=False, fsdp=False)
+    saved = quantize_base_weights(fp8)
+    after = model_bytes(fp8, full=False, fsdp=False)
+    n = len(fp8.blocks)
+    assert after.block == after.block_fp8 == before.block_fp8 < before.block
+    assert (before.block - before.block_fp8) * n == saved
+    assert after.fixed == before.fixed and after.trainable == before.trainable
