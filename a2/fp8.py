@@ -50,8 +50,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Q · scale in `dtype` (e4m3 values are exact in bf16; the product rounds once, 2^-9 relative in bf16)."""
-    return q.to(dtype) * scale.to(dtype)[:, None]
+    """Q · scale in `dtype` (e4m3 values are exact in bf16; the product rounds once, 2^-9 relative in bf16). In place
+    on a fresh copy: one weight-sized temporary, not two (A2-14B's FFN weight: 141 MB in bf16)."""
+    return q.to(dtype, copy=True).mul_(scale.to(dtype)[:, None])
 
 
 class _DequantLinear(torch.autograd.Function):
