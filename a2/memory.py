@@ -80,8 +80,8 @@ class ModelBytes:
 class MemoryPlan:
     checkpoint_fraction: float  # of the blocks, recomputed in backward (the first ones)
     save_attention: bool  # recomputed blocks keep their self-attention outputs
-    estimate_gb: float  # the step's estimated GPU peak
-    budget_gb: float
+    estimate_gb: float | None  # the step's estimated GPU peak (None: set by the flags, not planned)
+    budget_gb: float | None
     why: str
     offload: bool = False  # recomputed blocks' saved tensors live in pinned host memory between forward and backward
     swap_blocks: int = 0  # blocks whose frozen weights live in pinned host memory
@@ -94,7 +94,7 @@ class MemoryPlan:
         return (f"recompute {self.checkpoint_fraction:.0%} of the blocks"
                 + (" keeping self-attention" if self.save_attention and self.checkpoint_fraction else "")
                 + "".join(", " + s for s in extra)
-                + f": ~{self.estimate_gb:.1f} GB of {self.budget_gb:.1f} GB"
+                + (f": ~{self.estimate_gb:.1f} GB of {self.budget_gb:.1f} GB" if self.budget_gb else "")
                 + (f", {self.host_gb:.1f} GB pinned host memory" if self.host_gb else "") + f" ({self.why})")
 
 
@@ -131,32 +131,38 @@ def ladder(n: int, lora: bool):
         yield from ((n, True, True, True, s) for s in range(1, n + 1))
 
 
-def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf")
-                ) -> MemoryPlan:
+def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf"),
+                fp8: bool = False, offload: bool = False, swap_blocks: int = 0) -> MemoryPlan:
     """The `--memory auto` rule (module docstring). budget: bytes the step may use on this GPU (resident
-    included); host_budget: pinned host bytes it may take."""
+    included); host_budget: pinned host bytes it may take; fp8, offload, swap_blocks: pieces the user forces on
+    (flags), which every plan then has."""
     n = config["num_layers"]
     usable = budget * (1 - MARGIN) - MARGIN_GB * GB
     host_usable = host_budget * HOST_MARGIN
     lean = None  # the plan with the smallest estimate, said when none fits
-    for k, save, offload, fp8, swap in ladder(n, m.lora and m.frozen_blocks):
-        gpu, host = step_estimate(config, tokens, m, k, save, offload, fp8, swap)
+    for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks):
+        off, f8, swap = off or offload, f8 or fp8, max(swap, swap_blocks)
+        k = n if off else k  # offload applies to recomputed blocks
+        gpu, host = step_estimate(config, tokens, m, k, save, off, f8, swap)
         if host > host_usable:
             continue
         if lean is None or gpu < lean[5]:
-            lean = (k, save, offload, fp8, swap, gpu, host)
+            lean = (k, save, off, f8, swap, gpu, host)
         if gpu <= usable:
             why = ("no recomputation needed" if k == 0 else f"the fewest recomputed blocks that fit ({k}/{n})"
-                   if not offload else "saving attention outputs would not fit" if not save else
-                   "recomputed blocks' inputs and attention do not fit on the GPU" if not fp8 else
+                   if not off else "saving attention outputs would not fit" if not save else
+                   "recomputed blocks' inputs and attention do not fit on the GPU" if not f8 else
                    "bf16 frozen weights do not fit" if not swap else f"the fewest swapped blocks that fit ({swap}/{n})")
-            return MemoryPlan(k / n, save and k > 0, gpu / GB, budget / GB, why, offload, swap, fp8, host / GB)
+            if (fp8, offload, swap_blocks) != (False, False, 0):
+                why += "; forced by the flags: " + ", ".join(
+                    s for s, on in (("fp8", fp8), ("offload", offload), (f"{swap_blocks} swapped", swap_blocks)) if on)
+            return MemoryPlan(k / n, save and k > 0, gpu / GB, budget / GB, why, off, swap, f8, host / GB)
     if lean is None:
         return MemoryPlan(1.0, False, float("inf"), budget / GB, "DOES NOT FIT: not enough host memory for any plan")
-    k, save, offload, fp8, swap, gpu, host = lean
+    k, save, off, f8, swap, gpu, host = lean
     return MemoryPlan(k / n, save, gpu / GB, budget / GB,
                       "DOES NOT FIT: the leanest plan; lower the resolution or frames, train a LoRA, or shard with "
-                      "--fsdp over more GPUs", offload, swap, fp8, host / GB)
+                      "--fsdp over more GPUs", off, swap, f8, host / GB)
 
 
 def fp8_bytes(weight) -> float:
@@ -206,10 +212,11 @@ def host_available() -> float:
         return float("inf")
 
 
-def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device) -> MemoryPlan:
+def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device,
+                   **forced) -> MemoryPlan:
     """plan_memory for a transformer before its weights move to the GPU (or already there, or sharded): the
     transformer's bytes are counted from its tensors, everything else allocated on the device is resident; the
-    budget is what this process holds plus the device's free memory, or max_memory_gb."""
+    budget is what this process holds plus the device's free memory, or max_memory_gb. forced: plan_memory's."""
     import torch
 
     torch.cuda.synchronize(device)
@@ -218,4 +225,5 @@ def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, 
     on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
     other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
     budget = max_memory_gb * GB if max_memory_gb else free + torch.cuda.memory_reserved(device)
-    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other), host_available())
+    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other), host_available(),
+                       **forced)

@@ -115,3 +115,14 @@ def test_model_bytes_counts_a_lora_model():
     outside = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if not n.startswith("blocks.") and not t.requires_grad)  # embeddings, head, RoPE tables
     assert m.fixed == pytest.approx(123.0 + outside + 4 * m.trainable)
+
+
+def test_flags_force_pieces_on_and_the_rule_plans_the_rest():
+    """--fp8-base / --offload-activations / --swap-blocks under --memory auto: every plan has them."""
+    free = plan_memory(A2_14B, L480, 78 * GB, A2_LORA)
+    forced = plan_memory(A2_14B, L480, 78 * GB, A2_LORA, fp8=True)
+    assert forced.fp8 and "forced by the flags: fp8" in forced.why
+    assert forced.checkpoint_fraction < free.checkpoint_fraction  # 15 GB of weights freed: fewer blocks recomputed
+    swapped = plan_memory(A2_14B, L480, 78 * GB, A2_LORA, swap_blocks=5, offload=True)
+    assert (swapped.swap_blocks, swapped.offload, swapped.checkpoint_fraction) == (5, True, 1.0)
+    assert swapped.host_gb > 5 * A2_LORA.block / GB
