@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from a2.pipeline import PREPROCESS_MODES, num_ref_latents
+from a2.pipeline import PREPROCESS_MODES, REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, num_ref_latents
 
 
 class InputError(ValueError):
@@ -188,6 +188,12 @@ class VaeProcessorConfig:
     """The conditioning frame of frame_conditioning=index (0-based pixel frame)."""
     concatenate_mask: bool = True
     """Put the 4-channel mask between noisy and condition latents (the 36-channel input)."""
+    reference_layout: str = "channel"
+    """Where the element references enter the transformer (frame_conditioning full): channel = A2's mask | condition
+    latents on the channel axis (36-channel I2V/A2 models); incontext = each element's clean latents appended after
+    the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; T2V models, trains as a LoRA)."""
+    reference_timestep: str = "shared"
+    """incontext: timestep of the reference tokens: shared (the sample's, as Phantom and V3) | zero (they are clean)."""
 
 
 @dataclass(frozen=True)
@@ -315,12 +321,20 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
         combine=pv.get("combine", d.get("vae_combine", "before")),
         default_preprocess=pv.get("default_preprocess", "resize"),
         frame_conditioning=pv.get("frame_conditioning", "full"), frame_index=pv.get("frame_index", 0),
-        concatenate_mask=pv.get("concatenate_mask", True))
+        concatenate_mask=pv.get("concatenate_mask", True),
+        reference_layout=pv.get("reference_layout", "channel"),
+        reference_timestep=pv.get("reference_timestep", "shared"))
     clip = ClipProcessorConfig(
         resolution=_hw(pc.get("resolution", d.get("clip_resolution", [512, 512])), f"{where}.processors.clip"),
         default_preprocess=pc.get("default_preprocess", "pad_white"))
     if vae.combine not in ("before", "after"):
         raise ConfigError(f"{where}.processors.vae.combine: expected 'before' or 'after', got {vae.combine!r}")
+    if vae.reference_layout not in REFERENCE_LAYOUTS or vae.reference_timestep not in REFERENCE_TIMESTEPS:
+        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout!r} / reference_timestep "
+                          f"{vae.reference_timestep!r}: expected one of {REFERENCE_LAYOUTS} / {REFERENCE_TIMESTEPS}")
+    if vae.reference_layout == "incontext" and vae.frame_conditioning != "full":
+        raise ConfigError(f"{where}.processors.vae: reference_layout incontext places element references; "
+                          f"frame_conditioning {vae.frame_conditioning!r} conditions on video frames (use full)")
     if vae.frame_conditioning not in FRAME_CONDITIONING:
         raise ConfigError(f"{where}.processors.vae.frame_conditioning: {vae.frame_conditioning!r} is not one of "
                           f"{FRAME_CONDITIONING}")
@@ -504,6 +518,14 @@ class TrainConfig:
     """full: A2's element prefix; the others condition on frames of the target video itself (Wan I2V/FLF2V)."""
     frame_index: int = 0
     """--frame-conditioning index: the 0-based pixel frame of the video given as the condition."""
+    reference_layout: Literal["channel", "incontext"] = "channel"
+    """channel: A2's mask | reference latents on the channel axis (36-channel A2 / Wan I2V models, or a T2V base
+    expanded in full). incontext: each element VAE-encoded alone (repeat frames), its clean latents appended after the
+    video latents on the time axis, as Phantom-Wan / SkyReels-V3 R2V: a T2V model trains as it is (LoRA or full);
+    --num-frames is then the video's alone (README: In-context references)."""
+    reference_timestep: Literal["shared", "zero"] = "shared"
+    """--reference-layout incontext: the reference tokens' timestep: shared = the sample's (Phantom, V3), zero = 0
+    (they are clean; per-token timesteps as Wan 2.2 TI2V)."""
     prefix_frames: int = 1
     """--frame-conditioning prefix: how many leading pixel frames of the video are given as the condition."""
     vae_sample_mode: Literal["sample", "argmax"] = "sample"
@@ -626,6 +648,9 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
     no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
+    if cfg.reference_layout == "incontext" and no_elements:
+        raise ConfigError("--reference-layout incontext places element references: it needs element images "
+                          "(--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
     return [DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
@@ -633,16 +658,18 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         target_resolution=tuple(cfg.resolution), frame_buckets=(),
         elements=() if no_elements else elements, dataset_type="t2v" if no_elements else "e2v",
         vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
-                               frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index),
+                               frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index,
+                               reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep),
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
 
 
 def ref_latents(cfgs: list[DatasetConfig]) -> int:
     """Latent frames the element references take before the clip in the prefix layout (A2's repeats 1, 4, 4: 3);
-    0 when the condition is frames of the clip itself (frame_conditioning other than full) or there are no elements."""
+    0 when the condition is frames of the clip itself (frame_conditioning other than full), there are no elements, or
+    the references come after the clip (reference_layout incontext)."""
     vae, elements = cfgs[0].vae, cfgs[0].elements
     return num_ref_latents([e.repeat for e in elements], vae.combine) if vae.frame_conditioning == "full" and \
-        elements else 0
+        elements and vae.reference_layout == "channel" else 0
 
 
 def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:

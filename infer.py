@@ -77,6 +77,12 @@ class InferConfig:
     """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
+    reference_layout: Literal["channel", "incontext"] = "channel"
+    """channel: A2's mask | reference latents on the channel axis (A2 / Wan I2V). incontext: the elements' clean
+    latents after the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; a T2V model + train_a2.py
+    --reference-layout incontext LoRA); --num-frames is then the video's alone."""
+    reference_timestep: Literal["shared", "zero"] = "shared"
+    """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
     sample_mode: Literal["sample", "argmax"] = "sample"
     """Condition latents: a posterior sample with the seed's generator (A2) or the posterior mode (diffusers)."""
     clip_size: int = 512
@@ -195,7 +201,7 @@ def read_references(cfg: InferConfig, images) -> dict:
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), elements={})
     refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
-    if sum(repeats) >= cfg.num_frames:
+    if cfg.reference_layout == "channel" and sum(repeats) >= cfg.num_frames:  # incontext: on top of num_frames
         raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
                          f"num_frames={cfg.num_frames} leaves none to generate")
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs))
@@ -207,7 +213,8 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
                 guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
                 flow_shift=cfg.flow_shift,
-                combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode)
+                combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
+                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -284,13 +291,16 @@ def main(cfg: InferConfig) -> int:
     else:
         refs = read_references(cfg, cfg.elements)
         items = list(refs["elements"])
+    if cfg.reference_layout == "incontext" and (info.e2v or not items):
+        raise ValueError(f"--reference-layout incontext needs a T2V model ({info.path} is {info.name}, "
+                         f"{info.in_channels} input channels) and --elements ({len(items)} given)")
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
                                       transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
-    if items and not is_e2v(pipe.transformer):
+    if items and not is_e2v(pipe.transformer) and cfg.reference_layout == "channel":
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
-                         "a prompt only, no --elements")
+                         "a prompt only, or --elements with --reference-layout incontext")
     params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
     print(f"model {info.path}: {info.name}, transformer {params:.1f}M params"
           + (f" from {cfg.transformer}" if cfg.transformer else "")

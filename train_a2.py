@@ -61,10 +61,12 @@ from a2.pipeline import (
     load_encoders,
     load_references,
     model_flow_shift,
+    model_input,
     num_ref_latents,
     prepare_latents,
     save_video,
     tensor_to_uint8,
+    video_prediction,
 )
 from a2.runs import (
     EXIT_RESUMABLE,
@@ -155,7 +157,8 @@ class Run:
 
     world: int
     global_batch: int  # micro_batch x grad_accum x world
-    layout: str  # prefix: A2's element frames before the clip | inplace: frames of the clip (I2V) | t2v: none
+    layout: str  # prefix: A2's element frames before the clip | inplace: frames of the clip (I2V) | incontext: clean
+    # element latents after the clip on the time axis (Phantom / SkyReels-V3 R2V, a T2V model) | t2v: none
     elements: tuple[Element, ...]
     vae: VaeProcessorConfig  # the datasets' shared VAE processing (combine, frame conditioning)
     ref_latents: int  # latent frames the references take in the prefix layout (A2's 1, 4, 4 repeats: 3)
@@ -201,12 +204,22 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
         raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
-    layout = "inplace" if vae_cfg.frame_conditioning != "full" else "prefix" if elements else "t2v"
+    layout = "inplace" if vae_cfg.frame_conditioning != "full" else "t2v" if not elements else \
+        "incontext" if vae_cfg.reference_layout == "incontext" else "prefix"
     # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
     l_ref, clip_frames = ref_latents(ds_cfgs), clip_frames_for(cfg.num_frames, ds_cfgs)  # as data.py validate
     info = detect_model(model_path(cfg.model), cfg.image_encoder)  # clear errors for unsupported dirs
-    e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
-    expand = layout != "t2v" and not info.e2v
+    if layout == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
+        if info.e2v:
+            raise ConfigError(f"{info.path} ({info.name}) takes {info.in_channels} input channels (noisy | mask | "
+                              "condition): reference_layout incontext is for T2V models; use reference_layout channel")
+        if cfg.e2v_type in ("dual", "clip"):
+            raise ConfigError(f"{info.path} ({info.name}) has no CLIP image branch: reference_layout incontext uses "
+                              f"the VAE path only (--e2v-type vae or auto), not {cfg.e2v_type}")
+        e2v_type = "vae"
+    else:
+        e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
+    expand = layout not in ("t2v", "incontext") and not info.e2v
     if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
         raise ConfigError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
                           "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
@@ -246,6 +259,8 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
 
 def describe(run: Run) -> str:
     prefix = f"{run.ref_latents} reference latents + " if run.prefix else ""
+    if run.layout == "incontext":
+        prefix = f"clean reference latents after the clip (timestep {run.vae.reference_timestep}) + "
     return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, layout {run.layout}"
             + (f", E2V type {run.e2v_type}{', CLIP tokens' if run.use_clip else ''}" if run.layout != "t2v" else "")
             + (", expanded to the E2V inputs" if run.expand else "")
@@ -349,7 +364,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout == "t2v"
+    assert is_e2v(transformer) or run.layout in ("t2v", "incontext")
     if cfg.training_type == "lora":
         from peft import LoraConfig
 
@@ -445,6 +460,11 @@ def encode_latents(vae, batch, gens, sample_mode: str, run: Run, prefix_frames: 
         cond = prepare_latents(vae, total_frames(run, batch), references=refs, repeats=batch["repeats"],
                                combine=run.vae.combine, sample_mode=sample_mode, generator=gens)
         return torch.cat([cond.ref_latents, encode_vae(vae, video, sample_mode, gens)], dim=2), cond
+    if run.layout == "incontext":  # references first, then the clip: the encode order the cache replays
+        refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
+        cond = prepare_latents(vae, run.clip_frames, references=refs, repeats=batch["repeats"], layout="incontext",
+                               reference_timestep=run.vae.reference_timestep, sample_mode=sample_mode, generator=gens)
+        return encode_vae(vae, video, sample_mode, gens), cond
     x0 = encode_vae(vae, video, sample_mode, gens)
     if run.layout == "t2v":
         return x0, None
@@ -487,20 +507,28 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             condition = condition * keep_refs[:, None, None, None, None]
         if image is not None:
             image = image * keep_refs[:, None, None].to(image.dtype)
-    return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, text=text, image=image,
+        if cond is not None and cond.layout == "incontext" and cond.ref_latents is not None:  # dropped: zeros
+            cond = replace(cond, ref_latents=cond.ref_latents * keep_refs[:, None, None, None, None])  # (Phantom's)
+        elif cond is not None:
+            cond = replace(cond, condition=condition)
+    return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, cond=cond, text=text, image=image,
                 tokens=b * t_lat * (height // 16) * (width // 16), reference_images=batch.get("ref_vae"))
 
 
 def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
     """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
-    x0, sigmas, condition = inputs["x0"], inputs["sigmas"], inputs["condition"]
+    x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
-    x_in = x_t if condition is None else torch.cat([x_t, condition], dim=1)  # (B, 16 | 36, T, h, w)
+    # (B, 16 | 36, T, h, w), or (B, 16, T + L_ref, h, w) incontext: a2.pipeline.model_input, as the sampler builds it
+    per_token = cond is not None and cond.layout == "incontext" and cond.reference_timestep == "zero"
+    patch_size = getattr(model, "module", model).config.patch_size if per_token else None
+    x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)
     image = inputs["image"]
     with amp:
-        pred = model(hidden_states=x_in.to(dtype), timestep=sigmas * 1000,
+        pred = model(hidden_states=x_in.to(dtype), timestep=timestep,
                      encoder_hidden_states=inputs["text"].to(dtype),
                      encoder_hidden_states_image=None if image is None else image.to(dtype), return_dict=False)[0]
+    pred = video_prediction(pred, cond)  # incontext: the loss is on the video latents only
     first = run.loss_start if run.prefix and not cfg.loss_on_references else 0
     loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, first)
     s = sigmas.view(-1, 1, 1, 1, 1)
@@ -565,7 +593,8 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                   flow_shift=cfg.val_flow_shift, combine=run.vae.combine,
+                   flow_shift=cfg.val_flow_shift, combine=run.vae.combine, reference_layout=run.vae.reference_layout,
+                   reference_timestep=run.vae.reference_timestep,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

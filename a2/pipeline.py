@@ -242,11 +242,18 @@ def num_ref_latents(repeats, combine: str = "before") -> int:
     return sum(num_latent_frames(r) for r in repeats)
 
 
+REFERENCE_LAYOUTS = ("channel", "incontext")  # where the reference latents enter the transformer (docs below)
+REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
+
+
 @dataclass
 class Conditioning:
-    condition: torch.Tensor  # (B, 20, T, h, w): mask (4) | condition latents (16); the transformer's extra input
+    condition: torch.Tensor | None  # channel: (B, 20, T, h, w) mask (4) | condition latents (16), the extra input
     num_ref_latents: int  # latent frames at the start that hold references (prefix layout), else 0
-    ref_latents: torch.Tensor | None  # (B, 16, L_ref, h, w): the references' latents, start of x0 in prefix layout
+    ref_latents: torch.Tensor | None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext: the clean latents
+    # appended after the video latents (None: no elements)
+    layout: str = "channel"  # channel (mask | condition on the channel axis) | incontext (references on the time axis)
+    reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero (0 on their tokens)
 
 
 def prepare_latents(
@@ -260,6 +267,8 @@ def prepare_latents(
     cond_frame_indices: tuple[int, ...] = (),
     sample_mode: str = "argmax",
     generator=None,
+    layout: str = "channel",
+    reference_timestep: str = "shared",
 ) -> Conditioning:
     """THE conditioning of the E2V/I2V transformer, shared by training and inference.
 
@@ -271,7 +280,39 @@ def prepare_latents(
     layout `inplace` (Wan I2V / FLF2V): `video` (B, 3, F, H, W) holds the conditioning frames at
       `cond_frame_indices` (other frames are zeroed here), and they are encoded in place.
     The mask marks the conditioning pixel frames by `frame_mask`'s rule. With sample_mode="sample"
-    the posterior is sampled with `generator` (A2 draws its noise first, then this)."""
+    the posterior is sampled with `generator` (A2 draws its noise first, then this).
+
+    layout="incontext" (Phantom-Wan / SkyReels-V3 R2V style, for a model whose input is the latents alone: Wan T2V,
+      Wan 2.2 TI2V-5B; no channel widening, so a LoRA trains it): each element is VAE-encoded alone as a clip of
+      `repeats[i]` frames (as combine="after"; `combine` does not apply), in position order, giving
+      L_ref = sum(1 + (r-1)//4) latent frames (one per element with repeat 1..4, as Phantom and V3 encode one
+      frame per reference). Returns them clean as `ref_latents` (B, C, L_ref, h, w); `condition` is None.
+      `model_input` appends them AFTER the noisy video latents on the time axis, at every training step and every
+      sampling step, never noised (sigma 0); RoPE positions simply continue the time axis (frames T..T+L_ref-1),
+      as in both. `num_frames` is the video's alone: the references come on top (Phantom, V3).
+      reference_timestep: "shared" (default) gives the reference tokens the sample's timestep, as Phantom and V3 do
+      (their transformers take one timestep per sample); "zero" gives them timestep 0 (they are clean), through
+      diffusers' per-token timestep (B, seq_len) of Wan 2.2 TI2V. The prediction's last L_ref frames are dropped
+      (`video_prediction`): the loss and the sampler see the video latents only.
+      Differences from Phantom / V3 (README "In-context references"): element repeats (>4 frames: more latents),
+      per-element preprocessing (Phantom and V3 pad_white with Lanczos), no zero padding of the references to 4
+      (V3 always appends 4, zeros for missing ones), text-only CFG with the references in both branches (their
+      3-pass image+text CFG with guide_scale_img=1), noise drawn for the video latents only (V3; Phantom draws
+      T+L_ref frames and overwrites the reference part), and the posterior mode or a sample (Phantom: mode; V3:
+      sample, after the noise, with the same generator: sample_mode="sample")."""
+    if layout not in REFERENCE_LAYOUTS:
+        raise ValueError(f"unknown reference layout {layout!r}; choose one of {REFERENCE_LAYOUTS}")
+    if layout == "incontext":
+        if references is None:
+            raise ValueError("the incontext layout takes references (element images), not video frames")
+        if reference_timestep not in REFERENCE_TIMESTEPS:
+            raise ValueError(f"unknown reference timestep {reference_timestep!r}; choose one of {REFERENCE_TIMESTEPS}")
+        n = references.shape[1]
+        if len(repeats) != n or min(repeats, default=1) < 1:
+            raise ValueError(f"need one repeat >= 1 per element: {n} elements, repeats {tuple(repeats)}")
+        parts = [encode_vae(vae, references[:, i, :, None].expand(-1, -1, k, -1, -1), sample_mode, generator)
+                 for i, k in enumerate(repeats)]
+        return Conditioning(None, 0, torch.cat(parts, dim=2) if parts else None, layout, reference_timestep)
     if (references is None) == (video is None):
         raise ValueError("prepare_latents takes either references (prefix layout) or video (inplace layout)")
     t = num_latent_frames(num_frames)
@@ -311,6 +352,37 @@ def prepare_latents(
     latents = encode_vae(vae, pixels, sample_mode, generator)
     mask = frame_mask(flags.to(latents.device), latents.shape[-2:])
     return Conditioning(torch.cat([mask, latents], dim=1), 0, None)
+
+
+def model_input(x_t: torch.Tensor, cond: Conditioning | None, timestep: torch.Tensor,
+                patch_size=(1, 2, 2)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's (hidden_states, timestep) for noisy video latents x_t (B, C, T, h, w) at timestep (B,).
+    The one place both training (train_a2.forward_loss) and sampling (A2Pipeline) assemble the model input:
+    t2v (cond None): x_t; channel: cat([x_t, mask | condition], dim=1); incontext: cat([x_t, clean reference
+    latents], dim=2), with the timestep (B,) kept (shared) or per token (B, (T+L_ref)·h·w/(p_h·p_w)): the
+    video tokens' timestep, then 0 for the reference tokens (zero; tokens are frame-major, as the patch grid)."""
+    if cond is None:
+        return x_t, timestep
+    if cond.layout == "channel":
+        return torch.cat([x_t, cond.condition.to(x_t.dtype)], dim=1), timestep
+    if cond.ref_latents is None:
+        return x_t, timestep
+    refs = cond.ref_latents.to(x_t.dtype)
+    x = torch.cat([x_t, refs], dim=2)
+    if cond.reference_timestep == "shared":
+        return x, timestep
+    p_t, p_h, p_w = patch_size
+    per_frame = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
+    video, ref = x_t.shape[2] // p_t * per_frame, refs.shape[2] // p_t * per_frame
+    timestep = timestep.reshape(-1).expand(x_t.shape[0])
+    return x, torch.cat([timestep[:, None].expand(-1, video), timestep.new_zeros(x_t.shape[0], ref)], dim=1)
+
+
+def video_prediction(pred: torch.Tensor, cond: Conditioning | None) -> torch.Tensor:
+    """The model output for the video latents: in the incontext layout the last L_ref (reference) frames dropped."""
+    if cond is None or cond.layout != "incontext" or cond.ref_latents is None:
+        return pred
+    return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 
 
 def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefix: int = 1,
@@ -469,6 +541,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         generator: torch.Generator | None = None,
         decode: str = "drop_refs",
         progress: bool = True,
+        reference_layout: str = "channel",
+        reference_timestep: str = "shared",
     ) -> dict:
         """Generate one video.
 
@@ -480,7 +554,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
-        Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition, num_ref_latents)."""
+        reference_layout: channel (A2 / Wan I2V: mask | condition channels, on a 36-channel model) or incontext
+        (a T2V-shaped model: the clean reference latents after the video latents, `reference_timestep` shared |
+        zero; prepare_latents); the sampler then runs on the video latents alone.
+        Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (incontext: the reference
+        latents), num_ref_latents)."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
         check_size(height, width, num_frames)
         device, dtype = self.device, transformer.dtype
@@ -499,13 +577,23 @@ class A2Pipeline(WanLoraLoaderMixin):
 
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // 8, width // 8)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
-        condition, num_ref = None, 0
-        if is_e2v(transformer):
+        cond = None
+        if reference_layout == "incontext":
+            if is_e2v(transformer):
+                raise ValueError("reference_layout incontext is for models that take the latents alone (T2V); this "
+                                 f"one takes {transformer.config.in_channels} channels: use the channel layout")
             if references is None:
-                raise ValueError("this E2V/I2V model needs reference images")
+                raise ValueError("reference_layout incontext needs reference images")
+        elif reference_layout != "channel":
+            raise ValueError(f"unknown reference layout {reference_layout!r}; choose one of {REFERENCE_LAYOUTS}")
+        elif is_e2v(transformer) and references is None:
+            raise ValueError("this E2V/I2V model needs reference images")
+        if reference_layout == "incontext" or is_e2v(transformer):
             cond = prepare_latents(self.vae, num_frames, references=references.to(device), repeats=repeats,
-                                   combine=combine, sample_mode=sample_mode, generator=generator)
-            condition, num_ref = cond.condition.to(device), cond.num_ref_latents
+                                   combine=combine, sample_mode=sample_mode, generator=generator,
+                                   layout=reference_layout, reference_timestep=reference_timestep)
+        condition = None if cond is None else cond.condition if cond.layout == "channel" else cond.ref_latents
+        num_ref = 0 if cond is None else cond.num_ref_latents
 
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
@@ -513,14 +601,14 @@ class A2Pipeline(WanLoraLoaderMixin):
         for t in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
             low = expert_for_timestep(t, self.boundary_ratio, sched.config.num_train_timesteps) == "low"
             model, scale = (self.transformer_2, guidance_scale_2) if low else (transformer, guidance_scale)
-            x = latents if condition is None else torch.cat([latents, condition], dim=1)
+            x, timestep = model_input(latents, cond, t.expand(1), model.config.patch_size)
             x = x.to(dtype)
-            timestep = t.expand(1)
-            noise_pred = model(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                               encoder_hidden_states_image=image_embeds, return_dict=False)[0]
-            if negative_embeds is not None:  # CFG on text only: the same image tokens in both branches (A2)
-                noise_uncond = model(hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
-                                     encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+            noise_pred = video_prediction(model(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                                                encoder_hidden_states_image=image_embeds, return_dict=False)[0], cond)
+            if negative_embeds is not None:  # CFG on text only: the same image tokens and references in both (A2)
+                noise_uncond = video_prediction(model(
+                    hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
+                    encoder_hidden_states_image=image_embeds, return_dict=False)[0], cond)
                 noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
             latents = sched.step(noise_pred.float(), t, latents, return_dict=False)[0]
 
