@@ -1,0 +1,215 @@
+"""The in-context reference layout (issue 14): clean element latents appended after the video latents on the time axis
+of a T2V model's input (Phantom-Wan / SkyReels-V3 R2V). Model input, timesteps and loss against hand-built tensors,
+training == sampling input, train -> LoRA -> infer on the tiny T2V model, precompute cache == live."""
+
+import json
+
+import pytest
+import torch
+import tyro
+
+import train_a2
+from a2.pipeline import A2Pipeline, Conditioning, load_references, model_input, prepare_latents, video_prediction
+from config import A2_ELEMENTS, ConfigError, TrainConfig, dataset_configs, load_dataset_config
+from data import E2VDataset, collate
+from tests.test_train import args, data_dir, losses, max_diff, params, train  # noqa: F401  (data_dir: fixture)
+
+INCONTEXT = ["--reference-layout", "incontext", "--num-frames", "9"]  # 9 video frames (3 latents) + 3 references
+
+
+def hand_encoded(vae, image: torch.Tensor, frames: int) -> torch.Tensor:
+    """One element alone: `frames` copies of the image as a clip, the posterior mode, normalised by hand."""
+    clip = image[None, :, None].repeat(1, 1, frames, 1, 1)  # (1, 3, frames, H, W)
+    z = vae.encode(clip).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def setup(data_dir, *extra, model="tiny-t2v"):  # noqa: F811
+    """cfg, Run, Encoders and a one-sample batch, as train_a2.main builds them (CPU)."""
+    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
+                                      "--device", "cpu", *INCONTEXT, *extra])
+    ds_cfgs = dataset_configs(cfg)
+    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
+    dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)
+    enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
+    return cfg, run, enc, collate([dataset[0]])
+
+
+def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2v_dir):
+    pipe = A2Pipeline.from_pretrained(tiny_t2v_dir)
+    g = torch.Generator().manual_seed(0)
+    refs = torch.rand(2, 3, 3, 32, 48, generator=g) * 2 - 1  # (B, N, 3, H, W)
+    repeats = (1, 4, 5)  # a clip of 5 frames is 2 latents: L_ref = 1 + 1 + 2
+    with torch.no_grad():
+        cond = prepare_latents(pipe.vae, 9, references=refs, repeats=repeats, layout="incontext")
+        want = torch.cat([torch.cat([hand_encoded(pipe.vae, refs[b, i], k) for i, k in enumerate(repeats)], dim=2)
+                          for b in range(2)])
+    assert cond.condition is None and cond.num_ref_latents == 0 and cond.layout == "incontext"
+    assert want.shape == (2, 16, 4, 4, 6)
+    torch.testing.assert_close(cond.ref_latents, want, rtol=0, atol=1e-6)
+
+    x_t = torch.randn(2, 16, 3, 4, 6, generator=g)  # 9 video frames: 3 latents
+    ts = torch.tensor([700.0, 250.0])
+    x, t = model_input(x_t, cond, ts, (1, 2, 2))
+    assert torch.equal(x, torch.cat([x_t, cond.ref_latents], dim=2)) and torch.equal(t, ts)  # shared (Phantom, V3)
+    zero = Conditioning(None, 0, cond.ref_latents, "incontext", "zero")
+    x, t = model_input(x_t, zero, ts, (1, 2, 2))
+    grid = torch.zeros(2, 3 + 4, 4 // 2, 6 // 2)  # the patch grid (T + L_ref, h/2, w/2), frame-major as diffusers
+    grid[:, :3] = ts.view(2, 1, 1, 1)
+    assert torch.equal(x, torch.cat([x_t, cond.ref_latents], dim=2)) and torch.equal(t, grid.flatten(1))
+    # the per-token path is diffusers' own: all tokens at the sample's timestep == the shared timestep
+    with torch.no_grad():
+        tr, text = pipe.transformer, torch.randn(2, 512, 32, generator=g)
+        shared = tr(hidden_states=x, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+        per_token = tr(hidden_states=x, timestep=ts[:, None].expand(-1, grid[0].numel()), encoder_hidden_states=text,
+                       return_dict=False)[0]
+        zeroed = tr(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    torch.testing.assert_close(per_token, shared, rtol=0, atol=1e-5)
+    assert (zeroed - shared)[:, :, :3].abs().max() > 1e-4  # the references' timestep reaches the video tokens
+    pred = torch.randn(2, 16, 7, 4, 6, generator=g)
+    assert torch.equal(video_prediction(pred, cond), pred[:, :, :3])
+    # nothing assumes 16 channels or the 8x VAE: a 48-channel latent (Wan 2.2 TI2V-5B) with its own grid
+    refs48, x48 = torch.randn(1, 48, 2, 6, 10), torch.randn(1, 48, 5, 6, 10)
+    x, t = model_input(x48, Conditioning(None, 0, refs48, "incontext", "zero"), torch.tensor([500.0]), (1, 2, 2))
+    assert x.shape == (1, 48, 7, 6, 10) and t.shape == (1, 7 * 3 * 5) and t[0, :15 * 5].eq(500).all() and \
+        t[0, 15 * 5:].eq(0).all()
+
+
+@pytest.mark.parametrize("timestep", ["shared", "zero"])
+def test_training_feeds_what_the_sampler_feeds(data_dir, timestep):  # noqa: F811
+    """At the sampler's first step (sigma 1) with the same noise, the training step gives the transformer exactly the
+    hidden states (noisy video | clean references), timestep and text that A2Pipeline gives it."""
+    cfg, run, enc, batch = setup(data_dir, "--reference-timestep", timestep, "--vae-sample-mode", "argmax",
+                                 "--text-dropout", "0")
+    assert (run.layout, run.clip_frames, run.ref_latents, run.expand, run.e2v_type) == ("incontext", 9, 0, False, "vae")
+    transformer = train_a2.load_transformer(run.info.path, torch.float32)
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder)
+    files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in A2_ELEMENTS]
+    refs, _, repeats = load_references(files, (32, 32))
+    pipe(batch["prompts"][0], refs, None, repeats, height=32, width=32, num_frames=9, num_inference_steps=1,
+         guidance_scale=1.0, scheduler="euler", sample_mode="argmax", generator=torch.Generator().manual_seed(1),
+         decode="none", progress=False, reference_layout="incontext", reference_timestep=timestep)
+    (sampled,) = seen
+    assert sampled["timestep"].reshape(-1)[0].item() == 1000.0  # sigma 1: x_t is the noise itself
+
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :, :3].clone(), torch.tensor([1.0])
+    seen.clear()
+    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    (trained,) = seen
+    assert sampled["hidden_states"].shape == (1, 16, 3 + 3, 4, 4)
+    for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+        assert torch.equal(trained[key], sampled[key].to(trained[key].dtype)), key
+    assert trained["timestep"].shape == ((1,) if timestep == "shared" else (1, 6 * 2 * 2))
+
+
+@pytest.mark.parametrize("timestep", ["shared", "zero"])
+def test_loss_is_on_the_video_latents_only(data_dir, timestep):  # noqa: F811
+    cfg, run, enc, batch = setup(data_dir, "--reference-timestep", timestep, "--reference-dropout", "0")
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    cond, sigmas = inputs["cond"], inputs["sigmas"]
+    target = inputs["noise"] - inputs["x0"]
+    seen = []
+
+    class Model(torch.nn.Module):  # returns the exact target on the video frames, `junk` on the reference frames
+        config = type("C", (), {"patch_size": (1, 2, 2)})
+
+        def forward(self, hidden_states, timestep, **kw):
+            seen.append((hidden_states, timestep))
+            return (torch.cat([target + offset, junk], dim=2),)
+
+    offset, junk = 0.0, torch.full((1, 16, 3, 4, 4), 50.0)
+    amp = torch.autocast("cpu", enabled=False)
+    loss, _ = train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)
+    assert loss.item() == 0.0
+    junk = -junk
+    assert train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)[0].item() == 0.0
+    offset = 1.0  # the video frames do count
+    assert train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)[0].item() == pytest.approx(1.0)
+    hidden, t = seen[0]
+    x_t = (1 - sigmas.view(-1, 1, 1, 1, 1)) * inputs["x0"] + sigmas.view(-1, 1, 1, 1, 1) * inputs["noise"]
+    assert torch.equal(hidden[:, :, 3:], cond.ref_latents) and cond.ref_latents.abs().max() > 0  # clean: never noised
+    torch.testing.assert_close(hidden[:, :, :3], x_t)
+    if timestep == "shared":
+        assert torch.equal(t, sigmas * 1000)
+    else:
+        assert torch.equal(t, torch.cat([(sigmas * 1000).expand(3 * 4), torch.zeros(3 * 4)])[None])
+
+
+def test_reference_dropout_zeroes_the_references(data_dir):  # noqa: F811
+    _, _, _, batch = setup(data_dir)
+    for p, dropped in ((0.0, False), (1.0, True)):
+        cfg, run, enc, _ = setup(data_dir, "--reference-dropout", str(p))
+        cond = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))["cond"]
+        assert cond.ref_latents.shape == (1, 16, 3, 4, 4) and (cond.ref_latents.abs().max() == 0) == dropped
+
+
+def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
+    import infer
+
+    r = train(*args(data_dir, tmp_path, "ic", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0", *INCONTEXT,
+                    "--reference-timestep", "zero", model="tiny-t2v"))
+    run = json.loads((r["run_dir"] / "run.json").read_text())
+    assert run["layout"] == "incontext" and not run["expand"]
+    assert r["weights"].name == "pytorch_lora_weights.safetensors"
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
+    base = dict(model="tiny-t2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
+                reference_layout="incontext", reference_timestep="zero", out=str(tmp_path / "v.mp4"))
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    saved = torch.load(tmp_path / "base.pt")
+    assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape == (1, 16, 3, 4, 4)
+    lora = dict(base, lora=str(r["weights"]))
+    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"), compare=str(
+        tmp_path / "base.pt"))) == 1  # the LoRA changes the video...
+    assert infer.main(infer.InferConfig(**lora, compare=str(tmp_path / "lora.pt"), tolerance=0.0)) == 0  # repeatably
+    other = dict(lora, elements=tuple(str(data_dir / f"001{s}") for s in ("_person.png", "_object.png",
+                                                                          "_background.png")))
+    assert infer.main(infer.InferConfig(**other, compare=str(tmp_path / "lora.pt"))) == 1  # ...and so do the refs
+    with pytest.raises(ValueError, match="incontext needs a T2V model"):
+        infer.main(infer.InferConfig(**dict(base, model="tiny")))
+
+
+def test_cached_training_equals_live_training(data_dir, tmp_path):  # noqa: F811
+    cache = tmp_path / "cache"
+    steps = ["--max-steps", "3", "--text-dropout", "0.5", "--reference-dropout", "0.3", *INCONTEXT]
+    live = train(*args(data_dir, tmp_path, "live", *steps, model="tiny-t2v"))
+    train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute", *INCONTEXT, model="tiny-t2v"))
+    (key_dir,) = cache.iterdir()
+    assert len(torch.load(key_dir / "samples" / "0.pt")["posteriors"]) == 3 + 1  # one encode per element, the clip
+    cached = train(*args(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps, model="tiny-t2v"))
+    assert losses(cached["run_dir"]) == losses(live["run_dir"])
+    assert max_diff(params(cached["run_dir"] / "ckpt-0000003"), params(live["run_dir"] / "ckpt-0000003")) == 0.0
+    # the channel layout of the same data and the same 9-frame clip (21 - 3 reference latents) is another cache
+    with pytest.raises(FileNotFoundError, match="--precompute first"):
+        train(*args(data_dir, tmp_path, "chan", "--cache-dir", str(cache), "--max-steps", "1", "--num-frames", "21",
+                    "--e2v-type", "vae", "--training-type", "full", model="tiny-t2v"))
+
+
+def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
+    cfg_file = tmp_path / "ds.json"
+    vae = {"reference_layout": "incontext", "reference_timestep": "zero"}
+    elements = [{"name": "subject", "suffixes": ["_person.png"]}]
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "processors": {"vae": vae}}]}))
+    (ds,) = load_dataset_config(cfg_file)
+    assert (ds.vae.reference_layout, ds.vae.reference_timestep) == ("incontext", "zero")
+    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu")
+    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+    assert (run.layout, run.clip_frames, run.ref_latents) == ("incontext", 9, 0)
+    for bad, message, els in (({"reference_layout": "time"}, "reference_layout 'time'", elements),
+                              ({"reference_layout": "incontext", "frame_conditioning": "first"}, "use full", elements),
+                              (vae, r"datasets\[0\] lists no elements", [])):
+        cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": els,
+                                                      "processors": {"vae": bad}}]}))
+        with pytest.raises(ConfigError, match=message):
+            load_dataset_config(cfg_file)
+    with pytest.raises(ConfigError, match="36 input channels .* incontext is for T2V models"):
+        setup(data_dir, model="tiny")
+    with pytest.raises(ConfigError, match="no CLIP image branch"):
+        setup(data_dir, "--e2v-type", "dual")
+    with pytest.raises(ConfigError, match="needs element images"):
+        setup(data_dir, "--dataset-type", "t2v")
