@@ -151,12 +151,14 @@ def test_reference_dropout_zeroes_the_references(data_dir):  # noqa: F811
 def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
     import infer
 
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     r = train(*args(data_dir, tmp_path, "ic", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0", *INCONTEXT,
-                    "--reference-timestep", "zero", model="tiny-t2v"))
+                    "--reference-timestep", "zero", "--val-elements", *els, "--val-steps", "2", "--no-val-metrics",
+                    model="tiny-t2v"))
     run = json.loads((r["run_dir"] / "run.json").read_text())
     assert run["layout"] == "incontext" and not run["expand"]
+    assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]  # validation samples it
     assert r["weights"].name == "pytorch_lora_weights.safetensors"
-    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     base = dict(model="tiny-t2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
                 reference_layout="incontext", reference_timestep="zero", out=str(tmp_path / "v.mp4"))
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
@@ -207,6 +209,8 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
                                                       "processors": {"vae": bad}}]}))
         with pytest.raises(ConfigError, match=message):
             load_dataset_config(cfg_file)
+    _, run, _, _ = setup(data_dir, "--expert", "low", model="tiny-wan22-t2v")  # a Wan 2.2 T2V expert: a LoRA too
+    assert (run.layout, run.expand, run.subfolder) == ("incontext", False, "transformer_2")
     with pytest.raises(ConfigError, match="36 input channels .* incontext is for T2V models"):
         setup(data_dir, model="tiny")
     with pytest.raises(ConfigError, match="no CLIP image branch"):
