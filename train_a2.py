@@ -382,13 +382,13 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     return transformer, source
 
 
-def block_plan(cfg: TrainConfig, transformer, device) -> tuple[float, bool, str]:
+def block_plan(cfg: TrainConfig, transformer, device, appended: int = 0) -> tuple[float, bool, str]:
     """(checkpoint fraction, save attention, why): --memory auto on CUDA plans them from the model, the shape and
     the free memory (a2/memory.py); --memory manual and the CPU take the flags."""
     if cfg.memory == "manual" or device.type != "cuda":
         return cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, "the flags"
     h, w = cfg.resolution
-    tokens = cfg.micro_batch * ((cfg.num_frames - 1) // 4 + 1) * (h // 16) * (w // 16)
+    tokens = cfg.micro_batch * ((cfg.num_frames - 1) // 4 + 1 + appended) * (h // 16) * (w // 16)  # + incontext refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device)
     return plan.checkpoint_fraction, plan.save_attention, f"--memory auto: {plan}"
 
@@ -512,7 +512,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         elif cond is not None:
             cond = replace(cond, condition=condition)
     return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, cond=cond, text=text, image=image,
-                tokens=b * t_lat * (height // 16) * (width // 16), reference_images=batch.get("ref_vae"))
+                tokens=b * (t_lat + (0 if cond is None or cond.layout != "incontext" or cond.ref_latents is None
+                                     else cond.ref_latents.shape[2])) * (height // 16) * (width // 16),
+                reference_images=batch.get("ref_vae"))
 
 
 def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
@@ -843,7 +845,8 @@ def main(cfg: TrainConfig) -> dict:
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
-    fraction, save_attention, why = block_plan(cfg, transformer, device)
+    fraction, save_attention, why = block_plan(cfg, transformer, device, num_ref_latents(
+        [e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0)
     configure_blocks(transformer, fraction, save_attention, cfg.compile)
     log(f"blocks: {fraction:.0%} recomputed{', keeping self-attention' if save_attention and fraction else ''}"
         f"{', compiled' if cfg.compile else ''} ({why})")
