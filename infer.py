@@ -67,6 +67,9 @@ class InferConfig:
     """Denoising steps of the sampler."""
     guidance_scale: float = 5.0
     """Classifier-free guidance scale (1: no guidance, one forward per step)."""
+    guidance_scale_img: float | None = None
+    """--reference-layout incontext: reference guidance as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
+    references; Phantom: --guidance-scale 7.5 --guidance-scale-img 5). Default: text CFG only, references in both."""
     guidance_scale_2: float | None = None
     """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
     seed: int = 42
@@ -214,7 +217,8 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
                 flow_shift=cfg.flow_shift,
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
-                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
+                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep,
+                guidance_scale_img=cfg.guidance_scale_img)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:

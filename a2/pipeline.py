@@ -6,7 +6,7 @@ model is trained on and what it is sampled with are built by the same lines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -543,6 +543,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         progress: bool = True,
         reference_layout: str = "channel",
         reference_timestep: str = "shared",
+        guidance_scale_img: float | None = None,
     ) -> dict:
         """Generate one video.
 
@@ -557,6 +558,10 @@ class A2Pipeline(WanLoraLoaderMixin):
         reference_layout: channel (A2 / Wan I2V: mask | condition channels, on a 36-channel model) or incontext
         (a T2V-shaped model: the clean reference latents after the video latents, `reference_timestep` shared |
         zero; prepare_latents); the sampler then runs on the video latents alone.
+        guidance_scale_img (incontext): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample, three forwards
+        a step: u + s_img·(r − u) + s·(c − r) with u = (zero references, negative prompt), r = (references, negative
+        prompt), c = (references, prompt), s = guidance_scale (Phantom: s 7.5, s_img 5). None: text CFG only, the
+        references in both branches (the same as s_img = 1, one forward fewer).
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (incontext: the reference
         latents), num_ref_latents)."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
@@ -567,7 +572,9 @@ class A2Pipeline(WanLoraLoaderMixin):
 
         prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)
         negative_embeds = None
-        if guidance_scale > 1.0:
+        if guidance_scale_img is not None and reference_layout != "incontext":
+            raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext")
+        if guidance_scale > 1.0 or guidance_scale_img is not None:
             negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
         image_embeds = None
         if transformer.config.image_dim is not None:
@@ -609,7 +616,16 @@ class A2Pipeline(WanLoraLoaderMixin):
                 noise_uncond = video_prediction(model(
                     hidden_states=x, timestep=timestep, encoder_hidden_states=negative_embeds,
                     encoder_hidden_states_image=image_embeds, return_dict=False)[0], cond)
-                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+                if guidance_scale_img is not None:  # Phantom / V3: the unconditional has zero references
+                    empty = replace(cond, ref_latents=torch.zeros_like(cond.ref_latents))
+                    x0, timestep0 = model_input(latents, empty, t.expand(1), model.config.patch_size)
+                    noise_none = video_prediction(model(
+                        hidden_states=x0.to(dtype), timestep=timestep0, encoder_hidden_states=negative_embeds,
+                        encoder_hidden_states_image=image_embeds, return_dict=False)[0], empty)
+                    noise_pred = noise_none + guidance_scale_img * (noise_uncond - noise_none) \
+                        + scale * (noise_pred - noise_uncond)
+                else:
+                    noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
             latents = sched.step(noise_pred.float(), t, latents, return_dict=False)[0]
 
         video = None

@@ -217,3 +217,35 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
         setup(data_dir, "--e2v-type", "dual")
     with pytest.raises(ConfigError, match="needs element images"):
         setup(data_dir, "--dataset-type", "t2v")
+
+
+def test_reference_guidance_as_phantom(tiny_t2v_dir):
+    """guidance_scale_img: three forwards a step, the unconditional one with zero references and the negative prompt;
+    u + s_img (r - u) + s (c - r) from the recorded outputs; s_img = 1 is text CFG with the references in both."""
+    pipe = A2Pipeline.from_pretrained(tiny_t2v_dir)
+    refs = torch.rand(1, 2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    calls = []
+    pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out[0])), with_kwargs=True)
+
+    def sample(**kw):
+        calls.clear()
+        return pipe("a bear", refs, None, (1, 1), height=32, width=32, num_frames=5, num_inference_steps=1,
+                    scheduler="euler", generator=torch.Generator().manual_seed(2), decode="none", progress=False,
+                    reference_layout="incontext", **kw)["latents"]
+
+    text_cfg = sample(guidance_scale=4.0)
+    assert len(calls) == 2
+    guided = sample(guidance_scale=4.0, guidance_scale_img=3.0)
+    (c_kw, c), (r_kw, r), (u_kw, u) = calls
+    assert torch.equal(c_kw["hidden_states"], r_kw["hidden_states"]) and c_kw["hidden_states"][:, :, 2:].abs().max() > 0
+    assert torch.equal(u_kw["hidden_states"][:, :, :2], c_kw["hidden_states"][:, :, :2])  # the same noisy video
+    assert u_kw["hidden_states"][:, :, 2:].abs().max() == 0  # zero references
+    assert torch.equal(r_kw["encoder_hidden_states"], u_kw["encoder_hidden_states"])  # both: the negative prompt
+    assert not torch.equal(c_kw["encoder_hidden_states"], r_kw["encoder_hidden_states"])
+    pred = (u + 3.0 * (r - u) + 4.0 * (c - r))[:, :, :2]
+    noise = c_kw["hidden_states"][:, :, :2]  # sigma 1: x_t is the noise; one Euler step to sigma 0 = noise - pred
+    torch.testing.assert_close(guided, noise - pred, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sample(guidance_scale=4.0, guidance_scale_img=1.0), text_cfg, rtol=0, atol=1e-5)
+    assert (guided - text_cfg).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="for reference_layout incontext"):
+        pipe("a bear", guidance_scale_img=2.0, height=32, width=32, num_frames=5, num_inference_steps=1)
