@@ -356,11 +356,13 @@ def prepare_latents(
 
 def model_input(x_t: torch.Tensor, cond: Conditioning | None, timestep: torch.Tensor,
                 patch_size=(1, 2, 2)) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformer's (hidden_states, timestep) for noisy video latents x_t (B, C, T, h, w) at timestep (B,).
-    The one place both training (train_a2.forward_loss) and sampling (A2Pipeline) assemble the model input:
+    """The transformer's (hidden_states, timestep) for noisy video latents x_t (B, C, T, h, w) at timestep (B,), or
+    per video token (B, T·h·w/(p_h·p_w)) as Wan 2.2 TI2V's first-frame conditioning gives it. The one place both
+    training (train_a2.forward_loss) and sampling (A2Pipeline) assemble the model input:
     t2v (cond None): x_t; channel: cat([x_t, mask | condition], dim=1); incontext: cat([x_t, clean reference
-    latents], dim=2), with the timestep (B,) kept (shared) or per token (B, (T+L_ref)·h·w/(p_h·p_w)): the
-    video tokens' timestep, then 0 for the reference tokens (zero; tokens are frame-major, as the patch grid)."""
+    latents], dim=2), the reference tokens at the sample's timestep (shared; from a per-token timestep its largest
+    value, the unconditioned tokens') or at 0 (zero). A (B,) timestep stays (B,) when shared; otherwise the result is
+    per token (B, (T+L_ref)·h·w/(p_h·p_w)), frame-major as diffusers' patch grid."""
     if cond is None:
         return x_t, timestep
     if cond.layout == "channel":
@@ -369,13 +371,17 @@ def model_input(x_t: torch.Tensor, cond: Conditioning | None, timestep: torch.Te
         return x_t, timestep
     refs = cond.ref_latents.to(x_t.dtype)
     x = torch.cat([x_t, refs], dim=2)
-    if cond.reference_timestep == "shared":
+    if cond.reference_timestep == "shared" and timestep.dim() < 2:
         return x, timestep
     p_t, p_h, p_w = patch_size
     per_frame = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
     video, ref = x_t.shape[2] // p_t * per_frame, refs.shape[2] // p_t * per_frame
-    timestep = timestep.reshape(-1).expand(x_t.shape[0])
-    return x, torch.cat([timestep[:, None].expand(-1, video), timestep.new_zeros(x_t.shape[0], ref)], dim=1)
+    if timestep.dim() < 2:
+        timestep = timestep.reshape(-1).expand(x_t.shape[0])[:, None].expand(-1, video)
+    if timestep.shape[1] != video:
+        raise ValueError(f"per-token timestep of {timestep.shape[1]} tokens for {video} video tokens")
+    sample = timestep.amax(dim=1, keepdim=True) if cond.reference_timestep == "shared" else timestep.new_zeros(())
+    return x, torch.cat([timestep, sample.expand(x_t.shape[0], ref)], dim=1)
 
 
 def video_prediction(pred: torch.Tensor, cond: Conditioning | None) -> torch.Tensor:

@@ -68,6 +68,13 @@ def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2
         zeroed = tr(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
     torch.testing.assert_close(per_token, shared, rtol=0, atol=1e-5)
     assert (zeroed - shared)[:, :, :3].abs().max() > 1e-4  # the references' timestep reaches the video tokens
+    # a per-token video timestep (Wan 2.2 TI2V: the first frame's tokens at 0) keeps its tokens; the references
+    # get the sample's timestep (shared) or 0 (zero)
+    ti2v = grid[:, :3].flatten(1).clone()
+    ti2v[:, :6] = 0
+    for how, ref_t in (("shared", ts), ("zero", torch.zeros(2))):
+        _, t = model_input(x_t, Conditioning(None, 0, cond.ref_latents, "incontext", how), ti2v, (1, 2, 2))
+        assert torch.equal(t, torch.cat([ti2v, ref_t[:, None].expand(-1, 4 * 6)], dim=1))
     pred = torch.randn(2, 16, 7, 4, 6, generator=g)
     assert torch.equal(video_prediction(pred, cond), pred[:, :, :3])
     # nothing assumes 16 channels or the 8x VAE: a 48-channel latent (Wan 2.2 TI2V-5B) with its own grid
