@@ -7,6 +7,8 @@ and compare a LoRA with its base model over a prompt list.
     python infer.py ... --compare run_a.pt               # max |Δ| and PSNR per tensor; exit 1 above tolerance
     python infer.py --model tiny-t2v --prompt "a person clapping" --lora runs/t2v/pytorch_lora_weights.safetensors
     python infer.py --model tiny-t2v --prompts-file prompts.txt --lora runs/t2v --out-dir eval/   # base | LoRA
+    python infer.py --model tiny-t2v --reference-layout incontext --elements me.png bear.png --num-frames 17 \
+        --lora runs/incontext/pytorch_lora_weights.safetensors    # references in context (Phantom / V3 style)
     python infer.py --model /models/SkyReels-A2 --eval-set eval.jsonl --lora runs/a2 --out-dir eval/ \
         --eval.dino /models/dinov2-base --eval.clip-text /models/CLIP-ViT-H-14   # + metrics.csv, base vs LoRA
 """
