@@ -338,8 +338,10 @@ def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 
     policy = {}
     if save_attention:
         policy["context_fn"] = partial(create_selective_checkpoint_contexts, _save_self_attention)
+        policy["respect_saved_tensors_hooks"] = True  # the kept attention goes to host memory too (a2/offload.py)
     for i, block in enumerate(model.blocks):
         forward = type(block).forward.__get__(block)  # the class's forward, also when configured before
+        block.recomputed = i < n  # (offload_activations moves what these keep to host memory)
         if i < n:
             forward = partial(checkpoint, forward, use_reentrant=False, **policy)
         block.forward = torch.compile(forward, fullgraph=True) if compile else forward
