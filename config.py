@@ -493,6 +493,14 @@ class TrainConfig:
     per new bucket shape (so it is off by default: with many buckets, or short runs, it loses)."""
     mixed_precision: Literal["bf16", "no"] = "bf16"
     """bf16 autocast on CUDA (fp32 master weights); ignored on CPU."""
+    offload_activations: bool = False
+    """What the recomputed blocks keep for backward (their inputs; with --save-attention the attention outputs) goes
+    to pinned host memory in the forward and comes back one block ahead in the backward, on a side CUDA stream
+    (a2/offload.py). Costs host RAM of that size and two copies of it per step; the results are unchanged."""
+    swap_blocks: int = 0
+    """LoRA: the frozen weights of the last N blocks live in pinned host memory and are copied to the GPU one block
+    ahead of use, in forward and backward (a2/offload.py): frees their bytes on the GPU (A2-14B: 0.65 GB a block in
+    bf16) for two host->GPU copies of them per step. Not with --training-type full or --fsdp."""
 
     # data
 

@@ -49,6 +49,7 @@ from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators,
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
 from a2.fp8 import quantize_base_weights, scaled_mm_supported
 from a2.memory import plan_for_model, use_expandable_segments
+from a2.offload import apply_offload
 from a2.pipeline import (
     A2Pipeline,
     PosteriorCache,
@@ -200,6 +201,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.fsdp and cfg.training_type != "full":
         raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
                           "of a frozen model: drop --fsdp (DDP)")
+    if cfg.swap_blocks and cfg.training_type != "lora":  # (issue 13) full fine-tuning trains every weight
+        raise ConfigError(f"--swap-blocks swaps frozen weights: LoRA only, not --training-type {cfg.training_type}")
+    if cfg.swap_blocks < 0:
+        raise ConfigError(f"--swap-blocks {cfg.swap_blocks}: a number of blocks, >= 0")
     vae_cfg = ds_cfgs[0].vae
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
         raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
@@ -842,6 +847,12 @@ def main(cfg: TrainConfig) -> dict:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
     else:
+        # issue 13 (a2/offload.py): before the move, so the swapped blocks' weights go to pinned host memory and never
+        # to the GPU whole; the activation offload applies to the blocks configure_blocks recomputes below
+        swapped = apply_offload(transformer, cfg.offload_activations, cfg.swap_blocks, device)
+        if swapped or cfg.offload_activations:
+            log(f"offload: {cfg.swap_blocks} blocks' frozen weights in host memory ({swapped / 2**30:.2f} GB)"
+                f"{', recomputed blocks keep their saved tensors in host memory' if cfg.offload_activations else ''}")
         transformer.to(device)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)

@@ -120,7 +120,7 @@ def _storages(tensors) -> set[int]:
 
 class BlockOffload:
     """The hooks of activation offload and block swap on a model's `blocks`: one per model (`model.offload`),
-    set up by swap_blocks / offload_activations."""
+    set up by apply_offload."""
 
     def __init__(self, model: nn.Module, device):
         self.blocks = list(model.blocks)
@@ -128,16 +128,17 @@ class BlockOffload:
         self.device = torch.device(device)
         self.copier = Copier(self.device)
         self.min_bytes = MIN_BYTES
-        self.offload: list[int] = []  # blocks whose saved tensors go to host memory (the recomputed ones)
         self.saved: dict[int, list] = {}  # offloaded block -> weak refs to its Offloaded tensors of the latest forward
         self.skip: set[int] = set()  # storages the running block's pack hook leaves alone
         self.swap: list[int] = []  # blocks whose frozen tensors live in host memory
         self.frozen: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}  # (tensor, host, empty)
         self.state: dict[int, object] = {}  # swapped block -> "host" | (device copies, event) | "device"
         self.in_backward = False
+        self.activations = False  # offload what the recomputed blocks (configure_blocks marks them) save
+        self.running = None  # (block, its saved-tensor hooks) while an offloading block's forward runs
         for block in self.blocks:  # every block: block i's backward start prefetches block i-1, swapped or not
-            block.register_forward_pre_hook(self._pre_forward)
-            block.register_forward_hook(self._post_forward)
+            block.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            block.register_forward_hook(self._post_forward, always_call=True)  # also closes the hooks on errors
 
     @staticmethod
     def frozen_tensors(block: nn.Module) -> list[torch.Tensor]:
@@ -201,12 +202,22 @@ class BlockOffload:
         return [i for i in self.swap if self.state[i] != "host"]
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, block, args):
+    def _pre_forward(self, block, args, kwargs):
         i = self.index[id(block)]
         self._ensure(i)
         self._load(i + 1)  # the next block's weights copy while this block computes
+        if self.activations and getattr(block, "recomputed", False) and torch.is_grad_enabled():
+            # what all blocks share (text states, time embedding, RoPE) and the weights are not this block's to move
+            self.skip = _storages([*args[1:], *kwargs.values(), *block.parameters(), *block.buffers()])
+            self.saved[i] = []
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(i, t), unpack)
+            hooks.__enter__()
+            self.running = (block, hooks)
 
     def _post_forward(self, block, args, out):
+        if self.running is not None and self.running[0] is block:
+            self.running[1].__exit__(None, None, None)
+            self.running = None
         i = self.index[id(block)]
         grad = isinstance(out, torch.Tensor) and out.requires_grad
         if not (grad and i == len(self.blocks) - 1):  # the last block is the first of the backward: it stays
@@ -233,46 +244,21 @@ class BlockOffload:
             self._release(i)
 
     # ------------------------------------------------------------------ activation offload
-    def add_offload(self, blocks: list[int]) -> None:
-        for i in blocks:
-            if i not in self.offload:
-                self.offload.append(i)
-                block = self.blocks[i]
-                block.forward = self._offloading(i, block.forward)
-
-    def _offloading(self, i: int, forward):
-        block = self.blocks[i]
-
-        def pack(t: torch.Tensor):
-            if (isinstance(t, nn.Parameter) or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
-                    or t.untyped_storage().data_ptr() in self.skip or not dense(t)):
-                return t
-            saved = Offloaded(self.copier, t)
-            self.saved[i].append(weakref.ref(saved))
-            return saved
-
-        def offloading_forward(hidden_states, *args, **kwargs):
-            # what all blocks share (text states, time embedding, RoPE) and the weights are not this block's to move
-            self.skip = _storages([*args, *kwargs.values(), *block.parameters(), *block.buffers()])
-            self.saved[i] = []
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return forward(hidden_states, *args, **kwargs)
-
-        return offloading_forward
+    def _pack(self, i: int, t: torch.Tensor):
+        if (isinstance(t, nn.Parameter) or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
+                or t.untyped_storage().data_ptr() in self.skip or not dense(t)):
+            return t
+        saved = Offloaded(self.copier, t)
+        self.saved[i].append(weakref.ref(saved))
+        return saved
 
 
 def unpack(saved):
     return saved.get() if isinstance(saved, Offloaded) else saved
 
 
-def _owner(model: nn.Module, device) -> BlockOffload:
-    if getattr(model, "offload", None) is None:
-        model.offload = BlockOffload(model, device)
-    return model.offload
-
-
 def swapped_blocks(model: nn.Module, n: int) -> list[int]:
-    """The blocks swap_blocks(model, n) keeps in host memory: the last n (see the module docstring)."""
+    """The blocks apply_offload(model, swap=n) keeps in host memory: the last n (see the module docstring)."""
     blocks = len(model.blocks)
     if not 0 <= n <= blocks:
         raise ValueError(f"--swap-blocks {n}: the model has {blocks} blocks")
@@ -280,29 +266,26 @@ def swapped_blocks(model: nn.Module, n: int) -> list[int]:
 
 
 def swap_bytes(model: nn.Module, n: int) -> int:
-    """(Of a model not swapped yet.) Host RAM (pinned) that swapping n blocks takes, and the device memory it frees less the (at most) two swapped
-    blocks on the device at a time. Each swapped block's bytes cross host -> device twice a step (forward, backward)."""
+    """(Of a model not swapped yet.) Host RAM (pinned) that swapping n blocks takes, and the device memory it frees,
+    less the (at most) two swapped blocks on the device at a time. Each swapped block's bytes cross host -> device
+    twice a step (forward, backward)."""
     return sum(t.numel() * t.element_size() for i in swapped_blocks(model, n)
                for t in BlockOffload.frozen_tensors(model.blocks[i]))
 
 
-def swap_blocks(model: nn.Module, n: int, device) -> int:
-    """The frozen tensors of the last n blocks live in host memory and visit `device` one block ahead of use.
-    Call it before the model is moved to the device (the swapped weights then never go there whole), or after.
-    Returns the bytes swapped."""
-    size = swap_bytes(model, n)
-    if n:
-        _owner(model, device).add_swap(swapped_blocks(model, n))
+def apply_offload(model: nn.Module, activations: bool, swap: int, device, min_bytes: int | None = None) -> int:
+    """Activation offload of the recomputed blocks (those configure_blocks marks, before or after this call) and
+    block swap of the last `swap` blocks' frozen tensors, on `device`. Call it before the model is moved to the
+    device (the swapped weights then never go there whole) or after. Returns the bytes swapped (host RAM).
+
+    Costs per step: swap, each swapped block's frozen bytes host -> device twice (forward, backward; see swap_bytes);
+    activation offload, each offloaded tensor device -> host in the forward and back in the backward, its bytes
+    taken in pinned host RAM instead of the device (a2/memory.py's saved bytes of the recomputed blocks)."""
+    size = swap_bytes(model, swap)
+    if activations or swap:
+        if getattr(model, "offload", None) is None:
+            model.offload = BlockOffload(model, device)
+        model.offload.activations = model.offload.activations or activations
+        model.offload.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        model.offload.add_swap(swapped_blocks(model, swap))
     return size
-
-
-def offload_activations(model: nn.Module, device, min_bytes: int = MIN_BYTES) -> list[int]:
-    """The recomputed blocks (configure_blocks marks them; call this after it) keep what they save for backward in
-    host memory. Returns those blocks. Each offloaded tensor crosses device -> host in the forward and back in the
-    backward; the host RAM taken is what the blocks would have kept on the device."""
-    blocks = [i for i, b in enumerate(model.blocks) if getattr(b, "recomputed", False)]
-    if blocks:
-        owner = _owner(model, device)
-        owner.min_bytes = min_bytes
-        owner.add_offload(blocks)
-    return blocks

@@ -346,3 +346,28 @@ def test_overfit_one_batch(data_dir, tmp_path):
     normal = losses(train(*args(data_dir, tmp_path, "normal", "--training-type", "full", "--max-steps", "40",
                                 "--warmup-steps", "5"))["run_dir"])
     assert normal[40] > 5 * per_step[40], (normal, per_step)
+
+
+def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypatch):
+    """issue 13: --offload-activations and --swap-blocks move tensors to host memory and back, and change nothing
+    else: the same losses and LoRA weights, bit for bit, with recomputation keeping the attention."""
+    import a2.offload
+    from config import ConfigError
+
+    monkeypatch.setattr(a2.offload, "MIN_BYTES", 0)  # the tiny model's tensors are all far below 1 MB
+    offloaded, prefetch = [], a2.offload.Offloaded.prefetch
+
+    def counted(saved):  # each offloaded tensor comes back through here once
+        offloaded.append(1)
+        prefetch(saved)
+
+    monkeypatch.setattr(a2.offload.Offloaded, "prefetch", counted)
+    steps = ("--max-steps", "2", "--save-attention", "--lr", "1e-2")
+    plain = train(*args(data_dir, tmp_path, "plain", *steps))
+    moved = train(*args(data_dir, tmp_path, "moved", *steps, "--swap-blocks", "1", "--offload-activations"))
+    assert offloaded and plain["losses"] == moved["losses"] and len(plain["losses"]) == 2
+    a, b = load_file(plain["weights"]), load_file(moved["weights"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for refused in (("--training-type", "full"), ("--training-type", "full", "--fsdp")):
+        with pytest.raises(ConfigError, match="--swap-blocks swaps frozen weights: LoRA only"):
+            train(*args(data_dir, tmp_path, "r", "--swap-blocks", "1", *refused))
