@@ -42,7 +42,7 @@ class Copier:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def to_host(self, t: torch.Tensor, pinned_like: bool = True):
+    def to_host(self, t: torch.Tensor):
         """(host copy, event when done). The copy starts once the compute queued so far (which produced t) is
         done, and t's memory is not reused before the copy has read it."""
         if not self.cuda:
@@ -119,13 +119,15 @@ def _storages(tensors) -> set[int]:
 
 
 class BlockOffload:
-    """The hooks of activation offload and block swap on a model's `blocks`: one per model (`model.offload`),
+    """The hooks of activation offload and block swap on a model's `blocks`: one per model (`model.a2_offload`),
     set up by apply_offload."""
 
     def __init__(self, model: nn.Module, device):
         self.blocks = list(model.blocks)
         self.index = {id(b): i for i, b in enumerate(self.blocks)}
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compared with tensors' devices, which have one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.copier = Copier(self.device)
         self.min_bytes = MIN_BYTES
         self.saved: dict[int, list] = {}  # offloaded block -> weak refs to its Offloaded tensors of the latest forward
@@ -283,9 +285,9 @@ def apply_offload(model: nn.Module, activations: bool, swap: int, device, min_by
     taken in pinned host RAM instead of the device (a2/memory.py's saved bytes of the recomputed blocks)."""
     size = swap_bytes(model, swap)
     if activations or swap:
-        if getattr(model, "offload", None) is None:
-            model.offload = BlockOffload(model, device)
-        model.offload.activations = model.offload.activations or activations
-        model.offload.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
-        model.offload.add_swap(swapped_blocks(model, swap))
+        if getattr(model, "a2_offload", None) is None:
+            model.a2_offload = BlockOffload(model, device)
+        model.a2_offload.activations = model.a2_offload.activations or activations
+        model.a2_offload.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        model.a2_offload.add_swap(swapped_blocks(model, swap))
     return size

@@ -32,21 +32,21 @@ class Watch:
 
     def __init__(self, model):
         self.model, self.seen, self.seen_backward = model, 0, 0
-        if getattr(model, "offload", None) is not None:
-            self.backward_starts_offload = model.offload._backward_starts
-            model.offload._backward_starts = self.backward_starts
+        if getattr(model, "a2_offload", None) is not None:
+            self.backward_starts_offload = model.a2_offload._backward_starts
+            model.a2_offload._backward_starts = self.backward_starts
         for i, block in enumerate(model.blocks):
             block.register_forward_hook(lambda b, a, o, i=i: self.check(i))
 
     def backward_starts(self, i):
         """In the backward, block i's weights and at most block i-1's (on their way) are on the device."""
-        owner = self.model.offload
+        owner = self.model.a2_offload
         self.backward_starts_offload(i)
         self.seen_backward += 1
         assert set(owner.resident()) <= {i, i - 1}, (i, owner.resident())
 
     def check(self, i):
-        owner = getattr(self.model, "offload", None)
+        owner = getattr(self.model, "a2_offload", None)
         if owner is None or not owner.swap:
             return
         self.seen += 1
@@ -75,14 +75,14 @@ def steps(fraction, save_attention, offload, swap, compile=False, n=2):
         pred = model(x, torch.tensor([500.0]), text, encoder_hidden_states_image=image, return_dict=False)[0]
         loss = pred.pow(2).mean()
         if offload:  # every recomputed block keeps its input, and with save_attention the attention, in the host
-            kept = [len(model.offload.saved[i]) for i in offloaded]  # (compiled: also what the graph saves)
+            kept = [len(model.a2_offload.saved[i]) for i in offloaded]  # (compiled: also what the graph saves)
             print("offloaded tensors per recomputed block", kept)
             assert kept and all(k == (3 if save_attention else 1) or compile and k > 3 for k in kept), kept
         loss.backward()
         out.append((loss.detach(), [p.grad.clone() for p in lora]))
         opt.step()
         if swap:
-            assert model.offload.resident() == []  # all swapped weights are released after the backward
+            assert model.a2_offload.resident() == []  # all swapped weights are released after the backward
     if swap:
         assert swapped > 0 and watch.seen == watch.seen_backward == n * LAYERS
     return out
