@@ -35,12 +35,14 @@ MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU: a copy's fixed cos
 
 
 class Copier:
-    """Host <-> device copies on a side stream (CUDA), or plain separate-storage copies (CPU)."""
+    """Host <-> device copies on side streams (CUDA), or plain separate-storage copies (CPU). One stream per
+    direction: the link is full duplex, and a block's activations going out need not wait for weights coming in."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.down = torch.cuda.Stream(device) if self.cuda else None  # device -> host
+        self.up = torch.cuda.Stream(device) if self.cuda else None  # host -> device
 
     def to_host(self, t: torch.Tensor):
         """(host copy, event when done). The copy starts once the compute queued so far (which produced t) is
@@ -49,25 +51,25 @@ class Copier:
             return t.detach().clone(memory_format=torch.preserve_format), None
         host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
         main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(main)
+        with torch.cuda.stream(self.down):
+            self.down.wait_stream(main)
             host.copy_(t.detach(), non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
-        t.record_stream(self.stream)
+            done.record(self.down)
+        t.record_stream(self.down)
         return host, done
 
     def to_device(self, host: torch.Tensor, after=None):
         """(device copy, event when done), queued on the side stream behind `after` (an event or None)."""
         if not self.cuda:
             return host.clone(memory_format=torch.preserve_format), None
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+        with torch.cuda.stream(self.up):
+            if after is not None:  # the host copy is complete
+                self.up.wait_event(after)
             t = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
             t.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.up)
         return t, done
 
     def use(self, t: torch.Tensor, done) -> torch.Tensor:
@@ -134,6 +136,7 @@ class BlockOffload:
         self.skip: set[int] = set()  # storages the running block's pack hook leaves alone
         self.swap: list[int] = []  # blocks whose frozen tensors live in host memory
         self.frozen: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}  # (tensor, host, empty)
+        self.buffers: list[torch.Tensor] = []  # the swapped blocks' host memory
         self.state: dict[int, object] = {}  # swapped block -> "host" | (device copies, event) | "device"
         self.in_backward = False
         self.activations = False  # offload what the recomputed blocks (configure_blocks marks them) save
@@ -160,18 +163,34 @@ class BlockOffload:
         for i in blocks:
             if i in self.frozen:
                 continue
+            tensors = self.frozen_tensors(self.blocks[i])
+            hosts = self.host_buffer(tensors)
             self.frozen[i] = []
-            for t in self.frozen_tensors(self.blocks[i]):
-                if t.device.type == "cpu":
-                    host = t.detach().pin_memory() if self.copier.cuda else t.detach().clone()
-                else:
-                    host, _ = self.copier.to_host(t)
+            for t, host in zip(tensors, hosts):
+                host.copy_(t.detach())
                 self.frozen[i].append((t, host, torch.empty(0, dtype=t.dtype, device=self.device)))
             self.swap.append(i)
             self.state[i] = "device"
             self._release(i)
-        if self.copier.cuda:
-            self.copier.stream.synchronize()  # the host copies are complete before their sources are reused
+
+    def host_buffer(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors shaped as `tensors`, contiguous, views of one buffer of exactly their size, page-locked on
+        CUDA (registered with the driver: torch's pinned allocator rounds every allocation up to a power of two,
+        up to twice the host RAM for a block's weights). The buffer lives as long as this object."""
+        align = 256
+        sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        if self.copier.cuda and flat.numel():
+            if int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0:
+                weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
+            else:  # (e.g. a locked-memory limit) torch's pinned allocator instead
+                flat = flat.pin_memory()
+        self.buffers.append(flat)
+        out, offset = [], 0
+        for t, size in zip(tensors, sizes):
+            out.append(flat[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            offset += size
+        return out
 
     def _load(self, i: int) -> None:
         """Start copying block i's frozen tensors to the device (side stream), if they are not there."""

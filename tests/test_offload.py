@@ -83,7 +83,9 @@ def steps(fraction, save_attention, offload, swap, compile=False, n=2):
         opt.step()
         if swap:
             assert model.a2_offload.resident() == []  # all swapped weights are released after the backward
-    if swap:
+    if swap:  # the host copies take their bytes, not torch's pinned allocator's power-of-two rounding
+        held = sum(b.numel() for b in model.a2_offload.buffers)
+        assert 0 < swapped <= held < swapped + 256 * sum(len(f) for f in model.a2_offload.frozen.values())
         assert swapped > 0 and watch.seen == watch.seen_backward == n * LAYERS
     return out
 
