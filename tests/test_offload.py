@@ -7,6 +7,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from peft import LoraConfig
 
+from a2.fp8 import quantize_base_weights
 from a2.offload import apply_offload
 from a2.transformer import configure_blocks, preset_config
 
@@ -58,8 +59,10 @@ class Watch:
             assert all(p.numel() == 0 for p in frozen) == (j not in on_device), (i, j)
 
 
-def steps(fraction, save_attention, offload, swap, compile=False, n=2):
+def steps(fraction, save_attention, offload, swap, compile=False, n=2, fp8=False):
     model = lora_model()
+    if fp8:  # e4m3 weight parameters and fp32 scale buffers (a2/fp8.py): swapped like any frozen tensor
+        quantize_base_weights(model)
     swapped = apply_offload(model, offload, swap, "cpu", min_bytes=0)  # before configure_blocks, as in train_a2
     configure_blocks(model, fraction, save_attention, compile)
     offloaded = [i for i, b in enumerate(model.blocks) if b.recomputed] if offload else []
@@ -109,3 +112,8 @@ def test_compiled_blocks_offload_and_swap_are_exact():
     the kept attention, the weights, which stay): the same steps as the compiled plain run."""
     ref = steps(1.0, True, False, 0, compile=True)
     assert same(steps(1.0, True, True, 2, compile=True), ref)
+
+
+def test_fp8_base_weights_offload_and_swap_are_exact():
+    ref = steps(1.0, True, False, 0, fp8=True)
+    assert same(steps(1.0, True, True, 2, fp8=True), ref)
