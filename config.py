@@ -496,7 +496,8 @@ class TrainConfig:
     offload_activations: bool = False
     """What the recomputed blocks keep for backward (their inputs; with --save-attention the attention outputs) goes
     to pinned host memory in the forward and comes back one block ahead in the backward, on a side CUDA stream
-    (a2/offload.py). Costs host RAM of that size and two copies of it per step; the results are unchanged."""
+    (a2/offload.py). Costs host RAM of that size and two copies of it per step; the results are unchanged. Not
+    with --fsdp."""
     swap_blocks: int = 0
     """LoRA: the frozen weights of the last N blocks live in pinned host memory and are copied to the GPU one block
     ahead of use, in forward and backward (a2/offload.py): frees their bytes on the GPU (A2-14B: 0.65 GB a block in

@@ -203,6 +203,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                           "of a frozen model: drop --fsdp (DDP)")
     if cfg.swap_blocks and cfg.training_type != "lora":  # (issue 13) full fine-tuning trains every weight
         raise ConfigError(f"--swap-blocks swaps frozen weights: LoRA only, not --training-type {cfg.training_type}")
+    if cfg.offload_activations and cfg.fsdp:  # its hooks are set up on the unsharded model only
+        raise ConfigError("--offload-activations is not tried with --fsdp: drop one of them")
     if cfg.swap_blocks < 0:
         raise ConfigError(f"--swap-blocks {cfg.swap_blocks}: a number of blocks, >= 0")
     vae_cfg = ds_cfgs[0].vae

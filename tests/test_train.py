@@ -371,3 +371,5 @@ def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypa
     for refused in (("--training-type", "full"), ("--training-type", "full", "--fsdp")):
         with pytest.raises(ConfigError, match="--swap-blocks swaps frozen weights: LoRA only"):
             train(*args(data_dir, tmp_path, "r", "--swap-blocks", "1", *refused))
+    with pytest.raises(ConfigError, match="--offload-activations is not tried with --fsdp"):
+        train(*args(data_dir, tmp_path, "r", "--offload-activations", "--training-type", "full", "--fsdp"))
