@@ -19,9 +19,11 @@ happens on the last block, which stays on the GPU across it, and the backward en
 copy of the step has a block's compute to hide behind.
 
 Both work on any device: on the CPU (tests) "host" copies are separate storages and a released block's tensors
-are empty, so a wrong or missing restore changes results or fails; on CUDA the copies run on a side stream,
-ordered against the compute stream by events, with record_stream telling the allocator which stream still reads
-a tensor, so no copy waits for the host.
+are empty, so a wrong or missing restore changes results or fails; on CUDA the copies run on two side streams (one
+per direction), ordered against the compute stream by events, with record_stream telling the allocator which
+stream still reads a tensor, so no copy waits for the host. Swapped weights take exactly their bytes of host RAM
+(one buffer per block, registered with the driver); offloaded activations go through torch's pinned allocator,
+which caches them across steps and rounds each up to a power of two.
 """
 
 from __future__ import annotations

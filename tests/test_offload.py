@@ -29,7 +29,8 @@ def lora_model():
 class Watch:
     """After each block's forward (and after the offload hooks): a swapped block's weights are on the device only
     while it runs (the last block's stay for the backward, which starts with it), the next block's are on their
-    way, and a swapped block not on the device holds none (its frozen parameters are empty tensors)."""
+    way, and a swapped block not on the device holds none (its frozen parameters are empty tensors). When a
+    block's backward starts: its weights and the previous block's (on their way), no others."""
 
     def __init__(self, model):
         self.model, self.seen, self.seen_backward = model, 0, 0
@@ -45,6 +46,7 @@ class Watch:
         self.backward_starts_offload(i)
         self.seen_backward += 1
         assert set(owner.resident()) <= {i, i - 1}, (i, owner.resident())
+        assert i - 1 not in owner.swap or i - 1 in owner.resident(), i  # prefetched while block i computes
 
     def check(self, i):
         owner = getattr(self.model, "a2_offload", None)
@@ -54,6 +56,7 @@ class Watch:
         on_device = [j for j in owner.swap if owner.state[j] == "device"]
         assert on_device == ([i] if i == LAYERS - 1 else []), (i, on_device)
         assert set(owner.resident()) - set(on_device) <= {i + 1}, (i, owner.resident())
+        assert i + 1 not in owner.swap or i + 1 in owner.resident(), i  # prefetched while block i computed
         for j in owner.swap:
             frozen = [p for p in self.model.blocks[j].parameters() if not p.requires_grad]
             assert all(p.numel() == 0 for p in frozen) == (j not in on_device), (i, j)
