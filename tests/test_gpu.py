@@ -215,6 +215,10 @@ def offload_step(activations: bool, swap: int, compile: bool):
         torch.cuda.synchronize()
     out = loss.item(), torch.cat([p.grad.flatten() for p in lora]).float().cpu(), torch.cuda.max_memory_allocated()
     del model, pred, loss, lora
+    import gc
+
+    torch._dynamo.reset()  # compiled code and the hooks' reference cycles would keep this model on the GPU
+    gc.collect()
     torch.cuda.empty_cache()
     return (*out, swapped, block)
 
@@ -222,13 +226,14 @@ def offload_step(activations: bool, swap: int, compile: bool):
 @pytest.mark.parametrize("compile", [False, True])
 def test_offload_and_swap_bf16_step(compile):
     """issue 13 on the GPU: block swap and activation offload (side-stream copies, pinned memory, events) give the
-    plain step's loss and LoRA gradients (bf16 tolerance), and lower the peak: swapping 4 of 6 blocks by their
-    bytes less the two blocks on the GPU at a time (the one computing, the one arriving), offloading the
-    activations by the recomputed blocks' inputs and attention outputs less two blocks' (in flight)."""
+    plain step's loss and LoRA gradients (bf16 tolerance), and lower the peak: swapping all 6 blocks by their
+    bytes less three blocks' (the one computing, the one arriving, the one just released, whose memory returns
+    once the compute queued on it is done), offloading the activations by the recomputed blocks' inputs and
+    attention outputs less three blocks' (likewise)."""
     loss, grads, peak, _, block = offload_step(False, 0, compile)
     tokens, dim = 6 * 32 * 32, 1536
     saved = 2 * tokens * dim * 2  # bf16 input and attention output of a recomputed block
-    for activations, swap in ((False, 4), (True, 0), (True, 4)):
+    for activations, swap in ((False, 6), (True, 0), (True, 6)):
         l2, g2, p2, swapped, _ = offload_step(activations, swap, compile)
         drop = peak - p2
         print(f"compile={compile} offload={activations} swap={swap}: loss {l2:.6f} vs {loss:.6f}, "
@@ -236,5 +241,5 @@ def test_offload_and_swap_bf16_step(compile):
               f"{swapped / 2**20:.0f} MB)")
         assert abs(l2 - loss) <= 1e-3 * abs(loss)
         assert ((g2 - grads).norm() / grads.norm()).item() <= 1e-2
-        want = (swapped - 2 * block if swap else 0) + ((6 - 2) * saved if activations else 0)
+        want = (swapped - 3 * block if swap else 0) + ((6 - 3) * saved if activations else 0)
         assert drop >= want, (drop, want)
