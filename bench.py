@@ -3,8 +3,13 @@
     python bench.py --preset tiny --frames 21 --height 64 --width 64            # CPU smoke
     python bench.py --preset 14B --frames 81 --height 480 --width 832 --refs 3 --mode lora   # one H100
 
-Prints step time, tokens/s, achieved TFLOP/s, MFU and peak memory. FLOPs (forward, per sample), with
-L video tokens, Lc = 512 text + 257·refs image tokens, d model dim, f FFN dim, n layers:
+Prints the memory plan (a2/memory.py: recomputation, activation offload, fp8 frozen weights, swapped blocks; the
+rule's under --memory auto, the flags' otherwise), step time, tokens/s, achieved TFLOP/s, MFU, peak GPU memory and
+host memory (resident set, pinned buffers included). --max-memory-gb N plans for an N GB card and caps the CUDA
+allocator there for the timed steps (set_per_process_memory_fraction): a smaller card, emulated.
+
+FLOPs (forward, per sample), with L video tokens, Lc = 512 text + 257·refs image tokens, d model dim, f FFN dim,
+n layers:
     per layer: self-attn projections 8·L·d² + core 4·L²·d; cross-attn q/o 4·L·d² + text/image k/v 4·Lc·d²
                + core 4·L·Lc·d; FFN 4·L·d·f          (a multiply-add = 2 FLOPs)
     + patch embedding 2·L·(4·in)·d + output 2·L·d·64.
@@ -24,8 +29,8 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from a2.memory import plan_for_model, use_expandable_segments
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
+from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, preset_config, random_transformer
 from config import height_width
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
@@ -59,13 +64,22 @@ class BenchConfig:
     """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
     manual, and on the CPU: the three flags below."""
     max_memory_gb: float | None = None
-    """--memory auto plans for this many GB instead of the free memory (a smaller card)."""
+    """Emulate a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA
+    allocator is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
     gradient_checkpointing: bool = False
     """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
     checkpoint_fraction: float = 1.0
     """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
     save_attention: bool = False
     """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
+    offload_activations: bool = False
+    """What recomputed blocks keep for backward goes to pinned host memory (a2/offload.py); forced on under auto."""
+    swap_blocks: int = 0
+    """LoRA: this many blocks' frozen weights live in pinned host memory (a2/offload.py); a minimum under auto."""
+    fp8_base: bool = False
+    """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
+    fp8_matmul: bool = False
+    """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
     compile: bool = False
     """torch.compile the transformer blocks (regional compilation)."""
     attention_backend: str | None = None
@@ -95,6 +109,12 @@ class BenchConfig:
     def __post_init__(self):
         self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
         self.resolution = (self.height, self.width)
+
+
+def host_rss() -> float:
+    """This process's resident host memory in bytes (pinned buffers of offload and block swap included)."""
+    with open("/proc/self/status") as f:
+        return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
@@ -208,12 +228,20 @@ def main(b: BenchConfig) -> dict:
                 p.data = p.data.float()
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
     tokens = t_lat * (h // 2) * (w // 2)
-    fraction, save = (b.checkpoint_fraction if b.gradient_checkpointing else 0.0), b.save_attention
+    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks)
     if b.memory == "auto" and device.type == "cuda":
-        plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device)
-        fraction, save = plan.checkpoint_fraction, plan.save_attention
-        print(f"--memory auto: {plan}")
-    configure_blocks(model, fraction, save, b.compile)
+        plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device, **forced)
+    else:
+        plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None, None,
+                          "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
+    print(f"memory: {plan}")
+    for line in apply_plan(model, plan, device, b.compile, b.fp8_matmul):
+        print(line)
+    fraction, save = plan.checkpoint_fraction, plan.save_attention
+    if device.type == "cuda" and b.max_memory_gb:  # a smaller card: the allocator may not go past it from here on
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, b.max_memory_gb * 2**30 / total), device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
@@ -239,6 +267,7 @@ def main(b: BenchConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    rss0 = host_rss()
     t0 = time.perf_counter()
     for _ in range(b.steps):
         step()
@@ -263,9 +292,11 @@ def main(b: BenchConfig) -> dict:
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+               host_gb=host_rss() / 2**30, host_step_gb=(host_rss() - rss0) / 2**30, plan=str(plan),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     res.update(backend=b.attention_backend or "default", compile=b.compile, checkpointing=fraction,
-               save_attention=save and fraction > 0)
+               save_attention=save and fraction > 0, offload=plan.offload, swap_blocks=plan.swap_blocks, fp8=plan.fp8,
+               memory_cap_gb=b.max_memory_gb if device.type == "cuda" else None)
     if b.compare_run:
         res.update(loop_overhead(b.compare_run, dt))
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))

@@ -470,10 +470,12 @@ class TrainConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train: auto = CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
     memory: Literal["auto", "manual"] = "auto"
-    """auto (CUDA): recomputation is planned from the model, the shape and the free GPU memory by one rule
-    (a2/memory.py: the fewest recomputed blocks that fit, keeping their self-attention; all blocks if that does not
-    fit), printed at start; --gradient-checkpointing/--checkpoint-fraction/--save-attention are then ignored.
-    manual, and on the CPU: those flags as given."""
+    """auto (CUDA): one rule (a2/memory.py) plans the step from the model, the shape and the free GPU and host memory,
+    before the weights move to the GPU, and prints the plan and why: the fewest recomputed blocks that fit, keeping
+    their self-attention; then every block recomputed with what it keeps offloaded to host memory; then (LoRA) fp8
+    frozen weights; then the fewest blocks swapped to host memory. --gradient-checkpointing/--checkpoint-fraction/
+    --save-attention are then ignored; --fp8-base/--offload-activations/--swap-blocks force their piece on.
+    manual, and on the CPU: all those flags as given."""
     max_memory_gb: float | None = None
     """--memory auto plans for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller card)."""
     gradient_checkpointing: bool = True

@@ -47,9 +47,8 @@ from tqdm import tqdm
 
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
-from a2.fp8 import quantize_base_weights, scaled_mm_supported
-from a2.memory import plan_for_model, use_expandable_segments
-from a2.offload import apply_offload
+from a2.fp8 import scaled_mm_supported
+from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
     PosteriorCache,
@@ -86,7 +85,6 @@ from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
     EXPERTS,
     ModelInfo,
-    configure_blocks,
     detect_model,
     expand_to_e2v,
     expert_sigma_range,
@@ -193,7 +191,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
     if cfg.fp8_base and cfg.training_type != "lora":  # fp8 base weights (issue 13)
         raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
-    if cfg.fp8_matmul and not cfg.fp8_base:
+    if cfg.fp8_matmul and not cfg.fp8_base and (cfg.memory == "manual" or device.type != "cuda"):  # else: if planned
         raise ConfigError("--fp8-matmul multiplies by the fp8 base weights: add --fp8-base")
     if cfg.fp8_matmul and not scaled_mm_supported(device):
         raise ConfigError(f"--fp8-matmul needs a CUDA GPU of compute capability 9.0+ (H100), not {device}: drop it "
@@ -382,22 +380,24 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         for p in transformer.parameters():  # LoRA weights train in fp32
             if p.requires_grad:
                 p.data = p.data.float()
-        if cfg.fp8_base:  # issue 13: frozen block linears as e4m3 + scales, before the model goes to the GPU
-            saved = quantize_base_weights(transformer, scaled_mm=cfg.fp8_matmul)
-            log(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / 2**30:.2f} GB saved")
     transformer.train()
     return transformer, source
 
 
-def block_plan(cfg: TrainConfig, transformer, device, appended: int = 0) -> tuple[float, bool, str]:
-    """(checkpoint fraction, save attention, why): --memory auto on CUDA plans them from the model, the shape and
-    the free memory (a2/memory.py); --memory manual and the CPU take the flags."""
+def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
+    """How the step fits (a2/memory.py), decided before the transformer's weights move to the GPU: --memory auto on
+    CUDA plans recomputation, activation offload, fp8 frozen weights and swapped blocks from the model, the shape and
+    the memory (the flags --fp8-base, --offload-activations, --swap-blocks force their piece on); --memory manual and
+    the CPU take the flags."""
     if cfg.memory == "manual" or device.type != "cuda":
-        return cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, "the flags"
+        return MemoryPlan(cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, None,
+                          None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
+    appended = num_ref_latents([e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0
     tokens = cfg.micro_batch * ((cfg.num_frames - 1) // 4 + 1 + appended) * (h // 16) * (w // 16)  # + incontext refs
-    plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device)
-    return plan.checkpoint_fraction, plan.save_attention, f"--memory auto: {plan}"
+    plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
+                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks)
+    return replace(plan, why=f"--memory auto: {plan.why}")
 
 
 def meta_replica(transformer):
@@ -848,21 +848,12 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
-    else:
-        # issue 13 (a2/offload.py): before the move, so the swapped blocks' weights go to pinned host memory and never
-        # to the GPU whole; the activation offload applies to the blocks configure_blocks recomputes below
-        swapped = apply_offload(transformer, cfg.offload_activations, cfg.swap_blocks, device)
-        if swapped or cfg.offload_activations:
-            log(f"offload: {cfg.swap_blocks} blocks' frozen weights in host memory ({swapped / 2**30:.2f} GB)"
-                f"{', recomputed blocks keep their saved tensors in host memory' if cfg.offload_activations else ''}")
-        transformer.to(device)
+    plan = memory_plan(cfg, run, transformer, device)  # before the weights move: where they go is part of it
+    log(f"memory: {plan}")
+    for line in apply_plan(transformer, plan, device, cfg.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
+        log(line)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
-    fraction, save_attention, why = block_plan(cfg, transformer, device, num_ref_latents(
-        [e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0)
-    configure_blocks(transformer, fraction, save_attention, cfg.compile)
-    log(f"blocks: {fraction:.0%} recomputed{', keeping self-attention' if save_attention and fraction else ''}"
-        f"{', compiled' if cfg.compile else ''} ({why})")
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")

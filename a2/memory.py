@@ -121,10 +121,12 @@ def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, s
     return gpu, host
 
 
-def ladder(n: int, lora: bool):
-    """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks)."""
+def ladder(n: int, lora: bool, offload: bool = True):
+    """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks). offload:
+    activation offload may be used (not under FSDP, where it is not tried)."""
     yield from ((k, True, False, False, 0) for k in range(n + 1))
-    yield n, True, True, False, 0
+    if offload:
+        yield n, True, True, False, 0
     yield n, False, False, False, 0
     if lora:
         yield n, True, True, True, 0
@@ -140,7 +142,7 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
     usable = budget * (1 - MARGIN) - MARGIN_GB * GB
     host_usable = host_budget * HOST_MARGIN
     lean = None  # the plan with the smallest estimate, said when none fits
-    for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks):
+    for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks, offload=not m.fsdp_block):
         off, f8, swap = off or offload, f8 or fp8, max(swap, swap_blocks)
         k = n if off else k  # offload applies to recomputed blocks
         gpu, host = step_estimate(config, tokens, m, k, save, off, f8, swap)
@@ -227,3 +229,29 @@ def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, 
     budget = max_memory_gb * GB if max_memory_gb else free + torch.cuda.memory_reserved(device)
     return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other), host_available(),
                        **forced)
+
+
+def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmul: bool = False) -> list[str]:
+    """Put a model in place as `plan` says, in the order that never needs the whole bf16 model on the GPU: fp8
+    frozen weights (a2/fp8.py) and swapped blocks' weights to pinned host memory (a2/offload.py) while the model is
+    still on the host, then the rest to `device`, then the blocks' recomputation / compilation (configure_blocks)
+    with the recomputed blocks' saved tensors offloaded. Returns what to log."""
+    from a2.fp8 import quantize_base_weights
+    from a2.offload import apply_offload
+    from a2.transformer import configure_blocks
+
+    lines = []
+    if plan.fp8:
+        saved = quantize_base_weights(model, scaled_mm=fp8_matmul)
+        lines.append(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / GB:.2f} GB saved")
+    swapped = apply_offload(model, plan.offload, plan.swap_blocks, device)
+    if swapped:
+        lines.append(f"block swap: the last {plan.swap_blocks} blocks' frozen weights in pinned host memory "
+                     f"({swapped / GB:.2f} GB), fetched one block ahead in forward and backward")
+    model.to(device)
+    configure_blocks(model, plan.checkpoint_fraction, plan.save_attention, compile)
+    lines.append(f"blocks: {plan.checkpoint_fraction:.0%} recomputed"
+                 + (", keeping self-attention" if plan.save_attention and plan.checkpoint_fraction else "")
+                 + (", their saved tensors offloaded to host memory" if plan.offload and plan.checkpoint_fraction
+                    else "") + (", compiled" if compile else ""))
+    return lines

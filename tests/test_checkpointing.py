@@ -83,12 +83,13 @@ def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
     default run's losses."""
     from safetensors.torch import load_file
 
-    import train_a2
+    import a2.transformer
     from data import make_synthetic_dataset
     from tests.test_train import args, losses, max_diff, train
 
     setups = []
-    monkeypatch.setattr(train_a2, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
+    # train_a2 sets its blocks up through a2.memory.apply_plan, which calls a2.transformer.configure_blocks
+    monkeypatch.setattr(a2.transformer, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
     runs = [train(*args(data, tmp_path, name, "--max-steps", "3", *extra))
             for name, extra in (("default", ()), ("fast", ("--save-attention", "--compile")))]
