@@ -231,24 +231,24 @@ def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch
     h, w = size
     x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (F, 3, H, W) uint8, channels-last in memory
     ih, iw = x.shape[-2:]
-
-    def resize(rh, rw):
-        return F.interpolate(x, size=(rh, rw), mode="bicubic", antialias=True, align_corners=False)
-
-    if mode == "resize":
-        x = resize(h, w)
-    elif mode == "center_crop":
-        s = max(h / ih, w / iw)
-        rh, rw = max(h, round(ih * s)), max(w, round(iw * s))
-        top, left = (rh - h) // 2, (rw - w) // 2
-        x = resize(rh, rw)[..., top:top + h, left:left + w]
-    else:  # pad_white / letterbox
-        s = min(h / ih, w / iw)
-        rh, rw = min(h, max(1, round(ih * s))), min(w, max(1, round(iw * s)))
-        canvas = torch.full((x.shape[0], 3, h, w), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
-        top, left = (h - rh) // 2, (w - rw) // 2
-        canvas[..., top:top + rh, left:left + rw] = resize(rh, rw)
+    # the geometry of preprocess_image (A2's): crop or pad to the target aspect first, then one resize
+    wider = ih / iw < h / w
+    if mode == "center_crop":
+        if wider:
+            cw = int(ih / h * w)
+            x = x[..., (iw - cw) // 2:(iw - cw) // 2 + cw]
+        else:
+            ch = int(iw / w * h)
+            x = x[..., (ih - ch) // 2:(ih - ch) // 2 + ch, :]
+    elif mode in ("pad_white", "letterbox"):
+        pad = int(((h / w) * iw - ih) / 2.0) if wider else int(((w / h) * ih - iw) / 2.0)
+        ph, pw = (ih + 2 * pad, iw) if wider else (ih, iw + 2 * pad)
+        canvas = torch.full((x.shape[0], 3, ph, pw), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
+        top, left = (pad, 0) if wider else (0, pad)
+        canvas[..., top:top + ih, left:left + iw] = x
         x = canvas
+    x = x.contiguous(memory_format=torch.channels_last)  # the fast uint8 kernel's layout
+    x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
     x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value
     return x.to(torch.float32).mul_(2 / 255).sub_(1)
 
@@ -664,7 +664,8 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    key = dict(version=1, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
+    # version 2: A2's pad/crop-then-resize preprocessing of images and frames
+    key = dict(version=2, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,

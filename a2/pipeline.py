@@ -28,29 +28,39 @@ PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")
 
 
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
-    """Bring an RGB image to size=(height, width).
+    """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes.
 
-    resize: stretch. center_crop: cover then crop the middle. pad_white / letterbox: fit inside
-    and pad with white / black (A2 pads its subject and object references with white)."""
+    resize: stretch. center_crop: crop the middle to the target aspect, then resize (A2's backgrounds).
+    pad_white: pad to the target aspect with white, the image centred, then resize (A2's subjects, objects and
+    every CLIP image, at 512x512). letterbox: the same with black padding. Crop and pad sizes are truncated to
+    whole pixels as A2 does, and every resize is PIL bicubic (PIL's default, which A2 uses)."""
     if mode not in PREPROCESS_MODES:
         raise ValueError(f"unknown preprocess mode {mode!r}; choose one of {PREPROCESS_MODES}")
     image = image.convert("RGB")
     h, w = size
     iw, ih = image.size
-    if mode == "resize":
-        return image.resize((w, h), Image.BICUBIC)
+    wider = ih / iw < h / w  # the image is wider than the target aspect
     if mode == "center_crop":
-        s = max(h / ih, w / iw)
-        rw, rh = max(w, round(iw * s)), max(h, round(ih * s))
-        image = image.resize((rw, rh), Image.BICUBIC)
-        left, top = (rw - w) // 2, (rh - h) // 2
-        return image.crop((left, top, left + w, top + h))
-    s = min(h / ih, w / iw)
-    rw, rh = min(w, max(1, round(iw * s))), min(h, max(1, round(ih * s)))
-    fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
-    canvas = Image.new("RGB", (w, h), fill)
-    canvas.paste(image.resize((rw, rh), Image.BICUBIC), ((w - rw) // 2, (h - rh) // 2))
-    return canvas
+        if wider:
+            cw = int(ih / h * w)
+            left = (iw - cw) // 2
+            image = image.crop((left, 0, left + cw, ih))
+        else:
+            ch = int(iw / w * h)
+            top = (ih - ch) // 2
+            image = image.crop((0, top, iw, top + ch))
+    elif mode in ("pad_white", "letterbox"):
+        fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
+        # the same pad on both sides, so an odd remainder makes the padded aspect off by a pixel (A2's rounding)
+        if wider:
+            pad = int(((h / w) * iw - ih) / 2.0)
+            canvas, at = Image.new("RGB", (iw, ih + 2 * pad), fill), (0, pad)
+        else:
+            pad = int(((w / h) * ih - iw) / 2.0)
+            canvas, at = Image.new("RGB", (iw + 2 * pad, ih), fill), (pad, 0)
+        canvas.paste(image, at)
+        image = canvas
+    return image.resize((w, h), Image.BICUBIC)
 
 
 def pil_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -173,7 +183,7 @@ def encode_vae(vae, pixels: torch.Tensor, sample_mode: str = "argmax", generator
     z = dist.sample(generator) if sample_mode == "sample" else dist.mode()
     z = z.float()
     mean, std = latent_stats(vae, z.device, z.dtype)
-    return (z - mean) / std
+    return (z - mean) * (1.0 / std)  # not `/ std`: SkyReels-A2 and diffusers multiply by the reciprocal (1 ulp)
 
 
 class PosteriorCache:
@@ -215,7 +225,7 @@ def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents (B, 16, T, h, w) -> pixels (B, 3, 4(T-1)+1, H, W) in [-1, 1]."""
     vae_param = next(vae.parameters())
     mean, std = latent_stats(vae, latents.device, torch.float32)
-    z = latents.float() * std + mean
+    z = latents.float() / (1.0 / std) + mean  # diffusers' Wan pipelines: latents / (1 / std) + mean
     return vae.decode(z.to(vae_param.device, vae_param.dtype), return_dict=False)[0].float().clamp(-1, 1)
 
 

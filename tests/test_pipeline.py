@@ -219,3 +219,68 @@ def test_a2_checkpoint_extra_norm_added_q_is_ignored(tiny_dir, tmp_path):
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
     assert not any("norm_added_q" in k for k in b.state_dict())
+
+
+def a2_reference(image: Image.Image, mode: str, h: int, w: int) -> Image.Image:
+    """SkyReels-A2's infer.py preprocessing built by hand: white padding (same on both sides, truncated) or a
+    centred crop to the target aspect, then one PIL resize with its default filter (bicubic). letterbox: black."""
+    iw, ih = image.size
+    if mode in ("pad_white", "letterbox"):
+        fill = 255 if mode == "pad_white" else 0
+        if ih / iw < h / w:
+            pad = int((h / w * iw - ih) / 2.0)
+            padded = np.full((ih + 2 * pad, iw, 3), fill, np.uint8)
+            padded[pad:pad + ih] = np.asarray(image)
+        else:
+            pad = int((w / h * ih - iw) / 2.0)
+            padded = np.full((ih, iw + 2 * pad, 3), fill, np.uint8)
+            padded[:, pad:pad + iw] = np.asarray(image)
+        return Image.fromarray(padded).resize((w, h))
+    if ih / iw < h / w:
+        cw = int(ih / h * w)
+        return image.crop(((iw - cw) // 2, 0, (iw - cw) // 2 + cw, ih)).resize((w, h))
+    ch = int(iw / w * h)
+    return image.crop((0, (ih - ch) // 2, iw, (ih - ch) // 2 + ch)).resize((w, h))
+
+
+def synthetic(iw: int, ih: int) -> Image.Image:
+    g = torch.Generator().manual_seed(iw * 1000 + ih)
+    return Image.fromarray(torch.randint(0, 256, (ih, iw, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("size", [(480, 832), (512, 512), (832, 480)])
+def test_preprocess_is_a2s_pad_or_crop_then_resize(shared_data, size):
+    h, w = size
+    images = [Image.open(shared_data / n).convert("RGB") for n in ("a2_human.png", "a2_thing.png", "a2_env.png")]
+    images += [synthetic(301, 97), synthetic(97, 301), synthetic(416, 240)]  # wider, taller, exactly 480:832
+    for image in images:
+        for mode in ("pad_white", "center_crop", "letterbox"):
+            got, want = preprocess_image(image, mode, (h, w)), a2_reference(image, mode, h, w)
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (image.size, mode, size)
+
+
+def test_video_frames_are_framed_like_reference_images():
+    """data.resize_frames (torch, uint8) crops/pads like preprocess_image (PIL): the same geometry, so the two
+    differ only by the two libraries' bicubic rounding, not by a shifted or rescaled picture."""
+    from data import resize_frames
+
+    for iw, ih in ((301, 97), (97, 301)):
+        image = synthetic(iw, ih).filter(__import__("PIL.ImageFilter").ImageFilter.GaussianBlur(3))
+        for mode in ("center_crop", "pad_white", "letterbox", "resize"):
+            pil = pil_to_tensor(preprocess_image(image, mode, (48, 80)))
+            frames = resize_frames(np.array(image)[None], mode, (48, 80))[:, 0]
+            assert (pil - frames).abs().mean() < 0.02, (iw, ih, mode)
+
+
+def test_latents_are_scaled_by_the_reciprocal_std(vae):
+    """`(z - mean) * (1 / std)` and back `z / (1 / std) + mean`, bit for bit as SkyReels-A2 and diffusers."""
+    from a2.pipeline import decode_vae
+
+    x = torch.rand(1, 3, 5, H, W) * 2 - 1
+    z = vae.encode(x).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    assert torch.equal(encode_vae(vae, x), (z - mean) * inv_std)
+    latents = torch.randn(1, 16, 2, H // 8, W // 8)
+    want = vae.decode(latents / inv_std + mean, return_dict=False)[0].clamp(-1, 1)
+    assert torch.equal(decode_vae(vae, latents), want)
