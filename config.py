@@ -430,10 +430,11 @@ class TrainConfig:
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V), a Hugging Face Hub id
+    (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), or a built-in offline tiny
     model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v."""
     image_encoder: str | None = None
-    """Dir with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
+    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only.
     auto: dual when the model has (or, a T2V base with --image-encoder, gets) an image branch; vae for Wan 2.2 I2V

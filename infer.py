@@ -38,16 +38,17 @@ from config import A2_ELEMENTS, EvalConfig, height_width, pair_elements, parse_e
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V), or a built-in offline tiny
-    model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v). A Wan 2.2 pair samples with both experts."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V), a Hugging Face Hub id
+    (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), or a built-in offline tiny model (tiny,
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
     transformer_2: str | None = None
     """Wan 2.2 A14B: a low-noise expert dir replacing the model's transformer_2 (runs/<run>/transformer_2)."""
     image_encoder: str | None = None
-    """Dir with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose model dir has
-    none (a T2V base expanded to E2V)."""
+    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
+    model dir has none (a T2V base expanded to E2V)."""
     elements: tuple[str, ...] = ()
     """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
     Empty for a T2V model (text only)."""

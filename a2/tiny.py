@@ -16,12 +16,13 @@ with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their o
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from a2.transformer import RANDOM_WEIGHTS, preset_config
+from a2.transformer import RANDOM_WEIGHTS, UnsupportedModel, preset_config
 
 TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
 a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
@@ -180,8 +181,37 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny")
 
 
 def model_path(name) -> Path:
-    """What `--model NAME` means: a built-in tiny model's dir (built on first use), else the path itself."""
-    return tiny_model_dir(**TINY_MODELS[str(name)]) if str(name) in TINY_MODELS else Path(name)
+    """What `--model NAME` (and `--image-encoder`) means: a built-in tiny model's dir (built on first use), a local
+    dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (`hub_snapshot`)."""
+    if str(name) in TINY_MODELS:
+        return tiny_model_dir(**TINY_MODELS[str(name)])
+    path = Path(name)
+    if path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path
+    return hub_snapshot(str(name))
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name; a path that exists locally wins
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The dir of `repo_id` in the Hub cache, downloaded there on first use. HF_HUB_OFFLINE / HF_HUB_CACHE are read
+    when called (huggingface_hub reads them once, at import); offline and not cached is one line saying what to do."""
+    import os
+
+    from huggingface_hub import constants, snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline))
+    except Exception as e:  # offline and absent, no network, no such repo, gated: one line, with the way out
+        first = (str(e).splitlines() or [""])[0]
+        why = (f"not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
+               f"(`hf download {repo_id}`, or unset HF_HUB_OFFLINE), or pass a local model dir" if offline else
+               f"could not be downloaded ({type(e).__name__}: {first}); check the id and the network (gated repos "
+               "need `hf auth login`), or pass a local model dir")
+        raise UnsupportedModel(f"{repo_id}: no such local dir, and as a Hugging Face Hub model it is {why}") from None
 
 
 if __name__ == "__main__":

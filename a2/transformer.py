@@ -181,6 +181,10 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
                                f"(in_channels, image branch) {configs[0]} vs {configs[1]}")
     in_channels, image_branch = configs[0]
 
+    if image_encoder:
+        from a2.tiny import model_path  # a Hub id, like --model
+
+        image_encoder = model_path(image_encoder)
     enc = Path(image_encoder) if image_encoder else d
     if not ((enc / "image_encoder" / "config.json").exists() and (enc / "image_processor").is_dir()):
         if image_encoder:
