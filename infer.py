@@ -28,7 +28,7 @@ import torch
 import tyro
 
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.lora import load_lora
+from a2.lora import expansion_file, load_expanded, load_lora
 from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
 from a2.tiny import model_path
 from a2.transformer import detect_model, is_e2v, load_transformer
@@ -303,6 +303,10 @@ def main(cfg: InferConfig) -> int:
                          f"{info.in_channels} input channels) and --elements ({len(items)} given)")
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
+    if cfg.lora and transformers[0] is None and not info.e2v and expansion_file(cfg.lora).is_file():
+        # a LoRA trained on this T2V base expanded to the E2V inputs: expand it with the run's expansion weights
+        transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora)
+        print(f"expanded {info.path} to the E2V inputs with {expansion_file(cfg.lora)}")
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
                                       transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
     if items and not is_e2v(pipe.transformer) and cfg.reference_layout == "channel":

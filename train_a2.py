@@ -89,6 +89,7 @@ from a2.transformer import (
     expand_to_e2v,
     expert_sigma_range,
     is_e2v,
+    is_expansion_weight,
     load_transformer,
     resolve_e2v_type,
 )
@@ -225,9 +226,6 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     else:
         e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
     expand = layout not in ("t2v", "incontext") and not info.e2v
-    if expand and cfg.training_type == "lora":  # the new input channels (and image K/V) must train and ship
-        raise ConfigError(f"{info.path} is a T2V model: E2V training widens its input layer, which a LoRA cannot "
-                          "train or carry; use --training-type full (infer.py --transformer <run>/transformer)")
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
@@ -360,7 +358,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = None
     if rank == 0 or not cfg.fsdp:
-        frozen = cfg.training_type == "lora"  # (an expansion trains in full)
+        frozen = cfg.training_type == "lora"  # (a LoRA's expansion weights are made fp32 below)
         transformer = load_transformer(run.info.path, run.compute_dtype if frozen else torch.float32, run.subfolder)
         if run.expand:
             log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
@@ -374,10 +372,16 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        target = cfg.lora_target if run.use_clip else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
+        # an expansion's image K/V train in full (below), no LoRA on them
+        keep_kv = run.use_clip and not run.expand
+        target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
         transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                            target_modules=target, init_lora_weights=True))
-        for p in transformer.parameters():  # LoRA weights train in fp32
+        if run.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
+            for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
+                if is_expansion_weight(name) and ".lora_" not in name:
+                    p.requires_grad_(True)
+        for p in transformer.parameters():  # LoRA (and expansion) weights train in fp32
             if p.requires_grad:
                 p.data = p.data.float()
     transformer.train()

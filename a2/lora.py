@@ -4,6 +4,13 @@ Export writes the adapter twice, with peft's scaling (alpha/r) folded into the u
 `W + up @ down` under every loader's no-alpha convention (diffusers without metadata takes alpha = r):
   pytorch_lora_weights.safetensors        diffusers keys  transformer.blocks.0.attn1.to_q.lora_A.weight
   pytorch_lora_weights_comfy.safetensors  original Wan    diffusion_model.blocks.0.self_attn.q.lora_down.weight
+A LoRA trained on a T2V base expanded to the E2V inputs also trains the weights the expansion created (the widened
+patch embedding; with CLIP the image embedder and image K/V) in full. They are written beside the adapter, under
+their module names (`transformer.patch_embedding.weight`, ...), in e2v_weights.safetensors: diffusers'
+`load_lora_weights` refuses a file holding any key without `lora` (and its Wan loader has no rule for a widened
+input layer), so the adapter files stay plain LoRA, loadable by diffusers on an expanded model, and `load_expanded`
+builds that model (base T2V + expand_to_e2v + these weights) for infer.py. ComfyUI's Wan LoRA loader cannot widen
+a 16-channel base: such a run loads in a2 (or diffusers after load_expanded) only.
 The second is what ComfyUI's Wan LoRA loader, the Wan repo's key names and diffusers'
 `_convert_non_diffusers_wan_lora_to_diffusers` read. Loading goes through diffusers' own `lora_state_dict`, which
 converts original (`diffusion_model.`) and musubi-tuner (`lora_unet_`) keys itself; a peft `save_pretrained` dir is
@@ -18,6 +25,7 @@ from pathlib import Path
 import torch
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
+E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
 COMFY_NAME = "pytorch_lora_weights_comfy.safetensors"  # not *pytorch_lora_weights.safetensors: diffusers' dir lookup
 # picks the file ending in that name, so a run dir still loads as the diffusers file
 
@@ -88,7 +96,44 @@ def export_lora(run_dir: Path, model, expert: str | None = None) -> tuple[Path, 
     sd = adapter_state_dict(model)
     WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=names[0])
     save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / names[1], metadata={"format": "pt"})
+    full = {f"transformer.{n}": p.detach().float().cpu().contiguous() for n, p in model.named_parameters()
+            if p.requires_grad and ".lora_" not in n}  # an expansion's weights (build_transformer trains them)
+    if full:
+        save_file(full, expansion_file(run_dir / names[0]), metadata={"format": "pt"})
     return run_dir / names[0], run_dir / names[1]
+
+
+def expansion_file(lora: Path) -> Path:
+    """Where a LoRA's expansion weights are: e2v_weights[_<expert>].safetensors beside its file (or in its dir)."""
+    lora = Path(lora)
+    if lora.is_dir():
+        return lora / E2V_NAME
+    expert = re.fullmatch(r"pytorch_lora_weights_(high|low)(?:_comfy)?\.safetensors", lora.name)
+    return lora.parent / (E2V_NAME.replace("weights", f"weights_{expert[1]}") if expert else E2V_NAME)
+
+
+def load_expanded(base, lora):
+    """The T2V transformer `base` expanded to the E2V inputs with the weights a LoRA run trained for the expansion
+    (expansion_file(lora)); None when the LoRA has none (its base was not expanded). The image branch is built when
+    the file holds one. The LoRA itself is loaded afterwards (load_lora), as on any E2V model."""
+    from safetensors.torch import load_file
+
+    from a2.transformer import expand_to_e2v, is_e2v, is_expansion_weight
+
+    path = expansion_file(lora)
+    if not path.is_file():
+        return None
+    sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+    if is_e2v(base):
+        raise ValueError(f"{path}: expansion weights for a T2V base, but the model already takes the E2V inputs")
+    norm = sd.get("condition_embedder.image_embedder.norm1.weight")
+    model = expand_to_e2v(base, image_dim=None if norm is None else norm.shape[0])
+    wanted = {n for n, _ in model.named_parameters() if is_expansion_weight(n)}
+    if set(sd) != wanted:
+        raise ValueError(f"{path}: expansion weights {sorted(set(sd) ^ wanted)[:4]} do not match this model's "
+                         "expansion (another base model?)")
+    model.load_state_dict({k: v.to(model.dtype) for k, v in sd.items()}, strict=False)
+    return model
 
 
 def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -267,6 +267,16 @@ def random_transformer(config: dict, dtype: torch.dtype, device, seed: int = 0) 
     return model.to(device).eval()
 
 
+# the weights expand_to_e2v creates (the widened patch embedding, the image branch): a LoRA on an expanded T2V base
+# trains them in full and ships them beside the adapter (a2/lora.py)
+EXPANSION_WEIGHTS = ("patch_embedding.weight", "condition_embedder.image_embedder", "attn2.add_k_proj",
+                     "attn2.add_v_proj", "attn2.norm_added_k")
+
+
+def is_expansion_weight(name: str) -> bool:
+    return any(name == w or name.startswith(w + ".") or f".{w}." in f".{name}" for w in EXPANSION_WEIGHTS)
+
+
 @torch.no_grad()
 def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, seed: int = 0) -> WanTransformer3DModel:
     """A T2V transformer -> the E2V architecture with the same output at init.
@@ -289,9 +299,7 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, see
         {k: v for k, v in base.state_dict().items() if k != "patch_embedding.weight"}, strict=False
     )
     assert not unexpected, unexpected
-    new_keys = ("patch_embedding.weight", "condition_embedder.image_embedder", "add_k_proj", "add_v_proj",
-                "norm_added_k")
-    assert all(any(s in k for s in new_keys) for k in missing), missing
+    assert all(is_expansion_weight(k) for k in missing), missing
     w = base.patch_embedding.weight  # (inner, 16, 1, 2, 2)
     e2v.patch_embedding.weight.zero_()
     e2v.patch_embedding.weight[:, : w.shape[1]] = w
