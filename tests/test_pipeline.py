@@ -284,3 +284,59 @@ def test_latents_are_scaled_by_the_reciprocal_std(vae):
     latents = torch.randn(1, 16, 2, H // 8, W // 8)
     want = vae.decode(latents / inv_std + mean, return_dict=False)[0].clamp(-1, 1)
     assert torch.equal(decode_vae(vae, latents), want)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n):
+    """A2Pipeline on A2's inputs == SkyReels-A2's pipeline, written out here step by step (its infer.py
+    preprocessing; noise drawn first, then the condition's posterior sampled with the same generator; `(z - mean) *
+    (1 / std)`; its per-branch mask; text-only CFG with the same image tokens; UniPC, shift 8), with the same
+    transformer: bit for bit. (A2's own transformer class applies RoPE in float64; diffusers' in float32.)"""
+    from dataclasses import replace
+
+    from diffusers import UniPCMultistepScheduler
+
+    from a2.pipeline import A2Pipeline, encode_prompt, load_references
+    from config import A2_ELEMENTS
+
+    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    h, w, f = 32, 48, 21
+    paths = [shared_data / p for p in ("a2_human.png", "a2_thing.png", "a2_env.png")][:n]
+    g = torch.Generator().manual_seed(42)
+    with torch.no_grad():
+        latents = torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8, generator=g)
+        vae, clip = [], []
+        for i, p in enumerate(paths):
+            image = Image.open(p).convert("RGB")
+            clip.append(a2_reference(image, "pad_white", 512, 512))
+            vae.append(pil_to_tensor(a2_reference(image, "center_crop" if i == 2 else "pad_white", h, w)))
+        repeats = (1, 4) if n == 2 else (1, 4, 4)
+        frames = [v for v, r in zip(vae, repeats) for _ in range(r)]
+        video = torch.stack(frames + [torch.zeros(3, h, w)] * (f - sum(repeats)), 1)[None]
+        z = pipe.vae.encode(video).latent_dist.sample(g)
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, 16, 1, 1, 1)
+        z = (z - mean) * (1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 16, 1, 1, 1))
+        flags = torch.zeros(f + 3)  # A2: the first flag repeated 4 + (4 | 8) times, then frames 5 | 9 on (zeros)
+        flags[:3 + sum(repeats)] = 1
+        mask = flags.view(-1, 4).T[None, :, :, None, None].expand(1, 4, -1, h // 8, w // 8)
+        condition = torch.cat([mask, z], 1)
+        text = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["a man in the forest", "bad"])
+        image_tokens = torch.cat([pipe.image_encoder(**pipe.image_processor(images=c, return_tensors="pt"),
+                                                     output_hidden_states=True).hidden_states[-2] for c in clip], 1)
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8)
+        sched.set_timesteps(3)
+        for t in sched.timesteps:
+            x = torch.cat([latents, condition], 1)
+            cond, uncond = (pipe.transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=e[None],
+                                             encoder_hidden_states_image=image_tokens, return_dict=False)[0]
+                            for e in text)
+            latents = sched.step(uncond + 5.0 * (cond - uncond), t, latents, return_dict=False)[0]
+
+        elements = [A2_ELEMENTS[0], replace(A2_ELEMENTS[1], repeat=4)] if n == 2 else A2_ELEMENTS
+        refs, clips, reps = load_references(list(zip(elements, paths)), (h, w), (512, 512))
+        assert reps == repeats
+        out = pipe("a man in the forest", refs, clips, reps, negative_prompt="bad", height=h, width=w, num_frames=f,
+                   num_inference_steps=3, flow_shift=8.0, generator=torch.Generator().manual_seed(42), decode="none",
+                   progress=False)
+    assert torch.equal(out["condition"], condition)
+    assert torch.equal(out["latents"], latents)
