@@ -44,3 +44,27 @@ def test_cache_is_keyed_by_what_it_depends_on(data_dir, tmp_path):  # noqa: F811
             train(*args(data_dir, tmp_path, "other2", "--cache-dir", str(cache), "--max-steps", "1"))
     finally:
         caption.write_text(old)
+
+
+def test_cache_key_covers_the_preprocessing(tmp_path):
+    """The key hashes each element's VAE/CLIP preprocessing mode and the video framing (and its version, 2 since
+    A2's pad/crop-then-resize, retires caches of the old code), so a cache built with other framing is never read."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from config import A2_ELEMENTS, DatasetConfig
+    from data import cache_key
+
+    for d in ("vae", "text_encoder", "tokenizer"):
+        (tmp_path / d).mkdir()
+
+    def key(cfg):
+        return cache_key(tmp_path, None, SimpleNamespace(cfgs=[cfg], samples=[], frame_sampling="x"), 9, "f32",
+                         "dual", 1)
+
+    base = DatasetConfig(str(tmp_path))
+    other_vae = A2_ELEMENTS[:2] + (replace(A2_ELEMENTS[2], vae_preprocess="pad_white"),)
+    other_clip = (replace(A2_ELEMENTS[0], clip_preprocess="letterbox"),) + A2_ELEMENTS[1:]
+    keys = {key(base), key(replace(base, elements=other_vae)), key(replace(base, elements=other_clip)),
+            key(replace(base, reshape_mode="pad_white"))}
+    assert len(keys) == 4 and key(base) == key(DatasetConfig(str(tmp_path)))
