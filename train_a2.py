@@ -852,15 +852,15 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
+    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
+        f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
+        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
     plan = memory_plan(cfg, run, transformer, device)  # before the weights move: where they go is part of it
     log(f"memory: {plan}")
     for line in apply_plan(transformer, plan, device, cfg.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
         log(line)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
-    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
-        f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
-        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer

@@ -4,8 +4,8 @@ The step's peak, on one rank, is taken as
     weights    what never leaves the GPU (weights outside the blocks, trainable weights, encoders left loaded,
                the allocator's share), plus each block's frozen weights: all n blocks in their dtype, or, with
                `fp8`, their linear weights as float8 with one fp32 scale per row (a2/fp8.py), or, with
-               `swap_blocks` s, n - s blocks resident and two staging copies of a swapped block (the one in use,
-               the one being fetched; a2/offload.py)
+               `swap_blocks` s, n - s blocks resident and up to three swapped blocks on the device at once (the
+               one in use, the one being fetched, the one just released; a2/offload.py)
   + state      fp32 gradients and AdamW's two moments of the trainable weights (12 bytes each), and for full
                fine-tuning without FSDP autocast's bf16 copies of the weights, which live through the forward;
   + saved      what the forward keeps for backward, per block, with L tokens, model dim d, FFN dim f, h heads:
@@ -26,11 +26,13 @@ The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the 
   2. recompute every block keeping attention, and offload what they keep to host memory (`offload`). Exact;
      costs PCIe copies (A2-14B at 720p: 1.5 GB per block each way, ~0.1 s at 25 GB/s against ~0.6 s of block
      compute), overlapped with compute on a side stream.
-  3. (if the host cannot hold the offloaded activations) recompute every block without saving attention.
+  3. (if the host cannot hold the offloaded activations) recompute every block without saving attention, then
+     also offloaded.
   4. LoRA: frozen linear weights in fp8 (`fp8`): half the weight bytes; costs an upcast per linear per use
      (memory-bound, a few % of the step) and the weights' rounding (e4m3: <= 2^-4 relative, tests/test_fp8.py).
   5. LoRA: fp8 and the fewest swapped blocks that fit (`swap_blocks`): their weights are fetched from host
-     memory before each use in forward and backward, overlapped with compute. Exact relative to rung 4.
+     memory before each use in forward and backward, overlapped with compute. Exact relative to rung 4. (Rungs 4-5
+     again without saved attention when the host cannot hold the attention outputs.)
   fp8 comes before swapping because it costs no transfer and makes each swapped block half the bytes; a user
   who wants bf16 weights with swapping sets the flags with `--memory manual`. If nothing fits: "DOES NOT FIT",
   before the first step (the estimate, the budget, what to change). The budget is the free GPU memory (or
@@ -40,6 +42,7 @@ The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -107,30 +110,42 @@ def block_bytes(config: dict, tokens: int) -> dict[str, float]:
                 full=tokens * (ACT_PER_TOKEN_D * d + ACT_PER_TOKEN_F * config["ffn_dim"]))
 
 
+def pinned_bytes(config: dict, tokens: int, save_attention: bool) -> float:
+    """Pinned host bytes one offloaded block takes: its input (and attention output, log-sum-exp), each rounded up
+    to a power of two by torch's pinned allocator (a2/offload.py)."""
+    d, h = config["num_attention_heads"] * config["attention_head_dim"], config["num_attention_heads"]
+    sizes = [2.0 * tokens * d] + ([2.0 * tokens * d, 4.0 * tokens * h] if save_attention else [])
+    return sum(2.0 ** math.ceil(math.log2(s)) for s in sizes)
+
+
 def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, save_attention: bool,
                   offload: bool = False, fp8: bool = False, swap_blocks: int = 0) -> tuple[float, float]:
     """(GPU peak, pinned host bytes) of the step under a plan (module docstring)."""
     b = block_bytes(config, tokens)
     n = config["num_layers"]
     per_block = m.block_fp8 if fp8 else m.block
-    weights = m.fixed + (n - swap_blocks) * per_block + (2 * per_block if swap_blocks else 0)
+    weights = m.fixed + (n - swap_blocks) * per_block + (3 * per_block if swap_blocks else 0)
     kept = b["save" if save_attention else "ckpt"]
     saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * b["full"]
     gpu = weights + 12.0 * m.trainable + 2.0 * m.full_weights + saved + 2 * b["full"] + 2 * m.fsdp_block
-    host = swap_blocks * per_block + (checkpointed * kept if offload else 0)
+    # offloaded tensors take torch's pinned caching allocator's blocks: each rounded up to a power of two
+    host = swap_blocks * per_block + (checkpointed * pinned_bytes(config, tokens, save_attention) if offload else 0)
     return gpu, host
 
 
 def ladder(n: int, lora: bool, offload: bool = True):
     """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks). offload:
-    activation offload may be used (not under FSDP, where it is not tried)."""
+    activation offload may be used (not under FSDP, where it is not tried). The plans without saved attention come
+    after those with it: they cost an attention core more per block, but take half the host memory offloaded."""
     yield from ((k, True, False, False, 0) for k in range(n + 1))
     if offload:
         yield n, True, True, False, 0
     yield n, False, False, False, 0
-    if lora:
-        yield n, True, True, True, 0
-        yield from ((n, True, True, True, s) for s in range(1, n + 1))
+    if offload:
+        yield n, False, True, False, 0
+    if lora and offload:
+        for save in (True, False):
+            yield from ((n, save, True, True, s) for s in range(n + 1))
 
 
 def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf"),
@@ -151,10 +166,13 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
         if lean is None or gpu < lean[5]:
             lean = (k, save, off, f8, swap, gpu, host)
         if gpu <= usable:
-            why = ("no recomputation needed" if k == 0 else f"the fewest recomputed blocks that fit ({k}/{n})"
-                   if not off else "saving attention outputs would not fit" if not save else
-                   "recomputed blocks' inputs and attention do not fit on the GPU" if not f8 else
-                   "bf16 frozen weights do not fit" if not swap else f"the fewest swapped blocks that fit ({swap}/{n})")
+            why = ("no recomputation needed" if k == 0 else f"the fewest swapped blocks that fit ({swap}/{n})"
+                   if swap else "bf16 frozen weights do not fit" if f8 else
+                   "what recomputed blocks keep does not fit on the GPU" if off else
+                   "saving attention outputs would not fit" if not save else
+                   f"the fewest recomputed blocks that fit ({k}/{n})")
+            if off and not save:
+                why += "; attention outputs not kept: the host cannot hold them offloaded"
             if (fp8, offload, swap_blocks) != (False, False, 0):
                 why += "; forced by the flags: " + ", ".join(
                     s for s, on in (("fp8", fp8), ("offload", offload), (f"{swap_blocks} swapped", swap_blocks)) if on)
