@@ -226,7 +226,7 @@ def test_t2v_misuse_is_a_clear_error(npz_data, tiny_dir, tiny_t2v_dir, tmp_path)
     from PIL import Image
 
     Image.new("RGB", (16, 16)).save(tmp_path / "person.png")
-    with pytest.raises(ValueError, match="is a T2V model .* no --elements"):
+    with pytest.raises(ValueError, match="is a T2V model .* or --elements with --reference-layout incontext"):
         t2v_infer(tiny_t2v_dir, elements=(str(tmp_path / "person.png"),))
     assert not list(tmp_path.glob("*/ckpt-*"))
 
