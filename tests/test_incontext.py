@@ -23,7 +23,7 @@ def hand_encoded(vae, image: torch.Tensor, frames: int) -> torch.Tensor:
     z = vae.encode(clip).latent_dist.mode()
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    return (z - mean) / std
+    return (z - mean) * (1.0 / std)  # as SkyReels-A2 and diffusers normalise
 
 
 def setup(data_dir, *extra, model="tiny-t2v"):  # noqa: F811
