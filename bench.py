@@ -30,7 +30,7 @@ import torch
 import tyro
 
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, preset_config, random_transformer
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
 from config import height_width
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
@@ -40,8 +40,8 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 class BenchConfig:
     """Time a training step (or the data loader) at a real shape with random weights."""
 
-    preset: Literal["tiny", "1.3B", "14B"] = "tiny"
-    """Transformer size: tiny (tests), Wan 1.3B, or Wan/A2 14B (random weights, no download)."""
+    preset: Literal["tiny", "1.3B", "14B", "5B"] = "tiny"
+    """Transformer size: tiny (tests), Wan 1.3B, Wan/A2 14B, or Wan 2.2 TI2V 5B (random weights, no download)."""
     frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
     """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
     height: int | None = None
@@ -117,6 +117,11 @@ def host_rss() -> float:
         return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def vae_scale(cfg: dict) -> int:
+    """Spatial compression of the VAE a preset's latents come from: Wan 2.2's 48-channel VAE (5B) 16, else 8."""
+    return 16 if cfg["out_channels"] == TI2V_Z_DIM else 8
+
+
 def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
     """(linear FLOPs, attention-core FLOPs) of one forward pass for one sample (see the module docstring)."""
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
@@ -135,7 +140,7 @@ def check_backends(b: BenchConfig) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = WanTransformer3DModel(**cfg)
-        t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
+        t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
         x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
         text = torch.randn(1, TEXT_TOKENS, cfg["text_dim"])
         image = torch.randn(1, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
@@ -226,7 +231,7 @@ def main(b: BenchConfig) -> dict:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // 8, b.width // 8
+    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = t_lat * (h // 2) * (w // 2)
     forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks)
     if b.memory == "auto" and device.type == "cuda":

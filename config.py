@@ -430,9 +430,9 @@ class TrainConfig:
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V), a Hugging Face Hub id
-    (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), or a built-in offline tiny
-    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging
+    Face Hub id (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), or a built-in
+    offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
@@ -634,7 +634,8 @@ class TrainConfig:
     """Render validation videos every N steps (0: only at the end when val_elements are given). Text-only runs
     (--dataset-type t2v) render --val-prompt alone, every N steps."""
     val_elements: tuple[str, ...] = ()
-    """Validation element images (path or name=path), as infer.py --elements."""
+    """Validation element images (path or name=path), as infer.py --elements; on a Wan 2.2 TI2V-5B image-to-video
+    run (--frame-conditioning first), one image: the first frame (as infer.py --image)."""
     val_prompt: str = "A man is holding a teddy bear in the forest."
     """Prompt of the validation videos."""
     val_steps: int = 30

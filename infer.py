@@ -29,7 +29,14 @@ import tyro
 
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
-from a2.pipeline import A2_NEGATIVE_PROMPT, A2Pipeline, check_size, load_references, save_video
+from a2.pipeline import (
+    A2_NEGATIVE_PROMPT,
+    A2Pipeline,
+    check_size,
+    load_first_frame,
+    load_references,
+    save_video,
+)
 from a2.tiny import model_path
 from a2.transformer import detect_model, is_e2v, load_transformer
 from config import A2_ELEMENTS, EvalConfig, height_width, pair_elements, parse_elements
@@ -38,9 +45,9 @@ from config import A2_ELEMENTS, EvalConfig, height_width, pair_elements, parse_e
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V), a Hugging Face Hub id
-    (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), or a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v). A Wan 2.2 pair samples with both experts."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging Face
+    Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), or a built-in offline tiny model (tiny,
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
@@ -52,6 +59,9 @@ class InferConfig:
     elements: tuple[str, ...] = ()
     """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
     Empty for a T2V model (text only)."""
+    image: str | None = None
+    """Wan 2.2 TI2V-5B image-to-video: the first frame of the video (resized to --height x --width with Lanczos, as
+    diffusers' VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
     prompt: str = "A man is holding a teddy bear in the forest."
@@ -213,9 +223,11 @@ def read_references(cfg: InferConfig, images) -> dict:
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs))
 
 
-def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None) -> dict:
+def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
+             first_frame=None) -> dict:
     generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed if seed is None else seed)
-    return pipe(prompt, refs, clip_refs, repeats, negative_prompt=cfg.negative_prompt, height=cfg.height,
+    return pipe(prompt, refs, clip_refs, repeats, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
+                height=cfg.height,
                 width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
                 guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
                 flow_shift=cfg.flow_shift,
@@ -271,9 +283,23 @@ def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
     return means
 
 
+def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
+    """--image as the (1, 3, H, W) first frame of TI2V-5B's image-to-video; errors name the file."""
+    if cfg.image is None:
+        return None
+    if not info.ti2v:
+        raise ValueError(f"--image is Wan 2.2 TI2V-5B's image-to-video; {info.path} is {info.name} (I2V / E2V "
+                         "models take their images as --elements)")
+    return load_first_frame(cfg.image, (cfg.height, cfg.width))
+
+
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
     info = detect_model(model_path(cfg.model), cfg.image_encoder)  # an unsupported dir fails here, before any loading
+    check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
+    first_frame = read_first_frame(cfg, info)
+    if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
+        raise ValueError("--image renders one video; it takes no --prompts-file / --eval-set")
     if info.two_experts and cfg.lora:
         raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
@@ -336,7 +362,7 @@ def main(cfg: InferConfig) -> int:
             print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
                   + format_table(means))
         return 0
-    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"])
+    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame)
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

@@ -59,13 +59,17 @@ from a2.pipeline import (
     encode_prompt,
     encode_vae,
     load_encoders,
+    load_first_frame,
     load_references,
     model_flow_shift,
     model_input,
     num_ref_latents,
+    prepare_clean_frames,
     prepare_latents,
     save_video,
     tensor_to_uint8,
+    ti2v_model_input,
+    vae_scale,
     video_prediction,
 )
 from a2.runs import (
@@ -215,6 +219,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
     l_ref, clip_frames = ref_latents(ds_cfgs), clip_frames_for(cfg.num_frames, ds_cfgs)  # as data.py validate
     info = detect_model(model_path(cfg.model), cfg.image_encoder)  # clear errors for unsupported dirs
+    check_size(h, w, cfg.num_frames, info.spatial_multiple)
     if layout == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
         if info.e2v:
             raise ConfigError(f"{info.path} ({info.name}) takes {info.in_channels} input channels (noisy | mask | "
@@ -225,7 +230,9 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         e2v_type = "vae"
     else:
         e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
-    expand = layout not in ("t2v", "incontext") and not info.e2v
+    if info.ti2v:  # ---- issue 14: Wan 2.2 TI2V-5B: leading frames the diffusers 5B way, references in context
+        check_ti2v(info, layout, vae_cfg.frame_conditioning, cfg.prefix_frames, clip_frames)
+    expand = layout not in ("t2v", "incontext") and not info.e2v and not info.ti2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
@@ -236,7 +243,13 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         if layout == "t2v":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         try:
-            load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2)
+            if info.ti2v:  # TI2V-5B image-to-video: the one image is the validation videos' first frame
+                if len(cfg.val_elements) != 1:
+                    raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
+                                     f"{len(cfg.val_elements)}")
+                load_first_frame(cfg.val_elements[0], cfg.resolution)
+            else:
+                load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
@@ -245,6 +258,28 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, vae_cfg, l_ref, clip_frames, info,
                info.subfolder(cfg.expert), e2v_type, expand, image_branch, use_clip, dtype,
                expert_sigma_range(cfg.expert, info.boundary_ratio), None)
+
+
+def check_ti2v(info: ModelInfo, layout: str, frame_conditioning: str, prefix_frames: int, clip_frames: int) -> None:
+    """What TI2V-5B trains: T2V, E2V with the references in context (layout incontext), or frame conditioning
+    `first` / `prefix` (4k+1 frames: whole latent frames) by replacing the leading latent frames
+    (a2.pipeline.ti2v_model_input). Other frame conditionings would need partial latent frames, which the 5B's input
+    cannot mark."""
+    if layout == "prefix":
+        raise ConfigError(f"{info.path} ({info.name}) takes the latents alone: element references go in context "
+                          "(--reference-layout incontext), not in A2's channel prefix layout")
+    if layout == "inplace" and frame_conditioning not in ("first", "prefix"):
+        raise ConfigError(f"{info.path} ({info.name}): --frame-conditioning {frame_conditioning} is not a run of "
+                          "leading latent frames; use first or prefix")
+    n = cond_frames(frame_conditioning, prefix_frames)
+    if layout == "inplace" and ((n - 1) % 4 or n >= clip_frames):
+        raise ConfigError(f"{info.path} ({info.name}): --prefix-frames {n} must be 4k+1 (whole latent frames) and "
+                          f"fewer than the clip's {clip_frames} frames")
+
+
+def cond_frames(frame_conditioning: str, prefix_frames: int) -> int:
+    """Leading pixel frames TI2V-5B is conditioned on (first: the image of I2V)."""
+    return prefix_frames if frame_conditioning == "prefix" else 1
 
 
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
@@ -345,7 +380,7 @@ def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encod
         enc.latents_config, enc.empty_text = meta["latents_config"], meta["empty_text"].to(device)
     elif needed:
         enc.latents_config = dict(latents_mean=list(enc.vae.config.latents_mean),
-                                  latents_std=list(enc.vae.config.latents_std))
+                                  latents_std=list(enc.vae.config.latents_std), scale_factor_spatial=vae_scale(enc.vae))
         enc.empty_text = encode_prompt(enc.tokenizer, enc.text_encoder, [""]).to(device)  # the CFG-dropout prompt
     return enc
 
@@ -367,7 +402,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout in ("t2v", "incontext")
+    assert is_e2v(transformer) or run.layout in ("t2v", "incontext") or run.info.ti2v
     if cfg.training_type == "lora":
         from peft import LoraConfig
 
@@ -398,7 +433,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
                           None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
     appended = num_ref_latents([e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0
-    tokens = cfg.micro_batch * ((cfg.num_frames - 1) // 4 + 1 + appended) * (h // 16) * (w // 16)  # + incontext refs
+    tokens = cfg.micro_batch * run.info.latent_tokens(cfg.num_frames + 4 * appended, h, w)  # + incontext refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks)
     return replace(plan, why=f"--memory auto: {plan.why}")
@@ -479,6 +514,9 @@ def encode_latents(vae, batch, gens, sample_mode: str, run: Run, prefix_frames: 
     x0 = encode_vae(vae, video, sample_mode, gens)
     if run.layout == "t2v":
         return x0, None
+    if run.info.ti2v:  # the clean leading latents (B, 48, T_c, h, w), encoded as inference encodes its image
+        n = cond_frames(run.vae.frame_conditioning, prefix_frames)
+        return x0, prepare_clean_frames(vae, video, n, sample_mode, gens)
     idx = conditioning_frame_indices(run.vae.frame_conditioning, run.clip_frames, run.vae.frame_index, prefix_frames,
                                      gens[0] if gens else None)
     return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
@@ -500,10 +538,15 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range) for g in gens]), device)  # (B,)
     with torch.no_grad():
         t_lat = (total_frames(run, batch) - 1) // 4 + 1
-        noise = h2d(torch.stack([torch.randn(16, t_lat, height // 8, width // 8, generator=g) for g in gens]), device)
+        s = run.info.vae_scale
+        noise = h2d(torch.stack([torch.randn(run.info.z_dim, t_lat, height // s, width // s, generator=g)
+                                 for g in gens]), device)
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         x0, cond = encode_latents(vae, batch, gens, cfg.vae_sample_mode, run, cfg.prefix_frames, device)
-        condition = None if cond is None else cond.condition  # (B, 20, T, h, w)
+        clean = None  # TI2V-5B frame conditioning: the clean leading latents (B, 48, T_c, h, w), not a Conditioning
+        if run.info.ti2v and run.layout == "inplace":
+            clean, cond = cond, None
+        condition = None if cond is None else cond.condition  # (B, 20, T, h, w) in the channel layout
         if condition is not None and run.e2v_type == "clip":
             condition = torch.zeros_like(condition)
         text = (h2d(batch["text"], device) if cached
@@ -514,7 +557,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             image = (h2d(batch["clip"], device) if cached else
                      encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
         keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)
-        if condition is not None:
+        if condition is not None:  # (TI2V-5B's clean frames: a dropped sample trains as T2V, forward_loss)
             condition = condition * keep_refs[:, None, None, None, None]
         if image is not None:
             image = image * keep_refs[:, None, None].to(image.dtype)
@@ -522,9 +565,11 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             cond = replace(cond, ref_latents=cond.ref_latents * keep_refs[:, None, None, None, None])  # (Phantom's)
         elif cond is not None:
             cond = replace(cond, condition=condition)
+    appended = 0 if cond is None or cond.layout != "incontext" or cond.ref_latents is None else \
+        cond.ref_latents.shape[2]
     return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, cond=cond, text=text, image=image,
-                tokens=b * (t_lat + (0 if cond is None or cond.layout != "incontext" or cond.ref_latents is None
-                                     else cond.ref_latents.shape[2])) * (height // 16) * (width // 16),
+                clean=clean, keep_refs=keep_refs,
+                tokens=b * run.info.latent_tokens(4 * (t_lat + appended - 1) + 1, height, width),
                 reference_images=batch.get("ref_vae"))
 
 
@@ -533,9 +578,12 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
     # (B, 16 | 36, T, h, w), or (B, 16, T + L_ref, h, w) incontext: a2.pipeline.model_input, as the sampler builds it
-    per_token = cond is not None and cond.layout == "incontext" and cond.reference_timestep == "zero"
+    per_token = run.info.ti2v or cond is not None and cond.layout == "incontext" and cond.reference_timestep == "zero"
     patch_size = getattr(model, "module", model).config.patch_size if per_token else None
-    x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)
+    video_x, timestep = x_t, sigmas * 1000
+    if run.info.ti2v:  # clean leading latents at timestep 0 in x_t itself, as at inference; no loss on them
+        video_x, timestep = ti2v_model_input(x_t, inputs["clean"], timestep, patch_size, inputs["keep_refs"])
+    x_in, timestep = model_input(video_x, cond, timestep, patch_size)
     image = inputs["image"]
     with amp:
         pred = model(hidden_states=x_in.to(dtype), timestep=timestep,
@@ -543,6 +591,8 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
                      encoder_hidden_states_image=None if image is None else image.to(dtype), return_dict=False)[0]
     pred = video_prediction(pred, cond)  # incontext: the loss is on the video latents only
     first = run.loss_start if run.prefix and not cfg.loss_on_references else 0
+    if inputs.get("clean") is not None:  # TI2V-5B: the given leading frames
+        first = inputs["clean"].shape[2]
     loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, first)
     s = sigmas.view(-1, 1, 1, 1, 1)
     viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
@@ -572,7 +622,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
     if rank == 0:
         torch.save(dict(empty_text=encode_prompt(enc.tokenizer, enc.text_encoder, [""]).cpu(),
                         latents_config=dict(latents_mean=list(enc.vae.config.latents_mean),
-                                            latents_std=list(enc.vae.config.latents_std))), run.cache / "meta.pt")
+                                            latents_std=list(enc.vae.config.latents_std),
+                                            scale_factor_spatial=vae_scale(enc.vae))), run.cache / "meta.pt")
         (run.cache / "done").write_text(f"{len(dataset)} samples\n")
         log(f"precomputed {len(dataset)} samples into {run.cache}")
 
@@ -588,7 +639,11 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     h, w = cfg.resolution
     refs = clips = None
     repeats: tuple[int, ...] = ()
-    items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
+    first_frame = None
+    if run.info.ti2v and cfg.val_elements:  # TI2V-5B image-to-video (plan_run checked it)
+        first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
+    else:
+        items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
     if items:
         refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
     transformer.eval()
@@ -602,12 +657,12 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, flow_shift=model_flow_shift(run.info.path))
+                      **experts, flow_shift=model_flow_shift(run.info.path), expand_timesteps=run.info.ti2v)
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, combine=run.vae.combine, reference_layout=run.vae.reference_layout,
-                   reference_timestep=run.vae.reference_timestep,
+                   reference_timestep=run.vae.reference_timestep, first_frame=first_frame,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:
@@ -651,7 +706,7 @@ def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
                 torch.save(x.detach().cpu(), out / f"step{step:07d}_{key}.pt")
             elif proc["type"] == "vae_decode":
                 with torch.no_grad():
-                    frames = decode_vae(vae, x[:, :16].detach().float())[0]  # (3, F, H, W)
+                    frames = decode_vae(vae, x[:, :vae.config.z_dim].detach().float())[0]  # (3, F, H, W)
                 from PIL import Image
 
                 for fi in proc.get("frames", [0, -1]):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from a2.transformer import TEXT_TOKENS, expert_for_timestep, is_e2v
 
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
-VAE_S = 8  # and spatial
+VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")
 
 
@@ -215,7 +215,8 @@ class PosteriorCache:
         params = self.posteriors[self.calls]  # (B, 2·16, T, h, w)
         self.calls += 1
         b, _, f, h, w = pixels.shape
-        if params.shape[0] != b or params.shape[2:] != (num_latent_frames(f), h // VAE_S, w // VAE_S):
+        s = vae_scale(self)
+        if params.shape[0] != b or params.shape[2:] != (num_latent_frames(f), h // s, w // s):
             raise RuntimeError(f"cached posterior {tuple(params.shape)} does not fit pixels {tuple(pixels.shape)}: "
                                "the cache was built for another layout; rebuild it with --precompute")
         return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
@@ -227,6 +228,11 @@ def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
     mean, std = latent_stats(vae, latents.device, torch.float32)
     z = latents.float() / (1.0 / std) + mean  # diffusers' Wan pipelines: latents / (1 / std) + mean
     return vae.decode(z.to(vae_param.device, vae_param.dtype), return_dict=False)[0].float().clamp(-1, 1)
+
+
+def vae_scale(vae) -> int:
+    """The VAE's spatial compression: 8 (Wan 2.1), 16 (Wan 2.2's patchified VAE, `scale_factor_spatial`)."""
+    return getattr(vae.config, "scale_factor_spatial", None) or VAE_S
 
 
 def num_latent_frames(num_frames: int) -> int:
@@ -401,6 +407,54 @@ def video_prediction(pred: torch.Tensor, cond: Conditioning | None) -> torch.Ten
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 
 
+# ---------------------------------------------------------------- Wan 2.2 TI2V-5B (issue 14)
+# The 5B takes the latents alone (48 channels in and out). Image-to-video replaces the first latent frame of the
+# model input by the image's clean latent and gives its tokens timestep 0 (diffusers' WanImageToVideoPipeline
+# with expand_timesteps); text-to-video gives every token the step's timestep. Training uses the same two
+# functions: the clean frames go into x_t as at inference, their tokens get timestep 0, the loss leaves them out.
+
+
+def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
+    """An image file as the (1, 3, H, W) first frame of 5B image-to-video, resized to size=(H, W) with Lanczos as
+    diffusers' VideoProcessor does. Raises ValueError naming the file."""
+    try:
+        image = read_image(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: first frame image is {e}") from e
+    return pil_to_tensor(image.resize((size[1], size[0]), Image.LANCZOS))[None]
+
+
+def prepare_clean_frames(vae, video: torch.Tensor, num_cond_frames: int = 1, sample_mode: str = "argmax",
+                         generator=None) -> torch.Tensor:
+    """The clean latents of the first `num_cond_frames` pixel frames (1: the image of I2V; 4k+1: k+1 latent
+    frames) of `video` (B, 3, F >= n, H, W), encoded alone as diffusers' 5B I2V encodes its image: (B, C, T_c,
+    h, w), normalised. The causal VAE makes them the first T_c latents of the whole video's encoding."""
+    if num_cond_frames < 1 or (num_cond_frames - 1) % VAE_T or num_cond_frames > video.shape[2]:
+        raise ValueError(f"TI2V conditions on 4k+1 leading frames: {num_cond_frames} of {video.shape[2]}")
+    return encode_vae(vae, video[:, :, :num_cond_frames], sample_mode, generator)
+
+
+def ti2v_model_input(x_t: torch.Tensor, clean: torch.Tensor | None, timestep: torch.Tensor,
+                     patch_size=(1, 2, 2), conditioned: torch.Tensor | None = None):
+    """The 5B's (hidden_states, timestep) for latents x_t (B, C, T, h, w) at timestep (B,) or (): x_t with its
+    first T_c latent frames replaced by `clean` (B, C, T_c, h, w) (None: T2V), and one timestep per token
+    (B, T·h·w / (p_t·p_h·p_w)), frame-major as the patch grid: 0 on the clean frames' tokens, else the timestep.
+    conditioned (B,) of 0/1 (training's reference dropout): a 0 sample is left as T2V (x_t, the timestep on all
+    its tokens)."""
+    b, _, t, h, w = x_t.shape
+    p_t, p_h, p_w = patch_size
+    n = 0 if clean is None else clean.shape[2]
+    cond = torch.ones(b, device=x_t.device) if conditioned is None else conditioned.to(x_t.device, torch.float32)
+    x = x_t
+    if n:
+        first = torch.where(cond.view(-1, 1, 1, 1, 1) > 0, clean.to(x_t.dtype), x_t[:, :, :n])
+        x = torch.cat([first, x_t[:, :, n:]], dim=2)
+    clean_tokens = torch.zeros(t // p_t, h // p_h, w // p_w, device=x_t.device)
+    clean_tokens[: n // p_t] = 1
+    noisy = 1 - cond[:, None] * clean_tokens.flatten()[None]  # diffusers' mask[0][0][:, ::2, ::2], per sample
+    return x, noisy * timestep.reshape(-1, 1)
+
+
 def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefix: int = 1,
                                generator: torch.Generator | None = None) -> tuple[int, ...]:
     """Frames conditioned on in the inplace layout: first | first_and_last | index | prefix | random."""
@@ -487,7 +541,8 @@ class A2Pipeline(WanLoraLoaderMixin):
     hf_device_map = None  # read by the LoRA loader mixin (no accelerate device map here)
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
-                 transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0):
+                 transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0,
+                 expand_timesteps: bool = False):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
@@ -495,6 +550,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.image_encoder, self.image_processor = image_encoder, image_processor
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
+        self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -517,7 +573,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
             model_dir, info.image_encoder_dir if transformer.config.image_dim is not None else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
-                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir))
+                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir),
+                   info.expand_timesteps)
         return pipe.to(device)
 
     def to(self, device):
@@ -560,6 +617,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         reference_layout: str = "channel",
         reference_timestep: str = "shared",
         guidance_scale_img: float | None = None,
+        first_frame: torch.Tensor | None = None,
     ) -> dict:
         """Generate one video.
 
@@ -578,10 +636,13 @@ class A2Pipeline(WanLoraLoaderMixin):
         a step: u + s_img·(r − u) + s·(c − r) with u = (zero references, negative prompt), r = (references, negative
         prompt), c = (references, prompt), s = guidance_scale (Phantom: s 7.5, s_img 5). None: text CFG only, the
         references in both branches (the same as s_img = 1, one forward fewer).
+        first_frame: (1, 3, H, W) in [-1, 1], Wan 2.2 TI2V-5B's image-to-video (ti2v_model_input: its clean latent
+        replaces the first latent frame, at timestep 0); references then go in context (reference_layout incontext).
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (incontext: the reference
-        latents), num_ref_latents)."""
+        latents; TI2V-5B first frame without references: its clean latent), num_ref_latents)."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
-        check_size(height, width, num_frames)
+        s = vae_scale(self.vae)
+        check_size(height, width, num_frames, s * transformer.config.patch_size[1])
         device, dtype = self.device, transformer.dtype
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
         sched.set_timesteps(num_inference_steps, device=device)
@@ -598,8 +659,17 @@ class A2Pipeline(WanLoraLoaderMixin):
                 raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
             image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
 
-        shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // 8, width // 8)
+        shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+        clean = None  # TI2V-5B: the first frame's clean latent
+        if first_frame is not None and not self.expand_timesteps:
+            raise ValueError("first_frame is Wan 2.2 TI2V-5B's image-to-video; other I2V models take the image as "
+                             "their one reference")
+        if self.expand_timesteps and references is not None and reference_layout != "incontext":
+            raise ValueError("Wan 2.2 TI2V-5B takes element references in context (reference_layout incontext), not "
+                             "as channels; give first_frame for image-to-video")
+        if first_frame is not None:  # after the noise, as diffusers' 5B I2V
+            clean = prepare_clean_frames(self.vae, first_frame.to(device)[:, :, None], 1, sample_mode, generator)
         cond = None
         if reference_layout == "incontext":
             if is_e2v(transformer):
@@ -624,7 +694,10 @@ class A2Pipeline(WanLoraLoaderMixin):
         for t in tqdm(sched.timesteps, disable=not progress, desc="denoising"):
             low = expert_for_timestep(t, self.boundary_ratio, sched.config.num_train_timesteps) == "low"
             model, scale = (self.transformer_2, guidance_scale_2) if low else (transformer, guidance_scale)
-            x, timestep = model_input(latents, cond, t.expand(1), model.config.patch_size)
+            video_x, video_t = latents, t.expand(1)
+            if self.expand_timesteps:  # TI2V-5B: the clean first frame at timestep 0, one timestep per token
+                video_x, video_t = ti2v_model_input(latents, clean, t, model.config.patch_size)
+            x, timestep = model_input(video_x, cond, video_t, model.config.patch_size)
             x = x.to(dtype)
             noise_pred = video_prediction(model(hidden_states=x, timestep=timestep, encoder_hidden_states=prompt_embeds,
                                                 encoder_hidden_states_image=image_embeds, return_dict=False)[0], cond)
@@ -634,7 +707,7 @@ class A2Pipeline(WanLoraLoaderMixin):
                     encoder_hidden_states_image=image_embeds, return_dict=False)[0], cond)
                 if guidance_scale_img is not None:  # Phantom / V3: the unconditional has zero references
                     empty = replace(cond, ref_latents=torch.zeros_like(cond.ref_latents))
-                    x0, timestep0 = model_input(latents, empty, t.expand(1), model.config.patch_size)
+                    x0, timestep0 = model_input(video_x, empty, video_t, model.config.patch_size)
                     noise_none = video_prediction(model(
                         hidden_states=x0.to(dtype), timestep=timestep0, encoder_hidden_states=negative_embeds,
                         encoder_hidden_states_image=image_embeds, return_dict=False)[0], empty)
@@ -643,6 +716,10 @@ class A2Pipeline(WanLoraLoaderMixin):
                 else:
                     noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
             latents = sched.step(noise_pred.float(), t, latents, return_dict=False)[0]
+        if clean is not None:  # the sampler also moved the clean frames: put them back
+            latents = torch.cat([clean, latents[:, :, clean.shape[2]:]], dim=2)
+        if clean is not None and cond is None:
+            condition = clean
 
         video = None
         if decode == "drop_refs":
@@ -656,10 +733,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         return dict(video=video, latents=latents, condition=condition, num_ref_latents=num_ref)
 
 
-def check_size(height: int, width: int, num_frames: int) -> None:
-    """The shapes a Wan model can take: H, W multiples of 16 (VAE 8 x patch 2), F = 4k+1."""
-    if height % 16 or width % 16 or height <= 0 or width <= 0:
-        raise ValueError(f"height and width must be positive multiples of 16, got {height}x{width}")
+def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
+    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
+    TI2V-5B: 16 x 2 = 32), F = 4k+1."""
+    if height % multiple or width % multiple or height <= 0 or width <= 0:
+        raise ValueError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
     if num_frames < 1 or (num_frames - 1) % VAE_T:
         raise ValueError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
 

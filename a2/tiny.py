@@ -3,15 +3,16 @@
 Same classes as the real model (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, a fast
 tokenizer, CLIPVisionModel giving 257 tokens like ViT-H/14, CLIPImageProcessor, UniPC), saved in
 diffusers format, so every test and the demo go through the real loading code. Also shaped like
-Wan2.1 T2V (--t2v) and the Wan 2.2 A14B expert pairs (--wan22: T2V, or I2V with 36 input channels
-and no image branch).
+Wan2.1 T2V (--t2v), the Wan 2.2 A14B expert pairs (--wan22: T2V, or I2V with 36 input channels
+and no image branch) and Wan 2.2 TI2V-5B (--ti2v: the 48-channel Wan 2.2 VAE, patch 2 and residual blocks,
+16x spatial; a transformer with 48 channels in and out; `expand_timesteps`).
 
 `random-1.3B` / `random-14B` are real-size model dirs without weights, for measuring the real training loop
 at real shapes with no download: the transformer dir holds Wan2.1-T2V-1.3B's / A2-14B's config and a
 RANDOM_WEIGHTS marker (load_transformer builds random weights on the GPU), and the encoders are tiny ones
 with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their outputs have the real shapes.
 
-    python -m a2.tiny OUT_DIR [--t2v] [--wan22]
+    python -m a2.tiny OUT_DIR [--t2v] [--wan22] [--ti2v]
 """
 
 from __future__ import annotations
@@ -55,36 +56,62 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 # `--model` names of the built-in tiny models -> tiny_model_dir arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
-               "random-14B": dict(preset="14B")}
+               "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
+               "random-5B": dict(preset="5B", ti2v=True)}
+
+# ---- issue 14: Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
+# dim_mult 1,2,4,4, 2 res blocks) at width 8: the same patching (12 = 3x2x2 channels in and out), residual
+# blocks and down/upsampling, so the same 16x spatial / 4x temporal compression and 48 latent channels.
+TINY_TI2V_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                     attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                     out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+TI2V_FLOW_SHIFT = 5.0  # Wan2.2-TI2V-5B-Diffusers' scheduler
 
 
-def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny") -> dict:
+def tiny_ti2v_vae():
+    """The tiny Wan 2.2 VAE; its latents' normalisation is fixed non-trivial values (mean != 0, std != 1), so a
+    mistake in applying it shows."""
+    from diffusers import AutoencoderKLWan
+
+    c = torch.arange(48, dtype=torch.float64)
+    return AutoencoderKLWan(**TINY_TI2V_VAE, latents_mean=(0.1 * torch.sin(c)).tolist(),
+                            latents_std=(0.5 + 0.01 * c).tolist()).eval()
+
+
+def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny",
+               ti2v: bool = False) -> dict:
     """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
 
     wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
     other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
     branch and no CLIP, as Wan2.2-I2V-A14B.
-    preset `1.3B` / `14B`: encoders with that model's widths, and the transformer as a config dict (no weights)."""
+    ti2v=True: Wan 2.2 TI2V-5B-shaped (tiny_ti2v_vae, 48 channels in and out, no image branch, expand_timesteps).
+    preset `1.3B` / `14B` / `5B`: encoders with that model's widths, and the transformer as a config dict (no
+    weights)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
-    tcfg = preset_config(preset, e2v=not t2v)
+    tcfg = preset_config("tiny-ti2v" if ti2v and preset == "tiny" else preset, e2v=None if ti2v else not t2v)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=tcfg["text_dim"], d_kv=8, d_ff=64, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
     )).eval()
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
                            temperal_downsample=[False, True, True]).eval()
+    if ti2v:
+        vae = tiny_ti2v_vae()
     if wan22:
         tcfg.update(image_dim=None, added_kv_proj_dim=None)
     transformer = WanTransformer3DModel(**tcfg).eval() if preset == "tiny" else tcfg
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                        num_train_timesteps=1000, flow_shift=8.0)
+                                        num_train_timesteps=1000, flow_shift=TI2V_FLOW_SHIFT if ti2v else 8.0)
     parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                  scheduler=scheduler)
-    if wan22:
+    if ti2v:
+        parts["expand_timesteps"] = True
+    elif wan22:
         parts.update(transformer_2=WanTransformer3DModel(**tcfg).eval(), boundary_ratio=WAN22_BOUNDARY[t2v])
     elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
@@ -134,7 +161,7 @@ def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
 
 
 def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False,
-              preset: str = "tiny") -> Path:
+              preset: str = "tiny", ti2v: bool = False) -> Path:
     """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline); for a
     real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of weights."""
     import json
@@ -142,9 +169,9 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
     out_dir = Path(out_dir)
-    parts = build_tiny(seed, t2v, wan22, preset)
+    parts = build_tiny(seed, t2v, wan22, preset, ti2v)
     config = None if preset == "tiny" else parts.pop("transformer")
-    pipe = WanPipeline(**parts) if t2v else WanImageToVideoPipeline(**parts)
+    pipe = WanPipeline(**parts) if t2v or ti2v else WanImageToVideoPipeline(**parts)  # 5B: WanPipeline, as its hub dir
     pipe.save_pretrained(out_dir)
     if config is not None:
         with torch.device("meta"):
@@ -157,7 +184,7 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny") -> Path:
+def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False) -> Path:
     """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
@@ -169,13 +196,13 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny")
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
     root.mkdir(parents=True, exist_ok=True)
     d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
-                + ("t2v" if t2v else "i2v"))
+                + ("ti2v" if ti2v else "t2v" if t2v else "i2v"))
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (d / "model_index.json").exists():
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset)
+            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v)
             os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 
@@ -217,4 +244,4 @@ def hub_snapshot(repo_id: str) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv, wan22="--wan22" in sys.argv))
+    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv, wan22="--wan22" in sys.argv, ti2v="--ti2v" in sys.argv))

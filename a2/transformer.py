@@ -16,6 +16,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels
+TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)
 MASK_CHANNELS = 4  # one mask value per pixel frame of a latent frame (temporal factor 4)
 E2V_IN_CHANNELS = Z_DIM + MASK_CHANNELS + Z_DIM  # noisy latents | mask | condition latents
 TEXT_TOKENS = 512  # diffusers' Wan attention splits image from text as shape[1] - 512
@@ -41,14 +42,29 @@ PRESETS: dict[str, dict] = {
         qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=1280, added_kv_proj_dim=5120,
         rope_max_seq_len=1024,
     ),
+    # Wan2.2-TI2V-5B: the latents alone in and out (48 channels of the Wan 2.2 VAE), no image branch
+    "5B": dict(
+        patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=TI2V_Z_DIM,
+        out_channels=TI2V_Z_DIM, text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
+    ),
 }
 
 
 def preset_config(name: str, e2v: bool | None = None) -> dict:
-    """A preset's config; e2v=True/False forces the E2V (36 ch + image branch) or T2V (16 ch) inputs."""
+    """A preset's config; e2v=True/False forces the E2V (36 ch + image branch) or T2V (16 ch) inputs.
+    `tiny-ti2v` is `tiny` shaped as TI2V-5B (48 channels in and out, no image branch)."""
+    if name == "tiny-ti2v":
+        return {**PRESETS["tiny"], "in_channels": TI2V_Z_DIM, "out_channels": TI2V_Z_DIM, "image_dim": None,
+                "added_kv_proj_dim": None}
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = dict(PRESETS[name])
+    if cfg["out_channels"] == TI2V_Z_DIM:
+        if e2v:
+            raise ValueError(f"preset {name} (TI2V-5B) takes the latents alone: E2V goes through the in-context "
+                             "layout, not the 36-channel input")
+        return cfg
     if e2v is True and cfg["image_dim"] is None:
         inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
         cfg.update(in_channels=E2V_IN_CHANNELS, image_dim=1280, added_kv_proj_dim=inner)
@@ -89,6 +105,26 @@ class ModelInfo:
     image_encoder_dir: Path | None  # a dir with image_encoder/ + image_processor/ (the model's or --image-encoder)
     image_encoder_dim: int | None  # that CLIP's hidden size (ViT-H/14: 1280), the image_dim of an expansion
     boundary_ratio: float | None  # Wan 2.2 A14B: `transformer` (high) for timesteps >= ratio*1000, else `transformer_2`
+    # ---- issue 14: Wan 2.2 TI2V-5B (48-channel VAE, 16x spatial, per-token timesteps)
+    z_dim: int = Z_DIM  # latent channels of the VAE
+    vae_scale: int = 8  # spatial compression of the VAE (Wan 2.2's: patch 2 x 8 = 16)
+    patch_size: tuple[int, int, int] = (1, 2, 2)  # the transformer's (t, h, w) patch
+    expand_timesteps: bool = False  # TI2V-5B: one timestep per token (0 on conditioning frames), model_index's flag
+
+    @property
+    def ti2v(self) -> bool:
+        """Wan 2.2 TI2V-5B: T2V, and I2V by replacing the first latent frame (no channel conditioning)."""
+        return self.expand_timesteps
+
+    @property
+    def spatial_multiple(self) -> int:
+        """What height and width must be multiples of: the VAE's compression x the patch (Wan 2.1: 16, 5B: 32)."""
+        return self.vae_scale * self.patch_size[1]
+
+    def latent_tokens(self, num_frames: int, height: int, width: int) -> int:
+        """Transformer tokens of one sample of num_frames x height x width pixels."""
+        s, (pt, ph, pw) = self.vae_scale, self.patch_size
+        return ((num_frames - 1) // 4 + 1) // pt * (height // s // ph) * (width // s // pw)
 
     @property
     def e2v(self) -> bool:
@@ -128,30 +164,33 @@ def _listed(index: dict, name: str) -> bool:
 def detect_model(model_dir, image_encoder=None) -> ModelInfo:
     """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
 
-    Supported: SkyReels-A2 and Wan2.1 I2V 14B 480P/720P (36 input channels, CLIP image branch), Wan2.1 T2V
-    1.3B/14B (16 channels), Wan 2.2 A14B T2V/I2V (two experts `transformer`/`transformer_2` switched at
-    `boundary_ratio`; the I2V pair has 36 channels but no image branch). `image_encoder` is a dir with
-    image_encoder/ + image_processor/ that overrides the model's own (for a T2V model expanded to E2V).
+    Supported: Wan 2.2 TI2V-5B (model_index `expand_timesteps`, a 48-channel Wan 2.2 VAE with 16x spatial
+    compression, 48 channels in and out), SkyReels-A2 and Wan2.1 I2V 14B 480P/720P (36 input channels, CLIP
+    image branch), Wan2.1 T2V 1.3B/14B (16 channels), Wan 2.2 A14B T2V/I2V (two experts `transformer` /
+    `transformer_2` switched at `boundary_ratio`; the I2V pair has 36 channels but no image branch).
+    `image_encoder` is a dir with image_encoder/ + image_processor/ that overrides the model's own (for a T2V
+    model expanded to E2V).
     The built-in tiny models' names are resolved to their dirs by a2.tiny.model_path, before this."""
     d = Path(model_dir)
     if not d.is_dir():
         raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or the name of a "
-                               "built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v)")
+                               "built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v)")
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
                                "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V); original Wan checkpoints need converting")
     index = _read_json(d / "model_index.json", d)
-    if index.get("expand_timesteps"):
-        raise UnsupportedModel(f"{d}: expand_timesteps is set (Wan 2.2 TI2V-5B, per-token timesteps and a "
-                               "48-channel VAE): not supported")
+    ti2v = bool(index.get("expand_timesteps"))  # Wan 2.2 TI2V-5B
     for part in ("transformer", "vae", "text_encoder", "tokenizer"):
         if not _listed(index, part) or not (d / part).is_dir():
             raise UnsupportedModel(f"{d}: component {part!r} is missing (model_index.json lists "
                                    f"{index.get(part)!r}; dir {'present' if (d / part).is_dir() else 'absent'})")
     vae = _read_json(d / "vae" / "config.json", d)
-    if vae.get("_class_name") != "AutoencoderKLWan" or vae.get("z_dim") != Z_DIM:
-        raise UnsupportedModel(f"{d}: vae is {vae.get('_class_name')} with z_dim {vae.get('z_dim')}; need the Wan "
-                               f"2.1 AutoencoderKLWan, z_dim {Z_DIM} (Wan 2.2 TI2V-5B's 48-channel VAE: not supported)")
+    z_dim = TI2V_Z_DIM if ti2v else Z_DIM
+    if vae.get("_class_name") != "AutoencoderKLWan" or vae.get("z_dim") != z_dim:
+        raise UnsupportedModel(f"{d}: vae is {vae.get('_class_name')} with z_dim {vae.get('z_dim')}; need "
+                               + ("Wan 2.2's AutoencoderKLWan, z_dim 48 (expand_timesteps is set: TI2V-5B)" if ti2v
+                                  else f"the Wan 2.1 AutoencoderKLWan, z_dim {Z_DIM}"))
+    vae_scale = vae.get("scale_factor_spatial") or 8
 
     experts = ["transformer"]
     ratio = index.get("boundary_ratio")
@@ -170,6 +209,13 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
             raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
                                    f"({' / '.join(WAN_TRANSFORMER_CLASSES)})")
         cin, cout, image_dim = cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("image_dim")
+        if ti2v:  # the 5B's input is the latents alone: the first frame conditions by replacing latent frame 0
+            if (cin, cout, image_dim) != (TI2V_Z_DIM, TI2V_Z_DIM, None) or len(experts) > 1:
+                raise UnsupportedModel(f"{d}: expand_timesteps (TI2V-5B) needs one transformer with in/out_channels "
+                                       f"48 and no image branch; {sub} has in {cin}, out {cout}, image_dim {image_dim}")
+            configs.append((cin, False))
+            patch = tuple(cfg.get("patch_size") or (1, 2, 2))
+            continue
         if cin not in (Z_DIM, E2V_IN_CHANNELS) or cout != Z_DIM:
             raise UnsupportedModel(f"{d}: {sub} has in_channels {cin}, out_channels {cout}; supported: in 16 (T2V) "
                                    f"or 36 (I2V/E2V), out 16")
@@ -197,6 +243,8 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
     enc_dim = _read_json(enc / "image_encoder" / "config.json", enc).get("hidden_size") if enc else None
 
     two = len(experts) == 2
+    if ti2v:
+        return ModelInfo(d, "Wan2.2 TI2V 5B", in_channels, False, enc, enc_dim, None, z_dim, vae_scale, patch, True)
     if two:
         name = "Wan2.2 I2V A14B" if in_channels == E2V_IN_CHANNELS else "Wan2.2 T2V A14B"
         if image_branch:
@@ -368,6 +416,11 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
                                    "(no elements, no frame conditioning) needs a T2V model")
         return "none"
+    if info.ti2v:  # issue 14: its first frame replaces latent frame 0; element references go in context
+        if e2v_type in ("dual", "clip"):
+            raise UnsupportedModel(f"{where} has no CLIP image branch and no channel conditioning: --e2v-type vae "
+                                   f"or auto, not {e2v_type}")
+        return "vae"
     if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
         if e2v_type in ("dual", "clip"):
             raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "

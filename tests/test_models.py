@@ -85,7 +85,7 @@ def _no_index(d):
     (d / "model_index.json").unlink()
 
 
-def _ti2v_5b(d):  # Wan2.2-TI2V-5B: per-token timesteps, 48-channel VAE and transformer
+def _ti2v_5b(d):  # Wan2.2-TI2V-5B's flags on an I2V dir (tests/test_ti2v.py: the supported 5B layout)
     edit(d / "model_index.json", expand_timesteps=True)
     edit(d / "vae" / "config.json", z_dim=48)
     edit(d / "transformer" / "config.json", in_channels=48, out_channels=48)
@@ -130,8 +130,9 @@ def _in_channels_20(d):
 
 @pytest.mark.parametrize("breaks,message", [
     (_no_index, r"model: no model_index.json; expected a diffusers-format model dir"),
-    (_ti2v_5b, r"model: expand_timesteps is set \(Wan 2.2 TI2V-5B"),
-    (_vae48, r"model: vae is AutoencoderKLWan with z_dim 48; .*48-channel VAE: not supported"),
+    (_ti2v_5b, r"model: expand_timesteps \(TI2V-5B\) needs one transformer with in/out_channels 48 and no image "
+               r"branch; transformer has in 48, out 48, image_dim 32"),  # 5B-shaped but with Wan I2V's CLIP branch
+    (_vae48, r"model: vae is AutoencoderKLWan with z_dim 48; need the Wan 2.1 AutoencoderKLWan, z_dim 16"),
     (_flux, r"model: transformer is a FluxTransformer2DModel, not a Wan transformer"),
     (_vace, r"model: transformer is a WanVACETransformer3DModel, not a Wan transformer"),
     (_no_text_encoder, r"model: component 'text_encoder' is missing"),

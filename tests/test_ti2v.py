@@ -1,0 +1,379 @@
+"""Wan 2.2 TI2V-5B (issue 14): detection, the 5B's first-frame conditioning against tensors built as diffusers
+builds them, parity of A2Pipeline with diffusers' own 5B pipelines, training == sampling input (first frame, and E2V
+through the in-context layout), and train -> export -> infer round trips on the tiny 5B-shaped model (48-channel
+Wan 2.2 VAE with patch 2 and residual blocks, 16x spatial)."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from tests.test_train import args, train
+
+H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
+
+
+@pytest.fixture(scope="module")
+def ti2v_dir():
+    from a2.tiny import model_path
+
+    return model_path("tiny-ti2v")  # built into the session's A2_CACHE, as `--model tiny-ti2v` does
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from data import make_synthetic_dataset
+
+    return make_synthetic_dataset(tmp_path_factory.mktemp("data") / "clips", num_samples=4, num_frames=17,
+                                  size=(32, 32))
+
+
+def ti2v_args(data_dir, out, run, *extra):
+    return args(data_dir, out, run, "--num-frames", "17", *extra, model="tiny-ti2v")
+
+
+def random_image(seed=0, h=H, w=W):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+# ---------------------------------------------------------------- detection
+
+
+def test_detect_model_reads_the_5b_layout(ti2v_dir, tmp_path):
+    from a2.transformer import UnsupportedModel, detect_model
+
+    info = detect_model(ti2v_dir)
+    assert (info.name, info.in_channels, info.image_branch, info.boundary_ratio) == ("Wan2.2 TI2V 5B", 48, False,
+                                                                                      None)
+    assert (info.z_dim, info.vae_scale, info.patch_size, info.ti2v) == (48, 16, (1, 2, 2), True)
+    assert info.spatial_multiple == 32 and info.latent_tokens(81, 704, 1280) == 21 * 22 * 40  # 5B at 720p: 18,480
+    vae = json.loads((ti2v_dir / "vae" / "config.json").read_text())
+    assert (vae["z_dim"], vae["patch_size"], vae["is_residual"], vae["scale_factor_spatial"]) == (48, 2, True, 16)
+
+    def variant(name, part, **change):
+        d = tmp_path / name
+        shutil.copytree(ti2v_dir, d)
+        path = d / part
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+        return d
+
+    with pytest.raises(UnsupportedModel, match="z_dim 16; need Wan 2.2's AutoencoderKLWan, z_dim 48"):
+        detect_model(variant("vae16", "vae/config.json", z_dim=16))
+    with pytest.raises(UnsupportedModel, match="needs one transformer with in/out_channels 48 .* in 36"):
+        detect_model(variant("in36", "transformer/config.json", in_channels=36))
+    with pytest.raises(UnsupportedModel, match="z_dim 48; need the Wan 2.1 AutoencoderKLWan, z_dim 16"):
+        detect_model(variant("noexpand", "model_index.json", expand_timesteps=False))
+
+
+# ---------------------------------------------------------------- the conditioning, against diffusers' formulas
+
+
+def test_model_input_matches_diffusers_formulas():
+    """ti2v_model_input == diffusers' WanImageToVideoPipeline (expand_timesteps) / WanPipeline loop, written out."""
+    from a2.pipeline import ti2v_model_input
+
+    g = torch.Generator().manual_seed(0)
+    latents, condition = torch.randn(2, 48, 3, 4, 6, generator=g), torch.randn(2, 48, 1, 4, 6, generator=g)
+    t = torch.tensor(937)  # UniPC's timesteps are int64
+    mask = torch.ones(1, 1, 3, 4, 6)  # pipeline_wan_i2v.prepare_latents: first_frame_mask
+    mask[:, :, 0] = 0
+    want_x = (1 - mask) * condition + mask * latents
+    want_t = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(2, -1)
+    x, ts = ti2v_model_input(latents, condition, t)
+    assert torch.equal(x, want_x) and torch.equal(ts, want_t)
+    assert ts.shape == (2, 3 * 2 * 3) and ts.dtype == torch.float32
+    assert (ts[:, :6] == 0).all() and (ts[:, 6:] == 937).all()  # frame-major tokens: frame 0's 2x3 are clean
+    # T2V (WanPipeline with expand_timesteps): the latents as they are, the timestep on every token
+    ones = torch.ones(1, 1, 3, 4, 6)
+    x, ts = ti2v_model_input(latents, None, t)
+    assert torch.equal(x, latents) and torch.equal(ts, (ones[0][0][:, ::2, ::2] * t).flatten()[None].expand(2, -1))
+    # training: per-sample sigmas, and a reference-dropped sample (conditioned 0) is T2V
+    sig = torch.tensor([0.25, 0.75]) * 1000
+    x, ts = ti2v_model_input(latents, condition, sig, conditioned=torch.tensor([1.0, 0.0]))
+    assert torch.equal(x[0], want_x[0]) and torch.equal(x[1], latents[1])
+    assert torch.equal(ts[0], (mask[0][0][:, ::2, ::2] * sig[0]).flatten()) and (ts[1] == 750).all()
+    # prefix of 5 frames = 2 latent frames: 12 clean tokens
+    x, ts = ti2v_model_input(latents, torch.randn(2, 48, 2, 4, 6, generator=g), t)
+    assert (ts[:, :12] == 0).all() and (ts[:, 12:] == 937).all() and torch.equal(x[:, :, 2], latents[:, :, 2])
+    # E2V on the 5B: the in-context references (2 latent frames) come after, at 0 (zero) or the sample's t (shared)
+    from a2.pipeline import Conditioning, model_input
+
+    refs = torch.randn(2, 48, 2, 4, 6, generator=g)
+    video_x, video_t = ti2v_model_input(latents, condition, t)
+    for how, ref_t in (("zero", 0.0), ("shared", 937.0)):
+        x, ts = model_input(video_x, Conditioning(None, 0, refs, "incontext", how), video_t, (1, 2, 2))
+        assert torch.equal(x, torch.cat([want_x, refs], dim=2)) and ts.shape == (2, 5 * 6)
+        assert torch.equal(ts, torch.cat([want_t, torch.full((2, 12), ref_t)], dim=1))
+
+
+def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
+    """The image encoded alone (as inference encodes it) == the first latent of the whole clip (as x0 holds it):
+    the causal Wan 2.2 VAE. Normalised with the VAE's 48 means/stds."""
+    from a2.pipeline import A2Pipeline, encode_vae, latent_stats, prepare_clean_frames
+
+    vae = A2Pipeline.from_pretrained(ti2v_dir).vae
+    video = torch.rand(1, 3, F, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.no_grad():
+        x0 = encode_vae(vae, video)
+        first = prepare_clean_frames(vae, video, 1)
+        prefix = prepare_clean_frames(vae, video, 5)
+        raw = vae.encode(video[:, :, :1]).latent_dist.mode()
+    mean, std = latent_stats(vae, raw.device, raw.dtype)
+    assert x0.shape == (1, 48, 3, 4, 6) and first.shape == (1, 48, 1, 4, 6) and prefix.shape == (1, 48, 2, 4, 6)
+    assert torch.allclose(first, (raw - mean) / std, atol=1e-6)
+    assert (first - x0[:, :, :1]).abs().max() <= 1e-5 and (prefix - x0[:, :, :2]).abs().max() <= 1e-5
+    assert (mean.abs().max() > 0) and (std - 1).abs().max() > 0  # the normalisation is not the identity
+    with pytest.raises(ValueError, match="4k\\+1 leading frames: 2 of 9"):
+        prepare_clean_frames(vae, video, 2)
+
+
+def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
+    """The training step feeds what inference feeds (clean frame 0, timestep 0 on its tokens) and the loss ignores
+    the prediction there."""
+    import train_a2
+    from a2.flow import noisy_latents
+
+    g = torch.Generator().manual_seed(2)
+    x0, noise = torch.randn(2, 48, 3, 4, 6, generator=g), torch.randn(2, 48, 3, 4, 6, generator=g)
+    clean, sigmas = torch.randn(2, 48, 1, 4, 6, generator=g), torch.tensor([0.3, 0.9])
+    x_t, target = noisy_latents(x0, noise, sigmas)
+    seen = {}
+
+    def model(hidden_states, timestep, **kw):  # predicts the target, and garbage on the clean frame
+        seen.update(x=hidden_states, t=timestep)
+        pred = target.clone()
+        pred[:, :, 0] = 1e3
+        return (pred,)
+
+    model.config = SimpleNamespace(patch_size=(1, 2, 2))
+
+    run = SimpleNamespace(info=SimpleNamespace(ti2v=True, patch_size=(1, 2, 2)), prefix=False, loss_start=0)
+    cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none")
+    inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=None, clean=clean, text=torch.zeros(2, 512, 32),
+                  image=None, keep_refs=torch.ones(2), reference_images=None)
+    loss, _ = train_a2.forward_loss(model, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    assert loss.item() == 0.0
+    assert torch.equal(seen["x"][:, :, :1], clean) and torch.equal(seen["x"][:, :, 1:], x_t[:, :, 1:])
+    assert (seen["t"][:, :6] == 0).all() and torch.equal(seen["t"][:, 6:], (sigmas[:, None] * 1000).expand(-1, 12))
+
+
+# ---------------------------------------------------------------- parity with diffusers' Wan 2.2 5B pipelines
+
+
+def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    from a2.pipeline import A2Pipeline, pil_to_tensor
+
+    prompt, negative, steps = "a hiker on a mountain", "blurry", 3
+    kw = dict(prompt=prompt, negative_prompt=negative, height=H, width=W, num_frames=F, num_inference_steps=steps,
+              guidance_scale=5.0, output_type="latent")
+    pipe = A2Pipeline.from_pretrained(ti2v_dir)
+    assert pipe.expand_timesteps and pipe.flow_shift == 5.0
+
+    def ours(seed, **extra):
+        return pipe(prompt, negative_prompt=negative, height=H, width=W, num_frames=F, num_inference_steps=steps,
+                    guidance_scale=5.0, generator=torch.Generator().manual_seed(seed), decode="none", progress=False,
+                    **extra)["latents"]
+
+    t2v = WanPipeline.from_pretrained(ti2v_dir)
+    t2v.set_progress_bar_config(disable=True)
+    assert t2v.config.expand_timesteps
+    expected = t2v(**kw, generator=torch.Generator().manual_seed(7)).frames
+    got = ours(7)
+    assert got.shape == expected.shape == (1, 48, 3, 4, 6)
+    assert (got - expected).abs().max().item() <= 1e-6  # measured 0.0
+
+    image = random_image()
+    i2v = WanImageToVideoPipeline.from_pretrained(ti2v_dir)
+    i2v.set_progress_bar_config(disable=True)
+    assert i2v.config.expand_timesteps and i2v.transformer.config.image_dim is None
+    expected_i2v = i2v(image=image, **kw, generator=torch.Generator().manual_seed(7)).frames
+    first = pil_to_tensor(image)[None]
+    got_i2v = ours(7, first_frame=first, sample_mode="argmax")
+    # measured 3.8e-6: a2 normalises latents as (z - mean) / std, diffusers as (z - mean) * (1 / std) (issue 14
+    # item 5 changes that; with it the two are bit-identical)
+    assert (got_i2v - expected_i2v).abs().max().item() <= 1e-5
+    assert (got_i2v - expected).abs().max().item() > 1e-2  # the image conditions the video
+    # and the comparison can fail: another seed is far beyond the tolerance
+    assert (ours(8, first_frame=first, sample_mode="argmax") - expected_i2v).abs().max().item() > 1e-2
+
+
+# ---------------------------------------------------------------- training, export, inference
+
+
+def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
+    """The clean latent a training sample gets (train_a2.encode_latents) == what A2Pipeline builds from the same
+    first frame (posterior mode)."""
+    import train_a2
+    from a2.pipeline import A2Pipeline
+    from data import E2VDataset, collate
+
+    pipe = A2Pipeline.from_pretrained(ti2v_dir)
+    from config import TrainConfig, dataset_configs
+
+    cfg = TrainConfig(model="tiny-ti2v", data_root=str(data_dir), resolution=(32, 32), num_frames=17,
+                      frame_conditioning="first")
+    ds_cfgs = dataset_configs(cfg)
+    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
+    batch = collate([E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)[0]])
+    with torch.no_grad():
+        x0, clean = train_a2.encode_latents(pipe.vae, batch, None, "argmax", run, 1, torch.device("cpu"))
+    assert x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
+    out = pipe("x", height=32, width=32, num_frames=17, num_inference_steps=1, first_frame=batch["video"][:, :, 0],
+               sample_mode="argmax", generator=torch.Generator().manual_seed(0), decode="none", progress=False)
+    assert torch.equal(out["condition"], clean)
+    assert torch.equal(out["latents"][:, :, :1], clean)  # the result keeps the given frame
+
+
+@pytest.mark.parametrize("how", ["first", "incontext-zero", "incontext-shared"])
+def test_training_feeds_what_the_sampler_feeds(ti2v_dir, data_dir, how):
+    """At the sampler's first step (sigma 1) with the same noise, a training step on the 5B gives the transformer
+    exactly the hidden states and per-token timesteps A2Pipeline gives it: first-frame I2V (clean first latent,
+    timestep 0 on its tokens) and E2V through the in-context layout (clean references after the video)."""
+    import tyro
+
+    import train_a2
+    from a2.pipeline import A2Pipeline, load_references
+    from config import A2_ELEMENTS, TrainConfig, dataset_configs
+    from data import E2VDataset, collate
+
+    extra = (["--frame-conditioning", "first", "--num-frames", "17"] if how == "first" else
+             ["--reference-layout", "incontext", "--reference-timestep", how.split("-")[1], "--num-frames", "9"])
+    cfg = tyro.cli(TrainConfig, args=["--model", "tiny-ti2v", "--data-root", str(data_dir), "--resolution", "32", "32",
+                                      "--device", "cpu", "--vae-sample-mode", "argmax", "--text-dropout", "0", *extra])
+    ds_cfgs = dataset_configs(cfg)
+    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
+    assert run.layout == ("inplace" if how == "first" else "incontext") and not run.expand
+    batch = collate([E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)[0]])
+    enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
+    transformer = train_a2.load_transformer(run.info.path, torch.float32)
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, expand_timesteps=True)
+    kw = dict(height=32, width=32, num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
+              generator=torch.Generator().manual_seed(1), decode="none", progress=False)
+    if how == "first":
+        pipe(batch["prompts"][0], num_frames=17, first_frame=batch["video"][:, :, 0], **kw)
+        t_lat, l_ref = 5, 0
+    else:
+        files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in A2_ELEMENTS]
+        refs, _, repeats = load_references(files, (32, 32))
+        pipe(batch["prompts"][0], refs, None, repeats, num_frames=9, reference_layout="incontext",
+             reference_timestep=cfg.reference_timestep, **kw)
+        t_lat, l_ref = 3, 3
+    (sampled,) = seen
+    assert sampled["hidden_states"].shape == (1, 48, t_lat + l_ref, 2, 2)
+    assert sampled["timestep"].shape == (1, t_lat + l_ref)  # one token per latent frame at 32x32
+    assert sampled["timestep"][0, 1].item() == 1000.0  # sigma 1: x_t is the noise itself
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :, :t_lat].clone(), torch.tensor([1.0])
+    seen.clear()
+    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    (trained,) = seen
+    for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+        assert torch.equal(trained[key], sampled[key].to(trained[key].dtype)), key
+    want = {"first": [0.0] + [1000.0] * 4, "incontext-zero": [1000.0] * 3 + [0.0] * 3,
+            "incontext-shared": [1000.0] * 6}[how]
+    assert trained["timestep"][0].tolist() == want
+
+
+def test_lora_first_frame_and_t2v_round_trip(ti2v_dir, data_dir, tmp_path):
+    """TI2V LoRA (first frame) and T2V LoRA: train -> export -> infer.py (with --image / prompt only) -> the LoRA
+    changes the result; the I2V LoRA also loads into diffusers' 5B I2V pipeline."""
+    import imageio.v3 as iio
+    from diffusers import WanImageToVideoPipeline
+
+    import infer
+
+    image = tmp_path / "first.png"
+    random_image(3, 32, 32).save(image)
+    steps = ("--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0")
+    i2v = train(*ti2v_args(data_dir, tmp_path, "i2v", "--frame-conditioning", "first", *steps, "--val-elements",
+                           str(image), "--val-steps", "2"))  # the validation video starts from this first frame
+    t2v = train(*ti2v_args(data_dir, tmp_path, "t2v", "--dataset-type", "t2v", *steps))
+    for r in (i2v, t2v):
+        assert r["step"] == 3 and all(np.isfinite(r["losses"]))
+        assert any("lora_B" in k for k in load_file(r["weights"]))
+    assert iio.imread(tmp_path / "i2v" / "samples" / "step-0000003.mp4", plugin="pyav").shape == (17, 32, 32, 3)
+    base = dict(model="tiny-ti2v", height=32, width=32, num_frames=17, steps=2, device="cpu")
+    for name, r, extra in (("i2v", i2v, dict(image=str(image))), ("t2v", t2v, {})):
+        plain, mp4 = tmp_path / f"{name}.pt", tmp_path / f"{name}.mp4"
+        assert infer.main(infer.InferConfig(**base, **extra, out=str(mp4), save_latents=str(plain))) == 0
+        assert iio.imread(mp4, plugin="pyav").shape == (17, 32, 32, 3)
+        assert infer.main(infer.InferConfig(**base, **extra, decode="none", compare=str(plain), tolerance=0.0)) == 0
+        assert infer.main(infer.InferConfig(**base, **extra, decode="none", lora=str(r["weights"]),
+                                            compare=str(plain))) == 1
+    saved = torch.load(tmp_path / "i2v.pt", weights_only=True)
+    assert saved["condition"].shape == (1, 48, 1, 2, 2) and torch.equal(saved["latents"][:, :, :1],
+                                                                        saved["condition"])
+    pipe = WanImageToVideoPipeline.from_pretrained(ti2v_dir)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(image=Image.open(image), prompt="a square", height=32, width=32, num_frames=9, num_inference_steps=2,
+              output_type="latent")
+    before = pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+    pipe.load_lora_weights(str(i2v["weights"].parent))
+    assert (pipe(**kw, generator=torch.Generator().manual_seed(0)).frames - before).abs().max() > 1e-4
+
+
+def test_full_fine_tune_exports_a_transformer_infer_loads(ti2v_dir, data_dir, tmp_path):
+    import infer
+
+    r = train(*ti2v_args(data_dir, tmp_path, "full", "--frame-conditioning", "first", "--training-type", "full",
+                         "--max-steps", "2", "--lr", "1e-2", "--warmup-steps", "0"))
+    out = r["weights"]
+    assert out.name == "transformer" and json.loads((out / "config.json").read_text())["in_channels"] == 48
+    base = dict(model="tiny-ti2v", height=32, width=32, num_frames=17, steps=2, device="cpu", decode="none",
+                image=str(data_dir / "000_person.png"))
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig(**base, transformer=str(out), compare=str(tmp_path / "base.pt"))) == 1
+
+
+def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
+    """E2V on the 5B: references in context (item 1's layout), a LoRA -> infer.py with --elements, alone and with a
+    first frame too."""
+    import infer
+
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
+    r = train(*args(data_dir, tmp_path, "e2v", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",
+                    "--reference-layout", "incontext", "--reference-timestep", "zero", "--num-frames", "9",
+                    "--val-elements", *els, "--val-steps", "2", "--no-val-metrics", model="tiny-ti2v"))
+    run = json.loads((r["run_dir"] / "run.json").read_text())
+    assert run["layout"] == "incontext" and run["e2v_type"] == "vae" and not run["expand"]
+    assert (r["run_dir"] / "samples" / "step-0000003.mp4").exists()
+    base = dict(model="tiny-ti2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
+                reference_layout="incontext", reference_timestep="zero", decode="none")
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    saved = torch.load(tmp_path / "base.pt", weights_only=True)
+    assert saved["latents"].shape == (1, 48, 3, 2, 2) and saved["condition"].shape == (1, 48, 3, 2, 2)
+    assert infer.main(infer.InferConfig(**base, lora=str(r["weights"]), compare=str(tmp_path / "base.pt"))) == 1
+    # a first frame and references together: the first latent is the image's, the rest moves
+    assert infer.main(infer.InferConfig(**base, image=els[2], save_latents=str(tmp_path / "both.pt"))) == 0
+    both = torch.load(tmp_path / "both.pt", weights_only=True)
+    assert (both["latents"] - saved["latents"]).abs().max() > 1e-3
+
+
+def test_ti2v_refusals(data_dir, tmp_path):
+    import infer
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="element references go in context"):
+        train(*args(data_dir, tmp_path, "e2v", model="tiny-ti2v"))  # A2's elements, prefix layout
+    with pytest.raises(ConfigError, match="first_and_last is not a run of leading latent frames"):
+        train(*ti2v_args(data_dir, tmp_path, "fl", "--frame-conditioning", "first_and_last"))
+    with pytest.raises(ConfigError, match="--prefix-frames 3 must be 4k\\+1"):
+        train(*ti2v_args(data_dir, tmp_path, "p3", "--frame-conditioning", "prefix", "--prefix-frames", "3"))
+    with pytest.raises(ConfigError, match="--val-elements: Wan2.2 TI2V 5B image-to-video takes one image"):
+        train(*ti2v_args(data_dir, tmp_path, "v2", "--frame-conditioning", "first", "--val-elements", "a.png", "b.png"))
+    with pytest.raises(ConfigError, match="--val-elements: nope.png: first frame image is not a readable image"):
+        train(*ti2v_args(data_dir, tmp_path, "v1", "--frame-conditioning", "first", "--val-elements", "nope.png"))
+    with pytest.raises(ValueError, match="multiples of 32, got 48x32"):
+        train(*ti2v_args(data_dir, tmp_path, "r48", "--resolution", "48", "32"))
+    with pytest.raises(ValueError, match="--image is Wan 2.2 TI2V-5B's image-to-video"):
+        infer.main(infer.InferConfig(model="tiny-t2v", image=str(data_dir / "000_person.png"), device="cpu"))
+    assert not any(p.name in ("e2v", "fl", "p3", "r48", "v1", "v2") for p in tmp_path.iterdir())
