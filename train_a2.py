@@ -243,7 +243,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         if layout == "t2v":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         try:
-            if info.ti2v:  # TI2V-5B image-to-video: the one image is the validation videos' first frame
+            if info.ti2v and layout == "inplace":  # TI2V-5B image-to-video: the one image is the first frame
                 if len(cfg.val_elements) != 1:
                     raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
                                      f"{len(cfg.val_elements)}")
@@ -640,7 +640,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     refs = clips = None
     repeats: tuple[int, ...] = ()
     first_frame = None
-    if run.info.ti2v and cfg.val_elements:  # TI2V-5B image-to-video (plan_run checked it)
+    if run.info.ti2v and run.layout == "inplace" and cfg.val_elements:  # TI2V-5B image-to-video (plan_run checked)
         first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
