@@ -451,11 +451,14 @@ class E2VDataset(torch.utils.data.Dataset):
     random frame windows are a function of the data order seed, not of the worker.
 
     num_frames: the clip length (config.clip_frames); with auto_frame_buckets a shorter clip goes to the
-    largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one)."""
+    largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one).
+    size_multiple: what aspect buckets' height and width are multiples of (the model's VAE x patch: 16, TI2V-5B 32)."""
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
-                 frame_sampling: str = "uniform", verbose: bool = True, global_batch: int = 1):
+                 frame_sampling: str = "uniform", verbose: bool = True, global_batch: int = 1,
+                 size_multiple: int = 16):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
+        self.size_multiple = size_multiple
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
         samples, loose = scan(cfgs, num_frames, frame_sampling)
@@ -506,7 +509,8 @@ class E2VDataset(torch.utils.data.Dataset):
         if cfg.auto_frame_buckets and s.size[0] and s.size[1]:  # aspect buckets at about the target's area
             area, ar = h * w, s.size[0] / s.size[1]
             best = min(ASPECTS, key=lambda a: abs(np.log(a / ar)))
-            h, w = (max(16, round((area * best) ** 0.5 / 16) * 16), max(16, round((area / best) ** 0.5 / 16) * 16))
+            m = self.size_multiple
+            h, w = (max(m, round((area * best) ** 0.5 / m) * m), max(m, round((area / best) ** 0.5 / m) * m))
         names = tuple(e.name for e in cfg.elements if e.name in s.elements)
         return (frames, h, w, names)
 

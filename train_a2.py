@@ -873,7 +873,7 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- data (validated before any model loads)
     dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
-                         verbose=rank == 0, global_batch=run.global_batch)
+                         verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
     log(describe(run))

@@ -377,3 +377,16 @@ def test_ti2v_refusals(data_dir, tmp_path):
     with pytest.raises(ValueError, match="--image is Wan 2.2 TI2V-5B's image-to-video"):
         infer.main(infer.InferConfig(model="tiny-t2v", image=str(data_dir / "000_person.png"), device="cpu"))
     assert not any(p.name in ("e2v", "fl", "p3", "r48", "v1", "v2") for p in tmp_path.iterdir())
+
+
+def test_aspect_buckets_fit_the_5b_grid(tmp_path):
+    """Auto aspect buckets round height and width to the model's VAE x patch (TI2V-5B: 32, not 16)."""
+    from config import DatasetConfig
+    from data import E2VDataset, make_synthetic_dataset
+
+    d = make_synthetic_dataset(tmp_path / "wide", num_samples=2, num_frames=17, size=(32, 48))
+    cfgs = [DatasetConfig(str(d), target_resolution=(64, 64), auto_frame_buckets=True)]
+    sizes = {m: {b[1:3] for b in E2VDataset(cfgs, num_frames=17, verbose=False, size_multiple=m).buckets}
+             for m in (16, 32)}
+    assert all(h % 32 == 0 and w % 32 == 0 for h, w in sizes[32])
+    assert any(h % 32 or w % 32 for h, w in sizes[16])  # the 16-grid bucket would not fit the 5B
