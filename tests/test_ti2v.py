@@ -196,9 +196,8 @@ def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
     expected_i2v = i2v(image=image, **kw, generator=torch.Generator().manual_seed(7)).frames
     first = pil_to_tensor(image)[None]
     got_i2v = ours(7, first_frame=first, sample_mode="argmax")
-    # measured 3.8e-6: a2 normalises latents as (z - mean) / std, diffusers as (z - mean) * (1 / std) (issue 14
-    # item 5 changes that; with it the two are bit-identical)
-    assert (got_i2v - expected_i2v).abs().max().item() <= 1e-5
+    # bit-identical (a2 normalises latents as diffusers does, (z - mean) * (1 / std); with `/ std` it was 3.8e-6)
+    assert (got_i2v - expected_i2v).abs().max().item() <= 1e-6
     assert (got_i2v - expected).abs().max().item() > 1e-2  # the image conditions the video
     # and the comparison can fail: another seed is far beyond the tolerance
     assert (ours(8, first_frame=first, sample_mode="argmax") - expected_i2v).abs().max().item() > 1e-2
