@@ -64,7 +64,6 @@ from a2.pipeline import (
     model_flow_shift,
     model_input,
     num_ref_latents,
-    prepare_clean_frames,
     prepare_latents,
     save_video,
     tensor_to_uint8,
@@ -516,7 +515,8 @@ def encode_latents(vae, batch, gens, sample_mode: str, run: Run, prefix_frames: 
         return x0, None
     if run.info.ti2v:  # the clean leading latents (B, 48, T_c, h, w), encoded as inference encodes its image
         n = cond_frames(run.vae.frame_conditioning, prefix_frames)
-        return x0, prepare_clean_frames(vae, video, n, sample_mode, gens)
+        return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=tuple(range(n)),
+                                   layout="clean", sample_mode=sample_mode, generator=gens)
     idx = conditioning_frame_indices(run.vae.frame_conditioning, run.clip_frames, run.vae.frame_index, prefix_frames,
                                      gens[0] if gens else None)
     return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
@@ -543,9 +543,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
                                  for g in gens]), device)
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         x0, cond = encode_latents(vae, batch, gens, cfg.vae_sample_mode, run, cfg.prefix_frames, device)
-        clean = None  # TI2V-5B frame conditioning: the clean leading latents (B, 48, T_c, h, w), not a Conditioning
+        clean = None  # TI2V-5B frame conditioning: the clean leading latents (B, 48, T_c, h, w) (ti2v_model_input)
         if run.info.ti2v and run.layout == "inplace":
-            clean, cond = cond, None
+            clean, cond = cond.clean, None
         condition = None if cond is None else cond.condition  # (B, 20, T, h, w) in the channel layout
         if condition is not None and run.e2v_type == "clip":
             condition = torch.zeros_like(condition)

@@ -269,7 +269,9 @@ class Conditioning:
     ref_latents: torch.Tensor | None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext: the clean latents
     # appended after the video latents (None: no elements)
     layout: str = "channel"  # channel (mask | condition on the channel axis) | incontext (references on the time axis)
+    #                          | clean (Wan 2.2 TI2V-5B: clean leading latents in x_t itself)
     reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero (0 on their tokens)
+    clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents (ti2v_model_input)
 
 
 def prepare_latents(
@@ -315,7 +317,19 @@ def prepare_latents(
       (V3 always appends 4, zeros for missing ones), text-only CFG with the references in both branches (their
       3-pass image+text CFG with guide_scale_img=1), noise drawn for the video latents only (V3; Phantom draws
       T+L_ref frames and overwrites the reference part), and the posterior mode or a sample (Phantom: mode; V3:
-      sample, after the noise, with the same generator: sample_mode="sample")."""
+      sample, after the noise, with the same generator: sample_mode="sample").
+
+    layout="clean" (Wan 2.2 TI2V-5B's image-to-video): `video` (B, 3, F, H, W) whose leading frames
+      `cond_frame_indices` = 0..n-1 (n = 4k+1: 1 is the image of I2V) are the condition, encoded alone as diffusers'
+      5B I2V encodes its image; returns them as `clean` (B, C, T_c, h, w), normalised (the causal VAE makes them the
+      first T_c latents of the whole video's encoding). `ti2v_model_input` puts them in x_t at timestep 0."""
+    if layout == "clean":
+        n = len(cond_frame_indices)
+        if video is None or tuple(cond_frame_indices) != tuple(range(n)) or n < 1 or (n - 1) % VAE_T \
+                or n > video.shape[2]:
+            raise ValueError(f"TI2V conditions on 4k+1 leading frames: {tuple(cond_frame_indices)} of "
+                             f"{None if video is None else video.shape[2]}")
+        return Conditioning(None, 0, None, layout, clean=encode_vae(vae, video[:, :, :n], sample_mode, generator))
     if layout not in REFERENCE_LAYOUTS:
         raise ValueError(f"unknown reference layout {layout!r}; choose one of {REFERENCE_LAYOUTS}")
     if layout == "incontext":
@@ -410,8 +424,9 @@ def video_prediction(pred: torch.Tensor, cond: Conditioning | None) -> torch.Ten
 # ---------------------------------------------------------------- Wan 2.2 TI2V-5B (issue 14)
 # The 5B takes the latents alone (48 channels in and out). Image-to-video replaces the first latent frame of the
 # model input by the image's clean latent and gives its tokens timestep 0 (diffusers' WanImageToVideoPipeline
-# with expand_timesteps); text-to-video gives every token the step's timestep. Training uses the same two
-# functions: the clean frames go into x_t as at inference, their tokens get timestep 0, the loss leaves them out.
+# with expand_timesteps); text-to-video gives every token the step's timestep. Training uses the same code
+# (prepare_latents(layout="clean"), ti2v_model_input): the clean frames go into x_t as at inference, their tokens
+# get timestep 0, the loss leaves them out.
 
 
 def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
@@ -422,16 +437,6 @@ def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: first frame image is {e}") from e
     return pil_to_tensor(image.resize((size[1], size[0]), Image.LANCZOS))[None]
-
-
-def prepare_clean_frames(vae, video: torch.Tensor, num_cond_frames: int = 1, sample_mode: str = "argmax",
-                         generator=None) -> torch.Tensor:
-    """The clean latents of the first `num_cond_frames` pixel frames (1: the image of I2V; 4k+1: k+1 latent
-    frames) of `video` (B, 3, F >= n, H, W), encoded alone as diffusers' 5B I2V encodes its image: (B, C, T_c,
-    h, w), normalised. The causal VAE makes them the first T_c latents of the whole video's encoding."""
-    if num_cond_frames < 1 or (num_cond_frames - 1) % VAE_T or num_cond_frames > video.shape[2]:
-        raise ValueError(f"TI2V conditions on 4k+1 leading frames: {num_cond_frames} of {video.shape[2]}")
-    return encode_vae(vae, video[:, :, :num_cond_frames], sample_mode, generator)
 
 
 def ti2v_model_input(x_t: torch.Tensor, clean: torch.Tensor | None, timestep: torch.Tensor,
@@ -669,7 +674,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             raise ValueError("Wan 2.2 TI2V-5B takes element references in context (reference_layout incontext), not "
                              "as channels; give first_frame for image-to-video")
         if first_frame is not None:  # after the noise, as diffusers' 5B I2V
-            clean = prepare_clean_frames(self.vae, first_frame.to(device)[:, :, None], 1, sample_mode, generator)
+            clean = prepare_latents(self.vae, 1, video=first_frame.to(device)[:, :, None], cond_frame_indices=(0,),
+                                    layout="clean", sample_mode=sample_mode, generator=generator).clean
         cond = None
         if reference_layout == "incontext":
             if is_e2v(transformer):

@@ -114,22 +114,22 @@ def test_model_input_matches_diffusers_formulas():
 def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
     """The image encoded alone (as inference encodes it) == the first latent of the whole clip (as x0 holds it):
     the causal Wan 2.2 VAE. Normalised with the VAE's 48 means/stds."""
-    from a2.pipeline import A2Pipeline, encode_vae, latent_stats, prepare_clean_frames
+    from a2.pipeline import A2Pipeline, encode_vae, latent_stats, prepare_latents
 
     vae = A2Pipeline.from_pretrained(ti2v_dir).vae
     video = torch.rand(1, 3, F, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         x0 = encode_vae(vae, video)
-        first = prepare_clean_frames(vae, video, 1)
-        prefix = prepare_clean_frames(vae, video, 5)
+        first = prepare_latents(vae, F, video=video, cond_frame_indices=(0,), layout="clean").clean
+        prefix = prepare_latents(vae, F, video=video, cond_frame_indices=tuple(range(5)), layout="clean").clean
         raw = vae.encode(video[:, :, :1]).latent_dist.mode()
     mean, std = latent_stats(vae, raw.device, raw.dtype)
     assert x0.shape == (1, 48, 3, 4, 6) and first.shape == (1, 48, 1, 4, 6) and prefix.shape == (1, 48, 2, 4, 6)
     assert torch.allclose(first, (raw - mean) / std, atol=1e-6)
     assert (first - x0[:, :, :1]).abs().max() <= 1e-5 and (prefix - x0[:, :, :2]).abs().max() <= 1e-5
     assert (mean.abs().max() > 0) and (std - 1).abs().max() > 0  # the normalisation is not the identity
-    with pytest.raises(ValueError, match="4k\\+1 leading frames: 2 of 9"):
-        prepare_clean_frames(vae, video, 2)
+    with pytest.raises(ValueError, match="4k\\+1 leading frames: \\(0, 1\\) of 9"):
+        prepare_latents(vae, F, video=video, cond_frame_indices=(0, 1), layout="clean")
 
 
 def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
@@ -222,8 +222,9 @@ def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     batch = collate([E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)[0]])
     with torch.no_grad():
-        x0, clean = train_a2.encode_latents(pipe.vae, batch, None, "argmax", run, 1, torch.device("cpu"))
-    assert x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
+        x0, cond = train_a2.encode_latents(pipe.vae, batch, None, "argmax", run, 1, torch.device("cpu"))
+    clean = cond.clean  # prepare_latents(layout="clean")
+    assert cond.layout == "clean" and x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
     out = pipe("x", height=32, width=32, num_frames=17, num_inference_steps=1, first_frame=batch["video"][:, :, 0],
                sample_mode="argmax", generator=torch.Generator().manual_seed(0), decode="none", progress=False)
     assert torch.equal(out["condition"], clean)
