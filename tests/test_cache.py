@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.test_train import args, data_dir, losses, max_diff, params, train  # noqa: F401  (data_dir: fixture)
+from tests.conftest import args, losses, max_diff, params, train
 
 
 def test_training_from_cache_equals_training_from_pixels(data_dir, tmp_path, monkeypatch):  # noqa: F811

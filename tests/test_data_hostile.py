@@ -452,7 +452,7 @@ def test_real_rotated_hiker_and_cut_out(shared_data, tmp_path):
 
 
 def test_train_refuses_bad_data_in_one_block_and_leaves_no_run_dir(synth, tmp_path):
-    from tests.test_train import args
+    from tests.conftest import args
 
     d = copy_of(synth, tmp_path)
     (d / "002.mp4").write_bytes(b"garbage")
@@ -470,7 +470,7 @@ def test_a_sample_failing_mid_run_stops_with_a_checkpoint_or_is_dropped_the_same
     the checkpoint before that step and stops with one line; resumed with --skip-bad-samples it ends exactly as a run
     that skipped from the start (the same steps untrained, the same weights)."""
     import data
-    from tests.test_train import args, params, train
+    from tests.conftest import args, params, train
 
     d = copy_of(synth, tmp_path)
     read = data.read_clip

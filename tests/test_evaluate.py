@@ -254,7 +254,7 @@ def test_validation_logs_the_metrics_next_to_the_loss(tiny_dir, tmp_path):
 
     from a2.tiny import save_tiny_evaluators
     from data import make_synthetic_dataset
-    from tests.test_train import args, train
+    from tests.conftest import args, train
 
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
     dino = save_tiny_evaluators(tmp_path / "evaluators")["dino"]

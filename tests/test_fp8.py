@@ -261,7 +261,7 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
     from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
     from config import ConfigError
-    from tests.test_train import args, train
+    from tests.conftest import args, train
 
     r = train(*args(data_dir, tmp_path, "fp8", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",
                     "--fp8-base", model=tiny_dir))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.test_train import args, launch, losses, max_diff, train
+from tests.conftest import args, launch, losses, max_diff, train
 
 # micro-batch 1 x accumulation 2 x 2 ranks; adam-eps: see TrainConfig.adam_eps
 STEPS = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-eps", "1e-4", "--ckpt-every", "2"]

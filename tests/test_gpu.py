@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from a2.runs import EXIT_RESUMABLE
-from tests.test_train import args as cpu_args
-from tests.test_train import launch, losses, max_diff, params, train, wait_for
+from tests.conftest import args as cpu_args
+from tests.conftest import launch, losses, max_diff, params, train, wait_for
 
 pytestmark = pytest.mark.gpu
 

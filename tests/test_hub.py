@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from tests.conftest import args, train
 from tests.test_infer import element_images, infer_main  # noqa: F401  (element_images: fixture)
-from tests.test_train import args, data_dir, train  # noqa: F401  (data_dir: fixture)
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

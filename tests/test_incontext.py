@@ -12,7 +12,7 @@ import train_a2
 from a2.pipeline import A2Pipeline, Conditioning, load_references, model_input, prepare_latents, video_prediction
 from config import A2_ELEMENTS, ConfigError, TrainConfig, dataset_configs, load_dataset_config
 from data import E2VDataset, collate
-from tests.test_train import args, data_dir, losses, max_diff, params, train  # noqa: F401  (data_dir: fixture)
+from tests.conftest import args, losses, max_diff, params, train
 
 INCONTEXT = ["--reference-layout", "incontext", "--num-frames", "9"]  # 9 video frames (3 latents) + 3 references
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_train import train
+from tests.conftest import train
 
 # every Linear the diffusers converter maps back outside the blocks
 TOP_TARGETS = (r"proj_out|condition_embedder\.(time_proj|text_embedder\.linear_[12]|time_embedder\.linear_[12]"

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train import args, data_dir, losses, max_diff, params, train  # noqa: F401  (data_dir: fixture)
+from tests.conftest import args, losses, max_diff, params, train
 
 
 def trained_model(t2v_dir, ckpt, image_dim):

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from a2.transformer import UnsupportedModel, detect_model
-from tests.test_train import args, train
+from tests.conftest import args, train
 
 
 @pytest.fixture(scope="module")

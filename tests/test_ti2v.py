@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.test_train import args, train
+from tests.conftest import args, train
 
 H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
 

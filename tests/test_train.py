@@ -4,68 +4,13 @@ train/infer conditioning parity, LoRA export loads in infer.py and diffusers, ba
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from a2.runs import EXIT_RESUMABLE
-from tests.conftest import ROOT
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from data import make_synthetic_dataset
-
-    return make_synthetic_dataset(tmp_path_factory.mktemp("data") / "e2v", num_samples=4, num_frames=17,
-                                  size=(32, 32))
-
-
-def args(data_dir, out, run, *extra, model="tiny", device="cpu"):
-    """A tiny run's flags. The CPU suite pins the CPU (and gloo), also on a machine with a GPU: its tolerances are
-    the CPU's; tests/test_gpu.py runs the same helpers with device="cuda"."""
-    return ["--model", str(model), "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "21",
-            "--num-workers", "0", "--output-dir", str(out), "--run-name", run, "--log-every", "1",
-            "--warmup-steps", "2", "--lr", "1e-3", "--ckpt-every", "1000", "--device", device, *extra]
-
-
-def train(*argv):
-    import tyro
-
-    import train_a2
-    from config import TrainConfig
-
-    return train_a2.main(tyro.cli(TrainConfig, args=list(argv)))
-
-
-def launch(argv, nproc=1, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    pre = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-           if nproc > 1 else [sys.executable])
-    return subprocess.Popen(pre + [str(ROOT / "train_a2.py"), *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def params(ckpt):
-    return load_file(ckpt / "trainable.safetensors")
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys() and len(a) > 0
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def losses(run_dir):
-    """Per-step loss from metrics.jsonl; a step logged twice (re-run after a kill) keeps its last value."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r["loss"]
-    return out
+from tests.conftest import args, children, launch, losses, max_diff, params, train, wait_for
 
 
 def test_ddp_equals_one_process_and_accumulation(data_dir, tmp_path):
@@ -84,34 +29,11 @@ def test_ddp_equals_one_process_and_accumulation(data_dir, tmp_path):
     assert "global batch 2 = micro 1 x accum 1 x world 2" in out
 
 
-def wait_for(pred, proc, timeout=300):
-    t0 = time.time()
-    while not pred():
-        if proc.poll() is not None:
-            raise AssertionError("training ended before the interruption: " + proc.stdout.read()[-3000:])
-        if time.time() - t0 > timeout:
-            proc.kill()
-            raise AssertionError("timed out waiting")
-        time.sleep(0.05)
-
-
-def children(pid):
-    """Pids of the processes whose parent is `pid` (torchrun's ranks)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 # 2 ranks x micro 1 == 1 process x micro 2 (the same global batch; AdamW's eps as in the DDP test): a run stopped
 # under torchrun resumes in one process (a DDP checkpoint at another world size), and all compare with one reference
 RESUME_TOTAL = 8
 RESUMED = ["--max-steps", str(RESUME_TOTAL), "--ckpt-every", "2", "--micro-batch", "2", "--adam-eps", "1e-4"]
+
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def without_gpu(compile):
 
     from tests.conftest import ROOT
 
-    code = f"from tests.test_checkpointing import test_recomputation_settings as t; t({compile}, _subprocess=True)"
+    code = f"from tests.test_recompute import test_recomputation_settings as t; t({compile}, _subprocess=True)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                        capture_output=True, text=True, timeout=900)
     print(r.stdout)
@@ -85,7 +85,7 @@ def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
 
     import a2.transformer
     from data import make_synthetic_dataset
-    from tests.test_train import args, losses, max_diff, train
+    from tests.conftest import args, losses, max_diff, train
 
     setups = []
     # train_a2 sets its blocks up through a2.memory.apply_plan, which calls a2.transformer.configure_blocks
