@@ -19,7 +19,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from a2.pipeline import PREPROCESS_MODES, REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, num_ref_latents
+# the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
+PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")  # how an image is framed to a size
+REFERENCE_LAYOUTS = ("channel", "incontext")  # where element references enter the transformer
+REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
 
 
 class InputError(ValueError):
@@ -677,23 +680,3 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
                                frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index,
                                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep),
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
-
-
-def ref_latents(cfgs: list[DatasetConfig]) -> int:
-    """Latent frames the element references take before the clip in the prefix layout (A2's repeats 1, 4, 4: 3);
-    0 when the condition is frames of the clip itself (frame_conditioning other than full), there are no elements, or
-    the references come after the clip (reference_layout incontext)."""
-    vae, elements = cfgs[0].vae, cfgs[0].elements
-    return num_ref_latents([e.repeat for e in elements], vae.combine) if vae.frame_conditioning == "full" and \
-        elements and vae.reference_layout == "channel" else 0
-
-
-def clip_frames_for(num_frames: int, cfgs: list[DatasetConfig]) -> int:
-    """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): what the
-    reference latents leave of it (A2 at 81 frames: 69), all of it without references. train_a2.py and
-    `data.py validate` both read clips of this length."""
-    n = 4 * ((num_frames - 1) // 4 - ref_latents(cfgs)) + 1
-    if n < 1:
-        raise ConfigError(f"--num-frames {num_frames} leaves no video frames after {ref_latents(cfgs)} reference "
-                          "latents")
-    return n

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
+from a2.conditioning import clip_frames
 from a2.pipeline import element_tensors, read_image
 from a2.transformer import TEXT_TOKENS
 from config import (
@@ -45,7 +46,6 @@ from config import (
     Element,
     InputError,
     TrainConfig,
-    clip_frames_for,
     dataset_configs,
     printable,
     read_text,
@@ -838,7 +838,7 @@ class Validate(TrainConfig):
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    return E2VDataset(cfgs, clip_frames_for(a.num_frames, cfgs), a.skip_bad_samples,
+    return E2VDataset(cfgs, clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae), a.skip_bad_samples,
                       global_batch=a.micro_batch * a.grad_accum * a.world_size)
 
 

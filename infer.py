@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 import tyro
 
+from a2.conditioning import plan
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
 from a2.pipeline import (
@@ -38,8 +39,8 @@ from a2.pipeline import (
     save_video,
 )
 from a2.tiny import model_path
-from a2.transformer import detect_model, is_e2v, load_transformer
-from config import A2_ELEMENTS, EvalConfig, height_width, pair_elements, parse_elements
+from a2.transformer import detect_model, load_transformer
+from config import A2_ELEMENTS, EvalConfig, VaeProcessorConfig, height_width, pair_elements, parse_elements
 
 
 @dataclass
@@ -215,12 +216,19 @@ def read_references(cfg: InferConfig, images) -> dict:
     dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video))."""
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
     if not items:
-        return dict(refs=None, clip_refs=None, repeats=(), elements={})
+        return dict(refs=None, clip_refs=None, repeats=(), elements={}, specs=())
     refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
-    if cfg.reference_layout == "channel" and sum(repeats) >= cfg.num_frames:  # incontext: on top of num_frames
-        raise ValueError(f"{len(items)} elements fill {sum(repeats)} frames (repeats {repeats}); "
-                         f"num_frames={cfg.num_frames} leaves none to generate")
-    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs))
+    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs),
+                specs=tuple(e for e, _ in items))
+
+
+def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
+    """The conditioning plan of a2/conditioning.py, the one train_a2.py makes: a model that cannot take these inputs
+    (or flags) fails here, in one line, before any weights load."""
+    vae = VaeProcessorConfig(resolution=(cfg.height, cfg.width), combine=cfg.combine,
+                             frame_conditioning="first" if first_frame else "full",
+                             reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
+    return plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
@@ -295,7 +303,8 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 
 def main(cfg: InferConfig) -> int:
     check_size(cfg.height, cfg.width, cfg.num_frames)
-    info = detect_model(model_path(cfg.model), cfg.image_encoder)  # an unsupported dir fails here, before any loading
+    # an unsupported dir fails here, before any loading
+    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
     first_frame = read_first_frame(cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
@@ -321,23 +330,24 @@ def main(cfg: InferConfig) -> int:
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
+        layouts = [check_layout(cfg, info, row["specs"], False) for row in rows]
     else:
         refs = read_references(cfg, cfg.elements)
         items = list(refs["elements"])
-    if cfg.reference_layout == "incontext" and (info.e2v or not items):
-        raise ValueError(f"--reference-layout incontext needs a T2V model ({info.path} is {info.name}, "
-                         f"{info.in_channels} input channels) and --elements ({len(items)} given)")
+        layouts = [check_layout(cfg, info, refs["specs"], first_frame is not None)]
+    expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora).is_file()
+    if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
+        raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
+                         "--elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
+                         "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
-    if cfg.lora and transformers[0] is None and not info.e2v and expansion_file(cfg.lora).is_file():
+    if expanded and transformers[0] is None:
         # a LoRA trained on this T2V base expanded to the E2V inputs: expand it with the run's expansion weights
         transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora)
         print(f"expanded {info.path} to the E2V inputs with {expansion_file(cfg.lora)}")
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
                                       transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
-    if items and not is_e2v(pipe.transformer) and cfg.reference_layout == "channel":
-        raise ValueError(f"{cfg.model} is a T2V model (in_channels {pipe.transformer.config.in_channels}): it takes "
-                         "a prompt only, or --elements with --reference-layout incontext")
     params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
     print(f"model {info.path}: {info.name}, transformer {params:.1f}M params"
           + (f" from {cfg.transformer}" if cfg.transformer else "")

@@ -45,31 +45,35 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from a2.conditioning import (
+    CHANNEL_KINDS,
+    Layout,
+    PosteriorCache,
+    drop,
+    encode,
+    loss_start,
+    model_input,
+    num_latent_frames,
+    plan,
+    vae_scale,
+    video_prediction,
+)
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
 from a2.fp8 import scaled_mm_supported
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
-    PosteriorCache,
     check_size,
-    conditioning_frame_indices,
     decode_vae,
     encode_image,
     encode_prompt,
-    encode_vae,
     load_encoders,
     load_first_frame,
     load_references,
     model_flow_shift,
-    model_input,
-    num_ref_latents,
-    prepare_latents,
     save_video,
     tensor_to_uint8,
-    ti2v_model_input,
-    vae_scale,
-    video_prediction,
 )
 from a2.runs import (
     EXIT_RESUMABLE,
@@ -94,17 +98,13 @@ from a2.transformer import (
     is_e2v,
     is_expansion_weight,
     load_transformer,
-    resolve_e2v_type,
 )
 from config import (
     ConfigError,
     Element,
     TrainConfig,
-    VaeProcessorConfig,
-    clip_frames_for,
     dataset_configs,
     pair_elements,
-    ref_latents,
     run_cli,
 )
 from data import (
@@ -160,30 +160,21 @@ class Run:
 
     world: int
     global_batch: int  # micro_batch x grad_accum x world
-    layout: str  # prefix: A2's element frames before the clip | inplace: frames of the clip (I2V) | incontext: clean
-    # element latents after the clip on the time axis (Phantom / SkyReels-V3 R2V, a T2V model) | t2v: none
+    layout: Layout  # the conditioning kind and what it derives (a2/conditioning.py: plan)
     elements: tuple[Element, ...]
-    vae: VaeProcessorConfig  # the datasets' shared VAE processing (combine, frame conditioning)
-    ref_latents: int  # latent frames the references take in the prefix layout (A2's 1, 4, 4 repeats: 3)
-    clip_frames: int  # pixel frames of the target clip: 4·(T - ref_latents - 1) + 1 (A2 at 81 frames: 69)
     info: ModelInfo  # what detect_model read from the model dir
     subfolder: str  # the transformer trained: transformer, or a Wan 2.2 expert's transformer_2
-    e2v_type: str  # dual | vae | clip (which reference paths), none for T2V
-    expand: bool  # a T2V base widened to the E2V inputs (a2/transformer.py: expand_to_e2v)
-    image_branch: bool  # the trained transformer has CLIP image attention (its own, or from the expansion)
-    use_clip: bool  # the step feeds CLIP image tokens
     compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
     sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
     cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
+    val_elements: bool = False  # --val-elements given
+    val_every: int = 0  # --val-every
 
     @property
-    def prefix(self) -> bool:
-        return self.layout == "prefix"
-
-    @property
-    def loss_start(self) -> int:
-        """First latent frame of the clip in the prefix layout (the loss may leave the references out)."""
-        return self.ref_latents
+    def validates(self) -> bool:
+        """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
+        --val-every)."""
+        return self.val_elements or self.layout.kind == "t2v" and self.val_every > 0
 
 
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
@@ -193,7 +184,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
-    if cfg.fp8_base and cfg.training_type != "lora":  # fp8 base weights (issue 13)
+    if cfg.fp8_base and cfg.training_type != "lora":
         raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
     if cfg.fp8_matmul and not cfg.fp8_base and (cfg.memory == "manual" or device.type != "cuda"):  # else: if planned
         raise ConfigError("--fp8-matmul multiplies by the fp8 base weights: add --fp8-base")
@@ -203,7 +194,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.fsdp and cfg.training_type != "full":
         raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
                           "of a frozen model: drop --fsdp (DDP)")
-    if cfg.swap_blocks and cfg.training_type != "lora":  # (issue 13) full fine-tuning trains every weight
+    if cfg.swap_blocks and cfg.training_type != "lora":  # full fine-tuning trains every weight
         raise ConfigError(f"--swap-blocks swaps frozen weights: LoRA only, not --training-type {cfg.training_type}")
     if cfg.offload_activations and cfg.fsdp:  # its hooks are set up on the unsharded model only
         raise ConfigError("--offload-activations is not tried with --fsdp: drop one of them")
@@ -213,36 +204,18 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
         raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
-    layout = "inplace" if vae_cfg.frame_conditioning != "full" else "t2v" if not elements else \
-        "incontext" if vae_cfg.reference_layout == "incontext" else "prefix"
-    # in the prefix layout the target clip is what the reference latents leave of num_frames (A2: 81 -> 69)
-    l_ref, clip_frames = ref_latents(ds_cfgs), clip_frames_for(cfg.num_frames, ds_cfgs)  # as data.py validate
-    info = detect_model(model_path(cfg.model), cfg.image_encoder)  # clear errors for unsupported dirs
+    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
-    if layout == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
-        if info.e2v:
-            raise ConfigError(f"{info.path} ({info.name}) takes {info.in_channels} input channels (noisy | mask | "
-                              "condition): reference_layout incontext is for T2V models; use reference_layout channel")
-        if cfg.e2v_type in ("dual", "clip"):
-            raise ConfigError(f"{info.path} ({info.name}) has no CLIP image branch: reference_layout incontext uses "
-                              f"the VAE path only (--e2v-type vae or auto), not {cfg.e2v_type}")
-        e2v_type = "vae"
-    else:
-        e2v_type = resolve_e2v_type(info, cfg.e2v_type, layout != "t2v")
-    if info.ti2v:  # ---- issue 14: Wan 2.2 TI2V-5B: leading frames the diffusers 5B way, references in context
-        check_ti2v(info, layout, vae_cfg.frame_conditioning, cfg.prefix_frames, clip_frames)
-    expand = layout not in ("t2v", "incontext") and not info.e2v and not info.ti2v
-    image_branch = info.image_branch or (expand and e2v_type != "vae")
-    use_clip = layout == "prefix" and e2v_type != "vae" and image_branch
+    layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
         raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
-        if layout == "t2v":
+        if layout.kind == "t2v":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         try:
-            if info.ti2v and layout == "inplace":  # TI2V-5B image-to-video: the one image is the first frame
+            if layout.kind == "clean":  # TI2V-5B image-to-video: the one image is the first frame
                 if len(cfg.val_elements) != 1:
                     raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
                                      f"{len(cfg.val_elements)}")
@@ -254,40 +227,18 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
         raise ConfigError("--val-prompt is empty: validation videos need a prompt")
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
-    return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, vae_cfg, l_ref, clip_frames, info,
-               info.subfolder(cfg.expert), e2v_type, expand, image_branch, use_clip, dtype,
-               expert_sigma_range(cfg.expert, info.boundary_ratio), None)
-
-
-def check_ti2v(info: ModelInfo, layout: str, frame_conditioning: str, prefix_frames: int, clip_frames: int) -> None:
-    """What TI2V-5B trains: T2V, E2V with the references in context (layout incontext), or frame conditioning
-    `first` / `prefix` (4k+1 frames: whole latent frames) by replacing the leading latent frames
-    (a2.pipeline.ti2v_model_input). Other frame conditionings would need partial latent frames, which the 5B's input
-    cannot mark."""
-    if layout == "prefix":
-        raise ConfigError(f"{info.path} ({info.name}) takes the latents alone: element references go in context "
-                          "(--reference-layout incontext), not in A2's channel prefix layout")
-    if layout == "inplace" and frame_conditioning not in ("first", "prefix"):
-        raise ConfigError(f"{info.path} ({info.name}): --frame-conditioning {frame_conditioning} is not a run of "
-                          "leading latent frames; use first or prefix")
-    n = cond_frames(frame_conditioning, prefix_frames)
-    if layout == "inplace" and ((n - 1) % 4 or n >= clip_frames):
-        raise ConfigError(f"{info.path} ({info.name}): --prefix-frames {n} must be 4k+1 (whole latent frames) and "
-                          f"fewer than the clip's {clip_frames} frames")
-
-
-def cond_frames(frame_conditioning: str, prefix_frames: int) -> int:
-    """Leading pixel frames TI2V-5B is conditioned on (first: the image of I2V)."""
-    return prefix_frames if frame_conditioning == "prefix" else 1
+    return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
+               dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None, bool(cfg.val_elements),
+               cfg.val_every)
 
 
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
     if not cfg.cache_dir:
         return run
-    cache = Path(cfg.cache_dir) / cache_key(run.info.path, run.info.image_encoder_dir if run.use_clip else None,
-                                            dataset, run.clip_frames, str(run.compute_dtype), run.e2v_type,
-                                            cfg.prefix_frames)
+    cache = Path(cfg.cache_dir) / cache_key(run.info.path, run.info.image_encoder_dir if run.layout.use_clip else None,
+                                            dataset, run.layout.clip_frames, str(run.compute_dtype),
+                                            run.layout.e2v_type, run.layout.prefix_frames)
     if not cfg.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
@@ -295,13 +246,8 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
 
 
 def describe(run: Run) -> str:
-    prefix = f"{run.ref_latents} reference latents + " if run.prefix else ""
-    if run.layout == "incontext":
-        prefix = f"clean reference latents after the clip (timestep {run.vae.reference_timestep}) + "
-    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, layout {run.layout}"
-            + (f", E2V type {run.e2v_type}{', CLIP tokens' if run.use_clip else ''}" if run.layout != "t2v" else "")
-            + (", expanded to the E2V inputs" if run.expand else "")
-            + f" | sequence: {prefix}a {run.clip_frames}-frame clip | {str(run.compute_dtype)[6:]} frozen weights"
+    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {run.layout.describe()} | "
+            f"{str(run.compute_dtype)[6:]} frozen weights"
             + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else ""))
 
 
@@ -368,7 +314,7 @@ class Encoders:
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
     enc = Encoders()
     if needed:
-        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.image_branch else None,
+        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.layout.image_branch else None,
                               run.compute_dtype)
         enc = Encoders(*parts)
         for m in (enc.vae, enc.text_encoder, enc.image_encoder):
@@ -394,24 +340,24 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     if rank == 0 or not cfg.fsdp:
         frozen = cfg.training_type == "lora"  # (a LoRA's expansion weights are made fp32 below)
         transformer = load_transformer(run.info.path, run.compute_dtype if frozen else torch.float32, run.subfolder)
-        if run.expand:
+        if run.layout.expand:
             log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
-            transformer = expand_to_e2v(transformer, image_dim=run.info.image_encoder_dim if run.image_branch
+            transformer = expand_to_e2v(transformer, image_dim=run.info.image_encoder_dim if run.layout.image_branch
                                         else None, seed=cfg.seed)
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout in ("t2v", "incontext") or run.info.ti2v
+    assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
     if cfg.training_type == "lora":
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
         # an expansion's image K/V train in full (below), no LoRA on them
-        keep_kv = run.use_clip and not run.expand
+        keep_kv = run.layout.use_clip and not run.layout.expand
         target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
         transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                            target_modules=target, init_lora_weights=True))
-        if run.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
+        if run.layout.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
             for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
                 if is_expansion_weight(name) and ".lora_" not in name:
                     p.requires_grad_(True)
@@ -431,8 +377,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
         return MemoryPlan(cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, None,
                           None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
-    appended = num_ref_latents([e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0
-    tokens = cfg.micro_batch * run.info.latent_tokens(cfg.num_frames + 4 * appended, h, w)  # + incontext refs
+    tokens = cfg.micro_batch * run.info.latent_tokens(run.layout.model_frames, h, w)  # incontext: with the refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks)
     return replace(plan, why=f"--memory auto: {plan.why}")
@@ -486,46 +431,9 @@ def h2d(x: torch.Tensor, device) -> torch.Tensor:
     return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
 
 
-def total_frames(run: Run, batch) -> int:
-    """Pixel frames of the whole sequence: the clip, plus the reference latents' frames in the prefix layout."""
-    if not run.prefix:
-        return run.clip_frames
-    return 4 * ((run.clip_frames - 1) // 4 + num_ref_latents(batch["repeats"], run.vae.combine)) + 1
-
-
-def encode_latents(vae, batch, gens, sample_mode: str, run: Run, prefix_frames: int, device):
-    """x0 (B, 16, T, h, w) and the Conditioning of a micro-batch: the VAE calls only, in a fixed order, so that a
-    recording PosteriorCache (--precompute) and a replaying one (training from the cache) see the same calls as
-    the live VAE."""
-    cached = "posteriors" in batch
-    # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
-    video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
-    if run.prefix:
-        refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
-        cond = prepare_latents(vae, total_frames(run, batch), references=refs, repeats=batch["repeats"],
-                               combine=run.vae.combine, sample_mode=sample_mode, generator=gens)
-        return torch.cat([cond.ref_latents, encode_vae(vae, video, sample_mode, gens)], dim=2), cond
-    if run.layout == "incontext":  # references first, then the clip: the encode order the cache replays
-        refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
-        cond = prepare_latents(vae, run.clip_frames, references=refs, repeats=batch["repeats"], layout="incontext",
-                               reference_timestep=run.vae.reference_timestep, sample_mode=sample_mode, generator=gens)
-        return encode_vae(vae, video, sample_mode, gens), cond
-    x0 = encode_vae(vae, video, sample_mode, gens)
-    if run.layout == "t2v":
-        return x0, None
-    if run.info.ti2v:  # the clean leading latents (B, 48, T_c, h, w), encoded as inference encodes its image
-        n = cond_frames(run.vae.frame_conditioning, prefix_frames)
-        return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=tuple(range(n)),
-                                   layout="clean", sample_mode=sample_mode, generator=gens)
-    idx = conditioning_frame_indices(run.vae.frame_conditioning, run.clip_frames, run.vae.frame_index, prefix_frames,
-                                     gens[0] if gens else None)
-    return x0, prepare_latents(vae, run.clip_frames, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
-                               generator=gens)
-
-
 def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device) -> dict:
     """Everything the transformer and the loss take for this rank's j-th micro-batch of `step`: x0, noise, sigma,
-    the condition (mask | latents), text and image tokens, with text/reference dropout applied. Each sample draws
+    the Conditioning (a2/conditioning.py), text tokens, with text and reference dropout applied. Each sample draws
     from its own generator (a2/flow.py: sample_generator): sigma, dropout, noise, then the VAE posteriors, as A2's
     inference orders its draws."""
     cached = "posteriors" in batch
@@ -536,40 +444,27 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
     drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
     sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range) for g in gens]), device)  # (B,)
+    layout = run.layout
     with torch.no_grad():
-        t_lat = (total_frames(run, batch) - 1) // 4 + 1
         s = run.info.vae_scale
-        noise = h2d(torch.stack([torch.randn(run.info.z_dim, t_lat, height // s, width // s, generator=g)
-                                 for g in gens]), device)
+        noise = h2d(torch.stack([torch.randn(run.info.z_dim, num_latent_frames(layout.num_frames), height // s,
+                                             width // s, generator=g) for g in gens]), device)
+        # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
-        x0, cond = encode_latents(vae, batch, gens, cfg.vae_sample_mode, run, cfg.prefix_frames, device)
-        clean = None  # TI2V-5B frame conditioning: the clean leading latents (B, 48, T_c, h, w) (ti2v_model_input)
-        if run.info.ti2v and run.layout == "inplace":
-            clean, cond = cond.clean, None
-        condition = None if cond is None else cond.condition  # (B, 20, T, h, w) in the channel layout
-        if condition is not None and run.e2v_type == "clip":
-            condition = torch.zeros_like(condition)
+        video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
+        refs = None
+        if layout.kind in ("prefix", "incontext"):
+            refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
+        x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
         text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
-        image = None
-        if run.use_clip:
-            image = (h2d(batch["clip"], device) if cached else
-                     encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
-        keep_refs = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)
-        if condition is not None:  # (TI2V-5B's clean frames: a dropped sample trains as T2V, forward_loss)
-            condition = condition * keep_refs[:, None, None, None, None]
-        if image is not None:
-            image = image * keep_refs[:, None, None].to(image.dtype)
-        if cond is not None and cond.layout == "incontext" and cond.ref_latents is not None:  # dropped: zeros
-            cond = replace(cond, ref_latents=cond.ref_latents * keep_refs[:, None, None, None, None])  # (Phantom's)
-        elif cond is not None:
-            cond = replace(cond, condition=condition)
-    appended = 0 if cond is None or cond.layout != "incontext" or cond.ref_latents is None else \
-        cond.ref_latents.shape[2]
-    return dict(x0=x0, noise=noise, sigmas=sigmas, condition=condition, cond=cond, text=text, image=image,
-                clean=clean, keep_refs=keep_refs,
-                tokens=b * run.info.latent_tokens(4 * (t_lat + appended - 1) + 1, height, width),
+        if layout.use_clip:
+            cond.image = (h2d(batch["clip"], device) if cached else
+                          encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
+        cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+    return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
+                tokens=b * run.info.latent_tokens(layout.model_frames, height, width),
                 reference_images=batch.get("ref_vae"))
 
 
@@ -577,23 +472,14 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
     x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
-    # (B, 16 | 36, T, h, w), or (B, 16, T + L_ref, h, w) incontext: a2.pipeline.model_input, as the sampler builds it
-    per_token = run.info.ti2v or cond is not None and cond.layout == "incontext" and cond.reference_timestep == "zero"
-    patch_size = getattr(model, "module", model).config.patch_size if per_token else None
-    video_x, timestep = x_t, sigmas * 1000
-    if run.info.ti2v:  # clean leading latents at timestep 0 in x_t itself, as at inference; no loss on them
-        video_x, timestep = ti2v_model_input(x_t, inputs["clean"], timestep, patch_size, inputs["keep_refs"])
-    x_in, timestep = model_input(video_x, cond, timestep, patch_size)
-    image = inputs["image"]
+    patch_size = getattr(model, "module", model).config.patch_size
+    x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
     with amp:
-        pred = model(hidden_states=x_in.to(dtype), timestep=timestep,
-                     encoder_hidden_states=inputs["text"].to(dtype),
-                     encoder_hidden_states_image=None if image is None else image.to(dtype), return_dict=False)[0]
-    pred = video_prediction(pred, cond)  # incontext: the loss is on the video latents only
-    first = run.loss_start if run.prefix and not cfg.loss_on_references else 0
-    if inputs.get("clean") is not None:  # TI2V-5B: the given leading frames
-        first = inputs["clean"].shape[2]
-    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, first)
+        pred = model(hidden_states=x_in.to(dtype), timestep=timestep, encoder_hidden_states=inputs["text"].to(dtype),
+                     encoder_hidden_states_image=None if cond.image is None else cond.image.to(dtype),
+                     return_dict=False)[0]
+    pred = video_prediction(pred, cond)
+    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, loss_start(cond, cfg.loss_on_references))
     s = sigmas.view(-1, 1, 1, 1, 1)
     viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
                reference_images=inputs["reference_images"])
@@ -606,17 +492,19 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
 def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
     """Encode every sample into run.cache (sharded over ranks, resumable): VAE posteriors (recorded, no draw), T5
     trimmed to its tokens, CLIP tokens; rank 0 adds the empty prompt and the latents' normalisation."""
-    def encode(batch):
+    def encode_batch(batch):
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
-            encode_latents(rec, batch, None, "argmax", run, 1, enc.vae.device)
+            video, refs = batch["video"].to(enc.vae.device), batch.get("ref_vae")
+            encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
-            clip = encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"])[0] if run.use_clip else None
+            clip = encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"])[0] if run.layout.use_clip \
+                else None
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                     text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
 
-    write_cache(run.cache, dataset, encode, rank, world)
+    write_cache(run.cache, dataset, encode_batch, rank, world)
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -634,13 +522,13 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
     between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
     the video's metrics (a2/evaluate.py) as a metrics.jsonl record: step, val/<metric>."""
-    if not (cfg.val_elements or run.layout == "t2v") or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
+    if not run.validates or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
         return None
     h, w = cfg.resolution
     refs = clips = None
     repeats: tuple[int, ...] = ()
     first_frame = None
-    if run.info.ti2v and run.layout == "inplace" and cfg.val_elements:  # TI2V-5B image-to-video (plan_run checked)
+    if run.layout.kind == "clean":  # TI2V-5B image-to-video: the image is the first frame (plan_run checked)
         first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
@@ -661,8 +549,10 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                   flow_shift=cfg.val_flow_shift, combine=run.vae.combine, reference_layout=run.vae.reference_layout,
-                   reference_timestep=run.vae.reference_timestep, first_frame=first_frame,
+                   flow_shift=cfg.val_flow_shift, combine=run.layout.combine,
+                   reference_layout="incontext" if run.layout.kind == "incontext" else "channel",
+                   reference_timestep=run.layout.reference_timestep, first_frame=first_frame,
+                   layout=run.layout if run.layout.kind in ("prefix", "incontext") else None,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:
@@ -671,7 +561,6 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
                           None if refs is None else refs[0])
         log(f"validation video: {path}")
-    # ---- issue 15: validation metrics
     if evaluators is None or rank != 0:
         return None
     result = evaluate_video(out["video"][0], named_references(items, clips), cfg.val_prompt, evaluators,
@@ -682,7 +571,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
 def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device):
     """The metric encoders of the validation videos (--val-metrics, rank 0), loaded before training so that a bad
     --eval.* dir fails first. CLIP-I uses the run's own image encoder when it has one."""
-    if not cfg.val_metrics or rank != 0 or not (cfg.val_elements or run.layout == "t2v" and cfg.val_every):
+    if not cfg.val_metrics or rank != 0 or not run.validates:
         return None
     clip = None
     if enc.image_encoder is not None:
@@ -872,7 +761,7 @@ def main(cfg: TrainConfig) -> dict:
         f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
-    dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
+    dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
@@ -886,7 +775,7 @@ def main(cfg: TrainConfig) -> dict:
         on_rank0(lambda: open_run_dir(run_dir, lock, cfg, run, point))
 
     # ---------------------------------------------------------------- encoders; precompute cache (then exit)
-    needed = run.cache is None or cfg.precompute or bool(cfg.val_elements or run.layout == "t2v" and cfg.val_every) \
+    needed = run.cache is None or cfg.precompute or run.validates \
         or any(p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors
                if ds_cfgs[0].visualization.enabled)
     enc = load_run_encoders(cfg, run, device, needed)
@@ -900,7 +789,7 @@ def main(cfg: TrainConfig) -> dict:
         dataset.cache_dir = run.cache
         log(f"training from the precompute cache {run.cache}"
             + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
-    evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # issue 15: validation metrics
+    evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
     transformer, rank0_weights = build_transformer(cfg, run, rank)
@@ -1024,7 +913,7 @@ def main(cfg: TrainConfig) -> dict:
                     dist.barrier()
         if cfg.val_every and done % cfg.val_every == 0:
             scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
-            if scores:  # issue 15: validation metrics
+            if scores:
                 log_step(scores, metrics_file, tb)
         if interrupted:
             by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
@@ -1047,7 +936,7 @@ def main(cfg: TrainConfig) -> dict:
     del full_state
     if cfg.val_elements and not cfg.val_every and not interrupted:
         scores = validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
-        if scores:  # issue 15: validation metrics
+        if scores:
             log_step(scores, metrics_file, tb)
     if metrics_file:
         metrics_file.close()

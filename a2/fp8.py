@@ -1,4 +1,4 @@
-"""fp8 frozen base weights for LoRA runs (issue 13): half the bytes of bf16 for every frozen linear of the blocks.
+"""fp8 frozen base weights for LoRA runs: half the bytes of bf16 for every frozen linear of the blocks.
 
 Each frozen nn.Linear weight inside `transformer.blocks` (peft's `base_layer` under a LoRA, and the linears peft did
 not wrap) is stored as float8 e4m3 with one fp32 scale per output channel:

@@ -1,4 +1,4 @@
-"""Memory reach (issue 13): what a training step keeps on the GPU between uses, parked in host memory and brought
+"""Memory reach: what a training step keeps on the GPU between uses, parked in host memory and brought
 back one block ahead of its use, overlapped with compute.
 
 Activation offload (recomputed blocks): what a checkpointed block keeps for backward, its input (and with

@@ -59,7 +59,7 @@ TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
                "random-5B": dict(preset="5B", ti2v=True)}
 
-# ---- issue 14: Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
+# Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
 # dim_mult 1,2,4,4, 2 res blocks) at width 8: the same patching (12 = 3x2x2 channels in and out), residual
 # blocks and down/upsampling, so the same 16x spatial / 4x temporal compression and 48 latent channels.
 TINY_TI2V_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,

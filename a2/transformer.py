@@ -105,7 +105,7 @@ class ModelInfo:
     image_encoder_dir: Path | None  # a dir with image_encoder/ + image_processor/ (the model's or --image-encoder)
     image_encoder_dim: int | None  # that CLIP's hidden size (ViT-H/14: 1280), the image_dim of an expansion
     boundary_ratio: float | None  # Wan 2.2 A14B: `transformer` (high) for timesteps >= ratio*1000, else `transformer_2`
-    # ---- issue 14: Wan 2.2 TI2V-5B (48-channel VAE, 16x spatial, per-token timesteps)
+    # Wan 2.2 TI2V-5B (48-channel VAE, 16x spatial, per-token timesteps)
     z_dim: int = Z_DIM  # latent channels of the VAE
     vae_scale: int = 8  # spatial compression of the VAE (Wan 2.2's: patch 2 x 8 = 16)
     patch_size: tuple[int, int, int] = (1, 2, 2)  # the transformer's (t, h, w) patch
@@ -170,7 +170,7 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
     `transformer_2` switched at `boundary_ratio`; the I2V pair has 36 channels but no image branch).
     `image_encoder` is a dir with image_encoder/ + image_processor/ that overrides the model's own (for a T2V
     model expanded to E2V).
-    The built-in tiny models' names are resolved to their dirs by a2.tiny.model_path, before this."""
+    Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
     d = Path(model_dir)
     if not d.is_dir():
         raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or the name of a "
@@ -227,10 +227,6 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
                                f"(in_channels, image branch) {configs[0]} vs {configs[1]}")
     in_channels, image_branch = configs[0]
 
-    if image_encoder:
-        from a2.tiny import model_path  # a Hub id, like --model
-
-        image_encoder = model_path(image_encoder)
     enc = Path(image_encoder) if image_encoder else d
     if not ((enc / "image_encoder" / "config.json").exists() and (enc / "image_processor").is_dir()):
         if image_encoder:
@@ -416,7 +412,7 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
                                    "(no elements, no frame conditioning) needs a T2V model")
         return "none"
-    if info.ti2v:  # issue 14: its first frame replaces latent frame 0; element references go in context
+    if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
         if e2v_type in ("dual", "clip"):
             raise UnsupportedModel(f"{where} has no CLIP image branch and no channel conditioning: --e2v-type vae "
                                    f"or auto, not {e2v_type}")

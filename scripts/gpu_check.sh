@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh suite        # the rest of the suite on this GPU machine (CPU tests pin the CPU)
 #   bash scripts/gpu_check.sh table14      # A2-14B LoRA, 3 references, 81x480x832: bench.py and train_a2.py
 #   bash scripts/gpu_check.sh table13      # Wan 1.3B full fine-tuning, 81x480x832: bench.py and train_a2.py
-#   bash scripts/gpu_check.sh reach        # issue 13's targets: 14B at 720p on 80 GB, 14B in 24 GB, 1.3B in 12 GB
+#   bash scripts/gpu_check.sh reach        # the memory targets: 14B at 720p on 80 GB, 14B in 24 GB, 1.3B in 12 GB
 #
 # Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. Results go to
 # $OUT (or out/gpu_check): bench.jsonl (one JSON row per measurement) and the runs' metrics.jsonl.

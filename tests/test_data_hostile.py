@@ -16,8 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
+from a2.conditioning import clip_frames
 from a2.pipeline import read_image
-from config import A2_ELEMENTS, ConfigError, DatasetConfig, clip_frames_for, load_dataset_config
+from config import A2_ELEMENTS, ConfigError, DatasetConfig, load_dataset_config
 from data import (
     DatasetError,
     E2VDataset,
@@ -397,7 +398,8 @@ def test_validate_cli_one_line_per_problem_exit_2_no_traceback(synth, tmp_path):
     assert lines[5] == f"  caf\\xe9: {d}/caf\\xe9.txt: caption file missing"
     assert lines[6].startswith(f"  caf\\xe9: {d}/caf\\xe9.mp4: unreadable video")
     # --num-frames is the whole sequence, as in train_a2.py: 33 with A2's three references leaves 21 clip frames
-    assert clip_frames_for(33, [DatasetConfig(str(d))]) == 21
+    ds = DatasetConfig(str(d))
+    assert clip_frames(33, ds.elements, ds.vae) == 21
     assert lines[1:5] == [f"  00{i}: {d / f'00{i}.mp4'}: 17 frames, shorter than the smallest bucket (21)"
                           for i in range(4)]
 

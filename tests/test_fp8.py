@@ -1,4 +1,4 @@
-"""fp8 frozen base weights (a2/fp8.py, issue 13): the e4m3 rounding bound, gradients within a stated bound of the
+"""fp8 frozen base weights (a2/fp8.py): the e4m3 rounding bound, gradients within a stated bound of the
 unquantized model's on the tiny model and on one real-shaped A2-14B block, and a LoRA trained over fp8 weights
 loading in infer.py on the unquantized model."""
 

@@ -247,7 +247,7 @@ def offload_step(activations: bool, swap: int, compile: bool):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_offload_and_swap_bf16_step(compile):
-    """issue 13 on the GPU: block swap and activation offload (side-stream copies, pinned memory, events) give the
+    """Memory reach on the GPU: block swap and activation offload (side-stream copies, pinned memory, events) give the
     plain step's loss and LoRA gradients (bf16 tolerance), and lower the peak: swapping all 6 blocks by their
     bytes less three blocks' (the one computing, the one arriving, the one just released, whose memory returns
     once the compute queued on it is done), offloading the activations by the recomputed blocks' inputs and

@@ -37,7 +37,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(offline, tiny_t2v_dir, tmp_path,
     info = detect_model(model_path("Skywork/SkyReels-A2"))
     assert info.path == offline and info.image_encoder_dir == offline
     # --image-encoder takes an id too (the CLIP of a T2V base expanded to E2V)
-    assert detect_model(tiny_t2v_dir, "Skywork/SkyReels-A2").image_encoder_dir == offline
+    assert detect_model(tiny_t2v_dir, model_path("Skywork/SkyReels-A2")).image_encoder_dir == offline
     # a local dir of the same spelling wins over the Hub
     monkeypatch.chdir(tmp_path)
     (tmp_path / "Skywork" / "SkyReels-A2").mkdir(parents=True)

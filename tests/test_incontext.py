@@ -1,4 +1,4 @@
-"""The in-context reference layout (issue 14): clean element latents appended after the video latents on the time axis
+"""The in-context reference layout: clean element latents appended after the video latents on the time axis
 of a T2V model's input (Phantom-Wan / SkyReels-V3 R2V). Model input, timesteps and loss against hand-built tensors,
 training == sampling input, train -> LoRA -> infer on the tiny T2V model, precompute cache == live."""
 
@@ -9,8 +9,9 @@ import torch
 import tyro
 
 import train_a2
-from a2.pipeline import A2Pipeline, Conditioning, load_references, model_input, prepare_latents, video_prediction
-from config import A2_ELEMENTS, ConfigError, TrainConfig, dataset_configs, load_dataset_config
+from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
+from a2.pipeline import A2Pipeline
+from config import ConfigError, TrainConfig, dataset_configs, load_dataset_config
 from data import E2VDataset, collate
 from tests.conftest import args, losses, max_diff, params, train
 
@@ -32,7 +33,7 @@ def setup(data_dir, *extra, model="tiny-t2v"):  # noqa: F811
                                       "--device", "cpu", *INCONTEXT, *extra])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)
+    dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
     return cfg, run, enc, collate([dataset[0]])
 
@@ -43,10 +44,10 @@ def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2
     refs = torch.rand(2, 3, 3, 32, 48, generator=g) * 2 - 1  # (B, N, 3, H, W)
     repeats = (1, 4, 5)  # a clip of 5 frames is 2 latents: L_ref = 1 + 1 + 2
     with torch.no_grad():
-        cond = prepare_latents(pipe.vae, 9, references=refs, repeats=repeats, layout="incontext")
+        cond = prepare_latents(pipe.vae, make_layout("incontext", 9, repeats), references=refs)
         want = torch.cat([torch.cat([hand_encoded(pipe.vae, refs[b, i], k) for i, k in enumerate(repeats)], dim=2)
                           for b in range(2)])
-    assert cond.condition is None and cond.num_ref_latents == 0 and cond.layout == "incontext"
+    assert cond.condition is None and cond.num_ref_latents == 0 and cond.kind == "incontext"
     assert want.shape == (2, 16, 4, 4, 6)
     torch.testing.assert_close(cond.ref_latents, want, rtol=0, atol=1e-6)
 
@@ -54,7 +55,7 @@ def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2
     ts = torch.tensor([700.0, 250.0])
     x, t = model_input(x_t, cond, ts, (1, 2, 2))
     assert torch.equal(x, torch.cat([x_t, cond.ref_latents], dim=2)) and torch.equal(t, ts)  # shared (Phantom, V3)
-    zero = Conditioning(None, 0, cond.ref_latents, "incontext", "zero")
+    zero = Conditioning("incontext", ref_latents=cond.ref_latents, reference_timestep="zero")
     x, t = model_input(x_t, zero, ts, (1, 2, 2))
     grid = torch.zeros(2, 3 + 4, 4 // 2, 6 // 2)  # the patch grid (T + L_ref, h/2, w/2), frame-major as diffusers
     grid[:, :3] = ts.view(2, 1, 1, 1)
@@ -73,45 +74,17 @@ def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2
     ti2v = grid[:, :3].flatten(1).clone()
     ti2v[:, :6] = 0
     for how, ref_t in (("shared", ts), ("zero", torch.zeros(2))):
-        _, t = model_input(x_t, Conditioning(None, 0, cond.ref_latents, "incontext", how), ti2v, (1, 2, 2))
+        ref_cond = Conditioning("incontext", ref_latents=cond.ref_latents, reference_timestep=how)
+        _, t = model_input(x_t, ref_cond, ti2v, (1, 2, 2))
         assert torch.equal(t, torch.cat([ti2v, ref_t[:, None].expand(-1, 4 * 6)], dim=1))
     pred = torch.randn(2, 16, 7, 4, 6, generator=g)
     assert torch.equal(video_prediction(pred, cond), pred[:, :, :3])
     # nothing assumes 16 channels or the 8x VAE: a 48-channel latent (Wan 2.2 TI2V-5B) with its own grid
     refs48, x48 = torch.randn(1, 48, 2, 6, 10), torch.randn(1, 48, 5, 6, 10)
-    x, t = model_input(x48, Conditioning(None, 0, refs48, "incontext", "zero"), torch.tensor([500.0]), (1, 2, 2))
+    zero48 = Conditioning("incontext", ref_latents=refs48, reference_timestep="zero")
+    x, t = model_input(x48, zero48, torch.tensor([500.0]), (1, 2, 2))
     assert x.shape == (1, 48, 7, 6, 10) and t.shape == (1, 7 * 3 * 5) and t[0, :15 * 5].eq(500).all() and \
         t[0, 15 * 5:].eq(0).all()
-
-
-@pytest.mark.parametrize("timestep", ["shared", "zero"])
-def test_training_feeds_what_the_sampler_feeds(data_dir, timestep):  # noqa: F811
-    """At the sampler's first step (sigma 1) with the same noise, the training step gives the transformer exactly the
-    hidden states (noisy video | clean references), timestep and text that A2Pipeline gives it."""
-    cfg, run, enc, batch = setup(data_dir, "--reference-timestep", timestep, "--vae-sample-mode", "argmax",
-                                 "--text-dropout", "0")
-    assert (run.layout, run.clip_frames, run.ref_latents, run.expand, run.e2v_type) == ("incontext", 9, 0, False, "vae")
-    transformer = train_a2.load_transformer(run.info.path, torch.float32)
-    seen = []
-    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
-    pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder)
-    files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in A2_ELEMENTS]
-    refs, _, repeats = load_references(files, (32, 32))
-    pipe(batch["prompts"][0], refs, None, repeats, height=32, width=32, num_frames=9, num_inference_steps=1,
-         guidance_scale=1.0, scheduler="euler", sample_mode="argmax", generator=torch.Generator().manual_seed(1),
-         decode="none", progress=False, reference_layout="incontext", reference_timestep=timestep)
-    (sampled,) = seen
-    assert sampled["timestep"].reshape(-1)[0].item() == 1000.0  # sigma 1: x_t is the noise itself
-
-    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
-    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :, :3].clone(), torch.tensor([1.0])
-    seen.clear()
-    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
-    (trained,) = seen
-    assert sampled["hidden_states"].shape == (1, 16, 3 + 3, 4, 4)
-    for key in ("hidden_states", "timestep", "encoder_hidden_states"):
-        assert torch.equal(trained[key], sampled[key].to(trained[key].dtype)), key
-    assert trained["timestep"].shape == ((1,) if timestep == "shared" else (1, 6 * 2 * 2))
 
 
 @pytest.mark.parametrize("timestep", ["shared", "zero"])
@@ -163,7 +136,7 @@ def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
                     "--reference-timestep", "zero", "--val-elements", *els, "--val-steps", "2", "--no-val-metrics",
                     model="tiny-t2v"))
     run = json.loads((r["run_dir"] / "run.json").read_text())
-    assert run["layout"] == "incontext" and not run["expand"]
+    assert run["layout"]["kind"] == "incontext" and not run["layout"]["expand"]
     assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]  # validation samples it
     assert r["weights"].name == "pytorch_lora_weights.safetensors"
     base = dict(model="tiny-t2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
@@ -178,7 +151,7 @@ def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
     other = dict(lora, elements=tuple(str(data_dir / f"001{s}") for s in ("_person.png", "_object.png",
                                                                           "_background.png")))
     assert infer.main(infer.InferConfig(**other, compare=str(tmp_path / "lora.pt"))) == 1  # ...and so do the refs
-    with pytest.raises(ValueError, match="incontext needs a T2V model"):
+    with pytest.raises(ConfigError, match="36 input channels .* incontext is for T2V models"):
         infer.main(infer.InferConfig(**dict(base, model="tiny")))
 
 
@@ -208,7 +181,7 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
     assert (ds.vae.reference_layout, ds.vae.reference_timestep) == ("incontext", "zero")
     cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu")
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
-    assert (run.layout, run.clip_frames, run.ref_latents) == ("incontext", 9, 0)
+    assert (run.layout.kind, run.layout.clip_frames, run.layout.ref_latents) == ("incontext", 9, 1)
     for bad, message, els in (({"reference_layout": "time"}, "reference_layout 'time'", elements),
                               ({"reference_layout": "incontext", "frame_conditioning": "first"}, "use full", elements),
                               (vae, r"datasets\[0\] lists no elements", [])):
@@ -217,7 +190,7 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
         with pytest.raises(ConfigError, match=message):
             load_dataset_config(cfg_file)
     _, run, _, _ = setup(data_dir, "--expert", "low", model="tiny-wan22-t2v")  # a Wan 2.2 T2V expert: a LoRA too
-    assert (run.layout, run.expand, run.subfolder) == ("incontext", False, "transformer_2")
+    assert (run.layout.kind, run.layout.expand, run.subfolder) == ("incontext", False, "transformer_2")
     with pytest.raises(ConfigError, match="36 input channels .* incontext is for T2V models"):
         setup(data_dir, model="tiny")
     with pytest.raises(ConfigError, match="no CLIP image branch"):

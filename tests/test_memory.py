@@ -1,4 +1,4 @@
-"""The --memory auto rule (a2/memory.py): which plan it picks for the shapes and cards of issue 13, what it counts
+"""The --memory auto rule (a2/memory.py): which plan it picks for the target shapes and cards, what it counts
 of a model, and that it says DOES NOT FIT (and why) rather than picking a plan that cannot run."""
 
 import pytest

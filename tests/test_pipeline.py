@@ -6,14 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from a2.pipeline import (
-    conditioning_frame_indices,
-    encode_vae,
-    frame_mask,
-    pil_to_tensor,
-    prepare_latents,
-    preprocess_image,
-)
+from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
+from a2.pipeline import pil_to_tensor, preprocess_image
 
 H, W = 32, 48
 
@@ -43,7 +37,7 @@ def test_prefix_before_mask_and_latents(vae, repeats):
     g = torch.Generator().manual_seed(0)
     refs = torch.rand(2, len(repeats), 3, H, W, generator=g) * 2 - 1
     with torch.no_grad():
-        cond = prepare_latents(vae, f, references=refs, repeats=repeats, combine="before")
+        cond = prepare_latents(vae, make_layout("prefix", f, repeats, combine="before"), references=refs)
         # expected: the mini-video spelled out frame by frame, then zeros, encoded once
         frames = [refs[:, i] for i, k in enumerate(repeats) for _ in range(k)]
         frames += [torch.zeros_like(refs[:, 0])] * (f - sum(repeats))
@@ -62,7 +56,7 @@ def test_prefix_after_encodes_each_element_alone(vae):
     f, repeats = 21, (1, 4, 4)
     refs = torch.rand(1, 3, 3, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
-        cond = prepare_latents(vae, f, references=refs, repeats=repeats, combine="after")
+        cond = prepare_latents(vae, make_layout("prefix", f, repeats, combine="after"), references=refs)
         parts = [encode_vae(vae, refs[:, i, :, None].repeat(1, 1, k, 1, 1)) for i, k in enumerate(repeats)]
     lat = cond.condition[:, 4:]
     assert cond.num_ref_latents == 3  # 1 + (4-1)//4 + 1 ... one latent per element
@@ -75,8 +69,8 @@ def test_prefix_after_encodes_each_element_alone(vae):
 def test_before_and_after_differ(vae):
     refs = torch.rand(1, 2, 3, H, W, generator=torch.Generator().manual_seed(2)) * 2 - 1
     with torch.no_grad():
-        a = prepare_latents(vae, 13, references=refs, repeats=(1, 4), combine="before").condition
-        b = prepare_latents(vae, 13, references=refs, repeats=(1, 4), combine="after").condition
+        a = prepare_latents(vae, make_layout("prefix", 13, (1, 4), combine="before"), references=refs).condition
+        b = prepare_latents(vae, make_layout("prefix", 13, (1, 4), combine="after"), references=refs).condition
     assert a.shape == b.shape and (a - b).abs().max() > 1e-3
 
 
@@ -89,7 +83,7 @@ def test_inplace_modes(vae, mode, flags):
     idx = conditioning_frame_indices(mode, f, index=5, prefix=5)
     assert sorted(idx) == flags
     with torch.no_grad():
-        cond = prepare_latents(vae, f, video=video, cond_frame_indices=idx)
+        cond = prepare_latents(vae, make_layout("inplace", f), video=video, cond_frame_indices=idx)
         kept = torch.zeros_like(video)
         kept[:, :, flags] = video[:, :, flags]
         expected = encode_vae(vae, kept)
@@ -112,24 +106,24 @@ def test_random_frame_is_a_function_of_the_generator():
 def test_sample_mode_uses_generator(vae):
     refs = torch.rand(1, 1, 3, H, W) * 2 - 1
     with torch.no_grad():
-        s1 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+        s1 = prepare_latents(vae, make_layout("prefix", 9, (1,)), references=refs, sample_mode="sample",
                              generator=torch.Generator().manual_seed(0)).condition
-        s2 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+        s2 = prepare_latents(vae, make_layout("prefix", 9, (1,)), references=refs, sample_mode="sample",
                              generator=torch.Generator().manual_seed(0)).condition
-        s3 = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="sample",
+        s3 = prepare_latents(vae, make_layout("prefix", 9, (1,)), references=refs, sample_mode="sample",
                              generator=torch.Generator().manual_seed(1)).condition
-        m = prepare_latents(vae, 9, references=refs, repeats=(1,), sample_mode="argmax").condition
+        m = prepare_latents(vae, make_layout("prefix", 9, (1,)), references=refs, sample_mode="argmax").condition
     assert torch.equal(s1, s2) and not torch.equal(s1, s3) and not torch.equal(s1, m)
 
 
 def test_bad_inputs_raise(vae):
     refs = torch.zeros(1, 3, 3, H, W)
     with pytest.raises(ValueError, match="leaves no frame"):
-        prepare_latents(vae, 9, references=refs, repeats=(1, 4, 4))
+        prepare_latents(vae, make_layout("prefix", 9, (1, 4, 4)), references=refs)
     with pytest.raises(ValueError, match="one repeat"):
-        prepare_latents(vae, 21, references=refs, repeats=(1, 4))
-    with pytest.raises(ValueError, match="either references"):
-        prepare_latents(vae, 21)
+        prepare_latents(vae, make_layout("prefix", 21, (1, 4)), references=refs)
+    with pytest.raises(ValueError, match="takes element references"):
+        prepare_latents(vae, make_layout("prefix", 21))
 
 
 def test_frame_mask_matches_diffusers_rule():

@@ -28,7 +28,7 @@ def setup(data_dir, *extra, model="tiny"):
                                       "--num-frames", "21", "--device", "cpu", *extra])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    dataset = E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)
+    dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
     return cfg, run, enc, collate([dataset[0], dataset[1]])
 
@@ -59,12 +59,14 @@ def test_flow_loss_slices_the_reference_frames_and_weights():
 
 def test_run_derives_a2s_layout(data_dir):
     cfg, run, _, _ = setup(data_dir)
-    assert (run.layout, run.ref_latents, run.clip_frames, run.e2v_type, run.use_clip) == ("prefix", 3, 9, "dual", True)
+    lay = run.layout
+    assert (lay.kind, lay.ref_latents, lay.clip_frames, lay.e2v_type, lay.use_clip) == ("prefix", 3, 9, "dual", True)
     assert run.global_batch == 1 and run.compute_dtype == torch.float32 and run.sigma_range == (0.0, 1.0)
     with pytest.raises(AttributeError):  # frozen: derived once, never written back
-        run.clip_frames = 5
+        run.layout.clip_frames = 5
     cfg81 = TrainConfig(data_root=str(data_dir), num_frames=81, device="cpu")
-    assert train_a2.plan_run(cfg81, 1, dataset_configs(cfg81), torch.device("cpu")).clip_frames == 69  # A2: 81 -> 69
+    run81 = train_a2.plan_run(cfg81, 1, dataset_configs(cfg81), torch.device("cpu"))
+    assert run81.layout.clip_frames == 69  # A2: 81 -> 69
 
 
 def test_model_inputs_dropout(data_dir):
@@ -73,11 +75,13 @@ def test_model_inputs_dropout(data_dir):
         inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
         b, t_lat = 2, (21 - 1) // 4 + 1
         assert inputs["x0"].shape == inputs["noise"].shape == (b, 16, t_lat, 4, 4)
-        assert inputs["condition"].shape == (b, 20, t_lat, 4, 4) and inputs["image"].shape == (b, 3 * 257, 32)
+        cond = inputs["cond"]  # what forward_loss feeds the transformer
+        assert cond.condition.shape == (b, 20, t_lat, 4, 4) and cond.image.shape == (b, 3 * 257, 32)
         empty = (inputs["text"] == enc.empty_text).all(dim=(1, 2))
         assert empty.tolist() == [want_dropped] * b
-        assert (inputs["condition"].abs().amax(dim=(1, 2, 3, 4)) == 0).tolist() == [want_dropped] * b
-        assert (inputs["image"].abs().amax(dim=(1, 2)) == 0).tolist() == [want_dropped] * b
+        assert (cond.condition.abs().amax(dim=(1, 2, 3, 4)) == 0).tolist() == [want_dropped] * b
+        assert (cond.image.abs().amax(dim=(1, 2)) == 0).tolist() == [want_dropped] * b
+        assert cond.ref_latents.abs().max() > 0  # the references stay in x0 (the target) either way
         # the draws are the sample's own: the same batch at another step draws other noise and sigma
         again = train_a2.model_inputs(batch, 1, 0, cfg, run, enc, 0, torch.device("cpu"))
         assert not torch.equal(again["noise"], inputs["noise"]) and not torch.equal(again["sigmas"], inputs["sigmas"])
@@ -88,25 +92,26 @@ def test_forward_loss_leaves_references_out_when_asked(data_dir):
     inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
     x_t, target = noisy_latents(inputs["x0"], inputs["noise"], inputs["sigmas"])
     pred = target.clone()
-    pred[:, :, : run.ref_latents] += 1.0  # wrong only on the reference latents
+    pred[:, :, : run.layout.ref_latents] += 1.0  # wrong only on the reference latents
 
     def model(**kw):
         assert kw["hidden_states"].shape[1] == 36 and kw["timestep"].tolist() == (inputs["sigmas"] * 1000).tolist()
         return (pred,)
 
+    model.config = type("C", (), {"patch_size": (1, 2, 2)})
     loss, viz = train_a2.forward_loss(model, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
     assert loss.item() == pytest.approx(0.0, abs=1e-10)
     cfg_all = tyro.cli(TrainConfig, args=["--data-root", str(data_dir)])  # loss_on_references (default)
     loss_all, _ = train_a2.forward_loss(model, inputs, cfg_all, run, torch.autocast("cpu", enabled=False),
                                         torch.float32)
-    assert loss_all.item() == pytest.approx(run.ref_latents / x_t.shape[2], rel=1e-5)
+    assert loss_all.item() == pytest.approx(run.layout.ref_latents / x_t.shape[2], rel=1e-5)
     torch.testing.assert_close(viz["predicted_latents"], x_t - inputs["sigmas"].view(-1, 1, 1, 1, 1) * pred)
 
 
 def test_sigmas_stay_in_the_experts_range(data_dir):
     for expert, (lo, hi) in (("high", (0.9, 1.0)), ("low", (0.0, 0.9))):  # tiny Wan 2.2 I2V: boundary 0.9
         cfg, run, enc, batch = setup(data_dir, "--expert", expert, model="tiny-wan22-i2v")
-        assert run.sigma_range == (lo, hi) and run.e2v_type == "vae" and not run.use_clip
+        assert run.sigma_range == (lo, hi) and run.layout.e2v_type == "vae" and not run.layout.use_clip
         s = torch.cat([train_a2.model_inputs(batch, step, 0, cfg, run, enc, 0, torch.device("cpu"))["sigmas"]
                        for step in range(10)])
         assert (s >= lo).all() and (s < hi if hi < 1 else s <= 1).all(), s

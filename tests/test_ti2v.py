@@ -1,4 +1,4 @@
-"""Wan 2.2 TI2V-5B (issue 14): detection, the 5B's first-frame conditioning against tensors built as diffusers
+"""Wan 2.2 TI2V-5B: detection, the 5B's first-frame conditioning against tensors built as diffusers
 builds them, parity of A2Pipeline with diffusers' own 5B pipelines, training == sampling input (first frame, and E2V
 through the in-context layout), and train -> export -> infer round trips on the tiny 5B-shaped model (48-channel
 Wan 2.2 VAE with patch 2 and residual blocks, 16x spatial)."""
@@ -74,8 +74,13 @@ def test_detect_model_reads_the_5b_layout(ti2v_dir, tmp_path):
 
 
 def test_model_input_matches_diffusers_formulas():
-    """ti2v_model_input == diffusers' WanImageToVideoPipeline (expand_timesteps) / WanPipeline loop, written out."""
-    from a2.pipeline import ti2v_model_input
+    """model_input on the 5B (clean frames, per-token timesteps) == diffusers' WanImageToVideoPipeline
+    (expand_timesteps) / WanPipeline loop, written out."""
+    from a2.conditioning import Conditioning, model_input
+
+    def ti2v_model_input(x_t, clean, t, conditioned=None):
+        return model_input(x_t, Conditioning("clean" if clean is not None else "t2v", clean=clean, keep=conditioned,
+                                             per_token=True), t)
 
     g = torch.Generator().manual_seed(0)
     latents, condition = torch.randn(2, 48, 3, 4, 6, generator=g), torch.randn(2, 48, 1, 4, 6, generator=g)
@@ -101,12 +106,10 @@ def test_model_input_matches_diffusers_formulas():
     x, ts = ti2v_model_input(latents, torch.randn(2, 48, 2, 4, 6, generator=g), t)
     assert (ts[:, :12] == 0).all() and (ts[:, 12:] == 937).all() and torch.equal(x[:, :, 2], latents[:, :, 2])
     # E2V on the 5B: the in-context references (2 latent frames) come after, at 0 (zero) or the sample's t (shared)
-    from a2.pipeline import Conditioning, model_input
-
     refs = torch.randn(2, 48, 2, 4, 6, generator=g)
-    video_x, video_t = ti2v_model_input(latents, condition, t)
     for how, ref_t in (("zero", 0.0), ("shared", 937.0)):
-        x, ts = model_input(video_x, Conditioning(None, 0, refs, "incontext", how), video_t, (1, 2, 2))
+        both = Conditioning("incontext", ref_latents=refs, clean=condition, reference_timestep=how, per_token=True)
+        x, ts = model_input(latents, both, t, (1, 2, 2))
         assert torch.equal(x, torch.cat([want_x, refs], dim=2)) and ts.shape == (2, 5 * 6)
         assert torch.equal(ts, torch.cat([want_t, torch.full((2, 12), ref_t)], dim=1))
 
@@ -114,28 +117,30 @@ def test_model_input_matches_diffusers_formulas():
 def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
     """The image encoded alone (as inference encodes it) == the first latent of the whole clip (as x0 holds it):
     the causal Wan 2.2 VAE. Normalised with the VAE's 48 means/stds."""
-    from a2.pipeline import A2Pipeline, encode_vae, latent_stats, prepare_latents
+    from a2.conditioning import encode_vae, latent_stats, make_layout, prepare_latents
+    from a2.pipeline import A2Pipeline
 
     vae = A2Pipeline.from_pretrained(ti2v_dir).vae
     video = torch.rand(1, 3, F, H, W, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         x0 = encode_vae(vae, video)
-        first = prepare_latents(vae, F, video=video, cond_frame_indices=(0,), layout="clean").clean
-        prefix = prepare_latents(vae, F, video=video, cond_frame_indices=tuple(range(5)), layout="clean").clean
+        first = prepare_latents(vae, make_layout("clean", F, clean_frames=1), video=video).clean
+        prefix = prepare_latents(vae, make_layout("clean", F, clean_frames=5), video=video).clean
         raw = vae.encode(video[:, :, :1]).latent_dist.mode()
     mean, std = latent_stats(vae, raw.device, raw.dtype)
     assert x0.shape == (1, 48, 3, 4, 6) and first.shape == (1, 48, 1, 4, 6) and prefix.shape == (1, 48, 2, 4, 6)
     assert torch.allclose(first, (raw - mean) / std, atol=1e-6)
     assert (first - x0[:, :, :1]).abs().max() <= 1e-5 and (prefix - x0[:, :, :2]).abs().max() <= 1e-5
     assert (mean.abs().max() > 0) and (std - 1).abs().max() > 0  # the normalisation is not the identity
-    with pytest.raises(ValueError, match="4k\\+1 leading frames: \\(0, 1\\) of 9"):
-        prepare_latents(vae, F, video=video, cond_frame_indices=(0, 1), layout="clean")
+    with pytest.raises(ValueError, match="4k\\+1 frames of the video: 2 of 9"):
+        prepare_latents(vae, make_layout("clean", F, clean_frames=2), video=video)
 
 
 def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
     """The training step feeds what inference feeds (clean frame 0, timestep 0 on its tokens) and the loss ignores
     the prediction there."""
     import train_a2
+    from a2.conditioning import Conditioning
     from a2.flow import noisy_latents
 
     g = torch.Generator().manual_seed(2)
@@ -152,11 +157,10 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
 
     model.config = SimpleNamespace(patch_size=(1, 2, 2))
 
-    run = SimpleNamespace(info=SimpleNamespace(ti2v=True, patch_size=(1, 2, 2)), prefix=False, loss_start=0)
     cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none")
-    inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=None, clean=clean, text=torch.zeros(2, 512, 32),
-                  image=None, keep_refs=torch.ones(2), reference_images=None)
-    loss, _ = train_a2.forward_loss(model, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    cond = Conditioning("clean", clean=clean, keep=torch.ones(2), per_token=True)
+    inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=torch.zeros(2, 512, 32), reference_images=None)
+    loss, _ = train_a2.forward_loss(model, inputs, cfg, None, torch.autocast("cpu", enabled=False), torch.float32)
     assert loss.item() == 0.0
     assert torch.equal(seen["x"][:, :, :1], clean) and torch.equal(seen["x"][:, :, 1:], x_t[:, :, 1:])
     assert (seen["t"][:, :6] == 0).all() and torch.equal(seen["t"][:, 6:], (sigmas[:, None] * 1000).expand(-1, 12))
@@ -207,9 +211,10 @@ def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
 
 
 def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
-    """The clean latent a training sample gets (train_a2.encode_latents) == what A2Pipeline builds from the same
+    """The clean latent a training sample gets (a2.conditioning.encode) == what A2Pipeline builds from the same
     first frame (posterior mode)."""
     import train_a2
+    from a2.conditioning import encode
     from a2.pipeline import A2Pipeline
     from data import E2VDataset, collate
 
@@ -220,67 +225,15 @@ def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
                       frame_conditioning="first")
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    batch = collate([E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)[0]])
+    batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)[0]])
     with torch.no_grad():
-        x0, cond = train_a2.encode_latents(pipe.vae, batch, None, "argmax", run, 1, torch.device("cpu"))
-    clean = cond.clean  # prepare_latents(layout="clean")
-    assert cond.layout == "clean" and x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
+        x0, cond = encode(pipe.vae, run.layout, batch["video"], None, None, "argmax")
+    clean = cond.clean
+    assert cond.kind == "clean" and x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
     out = pipe("x", height=32, width=32, num_frames=17, num_inference_steps=1, first_frame=batch["video"][:, :, 0],
                sample_mode="argmax", generator=torch.Generator().manual_seed(0), decode="none", progress=False)
     assert torch.equal(out["condition"], clean)
     assert torch.equal(out["latents"][:, :, :1], clean)  # the result keeps the given frame
-
-
-@pytest.mark.parametrize("how", ["first", "incontext-zero", "incontext-shared"])
-def test_training_feeds_what_the_sampler_feeds(ti2v_dir, data_dir, how):
-    """At the sampler's first step (sigma 1) with the same noise, a training step on the 5B gives the transformer
-    exactly the hidden states and per-token timesteps A2Pipeline gives it: first-frame I2V (clean first latent,
-    timestep 0 on its tokens) and E2V through the in-context layout (clean references after the video)."""
-    import tyro
-
-    import train_a2
-    from a2.pipeline import A2Pipeline, load_references
-    from config import A2_ELEMENTS, TrainConfig, dataset_configs
-    from data import E2VDataset, collate
-
-    extra = (["--frame-conditioning", "first", "--num-frames", "17"] if how == "first" else
-             ["--reference-layout", "incontext", "--reference-timestep", how.split("-")[1], "--num-frames", "9"])
-    cfg = tyro.cli(TrainConfig, args=["--model", "tiny-ti2v", "--data-root", str(data_dir), "--resolution", "32", "32",
-                                      "--device", "cpu", "--vae-sample-mode", "argmax", "--text-dropout", "0", *extra])
-    ds_cfgs = dataset_configs(cfg)
-    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    assert run.layout == ("inplace" if how == "first" else "incontext") and not run.expand
-    batch = collate([E2VDataset(ds_cfgs, num_frames=run.clip_frames, verbose=False)[0]])
-    enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
-    transformer = train_a2.load_transformer(run.info.path, torch.float32)
-    seen = []
-    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
-    pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, expand_timesteps=True)
-    kw = dict(height=32, width=32, num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
-              generator=torch.Generator().manual_seed(1), decode="none", progress=False)
-    if how == "first":
-        pipe(batch["prompts"][0], num_frames=17, first_frame=batch["video"][:, :, 0], **kw)
-        t_lat, l_ref = 5, 0
-    else:
-        files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in A2_ELEMENTS]
-        refs, _, repeats = load_references(files, (32, 32))
-        pipe(batch["prompts"][0], refs, None, repeats, num_frames=9, reference_layout="incontext",
-             reference_timestep=cfg.reference_timestep, **kw)
-        t_lat, l_ref = 3, 3
-    (sampled,) = seen
-    assert sampled["hidden_states"].shape == (1, 48, t_lat + l_ref, 2, 2)
-    assert sampled["timestep"].shape == (1, t_lat + l_ref)  # one token per latent frame at 32x32
-    assert sampled["timestep"][0, 1].item() == 1000.0  # sigma 1: x_t is the noise itself
-    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
-    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :, :t_lat].clone(), torch.tensor([1.0])
-    seen.clear()
-    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
-    (trained,) = seen
-    for key in ("hidden_states", "timestep", "encoder_hidden_states"):
-        assert torch.equal(trained[key], sampled[key].to(trained[key].dtype)), key
-    want = {"first": [0.0] + [1000.0] * 4, "incontext-zero": [1000.0] * 3 + [0.0] * 3,
-            "incontext-shared": [1000.0] * 6}[how]
-    assert trained["timestep"][0].tolist() == want
 
 
 def test_lora_first_frame_and_t2v_round_trip(ti2v_dir, data_dir, tmp_path):
@@ -344,7 +297,7 @@ def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
                     "--reference-layout", "incontext", "--reference-timestep", "zero", "--num-frames", "9",
                     "--val-elements", *els, "--val-steps", "2", "--no-val-metrics", model="tiny-ti2v"))
     run = json.loads((r["run_dir"] / "run.json").read_text())
-    assert run["layout"] == "incontext" and run["e2v_type"] == "vae" and not run["expand"]
+    assert run["layout"]["kind"] == "incontext" and run["layout"]["e2v_type"] == "vae" and not run["layout"]["expand"]
     assert (r["run_dir"] / "samples" / "step-0000003.mp4").exists()
     base = dict(model="tiny-ti2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
                 reference_layout="incontext", reference_timestep="zero", decode="none")

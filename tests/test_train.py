@@ -179,7 +179,8 @@ def test_a_non_finite_step_is_skipped(data_dir, tmp_path, monkeypatch):
 
 def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     """The condition a training sample gets == what A2Pipeline builds at inference from the same files."""
-    from a2.pipeline import A2Pipeline, load_references, prepare_latents
+    from a2.conditioning import make_layout, prepare_latents
+    from a2.pipeline import A2Pipeline, load_references
     from config import A2_ELEMENTS, DatasetConfig
     from data import E2VDataset, collate
 
@@ -191,19 +192,21 @@ def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     assert batch["repeats"] == repeats == (1, 4, 4)
     pipe = A2Pipeline.from_pretrained(tiny_dir)
     with torch.no_grad():
-        train_cond = prepare_latents(pipe.vae, 21, references=batch["ref_vae"], repeats=batch["repeats"],
-                                     sample_mode="sample", generator=[torch.Generator().manual_seed(3)])
+        layout = make_layout("prefix", 21, batch["repeats"])
+        train_cond = prepare_latents(pipe.vae, layout, references=batch["ref_vae"], sample_mode="sample",
+                                     generator=[torch.Generator().manual_seed(3)])
     g = torch.Generator().manual_seed(3)
     torch.randn(1, 16, 6, 4, 4, generator=g)  # inference draws its noise first (A2's order)
     with torch.no_grad():
-        want = prepare_latents(pipe.vae, 21, references=refs, repeats=repeats, sample_mode="sample", generator=g)
+        want = prepare_latents(pipe.vae, make_layout("prefix", 21, repeats), references=refs, sample_mode="sample",
+                               generator=g)
     out = pipe("x", refs, clips, repeats, height=32, width=32, num_frames=21, num_inference_steps=1,
                generator=torch.Generator().manual_seed(3), decode="none", progress=False)
     assert torch.equal(out["condition"], want.condition)
     assert not torch.equal(train_cond.condition, want.condition)  # a different posterior draw is visible...
     with torch.no_grad():
-        a = prepare_latents(pipe.vae, 21, references=batch["ref_vae"], repeats=batch["repeats"]).condition
-        b = prepare_latents(pipe.vae, 21, references=refs, repeats=repeats).condition
+        a = prepare_latents(pipe.vae, layout, references=batch["ref_vae"]).condition
+        b = prepare_latents(pipe.vae, make_layout("prefix", 21, repeats), references=refs).condition
     assert torch.equal(a, b)  # ...and the same draw (posterior mode) gives the same tensor
 
 
@@ -271,7 +274,7 @@ def test_overfit_one_batch(data_dir, tmp_path):
 
 
 def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypatch):
-    """issue 13: --offload-activations and --swap-blocks move tensors to host memory and back, and change nothing
+    """--offload-activations and --swap-blocks move tensors to host memory and back, and change nothing
     else: the same losses and LoRA weights, bit for bit, with recomputation keeping the attention."""
     import a2.offload
     from config import ConfigError

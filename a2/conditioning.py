@@ -1,0 +1,531 @@
+"""Every conditioning layout of a2 in one place. Training (train_a2.py) and sampling (A2Pipeline) build the
+transformer's input with these functions and nothing else decides how a model family is conditioned.
+
+A run's layout has one `kind`:
+
+  t2v        text only: hidden_states = x_t.
+  prefix     SkyReels-A2: the element references are the first L_ref latent frames, marked by a mask, on the
+             channel axis of a 36-channel model (A2, Wan I2V, an expanded T2V base):
+             hidden_states = cat([x_t, mask (4) | condition latents (16)], dim=1), x0 = cat([references, VAE(clip)]).
+  inplace    Wan I2V / FLF2V frame conditioning: frames of the clip itself (first, first_and_last, index, prefix,
+             random) as mask | condition on the channel axis, x0 = VAE(clip).
+  incontext  Phantom-Wan / SkyReels-V3 R2V style on a model that takes the latents alone (Wan T2V, TI2V-5B): the
+             clean element latents appended after x_t on the time axis; loss and sampler see the video latents only.
+  clean      Wan 2.2 TI2V-5B image-to-video: the clean latents of the clip's leading 4k+1 frames replace x_t's first
+             latent frames, their tokens at timestep 0; the loss leaves them out.
+
+The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
+
+  plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
+  encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
+  prepare_latents      the conditioning encoder shared by training and sampling.
+  drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).
+  model_input          the transformer's (hidden_states, timestep).
+  video_prediction     the part of the prediction that is the video.
+  loss_start           the first latent frame the loss covers.
+  restore              what the sampler puts back after its last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import torch
+
+from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
+
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean")
+CHANNEL_KINDS = ("prefix", "inplace")  # the condition enters on the channel axis (36-channel models)
+VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
+VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
+
+
+# ---------------------------------------------------------------- VAE latents
+
+
+def num_latent_frames(num_frames: int) -> int:
+    return (num_frames - 1) // VAE_T + 1
+
+
+def num_ref_latents(repeats, combine: str = "before") -> int:
+    """Latent frames the elements occupy: the R = sum(repeats) frames encoded together (before), or
+    1 + (r-1)//4 latents per element encoded alone (after). A2's 1/4/4 gives 3 either way."""
+    if combine == "before":
+        return num_latent_frames(sum(repeats))
+    return sum(num_latent_frames(r) for r in repeats)
+
+
+def vae_scale(vae) -> int:
+    """The VAE's spatial compression: 8 (Wan 2.1), 16 (Wan 2.2's patchified VAE, `scale_factor_spatial`)."""
+    return getattr(vae.config, "scale_factor_spatial", None) or VAE_S
+
+
+def latent_stats(vae, device, dtype):
+    mean = torch.tensor(vae.config.latents_mean, device=device, dtype=dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device, dtype=dtype).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+def encode_vae(vae, pixels: torch.Tensor, sample_mode: str = "argmax", generator=None) -> torch.Tensor:
+    """(B, 3, F, H, W) in [-1, 1] -> normalised latents (B, C, (F-1)//4+1, H/s, W/s), float32 (C 16, s 8 for Wan 2.1's
+    VAE; 48 and 16 for Wan 2.2's).
+
+    sample_mode "sample" draws from the posterior with `generator` (SkyReels-A2), "argmax" takes
+    its mode (diffusers' Wan I2V)."""
+    if sample_mode not in ("sample", "argmax"):
+        raise ValueError(f"sample_mode must be 'sample' or 'argmax', got {sample_mode!r}")
+    vae_param = next(vae.parameters())
+    dist = vae.encode(pixels.to(vae_param.device, vae_param.dtype)).latent_dist
+    z = dist.sample(generator) if sample_mode == "sample" else dist.mode()
+    z = z.float()
+    mean, std = latent_stats(vae, z.device, z.dtype)
+    return (z - mean) * (1.0 / std)  # not `/ std`: SkyReels-A2 and diffusers multiply by the reciprocal (1 ulp)
+
+
+class PosteriorCache:
+    """Stands in for the VAE in encode_vae, so that prepare_latents runs unchanged on precomputed latents.
+
+    Recording (`vae` given): encodes as the VAE does and keeps each call's posterior parameters (mean | logvar).
+    Replaying (`posteriors` given): hands them out in call order; the pixels are not looked at (they may be
+    meta tensors), only their shape is checked against the posterior. Sampling then happens in encode_vae as
+    for a live VAE, with the same generators, so training from the cache equals training from pixels."""
+
+    def __init__(self, latents_config: dict, posteriors: list[torch.Tensor] | None = None, vae=None):
+        self.config = SimpleNamespace(**latents_config)  # latents_mean, latents_std
+        self.vae, self.posteriors, self.calls = vae, list(posteriors or []), 0
+
+    def parameters(self):
+        if self.vae is not None:
+            return self.vae.parameters()
+        return iter([torch.empty(0, device="meta")])  # pixels.to(meta) in encode_vae: a no-op
+
+    def encode(self, pixels: torch.Tensor):
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if self.vae is not None:
+            dist = self.vae.encode(pixels).latent_dist
+            self.posteriors.append(dist.parameters)
+            return SimpleNamespace(latent_dist=dist)
+        if self.calls >= len(self.posteriors):
+            raise RuntimeError(f"the cache holds {len(self.posteriors)} VAE encodes for this batch; asked for more")
+        params = self.posteriors[self.calls]  # (B, 2·C, T, h, w)
+        self.calls += 1
+        b, _, f, h, w = pixels.shape
+        s = vae_scale(self)
+        if params.shape[0] != b or params.shape[2:] != (num_latent_frames(f), h // s, w // s):
+            raise RuntimeError(f"cached posterior {tuple(params.shape)} does not fit pixels {tuple(pixels.shape)}: "
+                               "the cache was built for another layout; rebuild it with --precompute")
+        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
+
+
+def frame_mask(cond_frames: torch.Tensor, latent_hw: tuple[int, int]) -> torch.Tensor:
+    """Per-pixel-frame conditioning flags (B, F) -> the 4-channel latent mask (B, 4, T, h, w).
+
+    Wan's rule: the first frame's flag is repeated 4 times (the causal VAE's first latent holds one
+    frame), then the F+3 flags are read as (T, 4): channel c of latent t is pixel frame 4t+c-3."""
+    b, f = cond_frames.shape
+    flags = torch.cat([cond_frames[:, :1].repeat(1, VAE_T - 1), cond_frames], dim=1).float()  # (B, F+3)
+    mask = flags.view(b, -1, VAE_T).transpose(1, 2)  # (B, 4, T)
+    return mask[..., None, None].expand(-1, -1, -1, *latent_hw).contiguous()
+
+
+def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefix: int = 1,
+                               generator: torch.Generator | None = None) -> tuple[int, ...]:
+    """Frames conditioned on in the inplace kind: first | first_and_last | index | prefix | random."""
+    if mode == "first":
+        return (0,)
+    if mode == "first_and_last":
+        return (0, num_frames - 1)
+    if mode == "index":
+        if not -num_frames <= index < num_frames:
+            raise ValueError(f"frame index {index} outside a {num_frames}-frame clip")
+        return (index % num_frames,)
+    if mode == "prefix":
+        if not 1 <= prefix < num_frames:
+            raise ValueError(f"prefix of {prefix} frames needs 1 <= prefix < num_frames={num_frames}")
+        return tuple(range(prefix))
+    if mode == "random":  # one random frame; a generator keeps it a function of the sample's seed
+        return (int(torch.randint(num_frames, (1,), generator=generator)),)
+    raise ValueError(f"unknown frame conditioning {mode!r}")
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the kind means for one run (plan) or one sampling call (sampling_layout), computed once."""
+
+    kind: str  # t2v | prefix | inplace | incontext | clean (module docstring)
+    num_frames: int  # pixel frames of the sequence the VAE encodes (prefix: references + clip; else the clip)
+    clip_frames: int  # pixel frames of the video clip: prefix 4·(T - L_ref - 1) + 1 (A2 at 81 frames: 69)
+    ref_latents: int = 0  # latent frames of the references: before the clip (prefix), appended after it (incontext)
+    repeats: tuple[int, ...] = ()  # pixel frames each element fills, in position order
+    combine: str = "before"  # prefix: the element frames VAE-encoded at once (A2) or each alone (after)
+    frame_conditioning: str = "full"  # inplace: which frames of the clip condition (clean: first | prefix)
+    frame_index: int = 0  # inplace, frame_conditioning index: the frame
+    prefix_frames: int = 1  # inplace / clean, frame_conditioning prefix: how many leading frames
+    clean_frames: int = 0  # clean (and TI2V-5B sampling with a first frame): leading frames given clean
+    reference_timestep: str = "shared"  # incontext: the references' timestep, the sample's (shared) or 0 (zero)
+    e2v_type: str = "none"  # dual | vae | clip: the reference paths (clip: the VAE condition is zeros) | none
+    image_branch: bool = False  # the trained transformer has CLIP image attention (its own, or from the expansion)
+    use_clip: bool = False  # the step feeds CLIP image tokens (prefix, e2v_type dual | clip)
+    expand: bool = False  # a T2V base widened to the 36 E2V input channels (a2/transformer.py: expand_to_e2v)
+    per_token: bool = False  # one timestep per token, as the model was trained (TI2V-5B's expand_timesteps)
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames of hidden_states: the sequence's, plus the appended references (incontext)."""
+        return num_latent_frames(self.num_frames) + (self.ref_latents if self.kind == "incontext" else 0)
+
+    @property
+    def model_frames(self) -> int:
+        """Pixel frames the transformer's input stands for (ModelInfo.latent_tokens counts its tokens from them)."""
+        return VAE_T * (self.latent_frames - 1) + 1
+
+    def describe(self) -> str:
+        seq = {"prefix": f"{self.ref_latents} reference latents + ",
+               "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
+               "inplace": f"(conditioned on frames: {self.frame_conditioning}) ",
+               "clean": f"({self.clean_frames} clean leading frames at timestep 0) "}.get(self.kind, "")
+        return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
+                                       if self.kind != "t2v" else "")
+                + (", expanded to the E2V inputs" if self.expand else "")
+                + f" | sequence: {seq}a {self.clip_frames}-frame clip")
+
+
+def kind_of(vae, elements, ti2v: bool = False) -> str:
+    """The kind processors.vae and the elements ask for (a TI2V-5B conditions on frames its own way; its first frame
+    may come beside in-context references when sampling)."""
+    if elements and vae.reference_layout == "incontext":
+        return "incontext"
+    if vae.frame_conditioning != "full":
+        return "clean" if ti2v else "inplace"
+    return "prefix" if elements else "t2v"
+
+
+def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
+    """A Layout from its settings, with the frames and latents its kind derives (plan checks them against a model
+    first). Raises ValueError when the references leave no frame to generate."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown conditioning kind {kind!r}; choose one of {KINDS}")
+    repeats = tuple(repeats)
+    if min(repeats, default=1) < 1:
+        raise ValueError(f"element repeats must be >= 1, got {repeats}")
+    if kind in ("prefix", "incontext") and not repeats:
+        raise ValueError(f"the {kind} kind takes element references; none given")
+    clip, l_ref = num_frames, 0
+    if kind == "prefix":
+        l_ref = num_ref_latents(repeats, settings.get("combine", "before"))
+        clip = VAE_T * (num_latent_frames(num_frames) - l_ref - 1) + 1
+        if clip < 1 or sum(repeats) >= num_frames:
+            raise ValueError(f"{len(repeats)} elements fill {sum(repeats)} frames ({l_ref} latents, repeats "
+                             f"{repeats}); num_frames={num_frames} leaves no frame to generate")
+    elif kind == "incontext":  # each element alone, one latent per 1-4 frames, after the clip
+        l_ref = num_ref_latents(repeats, "after")
+    if kind == "clean" and not settings.get("clean_frames"):
+        raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
+    return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
+
+
+def clip_frames(num_frames: int, elements, vae) -> int:
+    """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): what the
+    reference latents leave of it in the prefix kind (A2 at 81 frames: 69), all of it otherwise. train_a2.py and
+    `data.py validate` both read clips of this length."""
+    kind = kind_of(vae, elements)
+    if kind != "prefix":
+        return num_frames
+    try:
+        return make_layout(kind, num_frames, [e.repeat for e in elements], combine=vae.combine).clip_frames
+    except ValueError as e:
+        raise ConfigError(f"--num-frames {num_frames}: {e}") from None
+
+
+def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type: str = "auto") -> Layout:
+    """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
+    take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
+    from a2.transformer import UnsupportedModel, resolve_e2v_type
+
+    kind = kind_of(vae, elements, info.ti2v)
+    where = f"{info.path} ({info.name})"
+    if not vae.concatenate_mask and kind in CHANNEL_KINDS:
+        raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
+                          + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
+                          + f"; the {kind} kind always concatenates the mask: set it true")
+    if info.ti2v and kind == "prefix":
+        raise ConfigError(f"{where} takes the latents alone: element references go in context "
+                          "(--reference-layout incontext), not in A2's channel prefix layout")
+    if kind == "t2v" and info.e2v:
+        raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): it needs "
+                          "element images or conditioning frames; text alone needs a T2V model")
+    clean = 0
+    if info.ti2v and vae.frame_conditioning != "full":
+        if vae.frame_conditioning not in ("first", "prefix"):
+            raise ConfigError(f"{where}: --frame-conditioning {vae.frame_conditioning} is not a run of leading "
+                              "latent frames; use first or prefix")
+        n = prefix_frames if vae.frame_conditioning == "prefix" else 1
+        if (n - 1) % VAE_T or not 1 <= n < num_frames:
+            raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
+                              f"clip's {num_frames} frames")
+        clean = n
+    if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
+        raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
+    if kind == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
+        if info.e2v:
+            raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
+                              "reference_layout incontext is for T2V models; use reference_layout channel")
+        if e2v_type in ("dual", "clip"):
+            raise ConfigError(f"{where} has no CLIP image branch: reference_layout incontext uses the VAE path only "
+                              f"(--e2v-type vae or auto), not {e2v_type}")
+        e2v_type = "vae"
+    else:
+        try:
+            e2v_type = resolve_e2v_type(info, e2v_type, kind != "t2v")
+        except UnsupportedModel as e:
+            raise ConfigError(str(e)) from None
+    expand = kind in CHANNEL_KINDS and not info.e2v
+    image_branch = info.image_branch or (expand and e2v_type != "vae")
+    try:
+        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in ("prefix", "incontext") else (),
+                           combine=vae.combine, frame_conditioning=vae.frame_conditioning,
+                           frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
+                           reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
+                           use_clip=kind == "prefix" and e2v_type != "vae" and image_branch, expand=expand,
+                           per_token=info.ti2v)
+    except ValueError as e:
+        raise ConfigError(f"--num-frames {num_frames}: {e}") from None
+
+
+def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
+                    first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
+                    reference_timestep: str = "shared", e2v_type: str = "dual") -> Layout:
+    """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
+    36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
+    also beside in-context references), or text alone. Raises ValueError naming what does not fit."""
+    e2v = transformer_config.in_channels == 36
+    if reference_layout not in REFERENCE_LAYOUTS:
+        raise ValueError(f"unknown reference layout {reference_layout!r}; choose one of {REFERENCE_LAYOUTS}")
+    if reference_timestep not in REFERENCE_TIMESTEPS:
+        raise ValueError(f"unknown reference timestep {reference_timestep!r}; choose one of {REFERENCE_TIMESTEPS}")
+    if first_frame and not per_token:
+        raise ValueError("first_frame is Wan 2.2 TI2V-5B's image-to-video; other I2V models take the image as "
+                         "their one reference")
+    if per_token and references and reference_layout != "incontext":
+        raise ValueError("Wan 2.2 TI2V-5B takes element references in context (reference_layout incontext), not "
+                         "as channels; give first_frame for image-to-video")
+    if reference_layout == "incontext":
+        if e2v:
+            raise ValueError("reference_layout incontext is for models that take the latents alone (T2V); this "
+                             f"one takes {transformer_config.in_channels} channels: use the channel layout")
+        if not references:
+            raise ValueError("reference_layout incontext needs reference images")
+        kind = "incontext"
+    elif e2v:
+        if not references:
+            raise ValueError("this E2V/I2V model needs reference images")
+        kind = "prefix"
+    else:
+        kind = "clean" if first_frame else "t2v"
+    return make_layout(kind, num_frames, repeats if kind in ("prefix", "incontext") else (), combine=combine,
+                       reference_timestep=reference_timestep, clean_frames=int(first_frame),
+                       e2v_type=e2v_type if kind == "prefix" else "vae" if kind == "incontext" else "none",
+                       per_token=per_token)
+
+
+# ---------------------------------------------------------------- the encoded conditioning
+
+
+@dataclass
+class Conditioning:
+    """The encoded condition of a batch, as prepare_latents builds it and model_input reads it."""
+
+    kind: str
+    condition: torch.Tensor | None = None  # prefix / inplace: (B, 4 + C, T, h, w) mask | condition latents
+    ref_latents: torch.Tensor | None = None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext: the clean
+    # latents appended after the video latents
+    clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents
+    image: torch.Tensor | None = None  # (B, 257·N, D) CLIP tokens of the elements (use_clip), else None
+    keep: torch.Tensor | None = None  # (B,) 1: conditioned, 0: dropped (drop); None: all conditioned
+    reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero
+    per_token: bool = False  # the model takes one timestep per token (TI2V-5B)
+
+    @property
+    def num_ref_latents(self) -> int:
+        """Leading latent frames of the sequence that hold references (prefix), else 0."""
+        return self.ref_latents.shape[2] if self.kind == "prefix" else 0
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
+        return {"prefix": self.condition, "inplace": self.condition, "incontext": self.ref_latents,
+                "clean": self.clean}.get(self.kind)
+
+
+def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
+                    cond_frame_indices: tuple[int, ...] = (), image: torch.Tensor | None = None,
+                    sample_mode: str = "argmax", generator=None) -> Conditioning:
+    """THE conditioning of the transformer, shared by training and inference. With sample_mode="sample" each
+    posterior is sampled with `generator` (A2 draws its noise first, then this).
+
+    prefix: `references` (B, N, 3, H, W) in [-1, 1], in position order; element i fills `repeats[i]` pixel frames
+      of a mini-video of layout.num_frames frames, zeros after them. combine="before": the whole mini-video is
+      VAE-encoded at once (A2's default); combine="after": each element's frames alone, the latents concatenated and
+      zero-padded (in normalised latent space) to T latent frames. The mask marks the reference frames (frame_mask).
+    inplace: `video` (B, 3, F, H, W) holds the conditioning frames at `cond_frame_indices` (the others are zeroed
+      here) and is encoded in place; the mask marks them.
+    incontext: each element VAE-encoded alone as a clip of `repeats[i]` frames, in position order (one latent per
+      1-4 frames, as Phantom and V3 encode one frame per reference): `ref_latents` (B, C, L_ref, h, w), clean;
+      model_input appends them after the video latents at every step. layout.num_frames is the video's alone.
+    clean: the leading layout.clean_frames (4k+1) frames of `video`, encoded alone as diffusers' 5B I2V encodes its
+      image: `clean` (B, C, T_c, h, w) (the causal VAE makes them the first T_c latents of the whole video's). In
+      sampling a TI2V-5B first frame comes this way beside in-context references (encoded first).
+    e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
+    tokens (B, 257·N, D), carried for model_input and drop."""
+    kind = layout.kind
+    cond = Conditioning(kind, image=image, reference_timestep=layout.reference_timestep, per_token=layout.per_token)
+    if layout.clean_frames:
+        n = layout.clean_frames
+        if video is None or (n - 1) % VAE_T or n > video.shape[2]:
+            raise ValueError(f"clean leading frames are 4k+1 frames of the video: {n} of "
+                             f"{None if video is None else video.shape[2]}")
+        cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
+    if kind in ("t2v", "clean"):
+        return cond
+    if kind in ("prefix", "incontext"):
+        if references is None:
+            raise ValueError(f"the {kind} kind takes references (element images), not video frames")
+        b, n, _, h, w = references.shape
+        if len(layout.repeats) != n:
+            raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
+        frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
+    if kind == "incontext":
+        cond.ref_latents = torch.cat([encode_vae(vae, x, sample_mode, generator) for x in frames], dim=2)
+        return cond
+    t = num_latent_frames(layout.num_frames)
+    flags = torch.zeros(video.shape[0] if kind == "inplace" else b, layout.num_frames)
+    if kind == "prefix":
+        r = sum(layout.repeats)
+        if layout.combine == "before":
+            zeros = references.new_zeros(b, 3, layout.num_frames - r, h, w)
+            latents = encode_vae(vae, torch.cat(frames + [zeros], dim=2), sample_mode, generator)
+        elif layout.combine == "after":
+            latents = torch.cat([encode_vae(vae, x, sample_mode, generator) for x in frames], dim=2)
+            latents = torch.cat([latents, latents.new_zeros(*latents.shape[:2], t - layout.ref_latents,
+                                                            *latents.shape[3:])], dim=2)
+            r = VAE_T * (layout.ref_latents - 1) + 1  # the mask then marks exactly the reference latent frames
+        else:
+            raise ValueError(f"combine must be 'before' or 'after', got {layout.combine!r}")
+        flags[:, :r] = 1
+        cond.ref_latents = latents[:, :, :layout.ref_latents]
+    else:  # inplace
+        if video is None or video.shape[2] != layout.num_frames:
+            raise ValueError(f"the inplace kind takes the {layout.num_frames}-frame video, got "
+                             f"{None if video is None else tuple(video.shape)}")
+        flags[:, list(cond_frame_indices)] = 1
+        pixels = video * flags[:, None, :, None, None].to(video.device, video.dtype)
+        latents = encode_vae(vae, pixels, sample_mode, generator)
+    mask = frame_mask(flags.to(latents.device), latents.shape[-2:])
+    cond.condition = torch.cat([mask, latents], dim=1)
+    if layout.e2v_type == "clip":  # the VAE path is off: the model sees no reference latents, no mask
+        cond.condition = torch.zeros_like(cond.condition)
+    return cond
+
+
+def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str):
+    """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
+    (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
+    the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
+    frames (inplace, clean)."""
+    if layout.kind in ("prefix", "incontext"):
+        cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator)
+        x0 = encode_vae(vae, video, sample_mode, generator)
+        return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
+    x0 = encode_vae(vae, video, sample_mode, generator)
+    idx = ()
+    if layout.kind == "inplace":
+        idx = conditioning_frame_indices(layout.frame_conditioning, layout.clip_frames, layout.frame_index,
+                                         layout.prefix_frames, generator[0] if generator else None)
+    return x0, prepare_latents(vae, layout, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
+                               generator=generator)
+
+
+# ---------------------------------------------------------------- what the transformer sees
+
+
+def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
+    """The condition with the samples where keep (B,) is 0 unconditioned: the channel condition and the CLIP tokens
+    zeroed (A2), the in-context references zeroed (Phantom's unconditional), the clean frames of the clean kind left
+    noisy (a TI2V-5B sample then trains as text-to-video; model_input reads keep; a first frame given beside in-context
+    references stays, it is not a reference). A prefix run's reference latents stay in x0."""
+    k = keep.view(-1, 1, 1, 1, 1)
+    return replace(cond, keep=keep if cond.kind == "clean" else cond.keep,
+                   condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
+                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind == "incontext"
+                   else cond.ref_latents,
+                   image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
+
+
+def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
+                patch_size=(1, 2, 2)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's (hidden_states, timestep) for the video latents x_t (B, C, T, h, w) at timestep (B,).
+
+    Clean frames or a per-token model (TI2V-5B, diffusers' expand_timesteps): x_t's first T_c latent frames replaced
+    by the clean ones where keep is 1, and one timestep per token (B, T·h·w / (p_t·p_h·p_w)), frame-major as the patch
+    grid: 0 on the clean frames' tokens, else the sample's.
+    prefix / inplace: cat([x_t, mask | condition], dim=1). incontext: cat([x_t, references], dim=2), the reference
+    tokens at the sample's timestep (shared; from a per-token timestep its largest value, the noisy tokens') or at 0
+    (zero); a (B,) timestep stays (B,) when shared, else the result is per token over (T + L_ref) frames."""
+    x = x_t
+    if cond.clean is not None or cond.per_token:
+        b, _, t, h, w = x_t.shape
+        p_t, p_h, p_w = patch_size
+        n = 0 if cond.clean is None else cond.clean.shape[2]
+        keep = torch.ones(b, device=x_t.device) if cond.keep is None else cond.keep.to(x_t.device, torch.float32)
+        if n:
+            first = torch.where(keep.view(-1, 1, 1, 1, 1) > 0, cond.clean.to(x_t.dtype), x_t[:, :, :n])
+            x = torch.cat([first, x_t[:, :, n:]], dim=2)
+        clean_tokens = torch.zeros(t // p_t, h // p_h, w // p_w, device=x_t.device)
+        clean_tokens[: n // p_t] = 1
+        noisy = 1 - keep[:, None] * clean_tokens.flatten()[None]  # diffusers' mask[0][0][:, ::2, ::2], per sample
+        timestep = noisy * timestep.reshape(-1, 1)
+    if cond.kind in CHANNEL_KINDS:
+        return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
+    if cond.kind != "incontext":
+        return x, timestep
+    refs = cond.ref_latents.to(x.dtype)
+    x = torch.cat([x, refs], dim=2)
+    if cond.reference_timestep == "shared" and timestep.dim() < 2:
+        return x, timestep
+    p_t, p_h, p_w = patch_size
+    per_frame = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
+    video, ref = x_t.shape[2] // p_t * per_frame, refs.shape[2] // p_t * per_frame
+    if timestep.dim() < 2:
+        timestep = timestep.reshape(-1).expand(x_t.shape[0])[:, None].expand(-1, video)
+    if timestep.shape[1] != video:
+        raise ValueError(f"per-token timestep of {timestep.shape[1]} tokens for {video} video tokens")
+    sample = timestep.amax(dim=1, keepdim=True) if cond.reference_timestep == "shared" else timestep.new_zeros(())
+    return x, torch.cat([timestep, sample.expand(x_t.shape[0], ref)], dim=1)
+
+
+def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+    """The model output for the video latents: in the incontext kind the last L_ref (reference) frames dropped."""
+    if cond.kind != "incontext":
+        return pred
+    return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
+
+
+def loss_start(cond: Conditioning, on_references: bool = False) -> int:
+    """The first latent frame of the prediction the loss covers: after a prefix run's references (unless
+    --loss-on-references), after the clean leading frames (they are given), else 0."""
+    if cond.kind == "prefix" and not on_references:
+        return cond.num_ref_latents
+    return 0 if cond.clean is None else cond.clean.shape[2]
+
+
+def restore(latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+    """The sampled latents with what the condition fixes put back: the clean leading frames (the solver moved them
+    along with the rest)."""
+    if cond.clean is None:
+        return latents
+    return torch.cat([cond.clean, latents[:, :, cond.clean.shape[2]:]], dim=2)

@@ -1,0 +1,145 @@
+"""a2/conditioning.py, per kind: the transformer receives in training exactly what it receives in sampling; training
+from a precompute cache equals training from pixels; the plan's refusals."""
+
+import json
+
+import pytest
+import torch
+import tyro
+
+import train_a2
+from a2.pipeline import A2Pipeline, load_references
+from config import ConfigError, TrainConfig, dataset_configs
+from data import E2VDataset, collate
+from tests.conftest import args, losses, max_diff, params, train
+
+# kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
+KINDS = {
+    "t2v": ("tiny-t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
+    "prefix": ("tiny", ["--num-frames", "21"]),  # A2: 3 elements (1/4/4) as the leading latents, CLIP tokens
+    "prefix-clip": ("tiny", ["--num-frames", "21", "--e2v-type", "clip"]),  # the VAE path off: zeros, no mask
+    "inplace": ("tiny-wan22-i2v", ["--frame-conditioning", "first", "--num-frames", "17", "--expert", "high"]),
+    "incontext-shared": ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"]),
+    "incontext-zero": ("tiny-t2v", ["--reference-layout", "incontext", "--reference-timestep", "zero",
+                                    "--num-frames", "9"]),
+    "clean": ("tiny-ti2v", ["--frame-conditioning", "first", "--num-frames", "17"]),
+    "incontext-ti2v": ("tiny-ti2v", ["--reference-layout", "incontext", "--reference-timestep", "zero",
+                                     "--num-frames", "9"]),
+}
+
+
+def setup(data_dir, name):
+    model, extra = KINDS[name]
+    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
+                                      "--device", "cpu", "--vae-sample-mode", "argmax", "--text-dropout", "0",
+                                      *extra])
+    ds_cfgs = dataset_configs(cfg)
+    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
+    batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)[0]])
+    enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
+    return cfg, run, enc, batch
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_training_feeds_what_the_sampler_feeds(data_dir, name):
+    """At the sampler's first step (sigma 1) with the same noise and the same element images (or first frame), the
+    training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
+    it: forward hooks on the one transformer, every kind."""
+    cfg, run, enc, batch = setup(data_dir, name)
+    kind = run.layout.kind
+    assert kind == name.split("-")[0]
+    transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
+    if run.layout.expand:
+        raise AssertionError("the tiny models take these kinds without expansion")
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
+                      expand_timesteps=run.info.ti2v)
+    refs = clips = None
+    repeats, first_frame = (), None
+    if kind in ("prefix", "incontext"):
+        files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
+        refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size))
+    elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
+        refs, repeats = batch["video"][:, None, :, 0], (1,)
+    elif kind == "clean":
+        first_frame = batch["video"][:, :, 0]
+    layout = run.layout if kind in ("prefix", "incontext") else None  # as validate() passes it
+    pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
+         num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
+         generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
+         layout=layout, reference_layout="incontext" if kind == "incontext" else "channel",
+         reference_timestep=cfg.reference_timestep)
+    (sampled,) = seen
+    assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
+
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    c, t = inputs["x0"].shape[1], inputs["x0"].shape[2]
+    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :c, :t].clone(), torch.tensor([1.0])
+    seen.clear()
+    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    (trained,) = seen
+    for key in ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
+        a, b = trained.get(key), sampled.get(key)
+        assert (a is None) == (b is None), key
+        assert a is None or torch.equal(a, b.to(a.dtype)), key
+    x = trained["hidden_states"]
+    if kind in ("prefix", "inplace"):
+        assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
+    if kind == "incontext":
+        assert x.shape[2] == t + run.layout.ref_latents
+    if name == "prefix":
+        assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("inplace-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
+    ("inplace-last", ["--frame-conditioning", "first_and_last", "--num-frames", "17"]),
+    ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
+    ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
+])
+def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
+    """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
+    calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
+    too: the cache once encoded 1 while the mask marked 5)."""
+    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v"}[name.split("-")[0]]
+    cache = tmp_path / "cache"
+    steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
+    live = train(*args(data_dir, tmp_path, "live", *steps, model=model))
+    train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute", *extra, model=model))
+    cached = train(*args(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps, model=model))
+    assert losses(cached["run_dir"]) == losses(live["run_dir"])
+    assert max_diff(params(cached["run_dir"] / "ckpt-0000002"), params(live["run_dir"] / "ckpt-0000002")) == 0.0
+
+
+def test_the_cache_replays_the_runs_conditioning_frames(data_dir, tmp_path):
+    """The cache of a 5-frame prefix run holds the 5 frames' encoding: its condition differs from a 1-frame one."""
+    from a2.conditioning import PosteriorCache, encode
+
+    _, run, enc, batch = setup(data_dir, "inplace")  # tiny-wan22-i2v, first frame
+    rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
+    with torch.no_grad():
+        _, first = encode(rec, run.layout, batch["video"], None, None, "argmax")
+        from dataclasses import replace
+
+        five = replace(run.layout, frame_conditioning="prefix", prefix_frames=5)
+        _, prefix = encode(PosteriorCache(dict(enc.vae.config), vae=enc.vae), five, batch["video"], None, None,
+                           "argmax")
+    assert first.condition[:, 0].sum() < prefix.condition[:, 0].sum()  # the mask marks 5 frames
+    assert (first.condition[:, 4:] - prefix.condition[:, 4:]).abs().max() > 1e-3  # and the latents hold them
+
+
+def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
+    cfg_file = tmp_path / "ds.json"
+    elements = [{"name": "subject", "suffixes": ["_person.png"]}]
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "processors": {"vae": {"concatenate_mask": False}}}]}))
+    cfg = TrainConfig(model="tiny", dataset_config=str(cfg_file), num_frames=21, resolution=(32, 32), device="cpu")
+    with pytest.raises(ConfigError, match=r"concatenate_mask false: .*\(Wan2.1 I2V\) takes 36 input channels"):
+        train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+    # a kind without a mask has nothing to concatenate: false is what it does
+    vae = {"concatenate_mask": False, "reference_layout": "incontext"}
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "processors": {"vae": vae}}]}))
+    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
+    assert train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout.kind == "incontext"
