@@ -172,7 +172,7 @@ def encode_image(image_encoder, image_processor, clip_pixels: torch.Tensor) -> t
 
 
 def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Normalised latents (B, 16, T, h, w) -> pixels (B, 3, 4(T-1)+1, H, W) in [-1, 1]."""
+    """Normalised latents (B, C, T, h, w) (C: 16, Wan 2.2's VAE 48) -> pixels (B, 3, 4(T-1)+1, H, W) in [-1, 1]."""
     vae_param = next(vae.parameters())
     mean, std = latent_stats(vae, latents.device, torch.float32)
     z = latents.float() / (1.0 / std) + mean  # diffusers' Wan pipelines: latents / (1 / std) + mean
