@@ -17,13 +17,12 @@ with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their o
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import torch
 
-from a2.transformer import RANDOM_WEIGHTS, UnsupportedModel, preset_config
+from a2.transformer import RANDOM_WEIGHTS, local_or_hub, preset_config
 
 TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
 a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
@@ -57,7 +56,8 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
-               "random-5B": dict(preset="5B", ti2v=True)}
+               "random-5B": dict(preset="5B", ti2v=True), "tiny-phantom": dict(t2v=True, released="phantom"),
+               "tiny-v3": dict(t2v=True, released="v3")}
 
 # Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
 # dim_mult 1,2,4,4, 2 res blocks) at width 8: the same patching (12 = 3x2x2 channels in and out), residual
@@ -160,16 +160,63 @@ def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     return dirs
 
 
+RELEASED_FLOW_SHIFT = 5.0  # Phantom-Wan's (--sample_shift default) and SkyReels-V3 R2V's sampling shift
+
+
+def save_released(out_dir: Path, parts: dict, released: str) -> Path:
+    """The tiny T2V model in a released subject-to-video model's own layout.
+    phantom: Phantom-Wan's, an original-Wan checkpoint (sharded safetensors with an index, as its 14B) with a Wan
+      config.json (the tiny heads are 32 wide, not Wan's 128), beside the Wan T2V parts in diffusers format
+      (vae/ text_encoder/ tokenizer/ scheduler/, which the real release takes from Wan2.1-T2V-1.3B).
+    v3: SkyReels-V3 R2V's, a diffusers dir whose transformer config names their class."""
+    import json
+
+    from diffusers import WanPipeline
+    from safetensors.torch import save_file
+
+    from a2.transformer import diffusers_to_original
+
+    parts["scheduler"] = type(parts["scheduler"]).from_config(parts["scheduler"].config,
+                                                              flow_shift=RELEASED_FLOW_SHIFT)
+    if released == "v3":
+        WanPipeline(**parts).save_pretrained(out_dir)
+        cfg = json.loads((out_dir / "transformer" / "config.json").read_text())
+        cfg["_class_name"] = "SkyReelsC1WanI2v3DModel"  # what the released transformer/config.json names
+        (out_dir / "transformer" / "config.json").write_text(json.dumps(cfg, indent=2))
+        return out_dir
+    transformer = parts.pop("transformer")
+    out_dir.mkdir(parents=True)
+    for name, part in parts.items():
+        part.save_pretrained(out_dir / name)
+    sd = {k: v.contiguous() for k, v in diffusers_to_original(transformer.state_dict()).items()}
+    shards = {"Phantom_Wan_tiny-00001-of-00002.safetensors": {k: v for k, v in sd.items() if k.startswith("blocks.")}}
+    shards["Phantom_Wan_tiny-00002-of-00002.safetensors"] = {k: v for k, v in sd.items() if k not in shards[
+        "Phantom_Wan_tiny-00001-of-00002.safetensors"]}
+    for name, shard in shards.items():
+        save_file(shard, out_dir / name)
+    index = {"metadata": {}, "weight_map": {k: name for name, shard in shards.items() for k in shard}}
+    (out_dir / "Phantom_Wan_tiny.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    c = transformer.config
+    wan = dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
+               ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
+               num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
+    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
+    return out_dir
+
+
 def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False,
-              preset: str = "tiny", ti2v: bool = False) -> Path:
+              preset: str = "tiny", ti2v: bool = False, released: str | None = None) -> Path:
     """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline); for a
-    real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of weights."""
+    real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of weights.
+    released="phantom" | "v3": the tiny T2V model in Phantom-Wan's / SkyReels-V3 R2V's layout (save_released)."""
     import json
 
     from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
     out_dir = Path(out_dir)
     parts = build_tiny(seed, t2v, wan22, preset, ti2v)
+    if released:
+        return save_released(out_dir, parts, released)
     config = None if preset == "tiny" else parts.pop("transformer")
     pipe = WanPipeline(**parts) if t2v or ti2v else WanImageToVideoPipeline(**parts)  # 5B: WanPipeline, as its hub dir
     pipe.save_pretrained(out_dir)
@@ -184,7 +231,8 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False) -> Path:
+def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False,
+                   released: str | None = None) -> Path:
     """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
@@ -196,49 +244,23 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
     root.mkdir(parents=True, exist_ok=True)
     d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
-                + ("ti2v" if ti2v else "t2v" if t2v else "i2v"))
+                + (released or ("ti2v" if ti2v else "t2v" if t2v else "i2v")))
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (d / "model_index.json").exists():
+        if not d.exists():  # os.replace below: the dir exists only once complete
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v)
+            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released)
             os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 
 
 def model_path(name) -> Path:
     """What `--model NAME` (and `--image-encoder`) means: a built-in tiny model's dir (built on first use), a local
-    dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (`hub_snapshot`)."""
+    dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (a2.transformer)."""
     if str(name) in TINY_MODELS:
         return tiny_model_dir(**TINY_MODELS[str(name)])
-    path = Path(name)
-    if path.exists() or not HUB_ID.fullmatch(str(name)):
-        return path
-    return hub_snapshot(str(name))
-
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name; a path that exists locally wins
-
-
-def hub_snapshot(repo_id: str) -> Path:
-    """The dir of `repo_id` in the Hub cache, downloaded there on first use. HF_HUB_OFFLINE / HF_HUB_CACHE are read
-    when called (huggingface_hub reads them once, at import); offline and not cached is one line saying what to do."""
-    import os
-
-    from huggingface_hub import constants, snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
-    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline))
-    except Exception as e:  # offline and absent, no network, no such repo, gated: one line, with the way out
-        first = (str(e).splitlines() or [""])[0]
-        why = (f"not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
-               f"(`hf download {repo_id}`, or unset HF_HUB_OFFLINE), or pass a local model dir" if offline else
-               f"could not be downloaded ({type(e).__name__}: {first}); check the id and the network (gated repos "
-               "need `hf auth login`), or pass a local model dir")
-        raise UnsupportedModel(f"{repo_id}: no such local dir, and as a Hugging Face Hub model it is {why}") from None
+    return local_or_hub(name)
 
 
 if __name__ == "__main__":

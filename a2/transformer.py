@@ -9,6 +9,8 @@ to the E2V inputs (36 channels, CLIP image tokens) that leaves its output unchan
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,10 @@ class ModelInfo:
     vae_scale: int = 8  # spatial compression of the VAE (Wan 2.2's: patch 2 x 8 = 16)
     patch_size: tuple[int, int, int] = (1, 2, 2)  # the transformer's (t, h, w) patch
     expand_timesteps: bool = False  # TI2V-5B: one timestep per token (0 on conditioning frames), model_index's flag
+    # ---- the released subject-to-video models (Phantom-Wan, SkyReels-V3 R2V)
+    native_kind: str | None = None  # the conditioning layout the weights were trained in: "phantom" | "v3"
+    original_weights: tuple[Path, ...] = ()  # original-Wan checkpoint files (Phantom); empty: transformer/ is diffusers
+    components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
     @property
     def ti2v(self) -> bool:
@@ -146,6 +152,187 @@ class ModelInfo:
         return EXPERTS[expert] if expert else "transformer"
 
 
+# ---------------------------------------------------------------- original Wan checkpoints (Phantom-Wan)
+
+# original Wan (Wan2.1 repo's WanModel, Phantom-Wan, ComfyUI) name -> diffusers WanTransformer3DModel name, of a
+# module or a parameter: inside a block, then at the top level. The rest of a key (.weight / .bias) is kept.
+# The original block's `norm3` is the cross-attention norm (diffusers' `norm2`); its norm1/norm2 carry no weights.
+ORIGINAL_BLOCK = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "norm3": "norm2", "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2", "modulation": "scale_shift_table",
+}
+ORIGINAL_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+    "head.head": "proj_out", "head.modulation": "scale_shift_table",
+}
+HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
+
+
+def _rename(key: str, block: dict, top: dict) -> str:
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
+    prefix, rest, table = (f"blocks.{m[1]}.", m[2], block) if m else ("", key, top)
+    for src, dst in table.items():
+        if rest == src or rest.startswith(src + "."):
+            return prefix + dst + rest[len(src):]
+    raise KeyError(key)
+
+
+def original_to_diffusers(sd: dict) -> dict:
+    """An original-Wan state dict (`blocks.0.self_attn.q.weight`) -> diffusers names (`blocks.0.attn1.to_q.weight`).
+    The tensors are the same objects; a key with no diffusers module raises KeyError naming it."""
+    return {_rename(k, ORIGINAL_BLOCK, ORIGINAL_TOP): v for k, v in sd.items()}
+
+
+def diffusers_to_original(sd: dict) -> dict:
+    """The inverse of original_to_diffusers: diffusers WanTransformer3DModel names -> original Wan names."""
+    block = {v: k for k, v in ORIGINAL_BLOCK.items()}
+    top = {v: k for k, v in ORIGINAL_TOP.items()}
+    return {_rename(k, block, top): v for k, v in sd.items()}
+
+
+ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's whole-checkpoint / model files
+CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+
+def original_checkpoints(path: Path) -> list[list[Path]]:
+    """The original-Wan checkpoints at `path`, each as its files: a file itself (a `.safetensors.index.json` stands
+    for its shards), or in a dir every index (its shards), every safetensors not in an index, every .pth/.pt.
+    A diffusers dir (model_index.json) or a dir without weights has none."""
+    if path.is_file():
+        if path.name.endswith(".safetensors.index.json"):
+            return [_shards(path)]
+        return [[path]] if path.name.endswith(CHECKPOINT_SUFFIXES) else []
+    if not path.is_dir() or (path / "model_index.json").exists() or _diffusers_transformer_dir(path):
+        return []
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    groups = [_shards(i) for i in indexes]
+    sharded = {f for g in groups for f in g}
+    groups += [[f] for f in sorted(path.iterdir()) if f.is_file() and f.name.endswith(CHECKPOINT_SUFFIXES)
+               and f not in sharded and not f.name.startswith(".")]
+    return groups
+
+
+def _diffusers_transformer_dir(path: Path) -> bool:
+    """A diffusers transformer dir (its config has diffusers' argument names); the original Wan config.json, also
+    written by diffusers' ConfigMixin, has `dim` and `num_heads` instead."""
+    try:
+        return "num_attention_heads" in json.loads((path / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
+def _shards(index: Path) -> list[Path]:
+    weight_map = _read_json(index, index.parent).get("weight_map") or {}
+    return [index.parent / f for f in sorted(set(weight_map.values()))]
+
+
+def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
+    """name -> shape of every tensor of a checkpoint, without reading the tensors (safetensors headers, a .pth
+    memory-mapped); a ComfyUI prefix is removed."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        if not f.exists():
+            raise UnsupportedModel(f"{f}: missing (listed by the checkpoint's index)")
+        if f.suffix == ".safetensors":
+            with safe_open(f, "pt") as fh:
+                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+        else:
+            try:  # a zip-format .pth is memory-mapped (only the keys and shapes are read); a legacy one loads
+                sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:
+                sd = torch.load(f, map_location="cpu", weights_only=True)
+            sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+            if not isinstance(sd, dict):
+                raise UnsupportedModel(f"{f}: holds a {type(sd).__name__}, not a state dict")
+            shapes.update({k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    for prefix in ORIGINAL_PREFIXES:
+        if shapes and all(k.startswith(prefix) for k in shapes):
+            return {k.removeprefix(prefix): v for k, v in shapes.items()}
+    return shapes
+
+
+def original_config(files: list[Path], config_path: Path | None = None) -> dict:
+    """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
+    read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's
+    releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names
+    must be exactly those of that config: one line naming the checkpoint and what differs otherwise."""
+    where = files[0] if len(files) == 1 else files[0].parent
+    shapes = _checkpoint_shapes(files)
+    if any(".attn1.to_q." in k for k in shapes):
+        raise UnsupportedModel(f"{where}: diffusers key names (attn1.to_q); a diffusers transformer goes in "
+                               "<dir>/transformer/ with its config.json, beside model_index.json and the other parts")
+    if "patch_embedding.weight" not in shapes or "blocks.0.self_attn.q.weight" not in shapes:
+        raise UnsupportedModel(f"{where}: not an original Wan / Phantom-Wan checkpoint (no patch_embedding.weight "
+                               f"or blocks.0.self_attn.q.weight among {len(shapes)} tensors)")
+    dim, in_dim = shapes["patch_embedding.weight"][:2]
+    patch = tuple(shapes["patch_embedding.weight"][2:])
+    wan = _read_json(config_path, config_path.parent) if config_path and config_path.exists() else {}
+    heads = wan.get("num_heads", dim // HEAD_DIM)
+    image = "img_emb.proj.0.weight" in shapes
+    cfg = dict(
+        patch_size=patch, num_attention_heads=heads, attention_head_dim=dim // heads, in_channels=in_dim,
+        out_channels=shapes["head.head.weight"][0] // math.prod(patch), text_dim=shapes["text_embedding.0.weight"][1],
+        freq_dim=shapes["time_embedding.0.weight"][1], ffn_dim=shapes["blocks.0.ffn.0.weight"][0],
+        num_layers=1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks.")),
+        cross_attn_norm="blocks.0.norm3.weight" in shapes, qk_norm="rms_norm_across_heads", eps=wan.get("eps", 1e-6),
+        image_dim=shapes["img_emb.proj.0.weight"][0] if image else None, added_kv_proj_dim=dim if image else None,
+        rope_max_seq_len=1024,
+    )
+    said = {"dim": dim, "in_dim": in_dim, "out_dim": cfg["out_channels"], "ffn_dim": cfg["ffn_dim"],
+            "freq_dim": cfg["freq_dim"], "num_layers": cfg["num_layers"]}
+    wrong = {k: (wan[k], v) for k, v in said.items() if k in wan and wan[k] != v}
+    if wrong or dim % heads:
+        raise UnsupportedModel(f"{where}: {config_path} does not describe these weights (config vs tensors: "
+                               f"{wrong or {'num_heads': heads, 'dim': dim}}); use the config.json of this model")
+    with torch.device("meta"):
+        expected = diffusers_to_original(WanTransformer3DModel(**cfg).state_dict())
+    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    bad = [k for k in set(expected) & set(shapes) if tuple(expected[k].shape) != shapes[k]]
+    if missing or extra or bad:
+        raise UnsupportedModel(f"{where}: not a complete original-Wan checkpoint of a {cfg['num_layers']}-block "
+                               f"{dim}-wide model: {len(missing)} missing {missing[:3]}, {len(extra)} unexpected "
+                               f"{extra[:3]}, {len(bad)} of another shape {sorted(bad)[:3]}; pass the Phantom-Wan "
+                               "checkpoint as released (Phantom-Wan-1.3B.pth, or the 14B's .safetensors.index.json)")
+    return cfg
+
+
+@torch.no_grad()
+def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32) -> WanTransformer3DModel:
+    """WanTransformer3DModel of `config` (original_config) with an original-Wan checkpoint's weights, every
+    parameter assigned (strict)."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in files:
+        part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+        sd.update(part.get("state_dict", part))
+    for prefix in ORIGINAL_PREFIXES:
+        if all(k.startswith(prefix) for k in sd):
+            sd = {k.removeprefix(prefix): v for k, v in sd.items()}
+    model = WanTransformer3DModel(**config)
+    keep = set(model._keep_in_fp32_modules)
+    model.load_state_dict(original_to_diffusers(sd), strict=True)
+    for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=...) keeps them
+        p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
+    return model.eval()
+
+
 def _read_json(path: Path, model_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -161,7 +348,78 @@ def _listed(index: dict, name: str) -> bool:
     return isinstance(v, list) and len(v) == 2 and v[0] is not None
 
 
-def detect_model(model_dir, image_encoder=None) -> ModelInfo:
+# diffusers-format Wan T2V whose VAE, UMT5 and tokenizer Phantom-Wan uses (its README: Wan2.1-T2V-1.3B's, for both
+# sizes); a Phantom dir without its own vae/ text_encoder/ tokenizer/ takes them from here
+PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+# SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
+V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
+COMPONENTS = ("vae", "text_encoder", "tokenizer")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name; a path that exists locally wins
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The dir of `repo_id` in the Hub cache, downloaded there on first use. HF_HUB_OFFLINE / HF_HUB_CACHE are read
+    when called (huggingface_hub reads them once, at import); offline and not cached is one line saying what to do."""
+    import os
+
+    from huggingface_hub import constants, snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline))
+    except Exception as e:  # offline and absent, no network, no such repo, gated: one line, with the way out
+        first = (str(e).splitlines() or [""])[0]
+        why = (f"not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
+               f"(`hf download {repo_id}`, or unset HF_HUB_OFFLINE), or pass a local model dir" if offline else
+               f"could not be downloaded ({type(e).__name__}: {first}); check the id and the network (gated repos "
+               "need `hf auth login`), or pass a local model dir")
+        raise UnsupportedModel(f"{repo_id}: no such local dir, and as a Hugging Face Hub model it is {why}") from None
+
+
+def local_or_hub(name) -> Path:
+    """A local path as it is, else a Hugging Face Hub id (org/name) resolved through the Hub cache (hub_snapshot)."""
+    path = Path(name)
+    if path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path
+    return hub_snapshot(str(name))
+
+
+def detect_phantom(path: Path, components=None) -> ModelInfo:
+    """A Phantom-Wan model: an original-Wan checkpoint (a file: .pth, .safetensors, or a shards' .safetensors.index
+    .json; or a dir holding exactly one, optionally with a Wan config.json) and the Wan T2V parts it runs with
+    (vae/, text_encoder/, tokenizer/, scheduler/ in diffusers format: `components`, else the dir's own, else
+    PHANTOM_COMPONENTS from the Hub). Keys and shapes are checked here, before any weights load."""
+    d = path.parent if path.is_file() else path
+    found = original_checkpoints(path)
+    if len(found) != 1:
+        names = [g[0].name if len(g) == 1 else f"{g[0].parent.name}/*.safetensors.index.json" for g in found]
+        raise UnsupportedModel(f"{path}: {'no' if not found else len(found)} original-Wan checkpoints {names}; pass "
+                               "one checkpoint file (e.g. <dir>/Phantom-Wan-1.3B.pth or the 14B's .safetensors"
+                               ".index.json)" if found else f"{path}: no model_index.json and no original-Wan "
+                               "checkpoint (.safetensors/.pth); expected a diffusers-format model dir or a "
+                               "Phantom-Wan checkpoint")
+    files = found[0]
+    cfg = original_config(files, d / "config.json")
+    if cfg["in_channels"] != Z_DIM or cfg["out_channels"] != Z_DIM or cfg["image_dim"] is not None:
+        raise UnsupportedModel(f"{path}: an original-Wan checkpoint with in/out channels {cfg['in_channels']}/"
+                               f"{cfg['out_channels']}{' and an image branch' if cfg['image_dim'] else ''}; Phantom-"
+                               "Wan is a T2V model (16 in, 16 out, no image branch); convert other Wan models with "
+                               "diffusers' scripts/convert_wan_to_diffusers.py")
+    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in COMPONENTS) else None
+    if comp is None:
+        comp = local_or_hub(PHANTOM_COMPONENTS)
+    for c in COMPONENTS:
+        if not (Path(comp) / c).is_dir():
+            raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; Phantom-Wan runs with "
+                                   f"{PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+    return ModelInfo(path, "Phantom-Wan", Z_DIM, False, None, None, None, native_kind="phantom",
+                     original_weights=tuple(files), components_dir=Path(comp))
+
+
+def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
 
     Supported: Wan 2.2 TI2V-5B (model_index `expand_timesteps`, a 48-channel Wan 2.2 VAE with 16x spatial
@@ -170,14 +428,20 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
     `transformer_2` switched at `boundary_ratio`; the I2V pair has 36 channels but no image branch).
     `image_encoder` is a dir with image_encoder/ + image_processor/ that overrides the model's own (for a T2V
     model expanded to E2V).
+    Phantom-Wan: an original-Wan checkpoint (detect_phantom; `components`: the dir of its Wan T2V parts).
+    SkyReels-V3 R2V: a diffusers dir whose transformer is their class (V3_CLASSES), the modules of
+    WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
     d = Path(model_dir)
+    if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and original_checkpoints(d)):
+        return detect_phantom(d, components)
     if not d.is_dir():
-        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, or the name of a "
-                               "built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v)")
+        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan "
+                               "checkpoint, or the name of a built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, "
+                               "tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3)")
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
-                               "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V); original Wan checkpoints need converting")
+                               "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, SkyReels-V3 R2V) or a Phantom-Wan checkpoint")
     index = _read_json(d / "model_index.json", d)
     ti2v = bool(index.get("expand_timesteps"))  # Wan 2.2 TI2V-5B
     for part in ("transformer", "vae", "text_encoder", "tokenizer"):
@@ -205,6 +469,13 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
     for sub in experts:
         cfg = _read_json(d / sub / "config.json", d)
         cls = cfg.get("_class_name")
+        if cls in V3_CLASSES:
+            if (cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("image_dim")) != (Z_DIM, Z_DIM, None) or ti2v:
+                raise UnsupportedModel(f"{d}: {sub} is SkyReels-V3's {cls} with in/out_channels "
+                                       f"{cfg.get('in_channels')}/{cfg.get('out_channels')}, image_dim "
+                                       f"{cfg.get('image_dim')}; its R2V model takes 16/16 and no image branch")
+            configs.append((Z_DIM, False))
+            continue
         if cls not in WAN_TRANSFORMER_CLASSES:
             raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
                                    f"({' / '.join(WAN_TRANSFORMER_CLASSES)})")
@@ -245,6 +516,8 @@ def detect_model(model_dir, image_encoder=None) -> ModelInfo:
         name = "Wan2.2 I2V A14B" if in_channels == E2V_IN_CHANNELS else "Wan2.2 T2V A14B"
         if image_branch:
             raise UnsupportedModel(f"{d}: a two-expert model with a CLIP image branch is not a known Wan 2.2 model")
+    elif _read_json(d / "transformer" / "config.json", d).get("_class_name") in V3_CLASSES:
+        return ModelInfo(d, "SkyReels-V3 R2V", in_channels, False, enc, enc_dim, None, native_kind="v3")
     elif in_channels == Z_DIM:
         name = "Wan2.1 T2V"
     elif not image_branch:
@@ -276,10 +549,15 @@ RANDOM_WEIGHTS = "RANDOM_WEIGHTS"  # marker file of a transformer dir that holds
 
 
 def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, subfolder: str = "transformer"):
-    """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`) or a transformer dir.
+    """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`), a transformer dir, or an
+    original-Wan checkpoint (a Phantom-Wan file or dir: converted by original_to_diffusers).
     A `random-*` model dir (a2/tiny.py) has a config and no weights: random ones are built, on the GPU when there
     is one (a 14B model in bf16 is 28 GB: built where it runs, not on the host)."""
     model_dir = Path(model_dir)
+    checkpoints = original_checkpoints(model_dir)
+    if len(checkpoints) == 1:  # Phantom-Wan: an original-Wan checkpoint (detect_phantom checked it)
+        d = model_dir.parent if model_dir.is_file() else model_dir
+        return load_original(checkpoints[0], original_config(checkpoints[0], d / "config.json"), dtype)
     if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, device)

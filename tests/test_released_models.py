@@ -1,0 +1,359 @@
+"""The released subject-to-video models' weights: Phantom-Wan (an original-Wan checkpoint) and SkyReels-V3 R2V (a
+diffusers dir with its own transformer class name). The original-Wan <-> diffusers key map, detect_model on each
+layout (and their Hub ids), one-line failures, their solver against diffusers' UniPC, their samplers written out
+(tests/their_samplers.py) running on the tiny models, and an a2 LoRA in their model layouts."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from a2.transformer import UnsupportedModel, detect_model, diffusers_to_original, original_to_diffusers
+from tests import their_samplers as theirs
+
+
+@pytest.fixture(scope="module")
+def phantom_dir():
+    from a2.tiny import model_path
+
+    return model_path("tiny-phantom")
+
+
+@pytest.fixture(scope="module")
+def v3_dir():
+    from a2.tiny import model_path
+
+    return model_path("tiny-v3")
+
+
+def one_line(excinfo, *words):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+# ---------------------------------------------------------------- the key map
+
+
+@pytest.mark.parametrize("e2v", [False, True])  # T2V (Phantom-Wan's shape), and I2V: the image branch's keys
+def test_original_keys_round_trip(e2v):
+    """diffusers -> original -> diffusers -> load -> original is the identity, every tensor bit for bit."""
+    from diffusers import WanTransformer3DModel
+
+    from a2.transformer import preset_config
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**preset_config("tiny", e2v=e2v))
+    original = diffusers_to_original(model.state_dict())
+    assert len(original) == len(model.state_dict())
+    for key in ("blocks.1.self_attn.q.weight", "blocks.0.cross_attn.norm_k.weight", "blocks.0.norm3.bias",
+                "blocks.0.ffn.2.weight", "blocks.0.modulation", "head.head.bias", "head.modulation",
+                "time_projection.1.weight", "text_embedding.2.bias"):
+        assert key in original, key
+    if e2v:
+        assert {"img_emb.proj.0.weight", "img_emb.proj.4.bias", "blocks.0.cross_attn.k_img.weight",
+                "blocks.0.cross_attn.norm_k_img.weight"} <= set(original)
+    fresh = WanTransformer3DModel(**preset_config("tiny", e2v=e2v))
+    fresh.load_state_dict(original_to_diffusers(original), strict=True)
+    back = diffusers_to_original(fresh.state_dict())
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    # the two norms that swap names: the original's norm3 is diffusers' (affine) cross-attention norm2
+    assert torch.equal(original["blocks.0.norm3.weight"], model.blocks[0].norm2.weight)
+    with pytest.raises(KeyError, match="blocks.0.self_attn.q_img"):
+        original_to_diffusers({"blocks.0.self_attn.q_img.weight": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- detect_model and loading
+
+
+def test_tiny_phantom_and_v3_are_detected_and_load_the_tiny_t2v_weights(phantom_dir, v3_dir, tiny_t2v_dir):
+    from a2.transformer import load_transformer
+
+    p = detect_model(phantom_dir)
+    assert (p.name, p.native_kind, p.in_channels, p.image_branch) == ("Phantom-Wan", "phantom", 16, False)
+    assert p.components_dir == phantom_dir and len(p.original_weights) == 2  # two shards of one index
+    v = detect_model(v3_dir)
+    assert (v.name, v.native_kind, v.in_channels, v.image_branch) == ("SkyReels-V3 R2V", "v3", 16, False)
+    assert not v.original_weights
+    want = load_transformer(tiny_t2v_dir).state_dict()
+    for d in (phantom_dir, v3_dir):
+        got = load_transformer(d).state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), d
+    assert detect_model(tiny_t2v_dir).native_kind is None  # a plain Wan T2V stays one
+
+
+def original_sd(phantom_dir):
+    sd = {}
+    for f in sorted(phantom_dir.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def test_phantom_checkpoint_as_released(phantom_dir, tmp_path):
+    """Phantom-Wan-1.3B ships one .pth with no config (heads then default to Wan's 128 wide: with the tiny 32-wide
+    heads the config.json is needed, and a wrong one is named); ComfyUI's files carry a `diffusion_model.` prefix;
+    the Hub repo holds both sizes, so a dir with two checkpoints asks for one."""
+    from a2.transformer import load_transformer
+
+    sd = original_sd(phantom_dir)
+    d = tmp_path / "release"
+    d.mkdir()
+    for part in ("vae", "text_encoder", "tokenizer", "scheduler"):
+        shutil.copytree(phantom_dir / part, d / part)
+    torch.save(sd, d / "Phantom-Wan-1.3B.pth")
+    info = detect_model(d / "Phantom-Wan-1.3B.pth")  # the file itself; its dir has the Wan parts
+    assert info.original_weights == (d / "Phantom-Wan-1.3B.pth",) and info.components_dir == d
+    model = load_transformer(d / "Phantom-Wan-1.3B.pth")
+    assert model.config.attention_head_dim == 128 and model.config.num_attention_heads == 1  # no config: Wan's
+    shutil.copy(phantom_dir / "config.json", d / "config.json")
+    model = load_transformer(d)
+    assert model.config.num_attention_heads == 4
+    assert torch.equal(diffusers_to_original(model.state_dict())["blocks.1.ffn.0.weight"], sd["blocks.1.ffn.0.weight"])
+
+    save_file({f"diffusion_model.{k}": v.contiguous() for k, v in sd.items()}, d / "comfy.safetensors")
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(d)
+    one_line(e, "2 original-Wan checkpoints", "Phantom-Wan-1.3B.pth", "comfy.safetensors", "pass one")
+    assert detect_model(d / "comfy.safetensors").name == "Phantom-Wan"
+
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_layers": 3}))
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(d / "comfy.safetensors")
+    one_line(e, "config.json does not describe these weights", "num_layers")
+
+
+@pytest.mark.parametrize("break_it,words", [
+    (lambda sd: sd.pop("blocks.1.cross_attn.o.bias"), ["1 missing", "blocks.1.cross_attn.o.bias", "as released"]),
+    (lambda sd: sd.update({"blocks.0.self_attn.alpha": torch.zeros(1)}), ["1 unexpected", "self_attn.alpha"]),
+    (lambda sd: sd.update({"blocks.0.ffn.2.bias": torch.zeros(3)}), ["1 of another shape", "ffn.2.bias"]),
+    (lambda sd: [sd.pop(k) for k in list(sd) if k.startswith("blocks.0.")], ["not an original Wan"]),
+])
+def test_bad_phantom_checkpoints_fail_in_one_line_before_loading(phantom_dir, tmp_path, monkeypatch, break_it, words):
+    sd = original_sd(phantom_dir)
+    break_it(sd)
+    f = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in sd.items()}, f)
+    shutil.copy(phantom_dir / "config.json", tmp_path / "config.json")
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("weights read by detect_model"))
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(tmp_path, components=phantom_dir)
+    assert one_line(e, *words).startswith(str(f))
+
+
+def test_other_checkpoints_fail_in_one_line(phantom_dir, tiny_dir, tmp_path):
+    from a2.transformer import load_transformer
+
+    f = tmp_path / "diffusers_named.safetensors"  # a diffusers transformer's file on its own
+    save_file({k: v.contiguous() for k, v in load_transformer(tiny_dir).state_dict().items()}, f)
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(f)
+    one_line(e, "diffusers key names", "transformer/")
+    i2v = tmp_path / "i2v.safetensors"  # an original-Wan I2V model is not Phantom-Wan
+    save_file({k: v.contiguous() for k, v in diffusers_to_original(load_transformer(tiny_dir).state_dict()).items()},
+              i2v)
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(i2v, components=phantom_dir)
+    one_line(e, "36/16 and an image branch", "Phantom-Wan is a T2V model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(tmp_path / "empty")
+    one_line(e, "no model_index.json", "Phantom-Wan checkpoint")
+
+
+def test_v3_dir_of_another_shape_fails_in_one_line(v3_dir, tmp_path):
+    d = tmp_path / "v3"
+    shutil.copytree(v3_dir, d)
+    cfg = json.loads((d / "transformer" / "config.json").read_text())
+    (d / "transformer" / "config.json").write_text(json.dumps({**cfg, "in_channels": 36}))
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(d)
+    one_line(e, str(d), "SkyReelsC1WanI2v3DModel", "16/16 and no image branch")
+
+
+def hub_snapshot(cache, repo_id, src, files=None):
+    """A Hub cache entry (models--org--name/{refs/main, snapshots/<rev>/}) holding `src`'s files."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / rev
+    shutil.copytree(src, snap, ignore=None if files is None else lambda d, names: [
+        n for n in names if d == str(src) and n not in files])
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_hub_ids(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path, monkeypatch):
+    """bytedance-research/Phantom holds the checkpoints only: the Wan parts come from Wan2.1-T2V-1.3B-Diffusers,
+    from the cache, or one line saying how to get them."""
+    from a2.tiny import model_path
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    weights = [f.name for f in phantom_dir.iterdir() if f.is_file()]
+    phantom = hub_snapshot(cache, "bytedance-research/Phantom", phantom_dir, weights)
+    v3 = hub_snapshot(cache, "Skywork/SkyReels-V3-R2V-14B", v3_dir)
+    assert detect_model(model_path("Skywork/SkyReels-V3-R2V-14B")).path == v3
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(model_path("bytedance-research/Phantom"))
+    one_line(e, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "HF_HUB_OFFLINE")
+    wan = hub_snapshot(cache, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", tiny_t2v_dir)
+    info = detect_model(model_path("bytedance-research/Phantom"))
+    assert info.path == phantom and info.components_dir == wan and info.native_kind == "phantom"
+
+
+# ---------------------------------------------------------------- their solver and samplers
+
+
+@pytest.mark.parametrize("steps", [3, 8, 50])
+def test_their_unipc_is_diffusers_unipc_on_their_schedule(steps):
+    """Their FlowUniPC step, written out, == diffusers' UniPCMultistepScheduler given their sigmas, bit for bit; so a2
+    can run diffusers' solver on their schedule. The two labs' schedules differ only by Phantom's float32 0.999."""
+    from diffusers import UniPCMultistepScheduler
+
+    for unshifted in (theirs.phantom_sigmas, theirs.diffusers034_sigmas):
+        sigmas, timesteps = theirs.shifted(unshifted(steps), 5.0)
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+        sched.set_timesteps(sigmas=unshifted(steps))  # an ndarray: a list fails in diffusers
+        assert torch.equal(sched.sigmas, sigmas) and torch.equal(sched.timesteps, timesteps), unshifted.__name__
+        g = torch.Generator().manual_seed(steps)
+        x = a = torch.randn(2, 16, 3, 4, 4, generator=g)
+        solver = theirs.FlowUniPC(sigmas)
+        for t in timesteps:
+            v = torch.randn(x.shape, generator=g)
+            x, a = solver.step(v, x), sched.step(v, t, a, return_dict=False)[0]
+            assert torch.equal(x, a), (unshifted.__name__, int(t))
+    (p, pt), (q, qt) = (theirs.shifted(f(steps), 5.0) for f in (theirs.phantom_sigmas, theirs.diffusers034_sigmas))
+    assert torch.equal(pt, qt) and (p - q).abs().max() <= 2 ** -23
+
+
+def synthetic(w, h, seed):
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+def test_fit_pad_white_geometry():
+    """Lanczos to fit (the long side exact, the other truncated), white bars split floor / ceil."""
+    import numpy as np
+
+    wide = np.asarray(theirs.fit_pad_white(synthetic(301, 97, 0), 48, 32))  # fits as 48 x int(48 / 3.103) = 15
+    assert wide.shape == (32, 48, 3)
+    assert (wide[:8] == 255).all() and (wide[23:] == 255).all() and not (wide[8] == 255).all()
+    assert not (wide[22] == 255).all()
+    tall = np.asarray(theirs.fit_pad_white(synthetic(97, 301, 1), 48, 32))  # 32 high, int(32 * 0.322) = 10 wide
+    assert (tall[:, :19] == 255).all() and (tall[:, 29:] == 255).all() and not (tall[:, 19] == 255).all()
+    same = synthetic(96, 64, 2)  # the target aspect: a plain Lanczos resize, no bar
+    assert np.array_equal(np.asarray(theirs.fit_pad_white(same, 48, 32)),
+                          np.asarray(same.resize((48, 32), Image.Resampling.LANCZOS)))
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_t2v_dir):
+    from diffusers import AutoencoderKLWan
+
+    from a2.transformer import load_transformer
+
+    g = torch.Generator().manual_seed(7)
+    text, null = torch.randn(2, 1, 512, 32, generator=g)
+    text[:, 12:], null[:, 5:] = 0, 0  # UMT5 states are zero past the prompt
+    vae = AutoencoderKLWan.from_pretrained(tiny_t2v_dir, subfolder="vae").eval()
+    return load_transformer(tiny_t2v_dir).eval(), vae, text, null
+
+
+def test_reference_samplers_run_on_the_tiny_model(tiny_parts):
+    """The written-out samplers themselves (not a parity claim): shapes, determinism, their layouts' invariants."""
+    transformer, vae, text, null = tiny_parts
+    refs = [synthetic(301, 97, 3), synthetic(97, 301, 4)]
+    kw = dict(num_frames=9, height=32, width=48, steps=3)
+    a = theirs.phantom_sample(transformer, vae, refs, text, null, seed=1, **kw)
+    assert a["condition"].shape == (1, 16, 2, 4, 6) and a["initial"].shape == a["latents"].shape == (1, 16, 5, 4, 6)
+    assert torch.equal(a["video"], a["latents"][:, :, :3]) and a["timesteps"].tolist()[0] == 999
+    with torch.no_grad():  # each reference its own 1-frame clip, posterior mean
+        one = vae.encode(theirs.pixels(theirs.fit_pad_white(refs[1], 48, 32))[None, :, None]).latent_dist.mean
+    assert torch.equal(a["condition"][:, :, 1:], theirs.normalise(vae, one))
+    assert torch.equal(a["initial"], torch.randn(1, 16, 5, 4, 6, generator=torch.Generator().manual_seed(1)))
+    again = theirs.phantom_sample(transformer, vae, refs, text, null, seed=1, **kw)
+    other = theirs.phantom_sample(transformer, vae, refs, text, null, seed=2, **kw)
+    assert torch.equal(a["latents"], again["latents"]) and not torch.equal(a["video"], other["video"])
+    assert torch.isfinite(a["latents"]).all()
+
+    for guidance in (1.0, 5.0):  # the distilled preset's single pass; three passes
+        b = theirs.v3_sample(transformer, vae, refs, text, null, seed=1, guidance=guidance, guidance_img=2.0, **kw)
+        assert b["condition"].shape == (1, 16, 4, 4, 6) and b["latents"].shape == b["initial"].shape == (1, 16, 3, 4, 6)
+        assert (b["condition"][:, :, 2:] == 0).all() and (b["condition"][:, :, :2] != 0).all()
+        g = torch.Generator().manual_seed(1)  # the noise first, then each reference's posterior sample
+        assert torch.equal(b["initial"], torch.randn(1, 16, 3, 4, 6, generator=g))
+        with torch.no_grad():
+            dist = vae.encode(theirs.pixels(theirs.fit_pad_white(refs[0], 48, 32))[None, :, None]).latent_dist
+        z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=g)
+        assert torch.equal(b["condition"][:, :, :1], theirs.normalise(vae, z))
+        assert torch.equal(b["latents"], theirs.v3_sample(transformer, vae, refs, text, null, seed=1,
+                                                          guidance=guidance, guidance_img=2.0, **kw)["latents"])
+        assert torch.isfinite(b["latents"]).all()
+    with pytest.raises(ValueError, match="at most 4"):
+        theirs.v3_sample(transformer, vae, refs * 3, text, null, seed=1, **kw)
+
+
+# ---------------------------------------------------------------- an a2 LoRA in their model layouts
+
+
+def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
+    """A LoRA trained in a2 (peft on diffusers names) and exported by a2/lora.py:
+    - Phantom-Wan: its code loads no LoRA; the original-key file (ComfyUI's / Wan's loaders) merged into the
+      original-Wan checkpoint as W + up·down, that checkpoint converted into WanTransformer3DModel (Phantom's WanModel
+      needs CUDA flash-attn; its forward was checked against this conversion outside the suite, see the spec), gives
+      a2's forward up to the rounding of the merge; diffusers' loader of the same file gives it bit for bit.
+    - SkyReels-V3: its pipeline is a WanLoraLoaderMixin and its transformer class has WanTransformer3DModel's module
+      names (their class needs their repo: the tiny-v3 dir is loaded as WanTransformer3DModel here); the diffusers
+      file loads into it and gives a2's forward bit for bit."""
+    from diffusers.loaders import WanLoraLoaderMixin
+    from peft import LoraConfig
+
+    from a2.lora import export_lora
+    from a2.transformer import load_transformer
+
+    model = load_transformer(phantom_dir)
+    torch.manual_seed(0)
+    target = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out"]
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=target))  # scale 1: the loaders' convention
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x, t, text = torch.randn(1, 16, 5, 4, 6, generator=g), torch.tensor([700]), torch.randn(1, 512, 32, generator=g)
+
+    def forward(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    want = forward(model)
+    diffusers_file, comfy_file = export_lora(tmp_path, model)
+
+    merged = original_sd(phantom_dir)
+    lora = load_file(comfy_file)
+    for key in [k for k in lora if k.endswith(".lora_down.weight")]:
+        module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+        merged[f"{module}.weight"] = merged[f"{module}.weight"] + lora[key.replace("down", "up")] @ lora[key]
+    phantom = load_transformer(phantom_dir)
+    phantom.load_state_dict(original_to_diffusers(merged), strict=True)
+    got = forward(phantom)
+    # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    assert (got - forward(load_transformer(phantom_dir))).abs().max() > 1e-3  # the LoRA matters
+
+    for base, file in ((phantom_dir, comfy_file), (v3_dir, diffusers_file)):
+        # from_pretrained (the V3 dir) leaves the weights in the safetensors' memory map, at addresses MKL's float32
+        # GEMM sums in another order (6e-7 here); a copy owns aligned storage as the converted checkpoint's does
+        m = copy.deepcopy(load_transformer(base))
+        m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(file), prefix="transformer")
+        assert torch.equal(forward(m), want), base
