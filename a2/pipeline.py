@@ -69,6 +69,54 @@ def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Im
     return image.resize((w, h), Image.BICUBIC)
 
 
+# MAGREF's canvas grids: the smallest that holds the references, as (rows, columns), blocks filled row by row
+MAGREF_GRIDS = {1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 6: (2, 3), 8: (2, 4)}
+MAGREF_MIN_SIDE = 16  # px: one transformer token (VAE stride 8 x patch 2); a thinner reference is no token wide
+
+
+def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
+                  min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
+    """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), and the
+    region mask (H, W) bool that is True where a reference's pixels are (False on the white around them).
+
+    The canvas is cut into the smallest grid of MAGREF_GRIDS with a block per reference (the last row and column
+    take the remainder of the integer division); each reference is resized (PIL Lanczos, aspect kept, sides
+    truncated to whole pixels) to fit its block and centred in it. rng: a random.Random that shuffles the reference
+    order, then the blocks, as MAGREF does (random.Random(s) places as MAGREF does after random.seed(s)); None
+    keeps reference i in block i. Images are RGB (read_image composites transparency on white). Raises a one-line
+    ValueError for no references, more than the largest grid holds, or a reference thinner than min_side pixels
+    once placed (names, default "reference <i>", say which)."""
+    n = len(images)
+    names = names or [f"reference {i}" for i in range(n)]
+    height, width = size
+    if not 0 < n <= max(MAGREF_GRIDS):
+        raise ValueError(f"{', '.join(names) or 'no references'}: MAGREF's canvas places 1 to {max(MAGREF_GRIDS)} "
+                         f"references (a 2x4 grid at most), got {n}: pass at most {max(MAGREF_GRIDS)}")
+    rows, cols = MAGREF_GRIDS[min(k for k in MAGREF_GRIDS if k >= n)]
+    bw, bh = width // cols, height // rows
+    blocks = [(c * bw, r * bh, width if c == cols - 1 else (c + 1) * bw, height if r == rows - 1 else (r + 1) * bh)
+              for r in range(rows) for c in range(cols)]  # (x0, y0, x1, y1)
+    order = list(range(n))
+    if rng is not None:
+        rng.shuffle(order)
+        rng.shuffle(blocks)
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    mask = torch.zeros(height, width, dtype=torch.bool)
+    for i, (x0, y0, x1, y1) in zip(order, blocks):
+        image = images[i].convert("RGB")
+        w, h = x1 - x0, y1 - y0
+        ratio = image.width / image.height
+        nw, nh = (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
+        if min(nw, nh) < min_side:
+            raise ValueError(f"{names[i]}: a {image.width}x{image.height} reference is {nw}x{nh} px in its {w}x{h} "
+                             f"block of MAGREF's {width}x{height} canvas ({n} references), under {min_side} px: "
+                             "crop it nearer the block's aspect or pass fewer references")
+        left, top = x0 + (w - nw) // 2, y0 + (h - nh) // 2
+        canvas.paste(image.resize((nw, nh), Image.LANCZOS), (left, top))
+        mask[top:top + nh, left:left + nw] = True
+    return canvas, mask
+
+
 def pil_to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB PIL -> (3, H, W) float in [-1, 1] (the VAE's pixel range)."""
     # /255 then 2x-1 in float32, exactly as diffusers' VaeImageProcessor (bit-parity with its I2V pipeline)

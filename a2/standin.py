@@ -1,0 +1,299 @@
+"""Stand-In (WeChatCV/Stand-In): a reference image's tokens beside the video tokens in Wan's self-attention.
+
+The reference (one frame: its VAE latent, posterior mean, normalised) goes through the model's own patch
+embedding and its tokens are appended after the video tokens. They
+- sit at RoPE position time -1, rows h.., columns w.. (h, w: the video's token grid): before the first frame,
+  below and right of the video;
+- are modulated with the time embedding of t = 0 (clean), pass every block's self-attention and FFN, skip the
+  cross-attention (no text), and are dropped before the head;
+- attend only to themselves, while video tokens attend to video + reference;
+- have a LoRA (Stand-In's: rank 128, no scale) on their own q/k/v projections, not on the video tokens'.
+Their keys and values depend on nothing that changes while sampling (not the timestep, the text or the video), so
+a sampler computes them at its first step and reuses them (`forward(cache="fill")`, then `cache="use"`).
+
+diffusers' WanTransformerBlock runs unchanged: reference tokens take a per-token time embedding (its 4-dim `temb`
+path, made for TI2V), attn1 gets StandInAttnProcessor and attn2 VideoOnlyCrossAttnProcessor. The processors hold
+the per-call state (`num_reference`, the kept K/V) that `forward` sets, as diffusers' block passes them nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import get_1d_rotary_pos_embed
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+from torch import nn
+
+RANK = 128  # Stand-In's released LoRAs
+ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
+CACHE_MODES = (None, "fill", "use")
+HUB_ID = "BowenXue/Stand-In"  # Stand-In_wan2.1_T2V_14B.ckpt, Stand-In_wan2.2_T2V_A14B_{high,low}.ckpt
+
+
+class ReferenceLoRA(nn.Module):
+    """Stand-In's low-rank delta up(down(x)), unscaled, computed in its own weights' dtype (Stand-In keeps them fp32
+    beside a bf16 model). A plain module, not peft: peft's LoRA acts on every token of a projection."""
+
+    def __init__(self, dim: int, rank: int = RANK):
+        super().__init__()
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+        nn.init.normal_(self.down.weight, std=1 / rank)  # Stand-In's init: the delta starts at zero
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x.to(self.down.weight.dtype))).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, L, heads, head_dim) with interleaved pairs, the arithmetic of diffusers' WanAttnProcessor."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class StandInAttnProcessor(nn.Module):
+    """Self-attention (attn1) over video tokens followed by `num_reference` reference tokens: video queries attend
+    to video + reference keys, reference queries to reference keys only; the reference LoRA adds to the reference
+    tokens' q/k/v. With no reference tokens in the sequence and kept K/V (`kv`), video queries attend to video +
+    kept reference keys. A module, so the LoRA's weights are the transformer's
+    (`blocks.<i>.attn1.processor.<q|k|v>_lora.<down|up>.weight`)."""
+
+    _attention_backend = None  # set by diffusers' set_attention_backend, as on its own processors
+    _parallel_config = None
+
+    def __init__(self, dim: int, rank: int = RANK):
+        super().__init__()
+        self.q_lora, self.k_lora, self.v_lora = ReferenceLoRA(dim, rank), ReferenceLoRA(dim, rank), ReferenceLoRA(
+            dim, rank)
+        self.num_reference = 0
+        self.keep = False
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def qkv(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, reference: bool):
+        q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+        if reference:
+            q, k, v = q + self.q_lora(x), k + self.k_lora(x), v + self.v_lora(x)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, L, heads, head_dim)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def attend(self, q, k, v):
+        return dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     backend=self._attention_backend)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        n = self.num_reference
+        length = hidden_states.shape[1] - n
+        cos, sin = rotary_emb  # (1, length + n, 1, head_dim): video positions, then the reference's
+        q, k, v = self.qkv(attn, hidden_states[:, :length], cos[:, :length], sin[:, :length], reference=False)
+        reference_out = None
+        if n:
+            qr, kr, vr = self.qkv(attn, hidden_states[:, length:], cos[:, length:], sin[:, length:], reference=True)
+            if self.keep:
+                self.kv = (kr.detach(), vr.detach())
+            reference_out = self.attend(qr, kr, vr)
+        elif self.kv is not None:  # kept from a batch-1 call; CFG may run 2 (the same reference for both)
+            kr, vr = (t.expand(q.shape[0], -1, -1, -1) for t in self.kv)
+        if n or self.kv is not None:
+            k, v = torch.cat([k, kr], 1), torch.cat([v, vr], 1)
+        out = self.attend(q, k, v)  # (B, length, heads, head_dim)
+        if reference_out is not None:
+            out = torch.cat([out, reference_out], 1)
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class VideoOnlyCrossAttnProcessor(WanAttnProcessor):
+    """Cross-attention (attn2) for the video tokens only: the last `num_reference` rows (reference tokens) come out
+    zero, and the block adds them to its residual, which leaves the reference tokens exactly as they were."""
+
+    num_reference = 0
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        n = self.num_reference
+        out = super().__call__(attn, hidden_states[:, :hidden_states.shape[1] - n], encoder_hidden_states,
+                               attention_mask, rotary_emb)
+        return torch.cat([out, out.new_zeros(out.shape[0], n, out.shape[2])], 1) if n else out
+
+
+def install(transformer, rank: int = RANK, dtype: torch.dtype = torch.float32) -> None:
+    """Stand-In's processors on every block; the reference LoRA in `dtype` (fp32 as Stand-In's) at its zero init."""
+    dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    device = transformer.patch_embedding.weight.device
+    for block in transformer.blocks:
+        block.attn1.set_processor(StandInAttnProcessor(dim, rank).to(device, dtype))
+        block.attn2.set_processor(VideoOnlyCrossAttnProcessor())
+
+
+def installed(transformer) -> bool:
+    return all(isinstance(b.attn1.processor, StandInAttnProcessor) for b in transformer.blocks)
+
+
+def reference_rotary(rope, video_grid: tuple[int, int, int], reference_grid: tuple[int, int, int]):
+    """(cos, sin), each (1, Lr, 1, head_dim), of the reference tokens at Stand-In's positions: time -1, rows
+    h .. h+hr-1, columns w .. w+wr-1 for a video of (f, h, w) tokens; the frequencies of diffusers' WanRotaryPosEmbed
+    (`rope`), at those positions."""
+    _, h, w = video_grid
+    fr, hr, wr = reference_grid
+    device = rope.freqs_cos.device
+    positions = (torch.full((fr,), -1, device=device), torch.arange(h, h + hr, device=device),
+                 torch.arange(w, w + wr, device=device))
+    cos, sin = [], []
+    for i, (dim, pos) in enumerate(zip((rope.t_dim, rope.h_dim, rope.w_dim), positions)):
+        c, s = get_1d_rotary_pos_embed(dim, pos, ROPE_THETA, use_real=True, repeat_interleave_real=True,
+                                       freqs_dtype=torch.float64)
+        shape = [1, 1, 1, dim]
+        shape[i] = -1
+        cos.append(c.view(shape).expand(fr, hr, wr, dim))
+        sin.append(s.view(shape).expand(fr, hr, wr, dim))
+    return tuple(torch.cat(t, -1).reshape(1, fr * hr * wr, 1, -1) for t in (cos, sin))
+
+
+def clear_cache(transformer) -> None:
+    for block in transformer.blocks:
+        block.attn1.processor.kv = None
+
+
+def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+            encoder_hidden_states_image: torch.Tensor | None = None, reference_latents: torch.Tensor | None = None,
+            cache: str | None = None) -> torch.Tensor:
+    """diffusers' WanTransformer3DModel.forward with Stand-In's reference tokens; returns the video prediction.
+
+    reference_latents: (B, C, 1, hr, wr), the reference's latent (None: no reference, or the kept one with
+    cache="use"). cache: None (nothing kept: each call computes the reference), "fill" (compute it and keep each
+    layer's reference K/V), "use" (no reference tokens; each layer's kept K/V)."""
+    if cache not in CACHE_MODES:
+        raise ValueError(f"Stand-In cache {cache!r}: choose one of {CACHE_MODES}")
+    if not installed(transformer):
+        raise ValueError("the transformer has no Stand-In processors: call a2.standin.install (or load_lora) first")
+    blocks = transformer.blocks
+    if cache == "fill" and reference_latents is None:
+        raise ValueError("Stand-In cache='fill' needs reference_latents (the reference whose K/V it keeps)")
+    if cache == "use" and (reference_latents is not None or any(b.attn1.processor.kv is None for b in blocks)):
+        raise ValueError("Stand-In cache='use' takes no reference_latents and needs the K/V of a cache='fill' call")
+    batch, _, frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = transformer.config.patch_size
+    grid = (frames // p_t, height // p_h, width // p_w)
+
+    rotary = transformer.rope(hidden_states)
+    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, L, D)
+    length = x.shape[1]
+    temb, proj, text, image = transformer.condition_embedder(timestep, encoder_hidden_states,
+                                                             encoder_hidden_states_image)
+    proj = proj.unflatten(1, (6, -1))  # (B, 6, D)
+    n = 0
+    if reference_latents is not None:
+        if reference_latents.shape[1] != hidden_states.shape[1] or reference_latents.shape[2] != 1:
+            raise ValueError(f"Stand-In reference latents {tuple(reference_latents.shape)}: one frame of "
+                             f"{hidden_states.shape[1]} channels (this model's patch embedding input) expected")
+        r = transformer.patch_embedding(reference_latents)
+        reference_grid = tuple(r.shape[2:])
+        r = r.flatten(2).transpose(1, 2)
+        n = r.shape[1]
+        # the clean time embedding of the reference: t = 0 (only the time path of the embedder is needed)
+        _, proj_ref, _, _ = transformer.condition_embedder(torch.zeros_like(timestep),
+                                                           encoder_hidden_states[:, :0])
+        proj_ref = proj_ref.unflatten(1, (6, -1))
+        x = torch.cat([x, r], 1)
+        proj = torch.cat([proj[:, None].expand(-1, length, -1, -1), proj_ref[:, None].expand(-1, n, -1, -1)], 1)
+        rotary = tuple(torch.cat([a, b.to(a.dtype)], 1)
+                       for a, b in zip(rotary, reference_rotary(transformer.rope, grid, reference_grid)))
+    for block in blocks:
+        block.attn1.processor.num_reference = block.attn2.processor.num_reference = n
+        block.attn1.processor.keep = cache == "fill"
+        if cache is None:
+            block.attn1.processor.kv = None
+    if image is not None:
+        text = torch.cat([image, text], 1)
+
+    for block in blocks:
+        if torch.is_grad_enabled() and transformer.gradient_checkpointing:
+            x = transformer._gradient_checkpointing_func(block, x, text, proj, rotary)
+        else:
+            x = block(x, text, proj, rotary)
+
+    x = x[:, :length]  # the reference tokens have no output
+    shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+    x = transformer.proj_out(x)
+    x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+# ---------------------------------------------------------------- Stand-In's LoRA file
+
+# Stand-In's keys (models/set_condition_branch.py: blocks.<i>.self_attn.<q|k|v>_loras.<down|up>.weight) and a2's
+THEIR_KEY = re.compile(r"blocks\.(\d+)\.self_attn\.([qkv])_loras\.(down|up)\.weight")
+A2_KEY = re.compile(r"blocks\.(\d+)\.attn1\.processor\.([qkv])_lora\.(down|up)\.weight")
+BASES = ("Stand-In_wan2.1_T2V_14B.ckpt on Wan2.1-T2V-14B; Stand-In_wan2.2_T2V_A14B_high/_low.ckpt on "
+         "Wan2.2-T2V-A14B's high-/low-noise expert")
+
+
+def read_lora(path) -> dict[str, torch.Tensor]:
+    """A Stand-In LoRA file (.ckpt as released: a torch pickle, maybe under "state_dict"; or .safetensors), tensors
+    only (weights_only: a pickle cannot run code here)."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # missing, truncated, or a pickle holding more than tensors
+        raise ValueError(f"{path}: not a readable Stand-In LoRA ({type(e).__name__}: {e})") from e
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a Stand-In LoRA (a dict of tensors expected)")
+    return state
+
+
+def load_lora(transformer, path) -> int:
+    """Stand-In's LoRA file onto a2's modules (installing the processors at the file's rank); returns the rank.
+    One-line errors name the file: a key that is not Stand-In's, a missing one, or shapes of another base."""
+    path = Path(path)
+    state = read_lora(path)
+    bad = next((k for k in state if not THEIR_KEY.fullmatch(k)), None)
+    if bad is not None or not state:
+        raise ValueError(f"{path}: {bad!r} is not a Stand-In LoRA key (blocks.<i>.self_attn.<q|k|v>_loras."
+                         f"<down|up>.weight): not a Stand-In LoRA file" if bad else f"{path}: empty Stand-In LoRA")
+    layers = 1 + max(int(THEIR_KEY.fullmatch(k).group(1)) for k in state)
+    first = next(k for k in state if k.endswith("down.weight"))
+    rank, dim = state[first].shape
+    for key, t in state.items():
+        if t.shape != ((rank, dim) if key.endswith("down.weight") else (dim, rank)):
+            raise ValueError(f"{path}: {key} is {tuple(t.shape)} where {first} is {(rank, dim)}: a damaged Stand-In "
+                             "LoRA (download it again)")
+    n = len(transformer.blocks)
+    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    if (layers, dim) != (n, width):
+        raise ValueError(f"{path}: a Stand-In LoRA for a {layers}-layer, {dim}-wide Wan on this {n}-layer, "
+                         f"{width}-wide model: load it on its base ({BASES})")
+    mapped = {f"blocks.{i}.attn1.processor.{p}_lora.{part}.weight": state[f"blocks.{i}.self_attn.{p}_loras.{part}"
+                                                                          ".weight"]
+              for i in range(n) for p in "qkv" for part in ("down", "up")
+              if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" in state}
+    if len(mapped) != len(state) or len(mapped) != 6 * n:
+        missing = next(f"blocks.{i}.self_attn.{p}_loras.{part}.weight" for i in range(n) for p in "qkv"
+                       for part in ("down", "up") if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" not in state)
+        raise ValueError(f"{path}: no {missing}: an incomplete Stand-In LoRA")
+    if not installed(transformer) or transformer.blocks[0].attn1.processor.q_lora.down.out_features != rank:
+        install(transformer, rank)
+    transformer.load_state_dict(mapped, strict=False)
+    return rank
+
+
+def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """The reference LoRA in Stand-In's key format (what its set_condition_branch loads)."""
+    out = {}
+    for key, value in transformer.state_dict().items():
+        m = A2_KEY.fullmatch(key)
+        if m:
+            out[f"blocks.{m[1]}.self_attn.{m[2]}_loras.{m[3]}.weight"] = value.detach().clone()
+    return out

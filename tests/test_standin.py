@@ -1,0 +1,286 @@
+"""Stand-In's reference tokens (a2/standin.py) on a tiny T2V Wan: the split attention is the masked full attention,
+cached K/V sampling is the uncached one, a2's forward is Stand-In's (tests/their_standin.py, written from their
+code), the restriction costs less than the extra tokens, and Stand-In's LoRA file loads with clear errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from a2 import standin
+from a2.transformer import TEXT_TOKENS, preset_config
+from tests.their_standin import TheirStandIn, their_sampling
+
+RANK = 8
+GRID = (3, 8, 12)  # latent frames, height, width of the video: 3 x 4 x 6 = 72 tokens
+REF = (6, 6)  # the reference latent: 3 x 3 = 9 tokens
+
+
+def tiny_t2v(seed=0):
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**preset_config("tiny", e2v=False)).eval()
+    standin.install(model, rank=RANK)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # a trained LoRA, not the zero init (which would hide its placement)
+        for name, p in model.named_parameters():
+            if "_lora." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def their_loras(model):
+    return {i: {p: (getattr(b.attn1.processor, f"{p}_lora").down.weight, getattr(b.attn1.processor, f"{p}_lora").up
+                    .weight) for p in "qkv"} for i, b in enumerate(model.blocks)}
+
+
+def inputs(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, 16, *GRID, generator=g)
+    reference = torch.randn(1, 16, 1, *REF, generator=g)
+    text = torch.randn(1, TEXT_TOKENS, 32, generator=g)
+    negative = torch.randn(1, TEXT_TOKENS, 32, generator=g)
+    return latents, reference, text, negative
+
+
+class MaskedFullAttention(standin.StandInAttnProcessor):
+    """attn1 as one attention over video + reference tokens with an explicit boolean mask (video rows: every key;
+    reference rows: reference keys only), or no mask (mask=False: the unrestricted attention)."""
+
+    def __init__(self, processor, mask=True):
+        torch.nn.Module.__init__(self)
+        self.q_lora, self.k_lora, self.v_lora = processor.q_lora, processor.k_lora, processor.v_lora
+        self.num_reference, self.keep, self.kv, self.mask = processor.num_reference, False, None, mask
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        n, total = self.num_reference, hidden_states.shape[1]
+        cos, sin = rotary_emb
+        video = self.qkv(attn, hidden_states[:, :total - n], cos[:, :total - n], sin[:, :total - n], False)
+        ref = self.qkv(attn, hidden_states[:, total - n:], cos[:, total - n:], sin[:, total - n:], True)
+        q, k, v = (torch.cat([a, b], 1).transpose(1, 2) for a, b in zip(video, ref))
+        allowed = torch.ones(total, total, dtype=torch.bool)
+        allowed[total - n:, :total - n] = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed if self.mask else None)
+        return attn.to_out[0](out.transpose(1, 2).flatten(2))
+
+
+def with_attn1(model, make):
+    saved = [b.attn1.processor for b in model.blocks]
+    for b, p in zip(model.blocks, saved):
+        b.attn1.set_processor(make(p))
+    return saved
+
+
+@torch.no_grad()
+def test_no_reference_is_plain_wan():
+    """Installed, with no reference and nothing kept: diffusers' WanTransformer3DModel, bit for bit."""
+    model = tiny_t2v()
+    latents, _, text, _ = inputs()
+    t = torch.tensor([700.0])
+    assert torch.equal(standin.forward(model, latents, t, text), model(latents, t, text).sample)
+
+
+@torch.no_grad()
+def test_split_attention_equals_masked_attention():
+    """Split attention (video queries on video + reference keys, reference queries on reference keys) == one
+    attention with the explicit mask, in one layer and through the model. Not bit for bit: the masked softmax sums
+    the reference rows' exponentials over 81 keys (72 exact zeros) where the split one sums 9, and float32 sums in
+    another order round differently: a few float32 ulps of values ~1 (bound 1e-5). Without the mask the reference
+    rows come out different."""
+    model = tiny_t2v()
+    latents, reference, text, _ = inputs()
+    attn, processor = model.blocks[0].attn1, model.blocks[0].attn1.processor
+    lv, lr = GRID[0] * GRID[1] * GRID[2] // 4, REF[0] * REF[1] // 4
+    x = torch.randn(1, lv + lr, 128, generator=torch.Generator().manual_seed(5))
+    rotary = tuple(torch.cat([a, b], 1) for a, b in zip(
+        model.rope(latents), standin.reference_rotary(model.rope, (GRID[0], GRID[1] // 2, GRID[2] // 2), (1, 3, 3))))
+    processor.num_reference = lr
+    split = processor(attn, x, rotary_emb=rotary)
+    masked = MaskedFullAttention(processor)(attn, x, rotary_emb=rotary)
+    unrestricted = MaskedFullAttention(processor, mask=False)(attn, x, rotary_emb=rotary)
+    assert (split - masked).abs().max() < 1e-5
+    assert (split - unrestricted)[:, lv:].abs().max() > 1e-2  # the restriction matters
+
+    t = torch.tensor([700.0])
+    split = standin.forward(model, latents, t, text, reference_latents=reference)
+    with_attn1(model, MaskedFullAttention)
+    assert (split - standin.forward(model, latents, t, text, reference_latents=reference)).abs().max() < 1e-5
+
+
+def a2_sampling(model, latents, reference, text, negative, sigmas, cache: bool, cfg=5.0):
+    """The same loop as their_sampling through a2.standin.forward: with the cache ("fill" at the first positive
+    pass, "use" after), or the reference recomputed in every pass."""
+    standin.clear_cache(model)
+    for k, sigma in enumerate(sigmas[:-1]):
+        t = (sigma * 1000).expand(1)
+        if cache:
+            posi = standin.forward(model, latents, t, text, reference_latents=reference if k == 0 else None,
+                                   cache="fill" if k == 0 else "use")
+            nega = standin.forward(model, latents, t, negative, cache="use")
+        else:
+            posi = standin.forward(model, latents, t, text, reference_latents=reference)
+            nega = standin.forward(model, latents, t, negative, reference_latents=reference)
+        latents = latents + (nega + cfg * (posi - nega)) * (sigmas[k + 1] - sigma)
+    return latents
+
+
+def sigmas(steps=3, shift=5.0):  # Stand-In's FlowMatchScheduler(shift=5, sigma_min=0, extra_one_step=True) + 0
+    s = torch.linspace(1.0, 0.0, steps + 1)[:-1]
+    return torch.cat([shift * s / (1 + (shift - 1) * s), torch.zeros(1)])
+
+
+# Bound of the float32 residuals below: values ~1 that differ by a few float32 ulps (1.2e-7 at 1) per operation where
+# the two sides round differently, carried through 2 layers (and 3 sampling steps with CFG 5): 2e-5 (~170 ulps).
+# Observed here: 0 (cache), 7e-7 (separate FFN), 3e-6 (Wan's float64 sinusoid and RoPE).
+BOUND = 2e-5
+
+
+@torch.no_grad()
+def test_cached_sampling_equals_uncached():
+    """The reference K/V kept from the first positive pass (and used by the negative passes, as Stand-In does) give
+    the latents of recomputing the reference in every pass: the reference tokens' path depends on no timestep, text
+    or video token. Bit for bit on this CPU; in general within BOUND, as a cached pass runs the video tokens' FFN
+    in a matrix product of 72 rows and an uncached one in 81 (the reference rows appended), and CPU kernels may round
+    a row differently with the row count. A cache of another reference is far off."""
+    model = tiny_t2v()
+    latents, reference, text, negative = inputs()
+    cached = a2_sampling(model, latents, reference, text, negative, sigmas(), cache=True)
+    uncached = a2_sampling(model, latents, reference, text, negative, sigmas(), cache=False)
+    assert (cached - uncached).abs().max() <= BOUND
+    other = a2_sampling(model, latents, reference * 0.5, text, negative, sigmas(), cache=True)
+    assert (cached - other).abs().max() > 100 * BOUND
+    with pytest.raises(ValueError, match="cache='use'"):
+        standin.clear_cache(model)
+        standin.forward(model, latents, torch.tensor([1.0]), text, cache="use")
+
+
+@torch.no_grad()
+def test_forward_is_stand_ins():
+    """a2.standin.forward == Stand-In's forward written out (their_standin.py) on the same weights and LoRA, bit for
+    bit, when the reference's FFN is one matrix product with the video's (diffusers' block, a2) and diffusers'
+    rounding of the time embedding, RoPE and RMSNorm is used. Stand-In's FFN of the reference alone, and its own
+    roundings (float64 sinusoid and complex128 RoPE cast to float32, x*rsqrt(mean+eps)), are the whole residual:
+    within BOUND. Without the reference the output is far off."""
+    model = tiny_t2v()
+    latents, reference, text, _ = inputs()
+    t = torch.tensor([700.0])
+    ours = standin.forward(model, latents, t, text, reference_latents=reference)
+    loras = their_loras(model)
+    assert torch.equal(ours, TheirStandIn(model, loras, wan_numerics=False, joint_ffn=True)(latents, t, text,
+                                                                                              reference))
+    for wan in (False, True):
+        theirs = TheirStandIn(model, loras, wan_numerics=wan)(latents, t, text, reference)
+        assert 0 < (ours - theirs).abs().max() <= BOUND
+    assert (ours - standin.forward(model, latents, t, text)).abs().max() > 100 * BOUND
+
+
+@torch.no_grad()
+def test_sampling_is_stand_ins():
+    """Stand-In's loop with its own per-block cache (filled by the first positive pass, used by every later pass,
+    the negative ones too) == a2's cached sampling: bit for bit with the joint FFN and diffusers' rounding, within
+    BOUND as Stand-In computes."""
+    model = tiny_t2v()
+    latents, reference, text, negative = inputs()
+    ours = a2_sampling(model, latents, reference, text, negative, sigmas(), cache=True)
+    loras = their_loras(model)
+    joint = TheirStandIn(model, loras, wan_numerics=False, joint_ffn=True)
+    assert torch.equal(ours, their_sampling(joint, latents, reference, text, negative, sigmas()))
+    theirs = their_sampling(TheirStandIn(model, loras, wan_numerics=True), latents, reference, text, negative,
+                            sigmas())
+    assert 0 < (ours - theirs).abs().max() <= BOUND
+
+
+def count(model, fn):
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:  # math SDPA: its bmm are counted
+        fn()
+    return fc.get_total_flops()
+
+
+@torch.no_grad()
+def test_restriction_costs_no_more_than_the_extra_tokens():
+    """FLOPs counted (torch's FlopCounterMode) on the tiny model: the reference tokens with the restriction add
+    less than the same tokens with unrestricted attention, by exactly the attention-core FLOPs of the reference
+    queries on the video keys (4·Lr·Lv·d per layer); a cached step adds only the video queries on the reference keys
+    (4·Lv·Lr·d per layer)."""
+    model = tiny_t2v()
+    latents, reference, text, _ = inputs()
+    t = torch.tensor([700.0])
+    d, layers = 128, len(model.blocks)
+    lv, lr = GRID[0] * GRID[1] * GRID[2] // 4, REF[0] * REF[1] // 4
+    video = count(model, lambda: standin.forward(model, latents, t, text))
+    restricted = count(model, lambda: standin.forward(model, latents, t, text, reference_latents=reference,
+                                                      cache="fill"))
+    cached = count(model, lambda: standin.forward(model, latents, t, text, cache="use"))
+    saved = with_attn1(model, lambda p: MaskedFullAttention(p, mask=False))
+    unrestricted = count(model, lambda: standin.forward(model, latents, t, text, reference_latents=reference))
+    for b, p in zip(model.blocks, saved):
+        b.attn1.set_processor(p)
+    assert restricted - video < unrestricted - video
+    assert unrestricted - restricted == layers * 4 * lr * lv * d
+    assert cached - video == layers * 4 * lv * lr * d
+    print(f"\ntiny FLOPs: video {video}, +reference restricted {restricted - video}, unrestricted "
+          f"{unrestricted - video}, cached step {cached - video}")
+
+
+# ---------------------------------------------------------------- Stand-In's LoRA file
+
+
+def their_file(model, path, wrap=True, drop=None, **edit):
+    """A Stand-In LoRA file as set_condition_branch reads it: blocks.<i>.self_attn.<q|k|v>_loras.<down|up>.weight
+    (a torch pickle, under "state_dict" when wrap)."""
+    state = {f"blocks.{i}.self_attn.{p}_loras.{part}.weight": w.clone()
+             for i, lora in their_loras(model).items() for p, pair in lora.items() for part, w in zip(("down", "up"),
+                                                                                                     pair)}
+    state.pop(drop, None)
+    state.update(edit)
+    torch.save({"state_dict": state} if wrap else state, path)
+    return state
+
+
+@torch.no_grad()
+def test_lora_file_loads(tmp_path):
+    """Their file onto a fresh model: the same forward as the model it came from, and exported back to their keys."""
+    source = tiny_t2v()
+    state = their_file(source, tmp_path / "standin.ckpt")
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**preset_config("tiny", e2v=False)).eval()
+    assert standin.load_lora(model, tmp_path / "standin.ckpt") == RANK
+    latents, reference, text, _ = inputs()
+    t = torch.tensor([300.0])
+    assert torch.equal(standin.forward(model, latents, t, text, reference_latents=reference),
+                       standin.forward(source, latents, t, text, reference_latents=reference))
+    exported = standin.lora_state_dict(model)
+    assert exported.keys() == state.keys() and all(torch.equal(exported[k], state[k]) for k in state)
+    their_file(source, tmp_path / "plain.ckpt", wrap=False)
+    standin.load_lora(model, tmp_path / "plain.ckpt")
+
+
+def test_lora_file_errors(tmp_path):
+    source = tiny_t2v()
+    model = WanTransformer3DModel(**preset_config("tiny", e2v=False)).eval()
+    other = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3}).eval()
+    their_file(source, tmp_path / "two.ckpt")
+    with pytest.raises(ValueError, match=r"two\.ckpt: a Stand-In LoRA for a 2-layer, 128-wide Wan on this 3-layer, "
+                                         r"128-wide model: load it on its base \(Stand-In_wan2.1_T2V_14B.ckpt on "):
+        standin.load_lora(other, tmp_path / "two.ckpt")
+    narrow = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_attention_heads": 2})
+    standin.install(narrow, rank=RANK)
+    their_file(narrow, tmp_path / "narrow.ckpt")
+    with pytest.raises(ValueError, match=r"narrow\.ckpt: a Stand-In LoRA for a 2-layer, 64-wide Wan on this 2-layer, "
+                                         r"128-wide model: load it on its base"):
+        standin.load_lora(model, tmp_path / "narrow.ckpt")
+    bent = torch.zeros(128, RANK + 1)
+    their_file(source, tmp_path / "bent.ckpt", **{"blocks.1.self_attn.k_loras.up.weight": bent})
+    with pytest.raises(ValueError, match=r"bent\.ckpt: blocks\.1\.self_attn\.k_loras\.up\.weight is \(128, 9\) where "
+                                         r"blocks\.0\.self_attn\.q_loras\.down\.weight is \(8, 128\): a damaged"):
+        standin.load_lora(model, tmp_path / "bent.ckpt")
+    their_file(source, tmp_path / "extra.ckpt", **{"blocks.0.attn1.to_q.lora_A.weight": bent})
+    with pytest.raises(ValueError, match=r"extra\.ckpt: 'blocks\.0\.attn1\.to_q\.lora_A\.weight' is not a Stand-In"):
+        standin.load_lora(model, tmp_path / "extra.ckpt")
+    their_file(source, tmp_path / "cut.ckpt", drop="blocks.1.self_attn.v_loras.up.weight")
+    with pytest.raises(ValueError, match=r"cut\.ckpt: no blocks\.1\.self_attn\.v_loras\.up\.weight: an incomplete"):
+        standin.load_lora(model, tmp_path / "cut.ckpt")
+    (tmp_path / "junk.ckpt").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=r"junk\.ckpt: not a readable Stand-In LoRA"):
+        standin.load_lora(model, tmp_path / "junk.ckpt")
