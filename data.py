@@ -57,7 +57,7 @@ from config import (
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
-MIN_REFERENCE_SIDE = 16  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
+MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
 LLM_PREFIXES = (
@@ -295,7 +295,7 @@ def _visible_files(root: Path) -> dict[str, list[Path]]:
     return files
 
 
-def _list_dir(root: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
+def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> list[Sample]:
     files = _visible_files(root)
     videos: dict[str, list[Path]] = {}
     for name, paths in files.items():
@@ -325,7 +325,7 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) 
         except ValueError as e:
             s.problems.append(Problem(s.id, caption, f"caption is {e}"))
         out.append(s)
-    problems += orphans(files, used, videos, cfg)
+    loose += orphans(files, used, videos, cfg)
     return out
 
 

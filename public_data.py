@@ -193,7 +193,7 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
     frames and its annotation frames come from one decoding pass."""
     want = [s.start + i for i in indices]
     same = [r["frame"] for n in names if "mask" in (r := s.refs[n]) and r["video"] == str(s.video)]
-    got = read_frames(s.video, want + same)
+    got = read_frames(s.video, want + same) if want + same else np.zeros((0, 1, 1, 3), np.uint8)
     frames = {(str(s.video), i): f for i, f in zip(same, got[len(want):])}
     clip = got[:len(want)]
     if s.crop is not None and len(clip):
@@ -300,37 +300,53 @@ def missing(p: Path) -> str:
 # ---------------------------------------------------------------- the index: parts, resume, report
 
 
-def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str):
-    """Run each part's records(name, src, counts, lines) -> iterator of index lines into out/parts/<name>.jsonl
-    (skipped when done: a killed index resumes at its first unfinished part), then join them into out/index.jsonl
-    and write out/report.txt."""
+class Lines:
+    """Problem lines of a part, written to a file as they come (a part may hold millions): .append(line)."""
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def append(self, line: str):
+        self.f.write(line.replace("\n", " ") + "\n")
+        self.n += 1
+
+
+def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str) -> Counter:
+    """Run each part's records(counts, lines) -> iterator of index lines into out/parts/<name>.jsonl (a part done
+    before is kept: a killed index resumes at its first unfinished part), then join them into out/index.jsonl and
+    write out/report.txt: the rule, the counts, every problem line. Constant memory."""
     d = out / "parts"
     d.mkdir(parents=True, exist_ok=True)
     for name, records in parts:
-        if (d / f"{name}.report.json").exists():
-            print(f"{name}: done before, kept (delete {d / name}.* to redo it)")
+        if (d / f"{name}.counts.json").exists():
+            print(f"{name}: indexed before, kept (delete {d / name}.* to redo it)")
             continue
-        counts, lines = Counter(), []
-        with open(d / f"{name}.jsonl.tmp", "w") as f:
-            for line in records(counts, lines):
+        counts = Counter()
+        with open(d / f"{name}.jsonl.tmp", "w") as f, open(d / f"{name}.problems.txt", "w") as p:
+            for line in records(counts, Lines(p)):
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
         os.replace(d / f"{name}.jsonl.tmp", d / f"{name}.jsonl")
-        (d / f"{name}.report.tmp").write_text(json.dumps(dict(counts=counts, lines=lines)))
-        os.replace(d / f"{name}.report.tmp", d / f"{name}.report.json")  # last: it marks the part done
-    total, lines = Counter(), []
-    with open(out / "index.jsonl.tmp", "w") as f:
+        (d / f"{name}.counts.tmp").write_text(json.dumps(counts))
+        os.replace(d / f"{name}.counts.tmp", d / f"{name}.counts.json")  # last: it marks the part done
+    total = Counter()
+    for name, _ in parts:
+        total.update(json.loads((d / f"{name}.counts.json").read_text()))
+    with open(out / "index.jsonl.tmp", "w") as f, open(out / "report.tmp", "w") as r:
+        head = [f"{dataset} index: {out / 'index.jsonl'}", f"rule: {rule}", *(f"{k}: {v}" for k, v in
+                                                                             sorted(total.items()))]
+        r.write("\n".join(head) + "\nproblems (one line each: clip key: file: problem):\n")
+        n = 0
         for name, _ in parts:
             with open(d / f"{name}.jsonl") as p:
                 for line in p:
                     f.write(line)
-            rep = json.loads((d / f"{name}.report.json").read_text())
-            total.update(rep["counts"])
-            lines += rep["lines"]
+            with open(d / f"{name}.problems.txt") as p:
+                for line in p:
+                    r.write(line)
+                    n += 1
     os.replace(out / "index.jsonl.tmp", out / "index.jsonl")
-    report = [f"{dataset} index: {out / 'index.jsonl'}", f"rule: {rule}",
-              *(f"{k}: {v}" for k, v in sorted(total.items())), f"problems ({len(lines)}):", *lines]
-    (out / "report.txt").write_text("\n".join(report) + "\n")
-    print("\n".join(report[:2 + len(total)]) + f"\n{len(lines)} problem line(s): {out / 'report.txt'}")
+    os.replace(out / "report.tmp", out / "report.txt")
+    print("\n".join(head) + f"\n{n} problem line(s): {out / 'report.txt'}")
     return total
 
 
@@ -443,7 +459,7 @@ def background_png(root: Path, part: str, key: str) -> tuple[Path | None, str, l
 
 
 def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, counts: Counter,
-                 lines: list[str], src: Path, clusters: dict) -> dict | None:
+                 lines: Lines, src: Path, clusters: dict) -> dict | None:
     """One clip of a part JSON -> its index line (or None: counted, and reported when it is a problem)."""
     md = field(rec, "metadata")
     video = root / "Videos" / part / str(field(rec, "metadata.path"))
@@ -542,7 +558,7 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
 
 
 def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict):
-    def records(counts: Counter, lines: list[str]):
+    def records(counts: Counter, lines: Lines):
         import ijson
 
         with open(json_path, "rb") as f:
@@ -609,7 +625,7 @@ def is_person(*words) -> bool:
     return any(w in PERSON_WORDS for t in words if isinstance(t, str) for w in re.findall(r"[a-z]+", t.lower()))
 
 
-def phantom_row(row: dict, videos: Path, counts: Counter, lines: list[str], src: Path) -> dict | None:
+def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
     vid = str(row.get("vid") or "")
     if not vid:
         raise BadRecord("missing field vid")
@@ -839,3 +855,83 @@ def run(a) -> object:
     fn = {IndexOpenS2V: index_opens2v, IndexPhantom: index_phantom, IndexHumoSet: index_humoset,
           ExportElements: export_elements}[type(a)]
     return run_cli(fn, a)
+
+
+# ---------------------------------------------------------------- a synthetic OpenS2V-5M part (tests and bench.py)
+
+
+def rle_encode(mask: np.ndarray) -> dict:
+    """A bool (H, W) mask as OpenS2V publishes it: COCO compressed RLE, counts as a str."""
+    from pycocotools import mask as mask_util
+
+    r = mask_util.encode(np.asfortranarray(mask.astype(np.uint8)))
+    return {"size": [int(v) for v in r["size"]], "counts": r["counts"].decode()}
+
+
+def synthetic_opens2v(root, frames: np.ndarray, person: np.ndarray, num_clips: int = 1, part: str = "total_part1",
+                      fps: int = 8) -> dict:
+    """An OpenS2V-5M layout under root (Videos/<part>/clip.mp4, Background/<part>/*.png, Jsons/mask_and_bbox_High-
+    Quality/<part>.json) in the published schema: `person` (h, w, 3) is composited into `frames` (F, H, W, 3) under a
+    known ellipse mask; the clip is cropped by a watermark margin and cut to frames 2..F-2. Returns what a test needs
+    to rebuild the elements by hand: video, crop, face_cut, ann_frame_idx, {mask key: bool mask in cropped
+    coordinates}, and the records."""
+    import imageio.v3 as iio
+
+    root = Path(root)
+    n, H, W = frames.shape[:3]
+    crop = [8, W - 8, 4, H - 4]  # [s_x, e_x, s_y, e_y]
+    h, w = crop[3] - crop[2], crop[1] - crop[0]
+    yy, xx = np.mgrid[0:h, 0:w]
+    masks = {  # in cropped-frame coordinates
+        "1": ((yy - h * 0.55) / (h * 0.4)) ** 2 + ((xx - w * 0.35) / (w * 0.22)) ** 2 < 1,  # the person: subject
+        "2": (abs(yy - h * 0.2) < 2) & (abs(xx - w * 0.8) < 2),  # a tiny "person": crop_ratio < 0.1
+        "3": (yy > h * 0.6) & (xx > w * 0.6) & (xx < w * 0.9),  # "man" with low scores
+        "4": (yy > h * 0.1) & (yy < h * 0.5) & (xx > w * 0.62) & (xx < w * 0.95),  # "backpack": object
+        "5": yy > h * 0.9,  # "grass": a background class, no element
+    }
+    video = root / "Videos" / part / "clip.mp4"
+    video.parent.mkdir(parents=True, exist_ok=True)
+    out = frames.copy()
+    person = np.asarray(Image.fromarray(person).resize((w, h)))
+    sub = out[:, crop[2]:crop[3], crop[0]:crop[1]]
+    sub[:, masks["1"]] = person[masks["1"]]
+    iio.imwrite(video, out, fps=fps, codec="libx264", plugin="pyav")
+    face_cut, ann = [2, n - 2], 2
+    classes = {"1": "woman", "2": "person", "3": "man", "4": "backpack", "5": "grass"}
+    scores = {"1": (5.0, 0.3), "2": (6.0, 0.7), "3": (3.0, 0.3), "4": (4.0, 0.7), "5": (5.0, 0.5)}  # (aes, gme)
+    bg_dir = root / "Background" / part
+    bg_dir.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for i in range(num_clips):
+        key = f"clip{i:06d}_part1_step1-0-{n}_step2-0-{n}_step4_step5_step6"
+        records[key] = {
+            "metadata": {"cut": [0, n], "crop": crop, "fps": float(fps), "num_frames": n, "path": video.name,
+                         "resolution": {"height": H, "width": W}, "aesthetic": 5.0, "face_cut": face_cut,
+                         "face_cap_qwen": f"A woman with a backpack walks on a mountain top, clip {i}."},
+            "word_tags": {"background": ["grass"], "subject": ["woman", "man"], "object": ["backpack"],
+                          "pre_define": ["person", "human head"]},
+            "annotation": {
+                "ann_frame_data": {"ann_frame_idx": ann, "box_format": "xyxy", "img_width": w, "img_height": h,
+                                   "foreground_ase_score": 5.0, "background_ase_score": 4.6,
+                                   "annotations": [{"class_name": classes[k], "bbox": [0, 0, 1, 1],
+                                                    "aes_score": scores[k][0], "gme_score": scores[k][1]}
+                                                   for k in masks]},
+                "mask_map": {k: {"class_name": c} for k, c in classes.items()},
+                "mask_annotation": {str(ann): {k: {**rle_encode(m), "score": [0.99]} for k, m in masks.items()}}}}
+        # the two published names of the background png: the demo dataloader's and BindWeave's
+        name = f"{key}.png" if i % 2 == 0 else f"{key.split('_step6')[0]}_step7.png"
+        Image.fromarray(np.ascontiguousarray(frames[ann, crop[2]:crop[3], crop[0]:crop[1]])).save(bg_dir / name)
+    jsons = root / "Jsons" / "mask_and_bbox_High-Quality"
+    jsons.mkdir(parents=True, exist_ok=True)
+    write_part(jsons / f"{part}.json", records.items())
+    return dict(video=video, crop=crop, face_cut=face_cut, ann=ann, masks=masks, records=records,
+                json=jsons / f"{part}.json")
+
+
+def write_part(path: Path, records) -> None:
+    """A part JSON ({key: record}) written record by record (a multi-GB one never sits in memory)."""
+    with open(path, "w") as f:
+        f.write("{")
+        for i, (key, rec) in enumerate(records):
+            f.write(("," if i else "") + json.dumps(key) + ": " + json.dumps(rec, indent=1))
+        f.write("}")
