@@ -557,7 +557,7 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
     return line
 
 
-def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict):
+def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict, limit: int = 0):
     def records(counts: Counter, lines: Lines):
         import ijson
 
@@ -577,6 +577,8 @@ def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, cluste
                         yield line
                     if n % 256 == 0:
                         update()
+                    if limit and counts["clips read"] >= limit:
+                        break
             except ijson.JSONError as e:  # a truncated download: what was read is kept, and said
                 counts["parts cut short: invalid JSON"] += 1
                 lines.append(str(Problem("-", json_path, f"invalid JSON after {counts['clips read']} clips ({e}): "
