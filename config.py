@@ -53,6 +53,8 @@ def read_text(path) -> str:
     raw = Path(path).read_bytes()
     if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return raw.decode("utf-16")
+    if b"\x00" in raw:  # valid UTF-8 byte by byte, but text would train with a NUL between every letter
+        raise ValueError("UTF-16 text without a byte-order mark (NUL bytes); save it as UTF-8")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -230,7 +232,8 @@ class DatasetConfig:
     data_root: str
     """Dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>), and the base of a manifest's relative paths."""
     dataset_type: str = "e2v"
-    """e2v: clips + element images; t2v: clips + prompts only."""
+    """e2v: clips + element images; t2v: clips + prompts only; opens2v / phantom / humoset: an index of a public
+    dataset written by `data.py index` (the manifest), element images built from its annotations (public_data.py)."""
     weight: float = 1.0
     """Times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)
@@ -255,8 +258,13 @@ class DatasetConfig:
     """CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips, instead of scanning data_root."""
     source: str = ""
     """Where it was defined (config file and entry, or flags), for messages; not part of the data."""
+    sam: str | None = None
+    """Public datasets: a local transformers SAM dir that segments box and photo references (else box crops)."""
+    cross_video: bool = False
+    """OpenS2V: subject/object from a paired clip of the same cross-video cluster (the index's --cross-pairs)."""
 
 
+PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
 FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
 
 
@@ -311,8 +319,9 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                     "clip_resolution", "vae_combine", "manifest"}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
-    if d.get("dataset_type", "e2v") not in ("e2v", "t2v"):
-        raise ConfigError(f"{where}.dataset_type: expected 'e2v' or 't2v', got {d['dataset_type']!r}")
+    if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
+        raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
+                          f"{d['dataset_type']!r}")
     res = _hw(d.get("target_resolution", [480, 832]), f"{where}.target_resolution")
     procs = d.get("processors", {})
     _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
@@ -518,9 +527,17 @@ class TrainConfig:
     manifest: str | None = None
     """CSV/JSONL listing the clips (`video`/`path` + `caption`/`prompt` columns), e.g. the T2V workflow's train.jsonl
     of .npz clips (uint8 `frames`); paths inside are relative to its dir, which is the default --data-root."""
-    dataset_type: Literal["e2v", "t2v"] = "e2v"
+    dataset_type: Literal["e2v", "t2v", "opens2v", "phantom", "humoset"] = "e2v"
     """e2v: clips + element images (A2). t2v: clips + prompts only, no elements: text-to-video training; a T2V model
-    (16 input channels) then trains as it is, without expansion."""
+    (16 input channels) then trains as it is, without expansion. opens2v / phantom / humoset: OpenS2V-5M,
+    Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the element
+    images are built from their masks, boxes or photos (public_data.py; README: Public datasets)."""
+    sam: str | None = None
+    """--dataset-type phantom/humoset: a local transformers SAM dir (SamModel) that segments the box / photo
+    references onto white; without, Phantom-Data's references are box crops."""
+    cross_video: bool = False
+    """--dataset-type opens2v: each clip's subject and object come from a paired clip of its cross-video cluster
+    (an index built with --cross-pairs), not from its own frame."""
     elements: tuple[str, ...] = ()
     """Element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements).
     Empty: SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
@@ -667,6 +684,9 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
     no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
+    if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
+        raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
+                          "OUT/index.jsonl (data.py index) and --frame-conditioning full")
     if cfg.reference_layout == "incontext" and no_elements:
         raise ConfigError("--reference-layout incontext places element references: it needs element images "
                           "(--dataset-type e2v, --frame-conditioning full)")
@@ -675,7 +695,9 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     return [DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
         data_root=cfg.data_root or str(Path(manifest).parent), manifest=manifest,
         target_resolution=tuple(cfg.resolution), frame_buckets=(),
-        elements=() if no_elements else elements, dataset_type="t2v" if no_elements else "e2v",
+        elements=() if no_elements else elements,
+        dataset_type="t2v" if no_elements else cfg.dataset_type if cfg.dataset_type in PUBLIC_TYPES else "e2v",
+        sam=cfg.sam, cross_video=cfg.cross_video,
         vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
                                frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index,
                                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep),

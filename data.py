@@ -11,6 +11,8 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
     python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
+    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (public_data.py)
+    python data.py export-elements --manifest OUT/index.jsonl --out DIR
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from a2.pipeline import element_tensors, read_image
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
+    PUBLIC_TYPES,
     DatasetConfig,
     Element,
     InputError,
@@ -53,6 +56,8 @@ from config import (
 )
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
 LLM_PREFIXES = (
@@ -123,7 +128,7 @@ def _decode(path: Path, last: int | None = None):
     """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
     import av
 
-    with av.open(str(path)) as c:
+    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
         if not c.streams.video:
             raise ValueError("no video stream (an audio-only file?)")
         stream = c.streams.video[0]
@@ -144,7 +149,7 @@ def probe_video(path: Path) -> tuple[int, tuple[int, int]]:
     """(frames the container lists, 0 if it does not; (H, W) as displayed), from the first decoded frame."""
     import av
 
-    with av.open(str(path)) as c:
+    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
         listed = int(c.streams.video[0].frames) if c.streams.video else 0
     for _, frame in _decode(path, 0):
         turned = round(frame.rotation / 90) % 2
@@ -267,6 +272,12 @@ class Sample:
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
     where: str = ""  # its manifest line, for messages
     problems: list[Problem] = field(default_factory=list)
+    # public datasets (public_data.py): the clip is frames start.. of the video, cropped to crop (x0, x1, y0, y1), and
+    # each element image is built from refs[name] (a mask, box or image entry of the index)
+    start: int = 0
+    crop: tuple | None = None
+    refs: dict = field(default_factory=dict)
+    cluster: str | None = None  # OpenS2V's cross-video cluster
 
     @property
     def bad(self) -> bool:
@@ -278,19 +289,20 @@ def _visible_files(root: Path) -> dict[str, list[Path]]:
     macOS's AppleDouble `._*` among them, are not data."""
     files: dict[str, list[Path]] = {}
     for p in sorted(root.iterdir()):
-        if not p.name.startswith(".") and p.is_file():
+        # a dangling symlink is a file that is missing (reported), not one that is not there
+        if not p.name.startswith(".") and (p.is_file() or p.is_symlink() and not p.exists()):
             files.setdefault(p.name.lower(), []).append(p)
     return files
 
 
-def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
+def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> list[Sample]:
     files = _visible_files(root)
     videos: dict[str, list[Path]] = {}
     for name, paths in files.items():
         stem, ext = os.path.splitext(name)
         if ext in VIDEO_EXTS:
             videos.setdefault(stem, []).extend(paths)
-    out = []
+    out, used = [], set()
     for stem, paths in sorted(videos.items()):
         s = Sample(paths[0].stem, di, paths[0], "")
         if len(paths) > 1:
@@ -302,7 +314,9 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
                                                                                f"'{e.name}'; keep one"))
             if matches:
                 s.elements[e.name] = matches[0]
+                used.update(matches)
         caption = files.get(stem + ".txt", [root / f"{s.id}.txt"])[0]
+        used.add(caption)
         try:
             s.prompt, problems = caption_problems(s.id, read_text(caption), caption, "", cfg)
             s.problems += problems
@@ -311,6 +325,26 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
         except ValueError as e:
             s.problems.append(Problem(s.id, caption, f"caption is {e}"))
         out.append(s)
+    loose += orphans(files, used, videos, cfg)
+    return out
+
+
+def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetConfig) -> list[Problem]:
+    """Captions and images that belong to no sample (a renamed or missing video, a mistyped suffix): warned, since
+    they are data someone meant to train on."""
+    suffixes = sorted({x.lower() for e in cfg.elements for x in e.suffixes}, key=len, reverse=True)
+    out = []
+    for name, paths in sorted(files.items()):
+        ext = os.path.splitext(name)[1]
+        if ext not in (".txt", *IMAGE_EXTS) or all(p in used for p in paths):
+            continue
+        stem = os.path.splitext(name)[0]
+        owner = next((name[:-len(x)] for x in suffixes if name.endswith(x)), None) or \
+            max((v for v in videos if stem.startswith(v)), key=len, default=stem)
+        what = (f"no video '{paths[0].name[:len(owner)]}' for this " + ("caption" if ext == ".txt" else "element image")
+                if owner not in videos else f"matches no element suffix of sample '{owner}' "
+                                            f"({', '.join(suffixes)})")
+        out += [Problem(owner if owner in videos else "-", p, what, warning=True) for p in paths if p not in used]
     return out
 
 
@@ -376,9 +410,13 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                                       f"required element '{e.name}' missing", s.where))
     for name, img in s.elements.items():
         try:
-            read_image(img)
+            w, h = read_image(img).size
+            if min(w, h) < MIN_REFERENCE_SIDE:
+                s.problems.append(Problem(s.id, img, f"element '{name}' is {w}x{h} pixels: too small to be a "
+                                                     f"reference (under {MIN_REFERENCE_SIDE} on a side)", s.where))
         except ValueError as ex:
-            what = "not found" if not img.exists() else str(ex)
+            what = (f"a dangling symlink (to {os.readlink(img)})" if img.is_symlink() and not img.exists() else
+                    "not found" if not img.exists() else str(ex))
             s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
     try:
         if s.video.suffix.lower() == ".npz":
@@ -400,7 +438,9 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                                           s.where))
         s.num_frames, s.size = total, tuple(int(v) for v in size)
     except Exception as ex:  # PyAV, numpy and zip raise many types for damaged files
-        what = "video file not found" if not s.video.exists() else f"unreadable video ({type(ex).__name__}: {ex})"
+        what = (f"video is a dangling symlink (to {os.readlink(s.video)})" if s.video.is_symlink() and not
+                s.video.exists() else "video file not found" if not s.video.exists() else
+                f"unreadable video ({type(ex).__name__}: {ex})")
         s.problems.append(Problem(s.id, s.video, what, s.where))
     return s
 
@@ -418,10 +458,19 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
             raise DatasetError(f"{where}: manifest {manifest} not found")
         if manifest is None and not root.is_dir():
             raise DatasetError(f"{where}: data_root {root} is not a directory")
-        found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di)
+        check = check_sample
+        if cfg.dataset_type in PUBLIC_TYPES:
+            from a2 import public_data
+
+            if manifest is None:
+                raise DatasetError(f"{where}: --dataset-type {cfg.dataset_type} reads an index: --manifest "
+                                   "OUT/index.jsonl (written by `data.py index`)")
+            found, check = public_data.list_index(manifest, cfg, di, problems), public_data.check_public_sample
+        else:
+            found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        samples += _check_all(found, partial(check_sample, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        samples += _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
     return samples, problems
 
 
@@ -483,7 +532,12 @@ class E2VDataset(torch.utils.data.Dataset):
         for di, c in enumerate(self.cfgs):
             mine = [s for s in self.samples if s.dataset == di]
             cover = ", ".join(f"{e.name} {sum(e.name in s.elements for s in mine)}/{len(mine)}" for e in c.elements)
-            lines.append(f"  {c.data_root}: {len(mine)} samples" + (f"; elements: {cover}" if cover else ""))
+            lines.append(f"  {c.manifest if c.dataset_type in PUBLIC_TYPES else c.data_root}: {len(mine)} samples"
+                         + (f"; elements: {cover}" if cover else ""))
+            if c.dataset_type in PUBLIC_TYPES:
+                from a2.public_data import index_rule
+
+                lines.append(f"  {c.dataset_type} index built with: {index_rule(Path(c.manifest)) or 'no report.txt'}")
         per_epoch = Counter()  # samples drawn from each bucket per epoch (dataset weights)
         for s, b in zip(self.samples, self.buckets):
             per_epoch[b] += self.cfgs[s.dataset].weight
@@ -535,11 +589,18 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), element_names=names, repeats=tuple(e.repeat for e in elements),
                             bucket=(frames, h, w, names), video_shape=(3, frames, h, w),
                             ref_shape=(len(elements), 3, h, w))
-            raw = read_clip(s.video, frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed)))
+            indices = frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed))
+            if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
+                from a2.public_data import load_sample
+
+                raw, images = load_sample(s, indices, names, cfg.sam)
+            else:
+                raw, images = read_clip(s.video, indices), {}
             vae, clip = [], []
             for e in elements:
                 file = s.elements[e.name]
-                v, c = element_tensors(read_image(file), e, (h, w), tuple(cfg.clip.resolution))
+                image = images[e.name] if e.name in images else read_image(file)
+                v, c = element_tensors(image, e, (h, w), tuple(cfg.clip.resolution))
                 vae.append(v)
                 clip.append(c)
         except Exception as ex:  # whatever a damaged file raises
@@ -674,7 +735,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
-                        for s in dataset.samples])
+                        + ([s.start, s.crop, s.refs] if s.refs else []) for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -843,12 +904,18 @@ def validate(a: Validate) -> E2VDataset:
 
 
 def _cli(argv: list[str]):
-    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate}, args=argv,
+    from a2 import public_data
+
+    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate,
+                                              "index": public_data.IndexCommand,
+                                              "export-elements": public_data.ExportElements}, args=argv,
                                              description=__doc__)
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
-    else:
+    elif isinstance(a, Validate):
         run_cli(validate, a)
+    else:
+        public_data.run(a)
 
 
 if __name__ == "__main__":
