@@ -11,7 +11,7 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
     python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
-    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (public_data.py)
+    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (a2/public_data.py)
     python data.py export-elements --manifest OUT/index.jsonl --out DIR
 """
 
@@ -272,7 +272,7 @@ class Sample:
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
     where: str = ""  # its manifest line, for messages
     problems: list[Problem] = field(default_factory=list)
-    # public datasets (public_data.py): the clip is frames start.. of the video, cropped to crop (x0, x1, y0, y1), and
+    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to crop (x0, x1, y0, y1), and
     # each element image is built from refs[name] (a mask, box or image entry of the index)
     start: int = 0
     crop: tuple | None = None
