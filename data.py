@@ -272,7 +272,7 @@ class Sample:
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
     where: str = ""  # its manifest line, for messages
     problems: list[Problem] = field(default_factory=list)
-    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to crop (x0, x1, y0, y1), and
+    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to (x0, x1, y0, y1), and
     # each element image is built from refs[name] (a mask, box or image entry of the index)
     start: int = 0
     crop: tuple | None = None
