@@ -56,6 +56,7 @@ from a2.conditioning import (
     num_latent_frames,
     plan,
     vae_scale,
+    validation_layout,
     video_prediction,
 )
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
@@ -174,7 +175,7 @@ class Run:
     def validates(self) -> bool:
         """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
         --val-every)."""
-        return self.val_elements or self.layout.kind == "t2v" and self.val_every > 0
+        return self.val_elements or self.layout.images == "none" and self.val_every > 0
 
 
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
@@ -212,10 +213,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
-        if layout.kind == "t2v":
+        if layout.images == "none":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         try:
-            if layout.kind == "clean":  # TI2V-5B image-to-video: the one image is the first frame
+            if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
                 if len(cfg.val_elements) != 1:
                     raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
                                      f"{len(cfg.val_elements)}")
@@ -453,7 +454,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
-        if layout.kind in ("prefix", "incontext"):
+        if layout.references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
@@ -528,7 +529,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     refs = clips = None
     repeats: tuple[int, ...] = ()
     first_frame = None
-    if run.layout.kind == "clean":  # TI2V-5B image-to-video: the image is the first frame (plan_run checked)
+    if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
         first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
@@ -549,10 +550,8 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                   flow_shift=cfg.val_flow_shift, combine=run.layout.combine,
-                   reference_layout="incontext" if run.layout.kind == "incontext" else "channel",
-                   reference_timestep=run.layout.reference_timestep, first_frame=first_frame,
-                   layout=run.layout if run.layout.kind in ("prefix", "incontext") else None,
+                   flow_shift=cfg.val_flow_shift, first_frame=first_frame,
+                   layout=validation_layout(run.layout, repeats),
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:
