@@ -45,7 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from a2.ema import ema_decay, ema_weights, update_ema
+from a2.ema import ema_decay, ema_load_template, ema_weights, update_ema
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, sample_generator, sample_sigma here)
     flow_loss,
@@ -1016,6 +1016,8 @@ def main(cfg: TrainConfig) -> dict:
                             fused=True)
     guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
+    if point.path and cfg.fsdp and cfg.ema_decay:
+        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = load_checkpoint(point.path, transformer, opt, cfg.fsdp, failures) if point.path else 0
     if point.path:
         log(f"resumed from {point.path} at step {start_step}")
