@@ -21,6 +21,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -29,7 +30,8 @@ import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 
@@ -216,6 +218,41 @@ def last_frame_read(total: int, num_frames: int, sampling: str) -> int:
     return total - 1 if sampling == "random" else max(frame_indices(total, num_frames, sampling))
 
 
+def resampled_frames(total: int, source_fps: float | None, target_fps: float) -> list[int]:
+    """The source frames a `source_fps` clip keeps at `target_fps` (musubi-tuner's rule): source frame i falls on output
+    frame floor(i * target / source), and the first source frame of each output frame is kept, the rest dropped. Exact
+    rational arithmetic (musubi adds up the float ratio). No source fps, or a target at or above it: every frame (no
+    frame is repeated to raise the rate)."""
+    if not source_fps or target_fps >= source_fps:
+        return list(range(total))
+    ratio = Fraction(str(target_fps)) / Fraction(str(source_fps))
+    out, last = [], -1
+    for i in range(total):
+        n = math.floor(i * ratio)
+        if n != last:
+            out.append(i)
+            last = n
+    return out
+
+
+def frame_windows(total: int, frames: int, cfg: DatasetConfig) -> list[tuple[int, ...]]:
+    """--frame-extraction head | chunk | slide | uniform: the source frame indices of each training window of `frames`
+    frames in a clip of `total` frames, after resampled_frames, as musubi-tuner's video dataset cuts them: head the
+    first window; chunk back-to-back windows (a last partial one dropped); slide a window every frame_stride frames;
+    uniform frame_sample windows with starts evenly spaced from the first to the last possible one
+    (np.linspace(0, n - frames, frame_sample) as int, so short clips repeat starts, as musubi does; frame_sample 1:
+    head, as musubi switches it). None fits: []."""
+    src = resampled_frames(total, cfg.source_fps, cfg.target_fps)
+    n = len(src)
+    if n < frames:
+        return []
+    mode = "head" if cfg.frame_extraction == "uniform" and cfg.frame_sample == 1 else cfg.frame_extraction
+    starts = {"head": [0], "chunk": range(0, n - frames + 1, frames),
+              "slide": range(0, n - frames + 1, cfg.frame_stride),
+              "uniform": np.linspace(0, n - frames, cfg.frame_sample, dtype=int).tolist()}[mode]
+    return [tuple(src[s:s + frames]) for s in starts]
+
+
 def frame_buckets(cfg: DatasetConfig, num_frames: int) -> tuple[int, ...]:
     """Clip lengths a dataset trains with: num_frames, or with auto_frame_buckets each bucket up to it."""
     if not cfg.auto_frame_buckets:
@@ -278,6 +315,9 @@ class Sample:
     crop: tuple | None = None
     refs: dict = field(default_factory=dict)
     cluster: str | None = None  # OpenS2V's cross-video cluster
+    # --frame-extraction other than spread: the source frames of each window (check_sample); one each once scan has
+    # made every window a sample of its own
+    windows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def bad(self) -> bool:
@@ -425,12 +465,16 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
         else:
             listed, size = probe_video(s.video)
         total = listed or decodable_frames(s.video)  # a container that lists no count (webm, mkv): count them
-        frames = clip_length(cfg, num_frames, total)
+        kept = len(resampled_frames(total, cfg.source_fps, cfg.target_fps))
+        frames = clip_length(cfg, num_frames, kept)
+        if cfg.frame_extraction != "spread" and frames:
+            s.windows = tuple(frame_windows(total, frames, cfg))
         if not frames:
-            s.problems.append(Problem(s.id, s.video, f"{total} frames, shorter than the smallest bucket "
+            at = f" ({kept} at {cfg.target_fps:g} fps)" if kept != total else ""
+            s.problems.append(Problem(s.id, s.video, f"{total} frames{at}, shorter than the smallest bucket "
                                                      f"({min(frame_buckets(cfg, num_frames))})", s.where))
         elif listed and s.video.suffix.lower() != ".npz":
-            last = last_frame_read(total, frames, sampling)
+            last = max(w[-1] for w in s.windows) if s.windows else last_frame_read(total, frames, sampling)
             got = decodable_frames(s.video, last)
             if got <= last:
                 s.problems.append(Problem(s.id, s.video, f"only frames 0..{got - 1} of the {total} it lists decode "
@@ -470,8 +514,31 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
             found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        samples += _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
+
+
+def window_samples(s: Sample) -> list[Sample]:
+    """A clip cut into several windows (--frame-extraction): one sample per window, named <id>@<first source frame>."""
+    if s.bad or len(s.windows) <= 1:
+        return [s]
+    return [replace(s, id=f"{s.id}@{w[0]}", windows=(w,)) for w in s.windows]
+
+
+def held_out(dataset: E2VDataset, clips: int, seed: int) -> list[int]:
+    """Indices of the samples never trained on (--eval-split, --eval-manifest, a dataset config's `eval` datasets):
+    every sample of an eval dataset, and every window of `clips` clips of the training datasets, drawn with `seed`
+    (all windows of a clip together: no frame of a held-out clip is trained on)."""
+    samples = dataset.samples
+    out = {i for i, s in enumerate(samples) if dataset.cfgs[s.dataset].eval}
+    if clips:
+        pool = sorted({(s.dataset, str(s.video)) for s in samples if not dataset.cfgs[s.dataset].eval})
+        if clips >= len(pool):
+            raise DatasetError(f"--eval-split {clips}: the training datasets have {len(pool)} clips; hold out fewer")
+        chosen = set(random.Random(seed).sample(pool, clips))
+        out |= {i for i, s in enumerate(samples) if (s.dataset, str(s.video)) in chosen}
+    return sorted(out)
 
 
 def _check_all(found: list[Sample], check) -> list[Sample]:
@@ -558,7 +625,7 @@ class E2VDataset(torch.utils.data.Dataset):
     def bucket_of(self, s: Sample) -> tuple:
         """(frames, H, W, element names): what every sample of a batch shares."""
         cfg = self.cfgs[s.dataset]
-        frames = clip_length(cfg, self.num_frames, s.num_frames)
+        frames = len(s.windows[0]) if s.windows else clip_length(cfg, self.num_frames, s.num_frames)
         h, w = cfg.target_resolution
         if cfg.auto_frame_buckets and s.size[0] and s.size[1]:  # aspect buckets at about the target's area
             area, ar = h * w, s.size[0] / s.size[1]
@@ -589,7 +656,8 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), element_names=names, repeats=tuple(e.repeat for e in elements),
                             bucket=(frames, h, w, names), video_shape=(3, frames, h, w),
                             ref_shape=(len(elements), 3, h, w))
-            indices = frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed))
+            indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
+                                                                             random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
                 from a2.public_data import load_sample
 
@@ -735,7 +803,8 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
-                        + ([s.start, s.crop, s.refs] if s.refs else []) for s in dataset.samples])
+                        + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
+                        for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -766,12 +835,16 @@ class BucketBatchSampler:
     shuffled with (seed, epoch), grouped by bucket, cut into full global batches, batches shuffled.
     The position (epoch, batches consumed) is saved and restored exactly with state_dict()."""
 
-    def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0):
+    def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0, exclude=()):
         self.dataset, self.batch, self.seed = dataset, global_batch_size, seed
+        self.exclude = frozenset(exclude)  # held-out samples (held_out): never in a batch
         self.epoch, self.consumed = 0, 0
         counts: dict = {}
-        for b in dataset.buckets:
-            counts[b] = counts.get(b, 0) + 1
+        for i, b in enumerate(dataset.buckets):
+            if i not in self.exclude:
+                counts[b] = counts.get(b, 0) + 1
+        if not counts:
+            raise ValueError("every sample is held out for evaluation: nothing left to train on")
         if max(counts.values()) < global_batch_size:
             raise ValueError(f"global batch {global_batch_size} (micro x accum x world) is larger than every bucket "
                              f"(largest has {max(counts.values())} samples): lower --micro-batch/--grad-accum or "
@@ -786,7 +859,7 @@ class BucketBatchSampler:
         ds = self.dataset
         picks: list[int] = []
         for di, cfg in enumerate(ds.cfgs):
-            mine = [i for i, s in enumerate(ds.samples) if s.dataset == di]
+            mine = [i for i, s in enumerate(ds.samples) if s.dataset == di and i not in self.exclude]
             n = round(cfg.weight * len(mine))
             full, part = divmod(n, len(mine)) if mine else (0, 0)
             picks += mine * full + rng.sample(mine, part)

@@ -59,8 +59,17 @@ from a2.conditioning import (
     validation_layout,
     video_prediction,
 )
+from a2.ema import ema_decay, ema_load_template, ema_weights, update_ema
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
-from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
+from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, sample_generator, sample_sigma here)
+    flow_loss,
+    noisy_latents,
+    sample_generator,
+    sample_sigma,
+    sigma_cdf,
+    sigma_quantile,
+    timestep_bucket,
+)
 from a2.fp8 import scaled_mm_supported
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
@@ -115,6 +124,7 @@ from data import (
     LoadFailures,
     cache_key,
     collate,
+    held_out,
     ignore_stop_signals,
     rank_slice,
     stop_signals_blocked,
@@ -444,7 +454,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     gens = [sample_generator(cfg.seed, key, k) for k in ks]
     drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
     drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
-    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range) for g in gens]), device)  # (B,)
+    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
+                                                                                   cfg.timestep_buckets))
+                               for g, k in zip(gens, ks)]), device)  # (B,)
     layout = run.layout
     with torch.no_grad():
         s = run.info.vae_scale
@@ -578,6 +590,72 @@ def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, rank: int, de
     return load_evaluators(cfg.eval, run.info.image_encoder_dir, device, run.compute_dtype, clip=clip)
 
 
+EVAL_KEY = 2**62  # the step key of the eval loss's draws (noise, posterior samples): no training step has it
+
+
+def check_extra_options(cfg: TrainConfig) -> None:
+    """--ema-decay, the eval loss and --timestep-buckets, checked before any data or weights load."""
+    if not 0.0 <= cfg.ema_decay < 1.0:
+        raise ConfigError(f"--ema-decay {cfg.ema_decay}: a decay in [0, 1) (0: no EMA), e.g. 0.999")
+    if cfg.eval_split < 0 or cfg.eval_every < 0 or cfg.eval_quantiles < 1 or cfg.timestep_buckets < 0:
+        raise ConfigError(f"--eval-split {cfg.eval_split}, --eval-every {cfg.eval_every}, --timestep-buckets "
+                          f"{cfg.timestep_buckets} must be >= 0 and --eval-quantiles {cfg.eval_quantiles} >= 1")
+
+
+def eval_sigmas(cfg: TrainConfig, run: Run) -> list[float]:
+    """The eval loss's sigmas: the quantiles (i + 1) / (n + 1), i < n = --eval-quantiles, of the --sigma-sampling
+    distribution, truncated to the run's sigma range (a Wan 2.2 expert's) as training draws it."""
+    a, b = sigma_cdf(cfg, run.sigma_range[0]), sigma_cdf(cfg, run.sigma_range[1])
+    n = cfg.eval_quantiles
+    return [sigma_quantile(cfg, a + (b - a) * (i + 1) / (n + 1)) for i in range(n)]
+
+
+@torch.no_grad()
+def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, dataset, held: list[int], rank: int,
+              world: int, device, amp, prefix: str = "eval/") -> dict:
+    """The loss of the held-out samples at eval_sigmas, as a metrics.jsonl record: <prefix>loss (the mean) and
+    <prefix>loss@<sigma>. Each sample is the training step's model_inputs (its n-th sample of a one-sample batch at the
+    fixed step key EVAL_KEY, dropout off: the same noise and posterior draws at every eval) and forward_loss with the
+    sigmas replaced; the noise is shared by all sigmas. Samples n = rank, rank + world, ... per rank (--fsdp: every
+    rank runs as many forwards, the extra ones discarded); each (sample, sigma) loss is computed by one rank and summed
+    with zeros from the others, so the result is the same bit for bit at any world size."""
+    sigmas = eval_sigmas(cfg, run)
+    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, overfit_batches=0, timestep_buckets=0)
+    one = replace(run, world=1)
+    per = torch.zeros(len(held), len(sigmas), device=device)  # (N, Q)
+    transformer.eval()  # (LoRA dropout)
+    for n in range(rank, -(-len(held) // world) * world, world):
+        if n >= len(held) and not cfg.fsdp:
+            break
+        k = min(n, len(held) - 1)
+        batch = collate([dataset[(held[k], 0)]])
+        if "failed" in batch:
+            raise DatasetError(f"eval loss at step {step}: {batch['failed'][0][1]}")
+        inputs = model_inputs(batch, EVAL_KEY, k, fixed, one, enc, 0, device)
+        for q, sigma in enumerate(sigmas):
+            loss, _ = forward_loss(transformer, {**inputs, "sigmas": torch.full_like(inputs["sigmas"], sigma)}, fixed,
+                                   one, amp, transformer.dtype)
+            if n < len(held):
+                per[n, q] = loss
+    transformer.train()
+    if world > 1:
+        dist.all_reduce(per)
+    means = per.mean(0).tolist()
+    return dict(step=step, **{f"{prefix}loss": sum(means) / len(means)},
+                **{f"{prefix}loss@{s:.3f}": v for s, v in zip(sigmas, means)})
+
+
+def evaluate_held_out(step: int, cfg: TrainConfig, run: Run, transformer, opt, params, enc: Encoders, dataset,
+                      held: list[int], rank: int, world: int, device, amp) -> dict:
+    """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...)."""
+    rec = eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp)
+    if cfg.ema_decay:
+        with ema_weights(opt, params):
+            rec.update(eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp,
+                                 "eval_ema/"))
+    return rec
+
+
 def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
     """The dataset config's visualization processors: latents saved as .pt, or decoded to PNG frames."""
     if not vis.enabled or step % vis.frequency:
@@ -678,26 +756,36 @@ def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFail
     return state["step"]
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
+def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "") -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights).
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
-    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir."""
+    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
+    `tag` ends the names (_ema: the EMA weights, export_ema)."""
     if cfg.training_type == "lora":
         from a2.lora import export_lora
 
-        return export_lora(run_dir, model, cfg.expert)[0]
+        return export_lora(run_dir, model, cfg.expert, tag)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
         with torch.device("meta"):
             model = WanTransformer3DModel.from_config(model.config)
         model.load_state_dict(full_state, assign=True)
-    out = run_dir / (EXPERTS[cfg.expert] if cfg.expert else "transformer")
+    out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
     model.save_pretrained(out)
     return out
+
+
+def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int) -> Path | None:
+    """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
+    pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
+    with ema_weights(opt, params):
+        full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+            if cfg.fsdp else None
+        return export_weights(run_dir, transformer, cfg, full, tag="_ema") if rank == 0 else None
 
 
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
@@ -753,6 +841,7 @@ def main(cfg: TrainConfig) -> dict:
             model_path(cfg.model)
         dist.barrier()
     run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    check_extra_options(cfg)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lambda: run_dir.is_dir() and lock.acquire() and None)
@@ -763,7 +852,8 @@ def main(cfg: TrainConfig) -> dict:
     dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
-    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
+    held = held_out(dataset, cfg.eval_split, cfg.seed)  # eval loss samples, never trained on
+    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
     point = ResumePoint() if cfg.precompute else on_rank0(
@@ -814,6 +904,8 @@ def main(cfg: TrainConfig) -> dict:
                             fused=True)
     guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
+    if point.path and cfg.fsdp and cfg.ema_decay:
+        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = load_checkpoint(point.path, transformer, opt, cfg.fsdp, failures) if point.path else 0
     if point.path:
         log(f"resumed from {point.path} at step {start_step}")
@@ -873,6 +965,8 @@ def main(cfg: TrainConfig) -> dict:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
             opt.step()
+            if cfg.ema_decay:
+                update_ema(opt, params, ema_decay(cfg.ema_decay, step))
         opt.zero_grad(set_to_none=True)
         done = step + 1
         if rank == 0 and not refused:
@@ -910,8 +1004,12 @@ def main(cfg: TrainConfig) -> dict:
                     log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
                 if world > 1:
                     dist.barrier()
+        if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
+            log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
+                                       device, amp), metrics_file, tb)
         if cfg.val_every and done % cfg.val_every == 0:
-            scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
+            with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
+                scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
             if scores:
                 log_step(scores, metrics_file, tb)
         if interrupted:
@@ -933,8 +1031,13 @@ def main(cfg: TrainConfig) -> dict:
         result["weights"] = export_weights(run_dir, transformer, cfg, full_state)
         log(f"exported {result['weights']}")
     del full_state
+    if cfg.ema_decay and not interrupted:
+        result["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank)
+        log(f"exported the EMA weights {result['ema_weights']}")
     if cfg.val_elements and not cfg.val_every and not interrupted:
-        scores = validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
+        with ema_weights(opt, params, cfg.ema_decay > 0):
+            scores = validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
+                              evaluators)
         if scores:
             log_step(scores, metrics_file, tb)
     if metrics_file:
