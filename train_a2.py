@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -27,18 +26,13 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import tyro
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -73,16 +67,19 @@ from a2.pipeline import (
 )
 from a2.runs import (
     EXIT_RESUMABLE,
+    CheckpointError,
     Diverged,
     NonFiniteSteps,
     ResumeError,
     ResumePoint,
     RunLock,
     RunLocked,
-    commit_checkpoint,
+    Stopped,
+    load_checkpoint,
     params_finite,
     plan_resume,
     record_start,
+    save_checkpoint,
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
@@ -117,11 +114,12 @@ from data import (
     ignore_stop_signals,
     rank_slice,
     stop_signals_blocked,
+    stop_workers,
     write_cache,
 )
 
 RANK = int(os.environ.get("RANK", 0))
-STOP = {"signal": None}  # set by the SIGTERM/SIGINT handler; the loop checkpoints and exits at the step's end
+STOP = {"signal": None, "loop": False}  # set by on_signal; the loop checkpoints and exits at the step's end
 
 
 def log(*args, **kwargs):
@@ -131,7 +129,13 @@ def log(*args, **kwargs):
 
 
 def on_signal(signum, _frame):
-    STOP["signal"] = signum
+    """SIGTERM/SIGINT. In the step loop the first one asks for a checkpoint at the end of the step (the loop reads
+    STOP); a second one, or one outside the loop (loading, export, final validation), stops the process at once
+    (Stopped), so that a scheduler's stop or a repeated Ctrl-C always ends it."""
+    if STOP["loop"] and STOP["signal"] is None:
+        STOP["signal"] = signum
+    else:
+        raise Stopped(signum, "a second signal" if STOP["signal"] else "outside the step loop")
 
 
 def on_rank0(fn):
@@ -725,69 +729,23 @@ def skip_step(step: int, failures: LoadFailures, cfg: TrainConfig, run_dir: Path
         log(line)
     if not cfg.skip_bad_samples:
         opt.zero_grad(set_to_none=True)  # the checkpoint holds the optimizer, not the step's partial gradients
-        if rank == 0 or cfg.fsdp:
-            log(f"checkpoint {save_checkpoint(run_dir, step, transformer, opt, cfg, cfg.keep_last, failures)}")
-        if world > 1:
-            dist.barrier()
+        checkpoint(run_dir, step, transformer, opt, cfg, failures)
         raise DatasetError(failures.stop_message(step + 1))
 
 
 # ---------------------------------------------------------------- checkpoints, export
 
 
-def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int,
-                    failures: LoadFailures) -> Path:
-    """Write ckpt-<step> atomically (temp dir, manifest written last, then rename) and keep the last `keep_last`.
-    DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
-    (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier."""
-    final = run_dir / f"ckpt-{step:07d}"
-    tmp = run_dir / f".tmp-ckpt-{step:07d}"
-    if RANK == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if cfg.fsdp:
-        dist.barrier()  # the temp dir is there, with nothing stale in it, before any rank writes
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "sharded")
-        dist.barrier()  # every rank's shards are on disk
-        if RANK != 0:
-            return final
-    else:
-        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-        save_file(trainable, tmp / "trainable.safetensors")
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    torch.save(dict(step=step, data_position=step, rng=rng, load_failures=failures.state_dict()), tmp / "state.pt")
-    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return commit_checkpoint(tmp, final, keep_last, step=step, world_size=world, fsdp=cfg.fsdp)  # manifest last
+def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, failures: LoadFailures) -> Path:
+    """Write ckpt-<step> (a2/runs.py: save_checkpoint), on every rank alike: DDP's rank 0 writes it and the others
+    wait for it, and a write that fails (CheckpointError: a full disk) stops every rank, not rank 0 alone."""
+    def save():
+        path = save_checkpoint(run_dir, step, transformer, opt, asdict(cfg), cfg.keep_last, failures.state_dict(),
+                               cfg.fsdp)
+        log(f"checkpoint {path}")
+        return path
 
-
-def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFailures) -> int:
-    """Restore weights (or adapter), optimizer, RNG and dropped samples from ckpt; returns its step (the data
-    position)."""
-    state = torch.load(ckpt / "state.pt", weights_only=False)
-    if fsdp:
-        if not (ckpt / "sharded").is_dir():
-            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
-        model_sd, optim_sd = get_state_dict(transformer, opt)
-        sharded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sharded, checkpoint_id=ckpt / "sharded")  # every rank reads its shards (any world size)
-        set_state_dict(transformer, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
-    else:
-        if not (ckpt / "trainable.safetensors").exists():
-            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
-        missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
-        if missing.unexpected_keys:
-            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
-    if "load_failures" in state:
-        failures.load_state_dict(state["load_failures"])
-    return state["step"]
+    return save() if cfg.fsdp else on_rank0(save)
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
@@ -926,8 +884,11 @@ def main(cfg: TrainConfig) -> dict:
                             fused=True)
     guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
-    start_step = load_checkpoint(point.path, transformer, opt, cfg.fsdp, failures) if point.path else 0
+    start_step = 0
     if point.path:
+        state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
+        start_step = state["step"]
+        failures.load_state_dict(state.get("load_failures", failures.state_dict()))
         log(f"resumed from {point.path} at step {start_step}")
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
@@ -936,6 +897,7 @@ def main(cfg: TrainConfig) -> dict:
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
         multiprocessing_context="spawn" if cfg.num_workers > 0 else None,
         worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
+    STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
 
@@ -948,90 +910,90 @@ def main(cfg: TrainConfig) -> dict:
         tb = SummaryWriter(run_dir / "tb")
     losses: list[float] = []
     frozen: dict = {}  # validation's other Wan 2.2 expert
-    with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
-        data_iter = iter(loader)
-    last_ckpt = point.path  # the run's newest checkpoint (none is written from non-finite weights)
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
-               desc="train")
-    t0, seen, tok, step, logged = time.time(), 0, 0, start_step, start_step
-    interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
-    for step in bar:
-        random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-        torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        step_loss = torch.zeros((), device=device)
-        refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
-        for j in range(cfg.grad_accum):
-            batch = next(data_iter)
-            refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
+    STOP["loop"], data_iter = True, None
+    try:
+        with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
+            data_iter = iter(loader)
+        last_ckpt = point.path  # the run's newest checkpoint (none is written from non-finite weights)
+        bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
+                   desc="train")
+        t0, seen, tok, step, logged = time.time(), 0, 0, start_step, start_step
+        interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
+        for step in bar:
+            random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
+            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            step_loss = torch.zeros((), device=device)
+            refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
+            for j in range(cfg.grad_accum):
+                batch = next(data_iter)
+                refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
+                if refused:
+                    continue
+                sync = j == cfg.grad_accum - 1
+                if cfg.fsdp:
+                    model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
+                with model.no_sync() if ddp and not sync else nullcontext():
+                    inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
+                    loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
+                    (loss / cfg.grad_accum).backward()
+                step_loss += loss.detach() / cfg.grad_accum
+                seen += len(batch["prompts"]) * world
+                tok += inputs["tokens"] * world
             if refused:
-                continue
-            sync = j == cfg.grad_accum - 1
-            if cfg.fsdp:
-                model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
-            with model.no_sync() if ddp and not sync else nullcontext():
-                inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
-                loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
-                (loss / cfg.grad_accum).backward()
-            step_loss += loss.detach() / cfg.grad_accum
-            seen += len(batch["prompts"]) * world
-            tok += inputs["tokens"] * world
-        if refused:
-            skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
-        else:
-            if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
-                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        done = step + 1
-        if rank == 0 and not refused:
-            visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
-        if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
-            value = step_loss.item()  # the only host sync of the step, at log intervals
-            _, skipped = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)  # raises Diverged
-            dt = time.time() - t0
-            rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
-                       skipped_steps=skipped,
-                       s_per_step=dt / (done - logged), samples_per_s=seen / dt, tokens_per_s=tok / dt,
-                       peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
-            losses.append(value)
-            log_step(rec, metrics_file, tb)
-            bar.set_postfix(loss=f"{value:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
-            t0, seen, tok, logged = time.time(), 0, 0, done
-        interrupted = STOP["signal"] is not None
-        if world > 1:
-            flag = torch.tensor([float(interrupted)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
-            interrupted = bool(flag.item())
-        if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
-            streak, _ = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
-            finite = torch.tensor([float(params_finite(params))])
-            if cfg.fsdp and world > 1:  # each rank checked its shards
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if not finite.item():
-                raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with finite "
-                               f"weights: {last_ckpt or 'none'}")
-            if streak and not interrupted and done != cfg.max_steps:  # amid skipped steps: postponed, so that
-                log(f"step {done} was not finite: checkpoint postponed")  # it pushes out no earlier checkpoint
+                skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
             else:
-                last_ckpt = run_dir / f"ckpt-{done:07d}"
-                if rank == 0 or cfg.fsdp:
-                    log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
-                if world > 1:
-                    dist.barrier()
-        if cfg.val_every and done % cfg.val_every == 0:
-            scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
-            if scores:  # issue 15: validation metrics
-                log_step(scores, metrics_file, tb)
-        if interrupted:
-            by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
-            log(f"stopped by {by} at step {done}, checkpoint {last_ckpt}: exit {EXIT_RESUMABLE} (resumable: the same "
-                "command with --resume auto continues it)")
-            break
-    del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
+                if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
+                    dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            done = step + 1
+            if rank == 0 and not refused:
+                visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
+            if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
+                value = step_loss.item()  # the only host sync of the step, at log intervals
+                _, skipped = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)  # raises Diverged
+                dt = time.time() - t0
+                rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
+                           skipped_steps=skipped,
+                           s_per_step=dt / (done - logged), samples_per_s=seen / dt, tokens_per_s=tok / dt,
+                           peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
+                losses.append(value)
+                log_step(rec, metrics_file, tb)
+                bar.set_postfix(loss=f"{value:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
+                t0, seen, tok, logged = time.time(), 0, 0, done
+            interrupted = STOP["signal"] is not None
+            if world > 1:
+                flag = torch.tensor([float(interrupted)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
+                interrupted = bool(flag.item())
+            if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
+                streak, _ = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
+                finite = torch.tensor([float(params_finite(params))])
+                if cfg.fsdp and world > 1:  # each rank checked its shards
+                    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+                if not finite.item():
+                    raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with "
+                                   f"finite weights: {last_ckpt or 'none'}")
+                if streak and not interrupted and done != cfg.max_steps:  # amid skipped steps: postponed, so that
+                    log(f"step {done} was not finite: checkpoint postponed")  # it pushes out no earlier checkpoint
+                else:
+                    last_ckpt = checkpoint(run_dir, done, transformer, opt, cfg, failures)
+            if cfg.val_every and done % cfg.val_every == 0:
+                scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
+                if scores:  # issue 15: validation metrics
+                    log_step(scores, metrics_file, tb)
+            if interrupted:
+                by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
+                log(f"stopped by {by} at step {done}, checkpoint {last_ckpt}: exit {EXIT_RESUMABLE} (resumable: the "
+                    "same command with --resume auto continues it)")
+                break
+    finally:  # every exit: the workers ignore SIGTERM, so Python's exit (which stops them with it) would wait forever
+        STOP["loop"] = False
+        stop_workers(data_iter)
     if failures.skipped_steps:
         log(failures.summary())
 
@@ -1067,4 +1029,10 @@ if __name__ == "__main__":
     except Diverged as e:
         print(f"error: diverged: {e}", file=sys.stderr)
         sys.exit(1)
+    except CheckpointError as e:  # e.g. a full disk: the run dir, the free space and what the checkpoint needs
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Stopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     sys.exit(EXIT_RESUMABLE if result.get("interrupted") else 0)
