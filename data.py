@@ -784,6 +784,21 @@ def stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def stop_workers(batches) -> None:
+    """Shut the workers of a DataLoader iterator down now (what its __del__ does when the last reference goes), with
+    the stop signals held back meanwhile. An exception leaving the loop keeps the iterator alive in its traceback, and
+    at interpreter exit multiprocessing stops daemonic workers with SIGTERM, which they ignore, then waits for them
+    forever: so every exit path calls this. Workers still alive after the shutdown are killed."""
+    if not hasattr(batches, "_shutdown_workers"):  # None, or num_workers 0: nothing runs beside this process
+        return
+    with stop_signals_blocked():
+        batches._shutdown_workers()
+        for w in batches._workers:
+            if w.is_alive():
+                w.kill()
+                w.join()
+
+
 # ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
 
 
@@ -833,7 +848,7 @@ class BucketBatchSampler:
 
     An epoch: each dataset's samples drawn `weight` times over (weight 0.5 = half of them, 2 = twice),
     shuffled with (seed, epoch), grouped by bucket, cut into full global batches, batches shuffled.
-    The position (epoch, batches consumed) is saved and restored exactly with state_dict()."""
+    A run's position needs no state: train_a2.global_batches replays the epochs up to the step."""
 
     def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0, exclude=()):
         self.dataset, self.batch, self.seed = dataset, global_batch_size, seed
@@ -882,12 +897,6 @@ class BucketBatchSampler:
 
     def __len__(self):
         return len(self.epoch_batches(self.epoch))
-
-    def state_dict(self) -> dict:
-        return dict(epoch=self.epoch, consumed=self.consumed, seed=self.seed)
-
-    def load_state_dict(self, state: dict):
-        self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]
 
 
 def rank_slice(global_batch: list, rank: int, world_size: int, micro_batch: int, accum: int) -> list[list]:
