@@ -9,6 +9,7 @@ to the E2V inputs (36 channels, CLIP image tokens) that leaves its output unchan
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -435,3 +436,83 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
             raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
                                    "(--image-encoder DIR) or --e2v-type vae")
     return "dual" if e2v_type == "auto" else e2v_type
+
+
+# ---------------------------------------------------------------- original Wan <-> diffusers weight names
+# diffusers' WanTransformer3DModel module -> the original Wan repo's WanModel module (also ComfyUI's and the released
+# single-file checkpoints' names). Block modules, relative to blocks.<i>: diffusers' norm2 is the affine cross-attention
+# norm, Wan's norm3 (their norm1/norm2 and diffusers' norm1/norm3 hold no weights).
+WAN_BLOCK_MODULES = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o", "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o", "attn2.norm_q": "cross_attn.norm_q", "attn2.norm_k": "cross_attn.norm_k",
+    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "attn2.norm_added_k": "cross_attn.norm_k_img", "norm2": "norm3", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+WAN_TOP_MODULES = {
+    "patch_embedding": "patch_embedding", "proj_out": "head.head",
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+}
+# parameters that are not a module's weight/bias: the adaLN tables and FLF2V's image position embedding
+WAN_TOP_PARAMS = {"scale_shift_table": "head.modulation",
+                  "condition_embedder.image_embedder.pos_embed": "img_emb.emb_pos"}
+
+
+def wan_module_name(name: str) -> str:
+    """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
+    block, rest = re.fullmatch(r"(blocks\.\d+\.)?(.+)", name).groups()
+    return (block + WAN_BLOCK_MODULES[rest]) if block else WAN_TOP_MODULES[rest]
+
+
+def diffusers_to_wan(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers WanTransformer3DModel state dict -> original Wan names (`blocks.0.self_attn.q.weight`, ...), the
+    layout of the released single-file checkpoints, Wan's own WanModel and ComfyUI's UNETLoader. Tensors unchanged.
+    The inverse is wan_to_diffusers."""
+    out = {}
+    for key, value in state_dict.items():
+        block, rest = re.fullmatch(r"(blocks\.\d+\.)?(.+)", key).groups()
+        if rest == "scale_shift_table" and block:
+            out[block + "modulation"] = value
+        elif not block and rest in WAN_TOP_PARAMS:
+            out[WAN_TOP_PARAMS[rest]] = value
+        else:
+            module, param = rest.rsplit(".", 1)
+            try:
+                out[f"{wan_module_name((block or '') + module)}.{param}"] = value
+            except KeyError:
+                raise ValueError(f"{key}: no original-Wan name for this weight") from None
+    return out
+
+
+def wan_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Original Wan names (bare, or with ComfyUI's `model.diffusion_model.` / `diffusion_model.` prefix) -> diffusers
+    WanTransformer3DModel names, through diffusers' own single-file converter (convert_wan_transformer_to_diffusers),
+    which also reads VACE / Animate checkpoints. The inverse of diffusers_to_wan."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd = {re.sub(r"^(model\.)?diffusion_model\.", "", k): v for k, v in state_dict.items()}
+    out = convert_wan_transformer_to_diffusers(sd)
+    if "img_emb.emb_pos" in out:  # FLF2V's, which the converter leaves as it is
+        out["condition_embedder.image_embedder.pos_embed"] = out.pop("img_emb.emb_pos")
+    return out
+
+
+def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:
+    """A transformer as one bf16 safetensors file in original Wan names (diffusers_to_wan): what ComfyUI's UNETLoader
+    (models/diffusion_models/) detects as Wan by `head.modulation` and sizes from `patch_embedding`, `blocks.*` and
+    `img_emb` (I2V), and what Wan's own WanModel.load_state_dict takes."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in diffusers_to_wan(state_dict).items()}
+    save_file(sd, path, metadata={"format": "pt", "a2_format": "wan", "a2_loader": "ComfyUI Load Diffusion Model "
+                                  "(UNETLoader) / Wan's WanModel; diffusers: the transformer dir beside it"})
+    return Path(path)
