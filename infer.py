@@ -38,7 +38,7 @@ from a2.pipeline import (
     load_references,
     save_video,
 )
-from a2.tiny import model_path
+from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
 from config import A2_ELEMENTS, EvalConfig, VaeProcessorConfig, height_width, pair_elements, parse_elements
 
@@ -47,8 +47,10 @@ from config import A2_ELEMENTS, EvalConfig, VaeProcessorConfig, height_width, pa
 class InferConfig:
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging Face
-    Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), or a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v). A Wan 2.2 pair samples with both experts."""
+    Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v; sampled by default at the README demo's 64x64, 33 frames,
+    10 steps), or a real-size one with random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2
+    pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
@@ -70,15 +72,16 @@ class InferConfig:
     negative_prompt: str = A2_NEGATIVE_PROMPT
     """Negative prompt of classifier-free guidance (default: A2's)."""
     height: int | None = None
-    """Video height in pixels, a multiple of 16 (default 480)."""
+    """Video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
     width: int | None = None
-    """Video width in pixels, a multiple of 16 (default 832)."""
+    """Video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
     resolution: tuple[int, int] | None = None
     """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
-    num_frames: int = 81
-    """4k+1 pixel frames generated in all, reference frames included (A2: 81, of which 12 are references)."""
-    steps: int = 50
-    """Denoising steps of the sampler."""
+    num_frames: int | None = None
+    """4k+1 pixel frames generated in all, reference frames included (default 81, A2's, of which 12 are references; a
+    built-in tiny model: 33)."""
+    steps: int | None = None
+    """Denoising steps of the sampler (default 50; a built-in tiny model: 10)."""
     guidance_scale: float = 5.0
     """Classifier-free guidance scale (1: no guidance, one forward per step)."""
     guidance_scale_img: float | None = None
@@ -151,8 +154,21 @@ class InferConfig:
 
 
     def __post_init__(self):
-        self.height, self.width = height_width(self.height, self.width, self.resolution, (480, 832))
+        # a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a
+        # CPU; it is sampled at the size the README demo trains it at unless the size is given
+        tiny = self.model in TINY_MODELS and not self.model.startswith("random-")
+        size, frames, steps = ((64, 64), 33, 10) if tiny else ((480, 832), 81, 50)
+        defaulted = [flag for flag, v in (("size", self.resolution or self.height and self.width),
+                                          ("frames", self.num_frames), ("steps", self.steps)) if v is None]
+        self.height, self.width = height_width(self.height, self.width, self.resolution, size)
         self.resolution = (self.height, self.width)
+        self.num_frames = frames if self.num_frames is None else self.num_frames
+        self.steps = steps if self.steps is None else self.steps
+        self.defaults_note = None  # printed by main(): the defaults a built-in tiny model gave the flags left out
+        if tiny and defaulted:
+            self.defaults_note = (f"--model {self.model}: a built-in tiny model, sampled at {self.height}x"
+                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps (the README demo's "
+                                  "size; --resolution, --num-frames and --steps set them)")
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -302,6 +318,8 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 
 
 def main(cfg: InferConfig) -> int:
+    if getattr(cfg, "defaults_note", None):
+        print(cfg.defaults_note)
     check_size(cfg.height, cfg.width, cfg.num_frames)
     # an unsupported dir fails here, before any loading
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))

@@ -65,6 +65,7 @@ from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, samp
     timestep_bucket,
 )
 from a2.fp8 import scaled_mm_supported
+from a2.lora import check_lora_export
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
@@ -105,6 +106,7 @@ from a2.transformer import (
     is_e2v,
     is_expansion_weight,
     load_transformer,
+    save_wan_checkpoint,
 )
 from config import (
     ConfigError,
@@ -373,6 +375,10 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
         transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                            target_modules=target, init_lora_weights=True))
+        try:  # export writes original-Wan keys too: a target with none fails now, not after training
+            check_lora_export(transformer)
+        except ValueError as e:
+            raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
         if run.layout.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
             for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
                 if is_expansion_weight(name) and ".lora_" not in name:
@@ -718,7 +724,8 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "") -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
-    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights).
+    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
+    weights as one bf16 file in original Wan keys, transformer_comfy.safetensors (ComfyUI, Wan's code).
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
@@ -735,6 +742,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
         model.load_state_dict(full_state, assign=True)
     out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
     model.save_pretrained(out)
+    comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
+    log(f"full model for ComfyUI (Load Diffusion Model) and Wan's own code, bf16 in original Wan keys: {comfy}")
     return out
 
 

@@ -24,37 +24,35 @@ from pathlib import Path
 
 import torch
 
+from a2.transformer import wan_module_name
+
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
 COMFY_NAME = "pytorch_lora_weights_comfy.safetensors"  # not *pytorch_lora_weights.safetensors: diffusers' dir lookup
 # picks the file ending in that name, so a run dir still loads as the diffusers file
 
-# diffusers module -> original Wan module; exactly the names diffusers' converter maps back
-_BLOCK = {
-    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
-    "attn1.to_out.0": "self_attn.o",
-    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
-    "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
-    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
-}
-_TOP = {
-    "proj_out": "head.head", "condition_embedder.time_proj": "time_projection.1",
-    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
-    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
-    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+# the modules whose LoRA the ComfyUI / diffusers loaders of original-Wan LoRA keys map back (diffusers'
+# _convert_non_diffusers_wan_lora_to_diffusers): a LoRA on any other module (a norm, the patch embedding) has no
+# original-Wan file, so a run targeting one is refused before training (check_lora_export)
+_LORA_BLOCK = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+               "attn2.to_out.0", "attn2.add_k_proj", "attn2.add_v_proj", "ffn.net.0.proj", "ffn.net.2")
+_LORA_TOP = ("proj_out", "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
+             "condition_embedder.text_embedder.linear_2", "condition_embedder.time_embedder.linear_1",
+             "condition_embedder.time_embedder.linear_2", "condition_embedder.image_embedder.ff.net.0.proj",
+             "condition_embedder.image_embedder.ff.net.2")
+# safetensors metadata of the two files: which loader each is for ("format": "pt" is safetensors' framework key,
+# which transformers and diffusers check)
+_LOADER = {
+    "diffusers": "diffusers load_lora_weights / a2 infer.py --lora; ComfyUI loads 0 of its keys: use the _comfy file",
+    "comfyui": "ComfyUI LoraLoader / LoraLoaderModelOnly (original Wan keys); also a2 infer.py --lora",
 }
 
 
 def original_module(name: str) -> str:
-    """diffusers WanTransformer3DModel module name -> the original Wan (and ComfyUI) one."""
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
-    if m and m[2] in _BLOCK:
-        return f"blocks.{m[1]}.{_BLOCK[m[2]]}"
-    if name in _TOP:
-        return _TOP[name]
+    """diffusers WanTransformer3DModel module name of a LoRA -> the original Wan (and ComfyUI) one."""
+    m = re.fullmatch(r"blocks\.\d+\.(.+)", name)
+    if (m[1] if m else name) in (_LORA_BLOCK if m else _LORA_TOP):
+        return wan_module_name(name)
     raise ValueError(f"LoRA on {name!r}: no original-Wan name that ComfyUI/diffusers loaders map back")
 
 
@@ -86,23 +84,58 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The model's adapter as both export files will hold it: every adapted module has an original-Wan name, and the
+    original-Wan keys read back through diffusers' converter (what infer.py --lora and diffusers do with the _comfy
+    file) give the same tensors. Run before training on the freshly adapted model (a --lora-target that cannot be
+    exported fails before step 1), and on the written file at export. Returns the original-Wan state dict."""
+    from diffusers.loaders import WanLoraLoaderMixin
+
+    sd = adapter_state_dict(model, adapter)
+    original = to_original(sd)
+    try:
+        back = WanLoraLoaderMixin.lora_state_dict(dict(original))
+    except Exception as e:  # the converter's own errors say little about which module is the cause
+        raise ValueError(f"the original-Wan LoRA keys do not read back ({type(e).__name__}: {e}): adapted modules "
+                         f"{sorted({k.rsplit('.lora_', 1)[0] for k in sd})[:6]}...; diffusers' Wan converter (infer.py "
+                         "--lora, load_lora_weights) reads image K/V LoRAs only as a pair: add_k_proj with "
+                         "add_v_proj") from None
+    want = {f"transformer.{k}": v for k, v in sd.items()}
+    if back.keys() != want.keys() or any(not torch.equal(back[k], want[k]) for k in want):
+        raise ValueError(f"the original-Wan LoRA keys read back as {sorted(set(back) ^ set(want))[:4]} ...: not the "
+                         "adapter that was trained")
+    return original
+
+
 def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "") -> tuple[Path, Path]:
-    """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file).
+    """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file). Each says in
+    its safetensors metadata which loader it is for (a2_format, a2_loader), the _comfy file is read back before it is
+    named, and a line names the file for ComfyUI.
     A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors;
     `tag` follows it (_ema: pytorch_lora_weights_ema.safetensors, ..._ema_comfy.safetensors, e2v_weights_ema)."""
     from diffusers.loaders import WanLoraLoaderMixin
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
+
+    def meta(fmt):
+        return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt]}
 
     part = (f"_{expert}" if expert else "") + tag
     names = [n.replace("weights", f"weights{part}") for n in (DIFFUSERS_NAME, COMFY_NAME)]
     sd = adapter_state_dict(model)
-    WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=names[0])
-    save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / names[1], metadata={"format": "pt"})
+    WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=names[0],
+                                         save_function=lambda w, f: save_file(w, f, metadata=meta("diffusers")))
+    comfy, original = run_dir / names[1], check_lora_export(model)
+    save_file({k: v.contiguous() for k, v in original.items()}, comfy, metadata=meta("comfyui"))
+    written = load_file(comfy)
+    if written.keys() != original.keys() or any(not torch.equal(written[k], v) for k, v in original.items()):
+        raise OSError(f"{comfy}: does not read back as written")
     full = {f"transformer.{n}": p.detach().float().cpu().contiguous() for n, p in model.named_parameters()
             if p.requires_grad and ".lora_" not in n}  # an expansion's weights (build_transformer trains them)
     if full:
         save_file(full, expansion_file(run_dir / names[0]), metadata={"format": "pt"})
-    return run_dir / names[0], run_dir / names[1]
+    print(f"LoRA for ComfyUI (LoraLoader, original Wan keys): {comfy}; {run_dir / names[0]} has diffusers keys "
+          "(diffusers, infer.py), of which ComfyUI loads none")
+    return run_dir / names[0], comfy
 
 
 def expansion_file(lora: Path) -> Path:

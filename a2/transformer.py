@@ -178,6 +178,7 @@ ORIGINAL_TOP = {
     "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
     "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
     "head.head": "proj_out", "head.modulation": "scale_shift_table",
+    "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # FLF2V's image position embedding
 }
 HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
 
@@ -192,9 +193,11 @@ def _rename(key: str, block: dict, top: dict) -> str:
 
 
 def original_to_diffusers(sd: dict) -> dict:
-    """An original-Wan state dict (`blocks.0.self_attn.q.weight`) -> diffusers names (`blocks.0.attn1.to_q.weight`).
-    The tensors are the same objects; a key with no diffusers module raises KeyError naming it."""
-    return {_rename(k, ORIGINAL_BLOCK, ORIGINAL_TOP): v for k, v in sd.items()}
+    """An original-Wan state dict (`blocks.0.self_attn.q.weight`; bare, or with ComfyUI's `model.diffusion_model.` /
+    `diffusion_model.` prefix) -> diffusers names (`blocks.0.attn1.to_q.weight`). The tensors are the same objects; a
+    key with no diffusers module raises KeyError naming it."""
+    return {_rename(re.sub(r"^(model\.)?diffusion_model\.", "", k), ORIGINAL_BLOCK, ORIGINAL_TOP): v
+            for k, v in sd.items()}
 
 
 def diffusers_to_original(sd: dict) -> dict:
@@ -709,3 +712,20 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
             raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
                                    "(--image-encoder DIR) or --e2v-type vae")
     return "dual" if e2v_type == "auto" else e2v_type
+
+
+def wan_module_name(name: str) -> str:
+    """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
+    return _rename(name, {v: k for k, v in ORIGINAL_BLOCK.items()}, {v: k for k, v in ORIGINAL_TOP.items()})
+
+
+def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:
+    """A transformer as one bf16 safetensors file in original Wan names (diffusers_to_original): what ComfyUI's
+    UNETLoader (models/diffusion_models/) detects as Wan by `head.modulation` and sizes from `patch_embedding`, `blocks.*` and
+    `img_emb` (I2V), and what Wan's own WanModel.load_state_dict takes."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in diffusers_to_original(state_dict).items()}
+    save_file(sd, path, metadata={"format": "pt", "a2_format": "wan", "a2_loader": "ComfyUI Load Diffusion Model "
+                                  "(UNETLoader) / Wan's WanModel; diffusers: the transformer dir beside it"})
+    return Path(path)

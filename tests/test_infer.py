@@ -93,3 +93,30 @@ def test_flow_shift_defaults_to_the_model_dirs(tiny_t2v_dir, tmp_path):
         runs[name] = torch.load(out)["latents"]
     assert torch.equal(runs["default"], runs["three"])
     assert (runs["default"] - runs["eight"]).abs().max() > 1e-3
+
+
+def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
+    """A built-in tiny model samples at the README demo's size unless told (a real model's 480x832, 81 frames, 50
+    steps take ~30 min on a CPU) and says so; real models and the random real-size ones keep the real defaults.
+    --help lists every built-in model name."""
+    import tyro
+
+    import infer
+    from config import TrainConfig
+
+    def parsed(*argv):
+        return tyro.cli(infer.InferConfig, args=list(argv))
+
+    tiny = parsed("--model", "tiny-t2v")
+    assert (tiny.height, tiny.width, tiny.num_frames, tiny.steps) == (64, 64, 33, 10)
+    assert tiny.defaults_note.startswith("--model tiny-t2v: a built-in tiny model, sampled at 64x64, 33 frames, 10 ")
+    given = parsed("--resolution", "32", "48", "--num-frames", "17", "--steps", "2")
+    assert (given.height, given.width, given.num_frames, given.steps, given.defaults_note) == (32, 48, 17, 2, None)
+    for model in ("random-1.3B", "/models/SkyReels-A2"):
+        real = parsed("--model", model)
+        assert (real.height, real.width, real.num_frames, real.steps, real.defaults_note) == (480, 832, 81, 50, None)
+    for cls in (infer.InferConfig, TrainConfig):
+        with pytest.raises(SystemExit):
+            tyro.cli(cls, args=["--help"])
+        said = " ".join(capsys.readouterr().out.split())
+        assert all(name in said for name in ("tiny-wan22-i2v", "tiny-ti2v", "random-1.3B", "random-14B", "random-5B"))

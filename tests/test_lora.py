@@ -3,6 +3,7 @@ the model with the in-memory adapter's output; T2V-only training on .npz clips +
 generation with and without the LoRA; infer.py --prompts-file writes one side-by-side video per prompt."""
 
 import json
+import re
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -275,3 +276,77 @@ def test_evaluate_writes_one_side_by_side_video_per_prompt(t2v_run, tmp_path, mo
     assert d > 1e-2
     with pytest.raises(ValueError, match="give --lora"):
         run("--prompts-file", str(prompts))
+
+
+# ---------------------------------------------------------------- ComfyUI: which file is for which loader, full models
+
+
+def test_lora_files_say_which_loader_they_are_for(tiny_dir, tmp_path, capsys):
+    """ComfyUI loads none of the diffusers-key file's keys, silently: both files name their loader in their
+    safetensors metadata, and export prints the file for ComfyUI."""
+    from safetensors import safe_open
+
+    from a2.lora import export_lora
+
+    pipe = adapted_pipe(tiny_dir, r"blocks\.\d+\.attn1\.to_q")
+    diffusers_file, comfy = export_lora(tmp_path, pipe.transformer)
+    meta = {}
+    for fmt, path in (("diffusers", diffusers_file), ("comfyui", comfy)):
+        with safe_open(path, "pt") as f:
+            meta[fmt] = f.metadata()
+    assert meta["diffusers"]["a2_format"] == "diffusers" and meta["comfyui"]["a2_format"] == "comfyui"
+    assert meta["diffusers"]["format"] == meta["comfyui"]["format"] == "pt"  # what transformers/diffusers check
+    assert "ComfyUI loads 0 of its keys: use the _comfy file" in meta["diffusers"]["a2_loader"]
+    assert meta["comfyui"]["a2_loader"].startswith("ComfyUI LoraLoader")
+    assert f"LoRA for ComfyUI (LoraLoader, original Wan keys): {comfy};" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target, why", [
+    (r"patch_embedding|blocks\.\d+\.attn1\.to_q", "LoRA on 'patch_embedding': no original-Wan name"),
+    (r"blocks\.\d+\.attn2\.add_k_proj", "reads image K/V LoRAs only as a pair")])
+def test_lora_targets_that_cannot_be_exported_fail_before_training(data_dir, tmp_path, monkeypatch, target, why):
+    """A --lora-target whose adapter has no original-Wan file that reads back (a conv input layer; image K without V,
+    which diffusers' Wan converter only takes as a pair) is refused in one line before the first step."""
+    import train_a2
+    from config import ConfigError
+    from tests.conftest import args
+
+    def no_step(*a, **k):
+        raise AssertionError("a training step ran")
+
+    monkeypatch.setattr(train_a2, "forward_loss", no_step)
+    with pytest.raises(ConfigError, match=rf"^--lora-target {re.escape(repr(target))}: .*{why}") as e:
+        train(*args(data_dir, tmp_path, "t", "--lora-target", target))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("t2v", [False, True])
+def test_full_model_in_original_wan_keys(tiny_dir, tiny_t2v_dir, tmp_path, t2v):
+    """A full fine-tune's single file (save_wan_checkpoint): bf16, original Wan names, read back to diffusers names by
+    a2's map (original_to_diffusers) and, independently, by diffusers' own single-file converter with every tensor
+    equal; and what ComfyUI's Wan detection
+    (comfy/model_detection.py, detect_unet_config, read not run: ComfyUI is not a dependency) reads from it gives this
+    model: `head.modulation` marks Wan, dim from it, out_dim from head.head, ffn_dim from blocks.0.ffn.0, layers
+    counted over blocks.N, in_dim from patch_embedding, I2V iff img_emb.proj.0.bias is there."""
+    from diffusers import WanTransformer3DModel
+
+    from a2.transformer import diffusers_to_original, original_to_diffusers, save_wan_checkpoint
+
+    model = WanTransformer3DModel.from_pretrained(tiny_t2v_dir if t2v else tiny_dir, subfolder="transformer")
+    sd = model.state_dict()
+    path = save_wan_checkpoint(sd, tmp_path / "transformer_comfy.safetensors")
+    wan = load_file(path)
+    assert wan.keys() == diffusers_to_original(sd).keys() and {v.dtype for v in wan.values()} == {torch.bfloat16}
+    assert {"blocks.0.self_attn.q.weight", "blocks.1.cross_attn.norm_k.weight", "blocks.0.norm3.weight",
+            "blocks.0.modulation", "head.head.weight", "time_projection.1.bias", "text_embedding.2.weight"} <= set(wan)
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    for back in (original_to_diffusers(dict(wan)), convert_wan_transformer_to_diffusers(dict(wan))):
+        assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k].bfloat16()) for k in sd)
+    c = model.config
+    blocks = {int(k.split(".")[1]) for k in wan if k.startswith("blocks.")}
+    assert wan["head.modulation"].shape[-1] == c.num_attention_heads * c.attention_head_dim  # ComfyUI's dim
+    assert wan["head.head.weight"].shape[0] // 4 == c.out_channels  # out_dim (patch 1x2x2)
+    assert wan["blocks.0.ffn.0.weight"].shape[0] == c.ffn_dim and blocks == set(range(c.num_layers))
+    assert wan["patch_embedding.weight"].shape[1] == c.in_channels
+    assert ("img_emb.proj.0.bias" in wan) == (not t2v)  # ComfyUI's model_type i2v

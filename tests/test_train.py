@@ -269,6 +269,12 @@ def test_overfit_one_batch(data_dir, tmp_path):
     run = train(*argv)
     per_step = losses(run["run_dir"])
     assert per_step[1] / per_step[40] >= 5, per_step
+    # the full model is exported twice: a diffusers transformer dir and one bf16 file in original Wan keys (ComfyUI)
+    from a2.transformer import original_to_diffusers
+
+    exported = load_file(run["weights"] / "diffusion_pytorch_model.safetensors")
+    wan = original_to_diffusers(load_file(run["run_dir"] / "transformer_comfy.safetensors"))
+    assert wan.keys() == exported.keys() and all(torch.equal(wan[k], exported[k].bfloat16()) for k in exported)
     # the loop really repeated one sample: a run that sees the data normally does not collapse the same way
     normal = losses(train(*args(data_dir, tmp_path, "normal", "--training-type", "full", "--max-steps", "40",
                                 "--warmup-steps", "5"))["run_dir"])
