@@ -721,8 +721,8 @@ def wan_module_name(name: str) -> str:
 
 def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:
     """A transformer as one bf16 safetensors file in original Wan names (diffusers_to_original): what ComfyUI's
-    UNETLoader (models/diffusion_models/) detects as Wan by `head.modulation` and sizes from `patch_embedding`, `blocks.*` and
-    `img_emb` (I2V), and what Wan's own WanModel.load_state_dict takes."""
+    UNETLoader (models/diffusion_models/) detects as Wan by `head.modulation` and sizes from `patch_embedding`,
+    `blocks.*` and `img_emb` (I2V), and what Wan's own WanModel.load_state_dict takes."""
     from safetensors.torch import save_file
 
     sd = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in diffusers_to_original(state_dict).items()}
