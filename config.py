@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 # the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
-PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")  # how an image is framed to a size
+# how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
+PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
 REFERENCE_LAYOUTS = ("channel", "incontext")  # where element references enter the transformer
 REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
 

@@ -71,7 +71,7 @@ from a2.pipeline import (
     load_encoders,
     load_first_frame,
     load_references,
-    model_flow_shift,
+    sampler_settings,
     save_video,
     tensor_to_uint8,
 )
@@ -236,9 +236,9 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
     if not cfg.cache_dir:
         return run
-    cache = Path(cfg.cache_dir) / cache_key(run.info.path, run.info.image_encoder_dir if run.layout.use_clip else None,
-                                            dataset, run.layout.clip_frames, str(run.compute_dtype),
-                                            run.layout.e2v_type, run.layout.prefix_frames)
+    encoders = run.info.image_encoder_dir if run.layout.use_clip else None
+    cache = Path(cfg.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
+                                            str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames)
     if not cfg.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
@@ -314,7 +314,7 @@ class Encoders:
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
     enc = Encoders()
     if needed:
-        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.layout.image_branch else None,
+        parts = load_encoders(run.info.parts_dir, run.info.image_encoder_dir if run.layout.image_branch else None,
                               run.compute_dtype)
         enc = Encoders(*parts)
         for m in (enc.vae, enc.text_encoder, enc.image_encoder):
@@ -453,7 +453,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
-        if layout.kind in ("prefix", "incontext"):
+        if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
@@ -545,14 +545,14 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, flow_shift=model_flow_shift(run.info.path), expand_timesteps=run.info.ti2v)
+                      **experts, expand_timesteps=run.info.ti2v, **sampler_settings(run.info))
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, combine=run.layout.combine,
                    reference_layout="incontext" if run.layout.kind == "incontext" else "channel",
                    reference_timestep=run.layout.reference_timestep, first_frame=first_frame,
-                   layout=run.layout if run.layout.kind in ("prefix", "incontext") else None,
+                   layout=run.layout if run.layout.takes_references else None,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

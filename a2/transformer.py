@@ -118,6 +118,11 @@ class ModelInfo:
     components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
     @property
+    def parts_dir(self) -> Path:
+        """The dir holding vae/ text_encoder/ tokenizer/ (a Phantom-Wan checkpoint's Wan parts dir, else `path`)."""
+        return self.components_dir or self.path
+
+    @property
     def ti2v(self) -> bool:
         """Wan 2.2 TI2V-5B: T2V, and I2V by replacing the first latent frame (no channel conditioning)."""
         return self.expand_timesteps

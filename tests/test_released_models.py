@@ -357,3 +357,109 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
         m = copy.deepcopy(load_transformer(base))
         m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(file), prefix="transformer")
         assert torch.equal(forward(m), want), base
+
+
+# ---------------------------------------------------------------- a2's sampler against theirs, step by step
+
+
+def reference_files(tmp_path, sizes):
+    """Synthetic reference photos of several aspects as PNG files, and the elements that frame them as both labs do
+    (each one frame, Lanczos fit then white pad)."""
+    from config import Element
+
+    images, items = [], []
+    for i, (w, h) in enumerate(sizes):
+        images.append(synthetic(w, h, 10 + i))
+        images[-1].save(tmp_path / f"ref{i}.png")
+        element = Element(f"ref{i}", (".png",), position=i, vae_preprocess="fit_pad_white")
+        items.append((element, tmp_path / f"ref{i}.png"))
+    return images, items
+
+
+def record_forwards(transformer):
+    seen = []
+    handle = transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append({k: kw[k] for k in ("hidden_states", "timestep", "encoder_hidden_states")}),
+        with_kwargs=True)
+    return seen, handle
+
+
+@pytest.mark.parametrize("kind", ["phantom", "v3", "v3-cfg"])
+def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_path):
+    """A2Pipeline on the tiny released-layout models (their dirs, from_pretrained: its kind, shift 5 and UniPC
+    schedule chosen by the weights) against their samplers written out (tests/their_samplers.py), float32 on the CPU:
+    the reference latents, the initial noise, every forward's input (hidden states with the reference slots, int64
+    timestep, text) and the final video latents are equal bit for bit. Both are fed the same text-encoder outputs
+    (a2's encode_prompt on the tiny UMT5). Phantom: three passes at its default scales 7.5 / 5, the noise for T + L
+    frames; V3: the distilled preset's single pass at 8 steps, and three passes (v3-cfg)."""
+    from a2.pipeline import A2Pipeline, encode_prompt, load_references
+
+    pipe = A2Pipeline.from_pretrained(phantom_dir if kind == "phantom" else v3_dir)
+    assert (pipe.native_kind, pipe.flow_shift, pipe.schedule) == (
+        ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
+    images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
+    refs, _, repeats = load_references(items, (32, 48))
+    prompt, negative = "a hiker on a mountain", "low quality"
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
+    frames, steps = 9, 3 if kind == "phantom" else 8
+    scales = dict(phantom=(7.5, 5.0), v3=(1.0, None), **{"v3-cfg": (5.0, 2.0)})[kind]
+
+    seen, handle = record_forwards(pipe.transformer)
+    ours = pipe(prompt, refs, None, repeats, negative_prompt=negative, height=32, width=48, num_frames=frames,
+                num_inference_steps=steps, guidance_scale=scales[0], guidance_scale_img=scales[1],
+                generator=torch.Generator().manual_seed(3), decode="none", progress=False)
+    a2_calls, seen[:] = list(seen), []
+    kw = dict(num_frames=frames, height=32, width=48, steps=steps, seed=3)
+    if kind == "phantom":
+        them = theirs.phantom_sample(pipe.transformer, pipe.vae, images, text, null, **kw)
+        video = them["video"]
+    else:
+        them = theirs.v3_sample(pipe.transformer, pipe.vae, images, text, null, guidance=scales[0],
+                                guidance_img=scales[1] or 1.0, **kw)
+        video = them["latents"]
+    handle.remove()
+    passes = 1 if kind == "v3" else 3
+    assert len(a2_calls) == len(seen) == passes * steps
+    assert torch.equal(ours["condition"], them["condition"])  # the reference latents (V3: with its zero slots)
+    t = (frames - 1) // 4 + 1
+    assert torch.equal(a2_calls[0]["hidden_states"][:, :, :t], them["initial"][:, :, :t])  # the initial noise
+    for i, (a, b) in enumerate(zip(a2_calls, seen)):  # every forward: noisy latents + reference slots, t, text
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (i, key)
+    assert torch.equal(ours["latents"], video)
+    if kind == "phantom":  # the references each fill one slot after the video; the unconditional pass zeroes them
+        assert a2_calls[0]["hidden_states"].shape[2] == t + 3 and not a2_calls[2]["hidden_states"][:, :, t:].any()
+    else:
+        assert a2_calls[0]["hidden_states"].shape[2] == t + 4 and not ours["condition"][:, :, 3:].any()
+
+
+def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path):
+    """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
+    the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
+    from a2.conditioning import plan, sampling_layout
+    from config import A2_ELEMENTS, ConfigError, Element, VaeProcessorConfig
+
+    five = tuple(Element(f"e{i}", (f"_{i}.png",), position=i) for i in range(5))
+    p, v = detect_model(phantom_dir), detect_model(v3_dir)
+    vae = VaeProcessorConfig()
+    assert plan(p, A2_ELEMENTS, vae, 9).kind == "phantom" and plan(v, A2_ELEMENTS, vae, 9).kind == "v3"
+    lay = plan(p, five, vae, 9)
+    assert (lay.ref_latents, lay.repeats, lay.latent_frames) == (5, (1,) * 5, 3 + 5)
+    assert plan(v, A2_ELEMENTS, vae, 9).latent_frames == 3 + 4
+    with pytest.raises(ConfigError) as e:
+        plan(v, five, vae, 9)
+    one_line(e, str(v3_dir), "v3 kind holds at most 4", "keep at most 4")
+    with pytest.raises(ConfigError) as e:
+        plan(p, A2_ELEMENTS, VaeProcessorConfig(reference_layout="incontext"), 9)
+    one_line(e, str(phantom_dir), "own phantom layout", "drop --reference-layout incontext")
+    with pytest.raises(ConfigError) as e:
+        plan(v, (), vae, 9)
+    one_line(e, str(v3_dir), "v3 layout", "element images")
+    with pytest.raises(ConfigError) as e:
+        plan(p, A2_ELEMENTS, vae, 9, e2v_type="dual")
+    one_line(e, str(phantom_dir), "no CLIP image branch", "--e2v-type vae")
+    with pytest.raises(ValueError, match="at most 4"):
+        sampling_layout(None, False, 9, (1,) * 5, references=True, native_kind="v3")
+    with pytest.raises(ValueError, match="own phantom layout"):
+        sampling_layout(None, False, 9, (1,), references=True, reference_layout="incontext", native_kind="phantom")
+    assert detect_model(tiny_t2v_dir).native_kind is None  # the kinds come from the weights, nothing else
