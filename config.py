@@ -90,6 +90,12 @@ A2_ELEMENTS: tuple[Element, ...] = (
 )
 
 
+# Phantom-Wan's and SkyReels-V3 R2V's references (infer.py's default on those models): one frame each, framed as both
+# labs frame them (Lanczos fit, white pad), no CLIP path
+RELEASED_ELEMENTS: tuple[Element, ...] = tuple(
+    Element(f"ref{i}", (f"_ref{i}.png",), False, 1, i, "fit_pad_white", "pad_white", False) for i in range(8))
+
+
 def check_element(e: Element, where: str) -> Element:
     if not e.name or not e.suffixes:
         raise ConfigError(f"{where}: an element needs a name and at least one suffix")

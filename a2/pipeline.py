@@ -459,8 +459,8 @@ class A2Pipeline(WanLoraLoaderMixin):
                                      combine=combine, reference_layout=reference_layout,
                                      reference_timestep=reference_timestep, native_kind=self.native_kind)
         if guidance_scale_img is not None and layout.kind not in APPENDED_KINDS:
-            raise ValueError("guidance_scale_img (reference guidance) is for references in context (reference_layout "
-                             "incontext, Phantom-Wan, SkyReels-V3)")
+            raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext and the "
+                             "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)

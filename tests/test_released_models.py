@@ -463,3 +463,112 @@ def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny
     with pytest.raises(ValueError, match="own phantom layout"):
         sampling_layout(None, False, 9, (1,), references=True, reference_layout="incontext", native_kind="phantom")
     assert detect_model(tiny_t2v_dir).native_kind is None  # the kinds come from the weights, nothing else
+
+
+# ---------------------------------------------------------------- training in their layouts
+
+FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
+       "background=_background.png:vae=fit_pad_white")  # their framing; each reference one frame in their kinds
+
+
+@pytest.mark.parametrize("kind", ["phantom", "v3"])
+def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir, tmp_path):
+    """train_a2.py LoRA on the released model in its own layout (validation samples in it too) -> the exported files ->
+    infer.py on the same model: the LoRA changes the video, repeatably, and its ComfyUI-key file gives the same video
+    as its diffusers file. Then the LoRA in their model layouts: Phantom-Wan's original-Wan checkpoint with the ComfyUI
+    file merged in (W + up·down, as Wan/ComfyUI loaders apply it), and SkyReels-V3's transformer (diffusers' module
+    names: its pipeline's load_lora_weights) with the diffusers file, give a2's forward with the LoRA."""
+    import infer
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+    from a2.transformer import load_transformer
+    from tests.conftest import args, train
+
+    model = str(phantom_dir if kind == "phantom" else v3_dir)
+    els = tuple(f"{n}={data_dir / ('000' + s)}" for n, s in (("subject", "_person.png"), ("object", "_object.png"),
+                                                            ("background", "_background.png")))
+    r = train(*args(data_dir, tmp_path, kind, "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",
+                    "--num-frames", "9", "--elements", *FIT, "--reference-dropout", "0.3", "--val-elements", *els,
+                    "--val-steps", "2", "--no-val-metrics", model=model))
+    run = json.loads((r["run_dir"] / "run.json").read_text())
+    assert run["layout"]["kind"] == kind and run["layout"]["ref_latents"] == (3 if kind == "phantom" else 4)
+    assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]
+    diffusers_file, comfy_file = r["weights"], r["run_dir"] / "pytorch_lora_weights_comfy.safetensors"
+    base = dict(model=model, elements=els, element_specs=FIT, height=32, width=32, num_frames=9, steps=2,
+                device="cpu", out=str(tmp_path / "v.mp4"), preset="phantom" if kind == "phantom" else "v3-distilled")
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    saved = torch.load(tmp_path / "base.pt")
+    assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape[2] == run["layout"]["ref_latents"]
+    lora = dict(base, lora=str(diffusers_file))
+    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"),
+                                        compare=str(tmp_path / "base.pt"))) == 1  # the LoRA changes the video
+    for f in (diffusers_file, comfy_file):  # repeatably, from either file
+        assert infer.main(infer.InferConfig(**dict(lora, lora=str(f)), compare=str(tmp_path / "lora.pt"),
+                                            tolerance=0.0)) == 0
+
+    pipe = A2Pipeline.from_pretrained(model)
+    load_lora(pipe, str(diffusers_file))
+    g = torch.Generator().manual_seed(0)
+    x, t, text = torch.randn(1, 16, 7, 4, 6, generator=g), torch.tensor([700]), torch.randn(1, 512, 32, generator=g)
+
+    def forward(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    want = forward(pipe.transformer)
+    if kind == "phantom":
+        merged = original_sd(phantom_dir)
+        lora_sd = load_file(comfy_file)
+        downs = [k for k in lora_sd if k.endswith(".lora_down.weight")]
+        assert downs and all(k.startswith("diffusion_model.blocks.") for k in downs)  # ComfyUI's original-Wan names
+        for key in downs:
+            module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+            merged[f"{module}.weight"] = merged[f"{module}.weight"] + lora_sd[key.replace("down", "up")] @ lora_sd[key]
+        theirs_model = load_transformer(phantom_dir)
+        theirs_model.load_state_dict(original_to_diffusers(merged), strict=True)
+        got = forward(theirs_model)
+        # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    else:
+        from diffusers.loaders import WanLoraLoaderMixin
+
+        m = copy.deepcopy(load_transformer(v3_dir))  # owned storage, as in test_a2_lora_in_their_model_layouts
+        m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(str(diffusers_file)), prefix="transformer")
+        got = forward(m)
+        assert torch.equal(got, forward(copy.deepcopy(pipe.transformer)))
+    assert (got - forward(load_transformer(model))).abs().max() > 1e-4  # the LoRA matters
+
+
+def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, tmp_path):
+    """Full fine-tuning of the V3 model in its layout -> infer.py --transformer; reference dropout zeroes every slot
+    (both papers' unconditional: the references' latents all zero, the video's untouched)."""
+    import tyro
+
+    import infer
+    import train_a2
+    from config import TrainConfig, dataset_configs
+    from data import E2VDataset, collate
+    from tests.conftest import args, train
+
+    r = train(*args(data_dir, tmp_path, "full", "--max-steps", "2", "--training-type", "full", "--num-frames", "9",
+                    "--elements", *FIT, model=str(v3_dir)))
+    assert (r["weights"] / "config.json").exists()
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png"))
+    base = dict(model=str(v3_dir), elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
+                out=str(tmp_path / "v.mp4"), preset="v3-distilled", save_latents=str(tmp_path / "a.pt"))
+    assert infer.main(infer.InferConfig(**base)) == 0
+    assert infer.main(infer.InferConfig(**dict(base, transformer=str(r["weights"]), save_latents=None),
+                                        compare=str(tmp_path / "a.pt"))) == 1  # the fine-tuned weights sample
+
+    for model in (phantom_dir, v3_dir):
+        cfg = tyro.cli(TrainConfig, args=["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
+                                          "32", "--num-frames", "9", "--device", "cpu", "--elements", *FIT])
+        run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])
+        enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
+        for p, dropped in ((0.0, False), (1.0, True)):
+            cfg.reference_dropout = p
+            inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+            refs = inputs["cond"].ref_latents
+            assert refs.shape[2] == run.layout.ref_latents and (refs.abs().max() == 0) == dropped
+            assert inputs["x0"].shape[2] == 3 and inputs["x0"].abs().max() > 0
