@@ -440,9 +440,10 @@ class TrainConfig:
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging
-    Face Hub id (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), or a built-in
-    offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3
+    R2V), a Phantom-Wan checkpoint (file or dir; trained in its own layout, as V3), a Hugging Face Hub id
+    (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), or a built-in offline tiny
+    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
