@@ -679,13 +679,16 @@ def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFail
     return state["step"]
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
+def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None,
+                   original_keys: bool = False) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights).
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
-    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir."""
+    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir. original_keys (a full
+    fine-tune of a Phantom-Wan checkpoint): also transformer_original/Phantom-Wan.pth, the weights in original-Wan
+    keys as Phantom's own code loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
         from a2.lora import export_lora
 
@@ -698,6 +701,14 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
         model.load_state_dict(full_state, assign=True)
     out = run_dir / (EXPERTS[cfg.expert] if cfg.expert else "transformer")
     model.save_pretrained(out)
+    if original_keys:
+        from a2.transformer import diffusers_to_original, original_wan_config
+
+        original = run_dir / "transformer_original"
+        original.mkdir(exist_ok=True)
+        (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
+        torch.save({k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
+                   original / "Phantom-Wan.pth")
     return out
 
 
@@ -931,7 +942,7 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.fsdp and not interrupted:  # a collective: rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0 and not interrupted:
-        result["weights"] = export_weights(run_dir, transformer, cfg, full_state)
+        result["weights"] = export_weights(run_dir, transformer, cfg, full_state, bool(run.info.original_weights))
         log(f"exported {result['weights']}")
     del full_state
     if cfg.val_elements and not cfg.val_every and not interrupted:

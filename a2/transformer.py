@@ -272,6 +272,14 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
     return shapes
 
 
+def original_wan_config(c) -> dict:
+    """The Wan config.json (original names) of a T2V WanTransformer3DModel config `c`, as Wan's repos ship one: what
+    original_config reads back the heads (and eps) from, the rest being in the tensors' shapes."""
+    return dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
+                ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
+                num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
+
+
 def original_config(files: list[Path], config_path: Path | None = None) -> dict:
     """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
     read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's

@@ -540,7 +540,8 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
 
 
 def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, tmp_path):
-    """Full fine-tuning of the V3 model in its layout -> infer.py --transformer; reference dropout zeroes every slot
+    """Full fine-tuning of the V3 model in its layout -> infer.py --transformer, of Phantom's -> its original-Wan
+    checkpoint as well; reference dropout zeroes every slot
     (both papers' unconditional: the references' latents all zero, the video's untouched)."""
     import tyro
 
@@ -559,6 +560,18 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     assert infer.main(infer.InferConfig(**base)) == 0
     assert infer.main(infer.InferConfig(**dict(base, transformer=str(r["weights"]), save_latents=None),
                                         compare=str(tmp_path / "a.pt"))) == 1  # the fine-tuned weights sample
+
+    # Phantom: the full fine-tune also in original-Wan keys, as Phantom's code loads a checkpoint; a2 reads it back
+    from a2.transformer import load_transformer
+
+    r = train(*args(data_dir, tmp_path, "full-p", "--max-steps", "1", "--training-type", "full", "--num-frames", "9",
+                    "--elements", *FIT, model=str(phantom_dir)))
+    original = r["run_dir"] / "transformer_original"
+    assert torch.load(original / "Phantom-Wan.pth").keys() == original_sd(phantom_dir).keys()
+    assert detect_model(original, components=phantom_dir).native_kind == "phantom"
+    want, got = load_transformer(r["weights"]).state_dict(), load_transformer(original).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(not torch.equal(want[k], v) for k, v in load_transformer(phantom_dir).state_dict().items())
 
     for model in (phantom_dir, v3_dir):
         cfg = tyro.cli(TrainConfig, args=["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
