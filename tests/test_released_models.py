@@ -585,3 +585,24 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
             refs = inputs["cond"].ref_latents
             assert refs.shape[2] == run.layout.ref_latents and (refs.abs().max() == 0) == dropped
             assert inputs["x0"].shape[2] == 3 and inputs["x0"].abs().max() > 0
+
+
+def test_presets_and_fit_pad_white():
+    """infer.py --preset sets the flags still at their defaults; a2's fit_pad_white framing is both labs' (odd pads
+    too), and it is an element preprocess mode the configs accept."""
+    import numpy as np
+
+    import infer
+    from a2.pipeline import WAN_NEGATIVE_PROMPT, preprocess_image
+    from config import parse_elements
+
+    d = infer.InferConfig(preset="v3-distilled")
+    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.num_frames, d.fps) == (8, 1.0, None, 121, 24)
+    p = infer.InferConfig(preset="phantom", steps=3, fps=30)
+    assert (p.steps, p.fps, p.guidance_scale, p.guidance_scale_img) == (3, 30, 7.5, 5.0)
+    assert p.negative_prompt == WAN_NEGATIVE_PROMPT and infer.InferConfig().guidance_scale_img is None
+    for i, (w, h) in enumerate([(301, 97), (97, 301), (96, 64), (50, 51)]):
+        image = synthetic(w, h, 20 + i)
+        assert np.array_equal(np.asarray(preprocess_image(image, "fit_pad_white", (32, 47))),
+                              np.asarray(theirs.fit_pad_white(image, 47, 32))), (w, h)
+    assert parse_elements(["a=_a.png:vae=fit_pad_white"])[0].vae_preprocess == "fit_pad_white"
