@@ -238,7 +238,8 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
         return run
     encoders = run.info.image_encoder_dir if run.layout.use_clip else None
     cache = Path(cfg.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
-                                            str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames)
+                                            str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
+                                            run.layout.kind)
     if not cfg.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
