@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 # the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
-PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox")  # how an image is framed to a size
+# how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
+PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
 REFERENCE_LAYOUTS = ("channel", "incontext")  # where element references enter the transformer
 REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
 
@@ -89,6 +90,12 @@ A2_ELEMENTS: tuple[Element, ...] = (
     Element("object", ("_object.png", "_thing.png"), False, 4, 1, "pad_white", "pad_white"),
     Element("background", ("_background.png", "_env.png", "_scene.png"), False, 4, 2, "center_crop", "pad_white"),
 )
+
+
+# Phantom-Wan's and SkyReels-V3 R2V's references (infer.py's default on those models): one frame each, framed as both
+# labs frame them (Lanczos fit, white pad), no CLIP path
+RELEASED_ELEMENTS: tuple[Element, ...] = tuple(
+    Element(f"ref{i}", (f"_ref{i}.png",), False, 1, i, "fit_pad_white", "pad_white", False) for i in range(8))
 
 
 def check_element(e: Element, where: str) -> Element:
@@ -479,11 +486,12 @@ class TrainConfig:
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging
-    Face Hub id (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in
-    offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, or a real-size one
-    with random weights built on the GPU (no download; for speed and memory at real shapes): random-1.3B (Wan2.1
-    T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3
+    R2V), a Phantom-Wan checkpoint (file or dir; trained in its own layout, as V3), a Hugging Face Hub id
+    (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in offline tiny
+    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, or a
+    real-size one with random weights built on the GPU (no download; for speed and memory at real shapes):
+    random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"

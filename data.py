@@ -803,9 +803,11 @@ def stop_workers(batches) -> None:
 
 
 def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
-              e2v_type: str, prefix_frames: int) -> str:
+              e2v_type: str, prefix_frames: int, kind: str | None = None) -> str:
     """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
-    file, captions, the dataset/processor configs, clip length, layout, dtype). Any change -> a new dir."""
+    file, captions, the dataset/processor configs, clip length, layout kind, dtype). Any change -> a new dir (the
+    kind too: Phantom-Wan shares Wan2.1-T2V-1.3B's encoders, and encodes a reference as one frame where the incontext
+    kind on that T2V model encodes `repeat` frames into the same one latent)."""
     def stat(p: Path):
         st = p.stat()
         return [str(p.resolve()), st.st_size, st.st_mtime_ns]
@@ -816,7 +818,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
     key = dict(version=2, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
-               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
+               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +32,7 @@ from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows
 from a2.lora import expansion_file, load_expanded, load_lora
 from a2.pipeline import (
     A2_NEGATIVE_PROMPT,
+    WAN_NEGATIVE_PROMPT,
     A2Pipeline,
     check_size,
     load_first_frame,
@@ -40,17 +41,26 @@ from a2.pipeline import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
-from config import A2_ELEMENTS, EvalConfig, VaeProcessorConfig, height_width, pair_elements, parse_elements
+from config import (
+    A2_ELEMENTS,
+    RELEASED_ELEMENTS,
+    EvalConfig,
+    VaeProcessorConfig,
+    height_width,
+    pair_elements,
+    parse_elements,
+)
 
 
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B), a Hugging Face
-    Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v; sampled by default at the README demo's 64x64, 33 frames,
-    10 steps), or a real-size one with random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2
-    pair samples with both experts."""
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
+    a Phantom-Wan checkpoint (file or dir; sampled in its own layout, as V3), a Hugging Face Hub id
+    (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3; sampled by default at the README
+    demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights built on the GPU (random-1.3B,
+    random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
@@ -66,7 +76,14 @@ class InferConfig:
     """Wan 2.2 TI2V-5B image-to-video: the first frame of the video (resized to --height x --width with Lanczos, as
     diffusers' VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
-    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background."""
+    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
+    Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
+    preset: Literal["phantom", "v3", "v3-distilled"] | None = None
+    """Sample as a released model's own code does; sets the flags still at their defaults. phantom: 50 steps,
+    --guidance-scale 7.5 --guidance-scale-img 5 (three forwards a step), Wan's Chinese negative prompt, 16 fps.
+    v3: 50 steps, 7.5 / 5, empty negative prompt, 24 fps. v3-distilled (SkyReels-V3's released generate_video):
+    8 steps, guidance 1 (one forward a step), 121 frames (5 s), 24 fps. Shift 5 and their UniPC schedule come with
+    the model dir either way."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """Text prompt of the video."""
     negative_prompt: str = A2_NEGATIVE_PROMPT
@@ -154,6 +171,10 @@ class InferConfig:
 
 
     def __post_init__(self):
+        defaults = {f.name: f.default for f in fields(self)}  # a --preset fills the flags left at their defaults
+        for key, value in PRESETS.get(self.preset, {}).items():
+            if getattr(self, key) == defaults[key]:
+                setattr(self, key, value)
         # a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a
         # CPU; it is sampled at the size the README demo trains it at unless the size is given
         tiny = self.model in TINY_MODELS and not self.model.startswith("random-")
@@ -169,6 +190,15 @@ class InferConfig:
             self.defaults_note = (f"--model {self.model}: a built-in tiny model, sampled at {self.height}x"
                                   f"{self.width}, {self.num_frames} frames, {self.steps} steps (the README demo's "
                                   "size; --resolution, --num-frames and --steps set them)")
+
+
+# the released models' own sampling settings (a2/pipeline.py NATIVE_SAMPLING has their shift and schedule)
+PRESETS = {
+    "phantom": dict(steps=50, guidance_scale=7.5, guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16),
+    "v3": dict(steps=50, guidance_scale=7.5, guidance_scale_img=5.0, negative_prompt="", fps=24),
+    "v3-distilled": dict(steps=8, guidance_scale=1.0, guidance_scale_img=None, negative_prompt="", num_frames=121,
+                         fps=24),
+}
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -227,10 +257,12 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def read_references(cfg: InferConfig, images) -> dict:
+def read_references(cfg: InferConfig, images, info=None) -> dict:
     """Element images (`path` or `name=path`) paired with the element specs and loaded (errors name the file):
-    dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video))."""
-    items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else A2_ELEMENTS)
+    dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video)). Default specs: A2's, or
+    a released S2V model's (info.native_kind) RELEASED_ELEMENTS."""
+    default = RELEASED_ELEMENTS if info is not None and info.native_kind else A2_ELEMENTS
+    items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), elements={}, specs=())
     refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
@@ -344,13 +376,13 @@ def main(cfg: InferConfig) -> int:
         rows = read_rows(cfg.eval_set or cfg.prompts_file)
         for row in rows:  # read and check every row's images before loading any model
             try:
-                row.update(read_references(cfg, row.get("images", cfg.elements)))
+                row.update(read_references(cfg, row.get("images", cfg.elements), info))
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
         layouts = [check_layout(cfg, info, row["specs"], False) for row in rows]
     else:
-        refs = read_references(cfg, cfg.elements)
+        refs = read_references(cfg, cfg.elements, info)
         items = list(refs["elements"])
         layouts = [check_layout(cfg, info, refs["specs"], first_frame is not None)]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora).is_file()

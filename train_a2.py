@@ -76,7 +76,7 @@ from a2.pipeline import (
     load_encoders,
     load_first_frame,
     load_references,
-    model_flow_shift,
+    sampler_settings,
     save_video,
     tensor_to_uint8,
 )
@@ -254,9 +254,10 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
     if not cfg.cache_dir:
         return run
-    cache = Path(cfg.cache_dir) / cache_key(run.info.path, run.info.image_encoder_dir if run.layout.use_clip else None,
-                                            dataset, run.layout.clip_frames, str(run.compute_dtype),
-                                            run.layout.e2v_type, run.layout.prefix_frames)
+    encoders = run.info.image_encoder_dir if run.layout.use_clip else None
+    cache = Path(cfg.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
+                                            str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
+                                            run.layout.kind)
     if not cfg.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
@@ -332,7 +333,7 @@ class Encoders:
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
     enc = Encoders()
     if needed:
-        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.layout.image_branch else None,
+        parts = load_encoders(run.info.parts_dir, run.info.image_encoder_dir if run.layout.image_branch else None,
                               run.compute_dtype)
         enc = Encoders(*parts)
         for m in (enc.vae, enc.text_encoder, enc.image_encoder):
@@ -477,7 +478,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
-        if layout.references:
+        if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
@@ -569,7 +570,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, flow_shift=model_flow_shift(run.info.path), expand_timesteps=run.info.ti2v)
+                      **experts, expand_timesteps=run.info.ti2v, **sampler_settings(run.info))
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
@@ -721,7 +722,8 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
     return save() if cfg.fsdp else on_rank0(save)
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "") -> Path:
+def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
+                   original_keys: bool = False) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
@@ -729,7 +731,9 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
-    `tag` ends the names (_ema: the EMA weights, export_ema)."""
+    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of a Phantom-Wan
+    checkpoint): also transformer_original/Phantom-Wan.pth, the weights in original-Wan keys as Phantom's own code
+    loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
         from a2.lora import export_lora
 
@@ -744,6 +748,14 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     model.save_pretrained(out)
     comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
     log(f"full model for ComfyUI (Load Diffusion Model) and Wan's own code, bf16 in original Wan keys: {comfy}")
+    if original_keys:
+        from a2.transformer import diffusers_to_original, original_wan_config
+
+        original = run_dir / "transformer_original"
+        original.mkdir(exist_ok=True)
+        (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
+        torch.save({k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
+                   original / "Phantom-Wan.pth")
     return out
 
 
@@ -884,14 +896,14 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
     return checkpoint(run_dir, done, transformer, opt, cfg, failures)
 
 
-def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int) -> dict:
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int, original_keys: bool) -> dict:
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
-    collective on every rank)."""
+    collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
     if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        out["weights"] = export_weights(run_dir, transformer, cfg, full_state)
+        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys)
         log(f"exported {out['weights']}")
     del full_state
     if cfg.ema_decay:
@@ -1072,7 +1084,7 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank))
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, bool(run.info.original_weights)))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

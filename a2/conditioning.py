@@ -13,6 +13,11 @@ A run's layout has one `kind`:
              clean element latents appended after x_t on the time axis; loss and sampler see the video latents only.
   clean      Wan 2.2 TI2V-5B image-to-video: the clean latents of the clip's leading 4k+1 frames replace x_t's first
              latent frames, their tokens at timestep 0; the loss leaves them out.
+  phantom    Phantom-Wan as released (its weights, ModelInfo.native_kind): each reference its own 1-frame clip, its
+             posterior mean, appended after x_t on the time axis at the sample's timestep; the sampler's noise is
+             drawn for T + L_ref frames (initial_latents) and the reference slots are the references in every input.
+  v3         SkyReels-V3 R2V as released: the references' posterior samples (drawn after the noise, from its
+             generator) zero-padded to exactly 4 slots, cat([x_t, slots], dim=2), one timestep for all tokens.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -32,11 +37,16 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
+from diffusers.utils.torch_utils import randn_tensor
 
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean")
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3")
 CHANNEL_KINDS = ("prefix", "inplace")  # the condition enters on the channel axis (36-channel models)
+APPENDED_KINDS = ("incontext", "phantom", "v3")  # the reference latents follow the video's on the time axis
+REFERENCE_KINDS = ("prefix",) + APPENDED_KINDS  # the kinds that take element references
+NATIVE_KINDS = ("phantom", "v3")  # the released models' own layouts, chosen by their weights (ModelInfo.native_kind)
+V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
 
@@ -157,7 +167,7 @@ def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefi
 class Layout:
     """What the kind means for one run (plan) or one sampling call (sampling_layout), computed once."""
 
-    kind: str  # t2v | prefix | inplace | incontext | clean (module docstring)
+    kind: str  # t2v | prefix | inplace | incontext | clean | phantom | v3 (module docstring)
     num_frames: int  # pixel frames of the sequence the VAE encodes (prefix: references + clip; else the clip)
     clip_frames: int  # pixel frames of the video clip: prefix 4·(T - L_ref - 1) + 1 (A2 at 81 frames: 69)
     ref_latents: int = 0  # latent frames of the references: before the clip (prefix), appended after it (incontext)
@@ -175,19 +185,19 @@ class Layout:
     per_token: bool = False  # one timestep per token, as the model was trained (TI2V-5B's expand_timesteps)
 
     @property
+    def takes_references(self) -> bool:
+        """The kind is given element references (training reads them from the data, sampling from the call)."""
+        return self.kind in REFERENCE_KINDS
+
+    @property
     def latent_frames(self) -> int:
-        """Latent frames of hidden_states: the sequence's, plus the appended references (incontext)."""
-        return num_latent_frames(self.num_frames) + (self.ref_latents if self.kind == "incontext" else 0)
+        """Latent frames of hidden_states: the sequence's, plus the appended references (incontext, phantom, v3)."""
+        return num_latent_frames(self.num_frames) + (self.ref_latents if self.kind in APPENDED_KINDS else 0)
 
     @property
     def model_frames(self) -> int:
         """Pixel frames the transformer's input stands for (ModelInfo.latent_tokens counts its tokens from them)."""
         return VAE_T * (self.latent_frames - 1) + 1
-
-    @property
-    def references(self) -> bool:
-        """The kind reads element reference images (train: the sample's; sample: --elements / --val-elements)."""
-        return self.kind in ("prefix", "incontext")
 
     @property
     def images(self) -> str:
@@ -199,7 +209,10 @@ class Layout:
         seq = {"prefix": f"{self.ref_latents} reference latents + ",
                "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
                "inplace": f"(conditioned on frames: {self.frame_conditioning}) ",
-               "clean": f"({self.clean_frames} clean leading frames at timestep 0) "}.get(self.kind, "")
+               "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
+               "phantom": f"(then {self.ref_latents} reference latents, posterior means, Phantom-Wan's layout) ",
+               "v3": f"(then {len(self.repeats)} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) ",
+               }.get(self.kind, "")
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.kind != "t2v" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -224,7 +237,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     repeats = tuple(repeats)
     if min(repeats, default=1) < 1:
         raise ValueError(f"element repeats must be >= 1, got {repeats}")
-    if kind in ("prefix", "incontext") and not repeats:
+    if kind in REFERENCE_KINDS and not repeats:
         raise ValueError(f"the {kind} kind takes element references; none given")
     clip, l_ref = num_frames, 0
     if kind == "prefix":
@@ -235,6 +248,12 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
                              f"{repeats}); num_frames={num_frames} leaves no frame to generate")
     elif kind == "incontext":  # each element alone, one latent per 1-4 frames, after the clip
         l_ref = num_ref_latents(repeats, "after")
+    elif kind in NATIVE_KINDS:  # each reference one frame, as both labs encode it: element repeats do not apply
+        if kind == "v3" and len(repeats) > V3_SLOTS:
+            raise ValueError(f"the v3 kind holds at most {V3_SLOTS} references (SkyReels-V3's slots), got "
+                             f"{len(repeats)}: pass at most {V3_SLOTS}")
+        repeats = (1,) * len(repeats)
+        l_ref = V3_SLOTS if kind == "v3" else len(repeats)
     if kind == "clean" and not settings.get("clean_frames"):
         raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
@@ -260,6 +279,12 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
 
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
+    if info.native_kind:  # a released S2V model takes its own layout and nothing else
+        kind = native_kind_of(info, kind, vae, elements, e2v_type)
+        try:
+            return make_layout(kind, num_frames, [e.repeat for e in elements], e2v_type="vae")
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if not vae.concatenate_mask and kind in CHANNEL_KINDS:
         raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
                           + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
@@ -298,7 +323,7 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     expand = kind in CHANNEL_KINDS and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:
-        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in ("prefix", "incontext") else (),
+        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in REFERENCE_KINDS else (),
                            combine=vae.combine, frame_conditioning=vae.frame_conditioning,
                            frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
                            reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
@@ -308,12 +333,42 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
 
 
+def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
+    """The released model's own kind (info.native_kind), or a ConfigError naming the model dir, the kind and the fix
+    when the flags ask for another layout. `kind`: what kind_of derived from the flags (prefix: elements, defaults)."""
+    native, where = info.native_kind, f"{info.path} ({info.name})"
+    if kind == "t2v":
+        raise ConfigError(f"{where} takes element references in its {native} layout: give element images "
+                          "(a dataset with elements); text-to-video training needs a Wan T2V model")
+    if kind != "prefix":
+        flag = ("--reference-layout incontext" if kind == "incontext"
+                else f"--frame-conditioning {vae.frame_conditioning}")
+        raise ConfigError(f"{where} takes its own {native} layout, not {flag} (kind {kind}): drop {flag}")
+    if vae.reference_timestep != "shared":
+        raise ConfigError(f"{where}: the {native} layout gives the references the sample's timestep: drop "
+                          f"--reference-timestep {vae.reference_timestep}")
+    if e2v_type in ("dual", "clip"):
+        raise ConfigError(f"{where} has no CLIP image branch: its {native} layout uses the VAE path only "
+                          f"(--e2v-type vae or auto), not {e2v_type}")
+    if native == "v3" and len(elements) > V3_SLOTS:
+        raise ConfigError(f"{where}: the v3 kind holds at most {V3_SLOTS} references (SkyReels-V3's slots); the "
+                          f"dataset has {len(elements)} elements: keep at most {V3_SLOTS}")
+    return native
+
+
 def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
                     first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
-                    reference_timestep: str = "shared", e2v_type: str = "dual") -> Layout:
+                    reference_timestep: str = "shared", e2v_type: str = "dual", native_kind: str | None = None
+                    ) -> Layout:
     """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
     36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
-    also beside in-context references), or text alone. Raises ValueError naming what does not fit."""
+    also beside in-context references), or text alone; a released S2V model (native_kind) its own layout. Raises
+    ValueError naming what does not fit."""
+    if native_kind:
+        if not references or first_frame or reference_layout != "channel" or reference_timestep != "shared":
+            raise ValueError(f"this model samples in its own {native_kind} layout: it takes reference images, no "
+                             "first_frame, and the default reference_layout / reference_timestep")
+        return make_layout(native_kind, num_frames, repeats, e2v_type="vae")
     e2v = transformer_config.in_channels == 36
     if reference_layout not in REFERENCE_LAYOUTS:
         raise ValueError(f"unknown reference layout {reference_layout!r}; choose one of {REFERENCE_LAYOUTS}")
@@ -365,8 +420,8 @@ class Conditioning:
 
     kind: str
     condition: torch.Tensor | None = None  # prefix / inplace: (B, 4 + C, T, h, w) mask | condition latents
-    ref_latents: torch.Tensor | None = None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext: the clean
-    # latents appended after the video latents
+    ref_latents: torch.Tensor | None = None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext, phantom, v3:
+    # the clean latents appended after the video latents (v3: 4 slots, zeros after the references)
     clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents
     image: torch.Tensor | None = None  # (B, 257·N, D) CLIP tokens of the elements (use_clip), else None
     keep: torch.Tensor | None = None  # (B,) 1: conditioned, 0: dropped (drop); None: all conditioned
@@ -381,8 +436,9 @@ class Conditioning:
     @property
     def tensor(self) -> torch.Tensor | None:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
-        return {"prefix": self.condition, "inplace": self.condition, "incontext": self.ref_latents,
-                "clean": self.clean}.get(self.kind)
+        if self.kind in APPENDED_KINDS:
+            return self.ref_latents
+        return {"prefix": self.condition, "inplace": self.condition, "clean": self.clean}.get(self.kind)
 
 
 def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
@@ -400,6 +456,10 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     incontext: each element VAE-encoded alone as a clip of `repeats[i]` frames, in position order (one latent per
       1-4 frames, as Phantom and V3 encode one frame per reference): `ref_latents` (B, C, L_ref, h, w), clean;
       model_input appends them after the video latents at every step. layout.num_frames is the video's alone.
+    phantom: each reference alone as a 1-frame clip, its posterior mean (whatever sample_mode: Phantom-Wan's encode),
+      in position order: `ref_latents` (B, C, N, h, w).
+    v3: each reference alone as a 1-frame clip, sampled with `generator` (sample_mode "sample": SkyReels-V3 draws
+      these after the noise), then zero latents up to 4 slots: `ref_latents` (B, C, 4, h, w).
     clean: the leading layout.clean_frames (4k+1) frames of `video`, encoded alone as diffusers' 5B I2V encodes its
       image: `clean` (B, C, T_c, h, w) (the causal VAE makes them the first T_c latents of the whole video's). In
       sampling a TI2V-5B first frame comes this way beside in-context references (encoded first).
@@ -415,15 +475,19 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
     if kind in ("t2v", "clean"):
         return cond
-    if kind in ("prefix", "incontext"):
+    if kind in REFERENCE_KINDS:
         if references is None:
             raise ValueError(f"the {kind} kind takes references (element images), not video frames")
         b, n, _, h, w = references.shape
         if len(layout.repeats) != n:
             raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
-    if kind == "incontext":
-        cond.ref_latents = torch.cat([encode_vae(vae, x, sample_mode, generator) for x in frames], dim=2)
+    if kind in APPENDED_KINDS:
+        mode = "argmax" if kind == "phantom" else sample_mode  # the mode of a Gaussian is its mean
+        latents = [encode_vae(vae, x, mode, generator) for x in frames]  # (B, C, 1 per 1-4 frames, h, w) each
+        if kind == "v3":
+            latents += [latents[0].new_zeros(latents[0].shape)] * (V3_SLOTS - n)
+        cond.ref_latents = torch.cat(latents, dim=2)
         return cond
     t = num_latent_frames(layout.num_frames)
     flags = torch.zeros(video.shape[0] if kind == "inplace" else b, layout.num_frames)
@@ -460,7 +524,7 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
     the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
     frames (inplace, clean)."""
-    if layout.kind in ("prefix", "incontext"):
+    if layout.takes_references:
         cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator)
         x0 = encode_vae(vae, video, sample_mode, generator)
         return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
@@ -478,13 +542,14 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     """The condition with the samples where keep (B,) is 0 unconditioned: the channel condition and the CLIP tokens
-    zeroed (A2), the in-context references zeroed (Phantom's unconditional), the clean frames of the clean kind left
-    noisy (a TI2V-5B sample then trains as text-to-video; model_input reads keep; a first frame given beside in-context
-    references stays, it is not a reference). A prefix run's reference latents stay in x0."""
+    zeroed (A2), the appended references zeroed (Phantom's and V3's unconditional: every slot zero), the clean frames
+    of the clean kind left noisy (a TI2V-5B sample then trains as text-to-video; model_input reads keep; a first
+    frame given beside in-context references stays, it is not a reference). A prefix run's reference latents stay in
+    x0."""
     k = keep.view(-1, 1, 1, 1, 1)
     return replace(cond, keep=keep if cond.kind == "clean" else cond.keep,
                    condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
-                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind == "incontext"
+                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind in APPENDED_KINDS
                    else cond.ref_latents,
                    image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
 
@@ -514,9 +579,9 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         timestep = noisy * timestep.reshape(-1, 1)
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
-    if cond.kind != "incontext":
+    if cond.kind not in APPENDED_KINDS:
         return x, timestep
-    refs = cond.ref_latents.to(x.dtype)
+    refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
     x = torch.cat([x, refs], dim=2)
     if cond.reference_timestep == "shared" and timestep.dim() < 2:
         return x, timestep
@@ -532,8 +597,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 
 
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-    """The model output for the video latents: in the incontext kind the last L_ref (reference) frames dropped."""
-    if cond.kind != "incontext":
+    """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped."""
+    if cond.kind not in APPENDED_KINDS:
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 
@@ -544,6 +609,15 @@ def loss_start(cond: Conditioning, on_references: bool = False) -> int:
     if cond.kind == "prefix" and not on_references:
         return cond.num_ref_latents
     return 0 if cond.clean is None else cond.clean.shape[2]
+
+
+def initial_latents(layout: Layout, shape: tuple[int, ...], generator=None, device=None) -> torch.Tensor:
+    """The sampler's starting noise for the video latents, shape (B, C, T, h, w), float32. Phantom-Wan draws it for
+    T + L_ref frames (the reference slots last) and its solver steps the slots too, but replaces them in every input:
+    the solver is elementwise, so sampling the first T frames alone gives the same video latents bit for bit."""
+    extra = layout.ref_latents if layout.kind == "phantom" else 0
+    b, c, t, h, w = shape
+    return randn_tensor((b, c, t + extra, h, w), generator=generator, device=device, dtype=torch.float32)[:, :, :t]
 
 
 def restore(latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:

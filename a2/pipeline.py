@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
-from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from a2.conditioning import (
+    APPENDED_KINDS,
     VAE_T,
     Layout,
     drop,
+    initial_latents,
     latent_stats,
     model_input,
     num_latent_frames,
@@ -34,8 +35,11 @@ from config import PREPROCESS_MODES
 
 
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
-    """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes.
+    """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes, and as
+    Phantom-Wan and SkyReels-V3 R2V for theirs (fit_pad_white).
 
+    fit_pad_white: Lanczos-resize to fit inside the size (the long side exact, the other truncated to whole pixels),
+    then pad with white, the odd pixel right / bottom (Phantom's and V3's references: resize first, then pad).
     resize: stretch. center_crop: crop the middle to the target aspect, then resize (A2's backgrounds).
     pad_white: pad to the target aspect with white, the image centred, then resize (A2's subjects, objects and
     every CLIP image, at 512x512). letterbox: the same with black padding. Crop and pad sizes are truncated to
@@ -45,6 +49,11 @@ def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Im
     image = image.convert("RGB")
     h, w = size
     iw, ih = image.size
+    if mode == "fit_pad_white":
+        nw, nh = (w, int(w / (iw / ih))) if iw / ih > w / h else (int(h * (iw / ih)), h)
+        image = image.resize((nw, nh), Image.LANCZOS)
+        return ImageOps.expand(image, ((w - nw) // 2, (h - nh) // 2, w - nw - (w - nw) // 2,
+                                       h - nh - (h - nh) // 2), fill=(255, 255, 255))  # left, top, right, bottom
     wider = ih / iw < h / w  # the image is wider than the target aspect
     if mode == "center_crop":
         if wider:
@@ -258,6 +267,38 @@ def model_flow_shift(model_dir, default: float = 8.0) -> float:
     return float(c.get("flow_shift") or c.get("shift") or default)
 
 
+# Wan's own negative prompt (the Chinese original of A2's), which Phantom-Wan always samples with
+WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"  # noqa: RUF001
+                       "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
+                       "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
+                       "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
+SCHEDULES = ("diffusers", "phantom", "diffusers034")
+# how the released S2V models sample: their shift (Phantom's parts come from Wan2.1-T2V-1.3B, whose scheduler config
+# says 3; Phantom samples at 5 regardless) and their UniPC's sigmas
+NATIVE_SAMPLING = {"phantom": dict(flow_shift=5.0, schedule="phantom"),
+                   "v3": dict(flow_shift=5.0, schedule="diffusers034")}
+
+
+def sampler_settings(info) -> dict:
+    """A2Pipeline's flow_shift and schedule for a model (a2.transformer.ModelInfo): the released S2V models' own, else
+    the shift the model dir ships and diffusers' schedule."""
+    return NATIVE_SAMPLING.get(info.native_kind) or dict(flow_shift=model_flow_shift(info.path), schedule="diffusers")
+
+
+def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
+    """The unshifted sigmas of a UniPC schedule (None: diffusers' own default). diffusers 0.37 moved its default
+    start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
+    phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
+    use_flow_sigmas default, which SkyReels-V3 pins. Fed to set_timesteps(sigmas=), which shifts them."""
+    if schedule == "diffusers":
+        return None
+    if schedule == "phantom":
+        return np.linspace(float(np.float32(1 - 1 / 1000)), 0, steps + 1)[:-1].copy()
+    if schedule == "diffusers034":
+        return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
 def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000):
     """UniPC (A2 and Wan's default; A2 uses flow_shift 8) or FlowMatchEuler, both in flow-matching mode."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
@@ -304,7 +345,7 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
                  transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0,
-                 expand_timesteps: bool = False):
+                 expand_timesteps: bool = False, schedule: str = "diffusers", native_kind: str | None = None):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
@@ -313,6 +354,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
+        self.schedule = schedule  # the UniPC sigmas (schedule_sigmas)
+        self.native_kind = native_kind  # a released S2V model's own layout (phantom | v3), the kind it samples in
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -320,7 +363,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         """Load each component from a diffusers-format dir (`tiny`... = a built-in offline tiny model).
 
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
-        experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory)."""
+        experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory). A Phantom-Wan
+        checkpoint takes its VAE and text encoder from its Wan parts dir (ModelInfo.components_dir)."""
         from a2.tiny import model_path
         from a2.transformer import detect_model, load_transformer
 
@@ -333,10 +377,11 @@ class A2Pipeline(WanLoraLoaderMixin):
             raise FileNotFoundError(f"{model_dir}: the transformer has an image branch but there is no "
                                     "image_encoder/; pass --image-encoder DIR")
         vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
-            model_dir, info.image_encoder_dir if transformer.config.image_dim is not None else None, dtype)
+            info.parts_dir, info.image_encoder_dir if transformer.config.image_dim is not None
+            else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
-                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir),
-                   info.expand_timesteps)
+                   transformer_2 if info.two_experts else None, info.boundary_ratio,
+                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, **sampler_settings(info))
         return pipe.to(device)
 
     def to(self, device):
@@ -388,7 +433,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         the CLIP-path ones (None for models without an image branch). Noise is drawn first, then the
         posterior is sampled with the same generator (A2's order, needed for bit-parity).
         The conditioning kind (a2/conditioning.py) is `layout`, or, when None, what sampling_layout derives from the
-        model and the inputs: reference_layout channel on a 36-channel model (prefix: A2 / Wan I2V), incontext on a
+        model and the inputs: a released S2V model's own (self.native_kind: phantom | v3, sampled on its own UniPC
+        schedule, self.schedule), reference_layout channel on a 36-channel model (prefix: A2 / Wan I2V), incontext on a
         latents-only one (`reference_timestep` shared | zero; the sampler then runs on the video latents alone),
         `first_frame` (1, 3, H, W) on Wan 2.2 TI2V-5B (its clean latent replaces the first latent frame at timestep
         0; references beside it go in context), or text alone; `combine` as prepare_latents.
@@ -397,10 +443,10 @@ class A2Pipeline(WanLoraLoaderMixin):
         flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
-        guidance_scale_img (incontext): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample, three forwards
-        a step: u + s_img·(r − u) + s·(c − r) with u = (no references, negative prompt), r = (references, negative
-        prompt), c = (references, prompt), s = guidance_scale (Phantom: s 7.5, s_img 5). None: text CFG only, the
-        references in both branches (the same as s_img = 1, one forward fewer).
+        guidance_scale_img (incontext, phantom, v3): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample,
+        three forwards a step: u + s_img·(r − u) + s·(c − r) with u = (no references, negative prompt),
+        r = (references, negative prompt), c = (references, prompt), s = guidance_scale (Phantom: s 7.5, s_img 5).
+        None: text CFG only, the references in both branches (the same as s_img = 1, one forward fewer).
         Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (Conditioning.tensor: the
         channel condition, the in-context reference latents, or the clean leading latents), num_ref_latents)."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
@@ -411,13 +457,18 @@ class A2Pipeline(WanLoraLoaderMixin):
             layout = sampling_layout(transformer.config, self.expand_timesteps, num_frames, repeats,
                                      references=references is not None, first_frame=first_frame is not None,
                                      combine=combine, reference_layout=reference_layout,
-                                     reference_timestep=reference_timestep)
-        if guidance_scale_img is not None and layout.kind != "incontext":
-            raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext")
+                                     reference_timestep=reference_timestep, native_kind=self.native_kind)
+        if guidance_scale_img is not None and layout.kind not in APPENDED_KINDS:
+            raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext and the "
+                             "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
-        sched.set_timesteps(num_inference_steps, device=device)
+        sigmas = schedule_sigmas(self.schedule, num_inference_steps) if scheduler == "unipc" else None
+        if sigmas is None:
+            sched.set_timesteps(num_inference_steps, device=device)
+        else:  # the released model's own schedule (shifted by the scheduler)
+            sched.set_timesteps(sigmas=sigmas, device=device)
 
         prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)
         negative_embeds = None
@@ -430,7 +481,7 @@ class A2Pipeline(WanLoraLoaderMixin):
             image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
 
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
-        latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+        latents = initial_latents(layout, shape, generator, device)
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
             self.vae, layout, references=None if references is None else references.to(device),
             video=None if first_frame is None else first_frame.to(device)[:, :, None], image=image_embeds,

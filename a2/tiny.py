@@ -174,7 +174,7 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     from diffusers import WanPipeline
     from safetensors.torch import save_file
 
-    from a2.transformer import diffusers_to_original
+    from a2.transformer import diffusers_to_original, original_wan_config
 
     parts["scheduler"] = type(parts["scheduler"]).from_config(parts["scheduler"].config,
                                                               flow_shift=RELEASED_FLOW_SHIFT)
@@ -196,11 +196,7 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
         save_file(shard, out_dir / name)
     index = {"metadata": {}, "weight_map": {k: name for name, shard in shards.items() for k in shard}}
     (out_dir / "Phantom_Wan_tiny.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    c = transformer.config
-    wan = dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
-               ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
-               num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
-    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(original_wan_config(transformer.config), indent=2))
     return out_dir
 
 

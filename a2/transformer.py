@@ -118,6 +118,11 @@ class ModelInfo:
     components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
     @property
+    def parts_dir(self) -> Path:
+        """The dir holding vae/ text_encoder/ tokenizer/ (a Phantom-Wan checkpoint's Wan parts dir, else `path`)."""
+        return self.components_dir or self.path
+
+    @property
     def ti2v(self) -> bool:
         """Wan 2.2 TI2V-5B: T2V, and I2V by replacing the first latent frame (no channel conditioning)."""
         return self.expand_timesteps
@@ -268,6 +273,14 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
         if shapes and all(k.startswith(prefix) for k in shapes):
             return {k.removeprefix(prefix): v for k, v in shapes.items()}
     return shapes
+
+
+def original_wan_config(c) -> dict:
+    """The Wan config.json (original names) of a T2V WanTransformer3DModel config `c`, as Wan's repos ship one: what
+    original_config reads back the heads (and eps) from, the rest being in the tensors' shapes."""
+    return dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
+                ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
+                num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
 
 
 def original_config(files: list[Path], config_path: Path | None = None) -> dict:

@@ -47,8 +47,9 @@ def test_cache_is_keyed_by_what_it_depends_on(data_dir, tmp_path):  # noqa: F811
 
 
 def test_cache_key_covers_the_preprocessing(tmp_path):
-    """The key hashes each element's VAE/CLIP preprocessing mode and the video framing (and its version, 2 since
-    A2's pad/crop-then-resize, retires caches of the old code), so a cache built with other framing is never read."""
+    """The key hashes each element's VAE/CLIP preprocessing mode, the video framing and the layout kind (and its
+    version, 2 since A2's pad/crop-then-resize, retires caches of the old code), so a cache built with other framing
+    is never read."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -68,3 +69,7 @@ def test_cache_key_covers_the_preprocessing(tmp_path):
     keys = {key(base), key(replace(base, elements=other_vae)), key(replace(base, elements=other_clip)),
             key(replace(base, reshape_mode="pad_white"))}
     assert len(keys) == 4 and key(base) == key(DatasetConfig(str(tmp_path)))
+    # the layout kind: Phantom-Wan's references (one frame each) on Wan2.1-T2V's encoders are not incontext's
+    kinds = {cache_key(tmp_path, None, SimpleNamespace(cfgs=[base], samples=[], frame_sampling="x"), 9, "f32", "vae", 1,
+                       kind) for kind in ("incontext", "phantom", "v3")}
+    assert len(kinds) == 3

@@ -26,6 +26,8 @@ KINDS = {
     "clean": ("tiny-ti2v", ["--frame-conditioning", "first", "--num-frames", "17"]),
     "incontext-ti2v": ("tiny-ti2v", ["--reference-layout", "incontext", "--reference-timestep", "zero",
                                      "--num-frames", "9"]),
+    "phantom": ("tiny-phantom", ["--num-frames", "9"]),  # the released models' own layouts, chosen by their weights
+    "v3": ("tiny-v3", ["--num-frames", "9"]),
 }
 
 
@@ -58,7 +60,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
                       expand_timesteps=run.info.ti2v)
     refs = clips = None
     repeats, first_frame = (), None
-    if kind in ("prefix", "incontext"):
+    if run.layout.takes_references:
         files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
         refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size))
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
@@ -86,8 +88,8 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     x = trained["hidden_states"]
     if kind in ("prefix", "inplace"):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
-    if kind == "incontext":
-        assert x.shape[2] == t + run.layout.ref_latents
+    if kind in ("incontext", "phantom", "v3"):
+        assert x.shape[2] == t + run.layout.ref_latents == t + {"v3": 4}.get(kind, 3)
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
 
@@ -97,12 +99,15 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("inplace-last", ["--frame-conditioning", "first_and_last", "--num-frames", "17"]),
     ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
     ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
+    ("phantom", ["--num-frames", "9"]),
+    ("v3", ["--num-frames", "9", "--vae-sample-mode", "sample"]),  # V3 samples its references' posteriors
 ])
 def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
-    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v"}[name.split("-")[0]]
+    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
+             "v3": "tiny-v3"}[name.split("-")[0]]
     cache = tmp_path / "cache"
     steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))

@@ -307,6 +307,21 @@ def test_reference_samplers_run_on_the_tiny_model(tiny_parts):
 # ---------------------------------------------------------------- an a2 LoRA in their model layouts
 
 
+def merged_phantom(phantom_dir, comfy_file):
+    """Phantom-Wan's original-Wan checkpoint with an original-key (ComfyUI) LoRA merged in as W + up·down, as Wan and
+    ComfyUI loaders apply it, converted into WanTransformer3DModel (Phantom's WanModel needs CUDA flash-attn; its
+    forward was checked against this conversion outside the suite, see the spec)."""
+    from a2.transformer import load_transformer
+
+    merged, lora = original_sd(phantom_dir), load_file(comfy_file)
+    for key in [k for k in lora if k.endswith(".lora_down.weight")]:
+        module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+        merged[f"{module}.weight"] = merged[f"{module}.weight"] + lora[key.replace("down", "up")] @ lora[key]
+    model = load_transformer(phantom_dir)
+    model.load_state_dict(original_to_diffusers(merged), strict=True)
+    return model
+
+
 def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
     """A LoRA trained in a2 (peft on diffusers names) and exported by a2/lora.py:
     - Phantom-Wan: its code loads no LoRA; the original-key file (ComfyUI's / Wan's loaders) merged into the
@@ -339,14 +354,7 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
     want = forward(model)
     diffusers_file, comfy_file = export_lora(tmp_path, model)
 
-    merged = original_sd(phantom_dir)
-    lora = load_file(comfy_file)
-    for key in [k for k in lora if k.endswith(".lora_down.weight")]:
-        module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
-        merged[f"{module}.weight"] = merged[f"{module}.weight"] + lora[key.replace("down", "up")] @ lora[key]
-    phantom = load_transformer(phantom_dir)
-    phantom.load_state_dict(original_to_diffusers(merged), strict=True)
-    got = forward(phantom)
+    got = forward(merged_phantom(phantom_dir, comfy_file))
     # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
     assert (got - forward(load_transformer(phantom_dir))).abs().max() > 1e-3  # the LoRA matters
@@ -357,3 +365,245 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
         m = copy.deepcopy(load_transformer(base))
         m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(file), prefix="transformer")
         assert torch.equal(forward(m), want), base
+
+
+# ---------------------------------------------------------------- a2's sampler against theirs, step by step
+
+
+def reference_files(tmp_path, sizes):
+    """Synthetic reference photos of several aspects as PNG files, and the elements that frame them as both labs do
+    (each one frame, Lanczos fit then white pad)."""
+    from config import Element
+
+    images, items = [], []
+    for i, (w, h) in enumerate(sizes):
+        images.append(synthetic(w, h, 10 + i))
+        images[-1].save(tmp_path / f"ref{i}.png")
+        element = Element(f"ref{i}", (".png",), position=i, vae_preprocess="fit_pad_white")
+        items.append((element, tmp_path / f"ref{i}.png"))
+    return images, items
+
+
+def record_forwards(transformer):
+    seen = []
+    handle = transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append({k: kw[k] for k in ("hidden_states", "timestep", "encoder_hidden_states")}),
+        with_kwargs=True)
+    return seen, handle
+
+
+@pytest.mark.parametrize("kind", ["phantom", "v3", "v3-cfg"])
+def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_path):
+    """A2Pipeline on the tiny released-layout models (their dirs, from_pretrained: its kind, shift 5 and UniPC
+    schedule chosen by the weights) against their samplers written out (tests/their_samplers.py), float32 on the CPU:
+    the reference latents, the initial noise, every forward's input (hidden states with the reference slots, int64
+    timestep, text) and the final video latents are equal bit for bit. Both are fed the same text-encoder outputs
+    (a2's encode_prompt on the tiny UMT5). Phantom: three passes at its default scales 7.5 / 5, the noise for T + L
+    frames; V3: the distilled preset's single pass at 8 steps, and three passes (v3-cfg)."""
+    from a2.pipeline import A2Pipeline, encode_prompt, load_references
+
+    pipe = A2Pipeline.from_pretrained(phantom_dir if kind == "phantom" else v3_dir)
+    assert (pipe.native_kind, pipe.flow_shift, pipe.schedule) == (
+        ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
+    images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
+    refs, _, repeats = load_references(items, (32, 48))
+    prompt, negative = "a hiker on a mountain", "low quality"
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
+    frames, steps = 9, 3 if kind == "phantom" else 8
+    scales = dict(phantom=(7.5, 5.0), v3=(1.0, None), **{"v3-cfg": (5.0, 2.0)})[kind]
+
+    seen, handle = record_forwards(pipe.transformer)
+    ours = pipe(prompt, refs, None, repeats, negative_prompt=negative, height=32, width=48, num_frames=frames,
+                num_inference_steps=steps, guidance_scale=scales[0], guidance_scale_img=scales[1],
+                generator=torch.Generator().manual_seed(3), decode="none", progress=False)
+    a2_calls, seen[:] = list(seen), []
+    kw = dict(num_frames=frames, height=32, width=48, steps=steps, seed=3)
+    if kind == "phantom":
+        them = theirs.phantom_sample(pipe.transformer, pipe.vae, images, text, null, **kw)
+        video = them["video"]
+    else:
+        them = theirs.v3_sample(pipe.transformer, pipe.vae, images, text, null, guidance=scales[0],
+                                guidance_img=scales[1] or 1.0, **kw)
+        video = them["latents"]
+    handle.remove()
+    passes = 1 if kind == "v3" else 3
+    assert len(a2_calls) == len(seen) == passes * steps
+    assert torch.equal(ours["condition"], them["condition"])  # the reference latents (V3: with its zero slots)
+    t = (frames - 1) // 4 + 1
+    assert torch.equal(a2_calls[0]["hidden_states"][:, :, :t], them["initial"][:, :, :t])  # the initial noise
+    for i, (a, b) in enumerate(zip(a2_calls, seen)):  # every forward: noisy latents + reference slots, t, text
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (i, key)
+    assert torch.equal(ours["latents"], video)
+    if kind == "phantom":  # the references each fill one slot after the video; the unconditional pass zeroes them
+        assert a2_calls[0]["hidden_states"].shape[2] == t + 3 and not a2_calls[2]["hidden_states"][:, :, t:].any()
+    else:
+        assert a2_calls[0]["hidden_states"].shape[2] == t + 4 and not ours["condition"][:, :, 3:].any()
+
+
+def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path):
+    """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
+    the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
+    from a2.conditioning import plan, sampling_layout
+    from config import A2_ELEMENTS, ConfigError, Element, VaeProcessorConfig
+
+    five = tuple(Element(f"e{i}", (f"_{i}.png",), position=i) for i in range(5))
+    p, v = detect_model(phantom_dir), detect_model(v3_dir)
+    vae = VaeProcessorConfig()
+    assert plan(p, A2_ELEMENTS, vae, 9).kind == "phantom" and plan(v, A2_ELEMENTS, vae, 9).kind == "v3"
+    lay = plan(p, five, vae, 9)
+    assert (lay.ref_latents, lay.repeats, lay.latent_frames) == (5, (1,) * 5, 3 + 5)
+    assert plan(v, A2_ELEMENTS, vae, 9).latent_frames == 3 + 4
+    with pytest.raises(ConfigError) as e:
+        plan(v, five, vae, 9)
+    one_line(e, str(v3_dir), "v3 kind holds at most 4", "keep at most 4")
+    with pytest.raises(ConfigError) as e:
+        plan(p, A2_ELEMENTS, VaeProcessorConfig(reference_layout="incontext"), 9)
+    one_line(e, str(phantom_dir), "own phantom layout", "drop --reference-layout incontext")
+    with pytest.raises(ConfigError) as e:
+        plan(v, (), vae, 9)
+    one_line(e, str(v3_dir), "v3 layout", "element images")
+    with pytest.raises(ConfigError) as e:
+        plan(p, A2_ELEMENTS, vae, 9, e2v_type="dual")
+    one_line(e, str(phantom_dir), "no CLIP image branch", "--e2v-type vae")
+    with pytest.raises(ValueError, match="at most 4"):
+        sampling_layout(None, False, 9, (1,) * 5, references=True, native_kind="v3")
+    with pytest.raises(ValueError, match="own phantom layout"):
+        sampling_layout(None, False, 9, (1,), references=True, reference_layout="incontext", native_kind="phantom")
+    assert detect_model(tiny_t2v_dir).native_kind is None  # the kinds come from the weights, nothing else
+
+
+# ---------------------------------------------------------------- training in their layouts
+
+FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
+       "background=_background.png:vae=fit_pad_white")  # their framing; each reference one frame in their kinds
+
+
+@pytest.mark.parametrize("kind", ["phantom", "v3"])
+def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir, tmp_path):
+    """train_a2.py LoRA on the released model in its own layout (validation samples in it too) -> the exported files ->
+    infer.py on the same model: the LoRA changes the video, repeatably, and its ComfyUI-key file gives the same video
+    as its diffusers file. Then the LoRA in their model layouts: Phantom-Wan's original-Wan checkpoint with the ComfyUI
+    file merged in (W + up·down, as Wan/ComfyUI loaders apply it), and SkyReels-V3's transformer (diffusers' module
+    names: its pipeline's load_lora_weights) with the diffusers file, give a2's forward with the LoRA."""
+    import infer
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+    from a2.transformer import load_transformer
+    from tests.conftest import args, train
+
+    model = str(phantom_dir if kind == "phantom" else v3_dir)
+    els = tuple(f"{n}={data_dir / ('000' + s)}" for n, s in (("subject", "_person.png"), ("object", "_object.png"),
+                                                            ("background", "_background.png")))
+    r = train(*args(data_dir, tmp_path, kind, "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",
+                    "--num-frames", "9", "--elements", *FIT, "--reference-dropout", "0.3", "--val-elements", *els,
+                    "--val-steps", "2", "--no-val-metrics", model=model))
+    run = json.loads((r["run_dir"] / "run.json").read_text())
+    assert run["layout"]["kind"] == kind and run["layout"]["ref_latents"] == (3 if kind == "phantom" else 4)
+    assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]
+    diffusers_file, comfy_file = r["weights"], r["run_dir"] / "pytorch_lora_weights_comfy.safetensors"
+    base = dict(model=model, elements=els, element_specs=FIT, height=32, width=32, num_frames=9, steps=2,
+                device="cpu", out=str(tmp_path / "v.mp4"), preset="phantom" if kind == "phantom" else "v3-distilled")
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    saved = torch.load(tmp_path / "base.pt")
+    assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape[2] == run["layout"]["ref_latents"]
+    lora = dict(base, lora=str(diffusers_file))
+    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"),
+                                        compare=str(tmp_path / "base.pt"))) == 1  # the LoRA changes the video
+    for f in (diffusers_file, comfy_file):  # repeatably, from either file
+        assert infer.main(infer.InferConfig(**dict(lora, lora=str(f)), compare=str(tmp_path / "lora.pt"),
+                                            tolerance=0.0)) == 0
+
+    pipe = A2Pipeline.from_pretrained(model)
+    load_lora(pipe, str(diffusers_file))
+    g = torch.Generator().manual_seed(0)
+    x, t, text = torch.randn(1, 16, 7, 4, 6, generator=g), torch.tensor([700]), torch.randn(1, 512, 32, generator=g)
+
+    def forward(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    want = forward(pipe.transformer)
+    if kind == "phantom":
+        downs = [k for k in load_file(comfy_file) if k.endswith(".lora_down.weight")]
+        assert downs and all(k.startswith("diffusion_model.blocks.") for k in downs)  # ComfyUI's original-Wan names
+        got = forward(merged_phantom(phantom_dir, comfy_file))
+        # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    else:
+        from diffusers.loaders import WanLoraLoaderMixin
+
+        m = copy.deepcopy(load_transformer(v3_dir))  # owned storage, as in test_a2_lora_in_their_model_layouts
+        m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(str(diffusers_file)), prefix="transformer")
+        got = forward(m)
+        assert torch.equal(got, forward(copy.deepcopy(pipe.transformer)))
+    assert (got - forward(load_transformer(model))).abs().max() > 1e-4  # the LoRA matters
+
+
+def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, tmp_path):
+    """Full fine-tuning of the V3 model in its layout -> infer.py --transformer, of Phantom's -> its original-Wan
+    checkpoint as well; reference dropout zeroes every slot
+    (both papers' unconditional: the references' latents all zero, the video's untouched)."""
+    import tyro
+
+    import infer
+    import train_a2
+    from config import TrainConfig, dataset_configs
+    from data import E2VDataset, collate
+    from tests.conftest import args, train
+
+    r = train(*args(data_dir, tmp_path, "full", "--max-steps", "2", "--training-type", "full", "--num-frames", "9",
+                    "--elements", *FIT, model=str(v3_dir)))
+    assert (r["weights"] / "config.json").exists()
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png"))
+    base = dict(model=str(v3_dir), elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
+                out=str(tmp_path / "v.mp4"), preset="v3-distilled", save_latents=str(tmp_path / "a.pt"))
+    assert infer.main(infer.InferConfig(**base)) == 0
+    assert infer.main(infer.InferConfig(**dict(base, transformer=str(r["weights"]), save_latents=None),
+                                        compare=str(tmp_path / "a.pt"))) == 1  # the fine-tuned weights sample
+
+    # Phantom: the full fine-tune also in original-Wan keys, as Phantom's code loads a checkpoint; a2 reads it back
+    from a2.transformer import load_transformer
+
+    r = train(*args(data_dir, tmp_path, "full-p", "--max-steps", "1", "--training-type", "full", "--num-frames", "9",
+                    "--elements", *FIT, model=str(phantom_dir)))
+    original = r["run_dir"] / "transformer_original"
+    assert torch.load(original / "Phantom-Wan.pth").keys() == original_sd(phantom_dir).keys()
+    assert detect_model(original, components=phantom_dir).native_kind == "phantom"
+    want, got = load_transformer(r["weights"]).state_dict(), load_transformer(original).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(not torch.equal(want[k], v) for k, v in load_transformer(phantom_dir).state_dict().items())
+
+    for model in (phantom_dir, v3_dir):
+        cfg = tyro.cli(TrainConfig, args=["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
+                                          "32", "--num-frames", "9", "--device", "cpu", "--elements", *FIT])
+        run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])
+        enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
+        for p, dropped in ((0.0, False), (1.0, True)):
+            cfg.reference_dropout = p
+            inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+            refs = inputs["cond"].ref_latents
+            assert refs.shape[2] == run.layout.ref_latents and (refs.abs().max() == 0) == dropped
+            assert inputs["x0"].shape[2] == 3 and inputs["x0"].abs().max() > 0
+
+
+def test_presets_and_fit_pad_white():
+    """infer.py --preset sets the flags still at their defaults; a2's fit_pad_white framing is both labs' (odd pads
+    too), and it is an element preprocess mode the configs accept."""
+    import numpy as np
+
+    import infer
+    from a2.pipeline import WAN_NEGATIVE_PROMPT, preprocess_image
+    from config import parse_elements
+
+    d = infer.InferConfig(preset="v3-distilled")
+    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.num_frames, d.fps) == (8, 1.0, None, 121, 24)
+    p = infer.InferConfig(preset="phantom", steps=3, fps=30)
+    assert (p.steps, p.fps, p.guidance_scale, p.guidance_scale_img) == (3, 30, 7.5, 5.0)
+    assert p.negative_prompt == WAN_NEGATIVE_PROMPT and infer.InferConfig().guidance_scale_img is None
+    for i, (w, h) in enumerate([(301, 97), (97, 301), (96, 64), (50, 51)]):
+        image = synthetic(w, h, 20 + i)
+        assert np.array_equal(np.asarray(preprocess_image(image, "fit_pad_white", (32, 47))),
+                              np.asarray(theirs.fit_pad_white(image, 47, 32))), (w, h)
+    assert parse_elements(["a=_a.png:vae=fit_pad_white"])[0].vae_preprocess == "fit_pad_white"
