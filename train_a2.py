@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from a2.conditioning import (
     CHANNEL_KINDS,
+    REFERENCE_KINDS,
     Layout,
     PosteriorCache,
     drop,
@@ -66,8 +67,8 @@ from a2.pipeline import (
     A2Pipeline,
     check_size,
     decode_vae,
-    encode_image,
     encode_prompt,
+    image_tokens,
     load_encoders,
     load_first_frame,
     load_references,
@@ -209,6 +210,9 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
         raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
+    if cfg.cache_dir and layout.kind == "magref":  # the region mask comes from the element pixels, not a posterior
+        raise ConfigError("--cache-dir: the magref kind builds its canvas mask from the element images each step; "
+                          "train it without a cache")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
@@ -453,15 +457,15 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
-        if layout.kind in ("prefix", "incontext"):
+        if layout.kind in REFERENCE_KINDS:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
         text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
         if layout.use_clip:
-            cond.image = (h2d(batch["clip"], device) if cached else
-                          encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
+            cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
+                          image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
         cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * run.info.latent_tokens(layout.model_frames, height, width),
@@ -496,10 +500,10 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
             video, refs = batch["video"].to(enc.vae.device), batch.get("ref_vae")
-            encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
+            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
-            clip = encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"])[0] if run.layout.use_clip \
-                else None
+            clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
+                if run.layout.use_clip else None
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                     text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
@@ -552,7 +556,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
                    flow_shift=cfg.val_flow_shift, combine=run.layout.combine,
                    reference_layout="incontext" if run.layout.kind == "incontext" else "channel",
                    reference_timestep=run.layout.reference_timestep, first_frame=first_frame,
-                   layout=run.layout if run.layout.kind in ("prefix", "incontext") else None,
+                   layout=run.layout if run.layout.kind in REFERENCE_KINDS else None,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

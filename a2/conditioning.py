@@ -13,6 +13,10 @@ A run's layout has one `kind`:
              clean element latents appended after x_t on the time axis; loss and sampler see the video latents only.
   clean      Wan 2.2 TI2V-5B image-to-video: the clean latents of the clip's leading 4k+1 frames replace x_t's first
              latent frames, their tokens at timestep 0; the loss leaves them out.
+  magref     MAGREF (Wan 2.1 I2V): every element pasted on one white canvas of the video's size (magref_canvas), the
+             canvas the I2V first frame on the channel axis: mask (4) = the region mask on latent frame 0, condition =
+             VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas, clip])), so latent frame 0
+             holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -35,8 +39,9 @@ import torch
 
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean")
-CHANNEL_KINDS = ("prefix", "inplace")  # the condition enters on the channel axis (36-channel models)
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "magref")
+CHANNEL_KINDS = ("prefix", "inplace", "magref")  # the condition enters on the channel axis (36-channel models)
+REFERENCE_KINDS = ("prefix", "incontext", "magref")  # the kinds made from element images
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
 
@@ -173,6 +178,7 @@ class Layout:
     use_clip: bool = False  # the step feeds CLIP image tokens (prefix, e2v_type dual | clip)
     expand: bool = False  # a T2V base widened to the 36 E2V input channels (a2/transformer.py: expand_to_e2v)
     per_token: bool = False  # one timestep per token, as the model was trained (TI2V-5B's expand_timesteps)
+    placement_seed: int | None = None  # magref: random.Random(seed) shuffles the canvas as MAGREF; None: in order
 
     @property
     def latent_frames(self) -> int:
@@ -188,7 +194,8 @@ class Layout:
         seq = {"prefix": f"{self.ref_latents} reference latents + ",
                "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
                "inplace": f"(conditioned on frames: {self.frame_conditioning}) ",
-               "clean": f"({self.clean_frames} clean leading frames at timestep 0) "}.get(self.kind, "")
+               "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
+               "magref": f"a canvas of {len(self.repeats)} references as frame 0, then "}.get(self.kind, "")
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.kind != "t2v" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -198,8 +205,8 @@ class Layout:
 def kind_of(vae, elements, ti2v: bool = False) -> str:
     """The kind processors.vae and the elements ask for (a TI2V-5B conditions on frames its own way; its first frame
     may come beside in-context references when sampling)."""
-    if elements and vae.reference_layout == "incontext":
-        return "incontext"
+    if elements and vae.reference_layout in ("incontext", "magref"):
+        return vae.reference_layout
     if vae.frame_conditioning != "full":
         return "clean" if ti2v else "inplace"
     return "prefix" if elements else "t2v"
@@ -213,7 +220,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     repeats = tuple(repeats)
     if min(repeats, default=1) < 1:
         raise ValueError(f"element repeats must be >= 1, got {repeats}")
-    if kind in ("prefix", "incontext") and not repeats:
+    if kind in ("prefix", "incontext", "magref") and not repeats:
         raise ValueError(f"the {kind} kind takes element references; none given")
     clip, l_ref = num_frames, 0
     if kind == "prefix":
@@ -224,6 +231,11 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
                              f"{repeats}); num_frames={num_frames} leaves no frame to generate")
     elif kind == "incontext":  # each element alone, one latent per 1-4 frames, after the clip
         l_ref = num_ref_latents(repeats, "after")
+    elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
+        clip, l_ref = num_frames - 1, 1
+        if clip < VAE_T:
+            raise ValueError(f"the magref canvas is frame 0 of the sequence: num_frames={num_frames} leaves no "
+                             "latent frame to generate (use 4k+1 >= 5)")
     if kind == "clean" and not settings.get("clean_frames"):
         raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
@@ -234,7 +246,7 @@ def clip_frames(num_frames: int, elements, vae) -> int:
     reference latents leave of it in the prefix kind (A2 at 81 frames: 69), all of it otherwise. train_a2.py and
     `data.py validate` both read clips of this length."""
     kind = kind_of(vae, elements)
-    if kind != "prefix":
+    if kind not in ("prefix", "magref"):
         return num_frames
     try:
         return make_layout(kind, num_frames, [e.repeat for e in elements], combine=vae.combine).clip_frames
@@ -269,6 +281,9 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
             raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
                               f"clip's {num_frames} frames")
         clean = n
+    if kind == "magref" and not info.e2v:
+        raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
+                          "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
     if kind == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
@@ -287,11 +302,12 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     expand = kind in CHANNEL_KINDS and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:
-        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in ("prefix", "incontext") else (),
+        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in REFERENCE_KINDS else (),
                            combine=vae.combine, frame_conditioning=vae.frame_conditioning,
                            frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
                            reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
-                           use_clip=kind == "prefix" and e2v_type != "vae" and image_branch, expand=expand,
+                           use_clip=kind in ("prefix", "magref") and e2v_type != "vae" and image_branch,
+                           expand=expand,
                            per_token=info.ti2v)
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
@@ -299,7 +315,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
 
 def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
                     first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
-                    reference_timestep: str = "shared", e2v_type: str = "dual") -> Layout:
+                    reference_timestep: str = "shared", e2v_type: str = "dual",
+                    placement_seed: int | None = None) -> Layout:
     """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
     36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
     also beside in-context references), or text alone. Raises ValueError naming what does not fit."""
@@ -321,16 +338,21 @@ def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeat
         if not references:
             raise ValueError("reference_layout incontext needs reference images")
         kind = "incontext"
+    elif reference_layout == "magref":
+        if not e2v or not references:
+            raise ValueError("reference_layout magref is MAGREF's Wan I2V layout: a 36-channel model and reference "
+                             f"images (this one takes {transformer_config.in_channels} channels)")
+        kind = "magref"
     elif e2v:
         if not references:
             raise ValueError("this E2V/I2V model needs reference images")
         kind = "prefix"
     else:
         kind = "clean" if first_frame else "t2v"
-    return make_layout(kind, num_frames, repeats if kind in ("prefix", "incontext") else (), combine=combine,
+    return make_layout(kind, num_frames, repeats if kind in REFERENCE_KINDS else (), combine=combine,
                        reference_timestep=reference_timestep, clean_frames=int(first_frame),
-                       e2v_type=e2v_type if kind == "prefix" else "vae" if kind == "incontext" else "none",
-                       per_token=per_token)
+                       e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind == "incontext" else "none",
+                       per_token=per_token, placement_seed=placement_seed)
 
 
 # ---------------------------------------------------------------- the encoded conditioning
@@ -346,6 +368,8 @@ class Conditioning:
     # latents appended after the video latents
     clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents
     image: torch.Tensor | None = None  # (B, 257·N, D) CLIP tokens of the elements (use_clip), else None
+    canvas: torch.Tensor | None = None  # magref: (B, 3, H, W) the references' canvas in [-1, 1], x0's frame 0 and
+    # the CLIP input (a2.pipeline.image_tokens)
     keep: torch.Tensor | None = None  # (B,) 1: conditioned, 0: dropped (drop); None: all conditioned
     reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero
     per_token: bool = False  # the model takes one timestep per token (TI2V-5B)
@@ -353,12 +377,13 @@ class Conditioning:
     @property
     def num_ref_latents(self) -> int:
         """Leading latent frames of the sequence that hold references (prefix), else 0."""
-        return self.ref_latents.shape[2] if self.kind == "prefix" else 0
+        return self.ref_latents.shape[2] if self.kind in ("prefix", "magref") else 0
 
     @property
     def tensor(self) -> torch.Tensor | None:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
-        return {"prefix": self.condition, "inplace": self.condition, "incontext": self.ref_latents,
+        return {"prefix": self.condition, "inplace": self.condition, "magref": self.condition,
+                "incontext": self.ref_latents,
                 "clean": self.clean}.get(self.kind)
 
 
@@ -380,6 +405,10 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     clean: the leading layout.clean_frames (4k+1) frames of `video`, encoded alone as diffusers' 5B I2V encodes its
       image: `clean` (B, C, T_c, h, w) (the causal VAE makes them the first T_c latents of the whole video's). In
       sampling a TI2V-5B first frame comes this way beside in-context references (encoded first).
+    magref: `references` (B, N, 3, H, W) in [-1, 1] (uint8-exact: what load_references and the dataset give) pasted
+      on a white canvas by MAGREF's rule (a2.pipeline.magref_canvas; layout.placement_seed); the canvas then
+      layout.num_frames - 1 zero frames VAE-encoded; the mask's 4 channels of latent frame 0 are the region mask
+      max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind = layout.kind
@@ -392,7 +421,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
     if kind in ("t2v", "clean"):
         return cond
-    if kind in ("prefix", "incontext"):
+    if kind in REFERENCE_KINDS:
         if references is None:
             raise ValueError(f"the {kind} kind takes references (element images), not video frames")
         b, n, _, h, w = references.shape
@@ -401,6 +430,18 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
     if kind == "incontext":
         cond.ref_latents = torch.cat([encode_vae(vae, x, sample_mode, generator) for x in frames], dim=2)
+        return cond
+    if kind == "magref":
+        cond.canvas, region = magref_canvases(references, layout.placement_seed)  # (B, 3, H, W), (B, H, W)
+        pixels = torch.cat([cond.canvas[:, :, None], cond.canvas.new_zeros(b, 3, layout.num_frames - 1, h, w)], 2)
+        latents = encode_vae(vae, pixels, sample_mode, generator)
+        s = h // latents.shape[-2]
+        mask = torch.zeros(b, VAE_T, latents.shape[2], *latents.shape[-2:], device=latents.device)
+        mask[:, :, 0] = torch.nn.functional.max_pool2d(region[:, None].float(), s).to(latents.device)
+        cond.ref_latents = latents[:, :, :1]
+        cond.condition = torch.cat([mask, latents], dim=1)
+        if layout.e2v_type == "clip":
+            cond.condition = torch.zeros_like(cond.condition)
         return cond
     t = num_latent_frames(layout.num_frames)
     flags = torch.zeros(video.shape[0] if kind == "inplace" else b, layout.num_frames)
@@ -432,13 +473,34 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     return cond
 
 
+def magref_canvases(references: torch.Tensor, placement_seed: int | None = None):
+    """(B, N, 3, H, W) element images in [-1, 1] -> MAGREF's canvases (B, 3, H, W) in [-1, 1] and region masks
+    (B, H, W) bool (a2.pipeline.magref_canvas on each sample's images, read back from uint8 exactly)."""
+    import random
+
+    from PIL import Image
+
+    from a2.pipeline import magref_canvas, pil_to_tensor, tensor_to_uint8
+
+    b, n, _, h, w = references.shape
+    canvases, masks = [], []
+    for refs in tensor_to_uint8(references):  # (N, H, W, 3) per sample
+        rng = None if placement_seed is None else random.Random(placement_seed)
+        canvas, mask = magref_canvas([Image.fromarray(r) for r in refs], (h, w), rng)
+        canvases.append(pil_to_tensor(canvas))
+        masks.append(mask)
+    return torch.stack(canvases).to(references.device, references.dtype), torch.stack(masks)
+
+
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
     the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
     frames (inplace, clean)."""
-    if layout.kind in ("prefix", "incontext"):
+    if layout.kind in REFERENCE_KINDS:
         cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator)
+        if layout.kind == "magref":  # the canvas is the sequence's frame 0, as the sampler makes it
+            video = torch.cat([cond.canvas[:, :, None].to(video.device, video.dtype), video], dim=2)
         x0 = encode_vae(vae, video, sample_mode, generator)
         return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
     x0 = encode_vae(vae, video, sample_mode, generator)

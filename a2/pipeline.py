@@ -216,6 +216,28 @@ def encode_image(image_encoder, image_processor, clip_pixels: torch.Tensor) -> t
     return hidden.reshape(b, n * hidden.shape[1], hidden.shape[2])  # (B, N*257, C)
 
 
+def encode_canvas(image_encoder, image_processor, canvas: torch.Tensor) -> torch.Tensor:
+    """MAGREF's CLIP tokens of its canvas (B, 3, H, W) in [-1, 1]: squashed to the CLIP size with torch bicubic (no
+    crop, as Wan's clip.visual), to [0, 1], CLIP-normalised, penultimate hidden states (B, 257, C)."""
+    size = (image_processor.crop_size["height"], image_processor.crop_size["width"])
+    param = next(image_encoder.parameters())
+    x = torch.nn.functional.interpolate(canvas.to(param.device, torch.float32), size=size, mode="bicubic",
+                                        align_corners=False).mul(0.5).add(0.5)
+    mean = torch.tensor(image_processor.image_mean, device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(image_processor.image_std, device=x.device).view(1, -1, 1, 1)
+    x = (x - mean) / std
+    return image_encoder(pixel_values=x.to(param.dtype), output_hidden_states=True).hidden_states[-2]
+
+
+def image_tokens(image_encoder, image_processor, cond, clip_pixels: torch.Tensor | None) -> torch.Tensor:
+    """The CLIP image tokens of a Conditioning: its canvas' (magref), else the element images' (encode_image)."""
+    if cond.canvas is not None:
+        return encode_canvas(image_encoder, image_processor, cond.canvas)
+    if clip_pixels is None:
+        raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
+    return encode_image(image_encoder, image_processor, clip_pixels)
+
+
 # ---------------------------------------------------------------- VAE latents
 
 
@@ -423,18 +445,14 @@ class A2Pipeline(WanLoraLoaderMixin):
         negative_embeds = None
         if guidance_scale > 1.0 or guidance_scale_img is not None:
             negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
-        image_embeds = None
-        if transformer.config.image_dim is not None:
-            if clip_references is None:
-                raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
-            image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
-
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
             self.vae, layout, references=None if references is None else references.to(device),
-            video=None if first_frame is None else first_frame.to(device)[:, :, None], image=image_embeds,
-            sample_mode=sample_mode, generator=generator)
+            video=None if first_frame is None else first_frame.to(device)[:, :, None], sample_mode=sample_mode,
+            generator=generator)
+        if transformer.config.image_dim is not None:  # from the element images, or the canvas they make (magref)
+            cond.image = image_tokens(self.image_encoder, self.image_processor, cond, clip_references).to(dtype)
         empty = drop(cond, torch.zeros(1, device=device)) if guidance_scale_img is not None else None
 
         def predict(model, x_t, t, c, text):
