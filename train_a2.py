@@ -318,8 +318,8 @@ class Encoders:
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
     enc = Encoders()
     if needed:
-        parts = load_encoders(run.info.path, run.info.image_encoder_dir if run.layout.image_branch else None,
-                              run.compute_dtype)
+        parts = load_encoders(run.info.components_dir or run.info.path,
+                              run.info.image_encoder_dir if run.layout.image_branch else None, run.compute_dtype)
         enc = Encoders(*parts)
         for m in (enc.vae, enc.text_encoder, enc.image_encoder):
             if m is not None:
@@ -549,7 +549,8 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, flow_shift=model_flow_shift(run.info.path), expand_timesteps=run.info.ti2v)
+                      **experts, flow_shift=model_flow_shift(run.info.components_dir or run.info.path),
+                      expand_timesteps=run.info.ti2v)
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,

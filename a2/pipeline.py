@@ -354,10 +354,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         if transformer.config.image_dim is not None and info.image_encoder_dir is None:
             raise FileNotFoundError(f"{model_dir}: the transformer has an image branch but there is no "
                                     "image_encoder/; pass --image-encoder DIR")
+        parts_dir = info.components_dir or model_dir  # MAGREF: the Wan I2V parts beside its original checkpoint
         vae, tokenizer, text_encoder, image_encoder, image_processor = load_encoders(
-            model_dir, info.image_encoder_dir if transformer.config.image_dim is not None else None, dtype)
+            parts_dir, info.image_encoder_dir if transformer.config.image_dim is not None else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
-                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(model_dir),
+                   transformer_2 if info.two_experts else None, info.boundary_ratio, model_flow_shift(parts_dir),
                    info.expand_timesteps)
         return pipe.to(device)
 
@@ -403,6 +404,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         guidance_scale_img: float | None = None,
         first_frame: torch.Tensor | None = None,
         layout: Layout | None = None,
+        sigmas=None,
     ) -> dict:
         """Generate one video.
 
@@ -417,6 +419,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
         flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
+        sigmas: the unshifted schedule (an ndarray of num_inference_steps values) instead of diffusers' own, e.g. a
+        released model's (Wan's FlowUniPCMultistepScheduler starts at 0.999, diffusers' UniPC at 1 - 1e-6).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         guidance_scale_img (incontext): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample, three forwards
@@ -439,7 +443,10 @@ class A2Pipeline(WanLoraLoaderMixin):
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
-        sched.set_timesteps(num_inference_steps, device=device)
+        if sigmas is None:
+            sched.set_timesteps(num_inference_steps, device=device)
+        else:
+            sched.set_timesteps(sigmas=sigmas, device=device)
 
         prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)
         negative_embeds = None
