@@ -94,11 +94,12 @@ class InferConfig:
     """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
-    reference_layout: Literal["channel", "incontext", "magref"] = "channel"
+    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
     """channel: A2's mask | reference latents on the channel axis (A2 / Wan I2V). incontext: the elements' clean
     latents after the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; a T2V model + train_a2.py
     --reference-layout incontext LoRA); --num-frames is then the video's alone. magref: MAGREF's canvas of all the
-    elements as the I2V first frame (the first 4 frames are dropped from the video, as MAGREF's)."""
+    elements as the I2V first frame (the first 4 frames are dropped from the video, as MAGREF's). standin: Stand-In's
+    reference tokens on Wan T2V, one element (load its LoRA file with --lora)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
     sample_mode: Literal["sample", "argmax"] = "sample"

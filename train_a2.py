@@ -56,6 +56,7 @@ from a2.conditioning import (
     model_input,
     num_latent_frames,
     plan,
+    prepare_model,
     vae_scale,
     video_prediction,
 )
@@ -352,6 +353,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
     assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
+    prepare_model(transformer, run.layout)  # Stand-In: its processors, before the adapter is added
     if cfg.training_type == "lora":
         from peft import LoraConfig
 

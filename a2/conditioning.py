@@ -17,6 +17,10 @@ A run's layout has one `kind`:
              canvas the I2V first frame on the channel axis: mask (4) = the region mask on latent frame 0, condition =
              VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas, clip])), so latent frame 0
              holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
+  standin    Stand-In (Wan T2V + its reference LoRA): one element's clean latent, at the video's size, packed after
+             x_t on the time axis; a2/standin.py's forward (prepare_model installs it) takes it as reference tokens at
+             RoPE time -1 past the video grid, t = 0, attending only to themselves, with the reference-only LoRA,
+             and returns the video's prediction; when sampling their K/V are computed once and reused.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -39,9 +43,9 @@ import torch
 
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "magref")
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "magref", "standin")
 CHANNEL_KINDS = ("prefix", "inplace", "magref")  # the condition enters on the channel axis (36-channel models)
-REFERENCE_KINDS = ("prefix", "incontext", "magref")  # the kinds made from element images
+REFERENCE_KINDS = ("prefix", "incontext", "magref", "standin")  # the kinds made from element images
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
 
@@ -195,7 +199,8 @@ class Layout:
                "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
                "inplace": f"(conditioned on frames: {self.frame_conditioning}) ",
                "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
-               "magref": f"a canvas of {len(self.repeats)} references as frame 0, then "}.get(self.kind, "")
+               "magref": f"a canvas of {len(self.repeats)} references as frame 0, then ",
+               "standin": "(then Stand-In's reference tokens: time -1, t 0, self-only attention) "}.get(self.kind, "")
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.kind != "t2v" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -205,7 +210,7 @@ class Layout:
 def kind_of(vae, elements, ti2v: bool = False) -> str:
     """The kind processors.vae and the elements ask for (a TI2V-5B conditions on frames its own way; its first frame
     may come beside in-context references when sampling)."""
-    if elements and vae.reference_layout in ("incontext", "magref"):
+    if elements and vae.reference_layout in ("incontext", "magref", "standin"):
         return vae.reference_layout
     if vae.frame_conditioning != "full":
         return "clean" if ti2v else "inplace"
@@ -231,6 +236,10 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
                              f"{repeats}); num_frames={num_frames} leaves no frame to generate")
     elif kind == "incontext":  # each element alone, one latent per 1-4 frames, after the clip
         l_ref = num_ref_latents(repeats, "after")
+    elif kind == "standin":
+        if len(repeats) != 1:
+            raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
+        l_ref = 1
     elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
@@ -286,7 +295,10 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
-    if kind == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
+    if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
+        raise ConfigError(f"{where}: reference_layout standin is Stand-In's, a LoRA on Wan T2V (Wan2.1-T2V-14B, a "
+                          "Wan2.2-T2V-A14B expert); use a Wan T2V model")
+    if kind in ("incontext", "standin"):  # the references are tokens of the sequence: the model's own input layer
         if info.e2v:
             raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
                               "reference_layout incontext is for T2V models; use reference_layout channel")
@@ -338,6 +350,11 @@ def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeat
         if not references:
             raise ValueError("reference_layout incontext needs reference images")
         kind = "incontext"
+    elif reference_layout == "standin":
+        if e2v or per_token or not references:
+            raise ValueError("reference_layout standin is Stand-In's, on a Wan T2V model (16 channels) with one "
+                             f"reference image (this one takes {transformer_config.in_channels} channels)")
+        kind = "standin"
     elif reference_layout == "magref":
         if not e2v or not references:
             raise ValueError("reference_layout magref is MAGREF's Wan I2V layout: a 36-channel model and reference "
@@ -351,7 +368,8 @@ def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeat
         kind = "clean" if first_frame else "t2v"
     return make_layout(kind, num_frames, repeats if kind in REFERENCE_KINDS else (), combine=combine,
                        reference_timestep=reference_timestep, clean_frames=int(first_frame),
-                       e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind == "incontext" else "none",
+                       e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind in ("incontext", "standin")
+                       else "none",
                        per_token=per_token, placement_seed=placement_seed)
 
 
@@ -383,7 +401,7 @@ class Conditioning:
     def tensor(self) -> torch.Tensor | None:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
         return {"prefix": self.condition, "inplace": self.condition, "magref": self.condition,
-                "incontext": self.ref_latents,
+                "incontext": self.ref_latents, "standin": self.ref_latents,
                 "clean": self.clean}.get(self.kind)
 
 
@@ -428,7 +446,9 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         if len(layout.repeats) != n:
             raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
-    if kind == "incontext":
+    if kind in ("incontext", "standin"):
+        if kind == "standin":  # one frame (whatever the element's repeat), at the video's size
+            frames = [references[:, 0, :, None]]
         cond.ref_latents = torch.cat([encode_vae(vae, x, sample_mode, generator) for x in frames], dim=2)
         return cond
     if kind == "magref":
@@ -515,6 +535,20 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 # ---------------------------------------------------------------- what the transformer sees
 
 
+def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
+    """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
+    Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
+    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py). Others:
+    nothing."""
+    if layout.kind != "standin":
+        return
+    from a2 import standin
+
+    if not standin.installed(transformer):
+        standin.install(transformer, rank or standin.RANK)
+    standin.packed_forward(transformer)
+
+
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     """The condition with the samples where keep (B,) is 0 unconditioned: the channel condition and the CLIP tokens
     zeroed (A2), the in-context references zeroed (Phantom's unconditional), the clean frames of the clean kind left
@@ -523,7 +557,7 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     k = keep.view(-1, 1, 1, 1, 1)
     return replace(cond, keep=keep if cond.kind == "clean" else cond.keep,
                    condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
-                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind == "incontext"
+                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind in ("incontext", "standin")
                    else cond.ref_latents,
                    image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
 
@@ -553,6 +587,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         timestep = noisy * timestep.reshape(-1, 1)
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
+    if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
+        return torch.cat([x, cond.ref_latents.to(x.dtype)], dim=2), timestep
     if cond.kind != "incontext":
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)
@@ -571,7 +607,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 
 
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-    """The model output for the video latents: in the incontext kind the last L_ref (reference) frames dropped."""
+    """The model output for the video latents: in the incontext kind the last L_ref (reference) frames dropped
+    (Stand-In's forward returns the video's alone)."""
     if cond.kind != "incontext":
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]

@@ -22,6 +22,7 @@ from a2.conditioning import (
     model_input,
     num_latent_frames,
     prepare_latents,
+    prepare_model,
     restore,
     sampling_layout,
     vae_scale,
@@ -438,6 +439,9 @@ class A2Pipeline(WanLoraLoaderMixin):
                                      references=references is not None, first_frame=first_frame is not None,
                                      combine=combine, reference_layout=reference_layout,
                                      reference_timestep=reference_timestep)
+        for model in (transformer, self.transformer_2):
+            if model is not None:
+                prepare_model(model, layout)
         if guidance_scale_img is not None and layout.kind != "incontext":
             raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext")
         if self.boundary_ratio is None and guidance_scale_2 is not None:

@@ -284,3 +284,46 @@ def test_lora_file_errors(tmp_path):
     (tmp_path / "junk.ckpt").write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match=r"junk\.ckpt: not a readable Stand-In LoRA"):
         standin.load_lora(model, tmp_path / "junk.ckpt")
+
+
+# ---------------------------------------------------------------- the standin kind through A2Pipeline
+
+
+@torch.no_grad()
+def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
+    """A2Pipeline with reference_layout standin on tiny-t2v carrying a Stand-In LoRA file: the first positive pass
+    computes the reference tokens, the 5 later passes (CFG's negative ones too) use their kept K/V, and the latents
+    equal recomputing the reference in every pass (standin_cache False) within BOUND (the FFN row count, above);
+    another reference gives other latents; a second call with another reference does not reuse the first's K/V."""
+    from a2.pipeline import A2Pipeline, pil_to_tensor, preprocess_image, read_image
+
+    pipe = A2Pipeline.from_pretrained("tiny-t2v")
+    their_file(tiny_t2v(), tmp_path / "standin.ckpt")
+    assert standin.load_lora(pipe.transformer, tmp_path / "standin.ckpt") == RANK
+    h, w = 32, 48
+    refs = [pil_to_tensor(preprocess_image(read_image(shared_data / p), "pad_white", (h, w)))[None, None]
+            for p in ("a2_human.png", "a2_thing.png")]
+    lengths = []
+    pipe.transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
+                                                               with_kwargs=True)
+
+    def sample(ref):
+        return pipe("a face", ref, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=3,
+                    guidance_scale=5.0, sample_mode="argmax", generator=torch.Generator().manual_seed(0),
+                    decode="none", progress=False, reference_layout="standin")["latents"]
+
+    ref_tokens = (h // 16) * (w // 16)  # one latent frame at the video's size
+    video_tokens = 3 * ref_tokens
+    cached = sample(refs[0])
+    assert lengths == [video_tokens + ref_tokens] + [video_tokens] * 5
+    other = sample(refs[1])
+    assert lengths[6] == video_tokens + ref_tokens  # a new reference: computed again, not the kept one
+    again = sample(refs[0])
+    pipe.transformer.standin_cache = False
+    uncached = sample(refs[0])
+    assert lengths[18:] == [video_tokens + ref_tokens] * 6
+    assert torch.equal(cached, again) and (cached - uncached).abs().max() <= BOUND
+    assert (cached - other).abs().max() > 100 * BOUND
+    with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2"):
+        pipe("a face", torch.cat(refs, 1), None, (1, 1), height=h, width=w, num_frames=9, num_inference_steps=1,
+             reference_layout="standin", progress=False, decode="none")
