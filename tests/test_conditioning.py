@@ -28,6 +28,9 @@ KINDS = {
     # two elements side by side on one canvas (three would be 10 px wide at 32x32: under one token, refused)
     "magref": ("tiny", ["--reference-layout", "magref", "--num-frames", "9", "--elements",
                         "subject=_person.png:repeat=1", "object=_object.png:repeat=1"]),
+    # Stand-In: one element's latent packed after the video's, read as reference tokens by its forward
+    "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9", "--elements",
+                             "subject=_person.png"]),
 }
 
 
@@ -60,14 +63,14 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
                       expand_timesteps=run.info.ti2v)
     refs = clips = None
     repeats, first_frame = (), None
-    if kind in ("prefix", "incontext", "magref"):
+    if kind in ("prefix", "incontext", "magref", "standin"):
         files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
         refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size))
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
         first_frame = batch["video"][:, :, 0]
-    layout = run.layout if kind in ("prefix", "incontext", "magref") else None  # as validate() passes it
+    layout = run.layout if kind in ("prefix", "incontext", "magref", "standin") else None  # as validate() passes it
     pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
          num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
          generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
@@ -92,7 +95,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
         assert trained["encoder_hidden_states_image"].shape[1] == 257
     if kind in ("prefix", "inplace"):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
-    if kind == "incontext":
+    if kind in ("incontext", "standin"):
         assert x.shape[2] == t + run.layout.ref_latents
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
