@@ -52,6 +52,7 @@ from a2.conditioning import (
     PosteriorCache,
     drop,
     encode,
+    kind_weights,
     loss_start,
     model_input,
     num_latent_frames,
@@ -353,7 +354,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
     assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
-    prepare_model(transformer, run.layout)  # Stand-In: its processors, before the adapter is added
+    prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
     if cfg.training_type == "lora":
         from peft import LoraConfig
 
@@ -361,8 +362,13 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         # an expansion's image K/V train in full (below), no LoRA on them
         keep_kv = run.layout.use_clip and not run.layout.expand
         target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
-        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                           target_modules=target, init_lora_weights=True))
+        own = kind_weights(transformer, run.layout)  # Stand-In: its reference LoRA is the adapter
+        for p in own:
+            p.requires_grad_(True)
+        if not own:
+            transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                               lora_dropout=cfg.lora_dropout, target_modules=target,
+                                               init_lora_weights=True))
         if run.layout.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
             for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
                 if is_expansion_weight(name) and ".lora_" not in name:
@@ -694,8 +700,11 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir."""
     if cfg.training_type == "lora":
+        from a2 import standin
         from a2.lora import export_lora
 
+        if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
+            return standin.export_lora(run_dir, getattr(model, "module", model))
         return export_lora(run_dir, model, cfg.expert)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel

@@ -549,6 +549,14 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     standin.packed_forward(transformer)
 
 
+def kind_weights(transformer, layout: Layout) -> list:
+    """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
+    reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
+    if layout.kind != "standin":
+        return []
+    return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
+
+
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     """The condition with the samples where keep (B,) is 0 unconditioned: the channel condition and the CLIP tokens
     zeroed (A2), the in-context references zeroed (Phantom's unconditional), the clean frames of the clean kind left

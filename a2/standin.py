@@ -304,6 +304,10 @@ def load_lora(transformer, path) -> int:
                              "LoRA (download it again)")
     n = len(transformer.blocks)
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    if transformer.config.in_channels != 16 or transformer.config.image_dim is not None:
+        raise ValueError(f"{path}: a Stand-In LoRA on a model of {transformer.config.in_channels} input channels"
+                         f"{' with an image branch' if transformer.config.image_dim else ''} (I2V / E2V): Stand-In "
+                         f"is a LoRA on Wan T2V; load it on its base ({BASES})")
     if (layers, dim) != (n, width):
         raise ValueError(f"{path}: a Stand-In LoRA for a {layers}-layer, {dim}-wide Wan on this {n}-layer, "
                          f"{width}-wide model: load it on its base ({BASES})")
@@ -319,6 +323,27 @@ def load_lora(transformer, path) -> int:
         install(transformer, rank)
     transformer.load_state_dict(mapped, strict=False)
     return rank
+
+
+def export_lora(run_dir: Path, transformer) -> Path:
+    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora.ckpt: their keys under "state_dict", a
+    torch pickle as their set_condition_branch loads it (load_lora and infer.py --lora read it back)."""
+    path = Path(run_dir) / "standin_lora.ckpt"
+    torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()}}, path)
+    return path
+
+
+def is_lora_file(path) -> bool:
+    """A Stand-In LoRA file (its keys), not an ordinary (peft / diffusers / Wan) LoRA."""
+    path = Path(path)
+    if not path.is_file() or path.suffix not in (".ckpt", ".pt", ".pth", ".safetensors"):
+        return False
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as fh:
+            return any(THEIR_KEY.fullmatch(k) for k in fh.keys())
+    return any(THEIR_KEY.fullmatch(k) for k in read_lora(path))
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
