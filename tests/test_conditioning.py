@@ -106,12 +106,13 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("inplace-last", ["--frame-conditioning", "first_and_last", "--num-frames", "17"]),
     ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
     ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
+    ("standin", ["--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png"]),
 ])
 def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
-    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v"}[name.split("-")[0]]
+    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "standin": "tiny-t2v"}[name.split("-")[0]]
     cache = tmp_path / "cache"
     steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))
