@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
@@ -104,7 +105,14 @@ class BenchConfig:
     """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
     E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
     num_workers: int = 0
-    """--data-root: DataLoader worker processes."""
+    """--data-root / --opens2v: DataLoader worker processes."""
+    opens2v: str | None = None
+    """Instead of the transformer: build a synthetic OpenS2V-5M layout in this dir (../shared/data's hiker.mp4 looped
+    to 81 frames at 1280x720 with a2_human.png composited under a known mask, --clips records in one part JSON of the
+    published schema), time `data.py index opens2v` on it (clips/s, MB/s of JSON), then the loader on 8 of its clips
+    at frames x height x width (samples/s, element images built from the RLE masks on the fly)."""
+    clips: int = 20000
+    """--opens2v: records in the part JSON."""
     check_backends: tuple[str, ...] = ()
     """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
     attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
@@ -182,14 +190,17 @@ def check_backends(b: BenchConfig) -> dict:
     return res
 
 
-def bench_loader(b: BenchConfig) -> dict:
-    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
+def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
+    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig, clip_frames_for
     from data import BucketBatchSampler, E2VDataset, collate
 
     size = (b.height, b.width)
-    cfg = DatasetConfig(data_root=b.data_root, target_resolution=size, frame_buckets=(), elements=A2_ELEMENTS,
-                        vae=VaeProcessorConfig(resolution=size), clip=ClipProcessorConfig(resolution=(512, 512)))
-    dataset = E2VDataset([cfg], num_frames=b.frames, verbose=False)
+    cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
+                        elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
+                        dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
+    # a public dataset's clip is what A2's reference latents leave of --frames (81 -> 69), as train_a2.py reads it
+    frames = clip_frames_for(b.frames, [cfg]) if manifest else b.frames
+    dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
                                          multiprocessing_context="spawn" if b.num_workers else None,
@@ -206,9 +217,49 @@ def bench_loader(b: BenchConfig) -> dict:
                 break
     dt = time.perf_counter() - t0
     del loader  # shut the workers down before exit (a worker killed mid-batch at exit aborts noisily)
-    res = dict(data_root=b.data_root, shape=f"{b.frames}x{b.height}x{b.width}", num_workers=b.num_workers,
+    res = dict(data=b.data_root or manifest, shape=f"{b.frames}x{b.height}x{b.width}", num_workers=b.num_workers,
                samples_per_s=b.steps / dt, video=shape)
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
+    return res
+
+
+def bench_opens2v(b: BenchConfig) -> dict:
+    """Index throughput on a synthetic OpenS2V-5M part, then the loader on its index (BenchConfig.opens2v)."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    from a2 import public_data
+    from a2.pipeline import read_image
+    from data import read_frames
+
+    root, shared = Path(b.opens2v), Path(__file__).resolve().parent.parent / "shared" / "data"
+    part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
+    if not part.is_file():
+        hiker = read_frames(shared / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in hiker])  # OpenS2V is 720p
+        fx = public_data.synthetic_opens2v(root, frames, np.asarray(read_image(shared / "a2_human.png")))
+        rec = next(iter(fx["records"].values()))
+        bg = next((root / "Background" / "total_part1").glob("*.png"))
+        keys = [f"clip{i:06d}_part1_step6" for i in range(b.clips)]
+        public_data.write_part(part, ((k, rec) for k in keys))
+        for k in keys[:8]:  # the loader's clips need their background png
+            shutil.copy(bg, bg.with_name(f"{k}.png"))
+    out = root / "index"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    counts = public_data.index_opens2v(public_data.IndexOpenS2V(str(root), str(out), background=False))
+    dt = time.perf_counter() - t0
+    mb = part.stat().st_size / 2**20
+    n = counts["clips read"]
+    res = dict(index_clips=n, index_json_mb=mb, index_s=dt, index_clips_per_s=n / dt, index_mb_per_s=mb / dt)
+    print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
+    few = root / "loader" / "index.jsonl"  # 8 clips with their backgrounds: the loader's checks stay short
+    few.parent.mkdir(exist_ok=True)
+    public_data.write_index(few.parent, "opens2v", [("total_part1", public_data.opens2v_part(
+        part, "total_part1", root, public_data.IndexOpenS2V(str(root), str(few.parent)), {}, limit=8))], "bench")
+    res.update(bench_loader(b, str(few), "opens2v"))
     return res
 
 
@@ -344,4 +395,5 @@ def main(b: BenchConfig) -> dict:
 
 if __name__ == "__main__":
     b = tyro.cli(BenchConfig)
-    check_backends(b) if b.check_backends else bench_loader(b) if b.data_root else main(b)
+    check_backends(b) if b.check_backends else bench_opens2v(b) if b.opens2v else bench_loader(b) if b.data_root else \
+        main(b)

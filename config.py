@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +53,8 @@ def read_text(path) -> str:
     raw = Path(path).read_bytes()
     if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return raw.decode("utf-16")
+    if b"\x00" in raw:  # valid UTF-8 byte by byte, but text would train with a NUL between every letter
+        raise ValueError("UTF-16 text without a byte-order mark (NUL bytes); save it as UTF-8")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -230,7 +232,8 @@ class DatasetConfig:
     data_root: str
     """Dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>), and the base of a manifest's relative paths."""
     dataset_type: str = "e2v"
-    """e2v: clips + element images; t2v: clips + prompts only."""
+    """e2v: clips + element images; t2v: clips + prompts only; opens2v / phantom / humoset: an index of a public
+    dataset written by `data.py index` (the manifest), element images built from its annotations (public_data.py)."""
     weight: float = 1.0
     """Times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)
@@ -253,11 +256,47 @@ class DatasetConfig:
     """Training-time visualisation dumps."""
     manifest: str | None = None
     """CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips, instead of scanning data_root."""
+    frame_extraction: str = "spread"
+    """Windows of a clip (FRAME_EXTRACTION): spread = one per clip, its frames spread evenly over the whole clip; head |
+    chunk | slide | uniform = musubi-tuner's windows of consecutive frames, each a sample (data.frame_windows)."""
+    frame_stride: int = 1
+    """slide: frames between window starts."""
+    frame_sample: int = 1
+    """uniform: windows per clip."""
+    source_fps: float | None = None
+    """Frame rate of the clips; with target_fps below it, frames are dropped to reach target_fps first
+    (data.resampled_frames). None: the clips are used at their own rate."""
+    target_fps: float = 16.0
+    """Frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
+    eval: bool = False
+    """A held-out dataset: its samples are never trained on, only scored by the eval loss (--eval-every)."""
     source: str = ""
     """Where it was defined (config file and entry, or flags), for messages; not part of the data."""
+    sam: str | None = None
+    """Public datasets: a local transformers SAM dir that segments box and photo references (else box crops)."""
+    cross_video: bool = False
+    """OpenS2V: subject/object from a paired clip of the same cross-video cluster (the index's --cross-pairs)."""
 
 
+PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
 FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
+FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")
+_EXTRACTION_KEYS = ("frame_extraction", "frame_stride", "frame_sample", "source_fps", "target_fps")
+
+
+def check_extraction(c: DatasetConfig, where: str) -> DatasetConfig:
+    """The frame-extraction settings of a dataset, checked (one line naming the flag or key)."""
+    if c.frame_extraction not in FRAME_EXTRACTION:
+        raise ConfigError(f"{where}: frame_extraction {c.frame_extraction!r} is not one of {FRAME_EXTRACTION}")
+    if c.frame_stride < 1 or c.frame_sample < 1:
+        raise ConfigError(f"{where}: frame_stride and frame_sample must be >= 1, got {c.frame_stride}, "
+                          f"{c.frame_sample}")
+    if (c.source_fps is not None and c.source_fps <= 0) or c.target_fps <= 0:
+        raise ConfigError(f"{where}: source_fps and target_fps must be > 0, got {c.source_fps}, {c.target_fps}")
+    if c.source_fps and c.frame_extraction == "spread":
+        raise ConfigError(f"{where}: source_fps resamples the clip for windows of consecutive frames; frame_extraction "
+                          "spread already spreads its frames over the whole clip: use head, chunk, slide or uniform")
+    return c
 
 
 def _check_keys(d: dict, allowed, where: str):
@@ -308,11 +347,12 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
 def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     _check_keys(d, {"data_root", "dataset_type", "weight", "target_resolution", "auto_frame_buckets", "frame_buckets",
                     "reshape_mode", "remove_common_llm_caption_prefixes", "elements", "processors", "visualization",
-                    "clip_resolution", "vae_combine", "manifest"}, where)
+                    "clip_resolution", "vae_combine", "manifest", *_EXTRACTION_KEYS}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
-    if d.get("dataset_type", "e2v") not in ("e2v", "t2v"):
-        raise ConfigError(f"{where}.dataset_type: expected 'e2v' or 't2v', got {d['dataset_type']!r}")
+    if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
+        raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
+                          f"{d['dataset_type']!r}")
     res = _hw(d.get("target_resolution", [480, 832]), f"{where}.target_resolution")
     procs = d.get("processors", {})
     _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
@@ -361,7 +401,7 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     root = Path(d["data_root"])
     # "bicubic"/"bilinear" in the design documents name the filter, not the framing; they mean a plain resize
     reshape = d.get("reshape_mode", "center_crop")
-    return DatasetConfig(
+    cfg = DatasetConfig(
         data_root=str(root if root.is_absolute() else base / root), dataset_type=d.get("dataset_type", "e2v"),
         weight=float(d.get("weight", 1.0)), target_resolution=vae.resolution if "processors" in d else res,
         auto_frame_buckets=bool(d.get("auto_frame_buckets", False)), frame_buckets=buckets,
@@ -369,11 +409,13 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
         remove_common_llm_caption_prefixes=bool(d.get("remove_common_llm_caption_prefixes", True)),
         elements=elements, vae=vae, clip=clip,
         visualization=VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))}),
-        manifest=d.get("manifest"), source=where)
+        manifest=d.get("manifest"), source=where, **{k: d[k] for k in _EXTRACTION_KEYS if k in d})
+    return check_extraction(cfg, where)
 
 
 def load_dataset_config(path) -> list[DatasetConfig]:
-    """The JSON dataset config of the design documents: {"datasets": [{...}, ...]}."""
+    """The JSON dataset config of the design documents: {"datasets": [{...}, ...]}, and optionally
+    "eval": [{...}, ...], held-out datasets in the same format (never trained on; scored by the eval loss)."""
     path = Path(path)
     try:
         raw = json.loads(read_text(path))
@@ -381,10 +423,14 @@ def load_dataset_config(path) -> list[DatasetConfig]:
         raise ConfigError(f"{path}: dataset config not found") from e
     except (json.JSONDecodeError, ValueError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    _check_keys(raw, {"datasets"}, str(path))
+    _check_keys(raw, {"datasets", "eval"}, str(path))
     if not raw.get("datasets") or not isinstance(raw["datasets"], list):
         raise ConfigError(f"{path}: 'datasets' must be a non-empty list")
+    if not isinstance(raw.get("eval", []), list):
+        raise ConfigError(f"{path}: 'eval' must be a list of datasets")
     cfgs = [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
+    cfgs += [replace(_dataset_from_json(d, f"{path}: eval[{i}]", path.parent), eval=True)
+             for i, d in enumerate(raw.get("eval", []))]
     for c in cfgs[1:]:  # one run builds every sample's condition the same way
         if c.vae != cfgs[0].vae:
             raise ConfigError(f"{c.source}.processors.vae: differs from datasets[0]'s; all datasets of one run must "
@@ -518,9 +564,17 @@ class TrainConfig:
     manifest: str | None = None
     """CSV/JSONL listing the clips (`video`/`path` + `caption`/`prompt` columns), e.g. the T2V workflow's train.jsonl
     of .npz clips (uint8 `frames`); paths inside are relative to its dir, which is the default --data-root."""
-    dataset_type: Literal["e2v", "t2v"] = "e2v"
+    dataset_type: Literal["e2v", "t2v", "opens2v", "phantom", "humoset"] = "e2v"
     """e2v: clips + element images (A2). t2v: clips + prompts only, no elements: text-to-video training; a T2V model
-    (16 input channels) then trains as it is, without expansion."""
+    (16 input channels) then trains as it is, without expansion. opens2v / phantom / humoset: OpenS2V-5M,
+    Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the element
+    images are built from their masks, boxes or photos (public_data.py; README: Public datasets)."""
+    sam: str | None = None
+    """--dataset-type phantom/humoset: a local transformers SAM dir (SamModel) that segments the box / photo
+    references onto white; without, Phantom-Data's references are box crops."""
+    cross_video: bool = False
+    """--dataset-type opens2v: each clip's subject and object come from a paired clip of its cross-video cluster
+    (an index built with --cross-pairs), not from its own frame."""
     elements: tuple[str, ...] = ()
     """Element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements).
     Empty: SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
@@ -562,6 +616,21 @@ class TrainConfig:
     never constructs the VAE/T5/CLIP (unless validation videos need them)."""
     precompute: bool = False
     """Encode the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exit."""
+    frame_extraction: Literal["spread", "head", "chunk", "slide", "uniform"] = "spread"
+    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over
+    the whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide |
+    uniform: windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first;
+    chunk back to back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The
+    windows are a function of the clip alone (deterministic), are validated and cached each as a sample."""
+    frame_stride: int = 1
+    """--frame-extraction slide: frames between window starts (musubi-tuner's default 1: every start)."""
+    frame_sample: int = 1
+    """--frame-extraction uniform: windows per clip (musubi-tuner's default 1: the first window, as head)."""
+    source_fps: float | None = None
+    """Frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
+    the clips to --target-fps before windows are cut (head/chunk/slide/uniform). Default: clips as they are."""
+    target_fps: float = 16.0
+    """The rate clips are brought to with --source-fps: 16, the frame rate Wan 2.1/2.2 are trained at."""
 
     # objective
 
@@ -582,6 +651,11 @@ class TrainConfig:
     """Probability to train a sample with the empty prompt (classifier-free guidance on text)."""
     reference_dropout: float = 0.0
     """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
+    timestep_buckets: int = 0
+    """Stratify the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
+    distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks
+    and accumulation. 0 (default): independent draws, the distribution itself; at a global batch of a few samples
+    stratifying evens out the sigmas each step sees."""
 
     # optimisation
 
@@ -602,6 +676,11 @@ class TrainConfig:
     """Divergence guard: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
     device, no extra sync); after this many in a row the run stops (exit 1) naming its last checkpoint with finite
     weights. Checked at every log step and checkpoint; no checkpoint is written while the last step was non-finite."""
+    ema_decay: float = 0.0
+    """Keep an EMA of the trained weights with this decay (e.g. 0.999), warmed up as min(decay, (1+t)/(10+t)) after
+    step t (a2/ema.py); kept on the device (--fsdp: sharded like the weights), checkpointed and resumed, used for the
+    validation videos and the eval loss (eval_ema/...), and exported beside the weights (..._ema.safetensors or
+    transformer_ema/). 0 (default): off; it costs one more copy of the trained weights."""
     micro_batch: int = 1
     """Samples per rank per forward."""
     grad_accum: int = 1
@@ -636,6 +715,18 @@ class TrainConfig:
     """Log loss, lr, grad norm and throughput to metrics.jsonl every N steps (the one host sync of a step)."""
     tensorboard: bool = False
     """Also write the logged values as TensorBoard scalars into run_dir/tb."""
+    eval_split: int = 0
+    """Hold out this many clips of the training data (all their windows), drawn with --seed, never trained on, for
+    the eval loss. 0 (default): none (an --eval-manifest or a dataset config's `eval` datasets can still be given)."""
+    eval_manifest: str | None = None
+    """A held-out dataset listed like --manifest (read with the training data's settings), for the eval loss."""
+    eval_every: int = 0
+    """Eval loss every N steps (and at the end) when there are held-out samples (0: at the end only): the loss of each
+    held-out sample at --eval-quantiles fixed sigmas with fixed noise (the same draws each time), as eval/loss and
+    eval/loss@<sigma> in metrics.jsonl and tensorboard. Costs one forward per sample per sigma, split over ranks."""
+    eval_quantiles: int = 9
+    """Sigmas of the eval loss: the quantiles (i + 1) / (n + 1), i < n, of the --sigma-sampling distribution (in the
+    expert's range on Wan 2.2): 9 as diffusion-pipe (0.1 ... 0.9)."""
     val_every: int = 0
     """Render validation videos every N steps (0: only at the end when val_elements are given). Text-only runs
     (--dataset-type t2v) render --val-prompt alone, every N steps."""
@@ -662,7 +753,7 @@ class TrainConfig:
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
     if cfg.dataset_config:
-        return load_dataset_config(cfg.dataset_config)
+        return with_eval_manifest(cfg, load_dataset_config(cfg.dataset_config))
     if not cfg.data_root and not cfg.manifest:
         raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
     _hw(list(cfg.resolution), "--resolution")
@@ -670,16 +761,34 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
     no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
+    if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
+        raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
+                          "OUT/index.jsonl (data.py index) and --frame-conditioning full")
     if cfg.reference_layout == "incontext" and no_elements:
         raise ConfigError("--reference-layout incontext places element references: it needs element images "
                           "(--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
-    return [DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
+    main = DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
         data_root=cfg.data_root or str(Path(manifest).parent), manifest=manifest,
         target_resolution=tuple(cfg.resolution), frame_buckets=(),
-        elements=() if no_elements else elements, dataset_type="t2v" if no_elements else "e2v",
+        elements=() if no_elements else elements,
+        dataset_type="t2v" if no_elements else cfg.dataset_type if cfg.dataset_type in PUBLIC_TYPES else "e2v",
+        sam=cfg.sam, cross_video=cfg.cross_video,
         vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
                                frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index,
                                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep),
-        clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)))]
+        clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)),
+        **{k: getattr(cfg, k) for k in _EXTRACTION_KEYS})
+    return with_eval_manifest(cfg, [check_extraction(main, "--frame-extraction")])
+
+
+def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
+    """--eval-manifest: a held-out dataset listed like --manifest (relative paths beside it), read as the first
+    dataset's settings read it (elements, sizes, frame extraction)."""
+    if not cfg.eval_manifest:
+        return cfgs
+    manifest = Path(cfg.eval_manifest).resolve()
+    return cfgs + [replace(cfgs[0], data_root=str(manifest.parent), manifest=str(manifest), weight=1.0, eval=True,
+                           source="--eval-manifest")]
+

@@ -11,6 +11,8 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
     python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
+    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (a2/public_data.py)
+    python data.py export-elements --manifest OUT/index.jsonl --out DIR
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -27,7 +30,8 @@ import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 
@@ -42,6 +46,7 @@ from a2.pipeline import element_tensors, read_image
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
+    PUBLIC_TYPES,
     DatasetConfig,
     Element,
     InputError,
@@ -53,6 +58,8 @@ from config import (
 )
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
 LLM_PREFIXES = (
@@ -123,7 +130,7 @@ def _decode(path: Path, last: int | None = None):
     """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
     import av
 
-    with av.open(str(path)) as c:
+    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
         if not c.streams.video:
             raise ValueError("no video stream (an audio-only file?)")
         stream = c.streams.video[0]
@@ -144,7 +151,7 @@ def probe_video(path: Path) -> tuple[int, tuple[int, int]]:
     """(frames the container lists, 0 if it does not; (H, W) as displayed), from the first decoded frame."""
     import av
 
-    with av.open(str(path)) as c:
+    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
         listed = int(c.streams.video[0].frames) if c.streams.video else 0
     for _, frame in _decode(path, 0):
         turned = round(frame.rotation / 90) % 2
@@ -211,6 +218,41 @@ def last_frame_read(total: int, num_frames: int, sampling: str) -> int:
     return total - 1 if sampling == "random" else max(frame_indices(total, num_frames, sampling))
 
 
+def resampled_frames(total: int, source_fps: float | None, target_fps: float) -> list[int]:
+    """The source frames a `source_fps` clip keeps at `target_fps` (musubi-tuner's rule): source frame i falls on output
+    frame floor(i * target / source), and the first source frame of each output frame is kept, the rest dropped. Exact
+    rational arithmetic (musubi adds up the float ratio). No source fps, or a target at or above it: every frame (no
+    frame is repeated to raise the rate)."""
+    if not source_fps or target_fps >= source_fps:
+        return list(range(total))
+    ratio = Fraction(str(target_fps)) / Fraction(str(source_fps))
+    out, last = [], -1
+    for i in range(total):
+        n = math.floor(i * ratio)
+        if n != last:
+            out.append(i)
+            last = n
+    return out
+
+
+def frame_windows(total: int, frames: int, cfg: DatasetConfig) -> list[tuple[int, ...]]:
+    """--frame-extraction head | chunk | slide | uniform: the source frame indices of each training window of `frames`
+    frames in a clip of `total` frames, after resampled_frames, as musubi-tuner's video dataset cuts them: head the
+    first window; chunk back-to-back windows (a last partial one dropped); slide a window every frame_stride frames;
+    uniform frame_sample windows with starts evenly spaced from the first to the last possible one
+    (np.linspace(0, n - frames, frame_sample) as int, so short clips repeat starts, as musubi does; frame_sample 1:
+    head, as musubi switches it). None fits: []."""
+    src = resampled_frames(total, cfg.source_fps, cfg.target_fps)
+    n = len(src)
+    if n < frames:
+        return []
+    mode = "head" if cfg.frame_extraction == "uniform" and cfg.frame_sample == 1 else cfg.frame_extraction
+    starts = {"head": [0], "chunk": range(0, n - frames + 1, frames),
+              "slide": range(0, n - frames + 1, cfg.frame_stride),
+              "uniform": np.linspace(0, n - frames, cfg.frame_sample, dtype=int).tolist()}[mode]
+    return [tuple(src[s:s + frames]) for s in starts]
+
+
 def frame_buckets(cfg: DatasetConfig, num_frames: int) -> tuple[int, ...]:
     """Clip lengths a dataset trains with: num_frames, or with auto_frame_buckets each bucket up to it."""
     if not cfg.auto_frame_buckets:
@@ -267,6 +309,15 @@ class Sample:
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
     where: str = ""  # its manifest line, for messages
     problems: list[Problem] = field(default_factory=list)
+    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to (x0, x1, y0, y1), and
+    # each element image is built from refs[name] (a mask, box or image entry of the index)
+    start: int = 0
+    crop: tuple | None = None
+    refs: dict = field(default_factory=dict)
+    cluster: str | None = None  # OpenS2V's cross-video cluster
+    # --frame-extraction other than spread: the source frames of each window (check_sample); one each once scan has
+    # made every window a sample of its own
+    windows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def bad(self) -> bool:
@@ -278,19 +329,20 @@ def _visible_files(root: Path) -> dict[str, list[Path]]:
     macOS's AppleDouble `._*` among them, are not data."""
     files: dict[str, list[Path]] = {}
     for p in sorted(root.iterdir()):
-        if not p.name.startswith(".") and p.is_file():
+        # a dangling symlink is a file that is missing (reported), not one that is not there
+        if not p.name.startswith(".") and (p.is_file() or p.is_symlink() and not p.exists()):
             files.setdefault(p.name.lower(), []).append(p)
     return files
 
 
-def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
+def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> list[Sample]:
     files = _visible_files(root)
     videos: dict[str, list[Path]] = {}
     for name, paths in files.items():
         stem, ext = os.path.splitext(name)
         if ext in VIDEO_EXTS:
             videos.setdefault(stem, []).extend(paths)
-    out = []
+    out, used = [], set()
     for stem, paths in sorted(videos.items()):
         s = Sample(paths[0].stem, di, paths[0], "")
         if len(paths) > 1:
@@ -302,7 +354,9 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
                                                                                f"'{e.name}'; keep one"))
             if matches:
                 s.elements[e.name] = matches[0]
+                used.update(matches)
         caption = files.get(stem + ".txt", [root / f"{s.id}.txt"])[0]
+        used.add(caption)
         try:
             s.prompt, problems = caption_problems(s.id, read_text(caption), caption, "", cfg)
             s.problems += problems
@@ -311,6 +365,26 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int) -> list[Sample]:
         except ValueError as e:
             s.problems.append(Problem(s.id, caption, f"caption is {e}"))
         out.append(s)
+    loose += orphans(files, used, videos, cfg)
+    return out
+
+
+def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetConfig) -> list[Problem]:
+    """Captions and images that belong to no sample (a renamed or missing video, a mistyped suffix): warned, since
+    they are data someone meant to train on."""
+    suffixes = sorted({x.lower() for e in cfg.elements for x in e.suffixes}, key=len, reverse=True)
+    out = []
+    for name, paths in sorted(files.items()):
+        ext = os.path.splitext(name)[1]
+        if ext not in (".txt", *IMAGE_EXTS) or all(p in used for p in paths):
+            continue
+        stem = os.path.splitext(name)[0]
+        owner = next((name[:-len(x)] for x in suffixes if name.endswith(x)), None) or \
+            max((v for v in videos if stem.startswith(v)), key=len, default=stem)
+        what = (f"no video '{paths[0].name[:len(owner)]}' for this " + ("caption" if ext == ".txt" else "element image")
+                if owner not in videos else f"matches no element suffix of sample '{owner}' "
+                                            f"({', '.join(suffixes)})")
+        out += [Problem(owner if owner in videos else "-", p, what, warning=True) for p in paths if p not in used]
     return out
 
 
@@ -376,9 +450,13 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                                       f"required element '{e.name}' missing", s.where))
     for name, img in s.elements.items():
         try:
-            read_image(img)
+            w, h = read_image(img).size
+            if min(w, h) < MIN_REFERENCE_SIDE:
+                s.problems.append(Problem(s.id, img, f"element '{name}' is {w}x{h} pixels: too small to be a "
+                                                     f"reference (under {MIN_REFERENCE_SIDE} on a side)", s.where))
         except ValueError as ex:
-            what = "not found" if not img.exists() else str(ex)
+            what = (f"a dangling symlink (to {os.readlink(img)})" if img.is_symlink() and not img.exists() else
+                    "not found" if not img.exists() else str(ex))
             s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
     try:
         if s.video.suffix.lower() == ".npz":
@@ -387,12 +465,16 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
         else:
             listed, size = probe_video(s.video)
         total = listed or decodable_frames(s.video)  # a container that lists no count (webm, mkv): count them
-        frames = clip_length(cfg, num_frames, total)
+        kept = len(resampled_frames(total, cfg.source_fps, cfg.target_fps))
+        frames = clip_length(cfg, num_frames, kept)
+        if cfg.frame_extraction != "spread" and frames:
+            s.windows = tuple(frame_windows(total, frames, cfg))
         if not frames:
-            s.problems.append(Problem(s.id, s.video, f"{total} frames, shorter than the smallest bucket "
+            at = f" ({kept} at {cfg.target_fps:g} fps)" if kept != total else ""
+            s.problems.append(Problem(s.id, s.video, f"{total} frames{at}, shorter than the smallest bucket "
                                                      f"({min(frame_buckets(cfg, num_frames))})", s.where))
         elif listed and s.video.suffix.lower() != ".npz":
-            last = last_frame_read(total, frames, sampling)
+            last = max(w[-1] for w in s.windows) if s.windows else last_frame_read(total, frames, sampling)
             got = decodable_frames(s.video, last)
             if got <= last:
                 s.problems.append(Problem(s.id, s.video, f"only frames 0..{got - 1} of the {total} it lists decode "
@@ -400,7 +482,9 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                                           s.where))
         s.num_frames, s.size = total, tuple(int(v) for v in size)
     except Exception as ex:  # PyAV, numpy and zip raise many types for damaged files
-        what = "video file not found" if not s.video.exists() else f"unreadable video ({type(ex).__name__}: {ex})"
+        what = (f"video is a dangling symlink (to {os.readlink(s.video)})" if s.video.is_symlink() and not
+                s.video.exists() else "video file not found" if not s.video.exists() else
+                f"unreadable video ({type(ex).__name__}: {ex})")
         s.problems.append(Problem(s.id, s.video, what, s.where))
     return s
 
@@ -418,11 +502,43 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
             raise DatasetError(f"{where}: manifest {manifest} not found")
         if manifest is None and not root.is_dir():
             raise DatasetError(f"{where}: data_root {root} is not a directory")
-        found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di)
+        check = check_sample
+        if cfg.dataset_type in PUBLIC_TYPES:
+            from a2 import public_data
+
+            if manifest is None:
+                raise DatasetError(f"{where}: --dataset-type {cfg.dataset_type} reads an index: --manifest "
+                                   "OUT/index.jsonl (written by `data.py index`)")
+            found, check = public_data.list_index(manifest, cfg, di, problems), public_data.check_public_sample
+        else:
+            found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        samples += _check_all(found, partial(check_sample, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
+
+
+def window_samples(s: Sample) -> list[Sample]:
+    """A clip cut into several windows (--frame-extraction): one sample per window, named <id>@<first source frame>."""
+    if s.bad or len(s.windows) <= 1:
+        return [s]
+    return [replace(s, id=f"{s.id}@{w[0]}", windows=(w,)) for w in s.windows]
+
+
+def held_out(dataset: E2VDataset, clips: int, seed: int) -> list[int]:
+    """Indices of the samples never trained on (--eval-split, --eval-manifest, a dataset config's `eval` datasets):
+    every sample of an eval dataset, and every window of `clips` clips of the training datasets, drawn with `seed`
+    (all windows of a clip together: no frame of a held-out clip is trained on)."""
+    samples = dataset.samples
+    out = {i for i, s in enumerate(samples) if dataset.cfgs[s.dataset].eval}
+    if clips:
+        pool = sorted({(s.dataset, str(s.video)) for s in samples if not dataset.cfgs[s.dataset].eval})
+        if clips >= len(pool):
+            raise DatasetError(f"--eval-split {clips}: the training datasets have {len(pool)} clips; hold out fewer")
+        chosen = set(random.Random(seed).sample(pool, clips))
+        out |= {i for i, s in enumerate(samples) if (s.dataset, str(s.video)) in chosen}
+    return sorted(out)
 
 
 def _check_all(found: list[Sample], check) -> list[Sample]:
@@ -483,7 +599,12 @@ class E2VDataset(torch.utils.data.Dataset):
         for di, c in enumerate(self.cfgs):
             mine = [s for s in self.samples if s.dataset == di]
             cover = ", ".join(f"{e.name} {sum(e.name in s.elements for s in mine)}/{len(mine)}" for e in c.elements)
-            lines.append(f"  {c.data_root}: {len(mine)} samples" + (f"; elements: {cover}" if cover else ""))
+            lines.append(f"  {c.manifest if c.dataset_type in PUBLIC_TYPES else c.data_root}: {len(mine)} samples"
+                         + (f"; elements: {cover}" if cover else ""))
+            if c.dataset_type in PUBLIC_TYPES:
+                from a2.public_data import index_rule
+
+                lines.append(f"  {c.dataset_type} index built with: {index_rule(Path(c.manifest)) or 'no report.txt'}")
         per_epoch = Counter()  # samples drawn from each bucket per epoch (dataset weights)
         for s, b in zip(self.samples, self.buckets):
             per_epoch[b] += self.cfgs[s.dataset].weight
@@ -504,7 +625,7 @@ class E2VDataset(torch.utils.data.Dataset):
     def bucket_of(self, s: Sample) -> tuple:
         """(frames, H, W, element names): what every sample of a batch shares."""
         cfg = self.cfgs[s.dataset]
-        frames = clip_length(cfg, self.num_frames, s.num_frames)
+        frames = len(s.windows[0]) if s.windows else clip_length(cfg, self.num_frames, s.num_frames)
         h, w = cfg.target_resolution
         if cfg.auto_frame_buckets and s.size[0] and s.size[1]:  # aspect buckets at about the target's area
             area, ar = h * w, s.size[0] / s.size[1]
@@ -535,11 +656,19 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), element_names=names, repeats=tuple(e.repeat for e in elements),
                             bucket=(frames, h, w, names), video_shape=(3, frames, h, w),
                             ref_shape=(len(elements), 3, h, w))
-            raw = read_clip(s.video, frame_indices(s.num_frames, frames, self.frame_sampling, random.Random(seed)))
+            indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
+                                                                             random.Random(seed))
+            if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
+                from a2.public_data import load_sample
+
+                raw, images = load_sample(s, indices, names, cfg.sam)
+            else:
+                raw, images = read_clip(s.video, indices), {}
             vae, clip = [], []
             for e in elements:
                 file = s.elements[e.name]
-                v, c = element_tensors(read_image(file), e, (h, w), tuple(cfg.clip.resolution))
+                image = images[e.name] if e.name in images else read_image(file)
+                v, c = element_tensors(image, e, (h, w), tuple(cfg.clip.resolution))
                 vae.append(v)
                 clip.append(c)
         except Exception as ex:  # whatever a damaged file raises
@@ -655,6 +784,21 @@ def stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def stop_workers(batches) -> None:
+    """Shut the workers of a DataLoader iterator down now (what its __del__ does when the last reference goes), with
+    the stop signals held back meanwhile. An exception leaving the loop keeps the iterator alive in its traceback, and
+    at interpreter exit multiprocessing stops daemonic workers with SIGTERM, which they ignore, then waits for them
+    forever: so every exit path calls this. Workers still alive after the shutdown are killed."""
+    if not hasattr(batches, "_shutdown_workers"):  # None, or num_workers 0: nothing runs beside this process
+        return
+    with stop_signals_blocked():
+        batches._shutdown_workers()
+        for w in batches._workers:
+            if w.is_alive():
+                w.kill()
+                w.join()
+
+
 # ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
 
 
@@ -674,6 +818,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames,
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
+                        + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -703,14 +848,18 @@ class BucketBatchSampler:
 
     An epoch: each dataset's samples drawn `weight` times over (weight 0.5 = half of them, 2 = twice),
     shuffled with (seed, epoch), grouped by bucket, cut into full global batches, batches shuffled.
-    The position (epoch, batches consumed) is saved and restored exactly with state_dict()."""
+    A run's position needs no state: train_a2.global_batches replays the epochs up to the step."""
 
-    def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0):
+    def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0, exclude=()):
         self.dataset, self.batch, self.seed = dataset, global_batch_size, seed
+        self.exclude = frozenset(exclude)  # held-out samples (held_out): never in a batch
         self.epoch, self.consumed = 0, 0
         counts: dict = {}
-        for b in dataset.buckets:
-            counts[b] = counts.get(b, 0) + 1
+        for i, b in enumerate(dataset.buckets):
+            if i not in self.exclude:
+                counts[b] = counts.get(b, 0) + 1
+        if not counts:
+            raise ValueError("every sample is held out for evaluation: nothing left to train on")
         if max(counts.values()) < global_batch_size:
             raise ValueError(f"global batch {global_batch_size} (micro x accum x world) is larger than every bucket "
                              f"(largest has {max(counts.values())} samples): lower --micro-batch/--grad-accum or "
@@ -725,7 +874,7 @@ class BucketBatchSampler:
         ds = self.dataset
         picks: list[int] = []
         for di, cfg in enumerate(ds.cfgs):
-            mine = [i for i, s in enumerate(ds.samples) if s.dataset == di]
+            mine = [i for i, s in enumerate(ds.samples) if s.dataset == di and i not in self.exclude]
             n = round(cfg.weight * len(mine))
             full, part = divmod(n, len(mine)) if mine else (0, 0)
             picks += mine * full + rng.sample(mine, part)
@@ -748,12 +897,6 @@ class BucketBatchSampler:
 
     def __len__(self):
         return len(self.epoch_batches(self.epoch))
-
-    def state_dict(self) -> dict:
-        return dict(epoch=self.epoch, consumed=self.consumed, seed=self.seed)
-
-    def load_state_dict(self, state: dict):
-        self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]
 
 
 def rank_slice(global_batch: list, rank: int, world_size: int, micro_batch: int, accum: int) -> list[list]:
@@ -843,12 +986,18 @@ def validate(a: Validate) -> E2VDataset:
 
 
 def _cli(argv: list[str]):
-    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate}, args=argv,
+    from a2 import public_data
+
+    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate,
+                                              "index": public_data.IndexCommand,
+                                              "export-elements": public_data.ExportElements}, args=argv,
                                              description=__doc__)
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
-    else:
+    elif isinstance(a, Validate):
         run_cli(validate, a)
+    else:
+        public_data.run(a)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -27,18 +26,13 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import tyro
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,7 +41,6 @@ from tqdm import tqdm
 
 from a2.conditioning import (
     CHANNEL_KINDS,
-    REFERENCE_KINDS,
     Layout,
     PosteriorCache,
     drop,
@@ -59,10 +52,20 @@ from a2.conditioning import (
     plan,
     prepare_model,
     vae_scale,
+    validation_layout,
     video_prediction,
 )
+from a2.ema import ema_decay, ema_load_template, ema_weights, update_ema
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
-from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma  # noqa: F401 (tests import them here)
+from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, sample_generator, sample_sigma here)
+    flow_loss,
+    noisy_latents,
+    sample_generator,
+    sample_sigma,
+    sigma_cdf,
+    sigma_quantile,
+    timestep_bucket,
+)
 from a2.fp8 import scaled_mm_supported
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
@@ -80,16 +83,19 @@ from a2.pipeline import (
 )
 from a2.runs import (
     EXIT_RESUMABLE,
+    CheckpointError,
     Diverged,
     NonFiniteSteps,
     ResumeError,
     ResumePoint,
     RunLock,
     RunLocked,
-    commit_checkpoint,
+    Stopped,
+    load_checkpoint,
     params_finite,
     plan_resume,
     record_start,
+    save_checkpoint,
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
@@ -117,14 +123,16 @@ from data import (
     LoadFailures,
     cache_key,
     collate,
+    held_out,
     ignore_stop_signals,
     rank_slice,
     stop_signals_blocked,
+    stop_workers,
     write_cache,
 )
 
 RANK = int(os.environ.get("RANK", 0))
-STOP = {"signal": None}  # set by the SIGTERM/SIGINT handler; the loop checkpoints and exits at the step's end
+STOP = {"signal": None, "loop": False}  # set by on_signal; the loop checkpoints and exits at the step's end
 
 
 def log(*args, **kwargs):
@@ -134,15 +142,22 @@ def log(*args, **kwargs):
 
 
 def on_signal(signum, _frame):
-    STOP["signal"] = signum
+    """SIGTERM/SIGINT. In the step loop the first one asks for a checkpoint at the end of the step (the loop reads
+    STOP); a second one, or one outside the loop (loading, export, final validation), stops the process at once
+    (Stopped), so that a scheduler's stop or a repeated Ctrl-C always ends it."""
+    if STOP["loop"] and STOP["signal"] is None:
+        STOP["signal"] = signum
+    else:
+        raise Stopped(signum, "a second signal" if STOP["signal"] else "outside the step loop")
 
 
-def on_rank0(fn):
-    """fn() on rank 0 alone; its result, or the exception it raised, on every rank (a refusal stops all ranks)."""
+def on_rank0(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on rank 0 alone; its result, or the exception it raised, on every rank (a refusal stops
+    all ranks)."""
     out = [None]
     if RANK == 0:
         try:
-            out = [(True, fn())]
+            out = [(True, fn(*args, **kwargs))]
         except Exception as e:  # raised again below, on every rank
             out = [(False, e)]
     if dist.is_initialized():
@@ -177,7 +192,7 @@ class Run:
     def validates(self) -> bool:
         """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
         --val-every)."""
-        return self.val_elements or self.layout.kind == "t2v" and self.val_every > 0
+        return self.val_elements or self.layout.images == "none" and self.val_every > 0
 
 
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
@@ -218,10 +233,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
-        if layout.kind == "t2v":
+        if layout.images == "none":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         try:
-            if layout.kind == "clean":  # TI2V-5B image-to-video: the one image is the first frame
+            if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
                 if len(cfg.val_elements) != 1:
                     raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
                                      f"{len(cfg.val_elements)}")
@@ -455,7 +470,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     gens = [sample_generator(cfg.seed, key, k) for k in ks]
     drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
     drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
-    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range) for g in gens]), device)  # (B,)
+    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
+                                                                                   cfg.timestep_buckets))
+                               for g, k in zip(gens, ks)]), device)  # (B,)
     layout = run.layout
     with torch.no_grad():
         s = run.info.vae_scale
@@ -465,7 +482,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
-        if layout.kind in REFERENCE_KINDS:
+        if layout.references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
         text = (h2d(batch["text"], device) if cached
@@ -540,7 +557,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     refs = clips = None
     repeats: tuple[int, ...] = ()
     first_frame = None
-    if run.layout.kind == "clean":  # TI2V-5B image-to-video: the image is the first frame (plan_run checked)
+    if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
         first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
@@ -562,10 +579,8 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                   flow_shift=cfg.val_flow_shift, combine=run.layout.combine,
-                   reference_layout="incontext" if run.layout.kind == "incontext" else "channel",
-                   reference_timestep=run.layout.reference_timestep, first_frame=first_frame,
-                   layout=run.layout if run.layout.kind in REFERENCE_KINDS else None,
+                   flow_shift=cfg.val_flow_shift, first_frame=first_frame,
+                   layout=validation_layout(run.layout, repeats),
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:
@@ -590,6 +605,72 @@ def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, rank: int, de
     if enc.image_encoder is not None:
         clip = Embedder(enc.image_encoder, enc.image_processor, device, next(enc.image_encoder.parameters()).dtype)
     return load_evaluators(cfg.eval, run.info.image_encoder_dir, device, run.compute_dtype, clip=clip)
+
+
+EVAL_KEY = 2**62  # the step key of the eval loss's draws (noise, posterior samples): no training step has it
+
+
+def check_extra_options(cfg: TrainConfig) -> None:
+    """--ema-decay, the eval loss and --timestep-buckets, checked before any data or weights load."""
+    if not 0.0 <= cfg.ema_decay < 1.0:
+        raise ConfigError(f"--ema-decay {cfg.ema_decay}: a decay in [0, 1) (0: no EMA), e.g. 0.999")
+    if cfg.eval_split < 0 or cfg.eval_every < 0 or cfg.eval_quantiles < 1 or cfg.timestep_buckets < 0:
+        raise ConfigError(f"--eval-split {cfg.eval_split}, --eval-every {cfg.eval_every}, --timestep-buckets "
+                          f"{cfg.timestep_buckets} must be >= 0 and --eval-quantiles {cfg.eval_quantiles} >= 1")
+
+
+def eval_sigmas(cfg: TrainConfig, run: Run) -> list[float]:
+    """The eval loss's sigmas: the quantiles (i + 1) / (n + 1), i < n = --eval-quantiles, of the --sigma-sampling
+    distribution, truncated to the run's sigma range (a Wan 2.2 expert's) as training draws it."""
+    a, b = sigma_cdf(cfg, run.sigma_range[0]), sigma_cdf(cfg, run.sigma_range[1])
+    n = cfg.eval_quantiles
+    return [sigma_quantile(cfg, a + (b - a) * (i + 1) / (n + 1)) for i in range(n)]
+
+
+@torch.no_grad()
+def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, dataset, held: list[int], rank: int,
+              world: int, device, amp, prefix: str = "eval/") -> dict:
+    """The loss of the held-out samples at eval_sigmas, as a metrics.jsonl record: <prefix>loss (the mean) and
+    <prefix>loss@<sigma>. Each sample is the training step's model_inputs (its n-th sample of a one-sample batch at the
+    fixed step key EVAL_KEY, dropout off: the same noise and posterior draws at every eval) and forward_loss with the
+    sigmas replaced; the noise is shared by all sigmas. Samples n = rank, rank + world, ... per rank (--fsdp: every
+    rank runs as many forwards, the extra ones discarded); each (sample, sigma) loss is computed by one rank and summed
+    with zeros from the others, so the result is the same bit for bit at any world size."""
+    sigmas = eval_sigmas(cfg, run)
+    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, overfit_batches=0, timestep_buckets=0)
+    one = replace(run, world=1)
+    per = torch.zeros(len(held), len(sigmas), device=device)  # (N, Q)
+    transformer.eval()  # (LoRA dropout)
+    for n in range(rank, -(-len(held) // world) * world, world):
+        if n >= len(held) and not cfg.fsdp:
+            break
+        k = min(n, len(held) - 1)
+        batch = collate([dataset[(held[k], 0)]])
+        if "failed" in batch:
+            raise DatasetError(f"eval loss at step {step}: {batch['failed'][0][1]}")
+        inputs = model_inputs(batch, EVAL_KEY, k, fixed, one, enc, 0, device)
+        for q, sigma in enumerate(sigmas):
+            loss, _ = forward_loss(transformer, {**inputs, "sigmas": torch.full_like(inputs["sigmas"], sigma)}, fixed,
+                                   one, amp, transformer.dtype)
+            if n < len(held):
+                per[n, q] = loss
+    transformer.train()
+    if world > 1:
+        dist.all_reduce(per)
+    means = per.mean(0).tolist()
+    return dict(step=step, **{f"{prefix}loss": sum(means) / len(means)},
+                **{f"{prefix}loss@{s:.3f}": v for s, v in zip(sigmas, means)})
+
+
+def evaluate_held_out(step: int, cfg: TrainConfig, run: Run, transformer, opt, params, enc: Encoders, dataset,
+                      held: list[int], rank: int, world: int, device, amp) -> dict:
+    """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...)."""
+    rec = eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp)
+    if cfg.ema_decay:
+        with ema_weights(opt, params):
+            rec.update(eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp,
+                                 "eval_ema/"))
+    return rec
 
 
 def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
@@ -627,94 +708,58 @@ def skip_step(step: int, failures: LoadFailures, cfg: TrainConfig, run_dir: Path
         log(line)
     if not cfg.skip_bad_samples:
         opt.zero_grad(set_to_none=True)  # the checkpoint holds the optimizer, not the step's partial gradients
-        if rank == 0 or cfg.fsdp:
-            log(f"checkpoint {save_checkpoint(run_dir, step, transformer, opt, cfg, cfg.keep_last, failures)}")
-        if world > 1:
-            dist.barrier()
+        checkpoint(run_dir, step, transformer, opt, cfg, failures)
         raise DatasetError(failures.stop_message(step + 1))
 
 
 # ---------------------------------------------------------------- checkpoints, export
 
 
-def save_checkpoint(run_dir: Path, step: int, model, opt, cfg: TrainConfig, keep_last: int,
-                    failures: LoadFailures) -> Path:
-    """Write ckpt-<step> atomically (temp dir, manifest written last, then rename) and keep the last `keep_last`.
-    DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
-    (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier."""
-    final = run_dir / f"ckpt-{step:07d}"
-    tmp = run_dir / f".tmp-ckpt-{step:07d}"
-    if RANK == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if cfg.fsdp:
-        dist.barrier()  # the temp dir is there, with nothing stale in it, before any rank writes
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "sharded")
-        dist.barrier()  # every rank's shards are on disk
-        if RANK != 0:
-            return final
-    else:
-        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-        save_file(trainable, tmp / "trainable.safetensors")
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    torch.save(dict(step=step, data_position=step, rng=rng, load_failures=failures.state_dict()), tmp / "state.pt")
-    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return commit_checkpoint(tmp, final, keep_last, step=step, world_size=world, fsdp=cfg.fsdp)  # manifest last
+def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, failures: LoadFailures) -> Path:
+    """Write ckpt-<step> (a2/runs.py: save_checkpoint), on every rank alike: DDP's rank 0 writes it and the others
+    wait for it, and a write that fails (CheckpointError: a full disk) stops every rank, not rank 0 alone."""
+    def save():
+        path = save_checkpoint(run_dir, step, transformer, opt, asdict(cfg), cfg.keep_last, failures.state_dict(),
+                               cfg.fsdp)
+        log(f"checkpoint {path}")
+        return path
+
+    return save() if cfg.fsdp else on_rank0(save)
 
 
-def load_checkpoint(ckpt: Path, transformer, opt, fsdp: bool, failures: LoadFailures) -> int:
-    """Restore weights (or adapter), optimizer, RNG and dropped samples from ckpt; returns its step (the data
-    position)."""
-    state = torch.load(ckpt / "state.pt", weights_only=False)
-    if fsdp:
-        if not (ckpt / "sharded").is_dir():
-            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
-        model_sd, optim_sd = get_state_dict(transformer, opt)
-        sharded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sharded, checkpoint_id=ckpt / "sharded")  # every rank reads its shards (any world size)
-        set_state_dict(transformer, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
-    else:
-        if not (ckpt / "trainable.safetensors").exists():
-            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
-        missing = transformer.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
-        if missing.unexpected_keys:
-            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
-        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
-    if "load_failures" in state:
-        failures.load_state_dict(state["load_failures"])
-    return state["step"]
-
-
-def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None) -> Path:
+def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "") -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights).
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
-    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir."""
+    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
+    `tag` ends the names (_ema: the EMA weights, export_ema)."""
     if cfg.training_type == "lora":
         from a2 import standin
         from a2.lora import export_lora
 
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
-            return standin.export_lora(run_dir, getattr(model, "module", model))
-        return export_lora(run_dir, model, cfg.expert)[0]
+            return standin.export_lora(run_dir, getattr(model, "module", model), tag)
+        return export_lora(run_dir, model, cfg.expert, tag)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
         with torch.device("meta"):
             model = WanTransformer3DModel.from_config(model.config)
         model.load_state_dict(full_state, assign=True)
-    out = run_dir / (EXPERTS[cfg.expert] if cfg.expert else "transformer")
+    out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
     model.save_pretrained(out)
     return out
+
+
+def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int) -> Path | None:
+    """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
+    pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
+    with ema_weights(opt, params):
+        full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+            if cfg.fsdp else None
+        return export_weights(run_dir, transformer, cfg, full, tag="_ema") if rank == 0 else None
 
 
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
@@ -727,7 +772,144 @@ def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point
     (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
 
 
-def log_step(rec: dict, metrics_file, tb) -> None:
+def setup_distributed(cfg: TrainConfig):
+    """(world, rank, local_rank, device, ctrl): the process group (NCCL on CUDA, gloo on the CPU; a one-rank group
+    for --fsdp in one process) and ctrl, the CPU group the stop flag is agreed through each step, so that it never
+    waits for the GPU."""
+    global RANK
+    use_expandable_segments()  # before CUDA initialises
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    RANK = rank
+    use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return world, rank, local_rank, device, ctrl
+
+
+def lock_existing(run_dir: Path, lock: RunLock) -> None:
+    """An existing run dir is locked at once: one in use by another run fails here, naming its holder."""
+    if run_dir.is_dir():
+        lock.acquire()
+
+
+def place_transformer(cfg: TrainConfig, run: Run, rank: int, device):
+    """build_transformer, sharded with --fsdp, then put in place by the memory plan (fp8, swapped blocks, the rest
+    on `device`, recomputation), decided before the weights move: where they go is part of it."""
+    transformer, rank0_weights = build_transformer(cfg, run, rank)
+    if cfg.fsdp:
+        shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
+        del rank0_weights
+    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
+        f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
+        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
+    plan = memory_plan(cfg, run, transformer, device)
+    log(f"memory: {plan}")
+    for line in apply_plan(transformer, plan, device, cfg.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
+        log(line)
+    if cfg.attention_backend:
+        transformer.set_attention_backend(cfg.attention_backend)
+    return transformer
+
+
+def make_loader(dataset, sampler, start_step: int, rank: int, world: int, cfg: TrainConfig, use_cuda: bool):
+    """This rank's micro-batches from `start_step` on (the data position is the step)."""
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
+                                                cfg.overfit_batches),
+        collate_fn=collate, num_workers=cfg.num_workers, pin_memory=use_cuda, persistent_workers=cfg.num_workers > 0,
+        # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
+        multiprocessing_context="spawn" if cfg.num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
+
+
+def open_metrics(run_dir: Path, cfg: TrainConfig, rank: int):
+    """Rank 0's metrics.jsonl (appended to: a resume continues it) and tensorboard writer."""
+    if rank != 0:
+        return None, None
+    tb = None
+    if cfg.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(run_dir / "tb")
+    return open(run_dir / "metrics.jsonl", "a"), tb
+
+
+def step_record(done: int, step_loss, grad_norm, opt, guard: NonFiniteSteps, cfg: TrainConfig, last_ckpt,
+                meter: dict, use_cuda: bool) -> dict:
+    """The metrics.jsonl record of step `done` (its loss read here: the step's only host sync), with throughput since
+    the last record (`meter` restarts). Raises Diverged after too many non-finite steps."""
+    value = step_loss.item()
+    _, skipped = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
+    dt = time.time() - meter["t0"]
+    rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm), skipped_steps=skipped,
+               s_per_step=dt / (done - meter["logged"]), samples_per_s=meter["seen"] / dt,
+               tokens_per_s=meter["tokens"] / dt,
+               peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
+    meter.update(t0=time.time(), seen=0, tokens=0, logged=done)
+    return rec
+
+
+def stop_agreed(world: int, ctrl) -> bool:
+    """Whether a stop signal reached any rank (agreed through the CPU group, so that all stop at the same step)."""
+    interrupted = STOP["signal"] is not None
+    if world > 1:
+        flag = torch.tensor([float(interrupted)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
+        interrupted = bool(flag.item())
+    return interrupted
+
+
+def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: NonFiniteSteps, params, last_ckpt,
+                      run_dir: Path, transformer, opt, failures: LoadFailures, world: int):
+    """The checkpoint decision after step `done`: every --ckpt-every steps, at the end and on a stop; never of
+    non-finite weights (Diverged, naming the last good one), and postponed amid skipped non-finite steps so that it
+    pushes out no earlier checkpoint. Returns the run's newest checkpoint."""
+    if not (done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted):
+        return last_ckpt
+    streak, _ = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
+    finite = torch.tensor([float(params_finite(params))])
+    if cfg.fsdp and world > 1:  # each rank checked its shards
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with finite weights: "
+                       f"{last_ckpt or 'none'}")
+    if streak and not interrupted and done != cfg.max_steps:
+        log(f"step {done} was not finite: checkpoint postponed")
+        return last_ckpt
+    return checkpoint(run_dir, done, transformer, opt, cfg, failures)
+
+
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int) -> dict:
+    """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
+    collective on every rank)."""
+    out, full_state = {}, None
+    if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        out["weights"] = export_weights(run_dir, transformer, cfg, full_state)
+        log(f"exported {out['weights']}")
+    del full_state
+    if cfg.ema_decay:
+        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank)
+        log(f"exported the EMA weights {out['ema_weights']}")
+    return out
+
+
+def log_step(rec: dict | None, metrics_file, tb) -> None:
+    """A metrics.jsonl record (and tensorboard scalars); None (nothing to log) is skipped."""
+    if rec is None:
+        return
     if metrics_file:
         metrics_file.write(json.dumps(rec) + "\n")
         metrics_file.flush()
@@ -742,25 +924,8 @@ def log_step(rec: dict, metrics_file, tb) -> None:
 
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
-    global RANK
-    use_expandable_segments()  # before CUDA initialises
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    RANK = rank
-    use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    # the stop flag is agreed on through a CPU group each step, so that it never waits for the GPU
-    ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
-    if use_cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    world, rank, local_rank, device, ctrl = setup_distributed(cfg)
+    use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
@@ -770,9 +935,10 @@ def main(cfg: TrainConfig) -> dict:
             model_path(cfg.model)
         dist.barrier()
     run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    check_extra_options(cfg)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
-    on_rank0(lambda: run_dir.is_dir() and lock.acquire() and None)
+    on_rank0(lock_existing, run_dir, lock)
     log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
         f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
@@ -780,15 +946,16 @@ def main(cfg: TrainConfig) -> dict:
     dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
-    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed)
+    held = held_out(dataset, cfg.eval_split, cfg.seed)  # eval loss samples, never trained on
+    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = ResumePoint() if cfg.precompute else on_rank0(
-        lambda: plan_resume(cfg.resume, run_dir, asdict(cfg), world, named=cfg.run_name is not None))
+    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), world,
+                                                          named=cfg.run_name is not None)
     for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
         log(f"resume: {line}")
     if not cfg.precompute:  # every check passed: the run dir is created (locked) now, and nothing before
-        on_rank0(lambda: open_run_dir(run_dir, lock, cfg, run, point))
+        on_rank0(open_run_dir, run_dir, lock, cfg, run, point)
 
     # ---------------------------------------------------------------- encoders; precompute cache (then exit)
     needed = run.cache is None or cfg.precompute or run.validates \
@@ -808,19 +975,7 @@ def main(cfg: TrainConfig) -> dict:
     evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
-    transformer, rank0_weights = build_transformer(cfg, run, rank)
-    if cfg.fsdp:
-        shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
-        del rank0_weights
-    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
-        f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
-        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
-    plan = memory_plan(cfg, run, transformer, device)  # before the weights move: where they go is part of it
-    log(f"memory: {plan}")
-    for line in apply_plan(transformer, plan, device, cfg.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
-        log(line)
-    if cfg.attention_backend:
-        transformer.set_attention_backend(cfg.attention_backend)
+    transformer = place_transformer(cfg, run, rank, device)  # loaded, adapted, sharded, memory-planned, on device
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
@@ -831,129 +986,103 @@ def main(cfg: TrainConfig) -> dict:
                             fused=True)
     guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
-    start_step = load_checkpoint(point.path, transformer, opt, cfg.fsdp, failures) if point.path else 0
+    if point.path and cfg.fsdp and cfg.ema_decay:
+        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
+    start_step = 0
     if point.path:
+        state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
+        start_step = state["step"]
+        failures.load_state_dict(state.get("load_failures", failures.state_dict()))
         log(f"resumed from {point.path} at step {start_step}")
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=RankMicroBatches(sampler, start_step, rank, world, cfg.micro_batch, cfg.grad_accum,
-                                                cfg.overfit_batches),
-        collate_fn=collate, num_workers=cfg.num_workers, pin_memory=use_cuda, persistent_workers=cfg.num_workers > 0,
-        # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
-        multiprocessing_context="spawn" if cfg.num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
+    loader = make_loader(dataset, sampler, start_step, rank, world, cfg, use_cuda)
+    STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
 
     # ---------------------------------------------------------------- the loop
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
-    tb = None
-    if cfg.tensorboard and rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        tb = SummaryWriter(run_dir / "tb")
+    metrics_file, tb = open_metrics(run_dir, cfg, rank)
     losses: list[float] = []
     frozen: dict = {}  # validation's other Wan 2.2 expert
-    with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
-        data_iter = iter(loader)
     last_ckpt = point.path  # the run's newest checkpoint (none is written from non-finite weights)
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
-               desc="train")
-    t0, seen, tok, step, logged = time.time(), 0, 0, start_step, start_step
-    interrupted = False  # a signal, as agreed by all ranks (a rank may have missed it, or got it after the loop)
-    for step in bar:
-        random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-        torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        step_loss = torch.zeros((), device=device)
-        refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
-        for j in range(cfg.grad_accum):
-            batch = next(data_iter)
-            refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
+    meter = dict(t0=time.time(), seen=0, tokens=0, logged=start_step)  # throughput since the last log line
+    step, interrupted = start_step, False  # interrupted: a signal, as all ranks agree (one may have missed it)
+    STOP["loop"], data_iter = True, None
+    try:
+        with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
+            data_iter = iter(loader)
+        bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
+                   desc="train")
+        for step in bar:
+            random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
+            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            step_loss = torch.zeros((), device=device)
+            refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
+            for j in range(cfg.grad_accum):
+                batch = next(data_iter)
+                refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
+                if refused:
+                    continue
+                sync = j == cfg.grad_accum - 1
+                if cfg.fsdp:
+                    model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
+                with model.no_sync() if ddp and not sync else nullcontext():
+                    inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
+                    loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
+                    (loss / cfg.grad_accum).backward()
+                step_loss += loss.detach() / cfg.grad_accum
+                meter["seen"] += len(batch["prompts"]) * world
+                meter["tokens"] += inputs["tokens"] * world
             if refused:
-                continue
-            sync = j == cfg.grad_accum - 1
-            if cfg.fsdp:
-                model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
-            with model.no_sync() if ddp and not sync else nullcontext():
-                inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
-                loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
-                (loss / cfg.grad_accum).backward()
-            step_loss += loss.detach() / cfg.grad_accum
-            seen += len(batch["prompts"]) * world
-            tok += inputs["tokens"] * world
-        if refused:
-            skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
-        else:
-            if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
-                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        done = step + 1
-        if rank == 0 and not refused:
-            visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
-        if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
-            value = step_loss.item()  # the only host sync of the step, at log intervals
-            _, skipped = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)  # raises Diverged
-            dt = time.time() - t0
-            rec = dict(step=done, loss=value, lr=opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
-                       skipped_steps=skipped,
-                       s_per_step=dt / (done - logged), samples_per_s=seen / dt, tokens_per_s=tok / dt,
-                       peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if use_cuda else None)
-            losses.append(value)
-            log_step(rec, metrics_file, tb)
-            bar.set_postfix(loss=f"{value:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
-            t0, seen, tok, logged = time.time(), 0, 0, done
-        interrupted = STOP["signal"] is not None
-        if world > 1:
-            flag = torch.tensor([float(interrupted)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctrl)
-            interrupted = bool(flag.item())
-        if done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted:
-            streak, _ = guard.check(done, cfg.max_nonfinite_steps, last_ckpt)
-            finite = torch.tensor([float(params_finite(params))])
-            if cfg.fsdp and world > 1:  # each rank checked its shards
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if not finite.item():
-                raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with finite "
-                               f"weights: {last_ckpt or 'none'}")
-            if streak and not interrupted and done != cfg.max_steps:  # amid skipped steps: postponed, so that
-                log(f"step {done} was not finite: checkpoint postponed")  # it pushes out no earlier checkpoint
+                skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
             else:
-                last_ckpt = run_dir / f"ckpt-{done:07d}"
-                if rank == 0 or cfg.fsdp:
-                    log(f"checkpoint {save_checkpoint(run_dir, done, transformer, opt, cfg, cfg.keep_last, failures)}")
-                if world > 1:
-                    dist.barrier()
-        if cfg.val_every and done % cfg.val_every == 0:
-            scores = validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
-            if scores:
-                log_step(scores, metrics_file, tb)
-        if interrupted:
-            by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
-            log(f"stopped by {by} at step {done}, checkpoint {last_ckpt}: exit {EXIT_RESUMABLE} (resumable: the same "
-                "command with --resume auto continues it)")
-            break
-    del data_iter, loader  # stop the loader workers now, not mid-batch at interpreter exit
+                if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
+                    dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
+                opt.step()
+                if cfg.ema_decay:
+                    update_ema(opt, params, ema_decay(cfg.ema_decay, step))
+            opt.zero_grad(set_to_none=True)
+            done = step + 1
+            if rank == 0 and not refused:
+                visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
+            if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
+                rec = step_record(done, step_loss, grad_norm, opt, guard, cfg, last_ckpt, meter, use_cuda)
+                losses.append(rec["loss"])
+                log_step(rec, metrics_file, tb)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
+            interrupted = stop_agreed(world, ctrl)
+            last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
+                                          failures, world)
+            if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
+                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
+                                           device, amp), metrics_file, tb)
+            if cfg.val_every and done % cfg.val_every == 0:
+                with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
+                    log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
+                                      evaluators), metrics_file, tb)
+            if interrupted:
+                by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
+                log(f"stopped by {by} at step {done}, checkpoint {last_ckpt}: exit {EXIT_RESUMABLE} (resumable: the "
+                    "same command with --resume auto continues it)")
+                break
+    finally:  # every exit: the workers ignore SIGTERM, so Python's exit (which stops them with it) would wait forever
+        STOP["loop"] = False
+        stop_workers(data_iter)
     if failures.skipped_steps:
         log(failures.summary())
 
     # ---------------------------------------------------------------- export
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
-    full_state = None
-    if cfg.fsdp and not interrupted:  # a collective: rank 0 gets the full weights on CPU, the others {}
-        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0 and not interrupted:
-        result["weights"] = export_weights(run_dir, transformer, cfg, full_state)
-        log(f"exported {result['weights']}")
-    del full_state
-    if cfg.val_elements and not cfg.val_every and not interrupted:
-        scores = validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp, evaluators)
-        if scores:
-            log_step(scores, metrics_file, tb)
+    if not interrupted:
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank))
+        if cfg.val_elements and not cfg.val_every:
+            with ema_weights(opt, params, cfg.ema_decay > 0):
+                log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
+                                  evaluators), metrics_file, tb)
     if metrics_file:
         metrics_file.close()
     if dist.is_initialized():
@@ -972,4 +1101,10 @@ if __name__ == "__main__":
     except Diverged as e:
         print(f"error: diverged: {e}", file=sys.stderr)
         sys.exit(1)
+    except CheckpointError as e:  # e.g. a full disk: the run dir, the free space and what the checkpoint needs
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Stopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     sys.exit(EXIT_RESUMABLE if result.get("interrupted") else 0)

@@ -194,6 +194,17 @@ class Layout:
         """Pixel frames the transformer's input stands for (ModelInfo.latent_tokens counts its tokens from them)."""
         return VAE_T * (self.latent_frames - 1) + 1
 
+    @property
+    def references(self) -> bool:
+        """The kind reads element reference images (train: the sample's; sample: --elements / --val-elements)."""
+        return self.kind in REFERENCE_KINDS
+
+    @property
+    def images(self) -> str:
+        """What a sampling call of this run is given as images: "elements" (references, or for inplace the frames it
+        conditions on, given as leading references), "first_frame" (TI2V-5B's image-to-video) or "none" (text)."""
+        return {"t2v": "none", "clean": "first_frame"}.get(self.kind, "elements")
+
     def describe(self) -> str:
         seq = {"prefix": f"{self.ref_latents} reference latents + ",
                "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
@@ -371,6 +382,18 @@ def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeat
                        e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind in ("incontext", "standin")
                        else "none",
                        per_token=per_token, placement_seed=placement_seed)
+
+
+def validation_layout(layout: Layout, repeats=()) -> Layout:
+    """The layout a run's validation video is sampled with: the run's own, except that an inplace run samples from
+    its images as leading references of `repeats` frames (Wan I2V's first frame: one reference of one frame builds
+    the same mask | condition) and a clean run from one first frame."""
+    if layout.kind == "inplace":
+        return make_layout("prefix", layout.num_frames, repeats, combine=layout.combine, e2v_type=layout.e2v_type,
+                           image_branch=layout.image_branch, expand=layout.expand, per_token=layout.per_token)
+    if layout.kind == "clean":
+        return replace(layout, clean_frames=1)
+    return layout
 
 
 # ---------------------------------------------------------------- the encoded conditioning

@@ -43,17 +43,33 @@ def sigma_quantile(cfg, u: float) -> float:
     return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
 
 
-def sample_sigma(cfg, g: torch.Generator, lo: float = 0.0, hi: float = 1.0) -> float:
+def timestep_bucket(seed: int, step: int, k: int, buckets: int) -> int | None:
+    """--timestep-buckets: the bucket (of `buckets` equal-probability ones) of the k-th sample of the global batch at
+    `step`, None when off. Samples k = 0..N-1, N..2N-1, ... each take a random permutation of the N buckets, keyed by
+    (seed, step, k // N): a global batch of G >= N samples covers every bucket (G < N: G distinct ones), and, being a
+    function of the global index, one process, accumulation and N ranks stratify alike."""
+    if not buckets:
+        return None
+    s = int(np.random.SeedSequence([seed, step, k // buckets, buckets]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return int(torch.randperm(buckets, generator=torch.Generator().manual_seed(s))[k % buckets])
+
+
+def sample_sigma(cfg, g: torch.Generator, lo: float = 0.0, hi: float = 1.0, bucket: int | None = None) -> float:
     """sigma from cfg's distribution; with [lo, hi) narrower than [0, 1] (a Wan 2.2 expert's range) from that
     distribution truncated to the range: one uniform draw between the CDF's values at lo and hi, mapped back
     by the quantile function. The shape inside the range is kept, so the high- and low-noise experts together
-    are trained on exactly the configured distribution (rescaling it into each range would not)."""
-    if lo <= 0.0 and hi >= 1.0:
+    are trained on exactly the configured distribution (rescaling it into each range would not).
+    `bucket` b of cfg.timestep_buckets N (timestep_bucket): the uniform draw is confined to [b/N, (b+1)/N) of
+    that CDF range, so the sigma lies in the b-th of N equal-probability buckets."""
+    if bucket is None and lo <= 0.0 and hi >= 1.0:
         if cfg.sigma_sampling == "logit_normal":
             return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
         return sigma_quantile(cfg, torch.rand((), generator=g).item())
     a, b = sigma_cdf(cfg, lo), sigma_cdf(cfg, hi)
-    s = sigma_quantile(cfg, a + (b - a) * torch.rand((), generator=g, dtype=torch.float64).item())
+    u = torch.rand((), generator=g, dtype=torch.float64).item()
+    if bucket is not None:
+        u = (bucket + u) / cfg.timestep_buckets
+    s = sigma_quantile(cfg, a + (b - a) * u)
     # rounding must not cross the boundary: below hi strictly (in float32, the dtype the timestep is made in)
     top = 1.0 if hi >= 1.0 else float(np.nextafter(np.float32(hi), np.float32(0)))
     return min(max(s, lo), top)

@@ -86,13 +86,15 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_lora(run_dir: Path, model, expert: str | None = None) -> tuple[Path, Path]:
+def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "") -> tuple[Path, Path]:
     """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file).
-    A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors."""
+    A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors;
+    `tag` follows it (_ema: pytorch_lora_weights_ema.safetensors, ..._ema_comfy.safetensors, e2v_weights_ema)."""
     from diffusers.loaders import WanLoraLoaderMixin
     from safetensors.torch import save_file
 
-    names = [n.replace("weights", f"weights_{expert}") if expert else n for n in (DIFFUSERS_NAME, COMFY_NAME)]
+    part = (f"_{expert}" if expert else "") + tag
+    names = [n.replace("weights", f"weights{part}") for n in (DIFFUSERS_NAME, COMFY_NAME)]
     sd = adapter_state_dict(model)
     WanLoraLoaderMixin.save_lora_weights(run_dir, transformer_lora_layers=sd, weight_name=names[0])
     save_file({k: v.contiguous() for k, v in to_original(sd).items()}, run_dir / names[1], metadata={"format": "pt"})
@@ -104,12 +106,13 @@ def export_lora(run_dir: Path, model, expert: str | None = None) -> tuple[Path, 
 
 
 def expansion_file(lora: Path) -> Path:
-    """Where a LoRA's expansion weights are: e2v_weights[_<expert>].safetensors beside its file (or in its dir)."""
+    """Where a LoRA's expansion weights are: e2v_weights[_<expert>][_ema].safetensors beside its file (or in its
+    dir)."""
     lora = Path(lora)
     if lora.is_dir():
         return lora / E2V_NAME
-    expert = re.fullmatch(r"pytorch_lora_weights_(high|low)(?:_comfy)?\.safetensors", lora.name)
-    return lora.parent / (E2V_NAME.replace("weights", f"weights_{expert[1]}") if expert else E2V_NAME)
+    part = re.fullmatch(r"pytorch_lora_weights((?:_high|_low)?(?:_ema)?)(?:_comfy)?\.safetensors", lora.name)
+    return lora.parent / (E2V_NAME.replace("weights", f"weights{part[1]}") if part else E2V_NAME)
 
 
 def load_expanded(base, lora):

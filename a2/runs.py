@@ -14,8 +14,10 @@ A run dir `output_dir/run_name`:
     .tmp-ckpt-<step>/ a checkpoint being written (renamed to ckpt-<step> once its manifest is on disk)
 
 Exit codes of train_a2.py: 0 finished; EXIT_RESUMABLE (143) stopped by SIGTERM/SIGINT after writing a complete
-checkpoint of the step it stopped at (run the same command with --resume auto); 2 an input problem, one line (RunLocked,
-ResumeError among them); 1 a failure (Diverged names the last checkpoint with finite weights).
+checkpoint of the step it stopped at (run the same command with --resume auto); 128 + the signal (143 SIGTERM, 130
+SIGINT) stopped at once by a second signal or one outside the step loop (Stopped: --resume auto continues from the
+newest complete checkpoint); 2 an input problem, one line (RunLocked, ResumeError among them); 1 a failure (Diverged
+names the last checkpoint with finite weights; CheckpointError: a checkpoint could not be written, e.g. a full disk).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 import zlib
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 EXIT_RESUMABLE = 143  # 128 + SIGTERM: what schedulers (and Kubernetes restart policies) treat as "retry"
 MANIFEST = "manifest.json"
@@ -54,6 +58,22 @@ class ResumeError(ValueError):
 
 class Diverged(FloatingPointError):
     """The loss or gradient norm stayed non-finite; the message names the last checkpoint with finite weights."""
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (too little free space, or the write failed); its partial temp dir is
+    removed and the earlier checkpoints are untouched. One line."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A SIGTERM/SIGINT that stops the run at once (a second one, or one outside the step loop): no checkpoint of the
+    current step; the run resumes from its newest complete checkpoint. A KeyboardInterrupt, so that no `except
+    Exception` swallows it and every `finally` (loader workers, temp checkpoint dirs) runs on the way out."""
+
+    def __init__(self, signum: int, why: str):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} ({why}): the current step is not checkpointed; "
+                         "--resume auto continues from the run's newest complete checkpoint")
 
 
 # ---------------------------------------------------------------- the run-dir lock
@@ -219,6 +239,111 @@ def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
         if p not in keep and step < oldest_kept:
             shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+# ---------------------------------------------------------------- writing and reading checkpoints
+
+CHECKPOINT_MARGIN = 16 * 2**20  # bytes beyond the tensors: state.pt, config.json, manifest, pickle/header overhead
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def checkpoint_bytes(model, opt) -> int:
+    """What a checkpoint takes on disk, known before writing it: the trainable weights and every optimizer state
+    tensor (under FSDP2 their global sizes: the sum of all ranks' shards), plus CHECKPOINT_MARGIN."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return weights + state + CHECKPOINT_MARGIN
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_last: int, load_failures: dict,
+                    fsdp: bool = False) -> Path:
+    """Write ckpt-<step> atomically (temp dir, manifest written last, then rename) and keep the last `keep_last`:
+    the trainable weights (or adapter), the optimizer, the step, the config and the dropped samples; nothing else is
+    read by a resume (the data order and every random draw are functions of (seed, step)).
+    DDP: rank 0 writes the trainable weights and optimizer. --fsdp: every rank writes its shards of both
+    (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier.
+    Free space is checked first (checkpoint_bytes; --fsdp: agreed by all ranks); too little, or a failed write,
+    raises CheckpointError with the temp dir removed and the earlier checkpoints untouched."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"{_CKPT_PREFIX}{step:07d}", run_dir / f".tmp-{_CKPT_PREFIX}{step:07d}"
+    need, free = checkpoint_bytes(model, opt), shutil.disk_usage(run_dir).free
+    short = [need > free]
+    if fsdp and dist.is_initialized():  # ranks on other hosts see other disks: stop all alike, or none
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, short[0])
+        short = every
+    if any(short):
+        raise CheckpointError(f"{run_dir}: not enough free space for the checkpoint of step {step}: {_gib(free)} "
+                              f"free, it needs {_gib(need)}; nothing written, the earlier checkpoints are untouched; "
+                              "free space and run the same command with --resume auto")
+    try:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if fsdp:
+            dist.barrier()  # the temp dir is there, with nothing stale in it, before any rank writes
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "sharded")
+            dist.barrier()  # every rank's shards are on disk
+            if _rank() != 0:
+                return final
+        else:
+            trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+            save_file(trainable, tmp / "trainable.safetensors")
+            torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(dict(step=step, load_failures=load_failures), tmp / "state.pt")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return commit_checkpoint(tmp, final, keep_last, step=step, world_size=world, fsdp=fsdp)  # manifest last
+    except BaseException as e:  # a failed write, or a signal that stops at once: no partial checkpoint stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            raise CheckpointError(f"{run_dir}: writing the checkpoint of step {step} failed ({_one_line(e)}); "
+                                  f"{_gib(shutil.disk_usage(run_dir).free)} free, it needs {_gib(need)}; the partial "
+                                  f"{tmp.name} is removed, the earlier checkpoints are untouched") from e
+        raise
+
+
+def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
+    """Restore the trainable weights (or adapter) and the optimizer from ckpt; returns its state.pt (step,
+    load_failures)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ckpt = Path(ckpt)
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    if fsdp:
+        if not (ckpt / "sharded").is_dir():
+            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
+        model_sd, optim_sd = get_state_dict(model, opt)
+        sharded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sharded, checkpoint_id=ckpt / "sharded")  # every rank reads its shards (any world size)
+        set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
+    else:
+        if not (ckpt / "trainable.safetensors").exists():
+            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
+        missing = model.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    return state
 
 
 # ---------------------------------------------------------------- resuming

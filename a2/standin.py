@@ -325,10 +325,10 @@ def load_lora(transformer, path) -> int:
     return rank
 
 
-def export_lora(run_dir: Path, transformer) -> Path:
-    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora.ckpt: their keys under "state_dict", a
-    torch pickle as their set_condition_branch loads it (load_lora and infer.py --lora read it back)."""
-    path = Path(run_dir) / "standin_lora.ckpt"
+def export_lora(run_dir: Path, transformer, tag: str = "") -> Path:
+    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora<tag>.ckpt: their keys under "state_dict",
+    a torch pickle as their set_condition_branch loads it (load_lora and infer.py --lora read it back)."""
+    path = Path(run_dir) / f"standin_lora{tag}.ckpt"
     torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()}}, path)
     return path
 

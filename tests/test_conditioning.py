@@ -8,6 +8,7 @@ import torch
 import tyro
 
 import train_a2
+from a2.conditioning import validation_layout
 from a2.pipeline import A2Pipeline, load_references
 from config import ConfigError, TrainConfig, dataset_configs
 from data import E2VDataset, collate
@@ -70,12 +71,11 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
         first_frame = batch["video"][:, :, 0]
-    layout = run.layout if kind in ("prefix", "incontext", "magref", "standin") else None  # as validate() passes it
+    layout = validation_layout(run.layout, repeats)  # as validate() samples the run
     pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
          num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
          generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-         layout=layout, reference_layout="incontext" if kind == "incontext" else "channel",
-         reference_timestep=cfg.reference_timestep)
+         layout=layout)
     (sampled,) = seen
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 

@@ -501,3 +501,40 @@ def test_a_sample_failing_mid_run_stops_with_a_checkpoint_or_is_dropped_the_same
 def max_diff_is_zero(a: dict, b: dict) -> bool:
     assert a.keys() == b.keys() and len(a) > 0
     return all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- what a folder dataset leaves out or half-holds
+
+
+def test_orphan_captions_and_element_images_are_warned(synth, tmp_path, capsys):
+    d = copy_of(synth, tmp_path)
+    (d / "003.mp4").unlink()  # its caption and element images stay behind
+    (d / "002_persn.png").write_bytes((d / "002_person.png").read_bytes())  # a mistyped suffix
+    ds = E2VDataset([cfg_of(d)], num_frames=9)  # warnings only: the other samples train
+    out = capsys.readouterr().out
+    assert len(ds) == 3
+    for name in ("003.txt", "003_person.png", "003_object.png", "003_background.png"):
+        what = "caption" if name.endswith(".txt") else "element image"
+        assert f"  warning: -: {d / name}: no video '003' for this {what}" in out
+    assert f"  warning: 002: {d / '002_persn.png'}: matches no element suffix of sample '002'" in out
+
+
+def test_degenerate_reference_and_dangling_symlink_video_are_reported(synth, tmp_path):
+    d = copy_of(synth, tmp_path)
+    Image.new("RGB", (1, 1), "white").save(d / "001_object.png")
+    (d / "002.mp4").unlink()
+    (d / "002.mp4").symlink_to(tmp_path / "moved" / "002.mp4")
+    msg = problems_of(cfg_of(d), num_frames=9)
+    assert f"001: {d / '001_object.png'}: element 'object' is 1x1 pixels: too small to be a reference" in msg
+    assert f"002: {d / '002.mp4'}: video is a dangling symlink (to {tmp_path / 'moved' / '002.mp4'})" in msg
+
+
+def test_validate_lists_every_problem_of_a_sample(synth, tmp_path, capsys):
+    """A clip too short AND a UTF-16 caption without a byte-order mark (NUL bytes, valid UTF-8 byte by byte): both."""
+    d = copy_of(synth, tmp_path)
+    (d / "001.txt").write_bytes("A hiker on a mountain.".encode("utf-16-le"))
+    code, _, err = validate(capsys, "--data-root", str(d), "--num-frames", "33", "--resolution", "32", "48")
+    assert code == 2
+    mine = [x for x in err.splitlines() if x.startswith("  001: ")]
+    assert mine == [f"  001: {d / '001.txt'}: caption is UTF-16 text without a byte-order mark (NUL bytes); save it "
+                    "as UTF-8", f"  001: {d / '001.mp4'}: 17 frames, shorter than the smallest bucket (21)"]

@@ -60,7 +60,7 @@ def test_infer_writes_video_and_parity(tiny_dir, tmp_path, element_images, capsy
     (dict(elements=("missing.png",)), "missing.png: element 'subject' image not found"),
     (dict(height=30), "multiples of 16"),
     (dict(num_frames=16), r"4k\+1"),
-    (dict(num_frames=9, elements="ALL"), "leaves none to generate"),
+    (dict(num_frames=9, elements="ALL"), "leaves no frame to generate"),
     (dict(elements=("nosuch=x.png",)), "unknown element name 'nosuch'"),
 ])
 def test_infer_bad_input(tiny_dir, element_images, kw, message):

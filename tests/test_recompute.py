@@ -79,21 +79,32 @@ def test_recomputation_settings(compile, _subprocess=False):
 
 
 def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
-    """train_a2.py --save-attention --compile (LoRA, full checkpointing) sets its blocks up so and follows the
-    default run's losses."""
-    from safetensors.torch import load_file
-
+    """train_a2.py --save-attention --compile (LoRA, full checkpointing) sets its blocks up so and computes the default
+    run's first step: the same loss and gradients up to float32 reassociation. Compiled code may fuse and reorder
+    float32 sums (inductor's choices differ per CPU), hence the same relative bound as test_recomputation_settings
+    (1e-5); a recomputation that sees other inputs or dtypes (bf16 rounding alone is ~4e-3) is far outside it. Only
+    the first step is compared: after it, AdamW's normalised update (about lr x sign(g) where |g| is tiny) turns
+    rounding-level gradient differences into lr-sized weight differences."""
     import a2.transformer
     from data import make_synthetic_dataset
-    from tests.conftest import args, losses, max_diff, train
+    from tests.conftest import args, losses, train
 
-    setups = []
+    setups, grads = [], []
     # train_a2 sets its blocks up through a2.memory.apply_plan, which calls a2.transformer.configure_blocks
     monkeypatch.setattr(a2.transformer, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def record(params, max_norm):  # the step's gradients, as the optimizer gets them
+        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record)
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
-    runs = [train(*args(data, tmp_path, name, "--max-steps", "3", *extra))
+    runs = [train(*args(data, tmp_path, name, "--max-steps", "1", *extra))
             for name, extra in (("default", ()), ("fast", ("--save-attention", "--compile")))]
     assert setups == [(1.0, False, False), (1.0, True, True)]  # fraction, save, compile
-    (a, b) = (losses(r["run_dir"]) for r in runs)
-    assert sorted(a) == sorted(b) == [1, 2, 3] and max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
-    assert max_diff(load_file(runs[0]["weights"]), load_file(runs[1]["weights"])) <= 1e-5
+    (a, b) = (losses(r["run_dir"])[1] for r in runs)
+    assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    err = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
+    print(f"first step: loss {a:.7f} | {b:.7f}, gradient rel err {err:.1e}")
+    assert grads[0].norm() > 0 and err <= 1e-5, err

@@ -4,6 +4,8 @@ train/infer conditioning parity, LoRA export loads in infer.py and diffusers, ba
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,3 +303,113 @@ def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypa
             train(*args(data_dir, tmp_path, "r", *full, *flags))
         if torch.distributed.is_initialized():  # --fsdp's one-rank group, made before the config is checked
             torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- every failing run exits
+# train_a2.py run as `python train_a2.py` with one function of its dependencies replaced first (a step that raises, a
+# signal at a given point, a full disk), with spawned loader workers, which ignore SIGTERM. The subprocess timeout
+# only tells a hang (it never ends) from an exit.
+PATCHED = """
+import os, runpy, signal, sys, time
+sys.path.insert(0, {root!r})
+{patch}
+sys.argv = ["train_a2.py", *sys.argv[1:]]
+runpy.run_path({root!r} + "/train_a2.py", run_name="__main__")
+"""
+RAISE_AT_STEP_3 = """
+import a2.flow
+loss, calls = a2.flow.flow_loss, []
+def flow_loss(*a, **k):
+    calls.append(1)
+    if len(calls) == 3:
+        raise RuntimeError("injected: the step failed")
+    return loss(*a, **k)
+a2.flow.flow_loss = flow_loss
+"""
+TWO_SIGNALS_AT_STEP_2 = RAISE_AT_STEP_3.replace(
+    'raise RuntimeError("injected: the step failed")',
+    "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)").replace("== 3", "== 2")
+SIGNAL_AT_EXPORT = """
+import a2.lora
+def export_lora(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3600)
+a2.lora.export_lora = export_lora
+"""
+DISK_FULL_AFTER_CKPT_1 = """
+import shutil
+usage, calls = shutil.disk_usage, []
+def disk_usage(path):
+    calls.append(1)
+    return usage(path) if len(calls) == 1 else usage(path)._replace(free=4096)
+shutil.disk_usage = disk_usage
+"""
+
+
+def run_patched(patch, argv):
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-c", PATCHED.format(root=str(ROOT), patch=patch), *argv], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("how", ["exception", "second-signal", "signal-at-export", "disk-full"])
+def test_a_failing_run_with_loader_workers_exits(data_dir, tmp_path, how):
+    from a2.runs import checkpoint_problem
+
+    patch = dict(exception=RAISE_AT_STEP_3, **{"second-signal": TWO_SIGNALS_AT_STEP_2,
+                 "signal-at-export": SIGNAL_AT_EXPORT, "disk-full": DISK_FULL_AFTER_CKPT_1})[how]
+    steps = "3" if how == "signal-at-export" else "50"
+    p = run_patched(patch, args(data_dir, tmp_path, "r", "--num-workers", "1", "--ckpt-every", "1",
+                                "--max-steps", steps))
+    run = tmp_path / "r"
+    err = p.stderr.strip().splitlines()
+    want = {"exception": 1, "second-signal": 128 + signal.SIGTERM, "signal-at-export": 128 + signal.SIGTERM,
+            "disk-full": 1}[how]
+    assert p.returncode == want, p.stderr[-3000:]
+    assert "DataLoader worker" not in p.stderr
+    if how == "exception":  # a bug: its traceback, ending in the exception
+        assert err[-1] == "RuntimeError: injected: the step failed", p.stderr[-3000:]
+    else:  # one line, no traceback
+        assert "Traceback" not in p.stderr and err[-1].startswith("error: "), p.stderr[-3000:]
+    if how == "second-signal":
+        assert err[-1].startswith("error: stopped by SIGTERM (a second signal): the current step is not checkpointed")
+    if how == "signal-at-export":
+        assert err[-1].startswith("error: stopped by SIGTERM (outside the step loop)")
+    if how == "disk-full":
+        assert err[-1].startswith(f"error: {run}: not enough free space for the checkpoint of step 2: 0.00 GiB (4096 "
+                                  "bytes) free, it needs "), err[-1]
+    # the checkpoints written before are complete and nothing half-written is left
+    ckpts = sorted(run.glob("ckpt-*"))
+    assert ckpts and all(checkpoint_problem(c) is None for c in ckpts) and not list(run.glob(".tmp-ckpt-*"))
+    assert [c.name for c in ckpts][-1] == ("ckpt-0000003" if how == "signal-at-export" else "ckpt-0000002"
+                                          if how == "exception" else "ckpt-0000001")
+
+
+def test_checkpoint_write_failures_end_the_run_and_resume_continues(data_dir, tmp_path, uninterrupted, monkeypatch):
+    """A write that fails midway (what a full disk does to torch.save): CheckpointError naming the run dir, the free
+    space and the bytes needed; the partial temp dir removed; the earlier checkpoints untouched; --resume auto
+    continues the same curve. (Too little free space, checked before writing: tests/test_runs.py.)"""
+    from a2.runs import CheckpointError, checkpoint_problem
+
+    run = tmp_path / "full"
+    save = torch.save
+
+    def failing(obj, f, *a, **k):  # the second checkpoint's optimizer.pt: the stream breaks midway
+        if str(f).endswith(".tmp-ckpt-0000004/optimizer.pt"):
+            open(f, "wb").write(b"\0" * 100)
+            raise RuntimeError("basic_ios::clear: iostream error")
+        return save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(CheckpointError, match=rf"^{run}: writing the checkpoint of step 4 failed \(RuntimeError: "
+                                             r"basic_ios::clear: iostream error\); .* free, it needs .*; the partial "
+                                             r".tmp-ckpt-0000004 is removed"):
+        train(*args(data_dir, tmp_path, "full", *RESUMED, "--resume", "auto"))
+    monkeypatch.undo()
+    assert [c.name for c in run.glob("*ckpt-*")] == ["ckpt-0000002"]
+    assert checkpoint_problem(run / "ckpt-0000002") is None
+    train(*args(data_dir, tmp_path, "full", *RESUMED, "--resume", "auto"))
+    want, got = losses(uninterrupted), losses(run)
+    assert sorted(got) == list(range(1, RESUME_TOTAL + 1)) and max(abs(want[s] - got[s]) for s in want) <= 1e-6

@@ -1,0 +1,939 @@
+"""The public subject-to-video datasets as published: OpenS2V-5M, Phantom-Data, HuMoSet.
+
+A one-time streaming index turns a downloaded dataset into OUT/index.jsonl (one clip per line: video, caption,
+frame range, crop, and for each a2 element where its image comes from) plus OUT/report.txt (what was kept, what each
+filter dropped, every bad record and missing file, one line each). Training and `data.py validate` read the index
+with `--dataset-type opens2v|phantom|humoset --manifest OUT/index.jsonl`; the element images are built on the fly
+from the published annotations, exactly as `export-elements` writes them.
+
+    python data.py index opens2v ROOT OUT [--cross-pairs ROOT/Jsons/cross_video_pairs/cluster_videos.json]
+    python data.py index phantom ROOT OUT --videos DIR      # ROOT holds koala36M_multi_ref_merged_filtered.parquet
+    python data.py index humoset ROOT OUT                   # ROOT holds video/, reference_image/, video_caption.parquet
+    python data.py export-elements --manifest OUT/index.jsonl --out DIR [--sam DIR]
+
+Element images (what each published loader builds):
+- OpenS2V-5M: the annotation frame (ann_frame_idx) of the clip, cropped to metadata.crop; the mask (COCO RLE in
+  cropped-frame coordinates, pycocotools) cut to its tight box and its pixels pasted on white (OpenS2V-Nexus's demo
+  dataloader and BindWeave's get_sora_feature.py). Masks are assigned by word_tags: subject / pre_define classes ->
+  subject, object classes -> object; the LaMa-inpainted Background png -> background.
+- Phantom-Data: the box (bbox_loc, pixels of the frame resized to long side 768) of the reference clip's frame
+  int(num_frames * frame_idx), scaled to the frame and clipped to it; optionally segmented inside the box by a local
+  SAM (transformers' SamModel) and pasted on white.
+- HuMoSet: the reference photo (optionally segmented by SAM with the whole photo as the box).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import tyro
+from PIL import Image
+
+from a2.pipeline import read_image
+from config import PUBLIC_TYPES, DatasetConfig, InputError, run_cli
+from data import (
+    VIDEO_EXTS,
+    Problem,
+    Sample,
+    _decode,
+    caption_problems,
+    clip_length,
+    frame_buckets,
+    probe_video,
+    read_frames,
+)
+
+PHANTOM_CANVAS = 768  # Phantom-Data's boxes are in pixels of the frame resized to this long side
+PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
+# Phantom-Data names no element: a phrase of these words (or a box of these classes) is the person, A2's subject
+PERSON_WORDS = {"person", "people", "man", "men", "woman", "women", "boy", "boys", "girl", "girls", "child",
+                "children", "kid", "kids", "baby", "human", "lady", "guy", "player", "individual", "face", "head"}
+
+
+class IndexError_(InputError):
+    """A dataset that cannot be indexed at all (no part files, a parquet of another schema): one line, exit 2."""
+
+
+class BadRecord(ValueError):
+    """One record that cannot be used: reported as one line (clip key, file, problem) and skipped."""
+
+
+# ---------------------------------------------------------------- element images
+
+
+def rle_of(mask: dict) -> dict:
+    """A published RLE ({size, counts: str}) as pycocotools takes it."""
+    counts = mask["counts"]
+    return {"size": [int(v) for v in mask["size"]], "counts": counts.encode() if isinstance(counts, str) else counts}
+
+
+def mask_on_white(frame: np.ndarray, mask: dict) -> Image.Image:
+    """The published element rule: decode the RLE on the (cropped) annotation frame, cut the mask's tight box, paste
+    the masked pixels on white. frame (H, W, 3) uint8."""
+    from pycocotools import mask as mask_util
+
+    m = mask_util.decode(rle_of(mask))  # (H, W) uint8 0/1
+    if m.shape != frame.shape[:2]:
+        raise ValueError(f"the mask is {m.shape[0]}x{m.shape[1]}, the cropped frame {frame.shape[0]}x{frame.shape[1]}")
+    rows, cols = np.nonzero(m.any(1))[0], np.nonzero(m.any(0))[0]
+    if not len(rows):
+        raise ValueError("the mask is empty")
+    box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
+    out = np.full_like(frame[box], 255)
+    keep = m[box].astype(bool)
+    out[keep] = frame[box][keep]
+    return Image.fromarray(out)
+
+
+def canvas_box(box, size: tuple[int, int], canvas: int = PHANTOM_CANVAS) -> tuple[int, int, int, int]:
+    """A box in pixels of the frame resized to long side `canvas` -> integer (x0, y0, x1, y1) in the frame (H, W),
+    clipped to it (published boxes overflow the canvas)."""
+    h, w = size
+    s = max(h, w) / canvas
+    x0, y0, x1, y1 = (float(v) * s for v in box)
+    x0, x1 = int(np.clip(np.floor(x0), 0, w)), int(np.clip(np.ceil(x1), 0, w))
+    y0, y1 = int(np.clip(np.floor(y0), 0, h)), int(np.clip(np.ceil(y1), 0, h))
+    if x1 <= x0 or y1 <= y0:
+        raise ValueError(f"box {list(box)} lies outside the {w}x{h} frame (scaled from the {canvas} canvas)")
+    return x0, y0, x1, y1
+
+
+@lru_cache(maxsize=2)
+def load_sam(path: str):
+    """(SamModel, SamProcessor) from a local dir, once per process (loader workers each load their own)."""
+    import torch
+    from transformers import SamModel, SamProcessor
+
+    if not Path(path, "config.json").is_file():
+        raise InputError(f"--sam {path}: not a transformers SAM dir (no config.json)")
+    torch.set_grad_enabled(False)
+    return SamModel.from_pretrained(path).eval(), SamProcessor.from_pretrained(path)
+
+
+def sam_on_white(image: np.ndarray, box: tuple[int, int, int, int], sam_dir: str) -> Image.Image:
+    """SAM's mask for `box` (x0, y0, x1, y1) on image (H, W, 3) uint8, the box cut and the masked pixels on white."""
+    import torch
+
+    model, processor = load_sam(sam_dir)
+    inputs = processor(images=Image.fromarray(image), input_boxes=[[list(map(float, box))]], return_tensors="pt")
+    with torch.no_grad():
+        out = model(**inputs, multimask_output=False)
+    mask = processor.image_processor.post_process_masks(out.pred_masks, inputs["original_sizes"],
+                                                        inputs["reshaped_input_sizes"])[0][0, 0].numpy()  # (H, W)
+    x0, y0, x1, y1 = box
+    crop, keep = image[y0:y1, x0:x1], mask[y0:y1, x0:x1]
+    out_img = np.full_like(crop, 255)
+    out_img[keep] = crop[keep]
+    return Image.fromarray(out_img)
+
+
+def box_image(frame: np.ndarray, box: tuple[int, int, int, int], sam_dir: str | None) -> Image.Image:
+    x0, y0, x1, y1 = box
+    return sam_on_white(frame, box, sam_dir) if sam_dir else Image.fromarray(np.ascontiguousarray(frame[y0:y1, x0:x1]))
+
+
+def cropped(frame: np.ndarray, crop) -> np.ndarray:
+    """frame[s_y:e_y, s_x:e_x] for OpenS2V's crop [s_x, e_x, s_y, e_y] (the watermark-free region)."""
+    if crop is None:
+        return frame
+    sx, ex, sy, ey = crop
+    if ey > frame.shape[0] or ex > frame.shape[1]:
+        raise ValueError(f"crop {list(crop)} exceeds the {frame.shape[1]}x{frame.shape[0]} frame")
+    return frame[sy:ey, sx:ex]
+
+
+def reference_frame(video: Path, pos: float) -> np.ndarray:
+    """Phantom-Data's reference frame: int(num_frames * frame_idx) of the clip, as its README computes it."""
+    listed, _ = probe_video(video)
+    n = listed or sum(1 for _ in read_frames_iter(video))
+    return read_frames(video, [min(int(n * float(pos)), n - 1)])[0]
+
+
+def read_frames_iter(video: Path):
+    return _decode(video)
+
+
+def element_image(ref: dict, sam_dir: str | None = None, frames: dict | None = None) -> Image.Image:
+    """One element image from its index entry; `frames` {(video, index): frame} holds frames already decoded."""
+    if "image" in ref:
+        image = read_image(ref["image"])
+        if sam_dir and ref.get("segment", True):
+            image = sam_on_white(np.asarray(image), (0, 0, image.width, image.height), sam_dir)
+    elif "mask" in ref:
+        frame = (frames or {}).get((ref["video"], ref["frame"]))
+        if frame is None:
+            frame = read_frames(Path(ref["video"]), [ref["frame"]])[0]
+        image = mask_on_white(cropped(frame, ref.get("crop")), ref["mask"])
+    elif "box" in ref:
+        frame = reference_frame(Path(ref["video"]), ref["frame_pos"])
+        image = box_image(frame, canvas_box(ref["box"], frame.shape[:2], ref.get("canvas", PHANTOM_CANVAS)), sam_dir)
+    else:
+        raise ValueError(f"unknown element entry {sorted(ref)}")
+    if min(image.size) < 1:
+        raise ValueError("the element image is empty")
+    return image
+
+
+def ref_file(ref: dict) -> Path:
+    """The file an element entry reads (for messages and the cache key)."""
+    return Path(ref.get("image") or ref["video"])
+
+
+def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None):
+    """(frames (len, H, W, 3) uint8 of the clip: face_cut offset and crop applied, {element: PIL image}). The clip's
+    frames and its annotation frames come from one decoding pass."""
+    want = [s.start + i for i in indices]
+    same = [r["frame"] for n in names if "mask" in (r := s.refs[n]) and r["video"] == str(s.video)]
+    got = read_frames(s.video, want + same) if want + same else np.zeros((0, 1, 1, 3), np.uint8)
+    frames = {(str(s.video), i): f for i, f in zip(same, got[len(want):])}
+    clip = got[:len(want)]
+    if s.crop is not None and len(clip):
+        sx, ex, sy, ey = s.crop
+        cropped(clip[0], s.crop)  # raises when the crop exceeds the frame
+        clip = clip[:, sy:ey, sx:ex]  # (F, h, w, 3) view
+    return clip, {n: element_image(s.refs[n], sam_dir, frames) for n in names}
+
+
+# ---------------------------------------------------------------- reading the index (training, validate, export)
+
+
+def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
+    """The samples of an index.jsonl written by `data.py index`."""
+    from data import _manifest_rows
+
+    out, first = [], {}
+    for n, r, why in _manifest_rows(path):
+        where = f"{path.name} line {n}"
+        if r is None or not r.get("key") or not r.get("video"):
+            problems.append(Problem("-", path, why or "not an index line (no 'key'/'video'): rebuild it with "
+                                                      "`data.py index`", f"line {n}"))
+            continue
+        if r.get("dataset") != cfg.dataset_type:
+            raise InputError(f"{path} line {n}: an index of {r.get('dataset')!r} clips, read as --dataset-type "
+                             f"{cfg.dataset_type}")
+        s = Sample(str(r["key"]), di, Path(r["video"]), "", where=where, start=int(r.get("start") or 0),
+                   crop=tuple(r["crop"]) if r.get("crop") else None, num_frames=int(r.get("num_frames") or 0))
+        s.prompt, s.problems = caption_problems(s.id, str(r.get("caption") or ""), path, where, cfg)
+        names = {e.name for e in cfg.elements}
+        s.refs = {k: v for k, v in (r.get("elements") or {}).items() if k in names}
+        s.elements = {k: ref_file(v) for k, v in s.refs.items()}
+        s.cluster = r.get("cluster")
+        if s.id in first:
+            s.problems.append(Problem(s.id, s.video, f"duplicate clip key (first on line {first[s.id]})", where))
+        first.setdefault(s.id, n)
+        out.append(s)
+    if cfg.cross_video:
+        cross_video(out)
+    return out
+
+
+def cross_video(samples: list[Sample]) -> int:
+    """OpenS2V's cross-video pairs: a clip of a cluster takes its subject and object from the next clip of the same
+    cluster (its key order, cyclic), so the reference is not a frame of the target video. Returns clips changed."""
+    clusters: dict[str, list[Sample]] = {}
+    for s in samples:
+        if s.cluster:
+            clusters.setdefault(s.cluster, []).append(s)
+    own = {id(s): dict(s.refs) for s in samples}
+    changed = 0
+    for members in clusters.values():
+        members.sort(key=lambda s: s.id)
+        for i, s in enumerate(members):
+            if len(members) < 2:
+                break
+            other = own[id(members[(i + 1) % len(members)])]
+            for name in ("subject", "object"):
+                if name in other and name in s.refs:
+                    s.refs[name] = other[name]
+                    s.elements[name] = ref_file(other[name])
+            changed += 1
+    print(f"cross-video pairs: {changed} clip(s) of {len(clusters)} cluster(s) take subject/object from a paired "
+          "clip")
+    return changed
+
+
+def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
+    """What an index sample needs before training: its files exist, and its frame range fills a bucket. Frames are
+    counted from the index when it has them (OpenS2V's face_cut), else from the container; a file that fails to
+    decode later is a load failure (LoadFailures), not a crash."""
+    for name, ref in s.refs.items():
+        f = ref_file(ref)
+        if not f.exists():
+            s.problems.append(Problem(s.id, f, f"element '{name}': {missing(f)}", s.where))
+    for e in cfg.elements:
+        if e.required and e.name not in s.refs:
+            s.problems.append(Problem(s.id, s.video, f"required element '{e.name}' missing", s.where))
+    if not s.video.exists():
+        s.problems.append(Problem(s.id, s.video, missing(s.video), s.where))
+        return s
+    try:
+        listed, size = probe_video(s.video)
+        if s.crop is not None:
+            sx, ex, sy, ey = s.crop
+            if ey > size[0] or ex > size[1]:
+                raise ValueError(f"crop {list(s.crop)} exceeds the {size[1]}x{size[0]} video")
+            size = (ey - sy, ex - sx)
+        s.num_frames = s.num_frames or max(0, (listed or sum(1 for _ in read_frames_iter(s.video))) - s.start)
+        s.size = tuple(int(v) for v in size)
+    except Exception as ex:  # PyAV raises many types for damaged files
+        s.problems.append(Problem(s.id, s.video, f"unreadable video ({type(ex).__name__}: {ex})", s.where))
+        return s
+    if not clip_length(cfg, num_frames, s.num_frames):
+        s.problems.append(Problem(s.id, s.video, f"{s.num_frames} frames (from frame {s.start}), shorter than the "
+                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))})", s.where))
+    return s
+
+
+def missing(p: Path) -> str:
+    return f"dangling symlink (to {os.readlink(p)})" if p.is_symlink() else "file not found"
+
+
+# ---------------------------------------------------------------- the index: parts, resume, report
+
+
+class Lines:
+    """Problem lines of a part, written to a file as they come (a part may hold millions): .append(line)."""
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def append(self, line: str):
+        self.f.write(line.replace("\n", " ") + "\n")
+        self.n += 1
+
+
+def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str) -> Counter:
+    """Run each part's records(counts, lines) -> iterator of index lines into out/parts/<name>.jsonl (a part done
+    before is kept: a killed index resumes at its first unfinished part), then join them into out/index.jsonl and
+    write out/report.txt: the rule, the counts, every problem line. Constant memory."""
+    d = out / "parts"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, records in parts:
+        if (d / f"{name}.counts.json").exists():
+            print(f"{name}: indexed before, kept (delete {d / name}.* to redo it)")
+            continue
+        counts = Counter()
+        with open(d / f"{name}.jsonl.tmp", "w") as f, open(d / f"{name}.problems.txt", "w") as p:
+            for line in records(counts, Lines(p)):
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        os.replace(d / f"{name}.jsonl.tmp", d / f"{name}.jsonl")
+        (d / f"{name}.counts.tmp").write_text(json.dumps(counts))
+        os.replace(d / f"{name}.counts.tmp", d / f"{name}.counts.json")  # last: it marks the part done
+    total = Counter()
+    for name, _ in parts:
+        total.update(json.loads((d / f"{name}.counts.json").read_text()))
+    with open(out / "index.jsonl.tmp", "w") as f, open(out / "report.tmp", "w") as r:
+        head = [f"{dataset} index: {out / 'index.jsonl'}", f"rule: {rule}", *(f"{k}: {v}" for k, v in
+                                                                             sorted(total.items()))]
+        r.write("\n".join(head) + "\nproblems (one line each: clip key: file: problem):\n")
+        n = 0
+        for name, _ in parts:
+            with open(d / f"{name}.jsonl") as p:
+                for line in p:
+                    f.write(line)
+            with open(d / f"{name}.problems.txt") as p:
+                for line in p:
+                    r.write(line)
+                    n += 1
+    os.replace(out / "index.jsonl.tmp", out / "index.jsonl")
+    os.replace(out / "report.tmp", out / "report.txt")
+    print("\n".join(head) + f"\n{n} problem line(s): {out / 'report.txt'}")
+    return total
+
+
+def index_rule(index: Path) -> str | None:
+    """The rule line of the report next to an index (printed by training: what the index kept)."""
+    report = index.parent / "report.txt"
+    if report.is_file():
+        for line in report.read_text().splitlines():
+            if line.startswith("rule: "):
+                return line[6:]
+    return None
+
+
+def progress(f, desc: str):
+    """A tqdm bar over the bytes of an open file (MB/s), updated from its position."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=os.fstat(f.fileno()).st_size, unit="B", unit_scale=True, desc=desc, mininterval=1.0)
+
+    def update():
+        bar.update(f.tell() - bar.n)
+    return bar, update
+
+
+def field(d, dotted: str):
+    """d["a"]["b"] for "a.b", or BadRecord naming the missing field."""
+    for k in dotted.split("."):
+        if not isinstance(d, dict) or k not in d:
+            raise BadRecord(f"missing field {dotted}")
+        d = d[k]
+    return d
+
+
+def ints(v, n: int, what: str) -> list[int]:
+    if not (isinstance(v, list | tuple) and len(v) == n and all(isinstance(x, int | float) for x in v)):
+        raise BadRecord(f"{what} {v!r} is not {n} numbers")
+    return [int(x) for x in v]
+
+
+def find_video(stem: Path) -> Path | None:
+    for ext in ("", *VIDEO_EXTS, *(e.upper() for e in VIDEO_EXTS)):
+        p = stem.with_name(stem.name + ext)
+        if p.is_file():
+            return p
+    return None
+
+
+# ---------------------------------------------------------------- OpenS2V-5M
+
+
+@dataclass
+class IndexOpenS2V:
+    """Index OpenS2V-5M as downloaded (Videos/total_partN/, Background/total_partN/, Jsons/mask_and_bbox_High-
+    Quality/total_partN.json): streams each part's JSON (never loaded whole), one part at a time, resumable."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir (Videos/, Background/, Jsons/)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    min_crop_ratio: float = 0.1
+    """Drop a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
+    min_aes: float = 4.5
+    """Keep a mask with aesthetic score >= this, or (next flag) GME score >= that (BindWeave: 4.5)."""
+    min_gme: float = 0.6
+    """...or GME score >= this (BindWeave: 0.6)."""
+    min_background_aes: float = 0.0
+    """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
+    which keeps almost none; the demo dataloader keeps all)."""
+    background: bool = True
+    """Require the Background png (a clip without it is reported and skipped); --no-background indexes without."""
+    cross_pairs: str | None = None
+    """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
+    --cross-video (the reference from a paired clip)."""
+
+    def rule(self) -> str:
+        return (f"subject/object masks by word_tags (subject+pre_define -> subject, object -> object); a mask is kept "
+                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}); "
+                f"the largest kept crop is the element, the largest subject crop when none is kept; background png "
+                f"if background_ase_score >= {self.min_background_aes}")
+
+
+def cluster_of(key: str) -> str:
+    """OpenS2V's cluster id of a clip key (its demo dataloader's rule)."""
+    c = key.split("_segment")[0]
+    return key.split("_part")[0] if c == key else c
+
+
+def read_clusters(path: Path) -> dict[str, str]:
+    """{"total_partN/<key>": cluster id} from cluster_videos.json ({cluster: [part/key, ...]}), streamed."""
+    import ijson
+
+    out = {}
+    with open(path, "rb") as f:
+        for cluster, members in ijson.kvitems(f, "", use_float=True):
+            for m in members if isinstance(members, list) else []:
+                out[str(m)] = cluster
+    return out
+
+
+def background_png(root: Path, part: str, key: str) -> tuple[Path | None, str, list[Path]]:
+    """The LaMa-inpainted annotation frame: <key>.png (OpenS2V-Nexus's demo dataloader) or <key before
+    _step6>_step7.png (BindWeave, and the upstream step5 script's own output name)."""
+    d = root / "Background" / part
+    names = [(d / f"{key}.png", "<key>.png (demo dataloader)"),
+             (d / f"{key.split('_step6')[0]}_step7.png", "<key>_step7.png (BindWeave)")]
+    for p, how in names:
+        if p.is_file():
+            return p, how, [p for p, _ in names]
+    return None, "", [p for p, _ in names]
+
+
+def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, counts: Counter,
+                 lines: Lines, src: Path, clusters: dict) -> dict | None:
+    """One clip of a part JSON -> its index line (or None: counted, and reported when it is a problem)."""
+    md = field(rec, "metadata")
+    video = root / "Videos" / part / str(field(rec, "metadata.path"))
+    start, end = ints(field(rec, "metadata.face_cut"), 2, "metadata.face_cut")
+    crop = ints(field(rec, "metadata.crop"), 4, "metadata.crop")
+    sx, ex, sy, ey = crop
+    if not (0 <= start < end):
+        raise BadRecord(f"metadata.face_cut {[start, end]} is empty")
+    if not (0 <= sx < ex and 0 <= sy < ey):
+        raise BadRecord(f"metadata.crop {crop} is empty")
+    caption = field(rec, "metadata.face_cap_qwen")
+    caption = caption[0] if isinstance(caption, list) and caption else caption
+    if not isinstance(caption, str):
+        raise BadRecord("metadata.face_cap_qwen is not a caption")
+    ann = int(field(rec, "annotation.ann_frame_data.ann_frame_idx"))
+    boxes = field(rec, "annotation.ann_frame_data.annotations")
+    names = field(rec, "annotation.mask_map")
+    masks = field(rec, "annotation.mask_annotation").get(str(ann))
+    if masks is None:
+        raise BadRecord(f"annotation.mask_annotation has no masks for the annotation frame {ann}")
+    tags = field(rec, "word_tags")
+    subject_words = set(tags.get("subject") or []) | set(tags.get("pre_define") or [])
+    object_words = set(tags.get("object") or [])
+    pools: dict[str, list] = {"subject": [], "object": []}
+    h, w = ey - sy, ex - sx
+    from pycocotools import mask as mask_util
+
+    for k, rle in masks.items():
+        if not str(k).isdigit() or not 1 <= int(k) <= len(boxes) or str(k) not in names:
+            raise BadRecord(f"mask {k} has no annotations[{k}-1] / mask_map entry")
+        cls = names[str(k)].get("class_name")
+        if not isinstance(rle, dict) or "counts" not in rle or "size" not in rle:
+            raise BadRecord(f"mask {k} ({cls}) is not a COCO RLE (size, counts)")
+        if [int(v) for v in rle["size"]] != [h, w]:
+            raise BadRecord(f"mask {k} ({cls}): RLE size {rle['size']} is not the cropped frame's [{h}, {w}] "
+                            f"(crop {crop})")
+        try:
+            x, y, bw, bh = mask_util.toBbox(rle_of(rle))
+        except Exception as e:
+            raise BadRecord(f"mask {k} ({cls}): RLE does not decode ({e})") from None
+        if bw * bh == 0:
+            counts["masks empty inside the crop (skipped)"] += 1
+            lines.append(str(Problem(key, src, f"mask {k} ({cls}) is empty inside the crop {crop}: skipped")))
+            continue
+        if x + bw > w or y + bh > h:
+            raise BadRecord(f"mask {k} ({cls}): RLE runs past the cropped frame [{h}, {w}]")
+        element = "subject" if cls in subject_words else "object" if cls in object_words else None
+        if element is None:
+            counts["masks of background or untagged classes (not elements)"] += 1
+            continue
+        b = boxes[int(k) - 1]
+        pools[element].append(dict(k=k, cls=cls, ratio=float(bw * bh) / (h * w), aes=float(b.get("aes_score", 0)),
+                                   gme=float(b.get("gme_score", 0)), rle=rle))
+    chosen = {}
+    for element, pool in pools.items():
+        kept = []
+        for m in pool:
+            if m["ratio"] < a.min_crop_ratio:
+                counts[f"{element} masks dropped: crop_ratio < {a.min_crop_ratio}"] += 1
+            elif m["aes"] < a.min_aes and m["gme"] < a.min_gme:
+                counts[f"{element} masks dropped: aes < {a.min_aes} and gme < {a.min_gme}"] += 1
+            else:
+                kept.append(m)
+        if not kept and pool and element == "subject":
+            counts["subject: largest crop taken as fallback (none passed)"] += 1
+            kept = pool
+        if kept:
+            chosen[element] = max(kept, key=lambda m: m["ratio"])
+    if "subject" not in chosen:
+        counts["clips dropped: no subject mask"] += 1
+        return None
+    if not video.is_file():
+        counts["clips dropped: video missing"] += 1
+        lines.append(str(Problem(key, video, f"video {missing(video)}")))
+        return None
+    elements = {e: dict(mask=dict(size=[h, w], counts=m["rle"]["counts"]), video=str(video), frame=ann, crop=crop,
+                        class_name=m["cls"]) for e, m in chosen.items()}
+    if a.background:
+        png, how, tried = background_png(root, part, key)
+        if png is None:
+            counts["clips dropped: background png missing"] += 1
+            lines.append(str(Problem(key, tried[0], f"background png not found (nor {tried[1].name})")))
+            return None
+        counts[f"background found as {how}"] += 1
+        bg_aes = float(rec["annotation"]["ann_frame_data"].get("background_ase_score", 0))
+        if bg_aes >= a.min_background_aes:
+            elements["background"] = dict(image=str(png))
+        else:
+            counts[f"backgrounds not used: background_ase_score < {a.min_background_aes}"] += 1
+    line = dict(key=key, dataset="opens2v", video=str(video), caption=caption, fps=md.get("fps"), start=start,
+                num_frames=end - start, crop=crop, elements=elements)
+    cluster = clusters.get(f"{part}/{key}") or clusters.get(key)
+    if cluster:
+        line["cluster"] = cluster
+    return line
+
+
+def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict, limit: int = 0):
+    def records(counts: Counter, lines: Lines):
+        import ijson
+
+        with open(json_path, "rb") as f:
+            bar, update = progress(f, part)
+            try:
+                for n, (key, rec) in enumerate(ijson.kvitems(f, "", use_float=True)):
+                    counts["clips read"] += 1
+                    try:
+                        line = opens2v_clip(key, rec, part, root, a, counts, lines, json_path, clusters)
+                    except BadRecord as e:
+                        counts["clips dropped: bad record"] += 1
+                        lines.append(str(Problem(key, json_path, str(e))))
+                        line = None
+                    if line:
+                        counts["clips kept"] += 1
+                        yield line
+                    if n % 256 == 0:
+                        update()
+                    if limit and counts["clips read"] >= limit:
+                        break
+            except ijson.JSONError as e:  # a truncated download: what was read is kept, and said
+                counts["parts cut short: invalid JSON"] += 1
+                lines.append(str(Problem("-", json_path, f"invalid JSON after {counts['clips read']} clips ({e}): "
+                                                         "the rest of this part is not indexed")))
+            update()
+            bar.close()
+    return records
+
+
+def index_opens2v(a: IndexOpenS2V):
+    root, out = Path(a.root), Path(a.out)
+    jsons = sorted((root / "Jsons" / "mask_and_bbox_High-Quality").glob("*.json")) or \
+        sorted(p for p in (root / "Jsons").glob("*.json"))
+    if not jsons:
+        raise IndexError_(f"{root}: no part JSON under Jsons/mask_and_bbox_High-Quality/ (nor Jsons/)")
+    clusters = read_clusters(Path(a.cross_pairs)) if a.cross_pairs else {}
+    print(f"rule: {a.rule()}")
+    return write_index(out, "opens2v", [(p.stem, opens2v_part(p, p.stem, root, a, clusters)) for p in jsons],
+                       a.rule())
+
+
+# ---------------------------------------------------------------- Phantom-Data
+
+
+@dataclass
+class IndexPhantom:
+    """Index Phantom-Data (koala36M_multi_ref_merged_filtered.parquet + the clips you downloaded), streamed in
+    row groups (one resumable part each)."""
+
+    root: tyro.conf.Positional[str]
+    """Dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    videos: str | None = None
+    """Dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
+    parquet: str | None = None
+    """The training meta parquet (default ROOT/koala36M_multi_ref_merged_filtered.parquet)."""
+
+    def rule(self) -> str:
+        return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
+                "phrase/box class -> subject, the first other phrase -> object; box (768 canvas) scaled to the frame "
+                "and clipped")
+
+
+def is_person(*words) -> bool:
+    return any(w in PERSON_WORDS for t in words if isinstance(t, str) for w in re.findall(r"[a-z]+", t.lower()))
+
+
+def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
+    vid = str(row.get("vid") or "")
+    if not vid:
+        raise BadRecord("missing field vid")
+    caption = row.get("video_caption")
+    if not isinstance(caption, str) or not caption.strip():
+        raise BadRecord("missing field video_caption")
+    pairs = row.get("cross_pair")
+    try:
+        pairs = json.loads(pairs) if isinstance(pairs, str | bytes) else pairs
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"cross_pair is not valid JSON ({e.msg})") from None
+    if not isinstance(pairs, dict):
+        raise BadRecord(f"cross_pair is {type(pairs).__name__}, expected an object of phrases")
+    video = find_video(videos / vid)
+    if video is None:
+        counts["clips dropped: video not downloaded"] += 1
+        lines.append(str(Problem(vid, videos / f"{vid}.mp4", "video not found (not downloaded?)")))
+        return None
+    refs = []
+    for phrase, entry in pairs.items():
+        results = entry.get("refer_result") if isinstance(entry, dict) else None
+        if not isinstance(results, list):
+            raise BadRecord(f"cross_pair[{phrase!r}] has no refer_result list")
+        for r in results:
+            try:
+                box = [float(v) for v in r["bbox_loc"]]
+                pos = float(r["frame_idx"])
+                rvid = str(r["vid"])
+            except (KeyError, TypeError, ValueError):
+                counts["refer_result entries dropped: bad entry"] += 1
+                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: refer_result entry {str(r)[:80]} lacks "
+                                                   "vid / frame_idx / bbox_loc")))
+                continue
+            if len(box) != 4 or not (box[0] < box[2] and box[1] < box[3]) or not 0 <= pos <= 1:
+                counts["refer_result entries dropped: bad box or frame_idx"] += 1
+                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: bbox_loc {box} / frame_idx {pos} "
+                                                   "is not a box / a position in [0, 1]")))
+                continue
+            rvideo = find_video(videos / rvid)
+            if rvideo is None:
+                counts["refer_result entries skipped: reference clip not downloaded"] += 1
+                continue
+            if min(box) < 0 or max(box) > PHANTOM_CANVAS:
+                counts["boxes overflowing the 768 canvas (clipped at load)"] += 1
+            refs.append((phrase, dict(box=box, canvas=PHANTOM_CANVAS, video=str(rvideo), frame_pos=pos,
+                                      class_name=str(r.get("bbox_cls") or phrase))))
+            break
+    if not refs:
+        counts["clips dropped: no downloaded reference"] += 1
+        return None
+    people = [r for p, r in refs if is_person(p, r["class_name"])]
+    subject = people[0] if people else refs[0][1]
+    others = [r for _, r in refs if r is not subject]
+    elements = dict(subject=subject, **({"object": others[0]} if others else {}))
+    counts["references not used (a2: one subject, one object)"] += max(0, len(refs) - len(elements))
+    return dict(key=vid, dataset="phantom", video=str(video), caption=caption, elements=elements)
+
+
+def index_phantom(a: IndexPhantom):
+    import pyarrow.parquet as pq
+
+    root, out = Path(a.root), Path(a.out)
+    path = Path(a.parquet) if a.parquet else root / PHANTOM_PARQUET
+    if not path.is_file():
+        raise IndexError_(f"{path}: not found (Phantom-Data's training parquet; --parquet to name another)")
+    pf = pq.ParquetFile(path)
+    need = ("vid", "video_caption", "cross_pair")
+    cols = pf.schema_arrow.names
+    if not set(need) <= set(cols):
+        raise IndexError_(f"{path}: columns {cols}; Phantom-Data's training parquet has {list(need)}")
+    videos = Path(a.videos) if a.videos else root / "videos"
+
+    def part(i):
+        def records(counts, lines):
+            for batch in pf.iter_batches(row_groups=[i], columns=list(need)):
+                for row in batch.to_pylist():
+                    counts["clips read"] += 1
+                    try:
+                        line = phantom_row(row, videos, counts, lines, path)
+                    except BadRecord as e:
+                        counts["clips dropped: bad record"] += 1
+                        lines.append(str(Problem(str(row.get("vid") or "-"), path, str(e))))
+                        line = None
+                    if line:
+                        counts["clips kept"] += 1
+                        yield line
+        return records
+    print(f"rule: {a.rule()}")
+    return write_index(out, "phantom", [(f"{path.stem}.rg{i:05d}", part(i)) for i in range(pf.num_row_groups)],
+                       a.rule())
+
+
+# ---------------------------------------------------------------- HuMoSet
+
+
+@dataclass
+class IndexHumoSet:
+    """Index HuMoSet (video/, reference_image/, video_caption.parquet): the reference photo is the subject."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+
+    def rule(self) -> str:
+        return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
+
+
+HUMO_VIDEO_COLS = ("video", "video_name", "video_path", "video_id", "vid", "file_name", "filename", "name", "path",
+                   "id")
+HUMO_CAPTION_COLS = ("caption", "video_caption", "text", "prompt", "description")
+HUMO_REF_COLS = ("reference_image", "ref_image", "reference", "image")
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".PNG", ".JPG", ".JPEG")
+
+
+def humoset_schema(names: list[str], path: Path) -> tuple[str, str, str | None]:
+    """(video, caption, reference or None) columns of video_caption.parquet, whose schema is not documented: the
+    first known name of each; a file without them fails naming its columns."""
+    lower = {n.lower(): n for n in names}
+    pick = [next((lower[c] for c in cols if c in lower), None) for cols in (HUMO_VIDEO_COLS, HUMO_CAPTION_COLS,
+                                                                            HUMO_REF_COLS)]
+    if pick[0] is None or pick[1] is None:
+        raise IndexError_(f"{path}: columns {names}: expected a video column (one of {list(HUMO_VIDEO_COLS)}) and a "
+                          f"caption column (one of {list(HUMO_CAPTION_COLS)}); HuMoSet's schema differs from the one "
+                          "a2 reads")
+    return pick[0], pick[1], pick[2]
+
+
+def index_humoset(a: IndexHumoSet):
+    import pyarrow.parquet as pq
+
+    root, out = Path(a.root), Path(a.out)
+    path = root / "video_caption.parquet"
+    if not path.is_file():
+        raise IndexError_(f"{path}: not found")
+    pf = pq.ParquetFile(path)
+    vcol, ccol, rcol = humoset_schema(pf.schema_arrow.names, path)
+    print(f"{path.name}: video column {vcol!r}, caption column {ccol!r}, reference column {rcol!r}")
+
+    def records(counts, lines):
+        for batch in pf.iter_batches(columns=[c for c in (vcol, ccol, rcol) if c]):
+            for row in batch.to_pylist():
+                counts["clips read"] += 1
+                name, caption = str(row.get(vcol) or ""), row.get(ccol)
+                if not name or not isinstance(caption, str) or not caption.strip():
+                    counts["clips dropped: bad record"] += 1
+                    lines.append(str(Problem(name or "-", path, f"missing {vcol if not name else ccol}")))
+                    continue
+                video = find_video(root / "video" / name)
+                stem = Path(name).stem
+                ref = root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol) else next(
+                    (p for e in IMAGE_EXTS if (p := root / "reference_image" / f"{stem}{e}").is_file()), None)
+                if video is None:
+                    counts["clips dropped: video missing"] += 1
+                    lines.append(str(Problem(stem, root / "video" / name, "video not found")))
+                elif ref is None or not ref.is_file():
+                    counts["clips dropped: reference image missing"] += 1
+                    lines.append(str(Problem(stem, ref or root / "reference_image" / f"{stem}.png",
+                                             "reference image not found")))
+                else:
+                    counts["clips kept"] += 1
+                    yield dict(key=stem, dataset="humoset", video=str(video), caption=caption,
+                               elements=dict(subject=dict(image=str(ref))))
+    print(f"rule: {a.rule()}")
+    return write_index(out, "humoset", [(path.stem, records)], a.rule())
+
+
+# ---------------------------------------------------------------- export-elements
+
+
+@dataclass
+class ExportElements:
+    """Write the element images training builds from an index: DIR/<clip key>/<element>.png + DIR/produced.json."""
+
+    manifest: str
+    """The index.jsonl of `data.py index`."""
+    out: str
+    """Dir to write into (created)."""
+    sam: str | None = None
+    """Segment box/photo references with this local SAM dir (as training with --sam)."""
+    cross_video: bool = False
+    """Take subject/object from a paired clip of the same cluster (as training with --cross-video)."""
+    limit: int = 0
+    """Export only the first N clips (0: all)."""
+
+
+def export_elements(a: ExportElements) -> dict:
+    from tqdm import tqdm
+
+    from config import A2_ELEMENTS
+
+    path, out = Path(a.manifest), Path(a.out)
+    with open(path) as f:
+        first = json.loads(next(f, "{}") or "{}")
+    if first.get("dataset") not in PUBLIC_TYPES:
+        raise InputError(f"{path}: not an index of `data.py index` (first line has no dataset of {PUBLIC_TYPES})")
+    cfg = DatasetConfig(str(path.parent), dataset_type=first["dataset"], manifest=str(path), elements=A2_ELEMENTS,
+                        cross_video=a.cross_video)
+    problems: list[Problem] = []
+    samples = list_index(path, cfg, 0, problems)[:a.limit or None]
+    produced: dict[str, dict[str, str]] = {}
+    for s in tqdm(samples, desc="export"):
+        d = out / re.sub(r"[^\w.-]", "_", s.id)
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            _, images = load_sample(s, [], list(s.refs), a.sam)
+        except Exception as ex:  # a damaged file: reported like a load failure, the others still exported
+            problems.append(Problem(s.id, s.video, f"failed to load ({type(ex).__name__}: {ex})", s.where))
+            continue
+        produced[s.id] = {}
+        for name, image in images.items():
+            image.save(d / f"{name}.png")
+            produced[s.id][name] = str(d / f"{name}.png")
+    (out / "produced.json").write_text(json.dumps(produced, indent=1))
+    for p in problems:
+        print(p, file=sys.stderr)
+    print(f"exported {sum(map(len, produced.values()))} element images of {len(produced)} clips to {out}")
+    return produced
+
+
+IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
+    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+
+
+def run(a) -> object:
+    """data.py's `index ...` and `export-elements` commands."""
+    fn = {IndexOpenS2V: index_opens2v, IndexPhantom: index_phantom, IndexHumoSet: index_humoset,
+          ExportElements: export_elements}[type(a)]
+    return run_cli(fn, a)
+
+
+# ---------------------------------------------------------------- a synthetic OpenS2V-5M part (tests and bench.py)
+
+
+def rle_encode(mask: np.ndarray) -> dict:
+    """A bool (H, W) mask as OpenS2V publishes it: COCO compressed RLE, counts as a str."""
+    from pycocotools import mask as mask_util
+
+    r = mask_util.encode(np.asfortranarray(mask.astype(np.uint8)))
+    return {"size": [int(v) for v in r["size"]], "counts": r["counts"].decode()}
+
+
+def synthetic_opens2v(root, frames: np.ndarray, person: np.ndarray, num_clips: int = 1, part: str = "total_part1",
+                      fps: int = 8) -> dict:
+    """An OpenS2V-5M layout under root (Videos/<part>/clip.mp4, Background/<part>/*.png, Jsons/mask_and_bbox_High-
+    Quality/<part>.json) in the published schema: `person` (h, w, 3) is composited into `frames` (F, H, W, 3) under a
+    known ellipse mask; the clip is cropped by a watermark margin and cut to frames 2..F-2. Returns what a test needs
+    to rebuild the elements by hand: video, crop, face_cut, ann_frame_idx, {mask key: bool mask in cropped
+    coordinates}, and the records."""
+    import imageio.v3 as iio
+
+    root = Path(root)
+    n, H, W = frames.shape[:3]
+    crop = [8, W - 8, 4, H - 4]  # [s_x, e_x, s_y, e_y]
+    h, w = crop[3] - crop[2], crop[1] - crop[0]
+    yy, xx = np.mgrid[0:h, 0:w]
+    masks = {  # in cropped-frame coordinates
+        "1": ((yy - h * 0.55) / (h * 0.4)) ** 2 + ((xx - w * 0.35) / (w * 0.22)) ** 2 < 1,  # the person: subject
+        "2": (abs(yy - h * 0.2) < 2) & (abs(xx - w * 0.8) < 2),  # a tiny "person": crop_ratio < 0.1
+        "3": (yy > h * 0.6) & (xx > w * 0.6) & (xx < w * 0.9),  # "man" with low scores
+        "4": (yy > h * 0.1) & (yy < h * 0.5) & (xx > w * 0.62) & (xx < w * 0.95),  # "backpack": object
+        "5": yy > h * 0.9,  # "grass": a background class, no element
+    }
+    video = root / "Videos" / part / "clip.mp4"
+    video.parent.mkdir(parents=True, exist_ok=True)
+    out = frames.copy()
+    person = np.asarray(Image.fromarray(person).resize((w, h)))
+    sub = out[:, crop[2]:crop[3], crop[0]:crop[1]]
+    sub[:, masks["1"]] = person[masks["1"]]
+    iio.imwrite(video, out, fps=fps, codec="libx264", plugin="pyav")
+    face_cut, ann = [2, n - 2], 2
+    classes = {"1": "woman", "2": "person", "3": "man", "4": "backpack", "5": "grass"}
+    scores = {"1": (5.0, 0.3), "2": (6.0, 0.7), "3": (3.0, 0.3), "4": (4.0, 0.7), "5": (5.0, 0.5)}  # (aes, gme)
+    bg_dir = root / "Background" / part
+    bg_dir.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for i in range(num_clips):
+        key = f"clip{i:06d}_part1_step1-0-{n}_step2-0-{n}_step4_step5_step6"
+        records[key] = {
+            "metadata": {"cut": [0, n], "crop": crop, "fps": float(fps), "num_frames": n, "path": video.name,
+                         "resolution": {"height": H, "width": W}, "aesthetic": 5.0, "face_cut": face_cut,
+                         "face_cap_qwen": f"A woman with a backpack walks on a mountain top, clip {i}."},
+            "word_tags": {"background": ["grass"], "subject": ["woman", "man"], "object": ["backpack"],
+                          "pre_define": ["person", "human head"]},
+            "annotation": {
+                "ann_frame_data": {"ann_frame_idx": ann, "box_format": "xyxy", "img_width": w, "img_height": h,
+                                   "foreground_ase_score": 5.0, "background_ase_score": 4.6,
+                                   "annotations": [{"class_name": classes[k], "bbox": [0, 0, 1, 1],
+                                                    "aes_score": scores[k][0], "gme_score": scores[k][1]}
+                                                   for k in masks]},
+                "mask_map": {k: {"class_name": c} for k, c in classes.items()},
+                "mask_annotation": {str(ann): {k: {**rle_encode(m), "score": [0.99]} for k, m in masks.items()}}}}
+        # the two published names of the background png: the demo dataloader's and BindWeave's
+        name = f"{key}.png" if i % 2 == 0 else f"{key.split('_step6')[0]}_step7.png"
+        Image.fromarray(np.ascontiguousarray(frames[ann, crop[2]:crop[3], crop[0]:crop[1]])).save(bg_dir / name)
+    jsons = root / "Jsons" / "mask_and_bbox_High-Quality"
+    jsons.mkdir(parents=True, exist_ok=True)
+    write_part(jsons / f"{part}.json", records.items())
+    return dict(video=video, crop=crop, face_cut=face_cut, ann=ann, masks=masks, records=records,
+                json=jsons / f"{part}.json")
+
+
+def write_part(path: Path, records) -> None:
+    """A part JSON ({key: record}) written record by record (a multi-GB one never sits in memory)."""
+    with open(path, "w") as f:
+        f.write("{")
+        for i, (key, rec) in enumerate(records):
+            f.write(("," if i else "") + json.dumps(key) + ": " + json.dumps(rec, indent=1))
+        f.write("}")

@@ -1,0 +1,301 @@
+"""Public S2V datasets as published (public_data.py): fixtures in each dataset's exact schema, built here from real
+media (../shared/data) composited under known masks, RLE-encoded with pycocotools. The element images training builds
+must equal the ones built by hand from the decoded frame (the published rule: the mask's tight box, its pixels on
+white), the clip must be the face_cut range of the cropped frames, every filter and bad record is counted or named in
+one line, and a multi-MB part JSON is indexed in bounded memory."""
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+import a2.public_data as pd_
+from a2.pipeline import element_tensors, read_image
+from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
+from data import E2VDataset, Validate, read_frames, resize_frames, validate
+
+SIZE = (64, 96)  # training resolution of these tests (multiple of 16)
+
+
+def hiker_frames(shared, n=20):
+    """The hiker clip's first n frames, halved (120x184): real content, fast to encode and decode."""
+    f = read_frames(shared / "hiker_tiny.mp4", list(range(n)))
+    return np.stack([np.asarray(Image.fromarray(x).resize((184, 120))) for x in f])
+
+
+def person(shared):
+    return np.asarray(read_image(shared / "a2_human.png"))
+
+
+def by_hand(frame: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The published element rule, written out: tight box of the mask, masked pixels on white."""
+    ys, xs = np.where(mask)
+    box = (slice(ys.min(), ys.max() + 1), slice(xs.min(), xs.max() + 1))
+    out = np.full_like(frame[box], 255)
+    out[mask[box]] = frame[box][mask[box]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def opens2v(shared_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("opens2v")
+    fx = pd_.synthetic_opens2v(root, hiker_frames(shared_data), person(shared_data), num_clips=2)
+    out = root / "index"
+    counts = pd_.index_opens2v(pd_.IndexOpenS2V(str(root), str(out)))
+    return dict(fx, root=root, out=out, counts=counts)
+
+
+def public_cfg(index, dataset_type="opens2v", **kw):
+    return DatasetConfig(str(Path(index).parent), dataset_type=dataset_type, manifest=str(index),
+                         target_resolution=SIZE, elements=A2_ELEMENTS, **kw)
+
+
+def test_opens2v_elements_equal_the_hand_built_mask_crop_on_white(opens2v):
+    fx = opens2v
+    lines = [json.loads(x) for x in (fx["out"] / "index.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in lines] == list(fx["records"])
+    sx, ex, sy, ey = fx["crop"]
+    frame = read_frames(fx["video"], [fx["ann"]])[0][sy:ey, sx:ex]  # the annotation frame as decoded, cropped
+    s = pd_.list_index(fx["out"] / "index.jsonl", public_cfg(fx["out"] / "index.jsonl"), 0, [])[0]
+    _, images = pd_.load_sample(s, [], ["subject", "object", "background"])
+    assert np.array_equal(np.asarray(images["subject"]), by_hand(frame, fx["masks"]["1"]))  # "woman"
+    assert np.array_equal(np.asarray(images["object"]), by_hand(frame, fx["masks"]["4"]))  # "backpack"
+    assert np.array_equal(np.asarray(images["background"]), np.asarray(Image.open(
+        fx["root"] / "Background" / "total_part1" / f"{s.id}.png").convert("RGB")))
+    # export-elements writes exactly these images
+    produced = pd_.export_elements(pd_.ExportElements(str(fx["out"] / "index.jsonl"), str(fx["root"] / "export")))
+    assert sorted(produced[s.id]) == ["background", "object", "subject"]
+    assert np.array_equal(np.asarray(Image.open(produced[s.id]["subject"])), by_hand(frame, fx["masks"]["1"]))
+
+
+def test_opens2v_filters_and_background_names_are_counted(opens2v):
+    c = opens2v["counts"]
+    assert c["clips read"] == c["clips kept"] == 2
+    assert c["subject masks dropped: crop_ratio < 0.1"] == 2  # the 3x3 "person", once per clip
+    assert c["subject masks dropped: aes < 4.5 and gme < 0.6"] == 2  # the "man"
+    assert c["masks of background or untagged classes (not elements)"] == 2  # "grass"
+    assert c["background found as <key>.png (demo dataloader)"] == 1
+    assert c["background found as <key>_step7.png (BindWeave)"] == 1
+    report = (opens2v["out"] / "report.txt").read_text()
+    assert "rule: subject/object masks by word_tags" in report and "crop_ratio >= 0.1" in report
+
+
+def test_opens2v_thresholds_are_flags_and_the_fallback_is_the_largest_crop(opens2v, tmp_path):
+    a = pd_.IndexOpenS2V(str(opens2v["root"]), str(tmp_path), min_aes=9.0, min_gme=0.9)  # nothing passes
+    c = pd_.index_opens2v(a)
+    assert c["subject: largest crop taken as fallback (none passed)"] == 2 and c["clips kept"] == 2
+    line = json.loads((tmp_path / "index.jsonl").read_text().splitlines()[0])
+    assert line["elements"]["subject"]["class_name"] == "woman"  # the largest subject crop
+    assert "object" not in line["elements"]  # no fallback for objects
+
+
+def test_opens2v_clip_is_face_cut_of_the_cropped_frames_at_its_own_fps(opens2v):
+    fx = opens2v
+    cfg = public_cfg(fx["out"] / "index.jsonl")
+    ds = E2VDataset([cfg], num_frames=9, frame_sampling="head", verbose=False)  # 9 frames: no reference latents
+    s = ds.samples[0]
+    start, end = fx["face_cut"]
+    assert (s.start, s.num_frames) == (start, end - start)
+    sx, ex, sy, ey = fx["crop"]
+    assert s.size == (ey - sy, ex - sx)
+    item = ds[(0, 0)]
+    raw = read_frames(fx["video"], list(range(start, start + 9)))[:, sy:ey, sx:ex]
+    assert torch.equal(item["video"], resize_frames(raw, cfg.reshape_mode, ds.buckets[0][1:3]))
+    frame = read_frames(fx["video"], [fx["ann"]])[0][sy:ey, sx:ex]
+    vae, _ = element_tensors(Image.fromarray(by_hand(frame, fx["masks"]["1"])), A2_ELEMENTS[0], ds.buckets[0][1:3],
+                             (512, 512))
+    assert item["element_names"] == ("subject", "object", "background") and torch.equal(item["ref_vae"][0], vae)
+
+
+def test_train_config_and_validate_read_the_index(opens2v, capsys):
+    index = str(opens2v["out"] / "index.jsonl")
+    cfgs = dataset_configs(TrainConfig(dataset_type="opens2v", manifest=index, resolution=SIZE))
+    assert cfgs[0].dataset_type == "opens2v" and cfgs[0].elements == A2_ELEMENTS
+    ds = validate(Validate(dataset_type="opens2v", manifest=index, resolution=SIZE, num_frames=25))
+    out = capsys.readouterr().out
+    assert len(ds) == 2 and "opens2v index built with: subject/object masks by word_tags" in out
+    assert "elements: subject 2/2, object 2/2, background 2/2" in out
+
+
+def test_bad_records_are_one_line_each_and_the_index_is_still_written(opens2v, tmp_path):
+    import shutil
+
+    root = tmp_path / "bad"
+    shutil.copytree(opens2v["root"], root, ignore=shutil.ignore_patterns("index", "export"))
+    good = dict(opens2v["records"])
+    key0 = next(iter(good))
+    rec = json.loads(json.dumps(good[key0]))
+
+    def variant(name, edit):
+        r = json.loads(json.dumps(rec))
+        edit(r)
+        return f"{name}_part1_step6", r
+
+    masks = lambda r: r["annotation"]["mask_annotation"]["2"]  # noqa: E731
+    h, w = masks(rec)["1"]["size"]
+    outside = np.zeros((h, w), bool)  # the annotation lies outside the crop: nothing of it inside
+    bad = [variant("nocut", lambda r: r["metadata"].pop("face_cut")),
+           variant("wrongsize", lambda r: masks(r)["1"].update(pd_.rle_encode(np.ones((h + 4, w), bool)))),
+           variant("outside", lambda r: (masks(r).update({"1": pd_.rle_encode(outside)}),
+                                         [masks(r).pop(k) for k in ("2", "3")])),
+           variant("novideo", lambda r: r["metadata"].update(path="gone.mp4")),
+           variant("nobackground", lambda r: None)]
+    pd_.write_part(root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json", [(key0, rec), *bad])
+    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(root), str(tmp_path / "out")))
+    lines = (tmp_path / "out" / "report.txt").read_text().split("problems (one line each: clip key: file: "
+                                                                "problem):\n")[1].splitlines()
+    part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
+    expect = {"nocut_part1_step6": f"{part}: missing field metadata.face_cut",
+              "wrongsize_part1_step6": f"{part}: mask 1 (woman): RLE size [{h + 4}, {w}] is not the cropped frame's",
+              "outside_part1_step6": f"{part}: mask 1 (woman) is empty inside the crop",
+              "novideo_part1_step6": f"{root / 'Videos' / 'total_part1' / 'gone.mp4'}: video file not found",
+              "nobackground_part1_step6": "background png not found"}
+    for key, what in expect.items():
+        mine = [x for x in lines if x.startswith(key + ": ")]
+        assert len(mine) == 1 and what in mine[0], (key, mine)
+    assert len(lines) == len(expect)
+    assert c["clips kept"] == 1 and c["clips dropped: bad record"] == 2 and c["clips dropped: video missing"] == 1
+    # "outside": its one subject mask is empty inside the crop (the others were taken out), so no subject is left
+    assert c["clips dropped: no subject mask"] == 1 and c["clips dropped: background png missing"] == 1
+    assert [json.loads(x)["key"] for x in (tmp_path / "out" / "index.jsonl").read_text().splitlines()] == [key0]
+
+
+def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
+    out = tmp_path / "out"
+    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out)))
+    (out / "parts" / "total_part1.jsonl").write_text("")  # had it been redone, this would be overwritten
+    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out)))
+    assert "total_part1: indexed before, kept" in capsys.readouterr().out
+    assert (out / "index.jsonl").read_text() == ""
+
+
+def test_load_failure_mid_run_is_a_marker_not_a_crash(opens2v, tmp_path):
+    index = tmp_path / "index.jsonl"
+    line = json.loads((opens2v["out"] / "index.jsonl").read_text().splitlines()[0])
+    line["elements"]["subject"]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # does not fit the frame
+    index.write_text(json.dumps(line) + "\n")
+    ds = E2VDataset([public_cfg(index)], num_frames=9, verbose=False)
+    item = ds[(0, 0)]
+    assert item["failed"].startswith(f"{line['key']}: {opens2v['video']}") and "the mask is 5x5" in item["failed"]
+
+
+def test_multi_mb_part_json_streams_in_bounded_memory(tmp_path):
+    """~6 MB of JSON: a json.load of it would hold more than its size in Python objects; the streaming index holds
+    one record at a time (tracemalloc counts every Python allocation, ijson's C parser's objects included)."""
+    frames = np.random.default_rng(0).integers(0, 256, (12, 40, 64, 3), np.uint8)
+    fx = pd_.synthetic_opens2v(tmp_path, frames, frames[0], num_clips=1)
+    rec = next(iter(fx["records"].values()))
+    rec["metadata"]["cap"] = ["A long caption, as the published records carry. " * 50]  # ~2.5 kB, as real ones
+    pd_.write_part(fx["json"], ((f"c{i:06d}_part1_step6", rec) for i in range(1200)))
+    size = fx["json"].stat().st_size
+    assert size > 5e6
+    tracemalloc.start()
+    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(tmp_path / "out"), background=False))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert c["clips kept"] == 1200
+    assert peak < size / 4, (peak, size)
+
+
+# ---------------------------------------------------------------- Phantom-Data
+
+
+def phantom_fixture(shared, root: Path, boxes):
+    """koala36M_multi_ref_merged_filtered.parquet (vid, video_caption, cross_pair as a JSON string) + clips."""
+    import imageio.v3 as iio
+
+    (root / "videos").mkdir(parents=True)
+    frames = hiker_frames(shared)
+    iio.imwrite(root / "videos" / "tgt.mp4", frames, fps=8, codec="libx264", plugin="pyav")
+    iio.imwrite(root / "videos" / "ref.mp4", frames[::-1].copy(), fps=8, codec="libx264", plugin="pyav")
+    pairs = {"a hiker": {"obj_from_tgt_video": [], "refer_result": [
+        {"vid": "missing", "frame_idx": 0.1, "bbox_loc": [0, 0, 10, 10], "bbox_cls": "person"},
+        {"vid": "ref", "frame_idx": 0.5, "bbox_loc": boxes[0], "bbox_cls": "person", "scores": 0.9}]},
+        "the mountain top": {"obj_from_tgt_video": [], "refer_result": [
+            {"vid": "ref", "frame_idx": 0.25, "bbox_loc": boxes[1], "bbox_cls": "mountain"}]}}
+    pq.write_table(pa.table({"vid": ["tgt", "gone"], "video_caption": ["A hiker on a mountain top."] * 2,
+                             "cross_pair": [json.dumps(pairs)] * 2}), root / pd_.PHANTOM_PARQUET)
+    return frames
+
+
+def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(shared_data, tmp_path):
+    boxes = [[100.0, 50.0, 400.0, 300.0], [500.0, -20.0, 900.0, 200.0]]  # the second overflows the canvas
+    frames = phantom_fixture(shared_data, tmp_path, boxes)
+    c = pd_.index_phantom(pd_.IndexPhantom(str(tmp_path), str(tmp_path / "out")))
+    assert c["clips kept"] == 1 and c["clips dropped: video not downloaded"] == 1
+    assert c["boxes overflowing the 768 canvas (clipped at load)"] == 1
+    assert "gone: " in (tmp_path / "out" / "report.txt").read_text()
+    s = pd_.list_index(tmp_path / "out" / "index.jsonl", public_cfg(tmp_path / "out" / "index.jsonl", "phantom"),
+                       0, [])[0]
+    _, images = pd_.load_sample(s, [], ["subject", "object"])
+    ref = read_frames(tmp_path / "videos" / "ref.mp4", list(range(20)))
+    h, w = ref.shape[1:3]
+    k = max(h, w) / 768  # boxes are in pixels of the frame resized to long side 768
+    x0, y0, x1, y1 = (int(np.floor(100 * k)), int(np.floor(50 * k)), int(np.ceil(400 * k)), int(np.ceil(300 * k)))
+    assert np.array_equal(np.asarray(images["subject"]), ref[int(20 * 0.5)][y0:y1, x0:x1])  # "a hiker": person
+    x0, x1 = int(np.floor(500 * k)), w  # clipped to the frame
+    assert np.array_equal(np.asarray(images["object"]), ref[int(20 * 0.25)][0:int(np.ceil(200 * k)), x0:x1])
+    assert frames.shape[0] == 20
+
+
+def tiny_sam(path: Path):
+    """A random SAM at 64x64 input, saved as a normal transformers dir (no download)."""
+    from transformers import SamConfig, SamImageProcessor, SamModel, SamProcessor
+
+    cfg = SamConfig(vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                                       patch_size=16, output_channels=16, mlp_dim=64, global_attn_indexes=[0],
+                                       num_pos_feats=8, window_size=2),
+                    prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16, mask_input_channels=4),
+                    mask_decoder_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_dim=32,
+                                             iou_head_hidden_dim=16))
+    torch.manual_seed(0)
+    SamModel(cfg).save_pretrained(path)
+    SamProcessor(SamImageProcessor(size={"longest_edge": 64}, pad_size={"height": 64, "width": 64},
+                                   mask_size={"longest_edge": 16}, mask_pad_size={"height": 16, "width": 16})
+                 ).save_pretrained(path)
+    return path
+
+
+def test_phantom_sam_segmentation_pastes_the_mask_on_white(shared_data, tmp_path):
+    sam = str(tiny_sam(tmp_path / "sam"))
+    frame = read_frames(shared_data / "hiker_tiny.mp4", [0])[0]
+    box = (40, 30, 200, 180)
+    img = np.asarray(pd_.box_image(frame, box, sam))
+    model, processor = pd_.load_sam(sam)
+    inputs = processor(images=Image.fromarray(frame), input_boxes=[[list(map(float, box))]], return_tensors="pt")
+    with torch.no_grad():
+        masks = model(**inputs, multimask_output=False).pred_masks
+    mask = processor.image_processor.post_process_masks(masks, inputs["original_sizes"],
+                                                        inputs["reshaped_input_sizes"])[0][0, 0].numpy()
+    crop, keep = frame[30:180, 40:200], mask[30:180, 40:200]
+    assert img.shape == crop.shape and 0 < keep.sum() < keep.size  # a real partial mask, not all or nothing
+    assert np.array_equal(img[keep], crop[keep]) and (img[~keep] == 255).all()
+
+
+# ---------------------------------------------------------------- HuMoSet
+
+
+def test_humoset_reference_photo_is_the_subject_and_the_schema_is_checked(shared_data, tmp_path):
+    import shutil
+
+    (tmp_path / "video").mkdir()
+    (tmp_path / "reference_image").mkdir()
+    shutil.copy(shared_data / "hiker_tiny.mp4", tmp_path / "video" / "h001.mp4")
+    Image.open(shared_data / "a2_human.png").resize((90, 160)).save(tmp_path / "reference_image" / "h001.jpg")
+    pq.write_table(pa.table({"video_name": ["h001.mp4", "h002.mp4"], "caption": ["A hiker.", "Gone."]}),
+                   tmp_path / "video_caption.parquet")
+    c = pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out")))
+    assert c["clips kept"] == 1 and c["clips dropped: video missing"] == 1
+    ds = E2VDataset([public_cfg(tmp_path / "out" / "index.jsonl", "humoset")], num_frames=9, verbose=False)
+    vae, _ = element_tensors(read_image(tmp_path / "reference_image" / "h001.jpg"), A2_ELEMENTS[0], SIZE, (512, 512))
+    item = ds[(0, 0)]
+    assert item["element_names"] == ("subject",) and torch.equal(item["ref_vae"][0], vae)
+    pq.write_table(pa.table({"clip": ["h001.mp4"], "words": ["x"]}), tmp_path / "video_caption.parquet")
+    with pytest.raises(pd_.IndexError_, match=r"columns \['clip', 'words'\]: expected a video column"):
+        pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out2")))
