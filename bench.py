@@ -17,6 +17,10 @@ A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (reco
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
 checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
+--layout magref: one CLIP image (the canvas, 257 tokens) whatever --refs, the canvas a frame of --frames.
+--layout standin (T2V): + Lr reference tokens (one latent frame at the video's size) per layer: projections 8·Lr·d²,
+FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries on reference keys) +
+4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries on video keys).
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class BenchConfig:
     """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
     refs: int = 3
     """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
+    layout: Literal["default", "magref", "standin"] = "default"
+    """default: A2's (--refs CLIP images; the reference frames are part of --frames); magref: MAGREF's canvas, one
+    CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank --lora-rank)
+    trained instead of a peft LoRA (a2/conditioning.py's kinds)."""
     mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
     """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
     lora_rank: int = 32
@@ -138,6 +146,14 @@ def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
     linear += 2 * L * (4 * cfg["in_channels"]) * d + 2 * L * d * 4 * cfg["out_channels"]
     core = n * (4 * L * L * d + 4 * L * Lc * d)
     return float(linear), float(core)
+
+
+def standin_flops(cfg: dict, tokens: int, ref_tokens: int, rank: int) -> tuple[float, float]:
+    """(linear, attention-core) FLOPs Stand-In's reference tokens add to one forward (module docstring)."""
+    d, f, n, L, Lr = (cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["ffn_dim"], cfg["num_layers"],
+                      tokens, ref_tokens)
+    linear = n * (8 * Lr * d * d + 4 * Lr * d * f + 12 * Lr * d * rank) + 2 * Lr * (4 * cfg["in_channels"]) * d
+    return float(linear), float(n * (4 * L * Lr * d + 4 * Lr * Lr * d))
 
 
 def check_backends(b: BenchConfig) -> dict:
@@ -264,7 +280,9 @@ def main(b: BenchConfig) -> dict:
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, b.dtype)
-    cfg = preset_config(b.preset, e2v=b.refs > 0)
+    standin = b.layout == "standin"
+    refs = 0 if standin else 1 if b.layout == "magref" else b.refs  # CLIP images
+    cfg = preset_config(b.preset, e2v=refs > 0)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     # built in place on the device: LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
@@ -272,13 +290,22 @@ def main(b: BenchConfig) -> dict:
     model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
+    if standin:  # train_a2.py's: Stand-In's processors, its forward and reference LoRA (the LoRA run's weights)
+        from a2.conditioning import kind_weights, make_layout, prepare_model
+
+        layout = make_layout("standin", b.frames, (1,))
+        prepare_model(model, layout, b.lora_rank)
     if b.mode == "lora":
         from peft import LoraConfig
 
         from config import LORA_TARGETS
 
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
+        if standin:
+            for p in kind_weights(model, layout):
+                p.requires_grad_(True)
+        else:
+            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -301,10 +328,10 @@ def main(b: BenchConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
-    context = TEXT_TOKENS + CLIP_TOKENS * b.refs
-    x = torch.randn(b.batch, cfg["in_channels"], t_lat, h, w, device=device)
+    context = TEXT_TOKENS + CLIP_TOKENS * refs
+    x = torch.randn(b.batch, cfg["in_channels"], t_lat + standin, h, w, device=device)  # standin: + the reference
     text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
-    image = torch.randn(b.batch, CLIP_TOKENS * b.refs, cfg["image_dim"], device=device) if b.refs else None
+    image = torch.randn(b.batch, CLIP_TOKENS * refs, cfg["image_dim"], device=device) if refs else None
     target = torch.randn(b.batch, cfg["out_channels"], t_lat, h, w, device=device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
@@ -332,6 +359,10 @@ def main(b: BenchConfig) -> dict:
     dt = (time.perf_counter() - t0) / b.steps
 
     linear, core = forward_flops(cfg, tokens, context)
+    ref_tokens = (h // 2) * (w // 2) if standin else 0
+    if standin:
+        extra = standin_flops(cfg, tokens, ref_tokens, b.lora_rank)
+        linear, core = linear + extra[0], core + extra[1]
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
     # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
     # with save_attention); HFU = hardware FLOP utilisation
@@ -343,8 +374,8 @@ def main(b: BenchConfig) -> dict:
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=b.refs, mode=b.mode,
-               tokens=tokens, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
+    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=refs, layout=b.layout, mode=b.mode,
+               tokens=tokens, reference_tokens=ref_tokens, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,

@@ -22,7 +22,7 @@ from typing import Literal
 # the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
 # how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
-REFERENCE_LAYOUTS = ("channel", "incontext")  # where element references enter the transformer
+REFERENCE_LAYOUTS = ("channel", "incontext", "magref", "standin")  # where element references enter the transformer
 REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
 
 
@@ -600,11 +600,14 @@ class TrainConfig:
     """full: A2's element prefix; the others condition on frames of the target video itself (Wan I2V/FLF2V)."""
     frame_index: int = 0
     """--frame-conditioning index: the 0-based pixel frame of the video given as the condition."""
-    reference_layout: Literal["channel", "incontext"] = "channel"
+    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
     """channel: A2's mask | reference latents on the channel axis (36-channel A2 / Wan I2V models, or a T2V base
     expanded in full). incontext: each element VAE-encoded alone (repeat frames), its clean latents appended after the
     video latents on the time axis, as Phantom-Wan / SkyReels-V3 R2V: a T2V model trains as it is (LoRA or full);
-    --num-frames is then the video's alone (README: In-context references)."""
+    --num-frames is then the video's alone (README: In-context references). magref: MAGREF's layout on a Wan I2V
+    model, the elements pasted on one white canvas that is the I2V first frame (mask = their region) and the CLIP
+    image; --num-frames counts the canvas frame. standin: Stand-In's reference tokens on a Wan T2V model (one element,
+    at the video's size; its reference-only LoRA)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared = the sample's (Phantom, V3), zero = 0
     (they are clean; per-token timesteps as Wan 2.2 TI2V)."""

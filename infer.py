@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 import tyro
 
+from a2 import standin
 from a2.conditioning import plan
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
@@ -114,10 +115,12 @@ class InferConfig:
     """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
-    reference_layout: Literal["channel", "incontext"] = "channel"
+    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
     """channel: A2's mask | reference latents on the channel axis (A2 / Wan I2V). incontext: the elements' clean
     latents after the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; a T2V model + train_a2.py
-    --reference-layout incontext LoRA); --num-frames is then the video's alone."""
+    --reference-layout incontext LoRA); --num-frames is then the video's alone. magref: MAGREF's canvas of all the
+    elements as the I2V first frame (the first 4 frames are dropped from the video, as MAGREF's). standin: Stand-In's
+    reference tokens on Wan T2V, one element (load its LoRA file with --lora)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
     sample_mode: Literal["sample", "argmax"] = "sample"
@@ -126,10 +129,12 @@ class InferConfig:
     """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
     """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
-    lora: str | None = None
-    """LoRA file or dir: diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original Wan / ComfyUI keys
-    (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys (`lora_unet_`), or a peft
-    `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors)."""
+    lora: tuple[str, ...] = ()
+    """LoRA files or dirs (several compose): diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original
+    Wan / ComfyUI keys (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys
+    (`lora_unet_`), a peft `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors), or a
+    Stand-In file (its `self_attn.q_loras` keys: the reference LoRA of --reference-layout standin; an ordinary LoRA
+    beside it adapts every token, as Stand-In's infer_with_lora.py)."""
     lora_high: str | None = None
     """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
     lora_low: str | None = None
@@ -171,6 +176,7 @@ class InferConfig:
 
 
     def __post_init__(self):
+        self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
         defaults = {f.name: f.default for f in fields(self)}  # a --preset fills the flags left at their defaults
         for key, value in PRESETS.get(self.preset, {}).items():
             if getattr(self, key) == defaults[key]:
@@ -319,7 +325,8 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
                 scores += metric_rows(result, index=i, file=name, prompt=row["prompt"], seed=seed, model=model)
         side = refs[0] if (cfg.side_by_side and refs is not None) else None
         paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, W*models)
-        index.append(dict(file=name, prompt=row["prompt"], seed=seed, lora=cfg.lora, lora_scale=cfg.lora_scale))
+        lora = None if not cfg.lora else cfg.lora[0] if len(cfg.lora) == 1 else list(cfg.lora)
+        index.append(dict(file=name, prompt=row["prompt"], seed=seed, lora=lora, lora_scale=cfg.lora_scale))
         print(f"wrote {paths[-1]}" + (" (left: base, right: LoRA)" if len(models) == 2 else ""))
     (out_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
     return scores
@@ -385,7 +392,7 @@ def main(cfg: InferConfig) -> int:
         refs = read_references(cfg, cfg.elements, info)
         items = list(refs["elements"])
         layouts = [check_layout(cfg, info, refs["specs"], first_frame is not None)]
-    expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora).is_file()
+    expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
                          "--elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
@@ -394,8 +401,8 @@ def main(cfg: InferConfig) -> int:
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
     if expanded and transformers[0] is None:
         # a LoRA trained on this T2V base expanded to the E2V inputs: expand it with the run's expansion weights
-        transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora)
-        print(f"expanded {info.path} to the E2V inputs with {expansion_file(cfg.lora)}")
+        transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora[0])
+        print(f"expanded {info.path} to the E2V inputs with {expansion_file(cfg.lora[0])}")
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
                                       transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
     params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
@@ -407,8 +414,15 @@ def main(cfg: InferConfig) -> int:
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
         print("elements: " + ", ".join(dict.fromkeys(items))
               + (f" (repeats {refs['repeats']})" if rows is None else ""))
-    if cfg.lora:
-        print(load_lora(pipe, cfg.lora, cfg.lora_scale))
+    adapters = []
+    for i, path in enumerate(cfg.lora):
+        if standin.is_lora_file(path):
+            print(f"Stand-In LoRA {path}: rank {standin.load_lora(pipe.transformer, path)}, reference tokens only")
+            continue
+        adapters.append("default" if i == 0 else f"lora{i}")
+        print(load_lora(pipe, path, cfg.lora_scale, adapter=adapters[-1]))
+    if len(adapters) > 1:  # load_lora activates its own adapter alone
+        pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
         if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))

@@ -45,10 +45,12 @@ from a2.conditioning import (
     PosteriorCache,
     drop,
     encode,
+    kind_weights,
     loss_start,
     model_input,
     num_latent_frames,
     plan,
+    prepare_model,
     vae_scale,
     validation_layout,
     video_prediction,
@@ -71,8 +73,8 @@ from a2.pipeline import (
     A2Pipeline,
     check_size,
     decode_vae,
-    encode_image,
     encode_prompt,
+    image_tokens,
     load_encoders,
     load_first_frame,
     load_references,
@@ -227,6 +229,9 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
         raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
+    if cfg.cache_dir and layout.kind == "magref":  # the region mask comes from the element pixels, not a posterior
+        raise ConfigError("--cache-dir: the magref kind builds its canvas mask from the element images each step; "
+                          "train it without a cache")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
@@ -367,6 +372,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
     assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
+    prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
     if cfg.training_type == "lora":
         from peft import LoraConfig
 
@@ -374,12 +380,17 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         # an expansion's image K/V train in full (below), no LoRA on them
         keep_kv = run.layout.use_clip and not run.layout.expand
         target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
-        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                           target_modules=target, init_lora_weights=True))
-        try:  # export writes original-Wan keys too: a target with none fails now, not after training
-            check_lora_export(transformer)
-        except ValueError as e:
-            raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
+        own = kind_weights(transformer, run.layout)  # Stand-In: its reference LoRA is the adapter
+        for p in own:
+            p.requires_grad_(True)
+        if not own:
+            transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                               lora_dropout=cfg.lora_dropout, target_modules=target,
+                                               init_lora_weights=True))
+            try:  # export writes original-Wan keys too: a target with none fails now, not after training
+                check_lora_export(transformer)
+            except ValueError as e:
+                raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
         if run.layout.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
             for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
                 if is_expansion_weight(name) and ".lora_" not in name:
@@ -485,8 +496,8 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
         text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
         if layout.use_clip:
-            cond.image = (h2d(batch["clip"], device) if cached else
-                          encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"]))  # (B, 257·N, D)
+            cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
+                          image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
         cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * run.info.latent_tokens(layout.model_frames, height, width),
@@ -521,10 +532,10 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
             video, refs = batch["video"].to(enc.vae.device), batch.get("ref_vae")
-            encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
+            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
-            clip = encode_image(enc.image_encoder, enc.image_processor, batch["ref_clip"])[0] if run.layout.use_clip \
-                else None
+            clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
+                if run.layout.use_clip else None
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                     text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
@@ -735,8 +746,11 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     checkpoint): also transformer_original/Phantom-Wan.pth, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
+        from a2 import standin
         from a2.lora import export_lora
 
+        if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
+            return standin.export_lora(run_dir, getattr(model, "module", model), tag)
         return export_lora(run_dir, model, cfg.expert, tag)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel

@@ -18,6 +18,14 @@ A run's layout has one `kind`:
              drawn for T + L_ref frames (initial_latents) and the reference slots are the references in every input.
   v3         SkyReels-V3 R2V as released: the references' posterior samples (drawn after the noise, from its
              generator) zero-padded to exactly 4 slots, cat([x_t, slots], dim=2), one timestep for all tokens.
+  magref     MAGREF (Wan 2.1 I2V): every element pasted on one white canvas of the video's size (magref_canvas), the
+             canvas the I2V first frame on the channel axis: mask (4) = the region mask on latent frame 0, condition =
+             VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas, clip])), so latent frame 0
+             holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
+  standin    Stand-In (Wan T2V + its reference LoRA): one element's clean latent, at the video's size, packed after
+             x_t on the time axis; a2/standin.py's forward (prepare_model installs it) takes it as reference tokens at
+             RoPE time -1 past the video grid, t = 0, attending only to themselves, with the reference-only LoRA,
+             and returns the video's prediction; when sampling their K/V are computed once and reused.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -41,10 +49,10 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3")
-CHANNEL_KINDS = ("prefix", "inplace")  # the condition enters on the channel axis (36-channel models)
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "standin")
+CHANNEL_KINDS = ("prefix", "inplace", "magref")  # the condition enters on the channel axis (36-channel models)
 APPENDED_KINDS = ("incontext", "phantom", "v3")  # the reference latents follow the video's on the time axis
-REFERENCE_KINDS = ("prefix",) + APPENDED_KINDS  # the kinds that take element references
+REFERENCE_KINDS = ("prefix", "magref", "standin") + APPENDED_KINDS  # the kinds made from element images
 NATIVE_KINDS = ("phantom", "v3")  # the released models' own layouts, chosen by their weights (ModelInfo.native_kind)
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
@@ -183,6 +191,7 @@ class Layout:
     use_clip: bool = False  # the step feeds CLIP image tokens (prefix, e2v_type dual | clip)
     expand: bool = False  # a T2V base widened to the 36 E2V input channels (a2/transformer.py: expand_to_e2v)
     per_token: bool = False  # one timestep per token, as the model was trained (TI2V-5B's expand_timesteps)
+    placement_seed: int | None = None  # magref: random.Random(seed) shuffles the canvas as MAGREF; None: in order
 
     @property
     def takes_references(self) -> bool:
@@ -212,7 +221,8 @@ class Layout:
                "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
                "phantom": f"(then {self.ref_latents} reference latents, posterior means, Phantom-Wan's layout) ",
                "v3": f"(then {len(self.repeats)} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) ",
-               }.get(self.kind, "")
+               "magref": f"a canvas of {len(self.repeats)} references as frame 0, then ",
+               "standin": "(then Stand-In's reference tokens: time -1, t 0, self-only attention) "}.get(self.kind, "")
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.kind != "t2v" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -222,8 +232,8 @@ class Layout:
 def kind_of(vae, elements, ti2v: bool = False) -> str:
     """The kind processors.vae and the elements ask for (a TI2V-5B conditions on frames its own way; its first frame
     may come beside in-context references when sampling)."""
-    if elements and vae.reference_layout == "incontext":
-        return "incontext"
+    if elements and vae.reference_layout in ("incontext", "magref", "standin"):
+        return vae.reference_layout
     if vae.frame_conditioning != "full":
         return "clean" if ti2v else "inplace"
     return "prefix" if elements else "t2v"
@@ -254,6 +264,15 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
                              f"{len(repeats)}: pass at most {V3_SLOTS}")
         repeats = (1,) * len(repeats)
         l_ref = V3_SLOTS if kind == "v3" else len(repeats)
+    elif kind == "standin":
+        if len(repeats) != 1:
+            raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
+        l_ref = 1
+    elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
+        clip, l_ref = num_frames - 1, 1
+        if clip < VAE_T:
+            raise ValueError(f"the magref canvas is frame 0 of the sequence: num_frames={num_frames} leaves no "
+                             "latent frame to generate (use 4k+1 >= 5)")
     if kind == "clean" and not settings.get("clean_frames"):
         raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
@@ -264,7 +283,7 @@ def clip_frames(num_frames: int, elements, vae) -> int:
     reference latents leave of it in the prefix kind (A2 at 81 frames: 69), all of it otherwise. train_a2.py and
     `data.py validate` both read clips of this length."""
     kind = kind_of(vae, elements)
-    if kind != "prefix":
+    if kind not in ("prefix", "magref"):
         return num_frames
     try:
         return make_layout(kind, num_frames, [e.repeat for e in elements], combine=vae.combine).clip_frames
@@ -279,7 +298,9 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
 
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
-    if info.native_kind:  # a released S2V model takes its own layout and nothing else
+    if info.native_kind == "magref" and kind == "prefix":
+        kind = "magref"  # MAGREF's weights take its canvas layout
+    if info.native_kind in NATIVE_KINDS:  # a released S2V model takes its own layout and nothing else
         kind = native_kind_of(info, kind, vae, elements, e2v_type)
         try:
             return make_layout(kind, num_frames, [e.repeat for e in elements], e2v_type="vae")
@@ -305,9 +326,15 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
             raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
                               f"clip's {num_frames} frames")
         clean = n
+    if kind == "magref" and not info.e2v:
+        raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
+                          "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
-    if kind == "incontext":  # the references are tokens of the sequence: the model's own input layer takes them
+    if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
+        raise ConfigError(f"{where}: reference_layout standin is Stand-In's, a LoRA on Wan T2V (Wan2.1-T2V-14B, a "
+                          "Wan2.2-T2V-A14B expert); use a Wan T2V model")
+    if kind in ("incontext", "standin"):  # the references are tokens of the sequence: the model's own input layer
         if info.e2v:
             raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
                               "reference_layout incontext is for T2V models; use reference_layout channel")
@@ -327,7 +354,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
                            combine=vae.combine, frame_conditioning=vae.frame_conditioning,
                            frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
                            reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
-                           use_clip=kind == "prefix" and e2v_type != "vae" and image_branch, expand=expand,
+                           use_clip=kind in ("prefix", "magref") and e2v_type != "vae" and image_branch,
+                           expand=expand,
                            per_token=info.ti2v)
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
@@ -358,13 +386,15 @@ def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
 
 def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
                     first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
-                    reference_timestep: str = "shared", e2v_type: str = "dual", native_kind: str | None = None
-                    ) -> Layout:
+                    reference_timestep: str = "shared", e2v_type: str = "dual", native_kind: str | None = None,
+                    placement_seed: int | None = None) -> Layout:
     """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
     36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
     also beside in-context references), or text alone; a released S2V model (native_kind) its own layout. Raises
     ValueError naming what does not fit."""
-    if native_kind:
+    if native_kind == "magref" and reference_layout == "channel":
+        reference_layout = "magref"  # MAGREF's weights take its canvas layout
+    if native_kind in NATIVE_KINDS:
         if not references or first_frame or reference_layout != "channel" or reference_timestep != "shared":
             raise ValueError(f"this model samples in its own {native_kind} layout: it takes reference images, no "
                              "first_frame, and the default reference_layout / reference_timestep")
@@ -387,16 +417,27 @@ def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeat
         if not references:
             raise ValueError("reference_layout incontext needs reference images")
         kind = "incontext"
+    elif reference_layout == "standin":
+        if e2v or per_token or not references:
+            raise ValueError("reference_layout standin is Stand-In's, on a Wan T2V model (16 channels) with one "
+                             f"reference image (this one takes {transformer_config.in_channels} channels)")
+        kind = "standin"
+    elif reference_layout == "magref":
+        if not e2v or not references:
+            raise ValueError("reference_layout magref is MAGREF's Wan I2V layout: a 36-channel model and reference "
+                             f"images (this one takes {transformer_config.in_channels} channels)")
+        kind = "magref"
     elif e2v:
         if not references:
             raise ValueError("this E2V/I2V model needs reference images")
         kind = "prefix"
     else:
         kind = "clean" if first_frame else "t2v"
-    return make_layout(kind, num_frames, repeats if kind in ("prefix", "incontext") else (), combine=combine,
+    return make_layout(kind, num_frames, repeats if kind in REFERENCE_KINDS else (), combine=combine,
                        reference_timestep=reference_timestep, clean_frames=int(first_frame),
-                       e2v_type=e2v_type if kind == "prefix" else "vae" if kind == "incontext" else "none",
-                       per_token=per_token)
+                       e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind in ("incontext", "standin")
+                       else "none",
+                       per_token=per_token, placement_seed=placement_seed)
 
 
 def validation_layout(layout: Layout, repeats=()) -> Layout:
@@ -424,6 +465,8 @@ class Conditioning:
     # the clean latents appended after the video latents (v3: 4 slots, zeros after the references)
     clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents
     image: torch.Tensor | None = None  # (B, 257·N, D) CLIP tokens of the elements (use_clip), else None
+    canvas: torch.Tensor | None = None  # magref: (B, 3, H, W) the references' canvas in [-1, 1], x0's frame 0 and
+    # the CLIP input (a2.pipeline.image_tokens)
     keep: torch.Tensor | None = None  # (B,) 1: conditioned, 0: dropped (drop); None: all conditioned
     reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero
     per_token: bool = False  # the model takes one timestep per token (TI2V-5B)
@@ -431,14 +474,15 @@ class Conditioning:
     @property
     def num_ref_latents(self) -> int:
         """Leading latent frames of the sequence that hold references (prefix), else 0."""
-        return self.ref_latents.shape[2] if self.kind == "prefix" else 0
+        return self.ref_latents.shape[2] if self.kind in ("prefix", "magref") else 0
 
     @property
     def tensor(self) -> torch.Tensor | None:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
-        if self.kind in APPENDED_KINDS:
+        if self.kind in APPENDED_KINDS + ("standin",):
             return self.ref_latents
-        return {"prefix": self.condition, "inplace": self.condition, "clean": self.clean}.get(self.kind)
+        return {"prefix": self.condition, "inplace": self.condition, "magref": self.condition,
+                "clean": self.clean}.get(self.kind)
 
 
 def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
@@ -463,6 +507,10 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     clean: the leading layout.clean_frames (4k+1) frames of `video`, encoded alone as diffusers' 5B I2V encodes its
       image: `clean` (B, C, T_c, h, w) (the causal VAE makes them the first T_c latents of the whole video's). In
       sampling a TI2V-5B first frame comes this way beside in-context references (encoded first).
+    magref: `references` (B, N, 3, H, W) in [-1, 1] (uint8-exact: what load_references and the dataset give) pasted
+      on a white canvas by MAGREF's rule (a2.pipeline.magref_canvas; layout.placement_seed); the canvas then
+      layout.num_frames - 1 zero frames VAE-encoded; the mask's 4 channels of latent frame 0 are the region mask
+      max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind = layout.kind
@@ -482,12 +530,27 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         if len(layout.repeats) != n:
             raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
+    if kind == "standin":  # one frame (whatever the element's repeat), at the video's size
+        cond.ref_latents = encode_vae(vae, references[:, 0, :, None], sample_mode, generator)
+        return cond
     if kind in APPENDED_KINDS:
         mode = "argmax" if kind == "phantom" else sample_mode  # the mode of a Gaussian is its mean
         latents = [encode_vae(vae, x, mode, generator) for x in frames]  # (B, C, 1 per 1-4 frames, h, w) each
         if kind == "v3":
             latents += [latents[0].new_zeros(latents[0].shape)] * (V3_SLOTS - n)
         cond.ref_latents = torch.cat(latents, dim=2)
+        return cond
+    if kind == "magref":
+        cond.canvas, region = magref_canvases(references, layout.placement_seed)  # (B, 3, H, W), (B, H, W)
+        pixels = torch.cat([cond.canvas[:, :, None], cond.canvas.new_zeros(b, 3, layout.num_frames - 1, h, w)], 2)
+        latents = encode_vae(vae, pixels, sample_mode, generator)
+        s = h // latents.shape[-2]
+        mask = torch.zeros(b, VAE_T, latents.shape[2], *latents.shape[-2:], device=latents.device)
+        mask[:, :, 0] = torch.nn.functional.max_pool2d(region[:, None].float(), s).to(latents.device)
+        cond.ref_latents = latents[:, :, :1]
+        cond.condition = torch.cat([mask, latents], dim=1)
+        if layout.e2v_type == "clip":
+            cond.condition = torch.zeros_like(cond.condition)
         return cond
     t = num_latent_frames(layout.num_frames)
     flags = torch.zeros(video.shape[0] if kind == "inplace" else b, layout.num_frames)
@@ -519,6 +582,25 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     return cond
 
 
+def magref_canvases(references: torch.Tensor, placement_seed: int | None = None):
+    """(B, N, 3, H, W) element images in [-1, 1] -> MAGREF's canvases (B, 3, H, W) in [-1, 1] and region masks
+    (B, H, W) bool (a2.pipeline.magref_canvas on each sample's images, read back from uint8 exactly)."""
+    import random
+
+    from PIL import Image
+
+    from a2.pipeline import magref_canvas, pil_to_tensor, tensor_to_uint8
+
+    b, n, _, h, w = references.shape
+    canvases, masks = [], []
+    for refs in tensor_to_uint8(references):  # (N, H, W, 3) per sample
+        rng = None if placement_seed is None else random.Random(placement_seed)
+        canvas, mask = magref_canvas([Image.fromarray(r) for r in refs], (h, w), rng)
+        canvases.append(pil_to_tensor(canvas))
+        masks.append(mask)
+    return torch.stack(canvases).to(references.device, references.dtype), torch.stack(masks)
+
+
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
@@ -526,6 +608,8 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
     frames (inplace, clean)."""
     if layout.takes_references:
         cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator)
+        if layout.kind == "magref":  # the canvas is the sequence's frame 0, as the sampler makes it
+            video = torch.cat([cond.canvas[:, :, None].to(video.device, video.dtype), video], dim=2)
         x0 = encode_vae(vae, video, sample_mode, generator)
         return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
     x0 = encode_vae(vae, video, sample_mode, generator)
@@ -540,6 +624,28 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 # ---------------------------------------------------------------- what the transformer sees
 
 
+def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
+    """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
+    Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
+    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py). Others:
+    nothing."""
+    if layout.kind != "standin":
+        return
+    from a2 import standin
+
+    if not standin.installed(transformer):
+        standin.install(transformer, rank or standin.RANK)
+    standin.packed_forward(transformer)
+
+
+def kind_weights(transformer, layout: Layout) -> list:
+    """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
+    reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
+    if layout.kind != "standin":
+        return []
+    return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
+
+
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     """The condition with the samples where keep (B,) is 0 unconditioned: the channel condition and the CLIP tokens
     zeroed (A2), the appended references zeroed (Phantom's and V3's unconditional: every slot zero), the clean frames
@@ -549,8 +655,8 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     k = keep.view(-1, 1, 1, 1, 1)
     return replace(cond, keep=keep if cond.kind == "clean" else cond.keep,
                    condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
-                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype) if cond.kind in APPENDED_KINDS
-                   else cond.ref_latents,
+                   ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype)
+                   if cond.kind in APPENDED_KINDS + ("standin",) else cond.ref_latents,
                    image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
 
 
@@ -579,6 +685,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         timestep = noisy * timestep.reshape(-1, 1)
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
+    if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
+        return torch.cat([x, cond.ref_latents.to(x.dtype)], dim=2), timestep
     if cond.kind not in APPENDED_KINDS:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
@@ -597,7 +705,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 
 
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-    """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped."""
+    """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped
+    (Stand-In's forward returns the video's alone)."""
     if cond.kind not in APPENDED_KINDS:
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]

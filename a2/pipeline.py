@@ -23,6 +23,7 @@ from a2.conditioning import (
     model_input,
     num_latent_frames,
     prepare_latents,
+    prepare_model,
     restore,
     sampling_layout,
     vae_scale,
@@ -223,6 +224,28 @@ def encode_image(image_encoder, image_processor, clip_pixels: torch.Tensor) -> t
     pixel_values = pixel_values.to(device, next(image_encoder.parameters()).dtype)
     hidden = image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
     return hidden.reshape(b, n * hidden.shape[1], hidden.shape[2])  # (B, N*257, C)
+
+
+def encode_canvas(image_encoder, image_processor, canvas: torch.Tensor) -> torch.Tensor:
+    """MAGREF's CLIP tokens of its canvas (B, 3, H, W) in [-1, 1]: squashed to the CLIP size with torch bicubic (no
+    crop, as Wan's clip.visual), to [0, 1], CLIP-normalised, penultimate hidden states (B, 257, C)."""
+    size = (image_processor.crop_size["height"], image_processor.crop_size["width"])
+    param = next(image_encoder.parameters())
+    x = torch.nn.functional.interpolate(canvas.to(param.device, torch.float32), size=size, mode="bicubic",
+                                        align_corners=False).mul(0.5).add(0.5)
+    mean = torch.tensor(image_processor.image_mean, device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(image_processor.image_std, device=x.device).view(1, -1, 1, 1)
+    x = (x - mean) / std
+    return image_encoder(pixel_values=x.to(param.dtype), output_hidden_states=True).hidden_states[-2]
+
+
+def image_tokens(image_encoder, image_processor, cond, clip_pixels: torch.Tensor | None) -> torch.Tensor:
+    """The CLIP image tokens of a Conditioning: its canvas' (magref), else the element images' (encode_image)."""
+    if cond.canvas is not None:
+        return encode_canvas(image_encoder, image_processor, cond.canvas)
+    if clip_pixels is None:
+        raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
+    return encode_image(image_encoder, image_processor, clip_pixels)
 
 
 # ---------------------------------------------------------------- VAE latents
@@ -426,6 +449,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         guidance_scale_img: float | None = None,
         first_frame: torch.Tensor | None = None,
         layout: Layout | None = None,
+        sigmas=None,
     ) -> dict:
         """Generate one video.
 
@@ -441,6 +465,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
         flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
+        sigmas: the unshifted schedule (an ndarray of num_inference_steps values) instead of diffusers' own, e.g. a
+        released model's (Wan's FlowUniPCMultistepScheduler starts at 0.999, diffusers' UniPC at 1 - 1e-6).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         guidance_scale_img (incontext, phantom, v3): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample,
@@ -458,13 +484,17 @@ class A2Pipeline(WanLoraLoaderMixin):
                                      references=references is not None, first_frame=first_frame is not None,
                                      combine=combine, reference_layout=reference_layout,
                                      reference_timestep=reference_timestep, native_kind=self.native_kind)
+        for model in (transformer, self.transformer_2):
+            if model is not None:
+                prepare_model(model, layout)
         if guidance_scale_img is not None and layout.kind not in APPENDED_KINDS:
             raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext and the "
                              "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
-        sigmas = schedule_sigmas(self.schedule, num_inference_steps) if scheduler == "unipc" else None
+        if sigmas is None and scheduler == "unipc":
+            sigmas = schedule_sigmas(self.schedule, num_inference_steps)
         if sigmas is None:
             sched.set_timesteps(num_inference_steps, device=device)
         else:  # the released model's own schedule (shifted by the scheduler)
@@ -474,18 +504,14 @@ class A2Pipeline(WanLoraLoaderMixin):
         negative_embeds = None
         if guidance_scale > 1.0 or guidance_scale_img is not None:
             negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
-        image_embeds = None
-        if transformer.config.image_dim is not None:
-            if clip_references is None:
-                raise ValueError("this model has an image branch: pass CLIP element images (clip_references)")
-            image_embeds = encode_image(self.image_encoder, self.image_processor, clip_references).to(dtype)
-
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
         latents = initial_latents(layout, shape, generator, device)
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
             self.vae, layout, references=None if references is None else references.to(device),
-            video=None if first_frame is None else first_frame.to(device)[:, :, None], image=image_embeds,
-            sample_mode=sample_mode, generator=generator)
+            video=None if first_frame is None else first_frame.to(device)[:, :, None], sample_mode=sample_mode,
+            generator=generator)
+        if transformer.config.image_dim is not None:  # from the element images, or the canvas they make (magref)
+            cond.image = image_tokens(self.image_encoder, self.image_processor, cond, clip_references).to(dtype)
         empty = drop(cond, torch.zeros(1, device=device)) if guidance_scale_img is not None else None
 
         def predict(model, x_t, t, c, text):

@@ -227,6 +227,38 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
     return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
+def packed_forward(transformer) -> None:
+    """Make `transformer(hidden_states=cat([x_t, reference latent], dim=2), ...)` Stand-In's forward (a2/conditioning
+    .py's standin kind packs the reference as the last latent frame): returns the video's prediction. Without
+    gradients (sampling) the reference K/V are kept and reused while the reference and every weight are unchanged
+    (torch.equal on the reference, the parameters' in-place versions), so a sampler's later passes, CFG's included,
+    skip the reference tokens as Stand-In's loop does; `transformer.standin_cache = False` recomputes them always."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    if "forward" in vars(transformer):  # already Stand-In's (its cache switch as it was set)
+        return
+    transformer.standin_cache = True
+    transformer.standin_kept = None  # (reference, parameter versions) of the kept K/V
+
+    def stand_in(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None,
+                 return_dict=True, attention_kwargs=None):
+        x, reference = hidden_states[:, :, :-1], hidden_states[:, :, -1:]
+        cache = None
+        if transformer.standin_cache and not torch.is_grad_enabled() and reference.shape[0] == 1:
+            versions = tuple(p._version for p in transformer.parameters())
+            kept = transformer.standin_kept
+            if kept is not None and kept[1] == versions and torch.equal(kept[0], reference):
+                cache, reference = "use", None
+            else:
+                cache, transformer.standin_kept = "fill", (reference.clone(), versions)
+        else:
+            transformer.standin_kept = None
+        out = forward(transformer, x, timestep, encoder_hidden_states, encoder_hidden_states_image, reference, cache)
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+    transformer.forward = stand_in
+
+
 # ---------------------------------------------------------------- Stand-In's LoRA file
 
 # Stand-In's keys (models/set_condition_branch.py: blocks.<i>.self_attn.<q|k|v>_loras.<down|up>.weight) and a2's
@@ -272,6 +304,10 @@ def load_lora(transformer, path) -> int:
                              "LoRA (download it again)")
     n = len(transformer.blocks)
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    if transformer.config.in_channels != 16 or transformer.config.image_dim is not None:
+        raise ValueError(f"{path}: a Stand-In LoRA on a model of {transformer.config.in_channels} input channels"
+                         f"{' with an image branch' if transformer.config.image_dim else ''} (I2V / E2V): Stand-In "
+                         f"is a LoRA on Wan T2V; load it on its base ({BASES})")
     if (layers, dim) != (n, width):
         raise ValueError(f"{path}: a Stand-In LoRA for a {layers}-layer, {dim}-wide Wan on this {n}-layer, "
                          f"{width}-wide model: load it on its base ({BASES})")
@@ -287,6 +323,27 @@ def load_lora(transformer, path) -> int:
         install(transformer, rank)
     transformer.load_state_dict(mapped, strict=False)
     return rank
+
+
+def export_lora(run_dir: Path, transformer, tag: str = "") -> Path:
+    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora<tag>.ckpt: their keys under "state_dict",
+    a torch pickle as their set_condition_branch loads it (load_lora and infer.py --lora read it back)."""
+    path = Path(run_dir) / f"standin_lora{tag}.ckpt"
+    torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()}}, path)
+    return path
+
+
+def is_lora_file(path) -> bool:
+    """A Stand-In LoRA file (its keys), not an ordinary (peft / diffusers / Wan) LoRA."""
+    path = Path(path)
+    if not path.is_file() or path.suffix not in (".ckpt", ".pt", ".pth", ".safetensors"):
+        return False
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as fh:
+            return any(THEIR_KEY.fullmatch(k) for k in fh.keys())
+    return any(THEIR_KEY.fullmatch(k) for k in read_lora(path))
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:

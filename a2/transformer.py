@@ -113,7 +113,7 @@ class ModelInfo:
     patch_size: tuple[int, int, int] = (1, 2, 2)  # the transformer's (t, h, w) patch
     expand_timesteps: bool = False  # TI2V-5B: one timestep per token (0 on conditioning frames), model_index's flag
     # ---- the released subject-to-video models (Phantom-Wan, SkyReels-V3 R2V)
-    native_kind: str | None = None  # the conditioning layout the weights were trained in: "phantom" | "v3"
+    native_kind: str | None = None  # the conditioning layout the weights were trained in: "phantom" | "v3" | "magref"
     original_weights: tuple[Path, ...] = ()  # original-Wan checkpoint files (Phantom); empty: transformer/ is diffusers
     components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
@@ -232,6 +232,14 @@ def original_checkpoints(path: Path) -> list[list[Path]]:
     groups += [[f] for f in sorted(path.iterdir()) if f.is_file() and f.name.endswith(CHECKPOINT_SUFFIXES)
                and f not in sharded and not f.name.startswith(".")]
     return groups
+
+
+def dit_checkpoints(path: Path) -> list[list[Path]]:
+    """original_checkpoints, less the T5 / VAE / CLIP .pth files an original Wan dir (Wan2.1-I2V-14B, MAGREF) keeps
+    beside its DiT: when one is named diffusion_pytorch_model* (as ModelMixin saves the DiT), that one alone."""
+    groups = original_checkpoints(path)
+    dit = [g for g in groups if g[0].name.startswith("diffusion_pytorch_model")]
+    return dit if dit and path.is_dir() else groups
 
 
 def _diffusers_transformer_dir(path: Path) -> bool:
@@ -367,6 +375,9 @@ def _listed(index: dict, name: str) -> bool:
 # diffusers-format Wan T2V whose VAE, UMT5 and tokenizer Phantom-Wan uses (its README: Wan2.1-T2V-1.3B's, for both
 # sizes); a Phantom dir without its own vae/ text_encoder/ tokenizer/ takes them from here
 PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+# MAGREF (MAGREF-Video/MAGREF) is a Wan2.1 I2V-14B fine-tune: that model's VAE, UMT5, CLIP in diffusers format
+MAGREF_HUB = "MAGREF-Video/MAGREF"
+MAGREF_COMPONENTS = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 # SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
 V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
 COMPONENTS = ("vae", "text_encoder", "tokenizer")
@@ -409,7 +420,7 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
     (vae/, text_encoder/, tokenizer/, scheduler/ in diffusers format: `components`, else the dir's own, else
     PHANTOM_COMPONENTS from the Hub). Keys and shapes are checked here, before any weights load."""
     d = path.parent if path.is_file() else path
-    found = original_checkpoints(path)
+    found = dit_checkpoints(path)
     if len(found) != 1:
         names = [g[0].name if len(g) == 1 else f"{g[0].parent.name}/*.safetensors.index.json" for g in found]
         raise UnsupportedModel(f"{path}: {'no' if not found else len(found)} original-Wan checkpoints {names}; pass "
@@ -419,6 +430,8 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                                "Phantom-Wan checkpoint")
     files = found[0]
     cfg = original_config(files, d / "config.json")
+    if (cfg["in_channels"], cfg["out_channels"]) == (E2V_IN_CHANNELS, Z_DIM) and cfg["image_dim"] is not None:
+        return detect_magref(path, files, components)
     if cfg["in_channels"] != Z_DIM or cfg["out_channels"] != Z_DIM or cfg["image_dim"] is not None:
         raise UnsupportedModel(f"{path}: an original-Wan checkpoint with in/out channels {cfg['in_channels']}/"
                                f"{cfg['out_channels']}{' and an image branch' if cfg['image_dim'] else ''}; Phantom-"
@@ -435,6 +448,26 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                      original_weights=tuple(files), components_dir=Path(comp))
 
 
+def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:
+    """MAGREF: an original-Wan I2V checkpoint (MAGREF-Video/MAGREF: the DiT as diffusion_pytorch_model*.safetensors
+    with Wan's config.json, beside T5 / VAE / CLIP .pth files a2 does not read) and the diffusers Wan 2.1 I2V parts
+    it runs with (vae/, text_encoder/, tokenizer/, image_encoder/, image_processor/, scheduler/: `components`, else
+    the dir's own, else MAGREF_COMPONENTS from the Hub; MAGREF's own T5, VAE and CLIP are Wan 2.1 I2V's). An original
+    Wan2.1 I2V checkpoint has the same architecture and reads the same way."""
+    d = path.parent if path.is_file() else path
+    parts = COMPONENTS + ("image_encoder", "image_processor")
+    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
+    comp = Path(comp or local_or_hub(MAGREF_COMPONENTS))
+    missing = [c for c in parts if not (comp / c).is_dir()]
+    if missing:
+        raise UnsupportedModel(f"{path}: the Wan I2V parts dir {comp} has no {', '.join(missing)}/; MAGREF runs "
+                               f"with {MAGREF_COMPONENTS}'s: put them beside the checkpoint (or have the Hub cache "
+                               "hold that id)")
+    enc_dim = _read_json(comp / "image_encoder" / "config.json", comp).get("hidden_size")
+    return ModelInfo(path, "MAGREF", E2V_IN_CHANNELS, True, comp, enc_dim, None, native_kind="magref",
+                     original_weights=tuple(files), components_dir=comp)
+
+
 def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
 
@@ -449,7 +482,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
     d = Path(model_dir)
-    if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and original_checkpoints(d)):
+    if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and dit_checkpoints(d)):
         return detect_phantom(d, components)
     if not d.is_dir():
         raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan "
@@ -570,8 +603,8 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     A `random-*` model dir (a2/tiny.py) has a config and no weights: random ones are built, on the GPU when there
     is one (a 14B model in bf16 is 28 GB: built where it runs, not on the host)."""
     model_dir = Path(model_dir)
-    checkpoints = original_checkpoints(model_dir)
-    if len(checkpoints) == 1:  # Phantom-Wan: an original-Wan checkpoint (detect_phantom checked it)
+    checkpoints = dit_checkpoints(model_dir)
+    if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
         return load_original(checkpoints[0], original_config(checkpoints[0], d / "config.json"), dtype)
     if (model_dir / subfolder / RANDOM_WEIGHTS).exists():

@@ -28,6 +28,12 @@ KINDS = {
                                      "--num-frames", "9"]),
     "phantom": ("tiny-phantom", ["--num-frames", "9"]),  # the released models' own layouts, chosen by their weights
     "v3": ("tiny-v3", ["--num-frames", "9"]),
+    # two elements side by side on one canvas (three would be 10 px wide at 32x32: under one token, refused)
+    "magref": ("tiny", ["--reference-layout", "magref", "--num-frames", "9", "--elements",
+                        "subject=_person.png:repeat=1", "object=_object.png:repeat=1"]),
+    # Stand-In: one element's latent packed after the video's, read as reference tokens by its forward
+    "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9", "--elements",
+                             "subject=_person.png"]),
 }
 
 
@@ -86,10 +92,15 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
         assert (a is None) == (b is None), key
         assert a is None or torch.equal(a, b.to(a.dtype)), key
     x = trained["hidden_states"]
+    if kind == "magref":  # the region mask on latent frame 0 only, and one CLIP image: the canvas
+        assert x.shape[1] == 36 and x[:, 16:20, 1:].abs().max() == 0 and x[:, 16:20, 0].max() == 1
+        assert trained["encoder_hidden_states_image"].shape[1] == 257
     if kind in ("prefix", "inplace"):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
     if kind in ("incontext", "phantom", "v3"):
         assert x.shape[2] == t + run.layout.ref_latents == t + {"v3": 4}.get(kind, 3)
+    if kind == "standin":
+        assert x.shape[2] == t + run.layout.ref_latents
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
 
@@ -101,13 +112,14 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
     ("phantom", ["--num-frames", "9"]),
     ("v3", ["--num-frames", "9", "--vae-sample-mode", "sample"]),  # V3 samples its references' posteriors
+    ("standin", ["--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png"]),
 ])
 def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
     model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
-             "v3": "tiny-v3"}[name.split("-")[0]]
+             "v3": "tiny-v3", "standin": "tiny-t2v"}[name.split("-")[0]]
     cache = tmp_path / "cache"
     steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))

@@ -284,3 +284,93 @@ def test_lora_file_errors(tmp_path):
     (tmp_path / "junk.ckpt").write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match=r"junk\.ckpt: not a readable Stand-In LoRA"):
         standin.load_lora(model, tmp_path / "junk.ckpt")
+
+
+# ---------------------------------------------------------------- the standin kind through A2Pipeline
+
+
+@torch.no_grad()
+def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
+    """A2Pipeline with reference_layout standin on tiny-t2v carrying a Stand-In LoRA file: the first positive pass
+    computes the reference tokens, the 5 later passes (CFG's negative ones too) use their kept K/V, and the latents
+    equal recomputing the reference in every pass (standin_cache False) within BOUND (the FFN row count, above);
+    another reference gives other latents; a second call with another reference does not reuse the first's K/V."""
+    from a2.pipeline import A2Pipeline, pil_to_tensor, preprocess_image, read_image
+
+    pipe = A2Pipeline.from_pretrained("tiny-t2v")
+    their_file(tiny_t2v(), tmp_path / "standin.ckpt")
+    assert standin.load_lora(pipe.transformer, tmp_path / "standin.ckpt") == RANK
+    h, w = 32, 48
+    refs = [pil_to_tensor(preprocess_image(read_image(shared_data / p), "pad_white", (h, w)))[None, None]
+            for p in ("a2_human.png", "a2_thing.png")]
+    lengths = []
+    pipe.transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
+                                                               with_kwargs=True)
+
+    def sample(ref):
+        return pipe("a face", ref, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=3,
+                    guidance_scale=5.0, sample_mode="argmax", generator=torch.Generator().manual_seed(0),
+                    decode="none", progress=False, reference_layout="standin")["latents"]
+
+    ref_tokens = (h // 16) * (w // 16)  # one latent frame at the video's size
+    video_tokens = 3 * ref_tokens
+    cached = sample(refs[0])
+    assert lengths == [video_tokens + ref_tokens] + [video_tokens] * 5
+    other = sample(refs[1])
+    assert lengths[6] == video_tokens + ref_tokens  # a new reference: computed again, not the kept one
+    again = sample(refs[0])
+    pipe.transformer.standin_cache = False
+    uncached = sample(refs[0])
+    assert lengths[18:] == [video_tokens + ref_tokens] * 6
+    assert torch.equal(cached, again) and (cached - uncached).abs().max() <= BOUND
+    assert (cached - other).abs().max() > 100 * BOUND
+    with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2"):
+        pipe("a face", torch.cat(refs, 1), None, (1, 1), height=h, width=w, num_frames=9, num_inference_steps=1,
+             reference_layout="standin", progress=False, decode="none")
+
+
+def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
+    """train_a2.py --reference-layout standin trains Stand-In's reference LoRA alone (no peft adapter) on tiny-t2v and
+    exports it as Stand-In's file; their forward (their_standin.py, fed the file's tensors by their key names) equals
+    a2's on it; infer.py renders with it, and with it plus an ordinary Wan LoRA (two --lora files, either order):
+    each changes the video."""
+    import infer
+    from a2.pipeline import A2Pipeline
+    from tests.conftest import args, train
+
+    kind = ("--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png",
+            "--lora-rank", str(RANK))
+    r = train(*args(data_dir, tmp_path, "si", "--max-steps", "2", "--lr", "5e-2", "--warmup-steps", "0", *kind,
+                    model="tiny-t2v"))
+    assert r["weights"].name == "standin_lora.ckpt"
+    state = torch.load(r["weights"], weights_only=True)["state_dict"]  # as their set_condition_branch reads it
+    assert all(standin.THEIR_KEY.fullmatch(k) for k in state) and len(state) == 6 * 2
+    # trained away from the zero init, except the last block's q: its reference queries' output is never read (the
+    # reference tokens do not reach the head), so that LoRA gets no gradient, in Stand-In's training as here
+    last_q = "blocks.1.self_attn.q_loras.up.weight"
+    assert all(v.abs().max() > 0 for k, v in state.items() if ".up." in k and k != last_q)
+    assert state[last_q].abs().max() == 0
+    model = A2Pipeline.from_pretrained("tiny-t2v").transformer
+    standin.load_lora(model, r["weights"])
+    loras = {i: {p: (state[f"blocks.{i}.self_attn.{p}_loras.down.weight"],
+                     state[f"blocks.{i}.self_attn.{p}_loras.up.weight"]) for p in "qkv"} for i in range(2)}
+    latents, reference, text, _ = inputs()
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        assert torch.equal(standin.forward(model, latents, t, text, reference_latents=reference),
+                           TheirStandIn(model, loras, wan_numerics=False, joint_ffn=True)(latents, t, text, reference))
+    wan = train(*args(data_dir, tmp_path, "wan", "--max-steps", "1", "--lr", "5e-2", "--warmup-steps", "0",
+                      "--dataset-type", "t2v", "--num-frames", "9", model="tiny-t2v"))["weights"]
+    base = dict(model="tiny-t2v", elements=(str(data_dir / "000_person.png"),), element_specs=("subject=_person.png",),
+                height=32, width=32, num_frames=9, steps=2, device="cpu", reference_layout="standin",
+                out=str(tmp_path / "v.mp4"))
+    runs = {}
+    for name, lora in (("base", ()), ("standin", (str(r["weights"]),)), ("both", (str(r["weights"]), str(wan)))):
+        runs[name] = str(tmp_path / f"{name}.pt")
+        assert infer.main(infer.InferConfig(**base, lora=lora, save_latents=runs[name])) == 0
+    assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["base"])) == 1
+    assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["both"])) == 1
+    assert infer.main(infer.InferConfig(**base, lora=(str(wan), str(r["weights"])), compare=runs["both"],
+                                        tolerance=0.0)) == 0
+    with pytest.raises(ValueError, match=r"standin_lora.ckpt: a Stand-In LoRA on a model of 36 input channels"):
+        standin.load_lora(A2Pipeline.from_pretrained("tiny").transformer, r["weights"])
