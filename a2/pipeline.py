@@ -305,7 +305,8 @@ NATIVE_SAMPLING = {"phantom": dict(flow_shift=5.0, schedule="phantom"),
 def sampler_settings(info) -> dict:
     """A2Pipeline's flow_shift and schedule for a model (a2.transformer.ModelInfo): the released S2V models' own, else
     the shift the model dir ships and diffusers' schedule."""
-    return NATIVE_SAMPLING.get(info.native_kind) or dict(flow_shift=model_flow_shift(info.path), schedule="diffusers")
+    return NATIVE_SAMPLING.get(info.native_kind) or dict(flow_shift=model_flow_shift(info.parts_dir),
+                                                          schedule="diffusers")
 
 
 def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
