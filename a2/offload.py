@@ -33,6 +33,8 @@ import weakref
 import torch
 from torch import nn
 
+from a2.trace import fake_mode_active
+
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU: a copy's fixed cost outweighs the memory
 
 
@@ -42,7 +44,8 @@ class Copier:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cuda = device.type == "cuda"
+        # a dry run's fake CUDA tensors take the CPU path: no streams or pinned memory to ask a GPU for (a2/trace.py)
+        self.cuda = device.type == "cuda" and not fake_mode_active()
         self.down = torch.cuda.Stream(device) if self.cuda else None  # device -> host
         self.up = torch.cuda.Stream(device) if self.cuda else None  # host -> device
 
@@ -50,7 +53,7 @@ class Copier:
         """(host copy, event when done). The copy starts once the compute queued so far (which produced t) is
         done, and t's memory is not reused before the copy has read it."""
         if not self.cuda:
-            return t.detach().clone(memory_format=torch.preserve_format), None
+            return t.detach().to("cpu", copy=True), None  # (same strides: offloaded tensors are dense)
         host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.down):
@@ -64,7 +67,7 @@ class Copier:
     def to_device(self, host: torch.Tensor, after=None):
         """(device copy, event when done), queued on the side stream behind `after` (an event or None)."""
         if not self.cuda:
-            return host.clone(memory_format=torch.preserve_format), None
+            return host.to(self.device, copy=True), None
         with torch.cuda.stream(self.up):
             if after is not None:  # the host copy is complete
                 self.up.wait_event(after)

@@ -1,0 +1,268 @@
+"""The live bytes of a training step at real size, on any machine: the step runs on fake tensors (torch's
+FakeTensorMode: shapes, dtypes and devices, no data, no compute), and a TorchDispatchMode counts every storage from
+the op that made it to its last reference (a weakref finalizer on the storage), per device, as
+torch.cuda.memory_allocated counts the CUDA caching allocator's blocks (each rounded up to 512 bytes).
+
+The step must believe it runs on CUDA, since the memory is CUDA's (`emulated_cuda`):
+- tensors are fake tensors on the `cuda` device (FakeTensorMode makes them without a GPU);
+- CUDA autocast is on with its real per-op casts (bf16 matmuls, fp32 `rms_norm`/`layer_norm`/softmax...):
+  torch.autocast refuses "cuda" where no GPU is, so its availability checks are answered as on a GPU;
+- scaled_dot_product_attention picks its CUDA backend from the enabled ones in torch's priority order (flash,
+  memory-efficient, then cuDNN: `sdpa_kernel(CUDNN_ATTENTION)`, diffusers' `_native_cudnn`, leaves only cuDNN) and
+  runs that backend's op, whose meta kernel gives the outputs, log-sum-exp and backward buffers it allocates; its
+  choice function needs a GPU to ask, so the shapes are taken as supported (bf16, head dim 128: all three are);
+- a2/offload.py's copies take their CPU path (no streams): host copies are fake CPU tensors, counted as host
+  memory, pinned: offloaded activations at torch's pinned allocator's size (the next power of two), swapped
+  weights at their size (one registered buffer per block).
+
+Status: the forward of the real step runs this way (A2-14B LoRA, recomputed blocks, 480p: seconds on a 2-core CPU),
+the backward does not yet on a CUDA build of torch without a GPU driver: FakeTensorMode swaps in a no-op CUDA device
+guard that reports one device, and autograd's engine, seeing nodes on a CUDA stream, asks the CUDA hooks whether
+device 0 has a primary context, which fails its device-count check (GraphTask::stash_current_streams). The count
+itself (LiveBytes) is checked on fake CPU tensors (tests/test_trace.py).
+
+What the count cannot see: the allocator's fragmentation and rounding beyond 512 bytes (expandable segments keep it
+small; without them the 14B step lost 10 GB to it), cuBLAS/cuDNN workspaces (tens to hundreds of MB), torch.compile's
+buffers (a compiled block's graph plans its own buffers: measured smaller than eager, see a2/memory.py), NCCL
+buffers, the CUDA context (~0.5 GB, outside memory_allocated). a2/memory.py's margin (8% + 1 GB) is for these.
+
+Categories of the device bytes at the peak: weights (frozen weights resident on the device, and casts of weights),
+state (trainable weights, their gradients, the optimizer's moments), kept (what the forward keeps for backward:
+made in the forward and alive when it ends, or brought back from host memory), transient (the rest: a block's
+working tensors, the recomputation and the gradients flowing back), swapped (swapped blocks' weights fetched from
+host memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+GB = 2**30
+CATEGORIES = ("weights", "state", "kept", "transient", "swapped")
+
+
+def fake_mode_active() -> bool:
+    """A FakeTensorMode is on: tensors have no data (a dry run)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+class _CudaAttention(TorchFunctionMode):
+    """F.scaled_dot_product_attention on fake CUDA tensors: the backend op CUDA would run (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        a = {**dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)), **kwargs}
+        q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+        if not q.is_cuda or a.get("enable_gqa"):
+            return func(*args, **kwargs)
+        dropout, causal, scale = a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale")
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        enabled = {1: torch.backends.cuda.flash_sdp_enabled() and mask is None,
+                   2: torch.backends.cuda.mem_efficient_sdp_enabled(), 3: torch.backends.cuda.cudnn_sdp_enabled()}
+        backend = next((b for b in torch._C._get_sdp_priority_order() if enabled.get(b)), 0)
+        if backend == 1:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, scale=scale)[0]
+        if backend == 2:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout, causal,
+                                                                          scale=scale)[0]
+        if backend == 3:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, lse, dropout, causal, False,
+                                                                      scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, dropout, causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def emulated_cuda():
+    """What the step needs to run on fake CUDA tensors on a machine without a GPU (module docstring). On a machine
+    with one, only the attention op is chosen here (the real choice would read fake tensors' data pointers)."""
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
+            stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
+        stack.enter_context(_CudaAttention())
+        yield
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """A FakeTensorMode in which modules can move (.to(), peft's adapters): nn.Module swaps fake parameters, and
+    torch.utils.swap_tensors refuses tensors with weak references, which the fake converter's memo of every fresh
+    op output holds (a memo keyed by meta tensors made for that output alone, never read again)."""
+    from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
+
+    with mock.patch.object(FakeTensorConverter, "set_tensor_memo", lambda *args: None), \
+            FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+@dataclass(eq=False)
+class _Storage:
+    nbytes: int
+    device: str  # "cuda" | "cpu"
+    phase: str  # setup | forward | backward | step: when it was made
+    tag: str | None = None  # weights | state | swapped | kept | host-pinned (the copies of a2/offload.py)
+    alive: bool = True
+
+
+@dataclass
+class Peak:
+    """The device bytes at the peak, by category, and where in the step it came."""
+
+    total: int = 0
+    phase: str = ""
+    static: dict = field(default_factory=dict)  # category -> bytes of the storages that predate the step
+    dynamic: list = field(default_factory=list)  # the step's storages alive then (their category is known later)
+
+    def by_category(self) -> dict[str, int]:
+        out = {c: self.static.get(c, 0) for c in CATEGORIES}
+        for s in self.dynamic:
+            out[_category(s)] += s.nbytes
+        return out
+
+
+def _category(s: _Storage) -> str:
+    if s.tag in CATEGORIES:
+        return s.tag
+    return "transient"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the live bytes of every storage made under it, per device type, and the device ("cuda") peak with
+    its categories. Use inside a FakeTensorMode (or on real tensors: the count is the same). The driver says where
+    the step is (`phase`) and, once the model is in place, which storages are state (`mark`)."""
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__()
+        self.device = device
+        self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Storage
+        self.live: dict[str, int] = {}  # device type -> bytes
+        self.static: dict[str, int] = dict.fromkeys(CATEGORIES, 0)  # device bytes made before the step, by category
+        self.dynamic: set[_Storage] = set()  # device storages made in the step, alive
+        self.phase = "setup"
+        self.peak = Peak()
+        self.host_peak = 0  # pinned host bytes (a2/offload.py's copies), the most at once
+        self.host_pinned = 0
+
+    # ------------------------------------------------------------------ counting
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = None
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and args:
+            source = args[-1] if func is torch.ops.aten.copy_.default else args[0]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t, source)
+        return out
+
+    def track(self, t: torch.Tensor, source: torch.Tensor | None = None) -> _Storage | None:
+        st = t.untyped_storage()
+        info = self.storages.get(st)
+        if info is not None:
+            return info
+        device = t.device.type
+        nbytes = st.nbytes()
+        tag = None
+        if device == "cuda":
+            nbytes = -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+        if device == self.device:
+            if source is not None and source.device.type == "cpu" != self.device:  # a2/offload.py: a copy back
+                host = self.storages.get(source.untyped_storage())
+                tag = "swapped" if host is not None and host.phase == "setup" else "kept"
+            elif source is not None:  # a cast of a weight (autocast's, fp8's dequantization) is of its category
+                origin = self.storages.get(source.untyped_storage())
+                tag = origin.tag if origin is not None and origin.phase == "setup" else None
+        elif device == "cpu" and self.phase != "setup" and source is not None and source.device.type == "cuda":
+            nbytes = 2 ** math.ceil(math.log2(nbytes)) if nbytes else 0  # torch's pinned caching allocator
+            tag = "host-pinned"
+        info = _Storage(nbytes, device, self.phase, tag)
+        self.storages[st] = info
+        weakref.finalize(st, self._free, info)
+        self.live[device] = self.live.get(device, 0) + nbytes
+        if tag == "host-pinned":
+            self.host_pinned += nbytes
+            self.host_peak = max(self.host_peak, self.host_pinned)
+        if device == self.device:
+            if self.phase == "setup":
+                self.static["weights"] += nbytes
+                info.tag = "weights"
+            else:
+                self.dynamic.add(info)
+            if self.live[device] > self.peak.total:
+                self.peak = Peak(self.live[device], self.phase, dict(self.static), list(self.dynamic))
+        return info
+
+    def _free(self, info: _Storage) -> None:
+        info.alive = False
+        self.live[info.device] -= info.nbytes
+        if info.tag == "host-pinned":
+            self.host_pinned -= info.nbytes
+        if info.device == self.device:
+            if info.phase == "setup":
+                self.static[info.tag] -= info.nbytes
+            else:
+                self.dynamic.discard(info)
+
+    # ------------------------------------------------------------------ what the driver tells
+    def mark(self, tensors, tag: str) -> None:
+        """These tensors' storages are of category `tag` (the trainable weights, gradients, optimizer state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                info = self.storages.get(t.untyped_storage())
+                if info is None or info.tag == tag:
+                    continue
+                if info.phase == "setup":
+                    self.static[info.tag] -= info.nbytes
+                    self.static[tag] += info.nbytes
+                info.tag = tag
+
+    def forward_done(self) -> None:
+        """The forward has returned the loss: what it made and still holds is kept for backward."""
+        for s in self.dynamic:
+            if s.phase == "forward" and s.tag is None:
+                s.tag = "kept"
+        self.phase = "backward"
+
+    def host_bytes(self) -> int:
+        """Host bytes alive now (swapped blocks' buffers and offloaded copies)."""
+        return self.live.get("cpu", 0)
+
+
+def step_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of category `state`: trainable weights, their gradients, the optimizer's state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return params + [p.grad for p in params if p.grad is not None] + [
+        t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def trace_steps(tracer: LiveBytes, model: torch.nn.Module, opt: torch.optim.Optimizer, forward, steps: int = 2,
+                max_grad_norm: float = 1.0) -> None:
+    """`steps` training steps as train_a2.py's loop runs them, under `tracer`: forward() returns the loss, then
+    backward, gradient clipping, the optimizer step, gradients set to None. Two steps: the optimizer's state exists
+    from the first step's end, so the second step is the steady state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    tracer.mark(params, "state")
+    for _ in range(steps):
+        tracer.phase = "forward"
+        loss = forward()
+        tracer.forward_done()
+        loss.backward()
+        del loss
+        tracer.mark([p.grad for p in params], "state")
+        tracer.phase = "step"
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracer.mark(step_state(model, opt), "state")
