@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch import nn
 
-from a2.trace import fake_mode_active
+from a2.trace import fake_mode_active, host_memory
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU: a copy's fixed cost outweighs the memory
 
@@ -52,9 +52,10 @@ class Copier:
     def to_host(self, t: torch.Tensor):
         """(host copy, event when done). The copy starts once the compute queued so far (which produced t) is
         done, and t's memory is not reused before the copy has read it."""
-        if not self.cuda:
-            return t.detach().to("cpu", copy=True), None  # (same strides: offloaded tensors are dense)
-        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
+        with host_memory(pow2=True):  # (a dry run counts it: a2/trace.py)
+            if not self.cuda:
+                return t.detach().to("cpu", copy=True), None  # (same strides: offloaded tensors are dense)
+            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.down):
             self.down.wait_stream(main)
@@ -184,7 +185,8 @@ class BlockOffload:
         up to twice the host RAM for a block's weights). The buffer lives as long as this object."""
         align = 256
         sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        with host_memory(pow2=False):  # (a dry run counts it: a2/trace.py)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
         if self.copier.cuda and flat.numel():
             if int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0:
                 weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -57,22 +56,40 @@ def fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
-class _CudaAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention on fake CUDA tensors: the backend op CUDA would run (module docstring)."""
+class _FusedRMSNorm(torch.autograd.Function):
+    """CUDA's fused RMSNorm kernel as memory: the fp32 output and per-row rstd, the fp32 input (autocast's cast)
+    and rstd kept for backward, input and weight gradients. Shapes only: for fake tensors, whose values nobody
+    reads (on the CPU, rms_norm is a composite of pow/mean/rsqrt/mul that keeps other tensors)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        a = {**dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)), **kwargs}
-        q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
-        if not q.is_cuda or a.get("enable_gqa"):
-            return func(*args, **kwargs)
-        dropout, causal, scale = a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale")
-        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        enabled = {1: torch.backends.cuda.flash_sdp_enabled() and mask is None,
-                   2: torch.backends.cuda.mem_efficient_sdp_enabled(), 3: torch.backends.cuda.cudnn_sdp_enabled()}
-        backend = next((b for b in torch._C._get_sdp_priority_order() if enabled.get(b)), 0)
+    @staticmethod
+    def forward(ctx, x, shape, weight, eps):
+        rstd = x.new_empty(x.shape[: x.dim() - len(shape)] + (1,) * len(shape))
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return (torch.empty_like(x) if ctx.needs_input_grad[0] else None, None,
+                torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[2] else None, None)
+
+
+def _sdpa_backend_op(args, kwargs):
+    """F.scaled_dot_product_attention as the backend op CUDA would run (module docstring), on the inputs as CUDA
+    autocast casts them; None when not emulated (GQA)."""
+    a = {**dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args)), **kwargs}
+    q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+    if a.get("enable_gqa"):
+        return None
+    if torch.is_autocast_enabled(q.device.type):  # scaled_dot_product_attention is on CUDA autocast's bf16 list
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    dropout, causal, scale = a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale")
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    enabled = {1: torch.backends.cuda.flash_sdp_enabled() and mask is None,
+               2: torch.backends.cuda.mem_efficient_sdp_enabled(), 3: torch.backends.cuda.cudnn_sdp_enabled()}
+    backend = next((b for b in torch._C._get_sdp_priority_order() if enabled.get(b)), 0)
+    with torch.autocast(q.device.type, enabled=False):
         if backend == 1:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, scale=scale)[0]
         if backend == 2:
@@ -84,15 +101,39 @@ class _CudaAttention(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, dropout, causal, scale=scale)[0]
 
 
+def _cuda_ops(device: str):
+    """torch.nn.functional's functions whose CUDA form differs from the CPU's, run on tensors of `device` as on
+    CUDA: attention's backend op and, where CUDA autocast's fp32 list differs from the CPU's, its cast (module
+    docstring). Patched functions rather than a TorchFunctionMode: modes are off in the backward, where
+    recomputed blocks run their forward again and must see the same ops."""
+    sdpa, rms_norm = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.rms_norm
+
+    def scaled_dot_product_attention(*args, **kwargs):
+        q = args[0] if args else kwargs["query"]
+        out = _sdpa_backend_op(args, kwargs) if q.device.type == device else None
+        return sdpa(*args, **kwargs) if out is None else out
+
+    def fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+        if input.device.type != device or not torch.is_autocast_enabled(device):
+            return rms_norm(input, normalized_shape, weight, eps)
+        with torch.autocast(device, enabled=False):  # on CUDA autocast's fp32 list
+            return _FusedRMSNorm.apply(input.float(), tuple(normalized_shape),
+                                       None if weight is None else weight.float(), eps)
+
+    return [mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", scaled_dot_product_attention),
+            mock.patch.object(torch.nn.functional, "rms_norm", fused_rms_norm)]
+
+
 @contextlib.contextmanager
-def emulated_cuda():
-    """What the step needs to run on fake CUDA tensors on a machine without a GPU (module docstring). On a machine
-    with one, only the attention op is chosen here (the real choice would read fake tensors' data pointers)."""
+def emulated_cuda(device: str = "cpu"):
+    """The step's CUDA ops on fake tensors of `device` (module docstring): "cpu" (autograd runs; use with
+    torch.autocast("cpu") and LiveBytes(emulate_cuda=True)), or "cuda" (the forward only, where no GPU is)."""
     with contextlib.ExitStack() as stack:
-        if not torch.cuda.is_available():
+        if device == "cuda" and not torch.cuda.is_available():
             stack.enter_context(mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False))
             stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=True))
-        stack.enter_context(_CudaAttention())
+        for patch in _cuda_ops(device):
+            stack.enter_context(patch)
         yield
 
 
@@ -108,12 +149,28 @@ def fake_tensors():
         yield mode
 
 
+_HOST: list = []  # a2/offload.py's host copies being made: [pow2] (pinned allocator rounding) on top
+
+
+@contextlib.contextmanager
+def host_memory(pow2: bool):
+    """Storages made inside are pinned host memory (a2/offload.py's copies), whatever their device: in a dry run
+    the device is emulated on the CPU. pow2: torch's pinned caching allocator rounds them up to a power of two
+    (offloaded activations); else exact (swapped weights, one registered buffer per block)."""
+    _HOST.append(pow2)
+    try:
+        yield
+    finally:
+        _HOST.pop()
+
+
 @dataclass(eq=False)
 class _Storage:
     nbytes: int
-    device: str  # "cuda" | "cpu"
+    where: str  # device | host
     phase: str  # setup | forward | backward | step: when it was made
-    tag: str | None = None  # weights | state | swapped | kept | host-pinned (the copies of a2/offload.py)
+    op: str  # the op that made it
+    tag: str | None = None  # weights | state | swapped | kept | host (the copies of a2/offload.py)
     alive: bool = True
 
 
@@ -132,6 +189,14 @@ class Peak:
             out[_category(s)] += s.nbytes
         return out
 
+    def by_op(self, category: str) -> dict[str, int]:
+        """The bytes of one category of the step's storages at the peak, by the op that made them."""
+        out: dict[str, int] = {}
+        for s in self.dynamic:
+            if _category(s) == category:
+                out[s.op] = out.get(s.op, 0) + s.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
 
 def _category(s: _Storage) -> str:
     if s.tag in CATEGORIES:
@@ -140,21 +205,23 @@ def _category(s: _Storage) -> str:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the live bytes of every storage made under it, per device type, and the device ("cuda") peak with
-    its categories. Use inside a FakeTensorMode (or on real tensors: the count is the same). The driver says where
-    the step is (`phase`) and, once the model is in place, which storages are state (`mark`)."""
+    """Counts the live bytes of every storage made under it, on the device (tensors of type `device`) and in
+    pinned host memory (what a2/offload.py copies there), and the device peak during the step with its categories.
+    Use inside a FakeTensorMode (or on real tensors: the count is the same). emulate_cuda: device storages are
+    rounded up as CUDA's caching allocator rounds them (a dry run emulates the GPU on the CPU). The driver says
+    where the step is (`phase`; the peak is of the step, not of the setup) and which storages are state (`mark`)."""
 
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = "cuda", emulate_cuda: bool | None = None):
         super().__init__()
         self.device = device
+        self.round = CUDA_BLOCK if (device == "cuda" if emulate_cuda is None else emulate_cuda) else 1
         self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Storage
-        self.live: dict[str, int] = {}  # device type -> bytes
+        self.live: dict[str, int] = {"device": 0, "host": 0}
         self.static: dict[str, int] = dict.fromkeys(CATEGORIES, 0)  # device bytes made before the step, by category
         self.dynamic: set[_Storage] = set()  # device storages made in the step, alive
         self.phase = "setup"
         self.peak = Peak()
-        self.host_peak = 0  # pinned host bytes (a2/offload.py's copies), the most at once
-        self.host_pinned = 0
+        self.host_peak = 0  # pinned host bytes, the most at once
 
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -164,52 +231,49 @@ class LiveBytes(TorchDispatchMode):
             source = args[-1] if func is torch.ops.aten.copy_.default else args[0]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.track(t, source)
+                self.track(t, source, func.__name__)
         return out
 
-    def track(self, t: torch.Tensor, source: torch.Tensor | None = None) -> _Storage | None:
+    def track(self, t: torch.Tensor, source: torch.Tensor | None = None, op: str = "") -> _Storage | None:
         st = t.untyped_storage()
         info = self.storages.get(st)
         if info is not None:
             return info
-        device = t.device.type
         nbytes = st.nbytes()
         tag = None
-        if device == "cuda":
-            nbytes = -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
-        if device == self.device:
-            if source is not None and source.device.type == "cpu" != self.device:  # a2/offload.py: a copy back
-                host = self.storages.get(source.untyped_storage())
-                tag = "swapped" if host is not None and host.phase == "setup" else "kept"
-            elif source is not None:  # a cast of a weight (autocast's, fp8's dequantization) is of its category
-                origin = self.storages.get(source.untyped_storage())
-                tag = origin.tag if origin is not None and origin.phase == "setup" else None
-        elif device == "cpu" and self.phase != "setup" and source is not None and source.device.type == "cuda":
-            nbytes = 2 ** math.ceil(math.log2(nbytes)) if nbytes else 0  # torch's pinned caching allocator
-            tag = "host-pinned"
-        info = _Storage(nbytes, device, self.phase, tag)
+        if _HOST or t.device.type != self.device:
+            where, tag = "host", "host"
+            if _HOST and _HOST[-1] and nbytes:
+                nbytes = 2 ** math.ceil(math.log2(nbytes))
+        else:
+            where = "device"
+            nbytes = -(-nbytes // self.round) * self.round
+            origin = self.storages.get(source.untyped_storage()) if source is not None else None
+            if origin is not None and origin.where == "host" and origin.tag == "host":  # a2/offload.py: a copy back
+                tag = "swapped" if origin.phase == "setup" else "kept"
+            elif origin is not None and origin.phase == "setup":  # a cast of a weight (autocast's, fp8's) is of
+                tag = origin.tag  # its category
+        info = _Storage(nbytes, where, self.phase, op, tag)
         self.storages[st] = info
         weakref.finalize(st, self._free, info)
-        self.live[device] = self.live.get(device, 0) + nbytes
-        if tag == "host-pinned":
-            self.host_pinned += nbytes
-            self.host_peak = max(self.host_peak, self.host_pinned)
-        if device == self.device:
-            if self.phase == "setup":
-                self.static["weights"] += nbytes
-                info.tag = "weights"
-            else:
-                self.dynamic.add(info)
-            if self.live[device] > self.peak.total:
-                self.peak = Peak(self.live[device], self.phase, dict(self.static), list(self.dynamic))
+        self.live[where] += nbytes
+        if where == "host":
+            if self.phase != "setup" or tag == "host":
+                self.host_peak = max(self.host_peak, self.live["host"])
+            return info
+        if self.phase == "setup":
+            info.tag = "weights"
+            self.static["weights"] += nbytes
+            return info
+        self.dynamic.add(info)
+        if self.live["device"] > self.peak.total:
+            self.peak = Peak(self.live["device"], self.phase, dict(self.static), list(self.dynamic))
         return info
 
     def _free(self, info: _Storage) -> None:
         info.alive = False
-        self.live[info.device] -= info.nbytes
-        if info.tag == "host-pinned":
-            self.host_pinned -= info.nbytes
-        if info.device == self.device:
+        self.live[info.where] -= info.nbytes
+        if info.where == "device":
             if info.phase == "setup":
                 self.static[info.tag] -= info.nbytes
             else:
@@ -221,7 +285,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 info = self.storages.get(t.untyped_storage())
-                if info is None or info.tag == tag:
+                if info is None or info.tag == tag or info.where != "device":
                     continue
                 if info.phase == "setup":
                     self.static[info.tag] -= info.nbytes
@@ -236,8 +300,8 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "backward"
 
     def host_bytes(self) -> int:
-        """Host bytes alive now (swapped blocks' buffers and offloaded copies)."""
-        return self.live.get("cpu", 0)
+        """Pinned host bytes alive now (swapped blocks' buffers and offloaded copies)."""
+        return self.live["host"]
 
 
 def step_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,12 +18,12 @@ def test_live_bytes_match_a_hand_count():
         view = b[: n // 2]  # a view: no storage of its own
         b.add_(1)  # in place: nothing new
         del b  # the view keeps b's storage
-        assert tracer.live["cpu"] == 2 << 20
+        assert tracer.live["device"] == 2 << 20
         c = a + view.sum()  # 0-dim sum (4 bytes), then c: 3 MiB + 4 bytes at the peak
         del view  # b's storage freed
-        assert tracer.live["cpu"] == 2 << 20
+        assert tracer.live["device"] == 2 << 20
         del a, c
-    assert tracer.live["cpu"] == 0
+    assert tracer.live["device"] == 0
     assert tracer.peak.total == (3 << 20) + 4
 
 
