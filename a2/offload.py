@@ -123,7 +123,8 @@ def dense(t: torch.Tensor) -> bool:
 
 
 def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    # the storage itself, not its data pointer: a dry run's fake tensors have none (a2/trace.py)
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
 
 
 class BlockOffload:
@@ -274,7 +275,7 @@ class BlockOffload:
     # ------------------------------------------------------------------ activation offload
     def _pack(self, i: int, t: torch.Tensor):
         if (isinstance(t, nn.Parameter) or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
-                or t.untyped_storage().data_ptr() in self.skip or not dense(t)):
+                or t.untyped_storage()._cdata in self.skip or not dense(t)):
             return t
         saved = Offloaded(self.copier, t)
         self.saved[i].append(weakref.ref(saved))

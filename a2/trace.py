@@ -330,3 +330,41 @@ def trace_steps(tracer: LiveBytes, model: torch.nn.Module, opt: torch.optim.Opti
         opt.step()
         opt.zero_grad(set_to_none=True)
         tracer.mark(step_state(model, opt), "state")
+
+
+def dry_run(build, plan_for, forward, steps: int = 2) -> tuple[LiveBytes, object]:
+    """A training step at real size without a GPU or weights: build() makes the transformer (its trainable weights
+    set) on fake tensors, plan_for(model) decides its memory plan (a2/memory.py), which is applied as a real run
+    applies it (fp8, swap, offload, recomputation; eager, the device emulated on the CPU), then `steps` training
+    steps (trace_steps: AdamW, clipping) run under LiveBytes, forward(model) returning the loss under
+    torch.autocast("cpu", bfloat16). Returns (the tracer, the plan)."""
+    from a2.memory import apply_plan
+
+    tracer = LiveBytes("cpu", emulate_cuda=True)
+    with fake_tensors(), emulated_cuda("cpu"), tracer:
+        model = build()
+        plan = plan_for(model)
+        apply_plan(model, plan, torch.device("cpu"))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+        trace_steps(tracer, model, opt, lambda: forward(model), steps)
+    return tracer, plan
+
+
+def report(tracer: LiveBytes, plan, budget_gb: float) -> tuple[list[str], bool]:
+    """What a dry run prints: the traced device peak by category beside the plan's estimate, the pinned host
+    memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see (module
+    docstring). Returns (lines, fits)."""
+    from a2.memory import MARGIN, MARGIN_GB
+
+    cats = tracer.peak.by_category()
+    usable = budget_gb * (1 - MARGIN) - MARGIN_GB
+    peak = tracer.peak.total / GB
+    fits = peak <= usable
+    est = "" if plan.estimate_gb is None else f" (plan's estimate {plan.estimate_gb:.2f} GiB)"
+    lines = [f"dry run: peak device memory {peak:.2f} GiB in the {tracer.peak.phase}{est}, eager",
+             "  " + ", ".join(f"{c} {cats[c] / GB:.2f}" for c in CATEGORIES) + " GiB",
+             f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f})",
+             f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "
+             f"GiB for fragmentation, cuBLAS/cuDNN workspaces, compile's buffers and the CUDA context (not traced) "
+             f"= {usable:.2f} GiB usable"]
+    return lines, fits
