@@ -29,7 +29,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from a2.memory import MemoryPlan, apply_plan, host_available, plan_for_model, use_expandable_segments
+from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
 from config import height_width
 
@@ -243,8 +243,10 @@ def dry_run(b: BenchConfig) -> bool:
         if b.memory == "manual":
             return MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None,
                               None, "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
-        return plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False), host_available(),
-                           fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks)
+        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
+        return plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False), float("inf"),
+                           fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks,
+                           compile=b.compile)
 
     def forward(model):
         x = torch.zeros(b.batch, cfg["in_channels"], t_lat, h, w)
@@ -287,7 +289,7 @@ def main(b: BenchConfig) -> dict:
                 p.data = p.data.float()
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = t_lat * (h // 2) * (w // 2)
-    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks)
+    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=b.compile)
     if b.memory == "auto" and device.type == "cuda":
         plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device, **forced)
     else:

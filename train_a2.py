@@ -51,6 +51,7 @@ from a2.fp8 import scaled_mm_supported
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
+    Conditioning,
     PosteriorCache,
     check_size,
     conditioning_frame_indices,
@@ -86,7 +87,9 @@ from a2.runs import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
+    CLIP_TOKENS,
     EXPERTS,
+    TEXT_TOKENS,
     ModelInfo,
     detect_model,
     expand_to_e2v,
@@ -434,8 +437,53 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
     appended = num_ref_latents([e.repeat for e in run.elements], "after") if run.layout == "incontext" else 0
     tokens = cfg.micro_batch * run.info.latent_tokens(cfg.num_frames + 4 * appended, h, w)  # + incontext refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
-                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks)
+                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks,
+                          compile=cfg.compile)
     return replace(plan, why=f"--memory auto: {plan.why}")
+
+
+def dry_run(cfg: TrainConfig, run: Run) -> dict:
+    """--dry-run (TrainConfig.dry_run): the step's memory at real size without a GPU or weights (a2/trace.py),
+    planned by the rule for a --max-memory-gb card (80 by default). Exits 3 when the traced peak does not fit."""
+    from a2.memory import model_bytes, plan_memory
+    from a2.trace import dry_run as trace_step
+    from a2.trace import report
+
+    if run.layout not in ("prefix", "inplace", "t2v") or run.info.ti2v or cfg.fsdp:
+        raise ValueError(f"--dry-run traces the prefix, inplace and t2v layouts without --fsdp, not {run.layout}")
+    run = replace(run, compute_dtype=torch.bfloat16)  # as on CUDA with --mixed-precision bf16
+    h, w = cfg.resolution
+    b, s, t_lat = cfg.micro_batch, run.info.vae_scale, (cfg.num_frames - 1) // 4 + 1
+    budget = cfg.max_memory_gb or 80.0
+    full = cfg.training_type == "full"
+
+    def plan_for(model):
+        if cfg.memory == "manual":
+            return memory_plan(cfg, run, model, torch.device("cpu"))
+        tokens = b * run.info.latent_tokens(cfg.num_frames, h, w)
+        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
+        plan = plan_memory(dict(model.config), tokens, budget * 2**30, model_bytes(model, full, False),
+                           float("inf"), fp8=cfg.fp8_base, offload=cfg.offload_activations,
+                           swap_blocks=cfg.swap_blocks, compile=cfg.compile)
+        return replace(plan, why=f"--memory auto: {plan.why}")
+
+    def forward(model):
+        latents = torch.zeros(b, run.info.z_dim, t_lat, h // s, w // s)  # (B, 16, T, h, w)
+        condition = None if run.layout == "t2v" else torch.zeros(b, 4 + run.info.z_dim, t_lat, h // s, w // s)
+        cond = None if condition is None else Conditioning(condition, run.ref_latents if run.prefix else 0, None)
+        image = torch.zeros(b, CLIP_TOKENS * len(run.elements), model.config.image_dim) if run.use_clip else None
+        inputs = dict(x0=latents, noise=torch.zeros_like(latents), sigmas=torch.full((b,), 0.5), cond=cond,
+                      text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim), image=image, reference_images=None)
+        amp = torch.autocast("cpu", dtype=torch.bfloat16)
+        return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
+
+    tracer, plan = trace_step(lambda: build_transformer(cfg, run, 0)[0], plan_for, forward)
+    log(f"memory: {plan}")
+    lines, fits = report(tracer, plan, budget)
+    log("\n".join(lines))
+    if not fits:
+        sys.exit(3)
+    return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30)
 
 
 def meta_replica(transformer):
@@ -865,6 +913,8 @@ def main(cfg: TrainConfig) -> dict:
             model_path(cfg.model)
         dist.barrier()
     run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    if cfg.dry_run:
+        return dry_run(cfg, run)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lambda: run_dir.is_dir() and lock.acquire() and None)

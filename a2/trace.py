@@ -354,7 +354,7 @@ def report(tracer: LiveBytes, plan, budget_gb: float) -> tuple[list[str], bool]:
     """What a dry run prints: the traced device peak by category beside the plan's estimate, the pinned host
     memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see (module
     docstring). Returns (lines, fits)."""
-    from a2.memory import MARGIN, MARGIN_GB
+    from a2.memory import HOST_MARGIN, MARGIN, MARGIN_GB
 
     cats = tracer.peak.by_category()
     usable = budget_gb * (1 - MARGIN) - MARGIN_GB
@@ -363,7 +363,8 @@ def report(tracer: LiveBytes, plan, budget_gb: float) -> tuple[list[str], bool]:
     est = "" if plan.estimate_gb is None else f" (plan's estimate {plan.estimate_gb:.2f} GiB)"
     lines = [f"dry run: peak device memory {peak:.2f} GiB in the {tracer.peak.phase}{est}, eager",
              "  " + ", ".join(f"{c} {cats[c] / GB:.2f}" for c in CATEGORIES) + " GiB",
-             f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f})",
+             f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f}): the GPU machine needs "
+             f"{tracer.host_peak / GB / HOST_MARGIN:.1f} GiB of available RAM for it",
              f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "
              f"GiB for fragmentation, cuBLAS/cuDNN workspaces, compile's buffers and the CUDA context (not traced) "
              f"= {usable:.2f} GiB usable"]
