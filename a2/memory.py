@@ -189,6 +189,11 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
             if (fp8, offload, swap_blocks) != (False, False, 0):
                 why += "; forced by the flags: " + ", ".join(
                     s for s, on in (("fp8", fp8), ("offload", offload), (f"{swap_blocks} swapped", swap_blocks)) if on)
+            if not compile:  # compiled blocks need less: say when that plan would be cheaper (the user's choice)
+                c = plan_memory(config, tokens, budget, m, host_budget, fp8, offload, swap_blocks, compile=True)
+                if "DOES NOT FIT" not in c.why and (c.offload, c.fp8, c.swap_blocks, c.checkpoint_fraction) < (
+                        off, f8, swap, k / n):
+                    why += f"; with --compile: {str(c).split(':')[0]}"
             return MemoryPlan(k / n, save and k > 0, gpu / GB, budget / GB, why, off, swap, f8, host / GB)
     if lean is None:
         return MemoryPlan(1.0, False, float("inf"), budget / GB, "DOES NOT FIT: not enough host memory for any plan")

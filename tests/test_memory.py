@@ -33,6 +33,7 @@ def test_prefers_the_least_recomputation_that_fits():
         (1.0, True, False, False, 0) and 68.3 < plan.estimate_gb < 75 and plan.host_gb == 0
     eager = plan_memory(A2_14B, L480, 78 * GB, A2_LORA)
     assert (eager.checkpoint_fraction, eager.save_attention, eager.offload) == (1.0, True, True)
+    assert "with --compile: recompute 100% of the blocks keeping self-attention" in eager.why, eager.why
     # a larger budget: fewer blocks recomputed; a tiny shape: none
     big = plan_memory(A2_14B, L480, 140 * GB, A2_LORA, compile=True)
     assert 0 < big.checkpoint_fraction < 1 and big.save_attention
