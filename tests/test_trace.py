@@ -155,3 +155,16 @@ def test_dry_run_within_the_rule():
     gpu, host = step_estimate(cfg, tokens, m[0], 3, True, offload=True)
     assert tracer.peak.total <= gpu and tracer.peak.total > 0.9 * gpu, (tracer.peak.total / GB, gpu / GB)
     assert abs(tracer.host_peak - host) < 2**20
+
+
+def test_train_dry_run_exits_3_when_it_does_not_fit(data_dir, tmp_path):
+    """train_a2.py --dry-run on the tiny model: its real step's peak, traced without data or weights, is at least
+    the trainable state and the kept inputs of its blocks; a card smaller than the rule's margin exits 3; no run dir
+    is made."""
+    from conftest import args, train
+
+    res = train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "2", "--memory", "auto"))
+    assert 0 < res["peak_gb"] * GB < 2 * GB and res["estimate_gb"] > 0
+    with pytest.raises(SystemExit) as e:
+        train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "1"))
+    assert e.value.code == 3 and not (tmp_path / "dry").exists()
