@@ -54,6 +54,9 @@ ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
 # (5.76 GiB) at 81x480x832, LoRA, every block recomputed keeping attention; both bounded within 0.5%.
 EAGER_PER_TOKEN_D = 36.0
 EAGER_PER_TOKEN_F = 4.4
+# what an eager block that is not recomputed keeps, over a compiled one's L·(A·d + B·f): fitted to the dry-run trace of
+# Wan 1.3B full fine-tuning at 81x480x832 (18 such blocks kept 70.3 GiB, 1.76x), rounded up
+EAGER_FULL_KEPT = 1.8
 HEAD_PER_TOKEN_D = 4.0  # the output norm's fp32 input, kept for backward once per step (not per block)
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
 MARGIN_GB = 1.0
@@ -135,7 +138,8 @@ def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, s
     per_block = m.block_fp8 if fp8 else m.block
     weights = m.fixed + (n - swap_blocks) * per_block + (3 * per_block if swap_blocks else 0)
     kept = b["save" if save_attention else "ckpt"]
-    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * b["full"]
+    full = b["full"] * (1.0 if compile else EAGER_FULL_KEPT)
+    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * full
     d = config["num_attention_heads"] * config["attention_head_dim"]
     transient = 2 * b["full"] if compile else 2.0 * tokens * (EAGER_PER_TOKEN_D * d + EAGER_PER_TOKEN_F
                                                                * config["ffn_dim"])
