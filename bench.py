@@ -118,6 +118,10 @@ class BenchConfig:
     attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+    dry_run: bool = False
+    """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
+    memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
+    category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
     compare_run: str | None = None
     """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
     the first logged interval) against this step's, as the training loop's overhead over the bare step."""
@@ -275,6 +279,58 @@ def loop_overhead(run_dir: str, bench_s: float) -> dict:
     return dict(train_s_per_step=s, loop_overhead=s / bench_s - 1)
 
 
+def dry_run(b: BenchConfig) -> bool:
+    """bench.py --dry-run (BenchConfig.dry_run): True if the traced step fits the card."""
+    from a2.memory import model_bytes, plan_memory
+    from a2.trace import dry_run as trace_dry_run
+    from a2.trace import report
+
+    cfg = preset_config(b.preset, e2v=b.refs > 0)
+    budget = b.max_memory_gb or 80.0
+    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
+    tokens = b.batch * t_lat * (h // 2) * (w // 2)
+    full = b.mode == "full"
+
+    def build():
+        model = random_transformer(cfg, torch.float32 if full else torch.bfloat16, "cpu")
+        if not full:
+            from peft import LoraConfig
+
+            from config import LORA_TARGETS
+
+            model.requires_grad_(False)
+            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        model.train()
+        return model
+
+    def plan_for(model):
+        if b.memory == "manual":
+            return MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None,
+                              None, "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
+        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
+        return plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False), float("inf"),
+                           fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks,
+                           compile=b.compile)
+
+    def forward(model):
+        x = torch.zeros(b.batch, cfg["in_channels"], t_lat, h, w)
+        text = torch.zeros(b.batch, TEXT_TOKENS, cfg["text_dim"])
+        image = torch.zeros(b.batch, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, torch.full((b.batch,), 500.0), text, encoder_hidden_states_image=image,
+                        return_dict=False)[0]
+        return out.float().pow(2).mean()
+
+    tracer, plan = trace_dry_run(build, plan_for, forward)
+    print(f"memory: {plan}")
+    lines, fits = report(tracer, plan, budget)
+    print("\n".join(lines))
+    return fits
+
+
 def main(b: BenchConfig) -> dict:
     use_expandable_segments()  # as train_a2.py: before CUDA initialises
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
@@ -311,7 +367,7 @@ def main(b: BenchConfig) -> dict:
                 p.data = p.data.float()
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = t_lat * (h // 2) * (w // 2)
-    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks)
+    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=b.compile)
     if b.memory == "auto" and device.type == "cuda":
         plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device, **forced)
     else:
@@ -395,5 +451,7 @@ def main(b: BenchConfig) -> dict:
 
 if __name__ == "__main__":
     b = tyro.cli(BenchConfig)
+    if b.dry_run:
+        raise SystemExit(0 if dry_run(b) else 3)
     check_backends(b) if b.check_backends else bench_opens2v(b) if b.opens2v else bench_loader(b) if b.data_root else \
         main(b)

@@ -538,6 +538,11 @@ class TrainConfig:
     manual, and on the CPU: all those flags as given."""
     max_memory_gb: float | None = None
     """--memory auto plans for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller card)."""
+    dry_run: bool = False
+    """Know before you rent: on any machine (no GPU, no weights read, no data loaded), build the transformer at real
+    size on fake tensors, plan and apply its memory as on a GPU with --max-memory-gb (default 80), trace two eager
+    training steps' live bytes (a2/trace.py) and print the device peak by category beside the plan's estimate;
+    exit 0 if it fits, 3 if not."""
     gradient_checkpointing: bool = True
     """--memory manual: recompute blocks in backward (see --checkpoint-fraction)."""
     checkpoint_fraction: float = 1.0

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from a2.conditioning import (
     CHANNEL_KINDS,
+    Conditioning,
     Layout,
     PosteriorCache,
     drop,
@@ -100,7 +101,9 @@ from a2.runs import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
+    CLIP_TOKENS,
     EXPERTS,
+    TEXT_TOKENS,
     ModelInfo,
     detect_model,
     expand_to_e2v,
@@ -413,8 +416,57 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
     h, w = cfg.resolution
     tokens = cfg.micro_batch * run.info.latent_tokens(run.layout.model_frames, h, w)  # incontext: with the refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
-                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks)
+                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks,
+                          compile=cfg.compile)
     return replace(plan, why=f"--memory auto: {plan.why}")
+
+
+def dry_run(cfg: TrainConfig, run: Run) -> dict:
+    """--dry-run (TrainConfig.dry_run): the step's memory at real size without a GPU or weights (a2/trace.py),
+    planned by the rule for a --max-memory-gb card (80 by default). Exits 3 when the traced peak does not fit."""
+    from a2.memory import model_bytes, plan_memory
+    from a2.trace import dry_run as trace_step
+    from a2.trace import report
+
+    layout = run.layout
+    if layout.kind not in ("prefix", "inplace", "t2v") or run.info.ti2v or cfg.fsdp:
+        raise ConfigError(f"--dry-run traces the prefix, inplace and t2v kinds without --fsdp, not {layout.kind}")
+    run = replace(run, compute_dtype=torch.bfloat16)  # as on CUDA with --mixed-precision bf16
+    h, w = cfg.resolution
+    b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
+    budget = cfg.max_memory_gb or 80.0
+    full = cfg.training_type == "full"
+
+    def plan_for(model):
+        if cfg.memory == "manual":
+            return memory_plan(cfg, run, model, torch.device("cpu"))
+        tokens = b * run.info.latent_tokens(layout.model_frames, h, w)
+        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
+        plan = plan_memory(dict(model.config), tokens, budget * 2**30, model_bytes(model, full, False),
+                           float("inf"), fp8=cfg.fp8_base, offload=cfg.offload_activations,
+                           swap_blocks=cfg.swap_blocks, compile=cfg.compile)
+        return replace(plan, why=f"--memory auto: {plan.why}")
+
+    def forward(model):
+        latents = torch.zeros(b, run.info.z_dim, t_lat, h // s, w // s)  # (B, 16, T, h, w)
+        cond = Conditioning(layout.kind, per_token=layout.per_token)  # the shapes a2/conditioning.py builds
+        if layout.kind in CHANNEL_KINDS:
+            cond.condition = torch.zeros(b, 4 + run.info.z_dim, t_lat, h // s, w // s)  # (B, 4 + C, T, h, w)
+            cond.ref_latents = latents[:, :, :layout.ref_latents] if layout.kind == "prefix" else None
+        if layout.use_clip:
+            cond.image = torch.zeros(b, CLIP_TOKENS * len(run.elements), model.config.image_dim)  # (B, 257·N, D)
+        inputs = dict(x0=latents, noise=torch.zeros_like(latents), sigmas=torch.full((b,), 0.5), cond=cond,
+                      text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim), reference_images=None)
+        amp = torch.autocast("cpu", dtype=torch.bfloat16)
+        return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
+
+    tracer, plan = trace_step(lambda: build_transformer(cfg, run, 0)[0], plan_for, forward)
+    log(f"memory: {plan}")
+    lines, fits = report(tracer, plan, budget)
+    log("\n".join(lines))
+    if not fits:
+        sys.exit(3)
+    return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30)
 
 
 def meta_replica(transformer):
@@ -956,6 +1008,8 @@ def main(cfg: TrainConfig) -> dict:
         dist.barrier()
     run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     check_extra_options(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg, run)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lock_existing, run_dir, lock)

@@ -48,6 +48,16 @@ from dataclasses import dataclass
 
 ACT_PER_TOKEN_D = 24.0  # A: bytes per token per model dim of a block's activations (bf16 autocast)
 ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
+# eager blocks' transient is larger than a compiled block's (whose graph plans its buffers, what A and B were measured
+# on): Wan's fp32 residual adds, the fp32 q/k RMSNorm outputs CUDA autocast makes, peft's fp32 cast of each LoRA
+# input, attention's contiguous copies. Fitted to dry-run traces (a2/trace.py) of A2-14B (14.94 GiB) and Wan 1.3B
+# (5.76 GiB) at 81x480x832, LoRA, every block recomputed keeping attention; both bounded within 0.5%.
+EAGER_PER_TOKEN_D = 36.0
+EAGER_PER_TOKEN_F = 4.4
+# what an eager block that is not recomputed keeps, over a compiled one's L·(A·d + B·f): fitted to the dry-run trace of
+# Wan 1.3B full fine-tuning at 81x480x832 (18 such blocks kept 70.3 GiB, 1.76x), rounded up
+EAGER_FULL_KEPT = 1.8
+HEAD_PER_TOKEN_D = 4.0  # the output norm's fp32 input, kept for backward once per step (not per block)
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
 MARGIN_GB = 1.0
 HOST_MARGIN = 0.8  # of the host's available memory that pinned buffers may take
@@ -119,15 +129,22 @@ def pinned_bytes(config: dict, tokens: int, save_attention: bool) -> float:
 
 
 def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, save_attention: bool,
-                  offload: bool = False, fp8: bool = False, swap_blocks: int = 0) -> tuple[float, float]:
-    """(GPU peak, pinned host bytes) of the step under a plan (module docstring)."""
+                  offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
+                  compile: bool = False) -> tuple[float, float]:
+    """(GPU peak, pinned host bytes) of the step under a plan (module docstring); compile: the blocks are compiled
+    (their transient is smaller than eager blocks')."""
     b = block_bytes(config, tokens)
     n = config["num_layers"]
     per_block = m.block_fp8 if fp8 else m.block
     weights = m.fixed + (n - swap_blocks) * per_block + (3 * per_block if swap_blocks else 0)
     kept = b["save" if save_attention else "ckpt"]
-    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * b["full"]
-    gpu = weights + 12.0 * m.trainable + 2.0 * m.full_weights + saved + 2 * b["full"] + 2 * m.fsdp_block
+    full = b["full"] * (1.0 if compile else EAGER_FULL_KEPT)
+    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * full
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    transient = 2 * b["full"] if compile else 2.0 * tokens * (EAGER_PER_TOKEN_D * d + EAGER_PER_TOKEN_F
+                                                               * config["ffn_dim"])
+    gpu = (weights + 12.0 * m.trainable + 2.0 * m.full_weights + saved + HEAD_PER_TOKEN_D * tokens * d + transient
+           + 2 * m.fsdp_block)
     # offloaded tensors take torch's pinned caching allocator's blocks: each rounded up to a power of two
     host = swap_blocks * per_block + (checkpointed * pinned_bytes(config, tokens, save_attention) if offload else 0)
     return gpu, host
@@ -149,7 +166,7 @@ def ladder(n: int, lora: bool, offload: bool = True):
 
 
 def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf"),
-                fp8: bool = False, offload: bool = False, swap_blocks: int = 0) -> MemoryPlan:
+                fp8: bool = False, offload: bool = False, swap_blocks: int = 0, compile: bool = False) -> MemoryPlan:
     """The `--memory auto` rule (module docstring). budget: bytes the step may use on this GPU (resident
     included); host_budget: pinned host bytes it may take; fp8, offload, swap_blocks: pieces the user forces on
     (flags), which every plan then has."""
@@ -160,7 +177,7 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
     for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks, offload=not m.fsdp_block):
         off, f8, swap = off or offload, f8 or fp8, max(swap, swap_blocks)
         k = n if off else k  # offload applies to recomputed blocks
-        gpu, host = step_estimate(config, tokens, m, k, save, off, f8, swap)
+        gpu, host = step_estimate(config, tokens, m, k, save, off, f8, swap, compile)
         if host > host_usable:
             continue
         if lean is None or gpu < lean[5]:
@@ -176,6 +193,11 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
             if (fp8, offload, swap_blocks) != (False, False, 0):
                 why += "; forced by the flags: " + ", ".join(
                     s for s, on in (("fp8", fp8), ("offload", offload), (f"{swap_blocks} swapped", swap_blocks)) if on)
+            if not compile:  # compiled blocks need less: say when that plan would be cheaper (the user's choice)
+                c = plan_memory(config, tokens, budget, m, host_budget, fp8, offload, swap_blocks, compile=True)
+                if "DOES NOT FIT" not in c.why and (c.offload, c.fp8, c.swap_blocks, c.checkpoint_fraction) < (
+                        off, f8, swap, k / n):
+                    why += f"; with --compile: {str(c).split(':')[0]}"
             return MemoryPlan(k / n, save and k > 0, gpu / GB, budget / GB, why, off, swap, f8, host / GB)
     if lean is None:
         return MemoryPlan(1.0, False, float("inf"), budget / GB, "DOES NOT FIT: not enough host memory for any plan")
@@ -233,7 +255,7 @@ def host_available() -> float:
 
 
 def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device,
-                   **forced) -> MemoryPlan:
+                   **forced) -> MemoryPlan:  # forced: plan_memory's fp8, offload, swap_blocks, compile
     """plan_memory for a transformer before its weights move to the GPU (or already there, or sharded): the
     transformer's bytes are counted from its tensors, everything else allocated on the device is resident; the
     budget is what this process holds plus the device's free memory, or max_memory_gb. forced: plan_memory's."""

@@ -33,6 +33,8 @@ import weakref
 import torch
 from torch import nn
 
+from a2.trace import fake_mode_active, host_memory
+
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU: a copy's fixed cost outweighs the memory
 
 
@@ -42,16 +44,18 @@ class Copier:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cuda = device.type == "cuda"
+        # a dry run's fake CUDA tensors take the CPU path: no streams or pinned memory to ask a GPU for (a2/trace.py)
+        self.cuda = device.type == "cuda" and not fake_mode_active()
         self.down = torch.cuda.Stream(device) if self.cuda else None  # device -> host
         self.up = torch.cuda.Stream(device) if self.cuda else None  # host -> device
 
     def to_host(self, t: torch.Tensor):
         """(host copy, event when done). The copy starts once the compute queued so far (which produced t) is
         done, and t's memory is not reused before the copy has read it."""
-        if not self.cuda:
-            return t.detach().clone(memory_format=torch.preserve_format), None
-        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
+        with host_memory(pow2=True):  # (a dry run counts it: a2/trace.py)
+            if not self.cuda:
+                return t.detach().to("cpu", copy=True), None  # (same strides: offloaded tensors are dense)
+            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.down):
             self.down.wait_stream(main)
@@ -64,7 +68,7 @@ class Copier:
     def to_device(self, host: torch.Tensor, after=None):
         """(device copy, event when done), queued on the side stream behind `after` (an event or None)."""
         if not self.cuda:
-            return host.clone(memory_format=torch.preserve_format), None
+            return host.to(self.device, copy=True), None
         with torch.cuda.stream(self.up):
             if after is not None:  # the host copy is complete
                 self.up.wait_event(after)
@@ -119,7 +123,8 @@ def dense(t: torch.Tensor) -> bool:
 
 
 def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    # the storage itself, not its data pointer: a dry run's fake tensors have none (a2/trace.py)
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
 
 
 class BlockOffload:
@@ -181,7 +186,8 @@ class BlockOffload:
         up to twice the host RAM for a block's weights). The buffer lives as long as this object."""
         align = 256
         sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        with host_memory(pow2=False):  # (a dry run counts it: a2/trace.py)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
         if self.copier.cuda and flat.numel():
             if int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0:
                 weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
@@ -269,7 +275,7 @@ class BlockOffload:
     # ------------------------------------------------------------------ activation offload
     def _pack(self, i: int, t: torch.Tensor):
         if (isinstance(t, nn.Parameter) or t.device != self.device or t.numel() * t.element_size() < self.min_bytes
-                or t.untyped_storage().data_ptr() in self.skip or not dense(t)):
+                or t.untyped_storage()._cdata in self.skip or not dense(t)):
             return t
         saved = Offloaded(self.copier, t)
         self.saved[i].append(weakref.ref(saved))

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
+from a2.trace import fake_mode_active
+
 Z_DIM = 16  # Wan 2.1 VAE latent channels
 TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)
 MASK_CHANNELS = 4  # one mask value per pixel frame of a latent frame (temporal factor 4)
@@ -603,6 +605,9 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     A `random-*` model dir (a2/tiny.py) has a config and no weights: random ones are built, on the GPU when there
     is one (a 14B model in bf16 is 28 GB: built where it runs, not on the host)."""
     model_dir = Path(model_dir)
+    if fake_mode_active() and (model_dir / subfolder / "config.json").exists():  # a dry run (a2/trace.py): the
+        # architecture at real size on fake tensors, no weights read
+        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, "cpu")
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
@@ -623,10 +628,14 @@ def random_transformer(config: dict, dtype: torch.dtype, device, seed: int = 0) 
     filled in place: matrices N(0, 0.02), norm scales 1, the rest 0 (fast on any size; real-size runs measure
     speed and memory, not quality). As from_pretrained(torch_dtype=bf16) loads real weights, the modules diffusers
     keeps in fp32 (norms, time embedding, scale-shift tables) are fp32."""
-    with torch.device("meta"):
-        model = WanTransformer3DModel.from_config(config)
+    if fake_mode_active():  # a dry run (a2/trace.py): fake tensors take no memory and no time to fill
+        with torch.device(device):
+            model = WanTransformer3DModel.from_config(config)
+    else:
+        with torch.device("meta"):
+            model = WanTransformer3DModel.from_config(config)
+        model.to_empty(device=device)
     keep = set(model._keep_in_fp32_modules)
-    model.to_empty(device=device)
     g = torch.Generator(device).manual_seed(seed)
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else dtype)

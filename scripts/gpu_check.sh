@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh suite        # the rest of the suite on this GPU machine (CPU tests pin the CPU)
 #   bash scripts/gpu_check.sh table14      # A2-14B LoRA, 3 references, 81x480x832: bench.py and train_a2.py
 #   bash scripts/gpu_check.sh table13      # Wan 1.3B full fine-tuning, 81x480x832: bench.py and train_a2.py
-#   bash scripts/gpu_check.sh reach        # the memory targets: 14B at 720p on 80 GB, 14B in 24 GB, 1.3B in 12 GB
+#   bash scripts/gpu_check.sh reach        # the memory targets: 14B at 720p on 80 GB, 14B in 24 GB, 1.3B in 12 GB,
+#                                          # each dry run (traced on fake tensors) printed before its measured step
 #
 # Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. Results go to
 # $OUT (or out/gpu_check): bench.jsonl (one JSON row per measurement) and the runs' metrics.jsonl.
@@ -54,10 +55,18 @@ case "${1:-gpu}" in
       --model random-1.3B --dataset-type t2v --data-root /tmp/t2v480 --resolution 480 832 --num-frames 81 \
       --training-type full --max-steps 12 "${FAST[@]}" ;;
   reach)  # --max-memory-gb also caps the allocator there (set_per_process_memory_fraction): a smaller card
-    A14=(--preset 14B --refs 3 --mode lora --steps 3 --warmup 2 "${FAST[@]}" --out "$OUT/bench.jsonl")
-    python3 bench.py "${A14[@]}" --frames 81 --height 720 --width 1280 2>&1 | tail -4
-    python3 bench.py "${A14[@]}" --frames 81 --height 480 --width 832 2>&1 | tail -4
-    python3 bench.py "${A14[@]}" --frames 81 --height 480 --width 832 --max-memory-gb 24 2>&1 | tail -4
-    python3 bench.py --preset 1.3B --refs 0 --mode lora --steps 3 --warmup 2 "${FAST[@]}" --out "$OUT/bench.jsonl" \
-      --frames 81 --height 480 --width 832 --max-memory-gb 12 2>&1 | tail -4 ;;
+    both() {  # the dry run's traced peak (eager, on fake tensors), then the measured one (peak_mem_gb), same flags
+      python3 bench.py "$@" --dry-run 2>&1 | grep -v Warning | tail -5 | tee -a "$OUT/dryrun.log"
+      python3 bench.py "$@" --steps 3 --warmup 2 --out "$OUT/bench.jsonl" 2>&1 | tail -4
+    }
+    A14=(--preset 14B --refs 3 --mode lora --frames 81)
+    for mode in "" --compile; do  # the rule plans eager and compiled steps differently (a2/memory.py)
+      both "${A14[@]}" --height 720 --width 1280 --attention-backend _native_cudnn $mode
+      both "${A14[@]}" --height 480 --width 832 --attention-backend _native_cudnn $mode
+      both "${A14[@]}" --height 480 --width 832 --max-memory-gb 24 --attention-backend _native_cudnn $mode
+      both --preset 1.3B --refs 0 --mode lora --frames 81 --height 480 --width 832 --max-memory-gb 12 \
+        --attention-backend _native_cudnn $mode
+      both --preset 1.3B --refs 0 --mode full --frames 81 --height 480 --width 832 --attention-backend _native_cudnn \
+        $mode
+    done ;;
 esac

@@ -1,0 +1,170 @@
+"""a2/trace.py: the live-bytes count of a step, checked against a hand count, and the same on fake tensors (no data)
+as on real ones."""
+
+import pytest
+import torch
+
+from a2.trace import GB, LiveBytes, fake_tensors, trace_steps
+
+
+def test_live_bytes_match_a_hand_count():
+    """Three fp32 tensors of 1 MiB made and freed in a known order: the count follows each allocation and each last
+    reference (views share their storage; an in-place op makes nothing), and the peak is the most at once."""
+    n = 1 << 18  # fp32: 1 MiB
+    tracer = LiveBytes(device="cpu")
+    with tracer:
+        tracer.phase = "forward"
+        a = torch.ones(n)
+        b = a * 2  # 2 MiB live
+        view = b[: n // 2]  # a view: no storage of its own
+        b.add_(1)  # in place: nothing new
+        del b  # the view keeps b's storage
+        assert tracer.live["device"] == 2 << 20
+        c = a + view.sum()  # 0-dim sum (4 bytes), then c: 3 MiB + 4 bytes at the peak
+        del view  # b's storage freed
+        assert tracer.live["device"] == 2 << 20
+        del a, c
+    assert tracer.live["device"] == 0
+    assert tracer.peak.total == (3 << 20) + 4
+
+
+def tiny_lora_step(tracer):
+    """Two steps of the tiny Wan transformer with LoRA (fp32, CPU) under `tracer`; inputs made inside it."""
+    from peft import LoraConfig
+
+    from a2.transformer import preset_config, random_transformer
+    from config import LORA_TARGETS
+
+    cfg = preset_config("tiny")
+    model = random_transformer(cfg, torch.float32, "cpu")
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.zeros(1, cfg["in_channels"], 3, 8, 8)
+    text = torch.zeros(1, 512, cfg["text_dim"])
+    image = torch.zeros(1, 257, cfg["image_dim"])
+
+    def forward():
+        out = model(x, torch.full((1,), 500.0), text, encoder_hidden_states_image=image, return_dict=False)[0]
+        return out.pow(2).mean()
+
+    trace_steps(tracer, model, opt, forward)
+    return model
+
+
+def test_fake_tensors_count_what_real_ones_allocate():
+    """The tiny model's LoRA step counted on real CPU tensors and on fake ones (shapes only): the same live bytes at
+    every point, so the same peak and categories; the peak is above the weights and below weights + all
+    activations of a step, and it falls in the backward."""
+    real, fake = LiveBytes(device="cpu"), LiveBytes(device="cpu")
+    with real:
+        model = tiny_lora_step(real)
+    with fake_tensors(), fake:
+        tiny_lora_step(fake)
+    r, f = real.peak.by_category(), fake.peak.by_category()
+    # what the step makes (activations, gradients in flight) is counted the same to the byte; the fake mode's
+    # 0-dim constants (the optimizer's step counters) can differ by a few hundred bytes
+    assert (r["kept"], r["transient"]) == (f["kept"], f["transient"])
+    assert abs(real.peak.total - fake.peak.total) < 4096 and real.peak.phase == fake.peak.phase == "backward"
+    weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size()
+                                                                  for b in model.buffers())
+    cats = real.peak.by_category()
+    assert cats["weights"] + cats["state"] >= weights and cats["kept"] > 0 and cats["transient"] > 0
+    assert real.peak.total < 2 * GB
+
+
+def record_ops(device: str, layers: int, frames: int = 5, h: int = 16, w: int = 16):
+    """(op, dtypes and shapes of its outputs) of the forward of a 14B-wide LoRA model with recomputed blocks keeping
+    attention, on fake tensors of `device` under that device's bf16 autocast and emulated_cuda(device)."""
+    from peft import LoraConfig
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from a2.trace import emulated_cuda
+    from a2.transformer import configure_blocks, preset_config, random_transformer
+    from config import LORA_TARGETS
+
+    class Record(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__ != "device.default":  # (a device query, no tensor)
+                outs = [t for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                self.ops.append((func.__name__, [(t.dtype, tuple(t.shape)) for t in outs]))
+            return out
+
+    cfg = {**preset_config("14B"), "num_layers": layers}
+    with fake_tensors(), emulated_cuda(device):
+        model = random_transformer(cfg, torch.bfloat16, "cpu").to(device)
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS))
+        configure_blocks(model, 1.0, True)
+        x = torch.zeros(1, 36, frames, h, w, device=device, dtype=torch.bfloat16)
+        text = torch.zeros(1, 512, 4096, device=device, dtype=torch.bfloat16)
+        image = torch.zeros(1, 771, 1280, device=device, dtype=torch.bfloat16)
+        with Record() as rec, torch.autocast(device, dtype=torch.bfloat16):
+            model(x, torch.full((1,), 500.0, device=device), text, encoder_hidden_states_image=image,
+                  return_dict=False)
+    return rec.ops
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="fake CUDA tensors need a CUDA build of torch")
+def test_cpu_emulation_runs_the_ops_cuda_runs():
+    """The dry run's GPU emulated on fake CPU tensors (CPU autocast + emulated_cuda's CUDA ops) runs the forward's
+    ops with the dtypes and shapes of the same forward on fake CUDA tensors under CUDA autocast (which a CUDA build
+    runs without a GPU, forward only), op for op: the memory of one is the memory of the other."""
+    cuda, cpu = record_ops("cuda", 1), record_ops("cpu", 1)
+    assert len(cuda) > 300 and cuda == cpu
+
+
+def test_dry_run_within_the_rule():
+    """Wan 1.3B LoRA at 81x480x832 for a 12 GB card (every block recomputed keeping attention, offloaded), cut to 3
+    blocks at the real token count (the rule is per block): the traced eager peak is at most the rule's estimate
+    and within 10% of it; the pinned host memory is the plan's to the MiB."""
+    from peft import LoraConfig
+
+    from a2.memory import MemoryPlan, model_bytes, step_estimate
+    from a2.trace import dry_run
+    from a2.transformer import preset_config, random_transformer
+    from config import LORA_TARGETS
+
+    cfg = {**preset_config("1.3B"), "num_layers": 3}
+    shape = (1, 16, 21, 60, 104)
+    tokens = 21 * 30 * 52
+    plan = MemoryPlan(1.0, True, None, None, "the 12 GB plan", offload=True)
+    m = []
+
+    def build():
+        model = random_transformer(cfg, torch.bfloat16, "cpu")
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=LORA_TARGETS))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        m.append(model_bytes(model, False, False))
+        return model
+
+    def forward(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.zeros(shape), torch.full((1,), 500.0), torch.zeros(1, 512, 4096),
+                        return_dict=False)[0]
+        return out.float().pow(2).mean()
+
+    tracer, _ = dry_run(build, lambda model: plan, forward)
+    gpu, host = step_estimate(cfg, tokens, m[0], 3, True, offload=True)
+    assert tracer.peak.total <= gpu and tracer.peak.total > 0.9 * gpu, (tracer.peak.total / GB, gpu / GB)
+    assert abs(tracer.host_peak - host) < 2**20
+
+
+def test_train_dry_run_exits_3_when_it_does_not_fit(data_dir, tmp_path):
+    """train_a2.py --dry-run on the tiny model: its real step's peak, traced without data or weights, is at least
+    the trainable state and the kept inputs of its blocks; a card smaller than the rule's margin exits 3; no run dir
+    is made."""
+    from conftest import args, train
+
+    res = train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "2", "--memory", "auto"))
+    assert 0 < res["peak_gb"] * GB < 2 * GB and res["estimate_gb"] > 0
+    with pytest.raises(SystemExit) as e:
+        train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "1"))
+    assert e.value.code == 3 and not (tmp_path / "dry").exists()
