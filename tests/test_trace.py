@@ -161,7 +161,7 @@ def test_train_dry_run_exits_3_when_it_does_not_fit(data_dir, tmp_path):
     """train_a2.py --dry-run on the tiny model: its real step's peak, traced without data or weights, is at least
     the trainable state and the kept inputs of its blocks; a card smaller than the rule's margin exits 3; no run dir
     is made."""
-    from conftest import args, train
+    from tests.conftest import args, train
 
     res = train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "2", "--memory", "auto"))
     assert 0 < res["peak_gb"] * GB < 2 * GB and res["estimate_gb"] > 0
