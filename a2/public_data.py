@@ -115,8 +115,9 @@ def load_sam(path: str):
 
     if not Path(path, "config.json").is_file():
         raise InputError(f"--sam {path}: not a transformers SAM dir (no config.json)")
-    torch.set_grad_enabled(False)
-    return SamModel.from_pretrained(path).eval(), SamProcessor.from_pretrained(path)
+    # frozen, and run under no_grad (sam_on_white): never switch autograd off process-wide, which with
+    # --num-workers 0 is the training process
+    return SamModel.from_pretrained(path).eval().requires_grad_(False), SamProcessor.from_pretrained(path)
 
 
 def sam_on_white(image: np.ndarray, box: tuple[int, int, int, int], sam_dir: str) -> Image.Image:
