@@ -110,7 +110,6 @@ def canvas_box(box, size: tuple[int, int], canvas: int = PHANTOM_CANVAS) -> tupl
 @lru_cache(maxsize=2)
 def load_sam(path: str):
     """(SamModel, SamProcessor) from a local dir, once per process (loader workers each load their own)."""
-    import torch
     from transformers import SamModel, SamProcessor
 
     if not Path(path, "config.json").is_file():
