@@ -294,7 +294,7 @@ def clip_frames(num_frames: int, elements, vae) -> int:
 def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type: str = "auto") -> Layout:
     """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
-    from a2.transformer import UnsupportedModel, resolve_e2v_type
+    from a2.transformer import resolve_e2v_type
 
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
@@ -313,9 +313,6 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     if info.ti2v and kind == "prefix":
         raise ConfigError(f"{where} takes the latents alone: element references go in context "
                           "(--reference-layout incontext), not in A2's channel prefix layout")
-    if kind == "t2v" and info.e2v:
-        raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): it needs "
-                          "element images or conditioning frames; text alone needs a T2V model")
     clean = 0
     if info.ti2v and vae.frame_conditioning != "full":
         if vae.frame_conditioning not in ("first", "prefix"):
@@ -343,10 +340,7 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
                               f"(--e2v-type vae or auto), not {e2v_type}")
         e2v_type = "vae"
     else:
-        try:
-            e2v_type = resolve_e2v_type(info, e2v_type, kind != "t2v")
-        except UnsupportedModel as e:
-            raise ConfigError(str(e)) from None
+        e2v_type = resolve_e2v_type(info, e2v_type, kind != "t2v")  # UnsupportedModel: the model cannot take it
     expand = kind in CHANNEL_KINDS and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:

@@ -158,12 +158,12 @@ def test_other_checkpoints_fail_in_one_line(phantom_dir, tiny_dir, tmp_path):
     with pytest.raises(UnsupportedModel) as e:
         detect_model(f)
     one_line(e, "diffusers key names", "transformer/")
-    i2v = tmp_path / "i2v.safetensors"  # an original-Wan I2V model is not Phantom-Wan
+    i2v = tmp_path / "i2v.safetensors"  # an original-Wan I2V model is read as MAGREF: it needs the Wan I2V parts
     save_file({k: v.contiguous() for k, v in diffusers_to_original(load_transformer(tiny_dir).state_dict()).items()},
               i2v)
     with pytest.raises(UnsupportedModel) as e:
         detect_model(i2v, components=phantom_dir)
-    one_line(e, "36/16 and an image branch", "Phantom-Wan is a T2V model")
+    one_line(e, "Wan I2V parts dir", "Wan2.1-I2V-14B-480P-Diffusers")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModel) as e:
         detect_model(tmp_path / "empty")
