@@ -395,7 +395,7 @@ def main(cfg: InferConfig) -> int:
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
-                         "--elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
+                         "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
