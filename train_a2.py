@@ -230,11 +230,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
-    if cfg.cache_dir and vae_cfg.frame_conditioning == "random":
-        raise ConfigError("--cache-dir: random conditioning frames are drawn per step; they cannot be cached")
-    if cfg.cache_dir and layout.kind == "magref":  # the region mask comes from the element pixels, not a posterior
-        raise ConfigError("--cache-dir: the magref kind builds its canvas mask from the element images each step; "
-                          "train it without a cache")
+    if cfg.cache_dir and not layout.cacheable:
+        raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
+                          "builds its condition from pixels each step (random frames, magref's canvas mask): train "
+                          "it without a cache")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export

@@ -194,6 +194,17 @@ class Layout:
     placement_seed: int | None = None  # magref: random.Random(seed) shuffles the canvas as MAGREF; None: in order
 
     @property
+    def appended(self) -> bool:
+        """The reference latents follow the video's on the time axis (their guidance has a reference-free branch)."""
+        return self.kind in APPENDED_KINDS
+
+    @property
+    def cacheable(self) -> bool:
+        """A precompute cache (VAE posteriors) holds all the kind builds: not magref, whose canvas mask comes from the
+        element pixels each step, nor random conditioning frames, drawn per step."""
+        return self.kind != "magref" and self.frame_conditioning != "random"
+
+    @property
     def takes_references(self) -> bool:
         """The kind is given element references (training reads them from the data, sampling from the call)."""
         return self.kind in REFERENCE_KINDS

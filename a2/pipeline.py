@@ -14,7 +14,6 @@ from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from a2.conditioning import (
-    APPENDED_KINDS,
     VAE_T,
     Layout,
     drop,
@@ -488,7 +487,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         for model in (transformer, self.transformer_2):
             if model is not None:
                 prepare_model(model, layout)
-        if guidance_scale_img is not None and layout.kind not in APPENDED_KINDS:
+        if guidance_scale_img is not None and not layout.appended:
             raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext and the "
                              "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
