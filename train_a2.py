@@ -98,6 +98,7 @@ from a2.runs import (
     plan_resume,
     record_start,
     save_checkpoint,
+    sharded_has_ema,
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
@@ -1059,7 +1060,7 @@ def main(cfg: TrainConfig) -> dict:
                             fused=True)
     guard = NonFiniteSteps(opt, device)
     failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
-    if point.path and cfg.fsdp and cfg.ema_decay:
+    if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
         ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = 0
     if point.path:

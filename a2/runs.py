@@ -346,6 +346,14 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     return state
 
 
+def sharded_has_ema(ckpt: Path) -> bool:
+    """Whether an --fsdp checkpoint holds an EMA (optimizer state entries "ema"): read from its metadata, no tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(Path(ckpt) / "sharded")).read_metadata().state_dict_metadata
+    return any(k.startswith("optim.state.") and k.endswith(".ema") for k in keys)
+
+
 # ---------------------------------------------------------------- resuming
 
 

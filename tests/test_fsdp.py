@@ -72,13 +72,15 @@ def test_fsdp_equals_ddp(runs):
 
 def test_fsdp_resume_equals_uninterrupted(runs, data_dir, tmp_path):
     """The 4-step run's step-2 checkpoint is what a run stopped at step 2 leaves (the same save at the same
-    point); put in a fresh run dir, --resume auto continues it to step 4."""
+    point); put in a fresh run dir, --resume auto continues it to step 4. The resumed run turns an EMA on, which the
+    checkpoint does not hold: it starts at the weights, and changes no weight or moment."""
     full = runs["fsdp"]
     cut = tmp_path / "cut"
     cut.mkdir()
     shutil.copytree(full / "ckpt-0000002", cut / "ckpt-0000002")
-    p, _ = run2(data_dir, tmp_path, "cut", "--fsdp", "--max-steps", "4", "--resume", "auto")
+    p, _ = run2(data_dir, tmp_path, "cut", "--fsdp", "--max-steps", "4", "--resume", "auto", "--ema-decay", "0.9")
     log = finish(p)
+    assert (cut / "transformer_ema").is_dir()
     assert f"resumed from {cut / 'ckpt-0000002'} at step 2" in log
     want, got = losses(full), losses(cut)
     assert sorted(got) == [3, 4] and max(abs(want[s] - got[s]) for s in got) <= 1e-6, (want, got)
