@@ -299,3 +299,33 @@ def test_humoset_reference_photo_is_the_subject_and_the_schema_is_checked(shared
     pq.write_table(pa.table({"clip": ["h001.mp4"], "words": ["x"]}), tmp_path / "video_caption.parquet")
     with pytest.raises(pd_.IndexError_, match=r"columns \['clip', 'words'\]: expected a video column"):
         pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out2")))
+
+
+def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v, tmp_path):
+    """An index built with --cross-pairs marks each listed clip with its cluster; training with --cross-video then
+    loads a clip's subject and object from the other clip of its cluster (its own background stays), pixel for pixel
+    what that clip's own elements are, and without --cross-video each clip keeps its own."""
+    keys = list(opens2v["records"])
+    pairs = tmp_path / "cluster_videos.json"
+    pairs.write_text(json.dumps({"cluster7": [f"total_part1/{k}" for k in keys]}))
+    out = tmp_path / "index"
+    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out), cross_pairs=str(pairs)))
+    lines = [json.loads(x) for x in (out / "index.jsonl").read_text().splitlines()]
+    assert [x.get("cluster") for x in lines] == ["cluster7", "cluster7"]
+    # the synthetic clips share their annotation: make the second clip's elements another frame, so they differ
+    for ref in ("subject", "object"):
+        lines[1]["elements"][ref]["frame"] += 5
+    index = tmp_path / "edited.jsonl"
+    index.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    names = ["subject", "object", "background"]
+
+    def images(cross: bool):
+        samples = pd_.list_index(index, public_cfg(index, cross_video=cross), 0, [])
+        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], names)[1].items()} for s in samples]
+
+    own, cross = images(False), images(True)
+    assert not np.array_equal(own[0]["subject"], own[1]["subject"])  # the two clips' own subjects differ
+    for i, j in ((0, 1), (1, 0)):  # each takes the other's subject and object, keeps its own background
+        for ref in ("subject", "object"):
+            assert np.array_equal(cross[i][ref], own[j][ref])
+        assert np.array_equal(cross[i]["background"], own[i]["background"])
