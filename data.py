@@ -983,8 +983,25 @@ class Validate(TrainConfig):
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    return E2VDataset(cfgs, clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae), a.skip_bad_samples,
+    return E2VDataset(cfgs, training_clip_frames(a, cfgs), a.skip_bad_samples,
                       global_batch=a.micro_batch * a.grad_accum * a.world_size)
+
+
+def training_clip_frames(a: Validate, cfgs) -> int:
+    """The clip length train_a2.py reads with these flags. It depends on the model (Phantom-Wan, SkyReels-V3 and
+    MAGREF weights take their own layouts), so when --model is on this machine (a built-in model, a dir or a file)
+    it is planned as training plans it; a Hub id is not downloaded for this: the elements' rule is used and said."""
+    from a2.conditioning import plan
+    from a2.tiny import TINY_MODELS, model_path
+    from a2.transformer import detect_model
+
+    if a.model in TINY_MODELS or Path(a.model).exists():
+        info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder))
+        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type).clip_frames
+    frames = clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
+    print(f"clip length {frames} frames by the elements' rule (--model {a.model} is not on this machine; a "
+          "released model's own layout can read longer clips)")
+    return frames
 
 
 def _cli(argv: list[str]):

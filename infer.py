@@ -50,6 +50,7 @@ from config import (
     height_width,
     pair_elements,
     parse_elements,
+    run_cli,
 )
 
 
@@ -452,4 +453,4 @@ def main(cfg: InferConfig) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(tyro.cli(InferConfig)))
+    sys.exit(run_cli(main, tyro.cli(InferConfig)))  # bad input: its one line, exit 2

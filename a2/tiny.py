@@ -246,6 +246,8 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
     import os
     import shutil
 
+    from transformers.utils import logging as hf_logging
+
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
     root.mkdir(parents=True, exist_ok=True)
     d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
@@ -255,7 +257,13 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
         if not d.exists():  # os.replace below: the dir exists only once complete
             tmp = d.with_name(d.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released)
+            bars = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()  # a built-in model's build is no download: no "Writing model shards"
+            try:
+                save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released)
+            finally:
+                if bars:
+                    hf_logging.enable_progress_bar()
             os.replace(tmp, d)  # a killed build never leaves a half dir that looks complete
     return d
 

@@ -18,6 +18,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from a2.trace import fake_mode_active
+from config import InputError
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels
 TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)
@@ -89,8 +90,9 @@ def has_image_branch(transformer: WanTransformer3DModel) -> bool:
 # ---------------------------------------------------------------- model dirs: what is in them
 
 
-class UnsupportedModel(ValueError):
-    """A model dir this project cannot train or sample from; the message names the dir and the reason."""
+class UnsupportedModel(InputError):
+    """A model dir this project cannot train or sample from; the message names the dir and the reason (the CLIs print
+    it in one line, no traceback)."""
 
 
 # transformer classes whose weights load into WanTransformer3DModel unchanged (A2's own class subclasses it)

@@ -417,14 +417,26 @@ def test_validate_skips_what_it_lists_and_names_bad_flags(synth, tmp_path, capsy
 def test_validate_reads_manifests_and_json_configs_like_train(synth, tmp_path, capsys):
     (tmp_path / "m.jsonl").write_text(json.dumps({"video": str(synth / "000.mp4"), "caption": "a"}))
     code, out, _ = validate(capsys, "--manifest", str(tmp_path / "m.jsonl"), "--dataset-type", "t2v",
-                            "--num-frames", "17")
+                            "--num-frames", "17", "--model", "tiny-t2v")
     assert code == 0 and "dataset: 1 samples" in out
     (tmp_path / "c.json").write_text(json.dumps({"datasets": [{"data_root": str(synth), "target_resolution": [32, 48],
                                                               "auto_frame_buckets": True}]}))
     code, out, _ = validate(capsys, "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "33",
-                            "--micro-batch", "2", "--world-size", "4")
+                            "--micro-batch", "2", "--world-size", "4", "--model", "tiny-t2v")
     assert code == 0 and "bucket 17 frames 32x48 [no elements]: 4 samples, fewer than one global " \
                          "batch (8) per epoch: never trained" in out
+    code, _, err = validate(capsys, "--manifest", str(tmp_path / "m.jsonl"), "--dataset-type", "t2v")
+    assert code == 2 and "T2V-only training (no elements, no frame conditioning) needs a T2V model" in err
+
+
+def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
+    """--num-frames 17 with A2's three references: A2's prefix layout reads 5-frame clips; Phantom-Wan's weights take
+    their own layout (references appended, the whole clip is video), so the same flags with its model read 17."""
+    code, out, _ = validate(capsys, "--data-root", str(synth), "--num-frames", "17", "--resolution", "32", "48")
+    assert code == 0 and "bucket 5 frames 32x48" in out
+    code, out, _ = validate(capsys, "--data-root", str(synth), "--num-frames", "17", "--resolution", "32", "48",
+                            "--model", "tiny-phantom")
+    assert code == 0 and "bucket 17 frames 32x48" in out, out
 
 
 # ---------------------------------------------------------------- real media
