@@ -494,6 +494,11 @@ class TrainConfig:
     random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
+    components: str | None = None
+    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
+    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
+    (MAGREF) from the Hub."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only.
     auto: dual when the model has (or, a T2V base with --image-encoder, gets) an image branch; vae for Wan 2.2 I2V

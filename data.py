@@ -996,7 +996,7 @@ def training_clip_frames(a: Validate, cfgs) -> int:
     from a2.transformer import detect_model
 
     if a.model in TINY_MODELS or Path(a.model).exists():
-        info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder))
+        info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type).clip_frames
     frames = clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     print(f"clip length {frames} frames by the elements' rule (--model {a.model} is not on this machine; a "

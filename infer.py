@@ -71,6 +71,11 @@ class InferConfig:
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
     model dir has none (a T2V base expanded to E2V)."""
+    components: str | None = None
+    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
+    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
+    (MAGREF) from the Hub."""
     elements: tuple[str, ...] = ()
     """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
     Empty for a T2V model (text only)."""
@@ -362,7 +367,7 @@ def main(cfg: InferConfig) -> int:
         print(cfg.defaults_note)
     check_size(cfg.height, cfg.width, cfg.num_frames)
     # an unsupported dir fails here, before any loading
-    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))
+    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
     first_frame = read_first_frame(cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
@@ -405,7 +410,8 @@ def main(cfg: InferConfig) -> int:
         transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora[0])
         print(f"expanded {info.path} to the E2V inputs with {expansion_file(cfg.lora[0])}")
     pipe = A2Pipeline.from_pretrained(cfg.model, dtype=dtype, device=cfg.device, transformer=transformers[0],
-                                      transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder)
+                                      transformer_2=transformers[1], image_encoder_dir=cfg.image_encoder,
+                                      components=cfg.components)
     params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
     print(f"model {info.path}: {info.name}, transformer {params:.1f}M params"
           + (f" from {cfg.transformer}" if cfg.transformer else "")

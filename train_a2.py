@@ -228,7 +228,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
         raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
     elements = ds_cfgs[0].elements
-    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder))
+    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     if cfg.cache_dir and not layout.cacheable:

@@ -382,16 +382,16 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
-                        image_encoder_dir=None, transformer_2=None):
+                        image_encoder_dir=None, transformer_2=None, components=None):
         """Load each component from a diffusers-format dir (`tiny`... = a built-in offline tiny model).
 
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
         experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory). A Phantom-Wan
-        checkpoint takes its VAE and text encoder from its Wan parts dir (ModelInfo.components_dir)."""
+        checkpoint takes its VAE and text encoder from its Wan parts dir (`components`, else ModelInfo's default)."""
         from a2.tiny import model_path
         from a2.transformer import detect_model, load_transformer
 
-        info = detect_model(model_path(model_dir), image_encoder_dir and model_path(image_encoder_dir))
+        info = detect_model(model_path(model_dir), image_encoder_dir and model_path(image_encoder_dir), components)
         model_dir = info.path
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
         if info.two_experts and transformer_2 is None:

@@ -212,6 +212,29 @@ def test_hub_ids(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path, monkeypatch):
     assert info.path == phantom and info.components_dir == wan and info.native_kind == "phantom"
 
 
+
+def test_components_flag_names_the_wan_parts(phantom_dir, tmp_path, monkeypatch):
+    """A Phantom-Wan checkpoint alone in its dir (as bytedance-research/Phantom ships it) with the Wan parts offline
+    elsewhere: --components names them, for infer.py and train_a2.py alike; without it, one line."""
+    import infer
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt = tmp_path / "Phantom-Wan-tiny.pth"
+    torch.save(original_sd(phantom_dir), ckpt)
+    shutil.copy(phantom_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(ckpt)
+    one_line(e, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "HF_HUB_OFFLINE")
+    assert detect_model(ckpt, components=str(phantom_dir)).components_dir == phantom_dir
+    element = tmp_path / "ref.png"
+    Image.new("RGB", (40, 24), (200, 30, 30)).save(element)
+    out = infer.main(infer.InferConfig(model=str(ckpt), components=str(phantom_dir), elements=(str(element),),
+                                       height=32, width=32, num_frames=9, steps=1, device="cpu", decode="none",
+                                       save_latents=str(tmp_path / "x.pt")))
+    assert out == 0 and (tmp_path / "x.pt").exists()
+
+
 # ---------------------------------------------------------------- their solver and samplers
 
 
