@@ -394,8 +394,9 @@ def main(cfg: InferConfig) -> int:
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
             raise ValueError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
-        if cfg.prompts_file and not cfg.lora:
-            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora")
+        if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
+            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
+                             "--lora-high / --lora-low)")
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
             raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")

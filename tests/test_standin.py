@@ -449,3 +449,60 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
                          text, null, **kw)
     assert 0 < (ours["latents"] - own["latents"]).abs().max() <= BOUND
     assert (ours["latents"] - sample(None)["latents"]).abs().max() > 100 * BOUND  # diffusers' own Euler schedule
+
+
+# ---------------------------------------------------------------- Wan 2.2 A14B experts; base vs LoRA rows
+
+
+def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monkeypatch):
+    """train_a2.py --reference-layout standin on each expert of the tiny Wan 2.2 T2V pair exports Stand-In's file per
+    expert (standin_lora_high / _low.ckpt, as their Stand-In_wan2.2_T2V_A14B_high / _low.ckpt); infer.py --preset
+    standin takes them as --lora-high / --lora-low: each changes the video, repeatably. --prompts-file renders the
+    base rows with the reference LoRAs off: equal to a run without the files, bit for bit (the LoRA rows equal a run
+    with them). A Stand-In file on an I2V base, or on a base of other dims, fails in one line naming the file."""
+    import infer
+    from tests.conftest import args, train
+
+    kind = ("--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png",
+            "--lora-rank", str(RANK), "--max-steps", "2", "--lr", "5e-2", "--warmup-steps", "0")
+    files = {}
+    for expert in ("high", "low"):
+        r = train(*args(data_dir, tmp_path, expert, "--expert", expert, *kind, model="tiny-wan22-t2v"))
+        files[expert] = r["weights"]
+        assert r["weights"].name == f"standin_lora_{expert}.ckpt"
+        state = torch.load(r["weights"], weights_only=True)["state_dict"]
+        assert all(standin.THEIR_KEY.fullmatch(k) for k in state) and len(state) == 6 * 2
+        assert any(v.abs().max() > 0 for k, v in state.items() if ".up." in k)  # trained away from the zero init
+    element = str(data_dir / "000_person.png")
+    base = dict(model="tiny-wan22-t2v", preset="standin", elements=(element,), element_specs=("subject=_person.png",),
+                height=32, width=32, num_frames=9, steps=4, device="cpu", out=str(tmp_path / "v.mp4"))
+    runs = {}
+    for name, loras in (("base", {}), ("high", dict(lora_high=str(files["high"]))),
+                        ("both", dict(lora_high=str(files["high"]), lora_low=str(files["low"])))):
+        runs[name] = str(tmp_path / f"{name}.pt")
+        assert infer.main(infer.InferConfig(**base, **loras, save_latents=runs[name])) == 0
+    both = dict(lora_high=str(files["high"]), lora_low=str(files["low"]))
+    assert infer.main(infer.InferConfig(**base, lora_high=str(files["high"]), compare=runs["base"])) == 1
+    assert infer.main(infer.InferConfig(**base, **both, compare=runs["high"])) == 1
+    assert infer.main(infer.InferConfig(**base, **both, compare=runs["both"], tolerance=0.0)) == 0
+
+    rendered = []  # the latents of each --prompts-file render: base, LoRA
+    generate = infer.generate
+    monkeypatch.setattr(infer, "generate", lambda *a, **k: rendered.append(generate(*a, **k)) or rendered[-1])
+    (tmp_path / "prompts.txt").write_text(infer.InferConfig.prompt + "\n")
+    assert infer.main(infer.InferConfig(**base, **both, prompts_file=str(tmp_path / "prompts.txt"),
+                                        out_dir=str(tmp_path / "eval"))) == 0
+    assert len(rendered) == 2
+    assert torch.equal(rendered[0]["latents"], torch.load(runs["base"])["latents"])
+    assert torch.equal(rendered[1]["latents"], torch.load(runs["both"])["latents"])
+
+    with pytest.raises(ValueError, match=r"^\S*standin_lora_high\.ckpt: a Stand-In LoRA on \S*tiny-wan22-i2v\S* "
+                                         r"\(.*\); Stand-In is a LoRA on Wan T2V: load it on its base \(Stand-In_wan"):
+        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "preset": None}, lora_high=str(
+            files["high"])))
+    deep = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3})
+    standin.install(deep, rank=RANK)
+    their_file(deep, tmp_path / "deep.ckpt")
+    with pytest.raises(ValueError, match=r"deep\.ckpt: a Stand-In LoRA for a 3-layer, 128-wide Wan on this 2-layer, "
+                                         r"128-wide model: load it on its base"):
+        infer.main(infer.InferConfig(**base, lora_low=str(tmp_path / "deep.ckpt")))
