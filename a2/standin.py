@@ -14,6 +14,12 @@ a sampler computes them at its first step and reuses them (`forward(cache="fill"
 diffusers' WanTransformerBlock runs unchanged: reference tokens take a per-token time embedding (its 4-dim `temb`
 path, made for TI2V), attn1 gets StandInAttnProcessor and attn2 VideoOnlyCrossAttnProcessor. The processors hold
 the per-call state (`num_reference`, the kept K/V) that `forward` sets, as diffusers' block passes them nothing.
+
+The reference image is the user's (or data.py's) face crop: Stand-In's FaceProcessor (insightface antelopev2's largest
+face, a 1.5x square crop, white padding to square, cv2 INTER_AREA to 512x512, BiSeNet parsing with the background
+painted white) is not an a2 dependency. a2's standin kind packs the reference as one latent frame beside the video's,
+so it is brought to the video's size (the element's preprocess); Stand-In feeds its 512x512 crop at that size (32x32
+tokens) whatever the video size, so the two agree in geometry only for a 512x512 video.
 """
 
 from __future__ import annotations
