@@ -39,6 +39,7 @@ from a2.pipeline import (
     load_first_frame,
     load_references,
     save_video,
+    schedule_sigmas,
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
@@ -85,12 +86,14 @@ class InferConfig:
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
     Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
-    preset: Literal["phantom", "v3", "v3-distilled"] | None = None
+    preset: Literal["phantom", "v3", "v3-distilled", "standin"] | None = None
     """Sample as a released model's own code does; sets the flags still at their defaults. phantom: 50 steps,
     --guidance-scale 7.5 --guidance-scale-img 5 (three forwards a step), Wan's Chinese negative prompt, 16 fps.
     v3: 50 steps, 7.5 / 5, empty negative prompt, 24 fps. v3-distilled (SkyReels-V3's released generate_video):
     8 steps, guidance 1 (one forward a step), 121 frames (5 s), 24 fps. Shift 5 and their UniPC schedule come with
-    the model dir either way."""
+    the model dir either way. standin (Stand-In's infer.py, on Wan T2V with its --lora file): --reference-layout
+    standin, Euler on --schedule flowmatch with shift 5, 20 steps, guidance 5, Wan's Chinese negative prompt, seed 0,
+    the noise drawn on the CPU (their rand_device), 25 fps."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """Text prompt of the video."""
     negative_prompt: str = A2_NEGATIVE_PROMPT
@@ -119,6 +122,10 @@ class InferConfig:
     """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
     scheduler: Literal["unipc", "euler"] = "unipc"
     """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
+    schedule: Literal["model", "flowmatch"] = "model"
+    """The sampler's unshifted sigmas: the model's (a released model's own UniPC schedule, else diffusers'), or
+    flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
+    linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
     combine: Literal["before", "after"] = "before"
     """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
     reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
@@ -210,6 +217,8 @@ PRESETS = {
     "v3": dict(steps=50, guidance_scale=7.5, guidance_scale_img=5.0, negative_prompt="", fps=24),
     "v3-distilled": dict(steps=8, guidance_scale=1.0, guidance_scale_img=None, negative_prompt="", num_frames=121,
                          fps=24),
+    "standin": dict(reference_layout="standin", scheduler="euler", schedule="flowmatch", flow_shift=5.0, steps=20,
+                    guidance_scale=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, seed=0, fps=25),
 }
 
 
@@ -293,7 +302,10 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
              first_frame=None) -> dict:
-    generator = torch.Generator(device=cfg.device).manual_seed(cfg.seed if seed is None else seed)
+    # Stand-In draws its noise with a CPU generator (rand_device="cpu") whatever the device
+    device = "cpu" if cfg.preset == "standin" else cfg.device
+    generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
+    sigmas = None if cfg.schedule == "model" else schedule_sigmas(cfg.schedule, cfg.steps)
     return pipe(prompt, refs, clip_refs, repeats, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
                 height=cfg.height,
                 width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
@@ -301,14 +313,17 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 flow_shift=cfg.flow_shift,
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
                 reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep,
-                guidance_scale_img=cfg.guidance_scale_img)
+                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
-    """Switch the loaded LoRA(s) on or off, on whichever transformers carry one (Wan 2.2: either expert)."""
+    """Switch the loaded LoRA(s) on or off, on whichever transformers carry one (Wan 2.2: either expert): peft
+    adapters and a Stand-In file's reference LoRA alike."""
     for model in (pipe.transformer, pipe.transformer_2):
         if getattr(model, "peft_config", None):
             model.enable_lora() if on else model.disable_lora()
+        if model is not None and standin.installed(model):
+            standin.enable_lora(model, on)
 
 
 def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=None) -> list[dict]:
@@ -377,12 +392,17 @@ def main(cfg: InferConfig) -> int:
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
         raise ValueError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
                          "A14B; use --lora")
+    for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # before the layout check, which would name the model
+        if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
+            raise ValueError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
+                             f"load it on its base ({standin.BASES}) with --reference-layout standin")
     rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
             raise ValueError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
-        if cfg.prompts_file and not cfg.lora:
-            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora")
+        if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
+            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
+                             "--lora-high / --lora-low)")
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
             raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")
@@ -431,7 +451,10 @@ def main(cfg: InferConfig) -> int:
     if len(adapters) > 1:  # load_lora activates its own adapter alone
         pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
-        if path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
+        if path and standin.is_lora_file(path):  # Stand-In_wan2.2_T2V_A14B_high / _low.ckpt, one per expert
+            model = pipe.transformer_2 if name == "low" else pipe.transformer
+            print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
+        elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
     if rows is not None:
         evaluators = None

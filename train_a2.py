@@ -802,7 +802,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
         from a2.lora import export_lora
 
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
-            return standin.export_lora(run_dir, getattr(model, "module", model), tag)
+            return standin.export_lora(run_dir, getattr(model, "module", model),
+                                       (f"_{cfg.expert}" if cfg.expert else "") + tag)
         return export_lora(run_dir, model, cfg.expert, tag)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel

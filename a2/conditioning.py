@@ -516,6 +516,8 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       on a white canvas by MAGREF's rule (a2.pipeline.magref_canvas; layout.placement_seed); the canvas then
       layout.num_frames - 1 zero frames VAE-encoded; the mask's 4 channels of latent frame 0 are the region mask
       max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
+    standin: the one reference as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's
+      encode_ip_image): `ref_latents` (B, C, 1, h, w).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind = layout.kind
@@ -535,8 +537,8 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         if len(layout.repeats) != n:
             raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
-    if kind == "standin":  # one frame (whatever the element's repeat), at the video's size
-        cond.ref_latents = encode_vae(vae, references[:, 0, :, None], sample_mode, generator)
+    if kind == "standin":  # one frame (whatever the element's repeat), its posterior mean (Stand-In's encode_ip_image)
+        cond.ref_latents = encode_vae(vae, references[:, 0, :, None], "argmax")
         return cond
     if kind in APPENDED_KINDS:
         mode = "argmax" if kind == "phantom" else sample_mode  # the mode of a Gaussian is its mean

@@ -294,7 +294,7 @@ WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，�
                        "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
                        "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
                        "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
-SCHEDULES = ("diffusers", "phantom", "diffusers034")
+SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
 # how the released S2V models sample: their shift (Phantom's parts come from Wan2.1-T2V-1.3B, whose scheduler config
 # says 3; Phantom samples at 5 regardless) and their UniPC's sigmas
 NATIVE_SAMPLING = {"phantom": dict(flow_shift=5.0, schedule="phantom"),
@@ -309,16 +309,20 @@ def sampler_settings(info) -> dict:
 
 
 def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
-    """The unshifted sigmas of a UniPC schedule (None: diffusers' own default). diffusers 0.37 moved its default
+    """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
     start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
     phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
-    use_flow_sigmas default, which SkyReels-V3 pins. Fed to set_timesteps(sigmas=), which shifts them."""
+    use_flow_sigmas default, which SkyReels-V3 pins. flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0,
+    extra_one_step=True), Stand-In's Euler sampler: torch's float32 linspace(1, 0, steps + 1) without the 0 (diffusers'
+    FlowMatchEuler default ends near 0.005 instead). Fed to set_timesteps(sigmas=), which shifts them."""
     if schedule == "diffusers":
         return None
     if schedule == "phantom":
         return np.linspace(float(np.float32(1 - 1 / 1000)), 0, steps + 1)[:-1].copy()
     if schedule == "diffusers034":
         return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
+    if schedule == "flowmatch":  # torch's linspace, not numpy's: float32 values that can differ in the last bit
+        return torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
 
 

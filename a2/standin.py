@@ -14,6 +14,12 @@ a sampler computes them at its first step and reuses them (`forward(cache="fill"
 diffusers' WanTransformerBlock runs unchanged: reference tokens take a per-token time embedding (its 4-dim `temb`
 path, made for TI2V), attn1 gets StandInAttnProcessor and attn2 VideoOnlyCrossAttnProcessor. The processors hold
 the per-call state (`num_reference`, the kept K/V) that `forward` sets, as diffusers' block passes them nothing.
+
+The reference image is the user's (or data.py's) face crop: Stand-In's FaceProcessor (insightface antelopev2's largest
+face, a 1.5x square crop, white padding to square, cv2 INTER_AREA to 512x512, BiSeNet parsing with the background
+painted white) is not an a2 dependency. a2's standin kind packs the reference as one latent frame beside the video's,
+so it is brought to the video's size (the element's preprocess); Stand-In feeds its 512x512 crop at that size (32x32
+tokens) whatever the video size, so the two agree in geometry only for a 512x512 video.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class StandInAttnProcessor(nn.Module):
 
     _attention_backend = None  # set by diffusers' set_attention_backend, as on its own processors
     _parallel_config = None
+    lora_enabled = True  # off (enable_lora): the reference tokens as with a zero LoRA (infer.py's base rows)
 
     def __init__(self, dim: int, rank: int = RANK):
         super().__init__()
@@ -78,7 +85,7 @@ class StandInAttnProcessor(nn.Module):
 
     def qkv(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, reference: bool):
         q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
-        if reference:
+        if reference and self.lora_enabled:
             q, k, v = q + self.q_lora(x), k + self.k_lora(x), v + self.v_lora(x)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, L, heads, head_dim)
@@ -159,6 +166,16 @@ def reference_rotary(rope, video_grid: tuple[int, int, int], reference_grid: tup
 def clear_cache(transformer) -> None:
     for block in transformer.blocks:
         block.attn1.processor.kv = None
+
+
+def enable_lora(transformer, on: bool) -> None:
+    """Switch the reference LoRA on or off (as peft's enable_lora / disable_lora for an ordinary one): off, the
+    reference tokens go through the base weights alone, as without the file (its zero init). The kept K/V are
+    forgotten, as they were made with the other setting and no parameter changed."""
+    for block in transformer.blocks:
+        block.attn1.processor.lora_enabled = on
+        block.attn1.processor.kv = None
+    transformer.standin_kept = None
 
 
 def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
@@ -322,12 +339,14 @@ def load_lora(transformer, path) -> int:
     if not installed(transformer) or transformer.blocks[0].attn1.processor.q_lora.down.out_features != rank:
         install(transformer, rank)
     transformer.load_state_dict(mapped, strict=False)
+    enable_lora(transformer, True)
     return rank
 
 
 def export_lora(run_dir: Path, transformer, tag: str = "") -> Path:
-    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora<tag>.ckpt: their keys under "state_dict",
-    a torch pickle as their set_condition_branch loads it (load_lora and infer.py --lora read it back)."""
+    """The trained reference LoRA as a Stand-In file, run_dir/standin_lora<tag>.ckpt (a Wan 2.2 expert's tag starts
+    _high | _low, as Stand-In names its pair): their keys under "state_dict", a torch pickle as their
+    set_condition_branch loads it (load_lora and infer.py --lora, --lora-high / --lora-low read it back)."""
     path = Path(run_dir) / f"standin_lora{tag}.ckpt"
     torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()}}, path)
     return path

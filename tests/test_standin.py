@@ -374,3 +374,135 @@ def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
                                         tolerance=0.0)) == 0
     with pytest.raises(ValueError, match=r"standin_lora.ckpt: a Stand-In LoRA on a model of 36 input channels"):
         standin.load_lora(A2Pipeline.from_pretrained("tiny").transformer, r["weights"])
+
+
+# ---------------------------------------------------------------- Stand-In's whole sampler
+
+
+def record_forwards(*transformers):
+    """Every forward's keyword inputs, in call order, over the given transformers (tagged with their index)."""
+    seen = []
+    for i, model in enumerate(transformers):
+        model.register_forward_pre_hook(lambda m, a, kw, i=i: seen.append(dict(kw, expert=i)), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("base", ["wan21", "wan22"])
+@torch.no_grad()
+def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
+    """A2Pipeline (reference_layout standin, Euler with --schedule flowmatch, shift 5, guidance 5: infer.py --preset
+    standin) against Stand-In's WanVideoPipeline.__call__ written out (their_standin.their_pipeline), float32 on the
+    CPU, on tiny-t2v with a Stand-In file (wan21) and on the tiny Wan 2.2 T2V pair with one file per expert (wan22: the
+    low-noise expert from timestep 875 down, its cache filled by its first positive pass): the reference latent, the
+    initial noise, every forward's inputs (noisy latents, the packed reference, float32 timestep, text) and the final
+    latents are equal bit for bit, their forward computed with the joint FFN and diffusers' rounding (test_forward_
+    is_stand_ins: the only differences); with Stand-In's own arithmetic within BOUND. Their schedule is not diffusers'
+    FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents."""
+    from a2.pipeline import A2Pipeline, encode_prompt, pil_to_tensor, preprocess_image, read_image, schedule_sigmas
+    from tests.their_standin import flow_match_sigmas, their_pipeline
+
+    pipe = A2Pipeline.from_pretrained("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")
+    experts = [pipe.transformer] + ([pipe.transformer_2] if base == "wan22" else [])
+    sources = [tiny_t2v(seed=2 * i) for i in range(len(experts))]
+    for i, (model, source) in enumerate(zip(experts, sources)):
+        their_file(source, tmp_path / f"standin{i}.ckpt")
+        standin.load_lora(model, tmp_path / f"standin{i}.ckpt")
+    h, w, frames, steps, seed = 32, 48, 9, 3 if base == "wan21" else 4, 7
+    image = preprocess_image(read_image(shared_data / "a2_human.png"), "pad_white", (h, w))  # a face crop, as given
+    prompt, negative = "a person smiling", "low quality"
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
+    seen = record_forwards(*experts)
+    lengths = []  # the tokens self-attention sees: with the reference's (computed) or the video's alone (cached)
+    for model in experts:
+        model.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
+                                                        with_kwargs=True)
+
+    def sample(sigmas):
+        return pipe(prompt, pil_to_tensor(image)[None, None], None, (1,), negative_prompt=negative, height=h, width=w,
+                    num_frames=frames, num_inference_steps=steps, guidance_scale=5.0, scheduler="euler",
+                    flow_shift=5.0, sigmas=sigmas, generator=torch.Generator().manual_seed(seed), decode="none",
+                    progress=False, reference_layout="standin")
+
+    ours = sample(schedule_sigmas("flowmatch", steps))
+    calls, computed = list(seen), [n > 3 * (h // 16) * (w // 16) for n in lengths]
+    loras = [their_loras(model) for model in experts]
+    kw = dict(num_frames=frames, height=h, width=w, steps=steps, seed=seed)
+    them = their_pipeline([TheirStandIn(m, lo, wan_numerics=False, joint_ffn=True) for m, lo in zip(experts, loras)],
+                          pipe.vae, image, text, null, **kw)
+    assert torch.equal(ours["condition"], them["condition"])
+    assert torch.equal(calls[0]["hidden_states"][:, :, :-1], them["initial"])
+    assert len(calls) == len(them["calls"]) == 2 * steps
+    for k, (a, (latents, t, context, ip, expert)) in enumerate(zip(calls, them["calls"])):
+        assert torch.equal(a["hidden_states"][:, :, :-1], latents), k
+        assert torch.equal(a["hidden_states"][:, :, -1:], them["condition"]), k  # packed; used once, then the cache
+        assert a["timestep"].dtype == t.dtype and torch.equal(a["timestep"], t), k
+        assert torch.equal(a["encoder_hidden_states"], context) and a["expert"] == expert, k
+        assert computed[k] == (ip is not None), k  # the reference computed where theirs passes ip_image, else cached
+    if base == "wan22":
+        assert [c[4] for c in them["calls"]] == [0, 0, 0, 0, 1, 1, 1, 1]  # timesteps 1000, 938 | 833, 625
+        assert [c[3] is not None for c in them["calls"]] == [True, False, False, False, True, False, False, False]
+    assert torch.equal(ours["latents"], them["latents"])
+    sigmas, _ = flow_match_sigmas(steps)
+    assert torch.equal(torch.from_numpy(schedule_sigmas("flowmatch", steps)), torch.linspace(1.0, 0.0, steps + 1)[:-1])
+    assert sigmas[0] == 1.0 and sigmas[-1] > 0  # the last step goes from sigmas[-1] to 0
+    own = their_pipeline([TheirStandIn(m, lo, wan_numerics=True) for m, lo in zip(experts, loras)], pipe.vae, image,
+                         text, null, **kw)
+    assert 0 < (ours["latents"] - own["latents"]).abs().max() <= BOUND
+    assert (ours["latents"] - sample(None)["latents"]).abs().max() > 100 * BOUND  # diffusers' own Euler schedule
+
+
+# ---------------------------------------------------------------- Wan 2.2 A14B experts; base vs LoRA rows
+
+
+def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monkeypatch):
+    """train_a2.py --reference-layout standin on each expert of the tiny Wan 2.2 T2V pair exports Stand-In's file per
+    expert (standin_lora_high / _low.ckpt, as their Stand-In_wan2.2_T2V_A14B_high / _low.ckpt); infer.py --preset
+    standin takes them as --lora-high / --lora-low: each changes the video, repeatably. --prompts-file renders the
+    base rows with the reference LoRAs off: equal to a run without the files, bit for bit (the LoRA rows equal a run
+    with them). A Stand-In file on an I2V base, or on a base of other dims, fails in one line naming the file."""
+    import infer
+    from tests.conftest import args, train
+
+    kind = ("--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png",
+            "--lora-rank", str(RANK), "--max-steps", "2", "--lr", "5e-2", "--warmup-steps", "0")
+    files = {}
+    for expert in ("high", "low"):
+        r = train(*args(data_dir, tmp_path, expert, "--expert", expert, *kind, model="tiny-wan22-t2v"))
+        files[expert] = r["weights"]
+        assert r["weights"].name == f"standin_lora_{expert}.ckpt"
+        state = torch.load(r["weights"], weights_only=True)["state_dict"]
+        assert all(standin.THEIR_KEY.fullmatch(k) for k in state) and len(state) == 6 * 2
+        assert any(v.abs().max() > 0 for k, v in state.items() if ".up." in k)  # trained away from the zero init
+    element = str(data_dir / "000_person.png")
+    base = dict(model="tiny-wan22-t2v", preset="standin", elements=(element,), element_specs=("subject=_person.png",),
+                height=32, width=32, num_frames=9, steps=4, device="cpu", out=str(tmp_path / "v.mp4"))
+    runs = {}
+    for name, loras in (("base", {}), ("high", dict(lora_high=str(files["high"]))),
+                        ("both", dict(lora_high=str(files["high"]), lora_low=str(files["low"])))):
+        runs[name] = str(tmp_path / f"{name}.pt")
+        assert infer.main(infer.InferConfig(**base, **loras, save_latents=runs[name])) == 0
+    both = dict(lora_high=str(files["high"]), lora_low=str(files["low"]))
+    assert infer.main(infer.InferConfig(**base, lora_high=str(files["high"]), compare=runs["base"])) == 1
+    assert infer.main(infer.InferConfig(**base, **both, compare=runs["high"])) == 1
+    assert infer.main(infer.InferConfig(**base, **both, compare=runs["both"], tolerance=0.0)) == 0
+
+    rendered = []  # the latents of each --prompts-file render: base, LoRA
+    generate = infer.generate
+    monkeypatch.setattr(infer, "generate", lambda *a, **k: rendered.append(generate(*a, **k)) or rendered[-1])
+    (tmp_path / "prompts.txt").write_text(infer.InferConfig.prompt + "\n")
+    assert infer.main(infer.InferConfig(**base, **both, prompts_file=str(tmp_path / "prompts.txt"),
+                                        out_dir=str(tmp_path / "eval"))) == 0
+    assert len(rendered) == 2
+    assert torch.equal(rendered[0]["latents"], torch.load(runs["base"])["latents"])
+    assert torch.equal(rendered[1]["latents"], torch.load(runs["both"])["latents"])
+
+    with pytest.raises(ValueError, match=r"^\S*standin_lora_high\.ckpt: a Stand-In LoRA on \S*tiny-wan22-i2v\S* "
+                                         r"\(.*\); Stand-In is a LoRA on Wan T2V: load it on its base \(Stand-In_wan"):
+        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "preset": None}, lora_high=str(
+            files["high"])))
+    deep = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3})
+    standin.install(deep, rank=RANK)
+    their_file(deep, tmp_path / "deep.ckpt")
+    with pytest.raises(ValueError, match=r"deep\.ckpt: a Stand-In LoRA for a 3-layer, 128-wide Wan on this 2-layer, "
+                                         r"128-wide model: load it on its base"):
+        infer.main(infer.InferConfig(**base, lora_low=str(tmp_path / "deep.ckpt")))

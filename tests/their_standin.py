@@ -3,11 +3,13 @@ weights of a diffusers WanTransformer3DModel: the reference a2.standin is tested
 
 Read from WeChatCV/Stand-In cceec58 (models/wan_video_dit.py: precompute_freqs_cis (positions from -1), rope_apply,
 RMSNorm, LoRALinearLayer, SelfAttention.forward, CrossAttention, DiTBlock.forward, Head; pipelines/wan_video.py:
-model_fn_wan_video and WanVideoPipeline.__call__'s loop). Their module names on diffusers' weights: self_attn.{q,k,v,o}
-= attn1.{to_q,to_k,to_v,to_out.0}, norm_q/norm_k = attn1.norm_q/norm_k, cross_attn = attn2, their norm3 (affine,
-before cross-attention) = diffusers' norm2, their norm2 (before the FFN) = diffusers' norm3, modulation =
-scale_shift_table, ffn.{0,2} = ffn.net.{0.proj,2}, time_embedding = condition_embedder.time_embedder, time_projection
-= its act_fn + time_proj, text_embedding = its text_embedder, head = norm_out + proj_out + scale_shift_table.
+model_fn_wan_video, encode_ip_image, WanVideoUnit_NoiseInitializer, BasePipeline.generate_noise and
+WanVideoPipeline.__call__'s loop; schedulers/flow_match.py: FlowMatchScheduler; infer.py: its defaults). Their module
+names on diffusers' weights: self_attn.{q,k,v,o} = attn1.{to_q,to_k,to_v,to_out.0}, norm_q/norm_k =
+attn1.norm_q/norm_k, cross_attn = attn2, their norm3 (affine, before cross-attention) = diffusers' norm2, their norm2
+(before the FFN) = diffusers' norm3, modulation = scale_shift_table, ffn.{0,2} = ffn.net.{0.proj,2}, time_embedding =
+condition_embedder.time_embedder, time_projection = its act_fn + time_proj, text_embedding = its text_embedder, head =
+norm_out + proj_out + scale_shift_table.
 
 wan_numerics=True computes as Stand-In does where original Wan and diffusers round differently: the sinusoidal time
 embedding in float64 (cast to float32), RoPE as a complex128 product (cast to float32), RMSNorm as x * rsqrt(mean(x^2)
@@ -20,6 +22,7 @@ the number of rows (CPU kernels block them; here the reference rows do), which i
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import get_1d_rotary_pos_embed, get_timestep_embedding
@@ -191,3 +194,62 @@ def their_sampling(model_fn, latents, ip_latent, text, negative, sigmas, cfg: fl
         nega = model_fn(latents, t, negative)
         latents = latents + (nega + cfg * (posi - nega)) * (sigmas[k + 1] - sigma)
     return latents
+
+
+# WanVideoPipeline.__call__ defaults as Stand-In's infer.py calls it: 20 steps (its --num_inference_steps), sigma_shift
+# 5, cfg_scale 5, switch_DiT_boundary 0.875 (Wan 2.2 A14B: dit for timesteps >= 875, dit2 below)
+STEPS, SHIFT, CFG, BOUNDARY = 20, 5.0, 5.0, 0.875
+
+
+def flow_match_sigmas(steps: int, shift: float = SHIFT) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlowMatchScheduler(shift=5, sigma_min=0.0, extra_one_step=True).set_timesteps(steps, denoising_strength=1,
+    shift=shift): float32 torch arithmetic throughout. Returns (sigmas, timesteps = 1000·sigmas)."""
+    sigma_min, sigma_max = 0.0, 1.0
+    sigma_start = sigma_min + (sigma_max - sigma_min) * 1.0
+    sigmas = torch.linspace(sigma_start, sigma_min, steps + 1)[:-1]
+    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    return sigmas, sigmas * 1000
+
+
+@torch.no_grad()
+def their_pipeline(dits, vae, ip_image, text, negative, num_frames: int, height: int, width: int, steps: int = STEPS,
+                   seed: int = 0, cfg: float = CFG, shift: float = SHIFT, boundary: float = BOUNDARY) -> dict:
+    """WanVideoPipeline.__call__(prompt, negative_prompt, seed, ip_image, num_inference_steps) on a T2V model in
+    float32 (their torch_dtype): dits = [model_fn] (Wan 2.1) or [dit, dit2] (Wan 2.2 A14B), each a TheirStandIn with
+    its own per-block cache; ip_image the PIL image FaceProcessor would return (here any RGB image); text / negative
+    the (1, 512, C) prompt states. Returns condition (the reference latent), initial (the noise), latents (the final
+    ones) and calls: every model_fn call's (latents, timestep, context, ip_latent or None, dit index)."""
+    # encode_ip_image: /255 as float32, cast to the pipeline dtype, *2 - 1, VAE posterior mean, normalised
+    x = torch.tensor(np.array(ip_image)).permute(2, 0, 1).float() / 255.0
+    x = x.unsqueeze(1).unsqueeze(0).to(dtype=torch.float32) * 2 - 1  # (1, 3, 1, H, W)
+    mu = vae.encode(x).latent_dist.mean
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    ip = (mu - mean) * scale
+    sigmas, timesteps = flow_match_sigmas(steps, shift)
+    # WanVideoUnit_NoiseInitializer + generate_noise: a CPU generator (rand_device="cpu"), float32, then the dtype
+    shape = (1, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)
+    latents = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), device="cpu",
+                          dtype=torch.float32).to(torch.float32)
+    initial = latents.clone()
+    which, ip_arg, calls = 0, ip, []
+    for progress_id, timestep in enumerate(timesteps):
+        if timestep.item() < boundary * 1000 and len(dits) > 1 and which == 0:
+            which, ip_arg = 1, ip  # dit2 gets the reference once: its own cache
+        timestep = timestep.unsqueeze(0).to(dtype=torch.float32)
+        calls.append((latents, timestep, text, ip_arg, which))
+        posi = dits[which](latents, timestep, text, ip_arg)
+        ip_arg = None
+        if cfg != 1.0:
+            calls.append((latents, timestep, negative, None, which))
+            nega = dits[which](latents, timestep, negative)
+            noise_pred = nega + cfg * (posi - nega)
+        else:
+            noise_pred = posi
+        # FlowMatchScheduler.step(noise_pred, timesteps[progress_id], latents)
+        t = timesteps[progress_id]
+        timestep_id = torch.argmin((timesteps - t).abs())
+        sigma = sigmas[timestep_id]
+        sigma_ = 0 if timestep_id + 1 >= len(timesteps) else sigmas[timestep_id + 1]
+        latents = latents + noise_pred * (sigma_ - sigma)
+    return dict(condition=ip, initial=initial, latents=latents, calls=calls)
