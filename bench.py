@@ -36,7 +36,7 @@ import tyro
 
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
-from config import height_width
+from config import OnOffAuto, height_width, resolve_compile
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -89,8 +89,9 @@ class BenchConfig:
     """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
     fp8_matmul: bool = False
     """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
-    compile: bool = False
-    """torch.compile the transformer blocks (regional compilation)."""
+    compile: OnOffAuto = None
+    """torch.compile the transformer blocks (regional compilation); default: on with CUDA, off on the CPU (as
+    train_a2.py); --compile False: eager."""
     attention_backend: str | None = None
     """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -279,20 +280,29 @@ def loop_overhead(run_dir: str, bench_s: float) -> dict:
     return dict(train_s_per_step=s, loop_overhead=s / bench_s - 1)
 
 
-def dry_run(b: BenchConfig) -> bool:
-    """bench.py --dry-run (BenchConfig.dry_run): True if the traced step fits the card."""
-    from a2.memory import model_bytes, plan_memory
+def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
+    """bench.py --dry-run (BenchConfig.dry_run): the plan of the whole model at the real token count, traced
+    (a2/trace.py) on the model with `layers` blocks (default all; fewer: the plan's per-block choices carried over,
+    a2/memory.py cut_plan, and the estimate the cut plan's, since the rule is per block). b.compile as the GPU run
+    resolves it (None: on, as on CUDA): the plan is the compiled step's and the traced (eager) peak is also given in
+    the compiled accounting (a2/trace.py compiled_peak). Returns the plan, the traced plan, the tracer, the traced
+    model's estimates (GPU, pinned host), the compiled accounting (or None) and whether it fits the card."""
+    from a2.memory import cut_plan, model_bytes, plan_memory, step_estimate
+    from a2.trace import compiled_peak, report
     from a2.trace import dry_run as trace_dry_run
-    from a2.trace import report
 
     cfg = preset_config(b.preset, e2v=b.refs > 0)
+    n = cfg["num_layers"]
+    cut = {**cfg, "num_layers": layers or n}
+    compile = resolve_compile(b.compile, "cuda")  # as the GPU run resolves it
     budget = b.max_memory_gb or 80.0
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = b.batch * t_lat * (h // 2) * (w // 2)
     full = b.mode == "full"
+    got = {}
 
     def build():
-        model = random_transformer(cfg, torch.float32 if full else torch.bfloat16, "cpu")
+        model = random_transformer(cut, torch.float32 if full else torch.bfloat16, "cpu")
         if not full:
             from peft import LoraConfig
 
@@ -307,13 +317,16 @@ def dry_run(b: BenchConfig) -> bool:
         return model
 
     def plan_for(model):
+        got["bytes"] = model_bytes(model, full, False)  # the traced model's, for its estimate
         if b.memory == "manual":
-            return MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None,
+            plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None,
                               None, "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
-        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
-        return plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False), float("inf"),
-                           fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks,
-                           compile=b.compile)
+        else:  # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
+            plan = plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False, layers=n), float("inf"),
+                               fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks,
+                               compile=compile)
+        got["plan"] = plan
+        return cut_plan(plan, n, cut["num_layers"])
 
     def forward(model):
         x = torch.zeros(b.batch, cfg["in_channels"], t_lat, h, w)
@@ -324,11 +337,17 @@ def dry_run(b: BenchConfig) -> bool:
                         return_dict=False)[0]
         return out.float().pow(2).mean()
 
-    tracer, plan = trace_dry_run(build, plan_for, forward)
-    print(f"memory: {plan}")
-    lines, fits = report(tracer, plan, budget)
+    tracer, traced = trace_dry_run(build, plan_for, forward)
+    k = round(traced.checkpoint_fraction * cut["num_layers"])
+    estimate, host = (x / 2**30 for x in step_estimate(cut, tokens, got["bytes"], k, traced.save_attention,
+                                                        traced.offload, traced.fp8, traced.swap_blocks, compile))
+    compiled = compiled_peak(tracer, cut, tokens, cut["num_layers"] - k) / 2**30 if compile else None
+    print(f"memory: {got['plan']}" + (f"\n  traced with {cut['num_layers']} blocks: {traced.swap_blocks} swapped, "
+                                      f"~{estimate:.2f} GiB estimated" if layers else ""))
+    lines, fits = report(tracer, traced, budget, estimate, compiled)
     print("\n".join(lines))
-    return fits
+    return dict(plan=got["plan"], traced_plan=traced, tracer=tracer, estimate_gb=estimate, host_gb=host,
+                compiled_gb=compiled, fits=fits)
 
 
 def main(b: BenchConfig) -> dict:
@@ -367,14 +386,16 @@ def main(b: BenchConfig) -> dict:
                 p.data = p.data.float()
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = t_lat * (h // 2) * (w // 2)
-    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=b.compile)
+    compile = resolve_compile(b.compile, device.type)
+    print(f"blocks {'compiled' if compile else 'eager'}")
+    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=compile)
     if b.memory == "auto" and device.type == "cuda":
         plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device, **forced)
     else:
         plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None, None,
                           "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
     print(f"memory: {plan}")
-    for line in apply_plan(model, plan, device, b.compile, b.fp8_matmul):
+    for line in apply_plan(model, plan, device, compile, b.fp8_matmul):
         print(line)
     fraction, save = plan.checkpoint_fraction, plan.save_attention
     if device.type == "cuda" and b.max_memory_gb:  # a smaller card: the allocator may not go past it from here on
@@ -437,7 +458,7 @@ def main(b: BenchConfig) -> dict:
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                host_gb=host_rss() / 2**30, host_step_gb=(host_rss() - rss0) / 2**30, plan=str(plan),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
-    res.update(backend=b.attention_backend or "default", compile=b.compile, checkpointing=fraction,
+    res.update(backend=b.attention_backend or "default", compile=compile, checkpointing=fraction,
                save_attention=save and fraction > 0, offload=plan.offload, swap_blocks=plan.swap_blocks, fp8=plan.fp8,
                memory_cap_gb=b.max_memory_gb if device.type == "cuda" else None)
     if b.compare_run:
@@ -452,6 +473,6 @@ def main(b: BenchConfig) -> dict:
 if __name__ == "__main__":
     b = tyro.cli(BenchConfig)
     if b.dry_run:
-        raise SystemExit(0 if dry_run(b) else 3)
+        raise SystemExit(0 if dry_run(b)["fits"] else 3)
     check_backends(b) if b.check_backends else bench_opens2v(b) if b.opens2v else bench_loader(b) if b.data_root else \
         main(b)

@@ -106,6 +106,7 @@ from a2.transformer import (
     EXPERTS,
     TEXT_TOKENS,
     ModelInfo,
+    allow_recompiles,
     detect_model,
     expand_to_e2v,
     expert_sigma_range,
@@ -120,6 +121,7 @@ from config import (
     TrainConfig,
     dataset_configs,
     pair_elements,
+    resolve_compile,
     run_cli,
 )
 from data import (
@@ -191,6 +193,7 @@ class Run:
     compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
     sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
     cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
+    compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
     val_elements: bool = False  # --val-elements given
     val_every: int = 0  # --val-every
 
@@ -254,8 +257,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("--val-prompt is empty: validation videos need a prompt")
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
-               dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None, bool(cfg.val_elements),
-               cfg.val_every)
+               dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
+               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every)
 
 
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
@@ -275,7 +278,8 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
 def describe(run: Run) -> str:
     return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {run.layout.describe()} | "
             f"{str(run.compute_dtype)[6:]} frozen weights"
-            + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else ""))
+            + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else "")
+            + f" | blocks {'compiled' if run.compile else 'eager'}")
 
 
 # ---------------------------------------------------------------- data position
@@ -417,7 +421,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
     tokens = cfg.micro_batch * run.info.latent_tokens(run.layout.model_frames, h, w)  # incontext: with the refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks,
-                          compile=cfg.compile)
+                          compile=run.compile)
     return replace(plan, why=f"--memory auto: {plan.why}")
 
 
@@ -425,26 +429,29 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     """--dry-run (TrainConfig.dry_run): the step's memory at real size without a GPU or weights (a2/trace.py),
     planned by the rule for a --max-memory-gb card (80 by default). Exits 3 when the traced peak does not fit."""
     from a2.memory import model_bytes, plan_memory
+    from a2.trace import compiled_peak, report
     from a2.trace import dry_run as trace_step
-    from a2.trace import report
 
     layout = run.layout
     if layout.kind not in ("prefix", "inplace", "t2v") or run.info.ti2v or cfg.fsdp:
         raise ConfigError(f"--dry-run traces the prefix, inplace and t2v kinds without --fsdp, not {layout.kind}")
-    run = replace(run, compute_dtype=torch.bfloat16)  # as on CUDA with --mixed-precision bf16
+    # as on CUDA: bf16 with --mixed-precision bf16, the blocks compiled unless --compile False
+    run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.compile, "cuda"))
     h, w = cfg.resolution
     b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
+    tokens = b * run.info.latent_tokens(layout.model_frames, h, w)
+    config = {}
 
     def plan_for(model):
+        config.update(model.config)
         if cfg.memory == "manual":
             return memory_plan(cfg, run, model, torch.device("cpu"))
-        tokens = b * run.info.latent_tokens(layout.model_frames, h, w)
         # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
         plan = plan_memory(dict(model.config), tokens, budget * 2**30, model_bytes(model, full, False),
                            float("inf"), fp8=cfg.fp8_base, offload=cfg.offload_activations,
-                           swap_blocks=cfg.swap_blocks, compile=cfg.compile)
+                           swap_blocks=cfg.swap_blocks, compile=run.compile)
         return replace(plan, why=f"--memory auto: {plan.why}")
 
     def forward(model):
@@ -462,11 +469,14 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
 
     tracer, plan = trace_step(lambda: build_transformer(cfg, run, 0)[0], plan_for, forward)
     log(f"memory: {plan}")
-    lines, fits = report(tracer, plan, budget)
+    full_blocks = config["num_layers"] - round(plan.checkpoint_fraction * config["num_layers"])
+    compiled = compiled_peak(tracer, config, tokens, full_blocks) / 2**30 if run.compile else None
+    lines, fits = report(tracer, plan, budget, compiled_gb=compiled)
     log("\n".join(lines))
     if not fits:
         sys.exit(3)
-    return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30)
+    return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
+                compiled_gb=compiled)
 
 
 def meta_replica(transformer):
@@ -876,9 +886,10 @@ def lock_existing(run_dir: Path, lock: RunLock) -> None:
         lock.acquire()
 
 
-def place_transformer(cfg: TrainConfig, run: Run, rank: int, device):
+def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int):
     """build_transformer, sharded with --fsdp, then put in place by the memory plan (fp8, swapped blocks, the rest
-    on `device`, recomputation), decided before the weights move: where they go is part of it."""
+    on `device`, recomputation, compilation for `shapes` input shapes), decided before the weights move: where they
+    go is part of it."""
     transformer, rank0_weights = build_transformer(cfg, run, rank)
     if cfg.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
@@ -888,7 +899,9 @@ def place_transformer(cfg: TrainConfig, run: Run, rank: int, device):
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
     plan = memory_plan(cfg, run, transformer, device)
     log(f"memory: {plan}")
-    for line in apply_plan(transformer, plan, device, cfg.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
+    if run.compile:
+        allow_recompiles(shapes)
+    for line in apply_plan(transformer, plan, device, run.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
         log(line)
     if cfg.attention_backend:
         transformer.set_attention_backend(cfg.attention_backend)
@@ -1050,7 +1063,7 @@ def main(cfg: TrainConfig) -> dict:
     evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
-    transformer = place_transformer(cfg, run, rank, device)  # loaded, adapted, sharded, memory-planned, on device
+    transformer = place_transformer(cfg, run, rank, device, len(set(dataset.buckets)))  # planned, on device
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer

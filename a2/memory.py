@@ -1,21 +1,25 @@
 """GPU memory of a training step: an estimate of its peak, and the `--memory auto` rule built on it.
 
-The step's peak, on one rank, is taken as
+The step's peak, on one rank, is the larger of the forward's end and the recomputed blocks' backward:
     weights    what never leaves the GPU (weights outside the blocks, trainable weights, encoders left loaded,
                the allocator's share), plus each block's frozen weights: all n blocks in their dtype, or, with
                `fp8`, their linear weights as float8 with one fp32 scale per row (a2/fp8.py), or, with
-               `swap_blocks` s, n - s blocks resident and up to three swapped blocks on the device at once (the
-               one in use, the one being fetched, the one just released; a2/offload.py)
-  + state      fp32 gradients and AdamW's two moments of the trainable weights (12 bytes each), and for full
-               fine-tuning without FSDP autocast's bf16 copies of the weights, which live through the forward;
+               `swap_blocks` s, n - s blocks resident and up to three (at most s) swapped blocks on the device at
+               once (the one in use, the one being fetched, the one just released; a2/offload.py)
+  + state      AdamW's two moments of the trainable weights (8 bytes each), and in the backward their fp32
+               gradients (4 more; set to None after each step, so none in the forward); for full fine-tuning
+               without FSDP, in the forward, autocast's bf16 copies of the weights (they live through it);
   + saved      what the forward keeps for backward, per block, with L tokens, model dim d, FFN dim f, h heads:
                  recomputed block:            its input, 2·L·d bytes (bf16)
                  + with save_attention:       the self-attention output and log-sum-exp, 2·L·d + 4·L·h
-                 block not recomputed:        all its activations, L·(A·d + B·f) bytes
+                 block not recomputed:        all its activations, L·(A·d + B·f) bytes (eager: 1.8x); in the
+                                              backward of the recomputed blocks, freed already
                with `offload`, recomputed blocks' saved tensors go to pinned host memory as soon as they are made
                and come back one block ahead of their backward: two blocks' worth stays on the GPU;
-  + transient  one block's activations and their gradients while it is recomputed and back-propagated,
-               2·L·(A·d + B·f), plus (FSDP) two unsharded bf16 blocks (the current one and the prefetched one).
+  + transient  forward: the working set beyond what blocks keep, 4·L·f (an FFN hidden before and after GELU);
+               backward: one block's activations and their gradients while it is recomputed and back-propagated,
+               2·L·(A·d + B·f) (eager LoRA: + 2·L·(12d + 0.4f), peft's fp32 LoRA inputs); plus (FSDP) two
+               unsharded bf16 blocks (the current one and the prefetched one).
 A and B are per-token byte counts of a Wan block under bf16 autocast, measured on an H100 (bench.py, see the
 README's speed section): the FFN keeps its input and two f-wide tensors, the attention its projections, norms
 and RoPE'd queries/keys. Host (pinned) memory: the swapped blocks' weights and the offloaded activations.
@@ -44,18 +48,21 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ACT_PER_TOKEN_D = 24.0  # A: bytes per token per model dim of a block's activations (bf16 autocast)
 ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
-# eager blocks' transient is larger than a compiled block's (whose graph plans its buffers, what A and B were measured
-# on): Wan's fp32 residual adds, the fp32 q/k RMSNorm outputs CUDA autocast makes, peft's fp32 cast of each LoRA
-# input, attention's contiguous copies. Fitted to dry-run traces (a2/trace.py) of A2-14B (14.94 GiB) and Wan 1.3B
-# (5.76 GiB) at 81x480x832, LoRA, every block recomputed keeping attention; both bounded within 0.5%.
-EAGER_PER_TOKEN_D = 36.0
-EAGER_PER_TOKEN_F = 4.4
-# what an eager block that is not recomputed keeps, over a compiled one's L·(A·d + B·f): fitted to the dry-run trace of
-# Wan 1.3B full fine-tuning at 81x480x832 (18 such blocks kept 70.3 GiB, 1.76x), rounded up
+# eager LoRA blocks' transient is larger than a compiled block's (whose graph plans its buffers, what A and B were
+# measured on): peft casts each LoRA input to fp32 and keeps it for the LoRA weights' gradients, 2·L·(12d + 0.4f)
+# more, fitted to dry-run traces (a2/trace.py) of A2-14B (14.94 GiB) and Wan 1.3B (5.76 GiB) at 81x480x832, every
+# block recomputed keeping attention; eager full fine-tuning's traced transient is the compiled term's (4.48 GiB vs
+# 4.44 for Wan 1.3B)
+EAGER_LORA_PER_TOKEN_D = 12.0
+EAGER_LORA_PER_TOKEN_F = 0.4
+# the forward's working set beyond what blocks keep: about one FFN hidden before and after its GELU (bf16, 2·L·f
+# each); the peak of a step whose blocks are not all recomputed falls at the forward's end (1.3B full fine-tuning's
+# trace: 0.95 GiB at 32,760 tokens, 4·L·f = 1.09)
+FORWARD_PER_TOKEN_F = 4.0
 EAGER_FULL_KEPT = 1.8
 HEAD_PER_TOKEN_D = 4.0  # the output norm's fp32 input, kept for backward once per step (not per block)
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
@@ -132,22 +139,29 @@ def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, s
                   offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
                   compile: bool = False) -> tuple[float, float]:
     """(GPU peak, pinned host bytes) of the step under a plan (module docstring); compile: the blocks are compiled
-    (their transient is smaller than eager blocks')."""
+    (their transient is smaller than eager LoRA blocks', and what a block not recomputed keeps is less). The peak
+    is the larger of two: the forward's end (everything the blocks keep, the optimizer's moments but no gradients
+    yet, autocast's weight copies, the forward's working set) and the recomputed blocks' backward (what they keep,
+    the gradients, one block's recomputation and backward). In between, the backward through blocks not
+    recomputed frees what they kept as it makes their gradients (the dry-run traces)."""
     b = block_bytes(config, tokens)
     n = config["num_layers"]
     per_block = m.block_fp8 if fp8 else m.block
-    weights = m.fixed + (n - swap_blocks) * per_block + (3 * per_block if swap_blocks else 0)
-    kept = b["save" if save_attention else "ckpt"]
-    full = b["full"] * (1.0 if compile else EAGER_FULL_KEPT)
-    saved = (min(2, checkpointed) if offload else checkpointed) * kept + (n - checkpointed) * full
+    weights = m.fixed + (n - swap_blocks + min(3, swap_blocks)) * per_block
+    kept = (min(2, checkpointed) if offload else checkpointed) * b["save" if save_attention else "ckpt"]
+    full = (n - checkpointed) * b["full"] * (1.0 if compile else EAGER_FULL_KEPT)
     d = config["num_attention_heads"] * config["attention_head_dim"]
-    transient = 2 * b["full"] if compile else 2.0 * tokens * (EAGER_PER_TOKEN_D * d + EAGER_PER_TOKEN_F
-                                                               * config["ffn_dim"])
-    gpu = (weights + 12.0 * m.trainable + 2.0 * m.full_weights + saved + HEAD_PER_TOKEN_D * tokens * d + transient
-           + 2 * m.fsdp_block)
+    transient = 2 * b["full"]
+    if not compile and m.lora:
+        transient += 2.0 * tokens * (EAGER_LORA_PER_TOKEN_D * d + EAGER_LORA_PER_TOKEN_F * config["ffn_dim"])
+    head = HEAD_PER_TOKEN_D * tokens * d
+    forward = (weights + 8.0 * m.trainable + 2.0 * m.full_weights + kept + full + head
+               + FORWARD_PER_TOKEN_F * tokens * config["ffn_dim"])
+    backward = weights + 12.0 * m.trainable + kept + head + transient if checkpointed else 0.0
+    forward, backward = forward + 2 * m.fsdp_block, backward + 2 * m.fsdp_block  # FSDP: this block, the next one
     # offloaded tensors take torch's pinned caching allocator's blocks: each rounded up to a power of two
     host = swap_blocks * per_block + (checkpointed * pinned_bytes(config, tokens, save_attention) if offload else 0)
-    return gpu, host
+    return max(forward, backward), host
 
 
 def ladder(n: int, lora: bool, offload: bool = True):
@@ -207,14 +221,24 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
                       "--fsdp over more GPUs", off, swap, f8, host / GB)
 
 
+def cut_plan(plan: MemoryPlan, n: int, layers: int) -> MemoryPlan:
+    """A plan for n blocks carried to the same model cut to `layers` blocks (a dry run traced per block): the
+    recomputed fraction kept (configure_blocks rounds it), swapped blocks in proportion, at least one when the
+    plan swaps any and one resident when it keeps any."""
+    s = plan.swap_blocks
+    swap = 0 if not s else layers if s == n else max(1, min(layers - 1, round(s * layers / n)))
+    return replace(plan, swap_blocks=swap)
+
+
 def fp8_bytes(weight) -> float:
     """Bytes of a frozen linear weight stored as float8 with one fp32 scale per output row (a2/fp8.py)."""
     return weight.numel() + 4.0 * weight.shape[0]
 
 
-def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0) -> ModelBytes:
+def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int | None = None) -> ModelBytes:
     """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not). other: bytes allocated on
-    the GPU besides the transformer (encoders)."""
+    the GPU besides the transformer (encoders); layers: the bytes of the same model with this many blocks, each
+    like the mean of its own (a dry run's model cut to a few blocks, planned as the whole)."""
     import torch
 
     def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
@@ -224,9 +248,15 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0) -> ModelBytes
         t = local(t)
         return t.numel() * t.element_size()
 
+    n = len(model.blocks)
+    scale = (layers or n) / n  # of what is in the blocks
     in_blocks = {id(t) for b in model.blocks for t in [*b.parameters(), *b.buffers()]}
+
+    def count(tensors, size):  # size of `tensors`, those in the blocks scaled to `layers` blocks
+        return sum(size(t) * (scale if id(t) in in_blocks else 1.0) for t in tensors)
+
     trainable = [p for p in model.parameters() if p.requires_grad]
-    fixed = other + sum(nbytes(p) for p in trainable)
+    fixed = other + count(trainable, nbytes)
     fixed += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
                  and not t.requires_grad)
     block = block_fp8 = 0.0
@@ -237,10 +267,9 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0) -> ModelBytes
                   and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
         block_fp8 += sum(nbytes(t) for i, t in frozen.items() if i not in linear)
         block_fp8 += sum(fp8_bytes(local(t)) for t in linear.values())
-    n = len(model.blocks)
     return ModelBytes(fixed=fixed, block=block / n, block_fp8=block_fp8 / n,
-                      trainable=sum(local(p).numel() for p in trainable),
-                      full_weights=sum(p.numel() for p in model.parameters()) if full and not fsdp else 0,
+                      trainable=round(count(trainable, lambda p: local(p).numel())),
+                      full_weights=round(count(model.parameters(), torch.Tensor.numel)) if full and not fsdp else 0,
                       fsdp_block=2.0 * sum(p.numel() for p in model.blocks[0].parameters()) if fsdp else 0.0,
                       lora=not full)
 

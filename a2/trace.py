@@ -172,6 +172,7 @@ class _Storage:
     op: str  # the op that made it
     tag: str | None = None  # weights | state | swapped | kept | host (the copies of a2/offload.py)
     alive: bool = True
+    full_block: bool = False  # made in the forward of a block that is not recomputed
 
 
 @dataclass
@@ -196,6 +197,10 @@ class Peak:
             if _category(s) == category:
                 out[s.op] = out.get(s.op, 0) + s.nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def kept_by_full_blocks(self) -> int:
+        """The bytes at the peak that blocks not recomputed keep for backward."""
+        return sum(s.nbytes for s in self.dynamic if s.full_block and _category(s) == "kept")
 
 
 def _category(s: _Storage) -> str:
@@ -222,6 +227,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "setup"
         self.peak = Peak()
         self.host_peak = 0  # pinned host bytes, the most at once
+        self.in_full_block = False  # the forward of a block that is not recomputed is running (the driver's hooks)
 
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -253,7 +259,7 @@ class LiveBytes(TorchDispatchMode):
                 tag = "swapped" if origin.phase == "setup" else "kept"
             elif origin is not None and origin.phase == "setup":  # a cast of a weight (autocast's, fp8's) is of
                 tag = origin.tag  # its category
-        info = _Storage(nbytes, where, self.phase, op, tag)
+        info = _Storage(nbytes, where, self.phase, op, tag, full_block=self.in_full_block and self.phase == "forward")
         self.storages[st] = info
         weakref.finalize(st, self._free, info)
         self.live[where] += nbytes
@@ -345,27 +351,53 @@ def dry_run(build, plan_for, forward, steps: int = 2) -> tuple[LiveBytes, object
         model = build()
         plan = plan_for(model)
         apply_plan(model, plan, torch.device("cpu"))
+        for block in model.blocks:  # what blocks not recomputed keep: the compiled accounting replaces it
+            if not block.recomputed:
+                block.register_forward_pre_hook(lambda *_: setattr(tracer, "in_full_block", True))
+                block.register_forward_hook(lambda *_: setattr(tracer, "in_full_block", False))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
         trace_steps(tracer, model, opt, lambda: forward(model), steps)
     return tracer, plan
 
 
-def report(tracer: LiveBytes, plan, budget_gb: float) -> tuple[list[str], bool]:
-    """What a dry run prints: the traced device peak by category beside the plan's estimate, the pinned host
-    memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see (module
-    docstring). Returns (lines, fits)."""
+def compiled_peak(tracer: LiveBytes, config: dict, tokens: int, full_blocks: int) -> int:
+    """The compiled accounting of an eager trace (a compiled block's graph cannot be traced on fake tensors here):
+    the traced peak with what the `full_blocks` blocks not recomputed keep replaced by a compiled block's keep,
+    L·(24d + 4f) each, and, when the peak is in the backward, the eager transient at the peak replaced by a compiled
+    block's recomputation and backward, 2·L·(24d + 4f) (a2/memory.py block_bytes). Those compiled terms are the H100
+    measurement (bench.py), not a trace. A forward peak keeps its eager working set (a compiled forward's, fused,
+    is taken to be no larger; not measured)."""
+    from a2.memory import block_bytes
+
+    full = block_bytes(config, tokens)["full"]
+    peak = tracer.peak.total - tracer.peak.kept_by_full_blocks() + full_blocks * full
+    if tracer.peak.phase == "backward":
+        peak += 2 * full - tracer.peak.by_category()["transient"]
+    return round(peak)
+
+
+def report(tracer: LiveBytes, plan, budget_gb: float, estimate_gb: float | None = None,
+           compiled_gb: float | None = None) -> tuple[list[str], bool]:
+    """What a dry run prints: the traced device peak by category beside the plan's estimate (or `estimate_gb`), the
+    pinned host memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see
+    (module docstring): the traced peak, or with compiled blocks (`compiled_gb`: compiled_peak) that accounting.
+    Returns (lines, fits)."""
     from a2.memory import HOST_MARGIN, MARGIN, MARGIN_GB
 
     cats = tracer.peak.by_category()
     usable = budget_gb * (1 - MARGIN) - MARGIN_GB
     peak = tracer.peak.total / GB
-    fits = peak <= usable
-    est = "" if plan.estimate_gb is None else f" (plan's estimate {plan.estimate_gb:.2f} GiB)"
+    fits = (peak if compiled_gb is None else compiled_gb) <= usable
+    estimate_gb = plan.estimate_gb if estimate_gb is None else estimate_gb
+    est = "" if estimate_gb is None else f" (plan's estimate {estimate_gb:.2f} GiB)"
     lines = [f"dry run: peak device memory {peak:.2f} GiB in the {tracer.peak.phase}{est}, eager",
-             "  " + ", ".join(f"{c} {cats[c] / GB:.2f}" for c in CATEGORIES) + " GiB",
-             f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f}): the GPU machine needs "
-             f"{tracer.host_peak / GB / HOST_MARGIN:.1f} GiB of available RAM for it",
-             f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "
-             f"GiB for fragmentation, cuBLAS/cuDNN workspaces, compile's buffers and the CUDA context (not traced) "
-             f"= {usable:.2f} GiB usable"]
+             "  " + ", ".join(f"{c} {cats[c] / GB:.2f}" for c in CATEGORIES) + " GiB"]
+    if compiled_gb is not None:
+        lines.append(f"  compiled blocks: {compiled_gb:.2f} GiB (the eager transient and unrecomputed blocks' keep "
+                     "replaced by a compiled block's, measured on an H100, not traced)")
+    lines += [f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f}): the GPU machine "
+              f"needs {tracer.host_peak / GB / HOST_MARGIN:.1f} GiB of available RAM for it",
+              f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "
+              f"GiB for fragmentation, cuBLAS/cuDNN workspaces, compile's buffers and the CUDA context (not traced) "
+              f"= {usable:.2f} GiB usable"]
     return lines, fits

@@ -741,6 +741,16 @@ def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 
         block.forward = torch.compile(forward, fullgraph=True) if compile else forward
 
 
+def allow_recompiles(shapes: int) -> None:
+    """Let compiled blocks recompile for each of a run's `shapes` input shapes (buckets), with and without grad
+    (validation, eval loss), before torch._dynamo's recompile limit (8), past which it runs the block eager,
+    silently, in a memory plan made for compiled blocks. A limit rather than dynamic shapes: the static graphs are
+    what was measured (speed and memory, README), and automatic dynamic shapes already fold some shape changes."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * shapes + 8)
+
+
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""

@@ -26,14 +26,17 @@ A2_LORA, WAN_LORA = lora_bytes(A2_14B), lora_bytes(WAN_13B, fixed_gb=0.5)
 
 
 def test_prefers_the_least_recomputation_that_fits():
-    # A2-14B LoRA on 80 GB, compiled: every block recomputed, keeping self-attention (measured on an H100: 68.3 GB
-    # peak); eager blocks' larger transient needs the next rung (offload) for the same
+    # A2-14B LoRA on 80 GB, compiled: (nearly) every block recomputed, keeping self-attention (measured on an H100
+    # with all 40: 68.3 GB peak; the last blocks' activations are freed before the recomputed blocks' backward, so
+    # 38 fit); eager blocks' larger transient needs the next rung (offload)
     plan = plan_memory(A2_14B, L480, 78 * GB, A2_LORA, compile=True)
-    assert (plan.checkpoint_fraction, plan.save_attention, plan.offload, plan.fp8, plan.swap_blocks) == \
-        (1.0, True, False, False, 0) and 68.3 < plan.estimate_gb < 75 and plan.host_gb == 0
+    assert (plan.save_attention, plan.offload, plan.fp8, plan.swap_blocks) == (True, False, False, 0), plan
+    assert 0.9 <= plan.checkpoint_fraction < 1 and 65 < plan.estimate_gb <= 78 * 0.92 - 1 and plan.host_gb == 0
+    every, _ = step_estimate(A2_14B, L480, A2_LORA, 40, True, compile=True)
+    assert 68.3 < every / GB < 72  # the measured plan: the estimate bounds the H100's peak within 5%
     eager = plan_memory(A2_14B, L480, 78 * GB, A2_LORA)
     assert (eager.checkpoint_fraction, eager.save_attention, eager.offload) == (1.0, True, True)
-    assert "with --compile: recompute 100% of the blocks keeping self-attention" in eager.why, eager.why
+    assert "with --compile: recompute 95% of the blocks keeping self-attention" in eager.why, eager.why
     # a larger budget: fewer blocks recomputed; a tiny shape: none
     big = plan_memory(A2_14B, L480, 140 * GB, A2_LORA, compile=True)
     assert 0 < big.checkpoint_fraction < 1 and big.save_attention
