@@ -420,8 +420,8 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
     h, w = cfg.resolution
     tokens = cfg.micro_batch * run.info.latent_tokens(run.layout.model_frames, h, w)  # incontext: with the refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
-                          fp8=cfg.fp8_base, offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks,
-                          compile=run.compile)
+                          ema=cfg.ema_decay > 0, fp8=cfg.fp8_base, offload=cfg.offload_activations,
+                          swap_blocks=cfg.swap_blocks, compile=run.compile)
     return replace(plan, why=f"--memory auto: {plan.why}")
 
 
@@ -449,9 +449,9 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         if cfg.memory == "manual":
             return memory_plan(cfg, run, model, torch.device("cpu"))
         # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
-        plan = plan_memory(dict(model.config), tokens, budget * 2**30, model_bytes(model, full, False),
-                           float("inf"), fp8=cfg.fp8_base, offload=cfg.offload_activations,
-                           swap_blocks=cfg.swap_blocks, compile=run.compile)
+        m = model_bytes(model, full, False, ema=cfg.ema_decay > 0)
+        plan = plan_memory(dict(model.config), tokens, budget * 2**30, m, float("inf"), fp8=cfg.fp8_base,
+                           offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks, compile=run.compile)
         return replace(plan, why=f"--memory auto: {plan.why}")
 
     def forward(model):

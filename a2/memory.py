@@ -235,10 +235,12 @@ def fp8_bytes(weight) -> float:
     return weight.numel() + 4.0 * weight.shape[0]
 
 
-def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int | None = None) -> ModelBytes:
+def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int | None = None,
+                ema: bool = False) -> ModelBytes:
     """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not). other: bytes allocated on
     the GPU besides the transformer (encoders); layers: the bytes of the same model with this many blocks, each
-    like the mean of its own (a dry run's model cut to a few blocks, planned as the whole)."""
+    like the mean of its own (a dry run's model cut to a few blocks, planned as the whole); ema: --ema-decay keeps a
+    copy of the trainable weights in their dtype (a2/ema.py), resident like them."""
     import torch
 
     def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
@@ -256,7 +258,7 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int |
         return sum(size(t) * (scale if id(t) in in_blocks else 1.0) for t in tensors)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    fixed = other + count(trainable, nbytes)
+    fixed = other + count(trainable, nbytes) * (2 if ema else 1)
     fixed += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
                  and not t.requires_grad)
     block = block_fp8 = 0.0
@@ -284,7 +286,8 @@ def host_available() -> float:
 
 
 def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device,
-                   **forced) -> MemoryPlan:  # forced: plan_memory's fp8, offload, swap_blocks, compile
+                   ema: bool = False, **forced) -> MemoryPlan:  # forced: plan_memory's fp8, offload, swap_blocks,
+    #                                                              compile
     """plan_memory for a transformer before its weights move to the GPU (or already there, or sharded): the
     transformer's bytes are counted from its tensors, everything else allocated on the device is resident; the
     budget is what this process holds plus the device's free memory, or max_memory_gb. forced: plan_memory's."""
@@ -296,8 +299,8 @@ def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, 
     on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
     other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
     budget = max_memory_gb * GB if max_memory_gb else free + torch.cuda.memory_reserved(device)
-    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other), host_available(),
-                       **forced)
+    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other, ema=ema),
+                       host_available(), **forced)
 
 
 def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmul: bool = False) -> list[str]:

@@ -126,6 +126,9 @@ def test_model_bytes_counts_a_lora_model():
     outside = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if not n.startswith("blocks.") and not t.requires_grad)  # embeddings, head, RoPE tables
     assert m.fixed == pytest.approx(123.0 + outside + 4 * m.trainable)
+    # --ema-decay: one more copy of the trainable weights (fp32 here), where they are
+    ema = model_bytes(model, full=False, fsdp=False, other=123.0, ema=True)
+    assert ema.fixed - m.fixed == pytest.approx(4 * m.trainable) and ema.trainable == m.trainable
 
 
 def test_flags_force_pieces_on_and_the_rule_plans_the_rest():
