@@ -272,3 +272,60 @@ def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):
     rec = [json.loads(line) for line in (full["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in rec if "loss" in x]
     assert losses and all(torch.isfinite(torch.tensor(v)) for v in losses)
+
+
+# ---------------------------------------------------------------- an a2 LoRA in MAGREF's checkpoint
+
+
+def test_a2_lora_in_magrefs_checkpoint(tmp_path):
+    """A LoRA trained in a2 on MAGREF (peft on diffusers names, train_a2.py's default targets: attention with the
+    image K/V, FFN) and exported by a2/lora.py: MAGREF's code loads no LoRA; its original-key file (ComfyUI's / Wan's
+    loaders) merged into MAGREF's original-Wan checkpoint as W + up·down and read back gives a2's forward within 1e-5
+    of its largest value (merging re-associates (W + BA)x as Wx + B(Ax) in float32: a few ulps per product, through 2
+    blocks); diffusers' loader of the same file gives it bit for bit.
+
+    MAGREF's own class (magref/modules/model.py WanModel, MAGREF-Video/MAGREF e3c71b2) was run once outside the suite
+    (tests/their_magref_check.py: it needs their code, which calls flash_attention directly, and that asserts CUDA;
+    attention replaced by float32 SDPA with their k_lens mask; CLIP width 1280, hard-coded in their MLPProj, else
+    these tiny shapes, random weights): the merged checkpoint loads into it strictly, and its forward against a2's
+    peft forward differs by max 3.0e-6 with the LoRA and 3.3e-6 without (outputs of max 2.23: 1.4e-6 relative),
+    where the LoRA moves the output by 0.062; float32 rounding of a different order of operations (their float64
+    sinusoid and complex128 RoPE are not it: either computed in float32 leaves 3.2e-6), on this 2-core CPU."""
+    import copy
+
+    from diffusers.loaders import WanLoraLoaderMixin
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from a2.lora import export_lora
+    from a2.tiny import model_path
+    from a2.transformer import load_transformer
+    from config import LORA_TARGETS
+    from tests.test_released_models import merged_original
+
+    d = model_path("tiny-magref")
+    model = load_transformer(d)
+    torch.manual_seed(0)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))  # scale 1: the loaders' convention
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(1, 36, 3, 4, 6, generator=g), torch.tensor([700])  # noisy | mask | canvas latents
+    text, image = torch.randn(1, 512, 32, generator=g), torch.randn(1, 257, 32, generator=g)
+
+    def forward(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=t, encoder_hidden_states=text, encoder_hidden_states_image=image,
+                     return_dict=False)[0]
+
+    want = forward(model)
+    _, comfy_file = export_lora(tmp_path, model)
+    assert {"diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight",
+            "diffusion_model.blocks.1.cross_attn.v_img.lora_up.weight"} <= load_file(comfy_file).keys()  # Wan's names
+    got = forward(merged_original(d, comfy_file))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    assert (got - forward(load_transformer(d))).abs().max() > 1e-3  # the LoRA matters
+    m = copy.deepcopy(load_transformer(d))  # owned storage, as in test_released_models
+    m.load_lora_adapter(WanLoraLoaderMixin.lora_state_dict(str(comfy_file)), prefix="transformer")
+    assert torch.equal(forward(m), want)
