@@ -337,6 +337,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     if kind == "magref" and not info.e2v:
         raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
+    if kind == "magref":
+        check_canvas([e.name for e in elements], vae.resolution)
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
     if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
@@ -364,6 +366,26 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
                            per_token=info.ti2v)
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
+
+
+def check_canvas(names: list[str], size: tuple[int, int]) -> None:
+    """MAGREF's canvas of the video's size=(height, width) holds the elements: at most 8, and each, framed to the
+    video's size first (every element's VAE preprocess gives that size), at least a token (16 px) on each side once
+    fitted into its block. Otherwise a ConfigError naming the elements and the fix."""
+    from a2.pipeline import MAGREF_GRIDS, MAGREF_MIN_SIDE, magref_blocks, magref_fit
+
+    def smallest(n):  # the smallest side of an element on a canvas of n
+        return min(min(magref_fit(size[::-1], (x1 - x0, y1 - y0))) for x0, y0, x1, y1 in magref_blocks(n, size))
+
+    n, most = len(names), max(MAGREF_GRIDS)
+    if n > most:
+        raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
+                          f"grid), got {n}: keep at most {most}")
+    if smallest(n) < MAGREF_MIN_SIDE:
+        fits = [k for k in range(1, n) if smallest(k) >= MAGREF_MIN_SIDE]
+        raise ConfigError(f"elements {', '.join(names)}: each is framed to the {size[0]}x{size[1]} video first, and "
+                          f"on MAGREF's canvas of {n} it is {smallest(n)} px on a side, under {MAGREF_MIN_SIDE} (one "
+                          "token): raise the resolution" + (f" or use at most {fits[-1]} elements" if fits else ""))
 
 
 def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:

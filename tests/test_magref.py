@@ -232,7 +232,7 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     with pytest.raises(ConfigError, match=r"16 input channels: reference_layout magref is MAGREF's Wan I2V layout"):
         train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
     cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), reference_layout="magref", num_frames=9,
-                      resolution=(32, 64), device="cpu", cache_dir=str(tmp_path / "c"))
+                      resolution=(48, 48), device="cpu", cache_dir=str(tmp_path / "c"))  # 3 elements: 16 px each
     layout = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout  # a cache too
     assert (layout.kind, layout.clip_frames, layout.ref_latents, layout.use_clip) == ("magref", 8, 1, True)
     assert layout.cacheable
@@ -242,6 +242,41 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
 
 
 MAGREF_ELEMENTS = ("subject=_person.png:repeat=1", "object=_object.png:repeat=1")
+
+
+def test_a_canvas_that_cannot_hold_the_elements_is_refused_before_loading(data_dir, monkeypatch):
+    """Every element reaches the canvas framed to the video's size, so whether MAGREF's canvas holds them depends on
+    their count and the size alone: the plan (train_a2.py, infer.py) refuses more than 8, or elements under a token
+    once placed, in one line naming them and the fix, before any weights load."""
+    from dataclasses import replace
+
+    import infer
+    import train_a2
+    from a2.pipeline import A2Pipeline
+    from config import ConfigError, TrainConfig, dataset_configs
+
+    def plan(cfg):
+        return train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+
+    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), reference_layout="magref", num_frames=9,
+                      resolution=(32, 32), device="cpu")  # A2's three elements side by side: 10x10 px each
+    with pytest.raises(ConfigError, match=r"^elements subject, object, background: each is framed to the 32x32 "
+                                          r"video first, .* 10 px on a side, under 16 .*use at most 2 elements$"):
+        plan(cfg)
+    assert plan(replace(cfg, resolution=(48, 48))).layout.kind == "magref"  # 16x16 px each
+    nine = tuple(f"e{i}=_e{i}.png" for i in range(9))
+    with pytest.raises(ConfigError, match=r"^elements e0, e1, .*, e8: MAGREF's canvas places at most 8 .*got 9: "
+                                          r"keep at most 8$"):
+        plan(replace(cfg, elements=nine, resolution=(480, 832)))
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(A2Pipeline, "from_pretrained", no_loading)
+    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
+    with pytest.raises(ConfigError, match=r"^elements ref0, ref1, ref2: each is framed to the 32x32 video first"):
+        infer.main(infer.InferConfig(model="tiny-magref", elements=els, height=32, width=32, num_frames=9,
+                                     device="cpu", reference_layout="magref"))
 
 
 def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):
