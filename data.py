@@ -653,8 +653,9 @@ class E2VDataset(torch.utils.data.Dataset):
                 text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
                 text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
                 return dict(index=idx, id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text,
-                            clip=c.get("clip"), element_names=names, repeats=tuple(e.repeat for e in elements),
-                            bucket=(frames, h, w, names), video_shape=(3, frames, h, w),
+                            clip=c.get("clip"), region=c.get("region"), element_names=names,
+                            repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
+                            video_shape=(3, frames, h, w),
                             ref_shape=(len(elements), 3, h, w))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
@@ -697,6 +698,7 @@ def collate(items: list[dict]) -> dict:
                                 for k in range(len(items[0]["posteriors"]))],  # per VAE encode: (B, 32, T, h, w)
                     text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
                     clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
+                    region=None if items[0]["region"] is None else torch.stack([it["region"] for it in items]),
                     video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
                     element_names=items[0]["element_names"], repeats=items[0]["repeats"])
     return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],

@@ -236,8 +236,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
-                          "builds its condition from pixels each step (random frames, magref's canvas mask): train "
-                          "it without a cache")
+                          "builds its condition from pixels each step (random frames): train it without a cache")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     if cfg.val_elements:  # read now, not after training and export
@@ -553,7 +552,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         refs = None
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
-        x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode)
+        region = batch.get("region")  # magref from the cache: the canvas' latent region mask (B, h, w)
+        x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode,
+                          None if region is None else h2d(region, device))
         text = (h2d(batch["text"], device) if cached
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
         text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
@@ -600,7 +601,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
                 if run.layout.use_clip else None
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
-                    text=text[:n].cpu(), clip=None if clip is None else clip.cpu())
+                    text=text[:n].cpu(), clip=None if clip is None else clip.cpu(),
+                    region=None if cond.region is None else cond.region[0].cpu())
 
     write_cache(run.cache, dataset, encode_batch, rank, world)
     if world > 1:

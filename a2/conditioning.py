@@ -200,9 +200,9 @@ class Layout:
 
     @property
     def cacheable(self) -> bool:
-        """A precompute cache (VAE posteriors) holds all the kind builds: not magref, whose canvas mask comes from the
-        element pixels each step, nor random conditioning frames, drawn per step."""
-        return self.kind != "magref" and self.frame_conditioning != "random"
+        """A precompute cache (VAE posteriors, magref's latent region mask) holds all the kind builds: not random
+        conditioning frames, drawn per step."""
+        return self.frame_conditioning != "random"
 
     @property
     def takes_references(self) -> bool:
@@ -337,6 +337,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     if kind == "magref" and not info.e2v:
         raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
+    if kind == "magref":
+        check_canvas([e.name for e in elements], vae.resolution)
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
     if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
@@ -364,6 +366,26 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
                            per_token=info.ti2v)
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
+
+
+def check_canvas(names: list[str], size: tuple[int, int]) -> None:
+    """MAGREF's canvas of the video's size=(height, width) holds the elements: at most 8, and each, framed to the
+    video's size first (every element's VAE preprocess gives that size), at least a token (16 px) on each side once
+    fitted into its block. Otherwise a ConfigError naming the elements and the fix."""
+    from a2.pipeline import MAGREF_GRIDS, MAGREF_MIN_SIDE, magref_blocks, magref_fit
+
+    def smallest(n):  # the smallest side of an element on a canvas of n
+        return min(min(magref_fit(size[::-1], (x1 - x0, y1 - y0))) for x0, y0, x1, y1 in magref_blocks(n, size))
+
+    n, most = len(names), max(MAGREF_GRIDS)
+    if n > most:
+        raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
+                          f"grid), got {n}: keep at most {most}")
+    if smallest(n) < MAGREF_MIN_SIDE:
+        fits = [k for k in range(1, n) if smallest(k) >= MAGREF_MIN_SIDE]
+        raise ConfigError(f"elements {', '.join(names)}: each is framed to the {size[0]}x{size[1]} video first, and "
+                          f"on MAGREF's canvas of {n} it is {smallest(n)} px on a side, under {MAGREF_MIN_SIDE} (one "
+                          "token): raise the resolution" + (f" or use at most {fits[-1]} elements" if fits else ""))
 
 
 def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
@@ -472,6 +494,8 @@ class Conditioning:
     image: torch.Tensor | None = None  # (B, 257·N, D) CLIP tokens of the elements (use_clip), else None
     canvas: torch.Tensor | None = None  # magref: (B, 3, H, W) the references' canvas in [-1, 1], x0's frame 0 and
     # the CLIP input (a2.pipeline.image_tokens)
+    region: torch.Tensor | None = None  # magref: (B, h, w) bool, the canvas' region mask on the latent grid (what a
+    # precompute cache keeps of the canvas beside its VAE posteriors and CLIP tokens)
     keep: torch.Tensor | None = None  # (B,) 1: conditioned, 0: dropped (drop); None: all conditioned
     reference_timestep: str = "shared"  # incontext: shared (the sample's timestep, Phantom) | zero
     per_token: bool = False  # the model takes one timestep per token (TI2V-5B)
@@ -492,7 +516,7 @@ class Conditioning:
 
 def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
                     cond_frame_indices: tuple[int, ...] = (), image: torch.Tensor | None = None,
-                    sample_mode: str = "argmax", generator=None) -> Conditioning:
+                    sample_mode: str = "argmax", generator=None, region: torch.Tensor | None = None) -> Conditioning:
     """THE conditioning of the transformer, shared by training and inference. With sample_mode="sample" each
     posterior is sampled with `generator` (A2 draws its noise first, then this).
 
@@ -516,6 +540,8 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       on a white canvas by MAGREF's rule (a2.pipeline.magref_canvas; layout.placement_seed); the canvas then
       layout.num_frames - 1 zero frames VAE-encoded; the mask's 4 channels of latent frame 0 are the region mask
       max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
+      From a precompute cache the references are meta tensors and `region` (B, h, w), the recorded cond.region,
+      stands in for the canvas: the VAE encodes replay its posteriors, the CLIP tokens are cached.
     standin: the one reference as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's
       encode_ip_image): `ref_latents` (B, C, 1, h, w).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
@@ -548,12 +574,20 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         cond.ref_latents = torch.cat(latents, dim=2)
         return cond
     if kind == "magref":
-        cond.canvas, region = magref_canvases(references, layout.placement_seed)  # (B, 3, H, W), (B, H, W)
+        if region is None:
+            if references.is_meta:
+                raise ValueError("the magref canvas is made from the references' pixels: without them (a precompute "
+                                 "cache) pass the cached region mask")
+            cond.canvas, pixel_region = magref_canvases(references, layout.placement_seed)  # (B, 3, H, W), (B, H, W)
+        else:  # a cache replays the canvas' encodes: only its shape is needed
+            cond.canvas = references.new_empty(b, 3, h, w)
         pixels = torch.cat([cond.canvas[:, :, None], cond.canvas.new_zeros(b, 3, layout.num_frames - 1, h, w)], 2)
         latents = encode_vae(vae, pixels, sample_mode, generator)
         s = h // latents.shape[-2]
+        cond.region = (region.to(latents.device, torch.bool) if region is not None else  # (B, h, w)
+                       torch.nn.functional.max_pool2d(pixel_region[:, None].float(), s)[:, 0].to(latents.device) > 0)
         mask = torch.zeros(b, VAE_T, latents.shape[2], *latents.shape[-2:], device=latents.device)
-        mask[:, :, 0] = torch.nn.functional.max_pool2d(region[:, None].float(), s).to(latents.device)
+        mask[:, :, 0] = cond.region[:, None].float()
         cond.ref_latents = latents[:, :, :1]
         cond.condition = torch.cat([mask, latents], dim=1)
         if layout.e2v_type == "clip":
@@ -608,13 +642,15 @@ def magref_canvases(references: torch.Tensor, placement_seed: int | None = None)
     return torch.stack(canvases).to(references.device, references.dtype), torch.stack(masks)
 
 
-def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str):
+def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
+           region: torch.Tensor | None = None):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
     the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
-    frames (inplace, clean)."""
+    frames (inplace, clean). region: magref from a cache, the recorded cond.region (prepare_latents)."""
     if layout.takes_references:
-        cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator)
+        cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator,
+                               region=region)
         if layout.kind == "magref":  # the canvas is the sequence's frame 0, as the sampler makes it
             video = torch.cat([cond.canvas[:, :, None].to(video.device, video.dtype), video], dim=2)
         x0 = encode_vae(vae, video, sample_mode, generator)

@@ -83,6 +83,23 @@ MAGREF_GRIDS = {1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 6: (2, 3), 8: (2, 4)
 MAGREF_MIN_SIDE = 16  # px: one transformer token (VAE stride 8 x patch 2); a thinner reference is no token wide
 
 
+def magref_blocks(n: int, size: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+    """The blocks (x0, y0, x1, y1) of MAGREF's canvas of size=(height, width) for 1-8 references, row by row: the
+    smallest grid of MAGREF_GRIDS with a block per reference, the last row and column taking the remainder."""
+    height, width = size
+    rows, cols = MAGREF_GRIDS[min(k for k in MAGREF_GRIDS if k >= n)]
+    bw, bh = width // cols, height // rows
+    return [(c * bw, r * bh, width if c == cols - 1 else (c + 1) * bw, height if r == rows - 1 else (r + 1) * bh)
+            for r in range(rows) for c in range(cols)]
+
+
+def magref_fit(image_size: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """An image's (width, height) fitted into a (width, height) block, aspect kept, sides truncated (MAGREF's)."""
+    (iw, ih), (w, h) = image_size, block
+    ratio = iw / ih
+    return (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
+
+
 def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
                   min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
     """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), and the
@@ -101,10 +118,7 @@ def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, na
     if not 0 < n <= max(MAGREF_GRIDS):
         raise ValueError(f"{', '.join(names) or 'no references'}: MAGREF's canvas places 1 to {max(MAGREF_GRIDS)} "
                          f"references (a 2x4 grid at most), got {n}: pass at most {max(MAGREF_GRIDS)}")
-    rows, cols = MAGREF_GRIDS[min(k for k in MAGREF_GRIDS if k >= n)]
-    bw, bh = width // cols, height // rows
-    blocks = [(c * bw, r * bh, width if c == cols - 1 else (c + 1) * bw, height if r == rows - 1 else (r + 1) * bh)
-              for r in range(rows) for c in range(cols)]  # (x0, y0, x1, y1)
+    blocks = magref_blocks(n, size)
     order = list(range(n))
     if rng is not None:
         rng.shuffle(order)
@@ -114,8 +128,7 @@ def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, na
     for i, (x0, y0, x1, y1) in zip(order, blocks):
         image = images[i].convert("RGB")
         w, h = x1 - x0, y1 - y0
-        ratio = image.width / image.height
-        nw, nh = (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
+        nw, nh = magref_fit(image.size, (w, h))
         if min(nw, nh) < min_side:
             raise ValueError(f"{names[i]}: a {image.width}x{image.height} reference is {nw}x{nh} px in its {w}x{h} "
                              f"block of MAGREF's {width}x{height} canvas ({n} references), under {min_side} px: "

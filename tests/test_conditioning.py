@@ -113,13 +113,16 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("phantom", ["--num-frames", "9"]),
     ("v3", ["--num-frames", "9", "--vae-sample-mode", "sample"]),  # V3 samples its references' posteriors
     ("standin", ["--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png"]),
+    # MAGREF: the canvas' encodes, its CLIP tokens and its latent region mask cached; two elements side by side
+    ("magref", ["--reference-layout", "magref", "--num-frames", "9", "--elements", "subject=_person.png:repeat=1",
+                "object=_object.png:repeat=1"]),
 ])
 def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
     model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
-             "v3": "tiny-v3", "standin": "tiny-t2v"}[name.split("-")[0]]
+             "v3": "tiny-v3", "standin": "tiny-t2v", "magref": "tiny-magref"}[name.split("-")[0]]
     cache = tmp_path / "cache"
     steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))

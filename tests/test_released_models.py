@@ -330,17 +330,20 @@ def test_reference_samplers_run_on_the_tiny_model(tiny_parts):
 # ---------------------------------------------------------------- an a2 LoRA in their model layouts
 
 
-def merged_phantom(phantom_dir, comfy_file):
-    """Phantom-Wan's original-Wan checkpoint with an original-key (ComfyUI) LoRA merged in as W + up·down, as Wan and
-    ComfyUI loaders apply it, converted into WanTransformer3DModel (Phantom's WanModel needs CUDA flash-attn; its
-    forward was checked against this conversion outside the suite, see the spec)."""
+def merged_original(model_dir, comfy_file, as_state_dict=False):
+    """A released original-Wan checkpoint (Phantom-Wan's, MAGREF's: the dir's safetensors shards) with an original-key
+    (ComfyUI) LoRA merged in as W + up·down, as Wan and ComfyUI loaders apply it: that state dict in original keys
+    (as_state_dict), or converted into WanTransformer3DModel (Phantom's WanModel needs CUDA flash-attn; its forward
+    was checked against this conversion outside the suite, see the spec; MAGREF's: tests/test_magref.py)."""
     from a2.transformer import load_transformer
 
-    merged, lora = original_sd(phantom_dir), load_file(comfy_file)
+    merged, lora = original_sd(model_dir), load_file(comfy_file)
     for key in [k for k in lora if k.endswith(".lora_down.weight")]:
         module = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
         merged[f"{module}.weight"] = merged[f"{module}.weight"] + lora[key.replace("down", "up")] @ lora[key]
-    model = load_transformer(phantom_dir)
+    if as_state_dict:
+        return merged
+    model = load_transformer(model_dir)
     model.load_state_dict(original_to_diffusers(merged), strict=True)
     return model
 
@@ -377,7 +380,7 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
     want = forward(model)
     diffusers_file, comfy_file = export_lora(tmp_path, model)
 
-    got = forward(merged_phantom(phantom_dir, comfy_file))
+    got = forward(merged_original(phantom_dir, comfy_file))
     # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
     assert (got - forward(load_transformer(phantom_dir))).abs().max() > 1e-3  # the LoRA matters
@@ -550,7 +553,7 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
     if kind == "phantom":
         downs = [k for k in load_file(comfy_file) if k.endswith(".lora_down.weight")]
         assert downs and all(k.startswith("diffusion_model.blocks.") for k in downs)  # ComfyUI's original-Wan names
-        got = forward(merged_phantom(phantom_dir, comfy_file))
+        got = forward(merged_original(phantom_dir, comfy_file))
         # merging re-associates (W + BA)x vs Wx + B(Ax) in float32: a few ulps per product, through 2 blocks
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
     else:
