@@ -286,7 +286,8 @@ def read_references(cfg: InferConfig, images, info=None) -> dict:
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), elements={}, specs=())
-    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
+    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size),
+                                               cfg.reference_layout)  # the kind where it frames them (standin)
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs),
                 specs=tuple(e for e, _ in items))
 

@@ -23,6 +23,7 @@ from a2.conditioning import (
     num_latent_frames,
     prepare_latents,
     prepare_model,
+    reference_framing,
     restore,
     sampling_layout,
     vae_scale,
@@ -162,8 +163,10 @@ def read_image(path) -> Image.Image:
     return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
 
 
-def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512)):
+def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), kind: str | None = None):
     """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats), in position order.
+    VAE-path images at the video's size=(H, W), or as the run's `kind` frames them (reference_framing: standin's
+    reference is Stand-In's 512x512 face crop).
 
     Errors name the file: a missing or unreadable image stops here, before any model is loaded."""
     items = sorted(items, key=lambda it: it[0].position)
@@ -176,7 +179,7 @@ def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (
             image = read_image(path)
         except ValueError as e:
             raise ValueError(f"{path}: element '{element.name}' is {e}") from e
-        v, c = element_tensors(image, element, size, clip_size)
+        v, c = element_tensors(image, *reference_framing(kind, element, size), clip_size)
         vae.append(v)
         clip.append(c)
     repeats = tuple(e.repeat for e, _ in items)
@@ -457,7 +460,8 @@ class A2Pipeline(WanLoraLoaderMixin):
     ) -> dict:
         """Generate one video.
 
-        references: (1, N, 3, H, W) VAE-path element images in [-1, 1]; clip_references (1, N, 3, h, w)
+        references: (1, N, 3, H, W) VAE-path element images in [-1, 1] (standin: Stand-In's 512x512 reference,
+        load_references(..., kind="standin")); clip_references (1, N, 3, h, w)
         the CLIP-path ones (None for models without an image branch). Noise is drawn first, then the
         posterior is sampled with the same generator (A2's order, needed for bit-parity).
         The conditioning kind (a2/conditioning.py) is `layout`, or, when None, what sampling_layout derives from the
