@@ -567,13 +567,19 @@ def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> 
 
 
 def save_video(path, video: torch.Tensor, fps: int = 15, references: torch.Tensor | None = None) -> Path:
-    """Write (3, F, H, W) in [-1, 1] as mp4; with references (N, 3, H, W), each frame gets the
-    references to its left, as A2's infer.py does."""
+    """Write (3, F, H, W) in [-1, 1] as mp4; with references (N, 3, h, w), each frame gets the
+    references to its left, as A2's infer.py does (brought to the video's height H where they are not at it:
+    Stand-In's 512x512 reference)."""
     import imageio.v3 as iio
 
     frames = tensor_to_uint8(video.permute(1, 0, 2, 3))  # (F, H, W, 3)
     if references is not None and len(references):
-        refs = np.concatenate(list(tensor_to_uint8(references)), axis=1)  # (H, N*W, 3)
+        refs = tensor_to_uint8(references)  # (N, h, w, 3)
+        h = frames.shape[1]
+        if refs.shape[1] != h:
+            size = (h, max(1, round(refs.shape[2] * h / refs.shape[1])))
+            refs = np.stack([np.asarray(preprocess_image(Image.fromarray(r), "resize", size)) for r in refs])
+        refs = np.concatenate(list(refs), axis=1)  # (H, N*w, 3)
         frames = np.stack([np.concatenate([refs, f], axis=1) for f in frames])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
