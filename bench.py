@@ -18,9 +18,10 @@ full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forwa
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
 checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
 --layout magref: one CLIP image (the canvas, 257 tokens) whatever --refs, the canvas a frame of --frames.
---layout standin (T2V): + Lr reference tokens (one latent frame at the video's size) per layer: projections 8·Lr·d²,
-FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries on reference keys) +
-4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries on video keys).
+--layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
+layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
+on reference keys) + 4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries
+on video keys).
 """
 
 from __future__ import annotations
@@ -406,7 +407,11 @@ def main(b: BenchConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
     context = TEXT_TOKENS + CLIP_TOKENS * refs
-    x = torch.randn(b.batch, cfg["in_channels"], t_lat + standin, h, w, device=device)  # standin: + the reference
+    x = torch.randn(b.batch, cfg["in_channels"], t_lat, h, w, device=device)
+    if standin:  # + the reference latent, packed as a2/conditioning.py's model_input packs it
+        from a2.standin import pack_reference
+
+        x = pack_reference(x, torch.randn(b.batch, cfg["in_channels"], 1, *layout.reference_grid, device=device))
     text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
     image = torch.randn(b.batch, CLIP_TOKENS * refs, cfg["image_dim"], device=device) if refs else None
     target = torch.randn(b.batch, cfg["out_channels"], t_lat, h, w, device=device)
@@ -436,7 +441,7 @@ def main(b: BenchConfig) -> dict:
     dt = (time.perf_counter() - t0) / b.steps
 
     linear, core = forward_flops(cfg, tokens, context)
-    ref_tokens = (h // 2) * (w // 2) if standin else 0
+    ref_tokens = (layout.reference_grid[0] // 2) * (layout.reference_grid[1] // 2) if standin else 0
     if standin:
         extra = standin_flops(cfg, tokens, ref_tokens, b.lora_rank)
         linear, core = linear + extra[0], core + extra[1]

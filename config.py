@@ -638,7 +638,7 @@ class TrainConfig:
     --num-frames is then the video's alone (README: In-context references). magref: MAGREF's layout on a Wan I2V
     model, the elements pasted on one white canvas that is the I2V first frame (mask = their region) and the CLIP
     image; --num-frames counts the canvas frame. standin: Stand-In's reference tokens on a Wan T2V model (one element,
-    at the video's size; its reference-only LoRA)."""
+    a face crop framed fit_pad_white to Stand-In's 512x512 whatever --resolution; its reference-only LoRA)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared = the sample's (Phantom, V3), zero = 0
     (they are clean; per-token timesteps as Wan 2.2 TI2V)."""

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames
+from a2.conditioning import clip_frames, kind_of, reference_framing
 from a2.pipeline import element_tensors, read_image
+from a2.standin import REFERENCE_SIZE
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
@@ -645,6 +646,9 @@ class E2VDataset(torch.utils.data.Dataset):
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
         elements = [e for e in cfg.elements if e.name in names]
+        # (element, size) as the run's kind frames them: Stand-In's reference at its 512x512, others the video's
+        kind = kind_of(cfg.vae, elements)
+        framed = [reference_framing(kind, e, (h, w)) for e in elements]
         file = s.video
         try:
             if self.cache_dir:
@@ -656,7 +660,7 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), region=c.get("region"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(len(elements), 3, h, w))
+                            ref_shape=(len(elements), 3, *(framed[0][1] if framed else (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
@@ -666,10 +670,10 @@ class E2VDataset(torch.utils.data.Dataset):
             else:
                 raw, images = read_clip(s.video, indices), {}
             vae, clip = [], []
-            for e in elements:
+            for e, size in framed:
                 file = s.elements[e.name]
                 image = images[e.name] if e.name in images else read_image(file)
-                v, c = element_tensors(image, e, (h, w), tuple(cfg.clip.resolution))
+                v, c = element_tensors(image, e, size, tuple(cfg.clip.resolution))
                 vae.append(v)
                 clip.append(c)
         except Exception as ex:  # whatever a damaged file raises
@@ -821,6 +825,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
+               **({"reference_size": REFERENCE_SIZE} if kind == "standin" else {}),  # not the video's, as once
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])

@@ -133,7 +133,8 @@ class InferConfig:
     latents after the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; a T2V model + train_a2.py
     --reference-layout incontext LoRA); --num-frames is then the video's alone. magref: MAGREF's canvas of all the
     elements as the I2V first frame (the first 4 frames are dropped from the video, as MAGREF's). standin: Stand-In's
-    reference tokens on Wan T2V, one element (load its LoRA file with --lora)."""
+    reference tokens on Wan T2V, one element: a face crop, framed fit_pad_white to Stand-In's 512x512 whatever the
+    video's size (load its LoRA file with --lora)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
     sample_mode: Literal["sample", "argmax"] = "sample"
@@ -286,7 +287,8 @@ def read_references(cfg: InferConfig, images, info=None) -> dict:
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), elements={}, specs=())
-    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size))
+    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size),
+                                               cfg.reference_layout)  # the kind where it frames them (standin)
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs),
                 specs=tuple(e for e, _ in items))
 

@@ -249,7 +249,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                                      f"{len(cfg.val_elements)}")
                 load_first_frame(cfg.val_elements[0], cfg.resolution)
             else:
-                load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2)
+                load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2,
+                                layout.kind)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
@@ -633,7 +634,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
     if items:
-        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size))
+        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), run.layout.kind)
     transformer.eval()
     experts = {}
     high = transformer

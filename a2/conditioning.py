@@ -22,10 +22,13 @@ A run's layout has one `kind`:
              canvas the I2V first frame on the channel axis: mask (4) = the region mask on latent frame 0, condition =
              VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas, clip])), so latent frame 0
              holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
-  standin    Stand-In (Wan T2V + its reference LoRA): one element's clean latent, at the video's size, packed after
-             x_t on the time axis; a2/standin.py's forward (prepare_model installs it) takes it as reference tokens at
-             RoPE time -1 past the video grid, t = 0, attending only to themselves, with the reference-only LoRA,
-             and returns the video's prediction; when sampling their K/V are computed once and reused.
+  standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
+             the video's size (layout.reference_size, reference_framing: fit_pad_white), its clean latent (64x64)
+             packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
+             pack_reference); a2/standin.py's forward (prepare_model installs it, with layout.reference_grid to
+             unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
+             to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
+             are computed once and reused.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -192,6 +195,8 @@ class Layout:
     expand: bool = False  # a T2V base widened to the 36 E2V input channels (a2/transformer.py: expand_to_e2v)
     per_token: bool = False  # one timestep per token, as the model was trained (TI2V-5B's expand_timesteps)
     placement_seed: int | None = None  # magref: random.Random(seed) shuffles the canvas as MAGREF; None: in order
+    reference_size: tuple[int, int] | None = None  # standin: (height, width) px of the reference image, Stand-In's
+    # 512x512 whatever the video's (make_layout sets it); None: the element images take the video's size
 
     @property
     def appended(self) -> bool:
@@ -220,6 +225,13 @@ class Layout:
         return VAE_T * (self.latent_frames - 1) + 1
 
     @property
+    def reference_grid(self) -> tuple[int, int] | None:
+        """standin: the reference latent's (height, width), reference_size over Wan 2.1's VAE stride (the VAE of
+        Stand-In's bases, Wan 2.1 T2V and Wan 2.2 T2V-A14B; prepare_latents checks it); None for the other kinds."""
+        return None if self.reference_size is None else (self.reference_size[0] // VAE_S,
+                                                         self.reference_size[1] // VAE_S)
+
+    @property
     def images(self) -> str:
         """What a sampling call of this run is given as images: "elements" (references, or for inplace the frames it
         conditions on, given as leading references), "first_frame" (TI2V-5B's image-to-video) or "none" (text)."""
@@ -233,7 +245,8 @@ class Layout:
                "phantom": f"(then {self.ref_latents} reference latents, posterior means, Phantom-Wan's layout) ",
                "v3": f"(then {len(self.repeats)} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) ",
                "magref": f"a canvas of {len(self.repeats)} references as frame 0, then ",
-               "standin": "(then Stand-In's reference tokens: time -1, t 0, self-only attention) "}.get(self.kind, "")
+               "standin": f"(then Stand-In's reference tokens of a {'x'.join(map(str, self.reference_size or ()))} "
+                          "image: time -1, t 0, self-only attention) "}.get(self.kind, "")
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.kind != "t2v" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -279,6 +292,9 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if len(repeats) != 1:
             raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
         l_ref = 1
+        from a2.standin import REFERENCE_SIZE
+
+        settings.setdefault("reference_size", REFERENCE_SIZE)
     elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
@@ -542,8 +558,9 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
       From a precompute cache the references are meta tensors and `region` (B, h, w), the recorded cond.region,
       stands in for the canvas: the VAE encodes replay its posteriors, the CLIP tokens are cached.
-    standin: the one reference as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's
-      encode_ip_image): `ref_latents` (B, C, 1, h, w).
+    standin: the one reference (B, 1, 3, *layout.reference_size), Stand-In's 512x512 whatever the video's size
+      (reference_framing), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's encode_ip_image):
+      `ref_latents` (B, C, 1, *layout.reference_grid).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind = layout.kind
@@ -564,7 +581,14 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
             raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
         frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
     if kind == "standin":  # one frame (whatever the element's repeat), its posterior mean (Stand-In's encode_ip_image)
+        if (h, w) != layout.reference_size:
+            raise ValueError(f"Stand-In's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} image "
+                             f"(its face crop) whatever the video's size, got {h}x{w}: frame it with "
+                             "reference_framing (load_references(..., kind='standin'))")
         cond.ref_latents = encode_vae(vae, references[:, 0, :, None], "argmax")
+        if cond.ref_latents.shape[-2:] != layout.reference_grid:
+            raise ValueError(f"Stand-In's {h}x{w} reference encodes to {tuple(cond.ref_latents.shape[-2:])} latents, "
+                             f"not {layout.reference_grid}: a VAE of another stride than Wan 2.1's (Stand-In's bases)")
         return cond
     if kind in APPENDED_KINDS:
         mode = "argmax" if kind == "phantom" else sample_mode  # the mode of a Gaussian is its mean
@@ -642,6 +666,18 @@ def magref_canvases(references: torch.Tensor, placement_seed: int | None = None)
     return torch.stack(canvases).to(references.device, references.dtype), torch.stack(masks)
 
 
+def reference_framing(kind: str | None, element, size: tuple[int, int]):
+    """(element, (height, width)) an element image of a `kind` run is framed with, by training (data.py) and sampling
+    (load_references) alike: Stand-In's reference as its FaceProcessor crop, fit_pad_white at 512x512 (a2/standin.py:
+    REFERENCE_PREPROCESS, REFERENCE_SIZE) whatever the video's size and the element's vae_preprocess; any other the
+    element as it is, at the video's `size`."""
+    if kind != "standin":
+        return element, size
+    from a2.standin import REFERENCE_PREPROCESS, REFERENCE_SIZE
+
+    return replace(element, vae_preprocess=REFERENCE_PREPROCESS), REFERENCE_SIZE
+
+
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
            region: torch.Tensor | None = None):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
@@ -670,15 +706,15 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
     Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
-    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py). Others:
-    nothing."""
+    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
+    reference_grid. Others: nothing."""
     if layout.kind != "standin":
         return
     from a2 import standin
 
     if not standin.installed(transformer):
         standin.install(transformer, rank or standin.RANK)
-    standin.packed_forward(transformer)
+    standin.packed_forward(transformer, layout.reference_grid)
 
 
 def kind_weights(transformer, layout: Layout) -> list:
@@ -710,7 +746,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     Clean frames or a per-token model (TI2V-5B, diffusers' expand_timesteps): x_t's first T_c latent frames replaced
     by the clean ones where keep is 1, and one timestep per token (B, T·h·w / (p_t·p_h·p_w)), frame-major as the patch
     grid: 0 on the clean frames' tokens, else the sample's.
-    prefix / inplace: cat([x_t, mask | condition], dim=1). incontext: cat([x_t, references], dim=2), the reference
+    prefix / inplace: cat([x_t, mask | condition], dim=1). standin: the reference latent packed after x_t in whole
+    frames of its grid (a2/standin.py: pack_reference). incontext: cat([x_t, references], dim=2), the reference
     tokens at the sample's timestep (shared; from a per-token timestep its largest value, the noisy tokens') or at 0
     (zero); a (B,) timestep stays (B,) when shared, else the result is per token over (T + L_ref) frames."""
     x = x_t
@@ -729,7 +766,9 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
     if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
-        return torch.cat([x, cond.ref_latents.to(x.dtype)], dim=2), timestep
+        from a2.standin import pack_reference
+
+        return pack_reference(x, cond.ref_latents), timestep
     if cond.kind not in APPENDED_KINDS:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input

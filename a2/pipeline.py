@@ -23,6 +23,7 @@ from a2.conditioning import (
     num_latent_frames,
     prepare_latents,
     prepare_model,
+    reference_framing,
     restore,
     sampling_layout,
     vae_scale,
@@ -175,8 +176,10 @@ def read_image(path) -> Image.Image:
     return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
 
 
-def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512)):
+def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), kind: str | None = None):
     """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats), in position order.
+    VAE-path images at the video's size=(H, W), or as the run's `kind` frames them (reference_framing: standin's
+    reference is Stand-In's 512x512 face crop).
 
     Errors name the file: a missing or unreadable image stops here, before any model is loaded."""
     items = sorted(items, key=lambda it: it[0].position)
@@ -189,7 +192,7 @@ def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (
             image = read_image(path)
         except ValueError as e:
             raise ValueError(f"{path}: element '{element.name}' is {e}") from e
-        v, c = element_tensors(image, element, size, clip_size)
+        v, c = element_tensors(image, *reference_framing(kind, element, size), clip_size)
         vae.append(v)
         clip.append(c)
     repeats = tuple(e.repeat for e, _ in items)
@@ -470,7 +473,8 @@ class A2Pipeline(WanLoraLoaderMixin):
     ) -> dict:
         """Generate one video.
 
-        references: (1, N, 3, H, W) VAE-path element images in [-1, 1]; clip_references (1, N, 3, h, w)
+        references: (1, N, 3, H, W) VAE-path element images in [-1, 1] (standin: Stand-In's 512x512 reference,
+        load_references(..., kind="standin")); clip_references (1, N, 3, h, w)
         the CLIP-path ones (None for models without an image branch). Noise is drawn first, then the
         posterior is sampled with the same generator (A2's order, needed for bit-parity).
         The conditioning kind (a2/conditioning.py) is `layout`, or, when None, what sampling_layout derives from the
@@ -576,13 +580,19 @@ def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> 
 
 
 def save_video(path, video: torch.Tensor, fps: int = 15, references: torch.Tensor | None = None) -> Path:
-    """Write (3, F, H, W) in [-1, 1] as mp4; with references (N, 3, H, W), each frame gets the
-    references to its left, as A2's infer.py does."""
+    """Write (3, F, H, W) in [-1, 1] as mp4; with references (N, 3, h, w), each frame gets the
+    references to its left, as A2's infer.py does (brought to the video's height H where they are not at it:
+    Stand-In's 512x512 reference)."""
     import imageio.v3 as iio
 
     frames = tensor_to_uint8(video.permute(1, 0, 2, 3))  # (F, H, W, 3)
     if references is not None and len(references):
-        refs = np.concatenate(list(tensor_to_uint8(references)), axis=1)  # (H, N*W, 3)
+        refs = tensor_to_uint8(references)  # (N, h, w, 3)
+        h = frames.shape[1]
+        if refs.shape[1] != h:
+            size = (h, max(1, round(refs.shape[2] * h / refs.shape[1])))
+            refs = np.stack([np.asarray(preprocess_image(Image.fromarray(r), "resize", size)) for r in refs])
+        refs = np.concatenate(list(refs), axis=1)  # (H, N*w, 3)
         frames = np.stack([np.concatenate([refs, f], axis=1) for f in frames])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,15 @@ diffusers' WanTransformerBlock runs unchanged: reference tokens take a per-token
 path, made for TI2V), attn1 gets StandInAttnProcessor and attn2 VideoOnlyCrossAttnProcessor. The processors hold
 the per-call state (`num_reference`, the kept K/V) that `forward` sets, as diffusers' block passes them nothing.
 
-The reference image is the user's (or data.py's) face crop: Stand-In's FaceProcessor (insightface antelopev2's largest
-face, a 1.5x square crop, white padding to square, cv2 INTER_AREA to 512x512, BiSeNet parsing with the background
-painted white) is not an a2 dependency. a2's standin kind packs the reference as one latent frame beside the video's,
-so it is brought to the video's size (the element's preprocess); Stand-In feeds its 512x512 crop at that size (32x32
-tokens) whatever the video size, so the two agree in geometry only for a 512x512 video.
+The reference image is Stand-In's 512x512 face crop (REFERENCE_SIZE) whatever the video's size: 64x64 latents,
+32x32 = 1024 tokens, as their model was trained. a2 frames the user's (or data.py's) face crop to it with
+fit_pad_white (REFERENCE_PREPROCESS: Lanczos fit, white pad; a2/conditioning.py reference_framing), where Stand-In's
+FaceProcessor pads its crop to a square with white, then resizes with cv2 INTER_AREA; the crop itself (insightface
+antelopev2's largest face, a 1.5x square crop, BiSeNet parsing with the background painted white) is not an a2
+dependency: give a2 the cropped face. The standin kind keeps the transformer's (hidden_states, timestep) interface:
+the reference latent rides in hidden_states after x_t, flattened into whole latent frames of the video's size
+(pack_reference), and the forward packed_forward installs reads it back (unpack_reference) from the reference's
+latent grid, which prepare_model gives it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ RANK = 128  # Stand-In's released LoRAs
 ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
 CACHE_MODES = (None, "fill", "use")
 HUB_ID = "BowenXue/Stand-In"  # Stand-In_wan2.1_T2V_14B.ckpt, Stand-In_wan2.2_T2V_A14B_{high,low}.ckpt
+REFERENCE_SIZE = (512, 512)  # (height, width) px of the reference: FaceProcessor's crop, whatever the video's size
+REFERENCE_PREPROCESS = "fit_pad_white"  # a2's framing nearest FaceProcessor's (white pad to square, resize)
 
 
 class ReferenceLoRA(nn.Module):
@@ -244,14 +250,38 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
     return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
-def packed_forward(transformer) -> None:
-    """Make `transformer(hidden_states=cat([x_t, reference latent], dim=2), ...)` Stand-In's forward (a2/conditioning
-    .py's standin kind packs the reference as the last latent frame): returns the video's prediction. Without
-    gradients (sampling) the reference K/V are kept and reused while the reference and every weight are unchanged
-    (torch.equal on the reference, the parameters' in-place versions), so a sampler's later passes, CFG's included,
-    skip the reference tokens as Stand-In's loop does; `transformer.standin_cache = False` recomputes them always."""
+def pack_reference(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """cat([x, packed reference], dim=2): the reference latent (B, C, 1, hr, wr), of any size, flattened row-major
+    into k = ceil(hr·wr / (h·w)) latent frames of x's (B, C, T, h, w) grid, zero padded (unpack_reference)."""
+    b, c, _, h, w = x.shape
+    n = reference.shape[3] * reference.shape[4]
+    k = -(-n // (h * w))
+    flat = torch.nn.functional.pad(reference.flatten(2), (0, k * h * w - n))  # (B, C, k·h·w)
+    return torch.cat([x, flat.view(b, c, k, h, w).to(x.dtype)], dim=2)
+
+
+def unpack_reference(hidden_states: torch.Tensor, reference_grid: tuple[int, int]):
+    """pack_reference's inverse: (x (B, C, T, h, w), reference (B, C, 1, hr, wr)) for reference_grid (hr, wr)."""
+    b, c, _, h, w = hidden_states.shape
+    hr, wr = reference_grid
+    k = -(-hr * wr // (h * w))
+    if hidden_states.shape[2] <= k:
+        raise ValueError(f"Stand-In input {tuple(hidden_states.shape)}: no video frames before the {k} frames of a "
+                         f"{hr}x{wr} reference latent")
+    packed = hidden_states[:, :, -k:].flatten(2)[:, :, :hr * wr]  # (B, C, hr·wr)
+    return hidden_states[:, :, :-k], packed.unflatten(2, (1, hr, wr))
+
+
+def packed_forward(transformer, reference_grid: tuple[int, int]) -> None:
+    """Make `transformer(hidden_states=pack_reference(x_t, reference latent), ...)` Stand-In's forward (a2/
+    conditioning.py's standin kind packs the reference after x_t; reference_grid: its latent (hr, wr)): returns the
+    video's prediction. Without gradients (sampling) the reference K/V are kept and reused while the reference and
+    every weight are unchanged (torch.equal on the reference, the parameters' in-place versions), so a sampler's later
+    passes, CFG's included, skip the reference tokens as Stand-In's loop does; `transformer.standin_cache = False`
+    recomputes them always."""
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+    transformer.standin_reference_grid = tuple(reference_grid)
     if "forward" in vars(transformer):  # already Stand-In's (its cache switch as it was set)
         return
     transformer.standin_cache = True
@@ -259,7 +289,7 @@ def packed_forward(transformer) -> None:
 
     def stand_in(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None,
                  return_dict=True, attention_kwargs=None):
-        x, reference = hidden_states[:, :, :-1], hidden_states[:, :, -1:]
+        x, reference = unpack_reference(hidden_states, transformer.standin_reference_grid)
         cache = None
         if transformer.standin_cache and not torch.is_grad_enabled() and reference.shape[0] == 1:
             versions = tuple(p._version for p in transformer.parameters())

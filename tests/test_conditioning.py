@@ -68,7 +68,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     repeats, first_frame = (), None
     if run.layout.takes_references:
         files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
-        refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size))
+        refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size), kind)
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
@@ -99,8 +99,10 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
     if kind in ("incontext", "phantom", "v3"):
         assert x.shape[2] == t + run.layout.ref_latents == t + {"v3": 4}.get(kind, 3)
-    if kind == "standin":
-        assert x.shape[2] == t + run.layout.ref_latents
+    if kind == "standin":  # Stand-In's 512x512 reference (64x64 latents) packed in 4x4-latent frames: 256 of them
+        from a2.standin import unpack_reference
+
+        assert x.shape[2] == t + 256 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
 

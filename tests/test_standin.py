@@ -2,6 +2,8 @@
 cached K/V sampling is the uncached one, a2's forward is Stand-In's (tests/their_standin.py, written from their
 code), the restriction costs less than the extra tokens, and Stand-In's LoRA file loads with clear errors."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from a2 import standin
 from a2.transformer import TEXT_TOKENS, preset_config
+from config import Element
 from tests.their_standin import TheirStandIn, their_sampling
 
 RANK = 8
@@ -223,6 +226,37 @@ def test_restriction_costs_no_more_than_the_extra_tokens():
           f"{unrestricted - video}, cached step {cached - video}")
 
 
+@torch.no_grad()
+def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
+    """The standin layout of a 480x832 video (as of any other size) takes Stand-In's 512x512 reference: 64x64 latents,
+    packed after the video's 60x104 ones in one latent frame (zero padded) and read back exactly, 32x32 = 1024
+    reference tokens (at time -1, past the 30x52 token grid), as their model was trained.
+    A reference latent that does not fit in whole frames of a small video takes several (4x6 latents: 171 frames)."""
+    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, sampling_layout
+
+    layout = sampling_layout(SimpleNamespace(in_channels=16), False, 1, (1,), references=True,
+                             reference_layout="standin")  # what A2Pipeline samples a 480x832 Wan T2V video with
+    assert layout == make_layout("standin", 1, (1,), e2v_type="vae")
+    assert layout.reference_size == standin.REFERENCE_SIZE == (512, 512)
+    assert layout.reference_grid == (64, 64) and "512x512" in layout.describe()
+    g = torch.Generator().manual_seed(0)
+    x_t, reference = torch.randn(1, 16, 1, 60, 104, generator=g), torch.randn(1, 16, 1, 64, 64, generator=g)
+    hidden, _ = model_input(x_t, Conditioning("standin", ref_latents=reference), torch.tensor([500.0]))
+    assert hidden.shape == (1, 16, 2, 60, 104)
+    x, unpacked = standin.unpack_reference(hidden, layout.reference_grid)
+    assert torch.equal(x, x_t) and torch.equal(unpacked, reference)
+    assert hidden[:, :, 1].flatten(2)[:, :, 4096:].abs().max() == 0  # 60·104 - 4096 zeros
+    small = standin.pack_reference(x_t[..., :4, :6], reference)
+    assert small.shape[2] == 1 + 171 and torch.equal(standin.unpack_reference(small, (64, 64))[1], reference)
+
+    model = tiny_t2v()
+    prepare_model(model, layout)
+    lengths = []
+    model.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]), with_kwargs=True)
+    model(hidden_states=hidden, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.zeros(1, TEXT_TOKENS, 32))
+    assert lengths == [30 * 52 + 32 * 32]
+
+
 # ---------------------------------------------------------------- Stand-In's LoRA file
 
 
@@ -294,15 +328,17 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     """A2Pipeline with reference_layout standin on tiny-t2v carrying a Stand-In LoRA file: the first positive pass
     computes the reference tokens, the 5 later passes (CFG's negative ones too) use their kept K/V, and the latents
     equal recomputing the reference in every pass (standin_cache False) within BOUND (the FFN row count, above);
-    another reference gives other latents; a second call with another reference does not reuse the first's K/V."""
-    from a2.pipeline import A2Pipeline, pil_to_tensor, preprocess_image, read_image
+    another reference gives other latents; a second call with another reference does not reuse the first's K/V.
+    The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused."""
+    from a2.pipeline import A2Pipeline, load_references
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v")
     their_file(tiny_t2v(), tmp_path / "standin.ckpt")
     assert standin.load_lora(pipe.transformer, tmp_path / "standin.ckpt") == RANK
     h, w = 32, 48
-    refs = [pil_to_tensor(preprocess_image(read_image(shared_data / p), "pad_white", (h, w)))[None, None]
+    refs = [load_references([(Element("face", ()), shared_data / p)], (h, w), kind="standin")[0]
             for p in ("a2_human.png", "a2_thing.png")]
+    assert refs[0].shape == (1, 1, 3, 512, 512)
     lengths = []
     pipe.transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
                                                                with_kwargs=True)
@@ -312,8 +348,8 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
                     guidance_scale=5.0, sample_mode="argmax", generator=torch.Generator().manual_seed(0),
                     decode="none", progress=False, reference_layout="standin")["latents"]
 
-    ref_tokens = (h // 16) * (w // 16)  # one latent frame at the video's size
-    video_tokens = 3 * ref_tokens
+    ref_tokens = 32 * 32  # whatever the video's size
+    video_tokens = 3 * (h // 16) * (w // 16)
     cached = sample(refs[0])
     assert lengths == [video_tokens + ref_tokens] + [video_tokens] * 5
     other = sample(refs[1])
@@ -326,6 +362,11 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     assert (cached - other).abs().max() > 100 * BOUND
     with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2"):
         pipe("a face", torch.cat(refs, 1), None, (1, 1), height=h, width=w, num_frames=9, num_inference_steps=1,
+             reference_layout="standin", progress=False, decode="none")
+    video_sized = load_references([(Element("face", ()), shared_data / "a2_human.png")], (h, w))[0]
+    with pytest.raises(ValueError, match=r"Stand-In's reference is a 512x512 image \(its face crop\) whatever the "
+                                         r"video's size, got 32x48"):
+        pipe("a face", video_sized, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=1,
              reference_layout="standin", progress=False, decode="none")
 
 
@@ -397,7 +438,9 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     initial noise, every forward's inputs (noisy latents, the packed reference, float32 timestep, text) and the final
     latents are equal bit for bit, their forward computed with the joint FFN and diffusers' rounding (test_forward_
     is_stand_ins: the only differences); with Stand-In's own arithmetic within BOUND. Their schedule is not diffusers'
-    FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents."""
+    FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents. The video is
+    32x48 and the reference Stand-In's 512x512 face crop (FaceProcessor's size, 1024 tokens), packed after the video's
+    latents in 171 frames of 4x6 latents (the last one zero padded)."""
     from a2.pipeline import A2Pipeline, encode_prompt, pil_to_tensor, preprocess_image, read_image, schedule_sigmas
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
@@ -408,7 +451,8 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
         their_file(source, tmp_path / f"standin{i}.ckpt")
         standin.load_lora(model, tmp_path / f"standin{i}.ckpt")
     h, w, frames, steps, seed = 32, 48, 9, 3 if base == "wan21" else 4, 7
-    image = preprocess_image(read_image(shared_data / "a2_human.png"), "pad_white", (h, w))  # a face crop, as given
+    # a face crop, framed to their 512x512 as a2 frames it (theirs: white pad to square, INTER_AREA resize)
+    image = preprocess_image(read_image(shared_data / "a2_human.png"), "fit_pad_white", standin.REFERENCE_SIZE)
     prompt, negative = "a person smiling", "low quality"
     text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
     seen = record_forwards(*experts)
@@ -429,12 +473,15 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     kw = dict(num_frames=frames, height=h, width=w, steps=steps, seed=seed)
     them = their_pipeline([TheirStandIn(m, lo, wan_numerics=False, joint_ffn=True) for m, lo in zip(experts, loras)],
                           pipe.vae, image, text, null, **kw)
-    assert torch.equal(ours["condition"], them["condition"])
-    assert torch.equal(calls[0]["hidden_states"][:, :, :-1], them["initial"])
+    assert ours["condition"].shape == (1, 16, 1, 64, 64) and torch.equal(ours["condition"], them["condition"])
+    unpacked = [standin.unpack_reference(c["hidden_states"], (64, 64)) for c in calls]
+    assert calls[0]["hidden_states"].shape[2] == 3 + 171 and torch.equal(unpacked[0][0], them["initial"])
+    last = calls[0]["hidden_states"][:, :, -1].flatten(2)  # (1, 16, 24): the reference's last 4096 - 170·24, zeros
+    assert torch.equal(last[:, :, :16], them["condition"].flatten(2)[:, :, -16:]) and last[:, :, 16:].abs().max() == 0
     assert len(calls) == len(them["calls"]) == 2 * steps
-    for k, (a, (latents, t, context, ip, expert)) in enumerate(zip(calls, them["calls"])):
-        assert torch.equal(a["hidden_states"][:, :, :-1], latents), k
-        assert torch.equal(a["hidden_states"][:, :, -1:], them["condition"]), k  # packed; used once, then the cache
+    for k, ((x, reference), a, (latents, t, context, ip, expert)) in enumerate(zip(unpacked, calls, them["calls"])):
+        assert torch.equal(x, latents), k
+        assert torch.equal(reference, them["condition"]), k  # packed; used once, then the cache
         assert a["timestep"].dtype == t.dtype and torch.equal(a["timestep"], t), k
         assert torch.equal(a["encoder_hidden_states"], context) and a["expert"] == expert, k
         assert computed[k] == (ip is not None), k  # the reference computed where theirs passes ip_image, else cached
