@@ -418,7 +418,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
         return MemoryPlan(cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, None,
                           None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
-    tokens = cfg.micro_batch * run.info.latent_tokens(run.layout.model_frames, h, w)  # incontext: with the refs
+    tokens = cfg.micro_batch * run.layout.tokens(run.info, h, w)  # incontext, standin: with the refs
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           ema=cfg.ema_decay > 0, fp8=cfg.fp8_base, offload=cfg.offload_activations,
                           swap_blocks=cfg.swap_blocks, compile=run.compile)
@@ -441,7 +441,7 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
-    tokens = b * run.info.latent_tokens(layout.model_frames, h, w)
+    tokens = b * layout.tokens(run.info, h, w)
     config = {}
 
     def plan_for(model):
@@ -564,7 +564,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
                           image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
         cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
-                tokens=b * run.info.latent_tokens(layout.model_frames, height, width),
+                tokens=b * layout.tokens(run.info, height, width),
                 reference_images=batch.get("ref_vae"))
 
 

@@ -224,6 +224,14 @@ class Layout:
         """Pixel frames the transformer's input stands for (ModelInfo.latent_tokens counts its tokens from them)."""
         return VAE_T * (self.latent_frames - 1) + 1
 
+    def tokens(self, info, height: int, width: int) -> int:
+        """Transformer tokens of one sample at height x width (info: the ModelInfo): the input's frames, and
+        standin's reference tokens beside them (its reference_grid over the patch, not the frames it is packed in)."""
+        n = info.latent_tokens(self.model_frames, height, width)
+        if self.reference_grid is not None:
+            n += self.reference_grid[0] // info.patch_size[1] * (self.reference_grid[1] // info.patch_size[2])
+        return n
+
     @property
     def reference_grid(self) -> tuple[int, int] | None:
         """standin: the reference latent's (height, width), reference_size over Wan 2.1's VAE stride (the VAE of

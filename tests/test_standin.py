@@ -233,6 +233,8 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
     reference tokens (at time -1, past the 30x52 token grid), as their model was trained.
     A reference latent that does not fit in whole frames of a small video takes several (4x6 latents: 171 frames)."""
     from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, sampling_layout
+    from a2.tiny import model_path
+    from a2.transformer import detect_model
 
     layout = sampling_layout(SimpleNamespace(in_channels=16), False, 1, (1,), references=True,
                              reference_layout="standin")  # what A2Pipeline samples a 480x832 Wan T2V video with
@@ -255,6 +257,9 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
     model.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]), with_kwargs=True)
     model(hidden_states=hidden, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.zeros(1, TEXT_TOKENS, 32))
     assert lengths == [30 * 52 + 32 * 32]
+    # what the memory plan and the throughput count: the same tokens (a 5-frame 480x832 clip: 2 latent frames)
+    info = detect_model(model_path("tiny-t2v"))
+    assert make_layout("standin", 5, (1,), e2v_type="vae").tokens(info, 480, 832) == 2 * 30 * 52 + 32 * 32
 
 
 # ---------------------------------------------------------------- Stand-In's LoRA file
