@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames
-from a2.pipeline import element_tensors, read_image
+from a2.conditioning import clip_frames, reference_pixels
+from a2.pipeline import read_image
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
@@ -572,9 +572,10 @@ class E2VDataset(torch.utils.data.Dataset):
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
                  frame_sampling: str = "uniform", verbose: bool = True, global_batch: int = 1,
-                 size_multiple: int = 16):
+                 size_multiple: int = 16, layout=None):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
         self.size_multiple = size_multiple
+        self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
         samples, loose = scan(cfgs, num_frames, frame_sampling)
@@ -656,7 +657,7 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), region=c.get("region"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(len(elements), 3, h, w))
+                            ref_shape=(self.layout.reference_images if self.layout else len(elements), 3, h, w))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
@@ -665,22 +666,19 @@ class E2VDataset(torch.utils.data.Dataset):
                 raw, images = load_sample(s, indices, names, cfg.sam)
             else:
                 raw, images = read_clip(s.video, indices), {}
-            vae, clip = [], []
             for e in elements:
                 file = s.elements[e.name]
-                image = images[e.name] if e.name in images else read_image(file)
-                v, c = element_tensors(image, e, (h, w), tuple(cfg.clip.resolution))
-                vae.append(v)
-                clip.append(c)
+                images[e.name] = images[e.name] if e.name in images else read_image(file)
+            files = [str(s.elements[e.name]) for e in elements]
+            file = s.video  # the sample; an image MAGREF's canvas cannot hold is named in the message (files)
+            vae, clip, region = reference_pixels(self.layout, [images[e.name] for e in elements], elements, (h, w),
+                                                 tuple(cfg.clip.resolution), files)
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
-        ch, cw = cfg.clip.resolution
         return dict(index=idx, id=s.id, video=resize_frames(raw, cfg.reshape_mode, (h, w)),  # (3, F, H, W)
                     prompt=s.prompt, element_names=names, repeats=tuple(e.repeat for e in elements),
-                    ref_vae=torch.stack(vae) if vae else torch.zeros(0, 3, h, w),
-                    ref_clip=torch.stack(clip) if clip else torch.zeros(0, 3, ch, cw),
-                    bucket=(frames, h, w, names))
+                    ref_vae=vae, ref_clip=clip, region=region, bucket=(frames, h, w, names))
 
 
 def collate(items: list[dict]) -> dict:
@@ -705,6 +703,7 @@ def collate(items: list[dict]) -> dict:
                 video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
                 ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
                 ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
+                region=None if items[0].get("region") is None else torch.stack([it["region"] for it in items]),
                 element_names=items[0]["element_names"], repeats=items[0]["repeats"])
 
 
@@ -816,8 +815,10 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    # version 2: A2's pad/crop-then-resize preprocessing of images and frames
-    key = dict(version=2, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
+    # version 2: A2's pad/crop-then-resize preprocessing of images and frames; magref 3: its canvas made of the
+    # element images as read (no longer framed to the video first), the pixel region mask cached
+    key = dict(version=3 if kind == "magref" else 2,
+               encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
