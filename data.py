@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames, kind_of, reference_framing
-from a2.pipeline import element_tensors, read_image
+from a2.conditioning import clip_frames, reference_pixels
+from a2.pipeline import read_image
 from a2.standin import REFERENCE_SIZE
 from a2.transformer import TEXT_TOKENS
 from config import (
@@ -573,9 +573,10 @@ class E2VDataset(torch.utils.data.Dataset):
 
     def __init__(self, cfgs: list[DatasetConfig], num_frames: int, skip_bad_samples: bool = False,
                  frame_sampling: str = "uniform", verbose: bool = True, global_batch: int = 1,
-                 size_multiple: int = 16):
+                 size_multiple: int = 16, layout=None):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
         self.size_multiple = size_multiple
+        self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
         samples, loose = scan(cfgs, num_frames, frame_sampling)
@@ -646,9 +647,6 @@ class E2VDataset(torch.utils.data.Dataset):
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
         elements = [e for e in cfg.elements if e.name in names]
-        # (element, size) as the run's kind frames them: Stand-In's reference at its 512x512, others the video's
-        kind = kind_of(cfg.vae, elements)
-        framed = [reference_framing(kind, e, (h, w)) for e in elements]
         file = s.video
         try:
             if self.cache_dir:
@@ -660,7 +658,8 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), region=c.get("region"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(len(elements), 3, *(framed[0][1] if framed else (h, w))))
+                            ref_shape=(self.layout.reference_images if self.layout else len(elements), 3,
+                                       *(self.layout and self.layout.reference_size or (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
@@ -669,22 +668,19 @@ class E2VDataset(torch.utils.data.Dataset):
                 raw, images = load_sample(s, indices, names, cfg.sam)
             else:
                 raw, images = read_clip(s.video, indices), {}
-            vae, clip = [], []
-            for e, size in framed:
+            for e in elements:
                 file = s.elements[e.name]
-                image = images[e.name] if e.name in images else read_image(file)
-                v, c = element_tensors(image, e, size, tuple(cfg.clip.resolution))
-                vae.append(v)
-                clip.append(c)
+                images[e.name] = images[e.name] if e.name in images else read_image(file)
+            files = [str(s.elements[e.name]) for e in elements]
+            file = s.video  # the sample; an image MAGREF's canvas cannot hold is named in the message (files)
+            vae, clip, region = reference_pixels(self.layout, [images[e.name] for e in elements], elements, (h, w),
+                                                 tuple(cfg.clip.resolution), files)
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
-        ch, cw = cfg.clip.resolution
         return dict(index=idx, id=s.id, video=resize_frames(raw, cfg.reshape_mode, (h, w)),  # (3, F, H, W)
                     prompt=s.prompt, element_names=names, repeats=tuple(e.repeat for e in elements),
-                    ref_vae=torch.stack(vae) if vae else torch.zeros(0, 3, h, w),
-                    ref_clip=torch.stack(clip) if clip else torch.zeros(0, 3, ch, cw),
-                    bucket=(frames, h, w, names))
+                    ref_vae=vae, ref_clip=clip, region=region, bucket=(frames, h, w, names))
 
 
 def collate(items: list[dict]) -> dict:
@@ -709,6 +705,7 @@ def collate(items: list[dict]) -> dict:
                 video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
                 ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
                 ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
+                region=None if items[0].get("region") is None else torch.stack([it["region"] for it in items]),
                 element_names=items[0]["element_names"], repeats=items[0]["repeats"])
 
 
@@ -820,8 +817,10 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    # version 2: A2's pad/crop-then-resize preprocessing of images and frames
-    key = dict(version=2, encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
+    # version 2: A2's pad/crop-then-resize preprocessing of images and frames; magref 3: its canvas made of the
+    # element images as read (no longer framed to the video first), the pixel region mask cached
+    key = dict(version=3 if kind == "magref" else 2,
+               encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
@@ -990,25 +989,27 @@ class Validate(TrainConfig):
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    return E2VDataset(cfgs, training_clip_frames(a, cfgs), a.skip_bad_samples,
-                      global_batch=a.micro_batch * a.grad_accum * a.world_size)
+    layout = training_layout(a, cfgs)
+    frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
+    return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
+                      layout=layout)
 
 
-def training_clip_frames(a: Validate, cfgs) -> int:
-    """The clip length train_a2.py reads with these flags. It depends on the model (Phantom-Wan, SkyReels-V3 and
-    MAGREF weights take their own layouts), so when --model is on this machine (a built-in model, a dir or a file)
-    it is planned as training plans it; a Hub id is not downloaded for this: the elements' rule is used and said."""
+def training_layout(a: Validate, cfgs):
+    """The Layout train_a2.py plans with these flags (clip length, how element images become references). It depends
+    on the model (Phantom-Wan, SkyReels-V3 and MAGREF weights take their own layouts), so when --model is on this
+    machine (a built-in model, a dir or a file) it is planned as training plans it; a Hub id is not downloaded for
+    this: None, and the clip length is the elements' rule (said)."""
     from a2.conditioning import plan
     from a2.tiny import TINY_MODELS, model_path
     from a2.transformer import detect_model
 
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type).clip_frames
-    frames = clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
-    print(f"clip length {frames} frames by the elements' rule (--model {a.model} is not on this machine; a "
-          "released model's own layout can read longer clips)")
-    return frames
+        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type)
+    print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
+          "layout can read longer clips)")
+    return None
 
 
 def _cli(argv: list[str]):

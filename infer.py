@@ -279,18 +279,19 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def read_references(cfg: InferConfig, images, info=None) -> dict:
-    """Element images (`path` or `name=path`) paired with the element specs and loaded (errors name the file):
-    dict(refs, clip_refs, repeats, elements (name -> CLIP-path image, for evaluate_video)). Default specs: A2's, or
-    a released S2V model's (info.native_kind) RELEASED_ELEMENTS."""
+def read_references(cfg: InferConfig, images, info=None, first_frame: bool = False) -> dict:
+    """Element images (`path` or `name=path`) paired with the element specs, the layout they are sampled in
+    (check_layout) and the images loaded as it takes them (errors name the file): dict(refs, clip_refs, repeats,
+    region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Default specs: A2's, or a
+    released S2V model's (info.native_kind) RELEASED_ELEMENTS. Without `info` no layout: each element framed."""
     default = RELEASED_ELEMENTS if info is not None and info.native_kind else A2_ELEMENTS
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
+    layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame)
     if not items:
-        return dict(refs=None, clip_refs=None, repeats=(), elements={}, specs=())
-    refs, clip_refs, repeats = load_references(items, (cfg.height, cfg.width), (cfg.clip_size, cfg.clip_size),
-                                               cfg.reference_layout)  # the kind where it frames them (standin)
-    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, elements=named_references(items, clip_refs),
-                specs=tuple(e for e, _ in items))
+        return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
+    refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
+    return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, region=region, layout=layout,
+                elements=named_references(items, clip_refs), specs=tuple(e for e, _ in items))
 
 
 def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
@@ -303,7 +304,7 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
-             first_frame=None) -> dict:
+             first_frame=None, region=None) -> dict:
     # Stand-In draws its noise with a CPU generator (rand_device="cpu") whatever the device
     device = "cpu" if cfg.preset == "standin" else cfg.device
     generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
@@ -315,7 +316,7 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 flow_shift=cfg.flow_shift,
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
                 reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep,
-                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas)
+                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -340,7 +341,8 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
         halves = []
         for model in models:
             set_lora(pipe, model == "lora")
-            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed)["video"][0]
+            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed,
+                             region=row["region"])["video"][0]
             halves.append(video)
             if evaluators is not None:
                 result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
@@ -415,11 +417,11 @@ def main(cfg: InferConfig) -> int:
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
-        layouts = [check_layout(cfg, info, row["specs"], False) for row in rows]
+        layouts = [row["layout"] for row in rows]
     else:
-        refs = read_references(cfg, cfg.elements, info)
+        refs = read_references(cfg, cfg.elements, info, first_frame is not None)
         items = list(refs["elements"])
-        layouts = [check_layout(cfg, info, refs["specs"], first_frame is not None)]
+        layouts = [refs["layout"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
@@ -468,7 +470,8 @@ def main(cfg: InferConfig) -> int:
             print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
                   + format_table(means))
         return 0
-    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame)
+    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame,
+                   region=refs["region"])
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

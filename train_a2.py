@@ -250,7 +250,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                 load_first_frame(cfg.val_elements[0], cfg.resolution)
             else:
                 load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2,
-                                layout.kind)
+                                layout)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
@@ -553,7 +553,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         refs = None
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
-        region = batch.get("region")  # magref from the cache: the canvas' latent region mask (B, h, w)
+        region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
         x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode,
                           None if region is None else h2d(region, device))
         text = (h2d(batch["text"], device) if cached
@@ -595,15 +595,16 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
     def encode_batch(batch):
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
-            video, refs = batch["video"].to(enc.vae.device), batch.get("ref_vae")
-            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax")
+            video, refs, region = batch["video"].to(enc.vae.device), batch.get("ref_vae"), batch.get("region")
+            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax",
+                             region)
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
             clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
                 if run.layout.use_clip else None
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                     text=text[:n].cpu(), clip=None if clip is None else clip.cpu(),
-                    region=None if cond.region is None else cond.region[0].cpu())
+                    region=None if region is None else region[0])
 
     write_cache(run.cache, dataset, encode_batch, rank, world)
     if world > 1:
@@ -626,7 +627,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     if not run.validates or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
         return None
     h, w = cfg.resolution
-    refs = clips = None
+    refs = clips = region = None
     repeats: tuple[int, ...] = ()
     first_frame = None
     if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
@@ -634,7 +635,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     else:
         items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
     if items:
-        refs, clips, repeats = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), run.layout.kind)
+        refs, clips, repeats, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), run.layout)
     transformer.eval()
     experts = {}
     high = transformer
@@ -651,7 +652,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   layout=validation_layout(run.layout, repeats),
+                   layout=validation_layout(run.layout, repeats), region=region,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:
@@ -1034,7 +1035,7 @@ def main(cfg: TrainConfig) -> dict:
         f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
-    dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, skip_bad_samples=cfg.skip_bad_samples,
+    dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.skip_bad_samples, layout=run.layout,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     held = held_out(dataset, cfg.eval_split, cfg.seed)  # eval loss samples, never trained on

@@ -18,10 +18,11 @@ A run's layout has one `kind`:
              drawn for T + L_ref frames (initial_latents) and the reference slots are the references in every input.
   v3         SkyReels-V3 R2V as released: the references' posterior samples (drawn after the noise, from its
              generator) zero-padded to exactly 4 slots, cat([x_t, slots], dim=2), one timestep for all tokens.
-  magref     MAGREF (Wan 2.1 I2V): every element pasted on one white canvas of the video's size (magref_canvas), the
-             canvas the I2V first frame on the channel axis: mask (4) = the region mask on latent frame 0, condition =
-             VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas, clip])), so latent frame 0
-             holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
+  magref     MAGREF (Wan 2.1 I2V): every element image as read (aspect kept, no element preprocess) pasted on one
+             white canvas of the video's size by MAGREF's rule (reference_pixels, at load time), the canvas the I2V
+             first frame on the channel axis: mask (4) = the region mask (where the images' pixels are) on latent
+             frame 0, condition = VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas,
+             clip])), so latent frame 0 holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
   standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
              the video's size (layout.reference_size, reference_framing: fit_pad_white), its clean latent (64x64)
              packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
@@ -33,6 +34,7 @@ A run's layout has one `kind`:
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
   plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
+  reference_pixels     the element images as the kind takes them (framed per element, or magref's one canvas).
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
   drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).
@@ -215,6 +217,12 @@ class Layout:
         return self.kind in REFERENCE_KINDS
 
     @property
+    def reference_images(self) -> int:
+        """Images in the kind's references (B, N, 3, H, W) (reference_pixels): magref's one canvas, else one per
+        element."""
+        return 1 if self.kind == "magref" else len(self.repeats)
+
+    @property
     def latent_frames(self) -> int:
         """Latent frames of hidden_states: the sequence's, plus the appended references (incontext, phantom, v3)."""
         return num_latent_frames(self.num_frames) + (self.ref_latents if self.kind in APPENDED_KINDS else 0)
@@ -362,7 +370,7 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
         raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
     if kind == "magref":
-        check_canvas([e.name for e in elements], vae.resolution)
+        check_canvas([e.name for e in elements])
     if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
     if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
@@ -392,24 +400,15 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
 
 
-def check_canvas(names: list[str], size: tuple[int, int]) -> None:
-    """MAGREF's canvas of the video's size=(height, width) holds the elements: at most 8, and each, framed to the
-    video's size first (every element's VAE preprocess gives that size), at least a token (16 px) on each side once
-    fitted into its block. Otherwise a ConfigError naming the elements and the fix."""
-    from a2.pipeline import MAGREF_GRIDS, MAGREF_MIN_SIDE, magref_blocks, magref_fit
-
-    def smallest(n):  # the smallest side of an element on a canvas of n
-        return min(min(magref_fit(size[::-1], (x1 - x0, y1 - y0))) for x0, y0, x1, y1 in magref_blocks(n, size))
+def check_canvas(names: list[str]) -> None:
+    """MAGREF's canvas holds at most 8 elements, else a ConfigError naming them. Whether each fits its block (a token,
+    16 px, on each side once placed) depends on its image's aspect, so magref_canvas checks that as it loads them."""
+    from a2.pipeline import MAGREF_GRIDS
 
     n, most = len(names), max(MAGREF_GRIDS)
     if n > most:
         raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
                           f"grid), got {n}: keep at most {most}")
-    if smallest(n) < MAGREF_MIN_SIDE:
-        fits = [k for k in range(1, n) if smallest(k) >= MAGREF_MIN_SIDE]
-        raise ConfigError(f"elements {', '.join(names)}: each is framed to the {size[0]}x{size[1]} video first, and "
-                          f"on MAGREF's canvas of {n} it is {smallest(n)} px on a side, under {MAGREF_MIN_SIDE} (one "
-                          "token): raise the resolution" + (f" or use at most {fits[-1]} elements" if fits else ""))
 
 
 def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
@@ -560,12 +559,12 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     clean: the leading layout.clean_frames (4k+1) frames of `video`, encoded alone as diffusers' 5B I2V encodes its
       image: `clean` (B, C, T_c, h, w) (the causal VAE makes them the first T_c latents of the whole video's). In
       sampling a TI2V-5B first frame comes this way beside in-context references (encoded first).
-    magref: `references` (B, N, 3, H, W) in [-1, 1] (uint8-exact: what load_references and the dataset give) pasted
-      on a white canvas by MAGREF's rule (a2.pipeline.magref_canvas; layout.placement_seed); the canvas then
+    magref: `references` (B, 1, 3, H, W) in [-1, 1], MAGREF's canvas of the elements, and `region` (B, H, W) bool,
+      where their pixels are on it (reference_pixels: what load_references and the dataset give); the canvas then
       layout.num_frames - 1 zero frames VAE-encoded; the mask's 4 channels of latent frame 0 are the region mask
       max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
-      From a precompute cache the references are meta tensors and `region` (B, h, w), the recorded cond.region,
-      stands in for the canvas: the VAE encodes replay its posteriors, the CLIP tokens are cached.
+      From a precompute cache the canvas is a meta tensor (the VAE encodes replay its posteriors, the CLIP tokens
+      are cached) and `region` the cached one.
     standin: the one reference (B, 1, 3, *layout.reference_size), Stand-In's 512x512 whatever the video's size
       (reference_framing), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's encode_ip_image):
       `ref_latents` (B, C, 1, *layout.reference_grid).
@@ -585,14 +584,16 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         if references is None:
             raise ValueError(f"the {kind} kind takes references (element images), not video frames")
         b, n, _, h, w = references.shape
-        if len(layout.repeats) != n:
-            raise ValueError(f"need one repeat per element: {n} elements, repeats {layout.repeats}")
-        frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
+        if layout.reference_images != n:  # magref: the one canvas reference_pixels makes of all the elements
+            raise ValueError(f"the {kind} kind takes {layout.reference_images} reference image(s) for the element "
+                             f"repeats {layout.repeats}, got {n}")
+        if kind != "magref":
+            frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
     if kind == "standin":  # one frame (whatever the element's repeat), its posterior mean (Stand-In's encode_ip_image)
         if (h, w) != layout.reference_size:
             raise ValueError(f"Stand-In's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} image "
                              f"(its face crop) whatever the video's size, got {h}x{w}: frame it with "
-                             "reference_framing (load_references(..., kind='standin'))")
+                             "reference_framing (load_references(..., layout) of the standin layout)")
         cond.ref_latents = encode_vae(vae, references[:, 0, :, None], "argmax")
         if cond.ref_latents.shape[-2:] != layout.reference_grid:
             raise ValueError(f"Stand-In's {h}x{w} reference encodes to {tuple(cond.ref_latents.shape[-2:])} latents, "
@@ -606,18 +607,15 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         cond.ref_latents = torch.cat(latents, dim=2)
         return cond
     if kind == "magref":
-        if region is None:
-            if references.is_meta:
-                raise ValueError("the magref canvas is made from the references' pixels: without them (a precompute "
-                                 "cache) pass the cached region mask")
-            cond.canvas, pixel_region = magref_canvases(references, layout.placement_seed)  # (B, 3, H, W), (B, H, W)
-        else:  # a cache replays the canvas' encodes: only its shape is needed
-            cond.canvas = references.new_empty(b, 3, h, w)
+        if region is None or region.shape != (b, h, w):
+            raise ValueError(f"the magref kind takes its canvas' pixel region mask (B, H, W) = {(b, h, w)} beside the "
+                             f"canvas (reference_pixels), got {None if region is None else tuple(region.shape)}")
+        cond.canvas = references[:, 0]  # (B, 3, H, W)
         pixels = torch.cat([cond.canvas[:, :, None], cond.canvas.new_zeros(b, 3, layout.num_frames - 1, h, w)], 2)
         latents = encode_vae(vae, pixels, sample_mode, generator)
         s = h // latents.shape[-2]
-        cond.region = (region.to(latents.device, torch.bool) if region is not None else  # (B, h, w)
-                       torch.nn.functional.max_pool2d(pixel_region[:, None].float(), s)[:, 0].to(latents.device) > 0)
+        region = region.to(latents.device, torch.float32)[:, None]  # (B, 1, H, W)
+        cond.region = torch.nn.functional.max_pool2d(region, s)[:, 0] > 0  # (B, h, w)
         mask = torch.zeros(b, VAE_T, latents.shape[2], *latents.shape[-2:], device=latents.device)
         mask[:, :, 0] = cond.region[:, None].float()
         cond.ref_latents = latents[:, :, :1]
@@ -655,23 +653,34 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     return cond
 
 
-def magref_canvases(references: torch.Tensor, placement_seed: int | None = None):
-    """(B, N, 3, H, W) element images in [-1, 1] -> MAGREF's canvases (B, 3, H, W) in [-1, 1] and region masks
-    (B, H, W) bool (a2.pipeline.magref_canvas on each sample's images, read back from uint8 exactly)."""
+def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, int], clip_size: tuple[int, int],
+                     names: list[str] | None = None):
+    """Element images (RGB, read_image's, in position order) as the kind takes them: (vae (N, 3, H, W) and clip
+    (N, 3, h, w) in [-1, 1], region (H, W) bool or None). `elements`: their config.Elements; size=(H, W) the video's.
+
+    magref: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
+      made from the images themselves, no element preprocess (a2.pipeline.magref_canvas, layout.placement_seed),
+      and region where their pixels are on it. A reference thinner than a token once placed is a one-line
+      ValueError naming it (`names`, e.g. the files).
+    standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
+    Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
+    clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
+    these are what the metrics compare the video with)."""
     import random
 
-    from PIL import Image
+    from a2.pipeline import element_tensors, magref_canvas, pil_to_tensor, preprocess_image
 
-    from a2.pipeline import magref_canvas, pil_to_tensor, tensor_to_uint8
-
-    b, n, _, h, w = references.shape
-    canvases, masks = [], []
-    for refs in tensor_to_uint8(references):  # (N, H, W, 3) per sample
-        rng = None if placement_seed is None else random.Random(placement_seed)
-        canvas, mask = magref_canvas([Image.fromarray(r) for r in refs], (h, w), rng)
-        canvases.append(pil_to_tensor(canvas))
-        masks.append(mask)
-    return torch.stack(canvases).to(references.device, references.dtype), torch.stack(masks)
+    if layout is None or layout.kind != "magref":
+        kind = None if layout is None else layout.kind
+        pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
+                 for image, e in zip(images, elements)]
+        return (torch.stack([v for v, _ in pairs]) if pairs else torch.zeros(0, 3, *size),
+                torch.stack([c for _, c in pairs]) if pairs else torch.zeros(0, 3, *clip_size), None)
+    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
+    canvas, region = magref_canvas(list(images), size, rng, names)
+    clip = torch.stack([pil_to_tensor(preprocess_image(image, e.clip_preprocess, clip_size))
+                        for image, e in zip(images, elements)])
+    return pil_to_tensor(canvas)[None], clip, region
 
 
 def reference_framing(kind: str | None, element, size: tuple[int, int]):
@@ -691,7 +700,7 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
     the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
-    frames (inplace, clean). region: magref from a cache, the recorded cond.region (prepare_latents)."""
+    frames (inplace, clean). region: magref's pixel region mask (B, H, W) beside its canvas (prepare_latents)."""
     if layout.takes_references:
         cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator,
                                region=region)

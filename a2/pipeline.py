@@ -1,6 +1,6 @@
 """A2Pipeline: Elements-to-Video inference on Wan: element images, prompt and image encoding, the denoising loop,
 decoding, video files. The conditioning (what the transformer is given, per kind) is a2/conditioning.py's, shared
-with training; data.py builds training's element images with `element_tensors` from here.
+with training, and so is how element images become references (reference_pixels), for data.py and load_references.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from a2.conditioning import (
     num_latent_frames,
     prepare_latents,
     prepare_model,
-    reference_framing,
+    reference_pixels,
     restore,
     sampling_layout,
     vae_scale,
@@ -176,27 +176,27 @@ def read_image(path) -> Image.Image:
     return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
 
 
-def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), kind: str | None = None):
-    """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats), in position order.
-    VAE-path images at the video's size=(H, W), or as the run's `kind` frames them (reference_framing: standin's
-    reference is Stand-In's 512x512 face crop).
+def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), layout=None):
+    """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats, region), in position
+    order, as `layout`'s kind takes them (a2.conditioning.reference_pixels; None: each element framed to the size):
+    the magref kind's vae is its one canvas (N = 1) and region (1, H, W) where the images are on it, else None.
 
-    Errors name the file: a missing or unreadable image stops here, before any model is loaded."""
+    Errors name the file: a missing or unreadable image, or one MAGREF's canvas cannot hold, stops here, before any
+    model is loaded."""
     items = sorted(items, key=lambda it: it[0].position)
-    vae, clip = [], []
+    images = []
     for element, path in items:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
         try:
-            image = read_image(path)
+            images.append(read_image(path))
         except ValueError as e:
             raise ValueError(f"{path}: element '{element.name}' is {e}") from e
-        v, c = element_tensors(image, *reference_framing(kind, element, size), clip_size)
-        vae.append(v)
-        clip.append(c)
+    vae, clip, region = reference_pixels(layout, images, [e for e, _ in items], size, clip_size,
+                                         [str(p) for _, p in items])
     repeats = tuple(e.repeat for e, _ in items)
-    return torch.stack(vae)[None], torch.stack(clip)[None], repeats
+    return vae[None], clip[None], repeats, None if region is None else region[None]
 
 
 def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
@@ -470,13 +470,15 @@ class A2Pipeline(WanLoraLoaderMixin):
         first_frame: torch.Tensor | None = None,
         layout: Layout | None = None,
         sigmas=None,
+        region: torch.Tensor | None = None,
     ) -> dict:
         """Generate one video.
 
-        references: (1, N, 3, H, W) VAE-path element images in [-1, 1] (standin: Stand-In's 512x512 reference,
-        load_references(..., kind="standin")); clip_references (1, N, 3, h, w)
-        the CLIP-path ones (None for models without an image branch). Noise is drawn first, then the
-        posterior is sampled with the same generator (A2's order, needed for bit-parity).
+        references: (1, N, 3, H, W) VAE-path element images in [-1, 1] (standin: Stand-In's 512x512
+        reference); clip_references (1, N, 3, h, w)
+        the CLIP-path ones (None for models without an image branch), as load_references gives them for the kind
+        (the magref kind: its one canvas, and `region` (1, H, W) where the element images are on it). Noise is drawn
+        first, then the posterior is sampled with the same generator (A2's order, needed for bit-parity).
         The conditioning kind (a2/conditioning.py) is `layout`, or, when None, what sampling_layout derives from the
         model and the inputs: a released S2V model's own (self.native_kind: phantom | v3, sampled on its own UniPC
         schedule, self.schedule), reference_layout channel on a 36-channel model (prefix: A2 / Wan I2V), incontext on a
@@ -530,7 +532,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
             self.vae, layout, references=None if references is None else references.to(device),
             video=None if first_frame is None else first_frame.to(device)[:, :, None], sample_mode=sample_mode,
-            generator=generator)
+            generator=generator, region=None if region is None else region.to(device))
         if transformer.config.image_dim is not None:  # from the element images, or the canvas they make (magref)
             cond.image = image_tokens(self.image_encoder, self.image_processor, cond, clip_references).to(dtype)
         empty = drop(cond, torch.zeros(1, device=device)) if guidance_scale_img is not None else None

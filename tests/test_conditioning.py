@@ -44,7 +44,7 @@ def setup(data_dir, name):
                                       *extra])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)[0]])
+    batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)[0]])
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
     return cfg, run, enc, batch
 
@@ -64,11 +64,11 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
     pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
                       expand_timesteps=run.info.ti2v)
-    refs = clips = None
+    refs = clips = region = None
     repeats, first_frame = (), None
     if run.layout.takes_references:
         files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
-        refs, clips, repeats = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size), kind)
+        refs, clips, repeats, region = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size), run.layout)
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
@@ -77,7 +77,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
          num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
          generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-         layout=layout)
+         layout=layout, region=region)
     (sampled,) = seen
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 

@@ -47,7 +47,7 @@ def reference(tmp_path, array, name="subject"):
     path = tmp_path / f"{name}.png"
     Image.fromarray(array).save(path)
     element = Element(name, ("_x.png",), clip_preprocess="pad_white")
-    _, clip, _ = load_references([(element, path)], (64, 96), (64, 64))
+    _, clip, _, _ = load_references([(element, path)], (64, 96), (64, 64))
     return clip[0, 0]
 
 

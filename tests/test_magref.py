@@ -3,6 +3,7 @@ magref/subject2video.py (MAGREF-Video/MAGREF e3c71b2) runs it: process_refimg's 
 resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On the real photos."""
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -170,25 +171,30 @@ def their_magref_sample(transformer, vae, clip, clip_mean, clip_std, refs, text,
 
 
 @torch.no_grad()
-def test_a2_samples_as_magref(photos):
+def test_a2_samples_as_magref(shared_data):
     """A2Pipeline on tiny-magref (MAGREF's original-Wan checkpoint layout) with the magref kind == MAGREF's sampler
     written out: the same condition (mask | canvas latents), CLIP tokens, final latents and video, bit for bit,
-    given their schedule (sigmas) and their seed-driven placement (placement_seed)."""
+    given their schedule (sigmas) and their seed-driven placement (placement_seed). The references are photos of
+    other aspects than their blocks' and the video's (a 16:9 landscape, a 9:16 portrait in 48x48 blocks of a 48x96
+    video: 48x27 and 27x48 px), loaded as a2 loads them (load_references) and given to theirs as read."""
     from a2.conditioning import make_layout
-    from a2.pipeline import A2Pipeline, encode_prompt, pil_to_tensor, preprocess_image
+    from a2.pipeline import A2Pipeline, encode_prompt, load_references, read_image
+    from config import A2_ELEMENTS
 
-    h, w, f, steps, seed = 32, 64, 9, 3, 5
+    h, w, f, steps, seed = 48, 96, 9, 3, 5
     pipe = A2Pipeline.from_pretrained("tiny-magref")
-    refs = [preprocess_image(p, "pad_white", (h, w)) for p in photos[:2]]  # two 32x32 blocks
+    files = [shared_data / "a2_human.png", shared_data / "a2_env.png"]  # 1280x720, 1080x1920
     text = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["a person holds a thing"])
     null = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["static, blurred"])
     proc = pipe.image_processor
     want = their_magref_sample(pipe.transformer, pipe.vae, pipe.image_encoder, proc.image_mean, proc.image_std,
-                               refs, text, null, f, h, w, steps, seed)
+                               [read_image(p) for p in files], text, null, f, h, w, steps, seed)
     from tests import their_samplers as theirs
 
     layout = make_layout("magref", f, (1, 1), e2v_type="dual", placement_seed=seed)
-    got = pipe("a person holds a thing", torch.stack([pil_to_tensor(r) for r in refs])[None], None, (1, 1),
+    refs, clips, repeats, region = load_references(list(zip(A2_ELEMENTS, files)), (h, w), (64, 64), layout)
+    assert refs.shape == (1, 1, 3, h, w) and region.shape == (1, h, w) and clips.shape == (1, 2, 3, 64, 64)
+    got = pipe("a person holds a thing", refs, clips, repeats, region=region,
                negative_prompt="static, blurred", height=h, width=w, num_frames=f, num_inference_steps=steps,
                guidance_scale=5.0, flow_shift=3.0, sigmas=theirs.phantom_sigmas(steps), sample_mode="argmax",
                generator=torch.Generator().manual_seed(seed), layout=layout, progress=False)
@@ -244,39 +250,83 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
 MAGREF_ELEMENTS = ("subject=_person.png:repeat=1", "object=_object.png:repeat=1")
 
 
-def test_a_canvas_that_cannot_hold_the_elements_is_refused_before_loading(data_dir, monkeypatch):
-    """Every element reaches the canvas framed to the video's size, so whether MAGREF's canvas holds them depends on
-    their count and the size alone: the plan (train_a2.py, infer.py) refuses more than 8, or elements under a token
-    once placed, in one line naming them and the fix, before any weights load."""
+def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, tmp_path, monkeypatch):
+    """More than 8 elements are refused by the plan (train_a2.py, infer.py) before anything loads. Whether an image
+    is a token (16 px) on each side once placed depends on its aspect, so that is checked as the images load, in one
+    line naming the file: inference (infer.py, before any weights load), --val-elements (in the plan), and a
+    training sample (the failed item's problem line, naming the sample and the file)."""
+    import shutil
     from dataclasses import replace
 
     import infer
     import train_a2
     from a2.pipeline import A2Pipeline
     from config import ConfigError, TrainConfig, dataset_configs
+    from data import E2VDataset
 
     def plan(cfg):
         return train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
 
     cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), reference_layout="magref", num_frames=9,
-                      resolution=(32, 32), device="cpu")  # A2's three elements side by side: 10x10 px each
-    with pytest.raises(ConfigError, match=r"^elements subject, object, background: each is framed to the 32x32 "
-                                          r"video first, .* 10 px on a side, under 16 .*use at most 2 elements$"):
-        plan(cfg)
-    assert plan(replace(cfg, resolution=(48, 48))).layout.kind == "magref"  # 16x16 px each
+                      resolution=(32, 32), device="cpu", elements=MAGREF_ELEMENTS)
+    layout = plan(cfg).layout
     nine = tuple(f"e{i}=_e{i}.png" for i in range(9))
     with pytest.raises(ConfigError, match=r"^elements e0, e1, .*, e8: MAGREF's canvas places at most 8 .*got 9: "
                                           r"keep at most 8$"):
         plan(replace(cfg, elements=nine, resolution=(480, 832)))
 
+    strip = tmp_path / "strip.png"  # 3000x100: 16x0 px in a 16x32 block of a 32x32 canvas of two
+    Image.new("RGB", (3000, 100), (10, 20, 30)).save(strip)
+    person = str(data_dir / "000_person.png")
+    line = rf"{strip}: a 3000x100 reference is 16x0 px in its 16x32 block of MAGREF's 32x32 canvas \(2 references\)"
+
     def no_loading(*a, **k):
         raise AssertionError("weights loaded before the refusal")
 
     monkeypatch.setattr(A2Pipeline, "from_pretrained", no_loading)
-    els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
-    with pytest.raises(ConfigError, match=r"^elements ref0, ref1, ref2: each is framed to the 32x32 video first"):
-        infer.main(infer.InferConfig(model="tiny-magref", elements=els, height=32, width=32, num_frames=9,
-                                     device="cpu", reference_layout="magref"))
+    with pytest.raises(ValueError, match=rf"^{line}, under 16 px: .*fewer references$") as e:
+        infer.main(infer.InferConfig(model="tiny-magref", elements=(person, str(strip)), height=32, width=32,
+                                     num_frames=9, device="cpu", reference_layout="magref"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=rf"^--val-elements: {line}"):
+        plan(replace(cfg, val_elements=(person, str(strip))))
+
+    d = tmp_path / "data"
+    shutil.copytree(data_dir, d)
+    shutil.copy(strip, d / "001_object.png")
+    ds = E2VDataset(dataset_configs(replace(cfg, data_root=str(d))), layout.clip_frames, verbose=False,
+                    layout=layout)
+    failed = ds[ds.samples.index(next(x for x in ds.samples if x.id == "001"))]["failed"]
+    assert re.fullmatch(rf"001: {d / '001.mp4'}: failed to load \(ValueError: {d / '001_object.png'}: a 3000x100 "
+                        r"reference is .* fewer references\)", failed), failed
+    assert "failed" not in ds[ds.samples.index(next(x for x in ds.samples if x.id == "000"))]
+
+
+def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(shared_data, tmp_path):
+    """A portrait photo (1080x1920) as the one reference of a 48x96 video: the canvas and its region mask are MAGREF's
+    rule's on the photo as read (fitted to the height, aspect kept: 27x48 px in the middle), the same from the
+    dataset (training) as from load_references (sampling); not the whole canvas, which the photo framed to the
+    video's size first would cover."""
+    import shutil
+
+    from a2.conditioning import make_layout
+    from a2.pipeline import load_references, pil_to_tensor, read_image
+    from config import A2_ELEMENTS, DatasetConfig
+    from data import E2VDataset, make_synthetic_dataset
+
+    subject = A2_ELEMENTS[0]
+    d = make_synthetic_dataset(tmp_path / "data", num_samples=1, num_frames=9, size=(48, 96), elements=(subject,))
+    shutil.copy(shared_data / "a2_env.png", d / "000_person.png")
+    layout = make_layout("magref", 9, (1,), e2v_type="dual")
+    random.seed(0)
+    canvas, mask = their_canvas([read_image(shared_data / "a2_env.png")], 48, 96)
+    refs, _, _, region = load_references([(subject, d / "000_person.png")], (48, 96), (64, 64), layout)
+    item = E2VDataset([DatasetConfig(str(d), target_resolution=(48, 96), elements=(subject,))], layout.clip_frames,
+                      verbose=False, layout=layout)[0]
+    assert torch.equal(region[0], torch.from_numpy(mask.astype(bool))) and torch.equal(item["region"], region[0])
+    assert torch.equal(refs[0, 0], pil_to_tensor(canvas)) and torch.equal(item["ref_vae"], refs[0])
+    cols = region[0].any(0).nonzero()
+    assert region[0].sum() == 27 * 48 and (int(cols.min()), int(cols.max())) == (34, 60)  # the photo, centred
 
 
 def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):

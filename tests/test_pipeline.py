@@ -327,7 +327,7 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n):
             latents = sched.step(uncond + 5.0 * (cond - uncond), t, latents, return_dict=False)[0]
 
         elements = [A2_ELEMENTS[0], replace(A2_ELEMENTS[1], repeat=4)] if n == 2 else A2_ELEMENTS
-        refs, clips, reps = load_references(list(zip(elements, paths)), (h, w), (512, 512))
+        refs, clips, reps, _ = load_references(list(zip(elements, paths)), (h, w), (512, 512))
         assert reps == repeats
         out = pipe("a man in the forest", refs, clips, reps, negative_prompt="bad", height=h, width=w, num_frames=f,
                    num_inference_steps=3, flow_shift=8.0, generator=torch.Generator().manual_seed(42), decode="none",

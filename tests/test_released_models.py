@@ -432,7 +432,7 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     assert (pipe.native_kind, pipe.flow_shift, pipe.schedule) == (
         ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
     images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
-    refs, _, repeats = load_references(items, (32, 48))
+    refs, _, repeats, _ = load_references(items, (32, 48))
     prompt, negative = "a hiker on a mountain", "low quality"
     text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
     frames, steps = 9, 3 if kind == "phantom" else 8

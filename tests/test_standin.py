@@ -335,13 +335,15 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     equal recomputing the reference in every pass (standin_cache False) within BOUND (the FFN row count, above);
     another reference gives other latents; a second call with another reference does not reuse the first's K/V.
     The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused."""
+    from a2.conditioning import make_layout
     from a2.pipeline import A2Pipeline, load_references
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v")
     their_file(tiny_t2v(), tmp_path / "standin.ckpt")
     assert standin.load_lora(pipe.transformer, tmp_path / "standin.ckpt") == RANK
     h, w = 32, 48
-    refs = [load_references([(Element("face", ()), shared_data / p)], (h, w), kind="standin")[0]
+    layout = make_layout("standin", 9, (1,), e2v_type="vae")
+    refs = [load_references([(Element("face", ()), shared_data / p)], (h, w), layout=layout)[0]
             for p in ("a2_human.png", "a2_thing.png")]
     assert refs[0].shape == (1, 1, 3, 512, 512)
     lengths = []

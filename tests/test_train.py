@@ -189,7 +189,7 @@ def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     ds = E2VDataset([DatasetConfig(str(data_dir), target_resolution=(32, 32))], num_frames=9, verbose=False)
     batch = collate([ds[0]])
     files = [(e, data_dir / f"{ds.samples[0].id}{e.suffixes[0]}") for e in A2_ELEMENTS]
-    refs, clips, repeats = load_references(files, (32, 32), (512, 512))
+    refs, clips, repeats, _ = load_references(files, (32, 32), (512, 512))
     assert torch.equal(batch["ref_vae"], refs) and torch.equal(batch["ref_clip"], clips)
     assert batch["repeats"] == repeats == (1, 4, 4)
     pipe = A2Pipeline.from_pretrained(tiny_dir)
