@@ -120,7 +120,7 @@ def test_bad_inputs_raise(vae):
     refs = torch.zeros(1, 3, 3, H, W)
     with pytest.raises(ValueError, match="leaves no frame"):
         prepare_latents(vae, make_layout("prefix", 9, (1, 4, 4)), references=refs)
-    with pytest.raises(ValueError, match="one repeat"):
+    with pytest.raises(ValueError, match=r"takes 2 reference image\(s\) for the element repeats \(1, 4\), got 3"):
         prepare_latents(vae, make_layout("prefix", 21, (1, 4)), references=refs)
     with pytest.raises(ValueError, match="takes element references"):
         prepare_latents(vae, make_layout("prefix", 21))
