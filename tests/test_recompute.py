@@ -108,3 +108,17 @@ def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
     err = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
     print(f"first step: loss {a:.7f} | {b:.7f}, gradient rel err {err:.1e}")
     assert grads[0].norm() > 0 and err <= 1e-5, err
+
+
+def test_recompile_limit_covers_the_runs_shapes(monkeypatch):
+    """Compiled blocks recompile per bucket shape, with and without grad; past torch._dynamo's recompile limit a block
+    would run eager in a plan made for compiled blocks. The limit is raised to 2 per shape + 8, never lowered."""
+    import torch._dynamo.config as dynamo_config
+
+    from a2.transformer import allow_recompiles
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    allow_recompiles(12)
+    assert dynamo_config.recompile_limit == 2 * 12 + 8
+    allow_recompiles(1)  # a later, smaller run in the same process keeps the larger limit
+    assert dynamo_config.recompile_limit == 32
