@@ -176,7 +176,9 @@ class InferConfig:
     train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
     side (left: base, right: LoRA): one mp4 per prompt."""
     eval_set: str | None = None
-    """Score the model (and a --lora against it): a .jsonl file, one video per row: {"prompt": "...", "elements":
+    """An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside its Images/): render one
+    <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. Or score the model (and
+    a --lora against it) on a2's own metrics: a .jsonl file, one video per row: {"prompt": "...", "elements":
     {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
     ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
     rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
@@ -357,6 +359,63 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
     return scores
 
 
+def opens2v_set(cfg: InferConfig) -> bool:
+    """--eval-set names an OpenS2V-Eval set (`<Domain>_Eval.json`, a JSON object of samples), not a2's .jsonl."""
+    return bool(cfg.eval_set) and Path(cfg.eval_set).suffix == ".json"
+
+
+def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
+    """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
+    prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
+    layout planned here, before any weights load (errors name the sample); the images load when rendered."""
+    from PIL import Image
+
+    from a2.opens2v import read_eval_set
+
+    specs = parse_elements(cfg.element_specs) if cfg.element_specs else (
+        RELEASED_ELEMENTS if info.native_kind else A2_ELEMENTS)
+    rows = []
+    for sid, sample in read_eval_set(cfg.eval_set).items():
+        where = f"{cfg.eval_set}: sample {sid}"
+        images = [str(p) for p in sample["images"]]
+        try:
+            for path in images:
+                with Image.open(path) as im:
+                    im.verify()
+            items = pair_elements(images, specs)
+            layout = check_layout(cfg, info, tuple(e for e, _ in items), False)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{where}: {e}") from e
+        rows.append(dict(id=sid, prompt=sample["prompt"], line=where, images=images, layout=layout,
+                         elements={e.name: None for e, _ in items}))
+    return rows
+
+
+def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], info) -> None:
+    """One `<sample id>.mp4` per sample in --out-dir, OpenS2V-Eval's layout (the model as loaded: with its LoRA
+    when one is given; no references beside the frames). Resumable: a video already there is kept; a video is
+    written into out_dir/.partial/ and moved in when complete, so an interrupted one is redone."""
+    out_dir = Path(cfg.out_dir)
+    partial = out_dir / ".partial"
+    for i, row in enumerate(rows, 1):
+        path = out_dir / f"{row['id']}.mp4"
+        if path.is_file():
+            print(f"[{i}/{len(rows)}] {row['id']}: kept (done before)")
+            continue
+        try:
+            refs = read_references(cfg, row["images"], info)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{row['line']}: {e}") from e
+        video = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["repeats"],
+                         region=refs["region"])["video"][0]
+        save_video(partial / path.name, video, cfg.fps).replace(path)
+        print(f"[{i}/{len(rows)}] {row['id']}: wrote {path}", flush=True)
+    if partial.is_dir() and not any(partial.iterdir()):
+        partial.rmdir()
+    print(f"score them: python3 -m a2.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
+          "--aes-clip/--aes-mlp, --face, --gme; README 'OpenS2V-Eval')")
+
+
 def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
     """metrics.jsonl and metrics.csv: the rows per video and element, then their means per model and element
     (index "mean"). Returns the mean rows."""
@@ -410,8 +469,11 @@ def main(cfg: InferConfig) -> int:
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
             raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")
-        rows = read_rows(cfg.eval_set or cfg.prompts_file)
-        for row in rows:  # read and check every row's images before loading any model
+        if opens2v_set(cfg):
+            rows = read_opens2v_set(cfg, info)
+        else:
+            rows = read_rows(cfg.eval_set or cfg.prompts_file)
+        for row in rows if not opens2v_set(cfg) else ():  # every row's images read and checked before any model
             try:
                 row.update(read_references(cfg, row.get("images", cfg.elements), info))
             except (ValueError, FileNotFoundError) as e:
@@ -460,6 +522,9 @@ def main(cfg: InferConfig) -> int:
             print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
         elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
+    if rows is not None and opens2v_set(cfg):
+        render_opens2v_set(cfg, pipe, rows, info)
+        return 0
     if rows is not None:
         evaluators = None
         if cfg.eval_set:

@@ -96,7 +96,8 @@ def domain_of(path) -> str:
 
 def read_eval_set(path) -> dict[str, dict]:
     """An OpenS2V-Eval set as downloaded: {sample id: {prompt, img_paths (relative to the set's dir, which holds
-    Images/), class_label}}. Returns {id: dict(prompt, images (absolute Paths), class_label)}; errors name the sample."""
+    Images/), class_label}}. Returns {id: dict(prompt, images (absolute Paths), class_label)}; errors name the
+    sample."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())

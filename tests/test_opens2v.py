@@ -1,0 +1,278 @@
+"""a2/opens2v.py on OpenS2V-Eval v1.1's own material (tests/media/opens2v_eval/, Apache-2.0): motion_fb of the two
+demo videos to the digits their JSON gives, their merge of the demo JSON files, the v1.1 merge output's total,
+every published leaderboard row's TotalScore from its columns; the encoders' code paths on tiny random stand-ins
+of their architectures (no weights are reachable here); the command on a video dir; infer.py --eval-set writing
+an OpenS2V-Eval set's videos by sample id, resumably."""
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFilter
+
+from a2 import opens2v
+
+MEDIA = Path(__file__).parent / "media" / "opens2v_eval"
+THEIR_FILES = ("aesthetic_score", "motion_amplitude", "motion_smoothness", "facesim", "gmescore", "nexusscore",
+               "naturalscore_1", "naturalscore_2", "naturalscore_3")
+
+
+def their(name):
+    return json.loads((MEDIA / f"{name}.json").read_text())
+
+
+@pytest.fixture
+def demo_json_dir(tmp_path):
+    (tmp_path / "their_json").mkdir()
+    for name in THEIR_FILES:
+        shutil.copy(MEDIA / f"{name}.json", tmp_path / "their_json")
+    return tmp_path / "their_json"
+
+
+def test_motion_fb_is_zero_for_a_still_video_and_grows_with_motion():
+    rng = np.random.default_rng(0)
+    base = (rng.random((64, 96, 3)) * 255).astype(np.uint8)
+    base = np.asarray(Image.fromarray(base).filter(ImageFilter.BLUR))
+    still = np.stack([base] * 4)
+    assert opens2v.motion_fb(still) < 0.01  # Farneback's polynomial fit leaves a small residual on noise
+    moving = np.stack([np.roll(base, 2 * t, axis=1) for t in range(4)])
+    assert opens2v.motion_fb(moving) > 0.5
+
+
+def test_merge_of_the_demo_files_is_their_normalised_metrics_and_which_weights_made_0636(demo_json_dir):
+    theirs = their("model_name_Open-Domain")
+    metrics = opens2v.normalised_metrics(opens2v.merge_dir(demo_json_dir))
+    for key, value in theirs.items():
+        if key != "total_score":
+            assert metrics[key] == pytest.approx(value, rel=1e-12), key
+    # their demo output has no motion_amplitude; v1.1 has it: the mean of the two motion_fb, range [0, 1]
+    assert metrics["motion_amplitude"] == pytest.approx((0.35025984048843384 + 0.038793787360191345) / 2)
+    total, missing = opens2v.total_score(metrics, "Open-Domain")
+    assert missing == [] and total == pytest.approx(0.5959962472265614, rel=1e-12)  # v1.1, not their 0.636
+    # 0.6356867755593165 is the v1.0 weighting (one motion metric, 0.12) with the smoothness in the motion slot
+    v10 = opens2v.WEIGHTS_V10["Open-Domain"]
+    old = sum(w * metrics["motion_smoothness" if m == "motion" else m] for m, w in v10.items())
+    assert old == pytest.approx(theirs["total_score"], rel=1e-12)
+    assert total != pytest.approx(theirs["total_score"], abs=0.01)
+
+
+def test_the_v11_merge_output_total_is_its_metrics_under_the_v11_weights():
+    board = their("leaderboard_model_name_Open-Domain")
+    total, missing = opens2v.total_score({k: v for k, v in board.items() if k != "total_score"}, "Open-Domain")
+    assert missing == [] and total == pytest.approx(board["total_score"], rel=1e-14)
+
+
+@pytest.mark.parametrize("domain", opens2v.DOMAINS)
+def test_total_score_reproduces_every_published_leaderboard_row(domain):
+    rows = opens2v.read_leaderboard(MEDIA / f"leaderboard_results_{domain}.csv")
+    with open(MEDIA / f"leaderboard_results_{domain}.csv", encoding="utf-8") as f:
+        assert len(rows) == len(list(csv.DictReader(f))) >= 10
+    for row in rows:
+        total, missing = opens2v.total_score(row["metrics"], domain)
+        assert missing == [], row["model"]
+        assert abs(100 * total - row["total"]) <= 0.008, (row["model"], 100 * total, row["total"])
+    assert ("nexus_score" in rows[0]["metrics"]) == (domain != "Human-Domain")
+
+
+def test_partial_total_renormalises_the_weights_and_names_what_is_missing(demo_json_dir):
+    for name in ("nexusscore", "naturalscore_1", "naturalscore_2", "naturalscore_3"):
+        (demo_json_dir / f"{name}.json").unlink()
+    result = opens2v.merge_result(demo_json_dir, "Open-Domain")
+    assert result["partial"] and result["missing"] == ["nexus_score", "natural_score"]
+    assert "missing NexusScore, NaturalScore" in result["label"] and "0.56 to 1" in result["label"]
+    w = opens2v.WEIGHTS["Open-Domain"]
+    kept = [m for m in w if m not in ("nexus_score", "natural_score")]
+    expected = sum(w[m] * result[m] for m in kept) / sum(w[m] for m in kept)
+    assert result["total_score"] == pytest.approx(expected)
+    # their clipping: aes_score is clipped to [4, 7] before the mean, nexus_score 0 ("not found") is left out
+    merged = {"a": dict(aes_score=9.0, nexus_score=0.0), "b": dict(aes_score=3.0, nexus_score=0.5)}
+    assert opens2v.normalised_metrics(merged) == dict(aes_score=0.5, nexus_score=1.0)
+
+
+def test_read_eval_sets_as_downloaded():
+    for domain, n in (("Open-Domain", 180), ("Human-Domain", 60), ("Single-Domain", 90)):
+        path = MEDIA / f"{domain}_Eval.json"
+        assert opens2v.domain_of(path) == domain
+        samples = opens2v.read_eval_set(path)
+        assert len(samples) == n
+    s = samples["singleface_1"] if "singleface_1" in samples else next(iter(samples.values()))
+    assert s["images"][0] == MEDIA / s["img_paths"][0] and s["img_paths"][0].startswith("Images/")
+    open_set = opens2v.read_eval_set(MEDIA / "Open-Domain_Eval.json")
+    assert opens2v.face_reference(open_set["faceobj_14"]) is not None
+    assert opens2v.face_reference(open_set["singleobj_1"]) is None
+    with pytest.raises(ValueError, match="not an OpenS2V-Eval set name"):
+        opens2v.domain_of("eval.json")
+
+
+def test_the_command_scores_the_demo_videos_motion_fb_to_every_digit_of_their_json(tmp_path, demo_json_dir, capsys):
+    """The command on a dir of their two demo videos and their other metric files: a2 writes motion_amplitude.json
+    (motion_fb 0.35025984048843384 and 0.038793787360191345, equal to the last digit), merges, prints the table."""
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    for vid in ("faceobj_14", "singleface_3"):
+        shutil.copy(MEDIA / f"{vid}.mp4", videos)
+    json_dir = videos / "opens2v_json"
+    shutil.copytree(demo_json_dir, json_dir)
+    (json_dir / "motion_amplitude.json").unlink()  # a2 computes it: must give their file back
+    assert opens2v.main(["--videos", str(videos), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 0
+    out = capsys.readouterr().out
+    assert json.loads((json_dir / "motion_amplitude.json").read_text()) == {
+        k: {"motion_fb": v["motion_fb"]} for k, v in their("motion_amplitude").items()}
+    assert "[1/2] faceobj_14: motion_fb=0.3503" in out
+    result = json.loads((videos / "opens2v_Open-Domain.json").read_text())
+    assert result["total_score"] == pytest.approx(0.5959962472265614, rel=1e-12) and result["label"] == "TotalScore"
+    assert "59.60" in out and "Phantom-14B" in out and "SkyReels-A2-P14B" in out and "not computed" in out
+    # without NexusScore and NaturalScore: a partial TotalScore, the published rows' partial beside it
+    for name in ("nexusscore", "naturalscore_1", "naturalscore_2", "naturalscore_3"):
+        (json_dir / f"{name}.json").unlink()
+    assert opens2v.main(["--videos", str(videos), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 0
+    out = capsys.readouterr().out
+    assert "partial TotalScore (missing NexusScore, NaturalScore" in out and "get_nexusscore.py" in out
+    phantom = next(r for r in opens2v.read_leaderboard(MEDIA / "leaderboard_results_Open-Domain.csv")
+                   if r["model"] == "Phantom-14B")
+    partial = opens2v.total_score({k: v for k, v in phantom["metrics"].items()
+                                   if k not in ("nexus_score", "natural_score")}, "Open-Domain")[0]
+    assert f"{100 * partial:.2f}" in next(line for line in out.splitlines() if line.startswith("Phantom-14B"))
+    # input mistakes: one line, exit 2
+    assert opens2v.main(["--videos", str(videos), "--eval-set", str(tmp_path / "x.json")]) == 2
+    assert opens2v.main(["--videos", str(tmp_path / "none"), "--eval-set",
+                         str(MEDIA / "Open-Domain_Eval.json")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the encoders on tiny stand-ins
+
+
+def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    # their checkpoint's keys (get_aesscore.py's MLP: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
+    assert [k for k in opens2v.AestheticMLP().state_dict()] == [
+        f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    torch.manual_seed(0)
+    clip = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+        patch_size=8, projection_dim=16))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    mlp = opens2v.AestheticMLP(16)
+    scorer = opens2v.Aesthetics(clip, processor, mlp)
+    frames = (np.random.default_rng(0).random((3, 40, 56, 3)) * 255).astype(np.uint8)
+    # written out: the projected embedding of each processed frame, unit length, through the MLP, mean over frames
+    x = processor(images=list(frames), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        e = clip.visual_projection(clip.vision_model(pixel_values=x).pooler_output)
+        expected = mlp(e / e.norm(dim=-1, keepdim=True)).mean().item()
+    assert scorer(frames) == pytest.approx(expected, rel=1e-5)
+    assert scorer(frames[:1]) != pytest.approx(scorer(frames[1:2]))
+
+
+def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs():
+    with torch.device("meta"):
+        ir101 = opens2v.IRBackbone()
+    sd = ir101.state_dict()
+    assert len(ir101.body) == 49 and sd["output_layer.3.weight"].shape == (512, 512 * 7 * 7)
+    assert "body.3.shortcut_layer.0.weight" in sd and "body.0.shortcut_layer.0.weight" not in sd  # 64->128; max-pool
+    assert "body.1.res_layer.3.weight" in sd  # PReLU
+    assert "output_layer.4.running_mean" in sd and "output_layer.4.weight" not in sd  # BatchNorm1d(affine=False)
+    torch.manual_seed(0)
+    tiny = opens2v.IRBackbone(units=(1, 1, 1, 1), widths=(8, 8, 16, 16), dim=32)
+    with torch.no_grad():
+        for m in tiny.modules():  # random running stats: a stand-in that is not the identity at eval
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+    tiny.eval()
+    assert tiny(torch.zeros(2, 3, 112, 112)).shape == (2, 32)
+    rng = np.random.default_rng(0)
+    face = (rng.random((224, 224, 3)) * 255).astype(np.uint8)
+    other = (rng.random((224, 224, 3)) * 255).astype(np.uint8)
+
+    # stand-in detector: a frame's "face" is the frame itself (kps unused); a black centre (also once padded) none
+    def detect(bgr):
+        h, w = bgr.shape[:2]
+        return None if bgr[h // 2, w // 2].sum() == 0 else (np.zeros((5, 2)), bgr[:4, :4].astype(np.float32).ravel())
+
+    def align(bgr, kps):
+        return bgr[:224, :224]
+
+    sim = opens2v.FaceSim(tiny, detect, align)
+    black = np.zeros_like(face)
+    same = sim(face, np.stack([face, black, face]))
+    assert same["cur_score"] == pytest.approx(1.0, abs=1e-6)  # frames without a face are left out
+    mixed = sim(face, np.stack([face, other]))
+    c_other = max(0.0, torch.nn.functional.cosine_similarity(sim.embed(face), sim.embed(other), dim=0).item())
+    expected = np.mean([1.0, c_other] if c_other != 0.0 else [1.0])
+    assert mixed["cur_score"] == pytest.approx(expected, abs=1e-6)
+    assert sim(black, np.stack([face])) is None  # no face in the reference, even padded
+
+
+def test_gme_pools_the_last_real_token_with_the_image_tokens_replaced():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope",
+                                                                                   "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=5, vision_start_token_id=6, vision_end_token_id=7)
+    gme = opens2v.Gme(Qwen2VLForConditionalGeneration(cfg).eval(), None)
+    grid = torch.tensor([[1, 2, 2]])  # 4 patches -> 1 merged image token
+    pixels = torch.randn(4, 3 * 2 * 14 * 14)
+    ids = torch.tensor([[1, 6, 5, 7, 9, 10, 11]])
+    mask = torch.ones_like(ids)
+    one = gme.forward(ids, mask, pixels, grid)
+    assert one.shape == (1, 32) and one.norm().item() == pytest.approx(1.0, abs=1e-5)
+    # right-padded in a batch with a longer text: the same embedding (pooled at its last real token)
+    padded = torch.cat([torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], 1),
+                        torch.tensor([[1, 12, 13, 14, 15, 16, 17, 18, 19]])])
+    pmask = torch.cat([torch.cat([mask, torch.zeros(1, 2, dtype=mask.dtype)], 1), torch.ones(1, 9, dtype=mask.dtype)])
+    both = gme.forward(padded, pmask, pixels, grid)
+    assert torch.allclose(both[0], one[0], atol=1e-5)
+    # the image enters through its token: other pixels, another embedding
+    assert not torch.allclose(gme.forward(ids, mask, torch.randn(4, 3 * 2 * 14 * 14), grid), one, atol=1e-3)
+    assert opens2v.smart_size(480, 832) == (476, 840)
+
+
+# ---------------------------------------------------------------- infer.py --eval-set on an OpenS2V-Eval set
+
+
+def test_infer_renders_an_opens2v_set_by_sample_id_and_resumes(tiny_dir, tmp_path, capsys):
+    import tyro
+
+    import infer
+
+    root = tmp_path / "OpenS2V-Eval"
+    (root / "Images" / "man").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        Image.fromarray((rng.random((40, 30, 3)) * 255).astype(np.uint8)).save(root / "Images" / "man" / f"{name}.jpg")
+    samples = {"singleface_1": dict(img_paths=["Images/man/a.jpg"], prompt="a man smiles", class_label=["man"]),
+               "humanobj_2": dict(img_paths=["Images/man/a.jpg", "Images/man/b.jpg"], prompt="a man and a cup",
+                                  class_label=["man", "cup"])}
+    eval_set = root / "Open-Domain_Eval.json"
+    eval_set.write_text(json.dumps(samples))
+    out = tmp_path / "videos"
+    argv = ["--model", str(tiny_dir), "--height", "32", "--width", "32", "--num-frames", "17", "--steps", "1",
+            "--device", "cpu", "--eval-set", str(eval_set), "--out-dir", str(out)]
+    assert infer.main(tyro.cli(infer.InferConfig, args=argv)) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["humanobj_2.mp4", "singleface_1.mp4"]
+    frames = opens2v.read_video(out / "singleface_1.mp4")
+    assert frames.shape[1:] == (32, 32, 3)  # the video alone, no references beside it
+    printed = capsys.readouterr().out
+    assert "[2/2] humanobj_2: wrote" in printed and "python3 -m a2.opens2v" in printed
+    before = (out / "singleface_1.mp4").stat().st_mtime_ns
+    (out / "humanobj_2.mp4").unlink()
+    assert infer.main(tyro.cli(infer.InferConfig, args=argv)) == 0
+    printed = capsys.readouterr().out
+    assert "[1/2] singleface_1: kept" in printed and "[2/2] humanobj_2: wrote" in printed
+    assert (out / "singleface_1.mp4").stat().st_mtime_ns == before
+    # a missing reference image is named with its sample before any model loads
+    samples["singleobj_3"] = dict(img_paths=["Images/none.jpg"], prompt="x")
+    eval_set.write_text(json.dumps(samples))
+    with pytest.raises(ValueError, match=r"Open-Domain_Eval.json: sample singleobj_3: .*none.jpg"):
+        infer.main(tyro.cli(infer.InferConfig, args=argv))
