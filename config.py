@@ -488,6 +488,19 @@ class EvalConfig:
     """Elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0
     """Score this many evenly spaced frames (0: all)."""
+    # OpenS2V-Eval v1.1's metrics under their names (a2/opens2v.py), computed on the decoded video tensor
+
+    aes_clip: str | None = None
+    """aes_score: a CLIP ViT-L/14 dir (openai/clip-vit-large-patch14), with --eval.aes-mlp."""
+    aes_mlp: str | None = None
+    """aes_score: the LAION aesthetic MLP's state dict (OpenS2V-Weight/aesthetic-model.pth)."""
+    facesim: str | None = None
+    """cur_score of the --eval.faces elements: an OpenS2V-Weight dir (face_extractor/ +
+    glint360k_curricular_face_r101_backbone.bin); needs insightface and onnxruntime."""
+    gme: str | None = None
+    """gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
+    motion_fb: bool = False
+    """motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
 
 
 # ---------------------------------------------------------------- training (train_a2.py)

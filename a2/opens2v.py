@@ -567,6 +567,7 @@ class Scorers:
 
 
 def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
+    """The encoders of the dirs given; gme in gme_dtype (theirs: float16)."""
     if bool(aes_clip) != bool(aes_mlp):
         raise ValueError("aes_score needs both --aes-clip (CLIP ViT-L/14 dir) and --aes-mlp (aesthetic-model.pth)")
     s = Scorers()
@@ -576,11 +577,31 @@ def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu",
         s.face = FaceSim.load(face, device)
     if gme:
         s.gme = Gme.load(gme, device, gme_dtype)
-    skipped = [n for n, v in (("aes_score + the subject proxy (--aes-clip/--aes-mlp)", s.aes),
-                              ("cur_score (--face)", s.face), ("gme_score (--gme)", s.gme)) if v is None]
+    skipped = [n for n, v in (("aes_score and the subject proxy (no CLIP ViT-L/14 + aesthetic MLP)", s.aes),
+                              ("cur_score (no face models dir)", s.face), ("gme_score (no gme-Qwen2-VL dir)", s.gme))
+               if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
     return s
+
+
+def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=()) -> dict[str, float]:
+    """The metrics a2 computes of one video's frames (F, H, W, 3) uint8, by their JSON names: motion_fb over every
+    frame, aes_score / gme_score / cur_score over 32 evenly spaced ones (cur_score: the mean over the face
+    references in which a face is found). Training validation scores the decoded tensor, not an mp4."""
+    out = {}
+    some = sample_frames(frames, METRIC_FRAMES)
+    if scorers.motion:
+        out["motion_fb"] = motion_fb(frames)
+    if scorers.aes is not None:
+        out["aes_score"] = scorers.aes(some)
+    if scorers.gme is not None:
+        out["gme_score"] = scorers.gme(prompt, some)
+    if scorers.face is not None:
+        found = [r["cur_score"] for r in (scorers.face(ref, some) for ref in face_refs) if r is not None]
+        if found:
+            out["cur_score"] = float(np.mean(found))
+    return out
 
 
 def load_image(path) -> np.ndarray:

@@ -147,19 +147,24 @@ def test_the_command_scores_the_demo_videos_motion_fb_to_every_digit_of_their_js
 # ---------------------------------------------------------------- the encoders on tiny stand-ins
 
 
-def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
+def tiny_aesthetics():
+    """A CLIPVisionModelWithProjection + aesthetic MLP of their shapes, tiny and random."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    # their checkpoint's keys (get_aesscore.py's MLP: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
-    assert [k for k in opens2v.AestheticMLP().state_dict()] == [
-        f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
     torch.manual_seed(0)
     clip = CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
         patch_size=8, projection_dim=16))
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    mlp = opens2v.AestheticMLP(16)
-    scorer = opens2v.Aesthetics(clip, processor, mlp)
+    return opens2v.Aesthetics(clip, processor, opens2v.AestheticMLP(16))
+
+
+def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
+    # their checkpoint's keys (get_aesscore.py's MLP: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
+    assert [k for k in opens2v.AestheticMLP().state_dict()] == [
+        f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
+    scorer = tiny_aesthetics()
+    clip, processor, mlp = scorer.clip, scorer.processor, scorer.mlp
     frames = (np.random.default_rng(0).random((3, 40, 56, 3)) * 255).astype(np.uint8)
     # written out: the projected embedding of each processed frame, unit length, through the MLP, mean over frames
     x = processor(images=list(frames), return_tensors="pt").pixel_values
@@ -168,6 +173,27 @@ def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
         expected = mlp(e / e.norm(dim=-1, keepdim=True)).mean().item()
     assert scorer(frames) == pytest.approx(expected, rel=1e-5)
     assert scorer(frames[:1]) != pytest.approx(scorer(frames[1:2]))
+
+
+def test_validation_videos_get_their_metrics_under_their_names():
+    import tyro
+
+    from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, video_frames
+    from config import EvalConfig, TrainConfig
+
+    assert tyro.cli(TrainConfig, args=["--eval.motion-fb", "--eval.aes-clip", "c", "--eval.aes-mlp", "m"]).eval == \
+        EvalConfig(motion_fb=True, aes_clip="c", aes_mlp="m")
+    ev = load_evaluators(EvalConfig(motion_fb=True))
+    ev.opens2v.aes = tiny_aesthetics()
+    rng = np.random.default_rng(1)
+    base = np.asarray(Image.fromarray((rng.random((48, 64, 3)) * 255).astype(np.uint8)).filter(ImageFilter.BLUR))
+    frames = np.stack([np.roll(base, 3 * t, axis=1) for t in range(40)])  # (40, 48, 64, 3)
+    video = torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1  # (3, F, H, W) in [-1, 1]
+    result = evaluate_video(video, {}, "a moving texture", ev, max_frames=4)
+    decoded = video_frames(video)
+    assert result["video"]["motion_fb"] == opens2v.motion_fb(decoded) > 0.5  # every frame, not --eval.max-frames
+    assert result["video"]["aes_score"] == pytest.approx(ev.opens2v.aes(opens2v.sample_frames(decoded, 32)))
+    assert {"val/motion_fb", "val/aes_score", "val/motion"} <= set(flat_metrics(result, "val/"))
 
 
 def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs():
