@@ -181,6 +181,19 @@ class AestheticMLP(nn.Module):
         return self.layers(embed)  # (N, 1)
 
 
+def pil_image_processor(module: str, name: str):
+    """The PIL-backed image processor class: their scripts ran on transformers 4.x, whose default CLIP / Qwen2-VL
+    processors resize with PIL; transformers 5's default (torchvision) one differs by up to 0.015 in the normalised
+    pixels of the demo frames, so v5's `<Name>Pil` is used where it exists."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"),
+                       name + "Pil")
+    except (ImportError, AttributeError):
+        return getattr(importlib.import_module("transformers"), name)
+
+
 class Aesthetics:
     """aes_score of frames: CLIPImageProcessor -> CLIPVisionModelWithProjection image_embeds, L2-normalised -> MLP,
     mean over the frames (get_aesscore.py, fp32)."""
@@ -190,12 +203,13 @@ class Aesthetics:
 
     @classmethod
     def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
-        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+        from transformers import CLIPVisionModelWithProjection
 
         clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
         mlp = AestheticMLP(clip.config.projection_dim)
         mlp.load_state_dict(torch.load(mlp_path, map_location="cpu", weights_only=True))
-        return cls(clip, CLIPImageProcessor.from_pretrained(clip_dir), mlp.to(device), device)
+        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir),
+                   mlp.to(device), device)
 
     @torch.no_grad()
     def embed(self, frames: np.ndarray) -> torch.Tensor:
@@ -373,7 +387,10 @@ class Gme:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         model = AutoModelForImageTextToText.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
-        processor = AutoProcessor.from_pretrained(model_dir, min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)
+        pixels = dict(min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)
+        processor = AutoProcessor.from_pretrained(model_dir, **pixels)
+        processor.image_processor = pil_image_processor("qwen2_vl", "Qwen2VLImageProcessor").from_pretrained(
+            model_dir, **pixels)
         return cls(model.to(device), processor, device)
 
     @torch.no_grad()

@@ -149,13 +149,14 @@ def test_the_command_scores_the_demo_videos_motion_fb_to_every_digit_of_their_js
 
 def tiny_aesthetics():
     """A CLIPVisionModelWithProjection + aesthetic MLP of their shapes, tiny and random."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     torch.manual_seed(0)
     clip = CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
         patch_size=8, projection_dim=16))
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = opens2v.pil_image_processor("clip", "CLIPImageProcessor")(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return opens2v.Aesthetics(clip, processor, opens2v.AestheticMLP(16))
 
 
