@@ -11,6 +11,8 @@ with a face-embedding model, for the elements named as faces. Per video: CLIP-T 
 frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
 Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
 DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
+With the OpenS2V-Eval flags (--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb) the
+video also gets that benchmark's metrics under their names (aes_score, cur_score, gme_score, motion_fb; a2/opens2v.py).
 """
 
 from __future__ import annotations

@@ -552,12 +552,12 @@ def format_table(run: dict, domain: str, published: list[dict], name: str = "thi
     metrics = [m for m in WEIGHTS[domain]]
     missing = run.get("missing", [])
     label = "TotalScore" if not missing else "Partial"
-    head = f"{'model':<28} {label:>9} " + " ".join(f"{COLUMNS[m].rstrip('↑')[:12]:>12}" for m in metrics)
+    head = f"{'model':<28} {label:>10} " + " ".join(f"{COLUMNS[m].rstrip('↑')[:12]:>12}" for m in metrics)
     lines = [run["label"], head, "-" * len(head)]
 
     def line(model, total, values, extra=""):
         cells = " ".join(f"{'-' if m not in values else f'{100 * values[m]:.2f}':>12}" for m in metrics)
-        return f"{model[:28]:<28} {total:>9.2f} {cells}{extra}"
+        return f"{model[:28]:<28} {total:>10.2f} {cells}{extra}"
 
     rows = [(run["total_score"] * 100, line(name, run["total_score"] * 100, run, "  <-"))]
     for p in published:
@@ -698,7 +698,8 @@ def main(argv=None) -> int:
     p.add_argument("--aes-mlp", help="the LAION aesthetic MLP (OpenS2V-Weight/aesthetic-model.pth)")
     p.add_argument("--face", help="OpenS2V-Weight dir: face_extractor/ + glint360k_curricular_face_r101_backbone.bin")
     p.add_argument("--gme", help="gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)")
-    p.add_argument("--gme-dtype", default="float16", help="their float16; float32 on a CPU")
+    p.add_argument("--gme-dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                   help="their float16; float32 on a CPU")
     p.add_argument("--leaderboard", help="the published results_<domain>.csv (default: the v1.1 CSVs shipped in "
                    "tests/media/opens2v_eval/)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
