@@ -236,33 +236,58 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
     assert sim(black, np.stack([face])) is None  # no face in the reference, even padded
 
 
-def test_gme_pools_the_last_real_token_with_the_image_tokens_replaced():
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def tiny_gme():
+    """gme-Qwen2-VL's architecture (Qwen2VLForConditionalGeneration) tiny and random, with a processor of Qwen2-VL's
+    kind around a character-level tokenizer that knows the chat and vision tokens (built offline)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>"]
+    vocab = {c: i for i, c in enumerate(special + list("abcdefghijklmnopqrstuvwxyz.,!?:'\n ") + ["[UNK]"])}
+    chars = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    chars.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chars, pad_token="<|endoftext|>",
+                                        additional_special_tokens=special[1:])
+    images = opens2v.pil_image_processor("qwen2_vl", "Qwen2VLImageProcessor")(min_pixels=56 * 56,
+                                                                              max_pixels=112 * 112)
+    processor = Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
     torch.manual_seed(0)
     cfg = Qwen2VLConfig(
         text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope",
-                                                                                   "mrope_section": [1, 1, 2]}),
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=5, vision_start_token_id=6, vision_end_token_id=7)
-    gme = opens2v.Gme(Qwen2VLForConditionalGeneration(cfg).eval(), None)
-    grid = torch.tensor([[1, 2, 2]])  # 4 patches -> 1 merged image token
-    pixels = torch.randn(4, 3 * 2 * 14 * 14)
-    ids = torch.tensor([[1, 6, 5, 7, 9, 10, 11]])
-    mask = torch.ones_like(ids)
-    one = gme.forward(ids, mask, pixels, grid)
-    assert one.shape == (1, 32) and one.norm().item() == pytest.approx(1.0, abs=1e-5)
-    # right-padded in a batch with a longer text: the same embedding (pooled at its last real token)
-    padded = torch.cat([torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], 1),
-                        torch.tensor([[1, 12, 13, 14, 15, 16, 17, 18, 19]])])
-    pmask = torch.cat([torch.cat([mask, torch.zeros(1, 2, dtype=mask.dtype)], 1), torch.ones(1, 9, dtype=mask.dtype)])
-    both = gme.forward(padded, pmask, pixels, grid)
-    assert torch.allclose(both[0], one[0], atol=1e-5)
-    # the image enters through its token: other pixels, another embedding
-    assert not torch.allclose(gme.forward(ids, mask, torch.randn(4, 3 * 2 * 14 * 14), grid), one, atol=1e-3)
-    assert opens2v.smart_size(480, 832) == (476, 840)
+        image_token_id=vocab["<|image_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"])
+    return opens2v.Gme(Qwen2VLForConditionalGeneration(cfg).eval(), processor, batch=2)
+
+
+def test_gme_score_is_the_prompt_query_against_each_frame_pooled_at_the_last_real_token():
+    gme = tiny_gme()
+    frames = (np.random.default_rng(0).random((3, 60, 90, 3)) * 255).astype(np.uint8)
+    score = gme("a cat sits", frames)
+
+    # written out: their chat strings, the image resized by Qwen2-VL's rule (60x90 -> 56x84) before the processor
+    def embed(text, image=None):
+        inputs = gme.processor(text=[text], images=None if image is None else [image], return_tensors="pt")
+        return gme.forward(inputs["input_ids"], inputs["attention_mask"], inputs.get("pixel_values"),
+                           inputs.get("image_grid_thw"))[0]
+
+    query = embed("<|im_start|>system\nFind an image that matches the given text.<|im_end|>\n<|im_start|>user\n"
+                  "a cat sits<|im_end|>\n<|im_start|>assistant\n<|endoftext|>")
+    corpus = [embed("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                    "<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n<|endoftext|>",
+                    Image.fromarray(f).resize((84, 56))) for f in frames]
+    assert score == pytest.approx(float(np.mean([(query @ c).item() for c in corpus])), abs=1e-5)
+    assert opens2v.smart_size(60, 90) == (56, 84) and opens2v.smart_size(480, 832) == (476, 840)
+    # right-padded in a batch with a longer text: the same embedding (pooled at its last real token), unit length
+    batch, alone = gme.embed(texts=["a cat", "a much longer prompt, padded to"]), gme.embed(texts=["a cat"])
+    assert torch.allclose(batch[0], alone[0], atol=1e-5) and batch.norm(dim=-1) == pytest.approx([1.0, 1.0], abs=1e-5)
+    # the image enters through its tokens: another frame, another embedding
+    assert not torch.allclose(corpus[0], corpus[1], atol=1e-3)
 
 
 # ---------------------------------------------------------------- infer.py --eval-set on an OpenS2V-Eval set
