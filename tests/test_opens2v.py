@@ -197,6 +197,27 @@ def test_validation_videos_get_their_metrics_under_their_names():
     assert {"val/motion_fb", "val/aes_score", "val/motion"} <= set(flat_metrics(result, "val/"))
 
 
+def test_training_validation_logs_their_metrics_per_step(tiny_dir, tmp_path):
+    from data import make_synthetic_dataset
+    from tests.conftest import args, train
+
+    aes = tiny_aesthetics()  # saved as a user's dirs are: a CLIP dir and the MLP's state dict
+    aes.clip.save_pretrained(tmp_path / "clip")
+    aes.processor.save_pretrained(tmp_path / "clip")
+    torch.save(aes.mlp.state_dict(), tmp_path / "aesthetic-model.pth")
+    data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
+    images = [str(data / f"000_{name}.png") for name in ("person", "object", "background")]
+    result = train(*args(data, tmp_path / "runs", "val", "--max-steps", "2", "--val-every", "1", "--val-steps", "1",
+                         "--val-elements", *images, "--eval.motion-fb", "--eval.aes-clip", str(tmp_path / "clip"),
+                         "--eval.aes-mlp", str(tmp_path / "aesthetic-model.pth"), model=tiny_dir))
+    rows = [json.loads(line) for line in (result["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val/aes_score" in r]
+    assert [r["step"] for r in val] == [1, 2]
+    assert all(np.isfinite(r["val/motion_fb"]) and np.isfinite(r["val/aes_score"]) for r in val)
+    video = opens2v.read_video(result["run_dir"] / "samples" / "step-0000002.mp4")
+    assert video.shape[0] == 9  # 21 frames - 12 reference frames: the video the metrics were computed on (as a tensor)
+
+
 def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs():
     with torch.device("meta"):
         ir101 = opens2v.IRBackbone()
