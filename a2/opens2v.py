@@ -132,8 +132,9 @@ def read_video(path) -> np.ndarray:
             frames = [reader.get_data(i) for i in range(reader.count_frames())]
         finally:
             reader.close()
-    except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend
-        raise ValueError(f"{path}: cannot decode the video ({type(e).__name__}: {e})") from e
+    except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
+        last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        raise ValueError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
     if not frames:
         raise ValueError(f"{path}: no frames")
     return np.stack(frames)
@@ -520,6 +521,8 @@ def merge_result(json_dir, domain: str) -> dict:
     """merge_result.py's output ({total_score, <normalised metrics>}) plus, when metrics are missing, `partial`
     True and `missing`; `label` says which TotalScore it is."""
     metrics = normalised_metrics(merge_dir(json_dir))
+    if not metrics:
+        raise ValueError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
     total, missing = total_score(metrics, domain)
     out = dict(total_score=total, **{m: metrics[m] for m in WEIGHTS[domain] if m in metrics})
     if missing:

@@ -142,6 +142,15 @@ def test_the_command_scores_the_demo_videos_motion_fb_to_every_digit_of_their_js
     assert opens2v.main(["--videos", str(tmp_path / "none"), "--eval-set",
                          str(MEDIA / "Open-Domain_Eval.json")]) == 2
     assert "not a directory" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "singleobj_1.mp4").write_bytes(b"not a video")
+    assert opens2v.main(["--videos", str(broken), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "singleobj_1.mp4: cannot decode the video" in err
+    assert opens2v.main(["--videos", str(broken), "--eval-set", str(MEDIA / "Open-Domain_Eval.json"),
+                         "--no-motion"]) == 2  # nothing to score: said, not a table of nan
+    assert "no metric of any video" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the encoders on tiny stand-ins
