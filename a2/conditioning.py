@@ -46,12 +46,17 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
+from a2 import standin
+from a2.images import MAGREF_GRIDS, element_tensors, magref_canvas, pil_to_tensor, preprocess_image
+from a2.transformer import resolve_e2v_type
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
 KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "standin")
@@ -124,8 +129,6 @@ class PosteriorCache:
         return iter([torch.empty(0, device="meta")])  # pixels.to(meta) in encode_vae: a no-op
 
     def encode(self, pixels: torch.Tensor):
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
         if self.vae is not None:
             dist = self.vae.encode(pixels).latent_dist
             self.posteriors.append(dist.parameters)
@@ -308,9 +311,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if len(repeats) != 1:
             raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
         l_ref = 1
-        from a2.standin import REFERENCE_SIZE
-
-        settings.setdefault("reference_size", REFERENCE_SIZE)
+        settings.setdefault("reference_size", standin.REFERENCE_SIZE)
     elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
@@ -337,8 +338,6 @@ def clip_frames(num_frames: int, elements, vae) -> int:
 def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type: str = "auto") -> Layout:
     """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
-    from a2.transformer import resolve_e2v_type
-
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
     if info.native_kind == "magref" and kind == "prefix":
@@ -403,8 +402,6 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
 def check_canvas(names: list[str]) -> None:
     """MAGREF's canvas holds at most 8 elements, else a ConfigError naming them. Whether each fits its block (a token,
     16 px, on each side once placed) depends on its image's aspect, so magref_canvas checks that as it loads them."""
-    from a2.pipeline import MAGREF_GRIDS
-
     n, most = len(names), max(MAGREF_GRIDS)
     if n > most:
         raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
@@ -659,17 +656,13 @@ def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, i
     (N, 3, h, w) in [-1, 1], region (H, W) bool or None). `elements`: their config.Elements; size=(H, W) the video's.
 
     magref: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
-      made from the images themselves, no element preprocess (a2.pipeline.magref_canvas, layout.placement_seed),
+      made from the images themselves, no element preprocess (a2.images.magref_canvas, layout.placement_seed),
       and region where their pixels are on it. A reference thinner than a token once placed is a one-line
       ValueError naming it (`names`, e.g. the files).
     standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
     Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
     clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
     these are what the metrics compare the video with)."""
-    import random
-
-    from a2.pipeline import element_tensors, magref_canvas, pil_to_tensor, preprocess_image
-
     if layout is None or layout.kind != "magref":
         kind = None if layout is None else layout.kind
         pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
@@ -690,9 +683,7 @@ def reference_framing(kind: str | None, element, size: tuple[int, int]):
     element as it is, at the video's `size`."""
     if kind != "standin":
         return element, size
-    from a2.standin import REFERENCE_PREPROCESS, REFERENCE_SIZE
-
-    return replace(element, vae_preprocess=REFERENCE_PREPROCESS), REFERENCE_SIZE
+    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), standin.REFERENCE_SIZE
 
 
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
@@ -727,8 +718,6 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     reference_grid. Others: nothing."""
     if layout.kind != "standin":
         return
-    from a2 import standin
-
     if not standin.installed(transformer):
         standin.install(transformer, rank or standin.RANK)
     standin.packed_forward(transformer, layout.reference_grid)
@@ -783,9 +772,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
     if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
-        from a2.standin import pack_reference
-
-        return pack_reference(x, cond.ref_latents), timestep
+        return standin.pack_reference(x, cond.ref_latents), timestep
     if cond.kind not in APPENDED_KINDS:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input

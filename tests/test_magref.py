@@ -1,4 +1,4 @@
-"""MAGREF's reference canvas (a2.pipeline.magref_canvas) against MAGREF's own rule, written out here as its
+"""MAGREF's reference canvas (a2.images.magref_canvas) against MAGREF's own rule, written out here as its
 magref/subject2video.py (MAGREF-Video/MAGREF e3c71b2) runs it: process_refimg's grid, shuffles and paste, and
 resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On the real photos."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from a2.pipeline import magref_canvas
+from a2.images import magref_canvas
 
 PHOTOS = ("a2_human.png", "a2_thing.png", "a2_env.png")
 
@@ -178,7 +178,8 @@ def test_a2_samples_as_magref(shared_data):
     other aspects than their blocks' and the video's (a 16:9 landscape, a 9:16 portrait in 48x48 blocks of a 48x96
     video: 48x27 and 27x48 px), loaded as a2 loads them (load_references) and given to theirs as read."""
     from a2.conditioning import make_layout
-    from a2.pipeline import A2Pipeline, encode_prompt, load_references, read_image
+    from a2.images import read_image
+    from a2.pipeline import A2Pipeline, encode_prompt, load_references
     from config import A2_ELEMENTS
 
     h, w, f, steps, seed = 48, 96, 9, 3, 5
@@ -310,7 +311,8 @@ def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(sha
     import shutil
 
     from a2.conditioning import make_layout
-    from a2.pipeline import load_references, pil_to_tensor, read_image
+    from a2.images import pil_to_tensor, read_image
+    from a2.pipeline import load_references
     from config import A2_ELEMENTS, DatasetConfig
     from data import E2VDataset, make_synthetic_dataset
 

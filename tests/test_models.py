@@ -333,7 +333,8 @@ def hook_experts(pipe):
 def test_wan22_pair_matches_diffusers(kind, wan22_t2v_dir, wan22_i2v_dir):
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    from a2.pipeline import A2Pipeline, pil_to_tensor
+    from a2.images import pil_to_tensor
+    from a2.pipeline import A2Pipeline
 
     h, w, f, steps = 48, 64, 9, 6
     d = wan22_t2v_dir if kind == "t2v" else wan22_i2v_dir

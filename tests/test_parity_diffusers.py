@@ -4,7 +4,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from a2.pipeline import A2Pipeline, pil_to_tensor
+from a2.images import pil_to_tensor
+from a2.pipeline import A2Pipeline
 
 
 def test_one_reference_matches_diffusers_wan_i2v(tiny_dir):

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
-from a2.pipeline import pil_to_tensor, preprocess_image
+from a2.images import pil_to_tensor, preprocess_image
 
 H, W = 32, 48
 

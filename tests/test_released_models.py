@@ -620,7 +620,8 @@ def test_presets_and_fit_pad_white():
     import numpy as np
 
     import infer
-    from a2.pipeline import WAN_NEGATIVE_PROMPT, preprocess_image
+    from a2.images import preprocess_image
+    from a2.pipeline import WAN_NEGATIVE_PROMPT
     from config import parse_elements
 
     d = infer.InferConfig(preset="v3-distilled")

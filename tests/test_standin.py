@@ -448,7 +448,8 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents. The video is
     32x48 and the reference Stand-In's 512x512 face crop (FaceProcessor's size, 1024 tokens), packed after the video's
     latents in 171 frames of 4x6 latents (the last one zero padded)."""
-    from a2.pipeline import A2Pipeline, encode_prompt, pil_to_tensor, preprocess_image, read_image, schedule_sigmas
+    from a2.images import pil_to_tensor, preprocess_image, read_image
+    from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")

@@ -172,7 +172,8 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
 def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    from a2.pipeline import A2Pipeline, pil_to_tensor
+    from a2.images import pil_to_tensor
+    from a2.pipeline import A2Pipeline
 
     prompt, negative, steps = "a hiker on a mountain", "blurry", 3
     kw = dict(prompt=prompt, negative_prompt=negative, height=H, width=W, num_frames=F, num_inference_steps=steps,
