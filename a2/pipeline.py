@@ -13,12 +13,15 @@ from diffusers.loaders import WanLoraLoaderMixin
 from PIL import Image
 from tqdm import tqdm
 
+from a2 import standin
 from a2.conditioning import (
     VAE_T,
     Layout,
     drop,
     initial_latents,
+    kind_sampling,
     latent_stats,
+    model_flow_shift,
     model_input,
     num_latent_frames,
     prepare_latents,
@@ -26,6 +29,7 @@ from a2.conditioning import (
     reference_pixels,
     restore,
     sampling_layout,
+    schedule_sigmas,
     vae_scale,
     video_prediction,
 )
@@ -139,62 +143,6 @@ def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the pipeline
 
-A2_NEGATIVE_PROMPT = (
-    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
-    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
-    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
-    "background, three legs, many people in the background, walking backwards"
-)
-
-
-def model_flow_shift(model_dir, default: float = 8.0) -> float:
-    """The sampler shift a model dir ships (scheduler_config flow_shift / shift: A2 8, Wan2.1 T2V 3, ...)."""
-    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
-    if not path.exists():
-        return default
-    import json
-
-    c = json.loads(path.read_text())
-    return float(c.get("flow_shift") or c.get("shift") or default)
-
-
-# Wan's own negative prompt (the Chinese original of A2's), which Phantom-Wan always samples with
-WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"  # noqa: RUF001
-                       "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
-                       "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
-                       "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
-SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
-# how the released S2V models sample: their shift (Phantom's parts come from Wan2.1-T2V-1.3B, whose scheduler config
-# says 3; Phantom samples at 5 regardless) and their UniPC's sigmas
-NATIVE_SAMPLING = {"phantom": dict(flow_shift=5.0, schedule="phantom"),
-                   "v3": dict(flow_shift=5.0, schedule="diffusers034")}
-
-
-def sampler_settings(info) -> dict:
-    """A2Pipeline's flow_shift and schedule for a model (a2.transformer.ModelInfo): the released S2V models' own, else
-    the shift the model dir ships and diffusers' schedule."""
-    return NATIVE_SAMPLING.get(info.native_kind) or dict(flow_shift=model_flow_shift(info.parts_dir),
-                                                          schedule="diffusers")
-
-
-def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
-    """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
-    start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
-    phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
-    use_flow_sigmas default, which SkyReels-V3 pins. flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0,
-    extra_one_step=True), Stand-In's Euler sampler: torch's float32 linspace(1, 0, steps + 1) without the 0 (diffusers'
-    FlowMatchEuler default ends near 0.005 instead). Fed to set_timesteps(sigmas=), which shifts them."""
-    if schedule == "diffusers":
-        return None
-    if schedule == "phantom":
-        return np.linspace(float(np.float32(1 - 1 / 1000)), 0, steps + 1)[:-1].copy()
-    if schedule == "diffusers034":
-        return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
-    if schedule == "flowmatch":  # torch's linspace, not numpy's: float32 values that can differ in the last bit
-        return torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-
-
 def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000):
     """UniPC (A2 and Wan's default; A2 uses flow_shift 8) or FlowMatchEuler, both in flow-matching mode."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
@@ -241,7 +189,8 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
                  transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0,
-                 expand_timesteps: bool = False, schedule: str = "diffusers", native_kind: str | None = None):
+                 expand_timesteps: bool = False, native_kind: str | None = None,
+                 model: str | None = None):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
@@ -250,8 +199,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
-        self.schedule = schedule  # the UniPC sigmas (schedule_sigmas)
         self.native_kind = native_kind  # a released S2V model's own layout (phantom | v3), the kind it samples in
+        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.conditioning.kind_sampling)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -277,7 +226,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
                    transformer_2 if info.two_experts else None, info.boundary_ratio,
-                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, **sampler_settings(info))
+                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, model=info.name,
+                   flow_shift=model_flow_shift(info.parts_dir))
         return pipe.to(device)
 
     def to(self, device):
@@ -303,17 +253,17 @@ class A2Pipeline(WanLoraLoaderMixin):
         clip_references: torch.Tensor | None = None,
         repeats: tuple[int, ...] = (),
         *,
-        negative_prompt: str = A2_NEGATIVE_PROMPT,
+        negative_prompt: str | None = None,
         height: int = 480,
         width: int = 832,
         num_frames: int = 81,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
         guidance_scale_2: float | None = None,
-        scheduler: str = "unipc",
+        scheduler: str | None = None,
         flow_shift: float | None = None,
         combine: str = "before",
-        sample_mode: str = "sample",
+        sample_mode: str | None = None,
         generator: torch.Generator | None = None,
         decode: str = "drop_refs",
         progress: bool = True,
@@ -359,7 +309,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             layout = sampling_layout(transformer.config, self.expand_timesteps, num_frames, repeats,
                                      references=references is not None, first_frame=first_frame is not None,
                                      combine=combine, reference_layout=reference_layout,
-                                     reference_timestep=reference_timestep, native_kind=self.native_kind)
+                                     reference_timestep=reference_timestep, native_kind=self.native_kind,
+                                     reference_lora=standin.installed(transformer))
         for model in (transformer, self.transformer_2):
             if model is not None:
                 prepare_model(model, layout)
@@ -368,9 +319,17 @@ class A2Pipeline(WanLoraLoaderMixin):
                              "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
-        sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
-        if sigmas is None and scheduler == "unipc":
-            sigmas = schedule_sigmas(self.schedule, num_inference_steps)
+        # what the call leaves out, the kind's own sampler gives (on this model: a2.conditioning.kind_sampling)
+        own = kind_sampling(layout.kind, self.model)
+        scheduler = scheduler or own.scheduler
+        sample_mode = sample_mode or own.encode_mode
+        negative_prompt = own.negative_prompt if negative_prompt is None else negative_prompt
+        num_inference_steps = num_inference_steps or own.steps
+        guidance_scale = own.guidance_scale if guidance_scale is None else guidance_scale
+        flow_shift = flow_shift if flow_shift is not None else own.flow_shift or self.flow_shift
+        sched = make_scheduler(scheduler, flow_shift)
+        if sigmas is None:
+            sigmas = schedule_sigmas(own.schedule, num_inference_steps)
         if sigmas is None:
             sched.set_timesteps(num_inference_steps, device=device)
         else:  # the released model's own schedule (shifted by the scheduler)
