@@ -347,6 +347,11 @@ class Layout:
         return self.frame_conditioning != "random"
 
     @property
+    def takes_region(self) -> bool:
+        """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
+        return self.kind == "magref"
+
+    @property
     def takes_references(self) -> bool:
         """The kind is given element references (training reads them from the data, sampling from the call)."""
         return self.kind in REFERENCE_KINDS

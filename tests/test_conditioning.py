@@ -3,6 +3,7 @@ from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import tyro
@@ -84,7 +85,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     def sample(mode=None):
         seen.clear()
         pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
-             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode=mode,
+             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
              generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
              layout=layout, region=region)
         return seen[0]
