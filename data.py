@@ -41,9 +41,8 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames, element_layout, element_refusal, reference_pixels
+from a2.conditioning import KIND_DEFS, clip_frames, element_layout, element_refusal, reference_pixels
 from a2.images import read_image
-from a2.standin import REFERENCE_SIZE
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
@@ -825,14 +824,11 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    # version 2: A2's pad/crop-then-resize preprocessing of images and frames; magref 3: its canvas made of the
-    # element images as read (no longer framed to the video first), the pixel region mask cached
-    key = dict(version=3 if kind == "magref" else 2,
+    key = dict(**dict(KIND_DEFS[kind].cache_fields if kind else (("version", 2),)),  # the kind's own fields
                encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
-               **({"reference_size": REFERENCE_SIZE} if kind == "standin" else {}),  # not the video's, as once
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])

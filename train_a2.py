@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2.conditioning import (
-    CHANNEL_KINDS,
     Layout,
     PosteriorCache,
     drop,
@@ -384,7 +383,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
+    assert is_e2v(transformer) or not run.layout.channel
     prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
     if cfg.training_type == "lora":
         from peft import LoraConfig

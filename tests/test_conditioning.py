@@ -226,3 +226,27 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
     assert all(f"[{names}]: 1 samples" in out for names in ("subject, object, background", "subject, background",
                                                            "subject"))
     assert len(losses(r["run_dir"])) == 3  # one epoch: every clip it can take, once
+
+
+def test_no_kind_name_is_compared_outside_the_kind_definitions():
+    """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
+    project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
+    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its step is not
+    yet the training step's). A dataset type that shares a name (t2v) is not a kind."""
+    import re
+    from pathlib import Path
+
+    from a2.conditioning import KIND_DEFS
+
+    names = "|".join(KIND_DEFS)
+    compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
+                          r"|\b[A-Z_]*KINDS\b")
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"a2/conditioning.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
+             for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if compared.search(re.sub(r"dataset_type\s*==\s*\S+", "", line.split("#")[0]))]
+    assert not found, "\n".join(found)
+    # and it can fail: the rule finds the comparisons a kind's definition replaced
+    assert compared.search('if layout.kind == "magref":') and compared.search("kind not in CHANNEL_KINDS")
