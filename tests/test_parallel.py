@@ -1,0 +1,108 @@
+"""Context parallel (a2/parallel.py) on CPU/gloo: the forward and the gradients of a model split over 2 and 4 ranks
+equal one process's, for every way the references enter the sequence (t2v, A2's channel prefix with CLIP tokens,
+Phantom's and SkyReels-V3's frames, in-context references at timestep 0 (per-token timesteps), Stand-In's reference
+tokens with their attention restriction and LoRA) and a token count no rank count divides. One process group per
+size runs all of them (a group costs more to start than the tiny forwards)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from a2 import standin
+from a2.conditioning import Conditioning, model_input
+from a2.parallel import context_parallel
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
+
+FORWARD = 1e-6  # |CP - one process| / max(1, |one process|): summation order of the attention over fewer heads
+GRADS = 1e-5  # per parameter: max |sum over the group - one process| / max |one process|
+
+
+def _model(kind: str):
+    cfg = preset_config("tiny", e2v=kind == "prefix")
+    model = random_transformer(cfg, torch.float32, "cpu", seed=1)
+    if kind == "standin":
+        standin.install(model)
+        g = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if "_lora." in name:  # seeded here (install draws from the global RNG); up's zero init would leave
+                # the LoRA path untested
+                p.data.normal_(0, 0.02, generator=g)
+        standin.packed_forward(model, (8, 6))
+    return model.train()
+
+
+def _inputs(kind: str):
+    """(hidden_states, timestep, text, image) as model_input builds them for a tiny sample of `kind`."""
+    g = torch.Generator().manual_seed(3)
+    frames, h, w = (3, 6, 6) if kind in ("uneven", "standin") else (2, 4, 8)
+    x_t = torch.randn(1, 16, frames, h, w, generator=g)
+    t = torch.tensor([700.0])
+    text = torch.randn(1, TEXT_TOKENS, 32, generator=g)
+    image = None
+    if kind == "prefix":  # 2 references: 1 latent frame of condition, mask on it, CLIP tokens of both
+        cond = Conditioning("prefix", condition=torch.randn(1, 20, frames, h, w, generator=g),
+                            ref_latents=torch.randn(1, 16, 1, h, w, generator=g),
+                            image=torch.randn(1, 2 * CLIP_TOKENS, 32, generator=g))
+        image = cond.image
+    elif kind in ("phantom", "v3", "incontext"):  # v3: 4 slots, the last two empty
+        refs = torch.randn(1, 16, 4 if kind == "v3" else 2, h, w, generator=g)
+        if kind == "v3":
+            refs[:, :, 2:] = 0
+        cond = Conditioning(kind, ref_latents=refs, reference_timestep="zero" if kind == "incontext" else "shared")
+    elif kind == "standin":  # an 8x6 reference latent: 12 tokens after 27 video tokens (39: over 4 ranks the
+        # reference straddles two)
+        cond = Conditioning("standin", ref_latents=torch.randn(1, 16, 1, 8, 6, generator=g))
+    else:
+        cond = Conditioning("t2v")
+    x, t = model_input(x_t, cond, t)
+    return x, t, text, image
+
+
+def _step(model, kind: str):
+    x, t, text, image = _inputs(kind)
+    out = model(hidden_states=x, timestep=t, encoder_hidden_states=text, encoder_hidden_states_image=image,
+                return_dict=False)[0]
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    ((out - target) ** 2).mean().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+KINDS = ("t2v", "prefix", "phantom", "v3", "incontext", "standin", "uneven")
+
+
+def _rank(rank: int, world: int, init: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for kind in KINDS + ("recompute",):
+            model = _model("t2v" if kind == "recompute" else kind)
+            split = context_parallel(model, dist.group.WORLD)
+            if kind == "recompute":  # every block recomputed, self-attention outputs kept (the save-attention policy)
+                configure_blocks(model, 1.0, save_attention=True)
+            out, grads = _step(model, "uneven" if kind == "recompute" else kind)
+            for g in grads.values():
+                dist.all_reduce(g)  # the group's partial gradients sum to the whole one
+            if rank:
+                continue
+            reference, want = _step(_model("t2v" if kind == "recompute" else kind),
+                                    "uneven" if kind == "recompute" else kind)
+            assert out.shape == reference.shape, kind
+            assert (out - reference).abs().max() <= FORWARD * max(1.0, reference.abs().max()), kind
+            assert grads.keys() == want.keys(), kind
+            for name, g in want.items():
+                err = (grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
+                assert err <= GRADS, (kind, name, float(err))
+            if kind in ("uneven", "standin"):
+                assert split.length % world, (kind, split.length)  # the padded path was the one tested
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_equals_one_process(tmp_path):
+    """2 and 4 gloo ranks against one process: forward within FORWARD, summed gradients within GRADS, for every
+    kind, with a padded split (27 and 39 tokens over 2 and 4 ranks: Stand-In's reference tokens straddle ranks), and
+    with block recomputation keeping the attention."""
+    for world in (2, 4):
+        mp.start_processes(_rank, args=(world, f"file://{tmp_path}/init{world}"), nprocs=world, start_method="fork")
