@@ -70,6 +70,7 @@ from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, samp
 from a2.fp8 import scaled_mm_supported
 from a2.lora import check_lora_export
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
+from a2.parallel import context_parallel, data_parallel, grad_scale
 from a2.pipeline import (
     A2Pipeline,
     check_size,
@@ -624,7 +625,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
     between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
     the video's metrics (a2/evaluate.py) as a metrics.jsonl record: step, val/<metric>."""
-    if not run.validates or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
+    if not run.validates or (rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
         return None
     h, w = cfg.resolution
     refs = clips = region = None
@@ -727,6 +728,9 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
             if n < len(held):
                 per[n, q] = loss
     transformer.train()
+    split = getattr(transformer, "context_parallel", None)
+    if split is not None and split.rank and world > 1:
+        per.zero_()  # a context-parallel group computed each of its samples on every rank: one of them counts it
     if world > 1:
         dist.all_reduce(per)
     means = per.mean(0).tolist()
@@ -890,14 +894,16 @@ def lock_existing(run_dir: Path, lock: RunLock) -> None:
         lock.acquire()
 
 
-def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int):
-    """build_transformer, sharded with --fsdp, then put in place by the memory plan (fp8, swapped blocks, the rest
-    on `device`, recomputation, compilation for `shapes` input shapes), decided before the weights move: where they
-    go is part of it."""
+def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int, cp_group=None):
+    """build_transformer, sharded with --fsdp, its sequence split over `cp_group` (context parallel), then put in
+    place by the memory plan (fp8, swapped blocks, the rest on `device`, recomputation, compilation for `shapes` input
+    shapes), decided before the weights move: where they go is part of it."""
     transformer, rank0_weights = build_transformer(cfg, run, rank)
     if cfg.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
+    if cp_group is not None:  # before the plan wraps the blocks' forward (the split hooks are the blocks')
+        context_parallel(transformer, cp_group)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
@@ -1015,6 +1021,8 @@ def log_step(rec: dict | None, metrics_file, tb) -> None:
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
     world, rank, local_rank, device, ctrl = setup_distributed(cfg)
+    # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
+    dp_rank, dp_world, cp_group = data_parallel(world, rank, cfg.context_parallel, device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 
@@ -1024,15 +1032,16 @@ def main(cfg: TrainConfig) -> dict:
         if rank == 0:  # rank 0 builds it: transformers' save_pretrained writes no weights on another rank
             model_path(cfg.model)
         dist.barrier()
-    run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     check_extra_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg, run)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lock_existing, run_dir, lock)
+    cp = f" (x context parallel {cfg.context_parallel})" if cfg.context_parallel > 1 else ""
     log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
-        f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
+        f"{cfg.grad_accum} x world {run.world}{cp} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
     dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.skip_bad_samples, layout=run.layout,
@@ -1067,7 +1076,7 @@ def main(cfg: TrainConfig) -> dict:
     evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
-    transformer = place_transformer(cfg, run, rank, device, len(set(dataset.buckets)))  # planned, on device
+    transformer = place_transformer(cfg, run, rank, device, len(set(dataset.buckets)), cp_group)  # planned, on device
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
@@ -1086,7 +1095,7 @@ def main(cfg: TrainConfig) -> dict:
         start_step = state["step"]
         failures.load_state_dict(state.get("load_failures", failures.state_dict()))
         log(f"resumed from {point.path} at step {start_step}")
-    loader = make_loader(dataset, sampler, start_step, rank, world, cfg, use_cuda)
+    loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
@@ -1106,7 +1115,7 @@ def main(cfg: TrainConfig) -> dict:
                    desc="train")
         for step in bar:
             random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
+            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + dp_rank)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             step_loss = torch.zeros((), device=device)
@@ -1120,12 +1129,12 @@ def main(cfg: TrainConfig) -> dict:
                 if cfg.fsdp:
                     model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
                 with model.no_sync() if ddp and not sync else nullcontext():
-                    inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
+                    inputs = model_inputs(batch, step, j, cfg, run, enc, dp_rank, device)
                     loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
-                    (loss / cfg.grad_accum).backward()
+                    (loss * grad_scale(transformer) / cfg.grad_accum).backward()  # x CP size: DDP averages its ranks
                 step_loss += loss.detach() / cfg.grad_accum
-                meter["seen"] += len(batch["prompts"]) * world
-                meter["tokens"] += inputs["tokens"] * world
+                meter["seen"] += len(batch["prompts"]) * dp_world
+                meter["tokens"] += inputs["tokens"] * dp_world
             if refused:
                 skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
             else:
@@ -1149,8 +1158,8 @@ def main(cfg: TrainConfig) -> dict:
             last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
                                           failures, world)
             if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
-                                           device, amp), metrics_file, tb)
+                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
+                                           dp_world, device, amp), metrics_file, tb)
             if cfg.val_every and done % cfg.val_every == 0:
                 with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
                     log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

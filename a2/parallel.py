@@ -34,6 +34,7 @@ from diffusers.models.attention_dispatch import SeqAllToAllDim, dispatch_attenti
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
 from a2.standin import StandInAttnProcessor, VideoOnlyCrossAttnProcessor, rotate
+from config import ConfigError
 
 
 @dataclass
@@ -198,9 +199,11 @@ def context_parallel(transformer, group: dist.ProcessGroup) -> SequenceSplit:
     size = dist.get_world_size(group)
     heads = transformer.config.num_attention_heads
     if heads % size:
-        raise ValueError(f"--context-parallel {size}: the model's {heads} attention heads do not divide by it "
+        raise ConfigError(f"--context-parallel {size}: the model's {heads} attention heads do not divide by it "
                          "(Ulysses gives each rank heads / N)")
     split = SequenceSplit(group, size, dist.get_rank(group))
+    if hasattr(transformer, "standin_cache"):  # Stand-In's kept reference K/V would be one rank's part
+        transformer.standin_cache = False
     for block in transformer.blocks:
         for attn in (block.attn1, block.attn2):
             p = attn.processor
@@ -231,11 +234,16 @@ def grad_scale(transformer) -> int:
     return split.size if split else 1
 
 
-def device_mesh(world: int, cp: int, device_type: str):
-    """The run's mesh ("dp", "cp"): rank = dp_rank * cp + cp_rank, so a CP group is consecutive ranks (one node,
-    where the all-to-all is fast). FSDP2 shards over the flattened dp x cp ranks (as torchtitan)."""
+def data_parallel(world: int, rank: int, cp: int, device_type: str) -> tuple[int, int, dist.ProcessGroup | None]:
+    """(data-parallel rank, data-parallel world, this rank's CP group or None) of a run with `cp` ranks per sample.
+    The mesh ("dp", "cp"): rank = dp_rank * cp + cp_rank, so a CP group is consecutive ranks (one node, where the
+    all-to-all is fast). DDP and FSDP2 keep the whole world (FSDP2 shards over the flattened dp x cp ranks, as
+    torchtitan)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if cp < 1 or world % cp:
-        raise ValueError(f"--context-parallel {cp}: the world size {world} must be a multiple of it")
-    return init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        raise ConfigError(f"--context-parallel {cp}: torchrun's world size {world} must be a multiple of it")
+    if cp == 1:
+        return rank, world, None
+    mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    return rank // cp, world // cp, mesh["cp"].get_group()

@@ -6,14 +6,19 @@ size runs all of them (a group costs more to start than the tiny forwards)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from a2 import standin
 from a2.conditioning import Conditioning, model_input
 from a2.parallel import context_parallel
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
+from tests.conftest import args, launch, max_diff, params
 
 FORWARD = 1e-6  # |CP - one process| / max(1, |one process|): summation order of the attention over fewer heads
 GRADS = 1e-5  # per parameter: max |sum over the group - one process| / max |one process|
@@ -106,3 +111,57 @@ def test_context_parallel_equals_one_process(tmp_path):
     with block recomputation keeping the attention."""
     for world in (2, 4):
         mp.start_processes(_rank, args=(world, f"file://{tmp_path}/init{world}"), nprocs=world, start_method="fork")
+
+
+# ---------------------------------------------------------------- train_a2.py --context-parallel under torchrun
+
+# AdamW's eps as in tests/test_train.py; one held-out clip for the eval loss at 2 sigmas, at steps 2 and 3
+STEPS = ["--lr", "1e-2", "--adam-eps", "1e-4", "--eval-split", "1", "--eval-quantiles", "2", "--eval-every", "2",
+         "--ckpt-every", "2"]
+
+
+def _finish(p):
+    log, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, log[-4000:]
+    return log
+
+
+def _metric(run_dir, key):
+    return {r["step"]: r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if key in r}
+
+
+def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
+    """Global batch 2 in one process (accumulation 2) against 4 torchrun ranks = 2 data-parallel x CP 2, under DDP
+    and under FSDP2 (sharded over the 4 ranks): the same losses, gradient norms, weights and eval loss. The DDP run's
+    step-2 checkpoint resumes at CP 4 (4 ranks, one data-parallel rank, accumulation 2): its step 3 equals the
+    one-process run's. Full fine-tuning (FSDP2's), LoRA takes the same path (tests/test_train.py's DDP)."""
+    full = [*STEPS, "--training-type", "full"]
+    cp2 = ["--max-steps", "2", "--context-parallel", "2"]
+    runs = dict(one=launch(args(data_dir, tmp_path, "one", *full, "--max-steps", "3", "--grad-accum", "2")),
+                ddp=launch(args(data_dir, tmp_path, "ddp", *full, *cp2), nproc=4),
+                fsdp=launch(args(data_dir, tmp_path, "fsdp", *full, *cp2, "--fsdp"), nproc=4))
+    logs = {k: _finish(p) for k, p in runs.items()}
+    assert "global batch 2 = micro 1 x accum 1 x world 2 (x context parallel 2)" in logs["ddp"]
+    one = tmp_path / "one"
+    assert max_diff(params(one / "ckpt-0000002"), params(one / "ckpt-0000003")) > 1e-5  # the weights move
+    step2 = load_file(one / "ckpt-0000002" / "trainable.safetensors")
+    assert max_diff(params(tmp_path / "ddp" / "ckpt-0000002"), step2) <= 1e-6
+    assert max_diff(load_file(tmp_path / "fsdp" / "transformer" / "diffusion_pytorch_model.safetensors"), step2) \
+        <= 1e-6
+    for run in ("ddp", "fsdp"):
+        for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5), ("eval/loss", 1e-6)):
+            got, want = _metric(tmp_path / run, key), _metric(one, key)
+            assert sorted(got) == ([2] if key == "eval/loss" else [1, 2]), (run, key, got)
+            assert all(abs(got[s] - want[s]) <= tol for s in got), (run, key, got, want)
+
+    cut = tmp_path / "cp4"
+    cut.mkdir()
+    shutil.copytree(tmp_path / "ddp" / "ckpt-0000002", cut / "ckpt-0000002")
+    log = _finish(launch(args(data_dir, tmp_path, "cp4", *full, "--max-steps", "3", "--grad-accum", "2",
+                              "--context-parallel", "4", "--resume", "auto"), nproc=4))
+    assert f"resumed from {cut / 'ckpt-0000002'} at step 2" in log and "global batch 2 -> " not in log
+    assert max_diff(params(cut / "ckpt-0000003"), params(one / "ckpt-0000003")) <= 1e-6
+    for key in ("loss", "eval/loss"):
+        got, want = _metric(cut, key), _metric(one, key)
+        assert sorted(got) == [3] and abs(got[3] - want[3]) <= 1e-6, (key, got, want)
