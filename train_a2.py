@@ -1051,7 +1051,7 @@ def main(cfg: TrainConfig) -> dict:
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), world,
+    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,
                                                           named=cfg.run_name is not None)
     for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
         log(f"resume: {line}")
