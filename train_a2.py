@@ -420,6 +420,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
                           None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
     tokens = cfg.micro_batch * run.layout.tokens(run.info, h, w)  # incontext, standin: with the refs
+    tokens = -(-tokens // cfg.context_parallel)  # a rank's share of a context-parallel split (a2/parallel.py)
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           ema=cfg.ema_decay > 0, fp8=cfg.fp8_base, offload=cfg.offload_activations,
                           swap_blocks=cfg.swap_blocks, compile=run.compile)
@@ -1020,6 +1021,9 @@ def log_step(rec: dict | None, metrics_file, tb) -> None:
 
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
+    if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
+        # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
+        model_path(cfg.model)
     world, rank, local_rank, device, ctrl = setup_distributed(cfg)
     # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
     dp_rank, dp_world, cp_group = data_parallel(world, rank, cfg.context_parallel, device.type)
@@ -1028,10 +1032,6 @@ def main(cfg: TrainConfig) -> dict:
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
-    if cfg.model in TINY_MODELS and dist.is_initialized():
-        if rank == 0:  # rank 0 builds it: transformers' save_pretrained writes no weights on another rank
-            model_path(cfg.model)
-        dist.barrier()
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     check_extra_options(cfg)
     if cfg.dry_run:

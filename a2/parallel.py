@@ -40,9 +40,11 @@ from config import ConfigError
 @dataclass
 class SequenceSplit:
     """The split of the current forward's sequence over a CP group; `length` (tokens, reference tokens included) is
-    set by the first block's input hook each forward and read by the attention processors."""
+    set by the first block's input hook each forward and read by the attention processors. group None: one rank of
+    a group of `size`, emulated in one process (the dry run, a2/trace.py): the exchanges make tensors of the shapes
+    and dtypes the collectives make (their memory), from this rank's data alone."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     size: int
     rank: int
     length: int = 0
@@ -68,15 +70,22 @@ class SequenceSplit:
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence from every rank's part, the padding cut off."""
+        if self.group is None:
+            return torch.cat([x] * self.size, dim).narrow(dim, 0, self.length)
         return _Gather.apply(x.contiguous(), dim, self.group, self.rank).narrow(dim, 0, self.length)
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, chunk, heads, D) local tokens -> (B, length, heads / size, D): the whole sequence, this rank's heads."""
+        if self.group is None:
+            return x[:, :, :x.shape[2] // self.size].repeat(1, self.size, 1, 1)[:, :self.length]
         return SeqAllToAllDim.apply(self.group, x.contiguous(), 2, 1)[:, :self.length]
 
     def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """to_heads' inverse: (B, length, heads / size, D) -> (B, chunk, heads, D)."""
         x = F.pad(x, (0, 0, 0, 0, 0, self.padded - x.shape[1]))
+        if self.group is None:
+            b, _, h, d = x.shape
+            return x.reshape(b, self.size, self.chunk, h, d).transpose(1, 2).reshape(b, self.chunk, h * self.size, d)
         return SeqAllToAllDim.apply(self.group, x.contiguous(), 1, 2)
 
 
@@ -191,17 +200,18 @@ def _split_inputs(split: SequenceSplit, first: bool):
     return hook
 
 
-def context_parallel(transformer, group: dist.ProcessGroup) -> SequenceSplit:
+def context_parallel(transformer, group: dist.ProcessGroup | None, size: int | None = None) -> SequenceSplit:
     """Split `transformer`'s sequence over `group` (its ranks run the same sample): hooks on the first block's inputs
     and the output projection, and Ulysses processors on every attention (Stand-In's too: call after standin.install
     and before configuring recomputation or compilation, which wrap the blocks' forward, not their hooks).
-    Returns the split (its `length` is the last forward's)."""
-    size = dist.get_world_size(group)
+    group None: one rank of `size`, emulated (SequenceSplit). Returns the split (its `length` is the last
+    forward's)."""
+    size = dist.get_world_size(group) if group is not None else size
     heads = transformer.config.num_attention_heads
     if heads % size:
         raise ConfigError(f"--context-parallel {size}: the model's {heads} attention heads do not divide by it "
                          "(Ulysses gives each rank heads / N)")
-    split = SequenceSplit(group, size, dist.get_rank(group))
+    split = SequenceSplit(group, size, dist.get_rank(group) if group is not None else 0)
     if hasattr(transformer, "standin_cache"):  # Stand-In's kept reference K/V would be one rank's part
         transformer.standin_cache = False
     for block in transformer.blocks:
@@ -247,3 +257,16 @@ def data_parallel(world: int, rank: int, cp: int, device_type: str) -> tuple[int
         return rank, world, None
     mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     return rank // cp, world // cp, mesh["cp"].get_group()
+
+
+def step_costs(config: dict, tokens: int, context: int, cp: int) -> dict:
+    """Per rank of a CP group of `cp`, one sample of `tokens` sequence tokens against `context` text + image tokens:
+    its tokens (padded split), the forward's attention-core FLOPs (self: the whole sequence for heads / cp; cross:
+    its tokens against the context) and the all-to-all bytes per block (bf16): q, k, v and the output in the
+    forward, their gradients in the backward, each rank sending (cp - 1) / cp of its chunk x model dim."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    chunk = -(-tokens // cp)
+    per = 2.0 * chunk * d * (cp - 1) / cp  # bytes one exchange of one tensor sends from a rank
+    return dict(tokens=chunk, self_core=4.0 * tokens * tokens * d / cp * config["num_layers"],
+                cross_core=4.0 * chunk * context * d * config["num_layers"],
+                all_to_all_forward=4 * per, all_to_all_backward=4 * per)
