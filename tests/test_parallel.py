@@ -7,7 +7,11 @@ size runs all of them (a group costs more to start than the tiny forwards)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,7 +22,7 @@ from a2 import standin
 from a2.conditioning import Conditioning, model_input
 from a2.parallel import context_parallel
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
-from tests.conftest import args, launch, max_diff, params
+from tests.conftest import ROOT, args, launch, max_diff, params
 
 FORWARD = 1e-6  # |CP - one process| / max(1, |one process|): summation order of the attention over fewer heads
 GRADS = 1e-5  # per parameter: max |sum over the group - one process| / max |one process|
@@ -120,6 +124,19 @@ STEPS = ["--lr", "1e-2", "--adam-eps", "1e-4", "--eval-split", "1", "--eval-quan
          "--ckpt-every", "2"]
 
 
+def _nodes(argv, tmp_path, nnodes=2, nproc=2):
+    """torchrun on `nnodes` "nodes" of this machine, as the README's multi-node command: a c10d rendezvous on
+    loopback, each node with its own A2_CACHE (its own disk: the built-in tiny model is built on each)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "a2-test",
+           str(ROOT / "train_a2.py"), *argv]
+    return [subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", "A2_CACHE": str(tmp_path / f"node{n}")},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(nnodes)]
+
+
 def _finish(p):
     log, _ = p.communicate(timeout=600)
     assert p.returncode == 0, log[-4000:]
@@ -133,16 +150,22 @@ def _metric(run_dir, key):
 
 def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
     """Global batch 2 in one process (accumulation 2) against 4 torchrun ranks = 2 data-parallel x CP 2, under DDP
-    and under FSDP2 (sharded over the 4 ranks): the same losses, gradient norms, weights and eval loss. The DDP run's
-    step-2 checkpoint resumes at CP 4 (4 ranks, one data-parallel rank, accumulation 2): its step 3 equals the
-    one-process run's. Full fine-tuning (FSDP2's), LoRA takes the same path (tests/test_train.py's DDP)."""
+    on two torchrun "nodes" of 2 ranks (c10d rendezvous on loopback, a CP group per node) and under FSDP2 (one
+    node, sharded over the 4 ranks): the same losses, gradient norms, weights and eval loss, each checkpoint
+    written once (no temp dir left). The two-node run's step-2 checkpoint resumes on one node at CP 4 (4 ranks, one
+    data-parallel rank, accumulation 2): its step 3 equals the one-process run's. Full fine-tuning (FSDP2's); LoRA
+    takes the same path (its weights are the only change)."""
     full = [*STEPS, "--training-type", "full"]
     cp2 = ["--max-steps", "2", "--context-parallel", "2"]
     runs = dict(one=launch(args(data_dir, tmp_path, "one", *full, "--max-steps", "3", "--grad-accum", "2")),
-                ddp=launch(args(data_dir, tmp_path, "ddp", *full, *cp2), nproc=4),
                 fsdp=launch(args(data_dir, tmp_path, "fsdp", *full, *cp2, "--fsdp"), nproc=4))
+    nodes = _nodes(args(data_dir, tmp_path, "ddp", *full, *cp2), tmp_path)
     logs = {k: _finish(p) for k, p in runs.items()}
+    logs["ddp"] = "".join(_finish(p) for p in nodes)
     assert "global batch 2 = micro 1 x accum 1 x world 2 (x context parallel 2)" in logs["ddp"]
+    assert all((tmp_path / f"node{n}" / "tiny-i2v" / "transformer").is_dir() for n in range(2))  # built per node
+    assert not list((tmp_path / "ddp").glob(".tmp-*")) and sorted(p.name for p in (tmp_path / "ddp").glob("ckpt-*")) \
+        == ["ckpt-0000002"]
     one = tmp_path / "one"
     assert max_diff(params(one / "ckpt-0000002"), params(one / "ckpt-0000003")) > 1e-5  # the weights move
     step2 = load_file(one / "ckpt-0000002" / "trainable.safetensors")
