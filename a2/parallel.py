@@ -64,9 +64,11 @@ class SequenceSplit:
         return self.rank * self.chunk
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's part of x along dim (its length `length`), zero padded to `padded` first."""
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.padded - x.shape[dim]]
-        return F.pad(x, pad).narrow(dim, self.start, self.chunk)
+        """This rank's part of x along dim (its length `length`; the last ranks' zero padded), a tensor of its own:
+        a view would keep the whole sequence alive as long as the blocks keep their inputs."""
+        n = max(0, min(self.chunk, x.shape[dim] - self.start))
+        part = x.narrow(dim, min(self.start, x.shape[dim]), n)
+        return F.pad(part, [0, 0] * (x.dim() - 1 - dim) + [0, self.chunk - n]) if n < self.chunk else part.clone()
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence from every rank's part, the padding cut off."""
