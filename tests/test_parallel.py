@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,11 +70,12 @@ def _inputs(kind: str):
     return x, t, text, image
 
 
-def _step(model, kind: str):
-    x, t, text, image = _inputs(kind)
+def _step(model, kind: str, device="cpu"):
+    x, t, text, image = (None if v is None else v.to(device) for v in _inputs(kind))
+    model.to(device)
     out = model(hidden_states=x, timestep=t, encoder_hidden_states=text, encoder_hidden_states_image=image,
                 return_dict=False)[0]
-    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device)
     ((out - target) ** 2).mean().backward()
     return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -81,28 +83,33 @@ def _step(model, kind: str):
 KINDS = ("t2v", "prefix", "phantom", "v3", "incontext", "standin", "uneven")
 
 
-def _rank(rank: int, world: int, init: str):
+def _rank(rank: int, world: int, init: str, backend: str = "gloo", forward: float = FORWARD, grads: float = GRADS):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         for kind in KINDS + ("recompute",):
             model = _model("t2v" if kind == "recompute" else kind)
             split = context_parallel(model, dist.group.WORLD)
             if kind == "recompute":  # every block recomputed, self-attention outputs kept (the save-attention policy)
                 configure_blocks(model, 1.0, save_attention=True)
-            out, grads = _step(model, "uneven" if kind == "recompute" else kind)
-            for g in grads.values():
+            out, got = _step(model, "uneven" if kind == "recompute" else kind, device)
+            for g in got.values():
                 dist.all_reduce(g)  # the group's partial gradients sum to the whole one
             if rank:
                 continue
             reference, want = _step(_model("t2v" if kind == "recompute" else kind),
-                                    "uneven" if kind == "recompute" else kind)
+                                    "uneven" if kind == "recompute" else kind, device)
             assert out.shape == reference.shape, kind
-            assert (out - reference).abs().max() <= FORWARD * max(1.0, reference.abs().max()), kind
-            assert grads.keys() == want.keys(), kind
+            assert (out - reference).abs().max() <= forward * max(1.0, reference.abs().max()), kind
+            assert got.keys() == want.keys(), kind
             for name, g in want.items():
-                err = (grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
-                assert err <= GRADS, (kind, name, float(err))
+                err = (got[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
+                assert err <= grads, (kind, name, float(err))
             if kind in ("uneven", "standin"):
                 assert split.length % world, (kind, split.length)  # the padded path was the one tested
     finally:
@@ -115,6 +122,16 @@ def test_context_parallel_equals_one_process(tmp_path):
     with block recomputation keeping the attention."""
     for world in (2, 4):
         mp.start_processes(_rank, args=(world, f"file://{tmp_path}/init{world}"), nprocs=world, start_method="fork")
+
+
+@pytest.mark.gpu
+def test_context_parallel_nccl_equals_one_gpu(tmp_path):
+    """The same checks over NCCL on 2 GPUs in fp32 (TF32 off); GPU kernels may pick other reduction orders for
+    other row counts, so the bounds are 10x the CPU's. Needs 2 GPUs (skipped otherwise)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    mp.start_processes(_rank, args=(2, f"file://{tmp_path}/init", "nccl", 10 * FORWARD, 10 * GRADS), nprocs=2,
+                       start_method="fork")
 
 
 # ---------------------------------------------------------------- train_a2.py --context-parallel under torchrun
