@@ -443,7 +443,7 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
-    tokens = b * layout.tokens(run.info, h, w)
+    tokens = -(-b * layout.tokens(run.info, h, w) // cfg.context_parallel)  # one rank's share under CP
     config = {}
 
     def plan_for(model):
@@ -469,7 +469,13 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
         return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
 
-    tracer, plan = trace_step(lambda: build_transformer(cfg, run, 0)[0], plan_for, forward)
+    def build():  # --context-parallel N: one rank of the group, emulated in this process (a2/parallel.py)
+        model = build_transformer(cfg, run, 0)[0]
+        if cfg.context_parallel > 1:
+            context_parallel(model, None, cfg.context_parallel)
+        return model
+
+    tracer, plan = trace_step(build, plan_for, forward)
     log(f"memory: {plan}")
     full_blocks = config["num_layers"] - round(plan.checkpoint_fraction * config["num_layers"])
     compiled = compiled_peak(tracer, config, tokens, full_blocks) / 2**30 if run.compile else None
@@ -1026,7 +1032,7 @@ def main(cfg: TrainConfig) -> dict:
         model_path(cfg.model)
     world, rank, local_rank, device, ctrl = setup_distributed(cfg)
     # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
-    dp_rank, dp_world, cp_group = data_parallel(world, rank, cfg.context_parallel, device.type)
+    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.dry_run else cfg.context_parallel, device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 

@@ -170,13 +170,16 @@ def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
     on two torchrun "nodes" of 2 ranks (c10d rendezvous on loopback, a CP group per node) and under FSDP2 (one
     node, sharded over the 4 ranks): the same losses, gradient norms, weights and eval loss, each checkpoint
     written once (no temp dir left). The two-node run's step-2 checkpoint resumes on one node at CP 4 (4 ranks, one
-    data-parallel rank, accumulation 2): its step 3 equals the one-process run's. Full fine-tuning (FSDP2's); LoRA
+    data-parallel rank, accumulation 2): its step 3 equals the one-process run's. The validation video sampled at
+    CP 2 is the one-process video. Full fine-tuning (FSDP2's); LoRA
     takes the same path (its weights are the only change)."""
     full = [*STEPS, "--training-type", "full"]
     cp2 = ["--max-steps", "2", "--context-parallel", "2"]
-    runs = dict(one=launch(args(data_dir, tmp_path, "one", *full, "--max-steps", "3", "--grad-accum", "2")),
+    val = ["--val-elements", *(str(data_dir / f"000_{e}.png") for e in ("person", "object", "background")),
+           "--val-steps", "2", "--val-every", "2", "--no-val-metrics"]
+    runs = dict(one=launch(args(data_dir, tmp_path, "one", *full, *val, "--max-steps", "3", "--grad-accum", "2")),
                 fsdp=launch(args(data_dir, tmp_path, "fsdp", *full, *cp2, "--fsdp"), nproc=4))
-    nodes = _nodes(args(data_dir, tmp_path, "ddp", *full, *cp2), tmp_path)
+    nodes = _nodes(args(data_dir, tmp_path, "ddp", *full, *cp2, *val), tmp_path)
     logs = {k: _finish(p) for k, p in runs.items()}
     logs["ddp"] = "".join(_finish(p) for p in nodes)
     assert "global batch 2 = micro 1 x accum 1 x world 2 (x context parallel 2)" in logs["ddp"]
@@ -184,6 +187,8 @@ def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
     assert not list((tmp_path / "ddp").glob(".tmp-*")) and sorted(p.name for p in (tmp_path / "ddp").glob("ckpt-*")) \
         == ["ckpt-0000002"]
     one = tmp_path / "one"
+    video = "samples/step-0000002.mp4"  # the validation video, sampled by the CP group of rank 0: the same bytes
+    assert (tmp_path / "ddp" / video).read_bytes() == (one / video).read_bytes()
     assert max_diff(params(one / "ckpt-0000002"), params(one / "ckpt-0000003")) > 1e-5  # the weights move
     step2 = load_file(one / "ckpt-0000002" / "trainable.safetensors")
     assert max_diff(params(tmp_path / "ddp" / "ckpt-0000002"), step2) <= 1e-6
