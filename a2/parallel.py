@@ -272,3 +272,18 @@ def step_costs(config: dict, tokens: int, context: int, cp: int) -> dict:
     return dict(tokens=chunk, self_core=4.0 * tokens * tokens * d / cp * config["num_layers"],
                 cross_core=4.0 * chunk * context * d * config["num_layers"],
                 all_to_all_forward=4 * per, all_to_all_backward=4 * per)
+
+
+def sampling_group(device: str) -> int:
+    """infer.py under torchrun (WORLD_SIZE > 1): the process group every rank samples in, one sample split over
+    all of them (NCCL on GPUs, each rank on its LOCAL_RANK GPU; gloo on the CPU). Returns this rank (0: the one
+    that writes); 0 without torchrun."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" is then this rank's GPU
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank()

@@ -210,3 +210,23 @@ def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
     for key in ("loss", "eval/loss"):
         got, want = _metric(cut, key), _metric(one, key)
         assert sorted(got) == [3] and abs(got[3] - want[3]) <= 1e-6, (key, got, want)
+
+
+def test_infer_under_torchrun_samples_the_one_process_video(data_dir, tmp_path):
+    """infer.py under torchrun (2 ranks, gloo) samples one video with its tokens split over the ranks: the latents
+    and the mp4 rank 0 writes equal one process's."""
+    common = ["--model", "tiny", "--height", "32", "--width", "48", "--num-frames", "17", "--steps", "2", "--device",
+              "cpu", "--prompt", "a person", "--seed", "1", "--elements",
+              *(str(data_dir / f"000_{e}.png") for e in ("person", "object", "background"))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    runs = [subprocess.Popen([*pre, str(ROOT / "infer.py"), *common, "--out", str(tmp_path / f"{n}.mp4"),
+                              "--save-latents", str(tmp_path / f"{n}.pt")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for n, pre in (("one", [sys.executable]),
+                           ("split", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                      "--nproc-per-node", "2"]))]
+    for p in runs:
+        _finish(p)
+    one, split = (torch.load(tmp_path / f"{n}.pt")["latents"] for n in ("one", "split"))
+    assert (split - one).abs().max() <= 1e-5 * one.abs().max()
+    assert (tmp_path / "split.mp4").read_bytes() == (tmp_path / "one.mp4").read_bytes()
