@@ -124,6 +124,11 @@ class BenchConfig:
     """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
     memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
     category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
+    context_parallel: int = 1
+    """With --dry-run: one rank of a context-parallel group of N (a2/parallel.py, emulated in one process): the plan
+    and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
+    attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
+    train_a2.py --context-parallel N.)"""
     compare_run: str | None = None
     """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
     the first logged interval) against this step's, as the training loop's overhead over the bare step."""
@@ -299,6 +304,17 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
     budget = b.max_memory_gb or 80.0
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
     tokens = b.batch * t_lat * (h // 2) * (w // 2)
+    cp = b.context_parallel
+    if cp > 1:  # one rank's share: what it plans for and keeps
+        from a2.parallel import step_costs
+
+        costs = step_costs(cfg, tokens // b.batch, TEXT_TOKENS + CLIP_TOKENS * b.refs, cp)
+        tokens = b.batch * costs["tokens"]
+        print(f"context parallel {cp}: {tokens} tokens per rank; per rank forward attention cores "
+              f"{b.batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
+              f"{b.batch * costs['all_to_all_forward'] / 2**20:.0f} MiB forward + "
+              f"{b.batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
+              "recomputed block)")
     full = b.mode == "full"
     got = {}
 
@@ -314,6 +330,10 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()
+        if cp > 1:
+            from a2.parallel import context_parallel
+
+            context_parallel(model, None, cp)
         model.train()
         return model
 
@@ -356,6 +376,9 @@ def main(b: BenchConfig) -> dict:
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, b.dtype)
+    if b.context_parallel > 1:
+        raise SystemExit("bench.py --context-parallel N goes with --dry-run (one rank's plan and trace); time a CP "
+                         "step with train_a2.py --context-parallel N under torchrun")
     standin = b.layout == "standin"
     refs = 0 if standin else 1 if b.layout == "magref" else b.refs  # CLIP images
     cfg = preset_config(b.preset, e2v=refs > 0)

@@ -565,6 +565,11 @@ class TrainConfig:
     per GPU. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards),
     so host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint,
     loadable at another world size); the final transformer dir is gathered on rank 0."""
+    context_parallel: int = 1
+    """Ranks that split one sample's tokens (Ulysses context parallel, a2/parallel.py): torchrun's world = data-parallel
+    ranks x this; consecutive ranks form a group (one node), train the same samples with the same noise and timestep,
+    and each holds 1/N of the sequence's activations. N divides the attention heads (14B: 40, 1.3B: 12). With DDP or
+    --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train: auto = CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
     memory: Literal["auto", "manual"] = "auto"

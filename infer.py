@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import tyro
 
 from a2 import standin
 from a2.conditioning import KIND_DEFS, kind_sampling, plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
+from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
     check_size,
@@ -494,6 +496,10 @@ def main(cfg: InferConfig) -> int:
                          "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
+    rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
+    if dist.is_initialized() and (rows is not None or any(lay.kind == "standin" for lay in layouts)):
+        raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
+                         "run --prompts-file / --eval-set / Stand-In in one process")
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
     if expanded and transformers[0] is None:
         # a LoRA trained on this T2V base expanded to the E2V inputs: expand it with the run's expansion weights
@@ -526,6 +532,9 @@ def main(cfg: InferConfig) -> int:
             print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
         elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
+    for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():
+        if model is not None:
+            context_parallel(model, dist.group.WORLD)
     if rows is not None and opens2v_set(cfg):
         render_opens2v_set(cfg, pipe, rows, info)
         return 0
@@ -541,6 +550,8 @@ def main(cfg: InferConfig) -> int:
         return 0
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame,
                    region=refs["region"], layout=refs["layout"])
+    if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
+        return 0
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

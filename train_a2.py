@@ -74,6 +74,7 @@ from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, samp
 from a2.fp8 import scaled_mm_supported
 from a2.lora import check_lora_export
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
+from a2.parallel import context_parallel, data_parallel, grad_scale
 from a2.pipeline import (
     A2Pipeline,
     check_size,
@@ -424,6 +425,7 @@ def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
                           None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
     h, w = cfg.resolution
     tokens = cfg.micro_batch * run.layout.tokens(run.info, h, w)  # incontext, standin: with the refs
+    tokens = -(-tokens // cfg.context_parallel)  # a rank's share of a context-parallel split (a2/parallel.py)
     plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
                           ema=cfg.ema_decay > 0, fp8=cfg.fp8_base, offload=cfg.offload_activations,
                           swap_blocks=cfg.swap_blocks, compile=run.compile)
@@ -446,7 +448,7 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     b = cfg.micro_batch
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
-    tokens = b * layout.tokens(run.info, h, w)
+    tokens = -(-b * layout.tokens(run.info, h, w) // cfg.context_parallel)  # one rank's share under CP
     config = {}
     log(f"dry run: the step of the run's largest element set, {len(layout.repeats)} element(s)")
 
@@ -474,7 +476,13 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
         return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
 
-    tracer, plan = trace_step(lambda: build_transformer(cfg, run, 0)[0], plan_for, forward)
+    def build():  # --context-parallel N: one rank of the group, emulated in this process (a2/parallel.py)
+        model = build_transformer(cfg, run, 0)[0]
+        if cfg.context_parallel > 1:
+            context_parallel(model, None, cfg.context_parallel)
+        return model
+
+    tracer, plan = trace_step(build, plan_for, forward)
     log(f"memory: {plan}")
     full_blocks = config["num_layers"] - round(plan.checkpoint_fraction * config["num_layers"])
     compiled = compiled_peak(tracer, config, tokens, full_blocks) / 2**30 if run.compile else None
@@ -669,7 +677,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
     between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
     the video's metrics (a2/evaluate.py) as a metrics.jsonl record: step, val/<metric>."""
-    if not run.validates or (rank != 0 and not cfg.fsdp):  # FSDP: all ranks forward
+    if not run.validates or (rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
         return None
     h, w = cfg.resolution
     refs = clips = region = None
@@ -774,6 +782,9 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
             if n < len(held):
                 per[n, q] = loss
     transformer.train()
+    split = getattr(transformer, "context_parallel", None)
+    if split is not None and split.rank and world > 1:
+        per.zero_()  # a context-parallel group computed each of its samples on every rank: one of them counts it
     if world > 1:
         dist.all_reduce(per)
     means = per.mean(0).tolist()
@@ -937,14 +948,16 @@ def lock_existing(run_dir: Path, lock: RunLock) -> None:
         lock.acquire()
 
 
-def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int):
-    """build_transformer, sharded with --fsdp, then put in place by the memory plan (fp8, swapped blocks, the rest
-    on `device`, recomputation, compilation for `shapes` input shapes), decided before the weights move: where they
-    go is part of it."""
+def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int, cp_group=None):
+    """build_transformer, sharded with --fsdp, its sequence split over `cp_group` (context parallel), then put in
+    place by the memory plan (fp8, swapped blocks, the rest on `device`, recomputation, compilation for `shapes` input
+    shapes), decided before the weights move: where they go is part of it."""
     transformer, rank0_weights = build_transformer(cfg, run, rank)
     if cfg.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
+    if cp_group is not None:  # before the plan wraps the blocks' forward (the split hooks are the blocks')
+        context_parallel(transformer, cp_group)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
@@ -1061,25 +1074,27 @@ def log_step(rec: dict | None, metrics_file, tb) -> None:
 
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
+    if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
+        # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
+        model_path(cfg.model)
     world, rank, local_rank, device, ctrl = setup_distributed(cfg)
+    # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
+    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.dry_run else cfg.context_parallel, device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
-    if cfg.model in TINY_MODELS and dist.is_initialized():
-        if rank == 0:  # rank 0 builds it: transformers' save_pretrained writes no weights on another rank
-            model_path(cfg.model)
-        dist.barrier()
-    run = plan_run(cfg, world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     check_extra_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg, run)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lock_existing, run_dir, lock)
+    cp = f" (x context parallel {cfg.context_parallel})" if cfg.context_parallel > 1 else ""
     log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
-        f"{cfg.grad_accum} x world {world} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
+        f"{cfg.grad_accum} x world {run.world}{cp} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
     dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.skip_bad_samples, layout=run.layout,
@@ -1089,7 +1104,7 @@ def main(cfg: TrainConfig) -> dict:
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), world,
+    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,
                                                           named=cfg.run_name is not None)
     for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
         log(f"resume: {line}")
@@ -1114,7 +1129,7 @@ def main(cfg: TrainConfig) -> dict:
     evaluators = load_val_evaluators(cfg, run, enc, rank, device)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
-    transformer = place_transformer(cfg, run, rank, device, len(set(dataset.buckets)))  # planned, on device
+    transformer = place_transformer(cfg, run, rank, device, len(set(dataset.buckets)), cp_group)  # planned, on device
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
     ddp = world > 1 and not cfg.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
@@ -1133,7 +1148,7 @@ def main(cfg: TrainConfig) -> dict:
         start_step = state["step"]
         failures.load_state_dict(state.get("load_failures", failures.state_dict()))
         log(f"resumed from {point.path} at step {start_step}")
-    loader = make_loader(dataset, sampler, start_step, rank, world, cfg, use_cuda)
+    loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
     signal.signal(signal.SIGINT, on_signal)
@@ -1153,7 +1168,7 @@ def main(cfg: TrainConfig) -> dict:
                    desc="train")
         for step in bar:
             random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + rank)
+            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + dp_rank)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             step_loss = torch.zeros((), device=device)
@@ -1167,12 +1182,12 @@ def main(cfg: TrainConfig) -> dict:
                 if cfg.fsdp:
                     model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
                 with model.no_sync() if ddp and not sync else nullcontext():
-                    inputs = model_inputs(batch, step, j, cfg, run, enc, rank, device)
+                    inputs = model_inputs(batch, step, j, cfg, run, enc, dp_rank, device)
                     loss, viz = forward_loss(model, inputs, cfg, run, amp, transformer.dtype)
-                    (loss / cfg.grad_accum).backward()
+                    (loss * grad_scale(transformer) / cfg.grad_accum).backward()  # x CP size: DDP averages its ranks
                 step_loss += loss.detach() / cfg.grad_accum
-                meter["seen"] += len(batch["prompts"]) * world
-                meter["tokens"] += inputs["tokens"] * world
+                meter["seen"] += len(batch["prompts"]) * dp_world
+                meter["tokens"] += inputs["tokens"] * dp_world
             if refused:
                 skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
             else:
@@ -1196,8 +1211,8 @@ def main(cfg: TrainConfig) -> dict:
             last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
                                           failures, world)
             if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
-                                           device, amp), metrics_file, tb)
+                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
+                                           dp_world, device, amp), metrics_file, tb)
             if cfg.val_every and done % cfg.val_every == 0:
                 with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
                     log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

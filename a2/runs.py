@@ -309,7 +309,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
             torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save(dict(step=step, load_failures=load_failures), tmp / "state.pt")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        # data-parallel ranks: a context-parallel group trains one sample stream
+        world = (dist.get_world_size() if dist.is_initialized() else 1) // config.get("context_parallel", 1)
         return commit_checkpoint(tmp, final, keep_last, step=step, world_size=world, fsdp=fsdp)  # manifest last
     except BaseException as e:  # a failed write, or a signal that stops at once: no partial checkpoint stays
         shutil.rmtree(tmp, ignore_errors=True)

@@ -242,10 +242,11 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         else:
             x = block(x, text, proj, rotary)
 
-    x = x[:, :length]  # the reference tokens have no output
+    if getattr(transformer, "context_parallel", None) is None:  # else each rank holds part of the sequence
+        x = x[:, :length]  # the reference tokens have no output
     shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-    x = transformer.proj_out(x)
+    x = transformer.proj_out(x)[:, :length]  # a context-parallel split is gathered at the projection's output
     x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
     return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
