@@ -692,6 +692,29 @@ class TrainConfig:
     """Probability to train a sample with the empty prompt (classifier-free guidance on text)."""
     reference_dropout: float = 0.0
     """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
+    joint_dropout: float = 0.0
+    """Probability to drop the prompt and the references together. Above 0 the three dropouts are exclusive cases of
+    one draw, as RefAlign trains (its 0.1 / 0.1 / 0.1: the prompt alone, the references alone, both); at 0 the prompt
+    and the references are dropped independently."""
+    reference_augment: bool = False
+    """Augment each reference image every step before it is encoded (RefAlign's: flip, rotation up to 45 degrees,
+    shear, scale/translate, perspective, colour/brightness jitter, blur; white fill, a2/augment.py), drawn from the
+    sample's seed. It needs the pixels: not with --cache-dir, whose latents are of the images as read."""
+    align_loss: bool = False
+    """Add RefAlign's reference-alignment loss (a2/align.py): the reference tokens after --align-blocks, through
+    per-block projectors, aligned with DINOv3 features of the reference images (--align-model). Kinds phantom, v3,
+    incontext, standin (the others have no reference tokens). The projectors train with the run, never exported."""
+    align_model: str | None = None
+    """Local DINOv3 model dir (transformers' DINOv3ViTModel) of the alignment targets: RefAlign uses ViT-B/16 (768-d)
+    for the 1.3B model and ViT-L/16 (1024-d) for the 14B."""
+    align_blocks: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+    """Blocks whose output reference tokens are aligned (RefAlign: the first nine)."""
+    align_weight: float = 1.0
+    """Weight of the alignment loss added to the flow-matching loss."""
+    align_gate_floor: float = 0.1
+    """Timestep gate of the alignment loss: floor + (1 - floor) (t/1000)^power (RefAlign: 0.1 and 3)."""
+    align_gate_power: float = 3.0
+    """Power of the timestep gate (--align-gate-floor)."""
     timestep_buckets: int = 0
     """Stratify the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
     distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks
