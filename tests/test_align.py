@@ -314,3 +314,16 @@ def test_joint_dropout_is_refaligns_three_exclusive_cases():
     cfg.joint_dropout = 0.0
     assert train_a2.dropouts(cfg, u, [0.05, 0.5, 0.05, 0.5]) == ([True, False, False, False],
                                                                 [True, False, True, False])
+
+
+def test_the_other_token_kinds_train_with_the_loss(data_dir, tmp_path, dino_dir):
+    """incontext (an element of 5 frames: 2 latent frames, the first aligned) and v3 (2 references in 4 slots) train a
+    step with the loss, augmentation and the joint dropout; Stand-In's positions are test_reference_spans' (its
+    512x512 reference makes a run slow)."""
+    flags = [*align_flags(dino_dir), "--max-steps", "1", "--reference-augment", "--joint-dropout", "0.2"]
+    for run, extra, model in [("ic", ["--reference-layout", "incontext", "--num-frames", "9", "--elements",
+                                      "subject=_person.png", "object=_object.png:repeat=5"], "tiny-t2v"),
+                              ("v3", ["--num-frames", "9", "--elements", *FIT[:2]], "tiny-v3")]:
+        r = train(*args(data_dir, tmp_path, run, *extra, *flags, model=model))
+        assert math.isfinite(r["losses"][0])
+        assert any(k.startswith(align.ATTRIBUTE) for k in params(r["run_dir"] / "ckpt-0000001"))
