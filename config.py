@@ -401,9 +401,10 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     if vae.reference_layout not in REFERENCE_LAYOUTS or vae.reference_timestep not in REFERENCE_TIMESTEPS:
         raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout!r} / reference_timestep "
                           f"{vae.reference_timestep!r}: expected one of {REFERENCE_LAYOUTS} / {REFERENCE_TIMESTEPS}")
-    if vae.reference_layout == "incontext" and vae.frame_conditioning != "full":
-        raise ConfigError(f"{where}.processors.vae: reference_layout incontext places element references; "
-                          f"frame_conditioning {vae.frame_conditioning!r} conditions on video frames (use full)")
+    if vae.reference_layout != "channel" and vae.frame_conditioning != "full":  # the element layouts take no frames
+        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout} places element "
+                          f"references; frame_conditioning {vae.frame_conditioning!r} conditions on video frames "
+                          "(use full)")
     if vae.frame_conditioning not in FRAME_CONDITIONING:
         raise ConfigError(f"{where}.processors.vae.frame_conditioning: {vae.frame_conditioning!r} is not one of "
                           f"{FRAME_CONDITIONING}")
@@ -644,8 +645,9 @@ class TrainConfig:
     (they are clean; per-token timesteps as Wan 2.2 TI2V)."""
     prefix_frames: int = 1
     """--frame-conditioning prefix: how many leading pixel frames of the video are given as the condition."""
-    vae_sample_mode: Literal["sample", "argmax"] = "sample"
-    """Condition/target latents: a posterior sample (A2 samples at inference) or the posterior mode."""
+    vae_sample_mode: Literal["sample", "argmax"] | None = None
+    """Condition/target latents: a posterior sample or the posterior mode. Default: what the kind samples with on
+    the model (a2.conditioning.kind_sampling: A2 samples; diffusers' Wan I2V, Phantom, MAGREF, Stand-In the mean)."""
     skip_bad_samples: bool = False
     """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
     num_workers: int = 2
@@ -828,9 +830,9 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
         raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
                           "OUT/index.jsonl (data.py index) and --frame-conditioning full")
-    if cfg.reference_layout == "incontext" and no_elements:
-        raise ConfigError("--reference-layout incontext places element references: it needs element images "
-                          "(--dataset-type e2v, --frame-conditioning full)")
+    if cfg.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
+        raise ConfigError(f"--reference-layout {cfg.reference_layout} places element references: it needs element "
+                          "images (--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
     main = DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",

@@ -42,7 +42,7 @@ import tyro
 from PIL import Image
 
 from a2.conditioning import clip_frames, reference_pixels
-from a2.pipeline import read_image
+from a2.images import read_image
 from a2.standin import REFERENCE_SIZE
 from a2.transformer import TEXT_TOKENS
 from config import (
@@ -267,7 +267,7 @@ def clip_length(cfg: DatasetConfig, num_frames: int, total: int) -> int:
 
 
 def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
-    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.pipeline.preprocess_image.
+    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.images.preprocess_image.
 
     Resizes in uint8, channels-last: PyTorch's vectorised uint8 bicubic kernel is ~50x faster than the float one
     (81 frames to 480x832: 0.1 s vs 4-5 s on one core) and differs from it only by the final rounding."""

@@ -48,8 +48,10 @@ from a2.conditioning import (
     PosteriorCache,
     drop,
     encode,
+    kind_sampling,
     kind_weights,
     loss_start,
+    model_flow_shift,
     model_input,
     num_latent_frames,
     plan,
@@ -81,7 +83,6 @@ from a2.pipeline import (
     load_encoders,
     load_first_frame,
     load_references,
-    sampler_settings,
     save_video,
     tensor_to_uint8,
 )
@@ -198,6 +199,7 @@ class Run:
     compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
     val_elements: bool = False  # --val-elements given
     val_every: int = 0  # --val-every
+    encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
 
     @property
     def validates(self) -> bool:
@@ -261,7 +263,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every)
+               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every,
+               cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
 def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
@@ -594,7 +597,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
                                                  for k in ks])
             refs = refs if cached else h2d(refs, device)
         region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
-        x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode,
+        x0, cond = encode(vae, layout, video, refs, gens, run.encode_mode,
                           None if region is None else h2d(region, device))
         text = (h2d(batch["text"], device) if cached
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
@@ -717,12 +720,13 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, expand_timesteps=run.info.ti2v, **sampler_settings(run.info))
+                      **experts, expand_timesteps=run.info.ti2v, native_kind=run.info.native_kind,
+                      model=run.info.name, flow_shift=model_flow_shift(run.info.parts_dir))
     with amp:
         out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   layout=validation_layout(run.layout, repeats), region=region,
+                   layout=validation_layout(run.layout, repeats), region=region, sample_mode=run.encode_mode,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

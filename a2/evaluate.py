@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from a2.pipeline import tensor_to_uint8
+from a2.images import tensor_to_uint8
 
 
 class Embedder:

@@ -38,7 +38,7 @@ import numpy as np
 import tyro
 from PIL import Image
 
-from a2.pipeline import read_image
+from a2.images import read_image
 from config import PUBLIC_TYPES, DatasetConfig, InputError, run_cli
 from data import (
     VIDEO_EXTS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from diffusers import WanTransformer3DModel
 
-from a2.trace import fake_mode_active
+from a2.fake import fake_mode_active
 from config import InputError
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels

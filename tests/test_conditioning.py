@@ -37,11 +37,10 @@ KINDS = {
 }
 
 
-def setup(data_dir, name):
+def setup(data_dir, name, *flags):
     model, extra = KINDS[name]
     cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
-                                      "--device", "cpu", "--vae-sample-mode", "argmax", "--text-dropout", "0",
-                                      *extra])
+                                      "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)[0]])
@@ -50,10 +49,17 @@ def setup(data_dir, name):
 
 
 @pytest.mark.parametrize("name", list(KINDS))
-def test_training_feeds_what_the_sampler_feeds(data_dir, name):
+def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     """At the sampler's first step (sigma 1) with the same noise and the same element images (or first frame), the
     training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
-    it: forward hooks on the one transformer, every kind."""
+    it: forward hooks on the one transformer, every kind, each VAE-encoding as its kind does on its model (no mode
+    given on either side: the same mode in both). Where that mode draws from the posterior (A2's, in-context, V3)
+    the draws come from each side's own generator, so the tensors are compared with the posterior mean on both."""
+    from a2 import conditioning
+
+    modes = []
+    encode_vae = conditioning.encode_vae
+    monkeypatch.setattr(conditioning, "encode_vae", lambda *a, **k: modes.append(a[2]) or encode_vae(*a, **k))
     cfg, run, enc, batch = setup(data_dir, name)
     kind = run.layout.kind
     assert kind == name.split("-")[0]
@@ -63,7 +69,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
     pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      expand_timesteps=run.info.ti2v)
+                      expand_timesteps=run.info.ti2v, model=run.info.name)
     refs = clips = region = None
     repeats, first_frame = (), None
     if run.layout.takes_references:
@@ -74,11 +80,22 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     elif kind == "clean":
         first_frame = batch["video"][:, :, 0]
     layout = validation_layout(run.layout, repeats)  # as validate() samples the run
-    pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
-         num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
-         generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-         layout=layout, region=region)
-    (sampled,) = seen
+
+    def sample(mode=None):
+        seen.clear()
+        pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
+             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode=mode,
+             generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
+             layout=layout, region=region)
+        return seen[0]
+
+    sampled = sample()
+    sampling_modes, modes[:] = modes[:], []
+    train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    assert set(sampling_modes) <= set(modes) == {run.encode_mode}  # the kind's one encode mode, on both sides
+    if run.encode_mode == "sample":
+        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax")
+        sampled = sample("argmax")
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 
     inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
@@ -113,7 +130,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
     ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
     ("phantom", ["--num-frames", "9"]),
-    ("v3", ["--num-frames", "9", "--vae-sample-mode", "sample"]),  # V3 samples its references' posteriors
+    ("v3", ["--num-frames", "9"]),  # V3 samples its references' posteriors (its own encode)
     ("standin", ["--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png"]),
     # MAGREF: the canvas' encodes, its CLIP tokens and its latent region mask cached; two elements side by side
     ("magref", ["--reference-layout", "magref", "--num-frames", "9", "--elements", "subject=_person.png:repeat=1",
