@@ -442,7 +442,10 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
             if p.requires_grad:
                 p.data = p.data.float()
     if cfg.align_loss:  # trainable fp32 submodule: optimised, reduced, checkpointed, planned; never exported
-        align.install(transformer, align.target_dim(cfg.align_model), cfg.align_blocks, seed=cfg.seed)
+        try:
+            align.install(transformer, align.target_dim(cfg.align_model), cfg.align_blocks, seed=cfg.seed)
+        except ValueError as e:  # a block the model lacks
+            raise ConfigError(str(e)) from None
     transformer.train()
     return transformer, source
 
@@ -875,7 +878,7 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
-                   original_keys: bool = False) -> Path:
+                   original_keys: str | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
@@ -883,8 +886,9 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
-    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of a Phantom-Wan
-    checkpoint): also transformer_original/Phantom-Wan.pth, the weights in original-Wan keys as Phantom's own code
+    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
+    checkpoint, its native kind): also transformer_original/Phantom-Wan.pth (RefAlign: refalign_model.safetensors,
+    as its pipeline reads safetensors), the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
         from a2 import standin
@@ -912,8 +916,13 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
             original = run_dir / "transformer_original"
             original.mkdir(exist_ok=True)
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
-            torch.save({k: v.detach().cpu().contiguous()
-                        for k, v in diffusers_to_original(model.state_dict()).items()}, original / "Phantom-Wan.pth")
+            sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
+            if original_keys == "refalign":  # RefAlign's pipeline reads a model.safetensors; the name says RefAlign
+                from safetensors.torch import save_file
+
+                save_file(sd, original / "refalign_model.safetensors")
+            else:
+                torch.save(sd, original / "Phantom-Wan.pth")
     return out
 
 
@@ -1057,7 +1066,8 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
     return checkpoint(run_dir, done, transformer, opt, cfg, failures)
 
 
-def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int, original_keys: bool) -> dict:
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int,
+           original_keys: str | None) -> dict:
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
     collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
@@ -1247,7 +1257,8 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, bool(run.info.original_weights)))
+        original = run.info.native_kind if run.info.original_weights else None  # also in the lab's own keys
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

@@ -13,10 +13,10 @@ RefAlign's gate (its gate_from_timestep(t, 0, 1000, beta=3)) is 0.1 + 0.9 (t/100
 whose references were dropped contributes 0 (RefAlign multiplies its loss by 0). The targets are the last layer's
 patch tokens before the final norm (RefAlign reads hidden_states[-1]), CLS and register tokens dropped.
 
-Which kinds: phantom, v3 and incontext append the references' latent frames after the video's on the time axis, and
-standin adds its reference tokens after the video's; every block's output holds their tokens. The channel kinds
-(prefix, inplace, magref) put a reference into the channels of video tokens (no token of its own to align) and t2v
-and clean take no reference image.
+Which kinds: refalign, phantom, v3 and incontext append the references' latent frames after the video's on the
+time axis, and standin adds its reference tokens after the video's; every block's output holds their tokens. The
+channel kinds (prefix, inplace, magref) put a reference into the channels of video tokens (no token of its own to
+align) and t2v and clean take no reference image.
 
 The projectors hang on the transformer (`align_projectors`), so the optimizer, DDP's gradient reduction, the
 checkpoint and the memory plan see them as trainable weights; export leaves them out (without_projectors): they are
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ALIGN_KINDS = ("phantom", "v3", "incontext", "standin")  # the kinds whose references are tokens of the sequence
+ALIGN_KINDS = ("refalign", "phantom", "v3", "incontext", "standin")  # references that are tokens of the sequence
 REFALIGN_BLOCKS = tuple(range(9))  # the blocks RefAlign aligns
 ATTRIBUTE = "align_projectors"  # the transformer's submodule holding the projectors
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv3's processor defaults
@@ -118,7 +118,7 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
     """(starts, tokens, grid): each reference's first token counted from the end of a block's output (negative), its
     token count and its (rows, cols) token grid. video_grid: the video's tokens per frame (rows, cols).
 
-    phantom / v3: one latent frame per reference after the video (v3: its first len(repeats) of 4 slots);
+    refalign / phantom / v3: one latent frame per reference after the video (v3: its first len(repeats) of 4 slots);
     incontext: each element's latent frames after the video, its first frame aligned (the others repeat the image);
     standin: its reference tokens after the video's, a reference_grid over the patch."""
     from a2.conditioning import num_latent_frames
