@@ -327,3 +327,61 @@ def test_the_other_token_kinds_train_with_the_loss(data_dir, tmp_path, dino_dir)
         r = train(*args(data_dir, tmp_path, run, *extra, *flags, model=model))
         assert math.isfinite(r["losses"][0])
         assert any(k.startswith(align.ATTRIBUTE) for k in params(r["run_dir"] / "ckpt-0000001"))
+
+
+# ---------------------------------------------------------------- the refalign kind (RefAlign's weights and sampler)
+
+
+def test_refalign_samples_as_its_code_through_infer_defaults(tmp_path, monkeypatch):
+    """infer.py on a RefAlign checkpoint (tiny-refalign: one model.safetensors in original-Wan keys, told from
+    Phantom-Wan's by its name) with no sampler flag against RefAlign's pipeline written out (tests/their_refalign.py:
+    its DiT forward with the references after the video and outside the text cross-attention, Euler shift 5 on
+    linspace(1, 0) for 50 steps, U + 5 (I - U) + 7.5 (C - I), seed 0, CPU noise for the video frames only), float32:
+    the references' latents and the final latents within 1e-5, 3 passes x 50 steps at its timesteps."""
+    import infer
+    from a2.conditioning import WAN_NEGATIVE_PROMPT
+    from a2.pipeline import A2Pipeline, encode_prompt
+    from a2.tiny import model_path
+    from a2.transformer import detect_model, load_transformer
+    from tests import their_refalign
+    from tests.test_released_models import reference_files
+
+    model = model_path("tiny-refalign")
+    assert detect_model(model).native_kind == "refalign"
+    assert detect_model(model_path("tiny-phantom")).native_kind == "phantom"  # the same tensors, another name
+    images, items = reference_files(tmp_path, [(301, 97), (97, 301)])
+    prompt, out = "a hiker on a mountain", tmp_path / "a2.pt"
+    timesteps = []
+    call = A2Pipeline.__call__
+
+    def recorded(self, *a, **kw):  # every forward's timestep, through infer.py's own pipeline
+        handle = self.transformer.register_forward_pre_hook(
+            lambda m, args, kwargs: timesteps.append(kwargs["timestep"].clone()), with_kwargs=True)
+        try:
+            return call(self, *a, **kw)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(A2Pipeline, "__call__", recorded)
+    assert infer.main(infer.InferConfig(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt,
+                                        height=32, width=48, num_frames=9, device="cpu", out=str(tmp_path / "v.mp4"),
+                                        save_latents=str(out), decode="none")) == 0
+    ours = torch.load(out)
+    pipe = A2Pipeline.from_pretrained(model)
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, WAN_NEGATIVE_PROMPT))
+    theirs = load_transformer(model).eval()
+    them = their_refalign.refalign_sample(theirs, pipe.vae, images, text, null, num_frames=9, height=32, width=48)
+    want = (their_refalign.flowmatch_sigmas(50) * 1000).repeat_interleave(3)
+    assert len(timesteps) == 150 and torch.allclose(torch.cat(timesteps), want, rtol=0, atol=1e-3)
+    assert (ours["condition"] - them["condition"]).abs().max() <= 1e-5  # (its pixels * 2/255 - 1 vs a2's /127.5)
+    diff = (ours["latents"] - them["latents"]).abs().max()
+    assert diff <= 1e-5, diff
+    # the layout is not Phantom's: with the references in the text cross-attention the prediction moves
+    g = torch.Generator().manual_seed(0)
+    x, refs = torch.randn(1, 16, 3, 4, 6, generator=g), torch.randn(1, 16, 2, 4, 6, generator=g)
+    t = torch.tensor([700.0])
+    with torch.no_grad():
+        skip = their_refalign.forward(theirs, x, t, text, refs)
+        plain = theirs(hidden_states=torch.cat([x, refs], 2), timestep=t, encoder_hidden_states=text,
+                       return_dict=False)[0][:, :, :3]
+    assert (skip - plain).abs().max() > 1e-4
