@@ -4,6 +4,7 @@ kind's reference tokens are, and in training: weight 0 trains bit for bit as wit
 chosen blocks and the projectors, DDP == one process, resume == uninterrupted, the cache == the pixels, the export has
 no projector."""
 
+import json
 import math
 
 import pytest
@@ -385,3 +386,23 @@ def test_refalign_samples_as_its_code_through_infer_defaults(tmp_path, monkeypat
         plain = theirs(hidden_states=torch.cat([x, refs], 2), timestep=t, encoder_hidden_states=text,
                        return_dict=False)[0][:, :, :3]
     assert (skip - plain).abs().max() > 1e-4
+
+
+def test_refalign_trains_lora_and_full_with_the_loss_and_round_trips(data_dir, tmp_path, dino_dir):
+    """train_a2.py --model <RefAlign> --align-loss trains a LoRA and a full fine-tune in its layout; the full one's
+    export in its own keys (transformer_original/refalign_model.safetensors, the safetensors its pipeline reads) is
+    detected as RefAlign again and holds the exported transformer's weights, without projectors."""
+    from a2.tiny import model_path
+    from a2.transformer import detect_model, diffusers_to_original, load_transformer
+
+    flags = ["--num-frames", "9", "--elements", *FIT[:2], *align_flags(dino_dir), "--max-steps", "1"]
+    lora = train(*args(data_dir, tmp_path, "lora", *flags, model="tiny-refalign"))
+    run = json.loads((lora["run_dir"] / "run.json").read_text())
+    assert run["layout"]["kind"] == "refalign" and run["layout"]["ref_latents"] == 2
+    assert lora["weights"].name == "pytorch_lora_weights.safetensors"
+    full = train(*args(data_dir, tmp_path, "full", *flags, "--training-type", "full", model="tiny-refalign"))
+    original = full["run_dir"] / "transformer_original"
+    assert detect_model(original, components=model_path("tiny-refalign")).native_kind == "refalign"
+    want, got = load_transformer(full["weights"]).state_dict(), load_transformer(original).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert set(load_file(original / "refalign_model.safetensors")) == set(diffusers_to_original(want))
