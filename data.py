@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames, reference_pixels
+from a2.conditioning import clip_frames, element_layout, element_refusal, reference_pixels
 from a2.images import read_image
 from a2.standin import REFERENCE_SIZE
 from a2.transformer import TEXT_TOKENS
@@ -587,6 +587,10 @@ class E2VDataset(torch.utils.data.Dataset):
                 ("warning: " if p.warning else "") + str(p) for p in problems)
                                + "\n(--skip-bad-samples drops these samples instead)")
         self.samples = [s for s in samples if not s.bad]
+        # the element sets the run's kind cannot take (a2.conditioning.Kind.references): named, left out before step 1
+        refusals = [layout and element_refusal(layout, len(s.elements)) for s in self.samples]
+        self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
+        self.samples = [s for s, why in zip(self.samples, refusals) if not why]
         self.buckets = [self.bucket_of(s) for s in self.samples]
         if verbose:
             print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
@@ -596,8 +600,10 @@ class E2VDataset(torch.utils.data.Dataset):
     def summary(self, problems: list[Problem], skipped: int, global_batch: int) -> list[str]:
         """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
         lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
-                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")]
+                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")
+                 + (f"; left out {len(self.left_out)} whose element set the kind cannot take" if self.left_out else "")]
         lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
+        lines += [f"  left out: {p}" for p in self.left_out]
         for di, c in enumerate(self.cfgs):
             mine = [s for s in self.samples if s.dataset == di]
             cover = ", ".join(f"{e.name} {sum(e.name in s.elements for s in mine)}/{len(mine)}" for e in c.elements)
@@ -658,7 +664,9 @@ class E2VDataset(torch.utils.data.Dataset):
                             clip=c.get("clip"), region=c.get("region"), align=c.get("align"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(self.layout.reference_images if self.layout else len(elements), 3,
+                            ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
+                                       if self.layout
+                                       else len(elements), 3,
                                        *(self.layout and self.layout.reference_size or (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))

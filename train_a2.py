@@ -47,6 +47,7 @@ from a2.conditioning import (
     Layout,
     PosteriorCache,
     drop,
+    element_layout,
     encode,
     kind_sampling,
     kind_weights,
@@ -584,7 +585,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
                                                                                    cfg.timestep_buckets))
                                for g, k in zip(gens, ks)]), device)  # (B,)
-    layout = run.layout
+    layout = element_layout(run.layout, batch["repeats"])  # the batch's element set (its bucket's)
     with torch.no_grad():
         s = run.info.vae_scale
         noise = h2d(torch.stack([torch.randn(run.info.z_dim, num_latent_frames(layout.num_frames), height // s,
@@ -666,7 +667,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
             video, refs, region = batch["video"].to(enc.vae.device), batch.get("ref_vae"), batch.get("region")
-            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax",
+            layout = element_layout(run.layout, batch["repeats"])  # the sample's own element set
+            _, cond = encode(rec, layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax",
                              region)
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
             clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
@@ -725,11 +727,12 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
                       **experts, expand_timesteps=run.info.ti2v, native_kind=run.info.native_kind,
                       model=run.info.name, flow_shift=model_flow_shift(run.info.parts_dir))
+    layout = validation_layout(element_layout(run.layout, repeats), repeats)  # the elements given: any set it takes
     with amp:
-        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
+        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=layout.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   layout=validation_layout(run.layout, repeats), region=region, sample_mode=run.encode_mode,
+                   layout=layout, region=region, sample_mode=run.encode_mode,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -463,6 +463,34 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     if kind == "clean" and not settings.get("clean_frames"):
         raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
+
+
+def element_layout(layout: Layout, repeats) -> Layout:
+    """The run's layout for one element set (a bucket's: its elements' repeats, in position order), from the same
+    plan: the same clip and settings, the references, their latents and the tokens of the set. A prefix sequence
+    keeps its clip and holds the set's reference latents before it (fewer elements: a shorter sequence). Raises
+    ValueError when the kind cannot take the set (element_refusal)."""
+    repeats = tuple(repeats)
+    if not layout.takes_references or repeats == layout.repeats:
+        return layout
+    why = element_refusal(layout, len(repeats))
+    if why:
+        raise ValueError(why)
+    num_frames = layout.num_frames
+    if layout.kind == "prefix":
+        num_frames = VAE_T * (num_latent_frames(layout.clip_frames) + num_ref_latents(repeats, layout.combine) - 1) + 1
+    derived = ("kind", "num_frames", "clip_frames", "ref_latents", "repeats")
+    return make_layout(layout.kind, num_frames, repeats,
+                       **{f.name: getattr(layout, f.name) for f in fields(Layout) if f.name not in derived})
+
+
+def element_refusal(layout: Layout, n: int) -> str | None:
+    """Why one sample of `layout`'s kind cannot hold n element images (its definition's count range), else None."""
+    d = KIND_DEFS[layout.kind]
+    if not layout.takes_references or d.takes(n):
+        return None
+    lo, hi = d.references
+    return f"the {layout.kind} kind takes {lo} to {hi} element image(s) a sample, this one has {n}"
 
 
 def clip_frames(num_frames: int, elements, vae) -> int:

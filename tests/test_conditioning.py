@@ -182,3 +182,46 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
                                                   "processors": {"vae": vae}}]}))
     cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
     assert train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout.kind == "incontext"
+
+
+@pytest.mark.parametrize("layout", ["standin", "magref", "incontext"])
+def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_dir, tmp_path, layout):
+    """An element layout with --frame-conditioning (whose clips carry no elements) once trained the inplace kind
+    silently; it is refused before any weights load, from the flags and from a dataset config alike."""
+    cfg = TrainConfig(model="tiny", data_root=str(data_dir), reference_layout=layout, frame_conditioning="first",
+                      num_frames=9, resolution=(32, 32), device="cpu")
+    with pytest.raises(ConfigError, match=rf"^--reference-layout {layout} places element references: it needs "
+                                          r"element images \(--dataset-type e2v, --frame-conditioning full\)$"):
+        dataset_configs(cfg)
+    cfg_file = tmp_path / "ds.json"
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "processors": {"vae": {
+        "reference_layout": layout, "frame_conditioning": "first"}}}]}))
+    with pytest.raises(ConfigError, match=rf"processors.vae: reference_layout {layout} places element references; "
+                                          r"frame_conditioning 'first' conditions on video frames \(use full\)$"):
+        dataset_configs(TrainConfig(model="tiny", dataset_config=str(cfg_file), device="cpu"))
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("tiny", []),  # A2's prefix: the roles kept, the absent ones absent
+    ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"]),
+    ("tiny-v3", ["--num-frames", "9"]),
+])
+def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_left_out(data_dir, tmp_path, capsys,
+                                                                                         model, extra):
+    """A folder dataset whose clips hold 3, 2 and 1 element images (the object, the background missing: optional
+    elements) trains for a full epoch with the kind's defaults, a layout per element set (element_layout); a clip
+    with none is named and left out before step 1."""
+    import shutil
+
+    d = tmp_path / "data"
+    shutil.copytree(data_dir, d)
+    for f in ("001_object.png", "002_object.png", "002_background.png", "003_person.png", "003_object.png",
+              "003_background.png"):
+        (d / f).unlink()
+    r = train(*args(d, tmp_path, "mixed", "--max-steps", "3", "--elements", "subject=_person.png",
+                    "object=_object.png", "background=_background.png", *extra, model=model))
+    out = capsys.readouterr().out
+    assert "left out 1 whose element set the kind cannot take" in out and "left out: 003: " in out
+    assert all(f"[{names}]: 1 samples" in out for names in ("subject, object, background", "subject, background",
+                                                           "subject"))
+    assert len(losses(r["run_dir"])) == 3  # one epoch: every clip it can take, once
