@@ -617,7 +617,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * layout.tokens(run.info, height, width),
-                reference_images=batch.get("ref_vae"), align_targets=targets,
+                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
                 references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
 
 
@@ -637,9 +637,11 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
     patch_size = getattr(model, "module", model).config.patch_size
     x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
+    layout = inputs.get("layout", run.layout)  # the batch's element set
+    prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
     spans = None
     if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens
-        spans = align.reference_spans(run.layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
+        spans = align.reference_spans(layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
                                       patch_size)[:2]
     with amp, (align.capture(model, spans) if spans else nullcontext()) as features:
         pred = model(hidden_states=x_in.to(dtype), timestep=timestep, encoder_hidden_states=inputs["text"].to(dtype),
@@ -676,8 +678,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
             targets = None
             if enc.align_target is not None:  # --align-loss: the DINOv3 targets, once per reference
                 patch, s = run.info.patch_size, run.info.vae_scale
-                _, _, grid = align.reference_spans(run.layout, (video.shape[3] // s // patch[1],
-                                                                video.shape[4] // s // patch[2]), patch)
+                _, _, grid = align.reference_spans(layout, (video.shape[3] // s // patch[1],
+                                                            video.shape[4] // s // patch[2]), patch)
                 targets = align.dino_targets(enc.align_target, refs, grid)[0].cpu()  # (N, L, D)
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
