@@ -28,6 +28,7 @@ KINDS = {
                                      "--num-frames", "9"]),
     "phantom": ("tiny-phantom", ["--num-frames", "9"]),  # the released models' own layouts, chosen by their weights
     "v3": ("tiny-v3", ["--num-frames", "9"]),
+    "refalign": ("tiny-refalign", ["--num-frames", "9"]),  # (RefAlign's weights: Phantom's, named RefAlign)
     # two elements side by side on one canvas (three would be 10 px wide at 32x32: under one token, refused)
     "magref": ("tiny", ["--reference-layout", "magref", "--num-frames", "9", "--elements",
                         "subject=_person.png:repeat=1", "object=_object.png:repeat=1"]),
