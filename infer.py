@@ -56,11 +56,11 @@ from config import (
 class InferConfig:
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
-    a Phantom-Wan checkpoint (file or dir; sampled in its own layout, as V3), a Hugging Face Hub id
-    (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3; sampled by default at the README
-    demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights built on the GPU (random-1.3B,
-    random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
+    a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
+    a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
+    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-refalign;
+    sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights
+    built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
