@@ -228,21 +228,25 @@ def test_full_resume_equals_uninterrupted_and_export_has_no_projectors(data_dir,
 
 
 def test_cache_holds_the_targets_and_equals_the_pixels(data_dir, tmp_path, dino_dir, monkeypatch):
-    """--precompute stores each reference's DINOv3 targets; training from the cache (no DINOv3 model loaded) equals
-    training from the pixels; --reference-augment refuses the cache in one line."""
+    """On the refalign kind: --precompute stores each reference's DINOv3 targets; training from the cache (no DINOv3
+    model loaded) equals training from the pixels; --reference-augment refuses the cache in one line."""
     cache = tmp_path / "cache"
     steps = ["--max-steps", "2", "--reference-dropout", "0.3", *align_flags(dino_dir)]
-    raw = train(*phantom(data_dir, tmp_path, "raw", *steps))
-    train(*phantom(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute", *steps))
+
+    def refalign(run, *extra):
+        return args(data_dir, tmp_path, run, "--num-frames", "9", "--elements", *FIT, *extra, model="tiny-refalign")
+
+    raw = train(*refalign("raw", *steps))
+    train(*refalign("pre", "--cache-dir", str(cache), "--precompute", *steps))
     (key_dir,) = cache.iterdir()
     sample = torch.load(key_dir / "samples" / "0.pt")
     assert sample["align"].shape == (3, 4, 24)  # 3 references, a 2x2 token grid, DINOv3's 24 wide
     monkeypatch.setattr(align, "load_target_model", lambda *a, **k: pytest.fail("DINOv3 loaded with a cache"))
-    cached = train(*phantom(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps))
+    cached = train(*refalign("cached", "--cache-dir", str(cache), *steps))
     assert losses(cached["run_dir"]) == losses(raw["run_dir"])
     assert max_diff(params(cached["run_dir"] / "ckpt-0000002"), params(raw["run_dir"] / "ckpt-0000002")) == 0.0
     with pytest.raises(ConfigError, match="--reference-augment augments the reference pixels") as e:
-        train(*phantom(data_dir, tmp_path, "aug", "--cache-dir", str(cache), "--reference-augment", *steps))
+        train(*refalign("aug", "--cache-dir", str(cache), "--reference-augment", *steps))
     assert "\n" not in str(e.value)
 
 
