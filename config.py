@@ -417,9 +417,9 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     raw = d.get("elements", [])
     elements = check_elements([_element_from_json(e, i, defaults, f"{where}.elements[{i}]") for i, e in enumerate(raw)],
                               f"{where}.elements")
-    if vae.reference_layout == "incontext" and not elements:
-        raise ConfigError(f"{where}.processors.vae.reference_layout: incontext places element references, but "
-                          f"{where} lists no elements")
+    if vae.reference_layout != "channel" and not elements:  # every element layout but A2's default needs them
+        raise ConfigError(f"{where}.processors.vae.reference_layout: {vae.reference_layout} places element "
+                          f"references, but {where} lists no elements")
     buckets = tuple(d.get("frame_buckets", ()))
     if any((not isinstance(f, int)) or f < 1 or (f - 1) % 4 for f in buckets):
         raise ConfigError(f"{where}.frame_buckets: every bucket must be 4k+1, got {list(buckets)}")

@@ -25,10 +25,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import tyro
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,8 +45,6 @@ from tqdm import tqdm
 from a2 import align
 from a2.augment import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
-    CHANNEL_KINDS,
-    Conditioning,
     Layout,
     PosteriorCache,
     drop,
@@ -282,9 +283,10 @@ def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
                           "latents of the images as read: drop --cache-dir (or the augmentation)")
     if not cfg.align_loss:
         return
-    if layout.kind not in align.ALIGN_KINDS:
-        raise ConfigError(f"--align-loss aligns reference tokens of the sequence (kinds {', '.join(align.ALIGN_KINDS)})"
-                          f"; the {layout.kind} kind has none (its references, if any, are channels of video tokens)")
+    if not layout.reference_tokens:
+        raise ConfigError(f"--align-loss aligns reference tokens of the sequence (kinds "
+                          f"{', '.join(align.aligned_kinds())}); the {layout.kind} kind has none (its references, if "
+                          "any, are channels of video tokens)")
     if not cfg.align_model:
         raise ConfigError("--align-loss needs --align-model, a local DINOv3 dir (transformers' DINOv3ViTModel)")
     if cfg.fsdp:
@@ -415,7 +417,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
+    assert is_e2v(transformer) or not run.layout.channel
     prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
     if cfg.training_type == "lora":
         from peft import LoraConfig
@@ -474,17 +476,18 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     from a2.trace import compiled_peak, report
     from a2.trace import dry_run as trace_step
 
-    layout = run.layout
-    if layout.kind not in ("prefix", "inplace", "t2v") or run.info.ti2v or cfg.fsdp:
-        raise ConfigError(f"--dry-run traces the prefix, inplace and t2v kinds without --fsdp, not {layout.kind}")
+    layout = run.layout  # the largest element set: the configured one (data buckets hold it or a subset)
+    if cfg.fsdp:
+        raise ConfigError("--dry-run traces one process's step: drop --fsdp")
     # as on CUDA: bf16 with --mixed-precision bf16, the blocks compiled unless --compile False
     run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.compile, "cuda"))
     h, w = cfg.resolution
-    b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
+    b = cfg.micro_batch
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
     tokens = b * layout.tokens(run.info, h, w)
     config = {}
+    log(f"dry run: the step of the run's largest element set, {len(layout.repeats)} element(s)")
 
     def plan_for(model):
         config.update(model.config)
@@ -496,16 +499,17 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
                            offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks, compile=run.compile)
         return replace(plan, why=f"--memory auto: {plan.why}")
 
-    def forward(model):
-        latents = torch.zeros(b, run.info.z_dim, t_lat, h // s, w // s)  # (B, 16, T, h, w)
-        cond = Conditioning(layout.kind, per_token=layout.per_token)  # the shapes a2/conditioning.py builds
-        if layout.kind in CHANNEL_KINDS:
-            cond.condition = torch.zeros(b, 4 + run.info.z_dim, t_lat, h // s, w // s)  # (B, 4 + C, T, h, w)
-            cond.ref_latents = latents[:, :, :layout.ref_latents] if layout.kind == "prefix" else None
-        if layout.use_clip:
-            cond.image = torch.zeros(b, CLIP_TOKENS * len(run.elements), model.config.image_dim)  # (B, 257·N, D)
-        inputs = dict(x0=latents, noise=torch.zeros_like(latents), sigmas=torch.full((b,), 0.5), cond=cond,
-                      text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim), reference_images=None)
+    batch, enc = synthetic_batch(run, b, h, w)
+
+    def forward(model):  # the training step itself (model_inputs + forward_loss), on zero posteriors
+        # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
+        with unset_fake_temporarily():
+            zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]],
+                         text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim),
+                         clip=torch.zeros(b, CLIP_TOKENS * layout.reference_images, model.config.image_dim or 1)
+                         if layout.use_clip else None)
+            inputs = model_inputs(zeros, 0, 0, cfg, run, replace(enc, empty_text=torch.zeros(
+                1, TEXT_TOKENS, model.config.text_dim)), 0, torch.device("cpu"))
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
         return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
 
@@ -519,6 +523,43 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         sys.exit(3)
     return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
                 compiled_gb=compiled)
+
+
+class PosteriorShapes:
+    """A VAE stand-in that hands out a posterior of the right shape for each encode, on the meta device (no data):
+    what a precompute cache of the run would hold, for a synthetic batch."""
+
+    def __init__(self, info):
+        self.config = SimpleNamespace(latents_mean=[0.0] * info.z_dim, latents_std=[1.0] * info.z_dim,
+                                      scale_factor_spatial=info.vae_scale)
+        self.z_dim, self.shapes = info.z_dim, []
+
+    def parameters(self):
+        return iter([torch.empty(0, device="meta")])
+
+    def encode(self, pixels: torch.Tensor):
+        b, _, f, h, w = pixels.shape
+        s = self.config.scale_factor_spatial
+        params = torch.zeros(b, 2 * self.z_dim, num_latent_frames(f), h // s, w // s, device="meta")
+        self.shapes.append(tuple(params.shape))
+        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
+
+
+def synthetic_batch(run: Run, b: int, h: int, w: int) -> tuple[dict, Encoders]:
+    """A cached batch of the run's layout (its largest element set) as model_inputs reads it, and the Encoders of a
+    run trained from the cache: the posteriors' shapes (the kind's VAE calls, traced on meta tensors), no data. The
+    dry run fills them with zeros (fake tensors)."""
+    layout = run.layout
+    vae = PosteriorShapes(run.info)
+    video = torch.empty(b, 3, layout.clip_frames, h, w, device="meta")
+    size = layout.reference_size or (h, w)
+    refs = torch.empty(b, layout.reference_images, 3, *size, device="meta") if layout.takes_references else None
+    region = torch.ones(b, h, w, dtype=torch.bool) if layout.takes_region else None
+    encode(vae, layout, video, refs, None, "argmax", region)
+    batch = dict(indices=list(range(b)), posteriors=vae.shapes, video_shape=tuple(video.shape),
+                 ref_shape=None if refs is None else tuple(refs.shape), region=region, repeats=layout.repeats,
+                 element_names=tuple(e.name for e in run.elements) if layout.takes_references else ())
+    return batch, Encoders(latents_config=vars(vae.config))
 
 
 def meta_replica(transformer):
@@ -892,8 +933,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
     `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
-    checkpoint, its native kind): also transformer_original/Phantom-Wan.pth (RefAlign: refalign_model.safetensors,
-    as its pipeline reads safetensors), the weights in original-Wan keys as Phantom's own code
+    checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
+    transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
         from a2 import standin
@@ -922,12 +963,12 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
             original.mkdir(exist_ok=True)
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
             sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
-            if original_keys == "refalign":  # RefAlign's pipeline reads a model.safetensors; the name says RefAlign
+            if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
                 from safetensors.torch import save_file
 
-                save_file(sd, original / "refalign_model.safetensors")
+                save_file(sd, original / original_keys)
             else:
-                torch.save(sd, original / "Phantom-Wan.pth")
+                torch.save(sd, original / original_keys)
     return out
 
 
@@ -1072,7 +1113,7 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
 
 
 def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int,
-           original_keys: str | None) -> dict:
+           original_keys: str | None) -> dict:  # a file name (export_weights)
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
     collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
@@ -1262,7 +1303,7 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        original = run.info.native_kind if run.info.original_weights else None  # also in the lab's own keys
+        original = run.layout.original_export if run.info.original_weights else None  # also in the lab's keys
         result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ALIGN_KINDS = ("refalign", "phantom", "v3", "incontext", "standin")  # references that are tokens of the sequence
 REFALIGN_BLOCKS = tuple(range(9))  # the blocks RefAlign aligns
 ATTRIBUTE = "align_projectors"  # the transformer's submodule holding the projectors
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv3's processor defaults
@@ -123,19 +122,23 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
     standin: its reference tokens after the video's, a reference_grid over the patch."""
     from a2.conditioning import num_latent_frames
 
-    if layout.kind not in ALIGN_KINDS:
+    if not layout.reference_tokens:
         raise ValueError(f"the {layout.kind} kind has no reference tokens in the sequence; --align-loss takes "
-                         f"{', '.join(ALIGN_KINDS)}")
-    if layout.kind == "standin":
+                         f"{', '.join(aligned_kinds())}")
+    if layout.reference_grid is not None:  # Stand-In's own reference tokens, after the video's
         grid = (layout.reference_grid[0] // patch_size[1], layout.reference_grid[1] // patch_size[2])
         return (-grid[0] * grid[1],), grid[0] * grid[1], grid
-    per = video_grid[0] * video_grid[1]
-    if layout.kind == "incontext":
-        frames = [num_latent_frames(r) for r in layout.repeats]
-        firsts = [sum(frames[:i]) for i in range(len(frames))]
-    else:
-        firsts = list(range(len(layout.repeats)))
+    per = video_grid[0] * video_grid[1]  # reference latent frames after the video's: each element's first frame
+    frames = [num_latent_frames(r) for r in layout.repeats]  # (1 each in the released layouts; v3: then empty slots)
+    firsts = [sum(frames[:i]) for i in range(len(frames))]
     return tuple(-(layout.ref_latents - f) * per for f in firsts), per, tuple(video_grid)
+
+
+def aligned_kinds() -> list[str]:
+    """The kinds whose references are tokens of the sequence (Layout.reference_tokens)."""
+    from a2.conditioning import KIND_DEFS
+
+    return [k for k, d in KIND_DEFS.items() if d.axis in ("time", "tokens")]
 
 
 def reference_tokens(hidden: torch.Tensor, starts, tokens: int) -> torch.Tensor:

@@ -143,11 +143,15 @@ class Kind:
     axis: str  # where the condition enters: none | channel (mask | condition, 36 channels) | time (after x_t) |
     # tokens (Stand-In's packed reference) | frames (clean leading latent frames)
     references: tuple[int, int] = (0, 0)  # (fewest, most) element images one sample takes; (0, 0): none
-    roles: bool = False  # the elements keep their named roles (A2's subject / object / background)
-    frame_conditioning: tuple[str, ...] = ("full",)  # the --frame-conditioning modes the kind is
+    frame_conditioning: tuple[str, ...] = ("full",)  # the --frame-conditioning modes it takes (plan refuses others)
     sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
     modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
-    exports: tuple[str, ...] = ("pytorch_lora_weights.safetensors",)  # what a LoRA run writes for it
+    # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
+    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
+    cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
+    # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
+    # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
+    original_export: str = "Phantom-Wan.pth"
 
     def takes(self, n: int) -> bool:
         """One sample of this kind can hold n element images."""
@@ -162,28 +166,28 @@ _V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", gu
                guidance_scale_img=5.0, negative_prompt="", fps=24)
 KIND_DEFS = {k.name: k for k in (
     Kind("t2v", "none"),
-    Kind("prefix", "channel", (1, MOST_ELEMENTS), roles=True),  # SkyReels-A2: posterior samples
+    # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
+    Kind("prefix", "channel", (1, MOST_ELEMENTS)),
     Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax")),
-    Kind("incontext", "time", (1, MOST_ELEMENTS)),
+    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix")),  # + TI2V's frame
     Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax")),
     Kind("phantom", "time", (1, 4), sampling=_PHANTOM),
     Kind("v3", "time", (1, V3_SLOTS), sampling=_V3, modes=(("v3-distilled", replace(
         _V3, steps=8, guidance_scale=1.0, guidance_scale_img=None, num_frames=121)),)),
     # MAGREF's generate(): Wan's FlowUniPC from sigma 0.999 at the shift its dir ships, WanVAE.encode's mean
-    Kind("magref", "channel", (1, 8), sampling=Sampling(schedule="phantom", encode_mode="argmax",
-                                                         negative_prompt=WAN_NEGATIVE_PROMPT, fps=16,
-                                                         seeded_placement=True)),
+    Kind("magref", "channel", (1, 8), cache_fields=(("version", 3),), sampling=Sampling(
+        schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seeded_placement=True)),
     # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
     # RefAlign's pipeline (DiffSynth's wan_video_new3 + its example script): Euler on DiffSynth's linspace(1, 0),
     # shift 5, 50 steps, U + 5 (I - U) + 7.5 (C - I), Wan's negative prompt, seed 0, CPU noise for the video frames
     Kind("refalign", "time", (1, 3), sampling=Sampling(
         scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
         guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seed=0, noise_on_cpu=True,
-        timestep_in_dtype=True)),
+        timestep_in_dtype=True), original_export="refalign_model.safetensors"),
     Kind("standin", "tokens", (1, 1), sampling=Sampling(
         scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
         negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True),
-        exports=("pytorch_lora_weights.safetensors", "standin.safetensors")),
+        cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE))),
 )}
 KINDS = tuple(KIND_DEFS)
 CHANNEL_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "channel")  # 36-channel models
@@ -354,6 +358,27 @@ class Layout:
         """A precompute cache (VAE posteriors, magref's latent region mask) holds all the kind builds: not random
         conditioning frames, drawn per step."""
         return self.frame_conditioning != "random"
+
+    @property
+    def channel(self) -> bool:
+        """The condition enters on the channel axis (mask | condition latents: a 36-channel model's input)."""
+        return self.kind in CHANNEL_KINDS
+
+    @property
+    def reference_tokens(self) -> bool:
+        """The references are tokens of the transformer's sequence, after the video's (appended latent frames, or
+        Stand-In's reference tokens): what --align-loss aligns (a2/align.py)."""
+        return KIND_DEFS[self.kind].axis in ("time", "tokens")
+
+    @property
+    def original_export(self) -> str:
+        """The file a full fine-tune of the kind's original-key weights is also exported as (Kind.original_export)."""
+        return KIND_DEFS[self.kind].original_export
+
+    @property
+    def takes_region(self) -> bool:
+        """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
+        return self.kind == "magref"
 
     @property
     def takes_references(self) -> bool:
@@ -536,6 +561,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
             raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
                               f"clip's {num_frames} frames")
         clean = n
+    if vae.frame_conditioning not in KIND_DEFS[kind].frame_conditioning:  # else another kind would train silently
+        raise ConfigError(f"{where}: the {kind} kind takes no --frame-conditioning {vae.frame_conditioning}: drop it")
     if kind == "magref" and not info.e2v:
         raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")

@@ -3,6 +3,7 @@ from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import tyro
@@ -85,7 +86,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     def sample(mode=None):
         seen.clear()
         pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
-             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode=mode,
+             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
              generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
              layout=layout, region=region)
         return seen[0]
@@ -226,3 +227,57 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
     assert all(f"[{names}]: 1 samples" in out for names in ("subject, object, background", "subject, background",
                                                            "subject"))
     assert len(losses(r["run_dir"])) == 3  # one epoch: every clip it can take, once
+
+
+def test_no_kind_name_is_compared_outside_the_kind_definitions():
+    """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
+    project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
+    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its step is not
+    yet the training step's). A dataset type that shares a name (t2v) is not a kind."""
+    import re
+    from pathlib import Path
+
+    from a2.conditioning import KIND_DEFS
+
+    names = "|".join(KIND_DEFS)
+    compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
+                          r"|\b[A-Z_]*KINDS\b")
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"a2/conditioning.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
+             for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if compared.search(re.sub(r"dataset_type\s*==\s*\S+", "", line.split("#")[0]))]
+    assert not found, "\n".join(found)
+    # and it can fail: the rule finds the comparisons a kind's definition replaced
+    assert compared.search('if layout.kind == "magref":') and compared.search("kind not in CHANNEL_KINDS")
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    """The modules import each other in layers (images, fake, media at the bottom; conditioning below the pipeline;
+    the tracer above the production modules it measures): no cycle, counting imports inside functions."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {("a2." if f.parent.name == "a2" else "") + f.stem: f for f in [*root.glob("*.py"), *root.glob("a2/*.py")]}
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+
+    def cycle(start, node, path):
+        for d in graph[node]:
+            if d == start or (d not in path and (found := cycle(start, d, path + [d]))):
+                return path + [d] if d == start else found
+        return None
+
+    cycles = [c for name in graph if (c := cycle(name, name, [name]))]
+    assert not cycles, cycles
+    graph["a2.images"] = graph["a2.images"] | {"a2.pipeline"}  # and it can fail: an arrow back up is a cycle
+    assert cycle("a2.images", "a2.images", ["a2.images"])
