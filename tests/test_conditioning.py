@@ -290,3 +290,24 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not cycles, cycles
     graph["a2.images"] = graph["a2.images"] | {"a2.pipeline"}  # and it can fail: an arrow back up is a cycle
     assert cycle("a2.images", "a2.images", ["a2.images"])
+
+
+def test_ddp_on_mixed_element_sets_equals_one_process(data_dir, tmp_path):
+    """2 ranks x micro-batch 1 on clips of two element sets (a global batch holds one bucket: both ranks take the
+    same set) == one process x micro-batch 2 on the same samples, after an epoch of both buckets."""
+    import shutil
+
+    from tests.conftest import launch
+
+    d = tmp_path / "data"
+    shutil.copytree(data_dir, d)
+    for f in ("002_object.png", "003_object.png"):
+        (d / f).unlink()
+    steps = ["--max-steps", "2", "--lr", "1e-2", "--adam-eps", "1e-4"]
+    p = launch(args(d, tmp_path, "ddp", "--micro-batch", "1", *steps), nproc=2)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-4000:]
+    one = train(*args(d, tmp_path, "one", "--micro-batch", "2", *steps))
+    assert "[subject, background]: 2 samples" in out and "[subject, object, background]: 2 samples" in out
+    assert max_diff(params(tmp_path / "ddp" / "ckpt-0000002"), params(one["run_dir"] / "ckpt-0000002")) <= 1e-6
+    assert losses(tmp_path / "ddp").keys() == losses(one["run_dir"]).keys() == {1, 2}
