@@ -28,7 +28,7 @@ import torch
 import tyro
 
 from a2 import standin
-from a2.conditioning import KIND_DEFS, kind_sampling, plan, schedule_sigmas
+from a2.conditioning import KIND_DEFS, element_refusal, kind_sampling, plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
 from a2.pipeline import (
@@ -300,7 +300,11 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
     vae = VaeProcessorConfig(resolution=(cfg.height, cfg.width), combine=cfg.combine,
                              frame_conditioning="first" if first_frame else "full",
                              reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
-    return plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
+    layout = plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
+    why = element_refusal(layout, len(specs))  # any count the kind takes, and no other
+    if why:
+        raise ValueError(f"{info.path} ({info.name}): {why}")
+    return layout
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
