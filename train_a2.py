@@ -505,6 +505,7 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
         with unset_fake_temporarily():
             zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]],
+                         align=align_zeros(cfg, run, b, h, w),  # --align-loss: the cache's targets
                          text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim),
                          clip=torch.zeros(b, CLIP_TOKENS * layout.reference_images, model.config.image_dim or 1)
                          if layout.use_clip else None)
@@ -523,6 +524,15 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         sys.exit(3)
     return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
                 compiled_gb=compiled)
+
+
+def align_zeros(cfg: TrainConfig, run: Run, b: int, h: int, w: int) -> torch.Tensor | None:
+    """--align-loss: zero DINOv3 targets (B, N, L, D) of the run's references, as its precompute cache holds them."""
+    if not cfg.align_loss:
+        return None
+    patch, s = run.info.patch_size, run.info.vae_scale
+    starts, tokens, _ = align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)
+    return torch.zeros(b, len(starts), tokens, align.target_dim(cfg.align_model))
 
 
 class PosteriorShapes:

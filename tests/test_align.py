@@ -410,3 +410,6 @@ def test_refalign_trains_lora_and_full_with_the_loss_and_round_trips(data_dir, t
     want, got = load_transformer(full["weights"]).state_dict(), load_transformer(original).state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert set(load_file(original / "refalign_model.safetensors")) == set(diffusers_to_original(want))
+    # the dry run traces the step with the loss (the projectors built, the targets as a cache holds them)
+    dry = train(*args(data_dir, tmp_path, "dry", *flags, "--dry-run", model="tiny-refalign"))
+    assert dry["peak_gb"] > 0
