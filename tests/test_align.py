@@ -404,6 +404,13 @@ def test_refalign_trains_lora_and_full_with_the_loss_and_round_trips(data_dir, t
     run = json.loads((lora["run_dir"] / "run.json").read_text())
     assert run["layout"]["kind"] == "refalign" and run["layout"]["ref_latents"] == 2
     assert lora["weights"].name == "pytorch_lora_weights.safetensors"
+    import infer  # the LoRA samples in infer.py, in the kind's layout, and changes the video
+
+    base = dict(model=str(model_path("tiny-refalign")), height=32, width=32, num_frames=9, steps=2, device="cpu",
+                elements=tuple(str(data_dir / f"000{e}") for e in ("_person.png", "_object.png")),
+                out=str(tmp_path / "v.mp4"))
+    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig(**base, lora=str(lora["weights"]), compare=str(tmp_path / "base.pt"))) == 1
     full = train(*args(data_dir, tmp_path, "full", *flags, "--training-type", "full", model="tiny-refalign"))
     original = full["run_dir"] / "transformer_original"
     assert detect_model(original, components=model_path("tiny-refalign")).native_kind == "refalign"
