@@ -22,12 +22,18 @@ checkpointing recomputes: the forward of each recomputed block, less its self-at
 layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
 on reference keys) + 4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries
 on video keys).
+--align-refs N: RefAlign's alignment loss (a2/align.py) on N reference latent frames appended after the video (the
+phantom layout's tokens), its projectors on --align-blocks trained with the run, and a random DINOv3 ViT of
+--align-dim (768: ViT-B/16, 1024: ViT-L/16) computing the targets of N reference images each step (training without
+a cache); the memory plan counts both. Its cost: against `--align-refs N --no-align-loss`, the same sequence without
+the loss.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -35,6 +41,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from a2 import align, conditioning
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
 from config import OnOffAuto, height_width, resolve_compile
@@ -129,6 +136,16 @@ class BenchConfig:
     and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
     attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
     train_a2.py --context-parallel N.)"""
+    align_refs: int = 0
+    """Reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence), 0: none
+    (see the module docstring)."""
+    align_loss: bool = True
+    """With --align-refs: add RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence
+    without it, the baseline of its cost."""
+    align_dim: Literal[768, 1024] = 768
+    """Width of the random DINOv3 target model: 768 ViT-B/16 (RefAlign's for 1.3B), 1024 ViT-L/16 (for 14B)."""
+    align_blocks: tuple[int, ...] = tuple(range(9))
+    """Blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, clipped)."""
     compare_run: str | None = None
     """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
     the first logged interval) against this step's, as the training loop's overhead over the bare step."""
@@ -371,6 +388,23 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
                 compiled_gb=compiled, fits=fits)
 
 
+def align_target(b: BenchConfig, cfg: dict, model, device, dtype):
+    """--align-refs: the projectors installed on `model` (trainable, fp32) and a random DINOv3 ViT-B/16 or ViT-L/16
+    (4 registers) resident on `device` in `dtype`, as train_a2.py holds them; returns dino_targets' target."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    blocks = [i for i in b.align_blocks if i < cfg["num_layers"]]
+    align.install(model, b.align_dim, blocks)
+    model.to(device)  # (the projectors; the transformer is placed by the plan, it is there already or moved there)
+    big = b.align_dim == 1024
+    config = DINOv3ViTConfig(hidden_size=b.align_dim, intermediate_size=4 * b.align_dim,
+                             num_hidden_layers=24 if big else 12, num_attention_heads=16 if big else 12,
+                             patch_size=16, num_register_tokens=4)
+    with torch.device(device):
+        dino = DINOv3ViTModel(config).to(dtype).eval().requires_grad_(False)
+    return dino, align.IMAGENET_MEAN, align.IMAGENET_STD
+
+
 def main(b: BenchConfig) -> dict:
     use_expandable_segments()  # as train_a2.py: before CUDA initialises
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
@@ -409,7 +443,10 @@ def main(b: BenchConfig) -> dict:
             if p.requires_grad:
                 p.data = p.data.float()
     t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
-    tokens = t_lat * (h // 2) * (w // 2)
+    tokens = (t_lat + b.align_refs) * (h // 2) * (w // 2)
+    target = None
+    if b.align_refs and b.align_loss:  # before the plan: it counts the projectors and the resident target model
+        target = align_target(b, cfg, model, device, dtype)
     compile = resolve_compile(b.compile, device.type)
     print(f"blocks {'compiled' if compile else 'eager'}")
     forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=compile)
@@ -430,21 +467,28 @@ def main(b: BenchConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
     context = TEXT_TOKENS + CLIP_TOKENS * refs
-    x = torch.randn(b.batch, cfg["in_channels"], t_lat, h, w, device=device)
+    x = torch.randn(b.batch, cfg["in_channels"], t_lat + b.align_refs, h, w, device=device)
     if standin:  # + the reference latent, packed as a2/conditioning.py's model_input packs it
         from a2.standin import pack_reference
 
         x = pack_reference(x, torch.randn(b.batch, cfg["in_channels"], 1, *layout.reference_grid, device=device))
     text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
     image = torch.randn(b.batch, CLIP_TOKENS * refs, cfg["image_dim"], device=device) if refs else None
-    target = torch.randn(b.batch, cfg["out_channels"], t_lat, h, w, device=device)
+    velocity = torch.randn(b.batch, cfg["out_channels"], t_lat + b.align_refs, h, w, device=device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    ref_images = torch.rand(b.batch, b.align_refs, 3, b.height, b.width, device=device) * 2 - 1
+    sigmas = torch.full((b.batch,), 0.5, device=device)
+    phantom = conditioning.make_layout("phantom", b.frames, (1,) * max(1, b.align_refs))
+    spans = align.reference_spans(phantom, (h // 2, w // 2)) if target else None
 
     def step():
-        with amp:
+        with amp, (align.capture(model, spans[:2]) if target else nullcontext()) as features:
             out = model(x, torch.full((b.batch,), 500.0, device=device), text, encoder_hidden_states_image=image,
                         return_dict=False)[0]
-        loss = (out.float() - target).pow(2).mean()
+        loss = (out.float() - velocity).pow(2).mean()
+        if target:  # the targets from the pixels each step, as train_a2.py without a cache
+            loss = loss + align.align_loss(features, align.dino_targets(target, ref_images, spans[2]), sigmas,
+                                           torch.ones_like(sigmas))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -480,7 +524,9 @@ def main(b: BenchConfig) -> dict:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=refs, layout=b.layout, mode=b.mode,
-               tokens=tokens, reference_tokens=ref_tokens, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
+               tokens=tokens, reference_tokens=ref_tokens or b.align_refs * (h // 2) * (w // 2),
+               align_loss=bool(target), align_params=sum(p.numel() for p in align.projectors_of(model).parameters())
+               if target else 0, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,

@@ -520,9 +520,11 @@ class TrainConfig:
 
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3
-    R2V), a Phantom-Wan checkpoint (file or dir; trained in its own layout, as V3), a Hugging Face Hub id
+    R2V), a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each trained in its own layout, as
+    V3), a Hugging Face Hub id
     (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in offline tiny
-    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, or a
+    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
+    tiny-refalign, or a
     real-size one with random weights built on the GPU (no download; for speed and memory at real shapes):
     random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
@@ -712,6 +714,29 @@ class TrainConfig:
     """Probability to train a sample with the empty prompt (classifier-free guidance on text)."""
     reference_dropout: float = 0.0
     """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
+    joint_dropout: float = 0.0
+    """Probability to drop the prompt and the references together. Above 0 the three dropouts are exclusive cases of
+    one draw, as RefAlign trains (its 0.1 / 0.1 / 0.1: the prompt alone, the references alone, both); at 0 the prompt
+    and the references are dropped independently."""
+    reference_augment: bool = False
+    """Augment each reference image every step before it is encoded (RefAlign's: flip, rotation up to 45 degrees,
+    shear, scale/translate, perspective, colour/brightness jitter, blur; white fill, a2/augment.py), drawn from the
+    sample's seed. It needs the pixels: not with --cache-dir, whose latents are of the images as read."""
+    align_loss: bool = False
+    """Add RefAlign's reference-alignment loss (a2/align.py): the reference tokens after --align-blocks, through
+    per-block projectors, aligned with DINOv3 features of the reference images (--align-model). Kinds phantom, v3,
+    incontext, standin (the others have no reference tokens). The projectors train with the run, never exported."""
+    align_model: str | None = None
+    """Local DINOv3 model dir (transformers' DINOv3ViTModel) of the alignment targets: RefAlign uses ViT-B/16 (768-d)
+    for the 1.3B model and ViT-L/16 (1024-d) for the 14B."""
+    align_blocks: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+    """Blocks whose output reference tokens are aligned (RefAlign: the first nine)."""
+    align_weight: float = 1.0
+    """Weight of the alignment loss added to the flow-matching loss."""
+    align_gate_floor: float = 0.1
+    """Timestep gate of the alignment loss: floor + (1 - floor) (t/1000)^power (RefAlign: 0.1 and 3)."""
+    align_gate_power: float = 3.0
+    """Power of the timestep gate (--align-gate-floor)."""
     timestep_buckets: int = 0
     """Stratify the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
     distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks

@@ -526,7 +526,7 @@ class E2VDataset(torch.utils.data.Dataset):
                 text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
                 text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
                 return dict(index=idx, id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text,
-                            clip=c.get("clip"), region=c.get("region"), element_names=names,
+                            clip=c.get("clip"), region=c.get("region"), align=c.get("align"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
                             ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
@@ -572,6 +572,7 @@ def collate(items: list[dict]) -> dict:
                     text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
                     clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
                     region=None if items[0]["region"] is None else torch.stack([it["region"] for it in items]),
+                    align=None if items[0]["align"] is None else torch.stack([it["align"] for it in items]),
                     video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
                     element_names=items[0]["element_names"], repeats=items[0]["repeats"])
     return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
@@ -679,7 +680,7 @@ def stop_workers(batches) -> None:
 
 
 def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
-              e2v_type: str, prefix_frames: int, kind: str | None = None) -> str:
+              e2v_type: str, prefix_frames: int, kind: str | None = None, align_model: Path | None = None) -> str:
     """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
     file, captions, the dataset/processor configs, clip length, layout kind, dtype). Any change -> a new dir (the
     kind too: Phantom-Wan shares Wan2.1-T2V-1.3B's encoders, and encodes a reference as one frame where the incontext
@@ -690,6 +691,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
+    dirs += [align_model] if align_model else []  # --align-loss: the DINOv3 targets are cached too
     key = dict(**dict(KIND_DEFS[kind].cache_fields if kind else (("version", 2),)),  # the kind's own fields
                encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],

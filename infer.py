@@ -29,7 +29,7 @@ import torch.distributed as dist
 import tyro
 
 from a2 import standin
-from a2.conditioning import KIND_DEFS, kind_sampling, plan, schedule_sigmas
+from a2.conditioning import KIND_DEFS, element_refusal, kind_sampling, plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
 from a2.parallel import context_parallel, sampling_group
@@ -58,11 +58,11 @@ from config import (
 class InferConfig:
     model: str = "tiny"
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
-    a Phantom-Wan checkpoint (file or dir; sampled in its own layout, as V3), a Hugging Face Hub id
-    (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3; sampled by default at the README
-    demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights built on the GPU (random-1.3B,
-    random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
+    a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
+    a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
+    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-refalign;
+    sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights
+    built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
@@ -304,7 +304,11 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
     vae = VaeProcessorConfig(resolution=(cfg.height, cfg.width), combine=cfg.combine,
                              frame_conditioning="first" if first_frame else "full",
                              reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
-    return plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
+    layout = plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
+    why = element_refusal(layout, len(specs))  # any count the kind takes, and no other
+    if why:
+        raise ValueError(f"{info.path} ({info.name}): {why}")
+    return layout
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,

@@ -42,6 +42,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from a2 import align
+from a2.augment import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
     Layout,
     PosteriorCache,
@@ -244,6 +246,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                           "builds its condition from pixels each step (random frames): train it without a cache")
     if cfg.precompute and not cfg.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
+    check_reference_options(cfg, layout)
     if cfg.val_elements:  # read now, not after training and export
         if layout.images == "none":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
@@ -267,6 +270,34 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
+def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
+    """--align-loss, --reference-augment and the dropouts against the run's kind, before any loading."""
+    if not all(0.0 <= p <= 1.0 for p in (cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout)) or \
+            cfg.joint_dropout and cfg.text_dropout + cfg.reference_dropout + cfg.joint_dropout > 1.0:
+        raise ConfigError(f"--text-dropout {cfg.text_dropout}, --reference-dropout {cfg.reference_dropout}, "
+                          f"--joint-dropout {cfg.joint_dropout}: probabilities in [0, 1], summing to at most 1 with "
+                          "--joint-dropout (exclusive cases of one draw)")
+    if cfg.reference_augment and not layout.takes_references:
+        raise ConfigError(f"--reference-augment: the {layout.kind} kind takes no reference images")
+    if cfg.reference_augment and cfg.cache_dir:
+        raise ConfigError("--reference-augment augments the reference pixels each step; the precompute cache holds "
+                          "latents of the images as read: drop --cache-dir (or the augmentation)")
+    if not cfg.align_loss:
+        return
+    if not layout.reference_tokens:
+        raise ConfigError(f"--align-loss aligns reference tokens of the sequence (kinds "
+                          f"{', '.join(align.aligned_kinds())}); the {layout.kind} kind has none (its references, if "
+                          "any, are channels of video tokens)")
+    if not cfg.align_model:
+        raise ConfigError("--align-loss needs --align-model, a local DINOv3 dir (transformers' DINOv3ViTModel)")
+    if cfg.fsdp:
+        raise ConfigError("--align-loss is not tried with --fsdp (its projectors are not sharded): use DDP")
+    try:
+        align.target_dim(cfg.align_model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
     if not cfg.cache_dir:
@@ -274,7 +305,7 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     encoders = run.info.image_encoder_dir if run.layout.use_clip else None
     cache = Path(cfg.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
                                             str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
-                                            run.layout.kind)
+                                            run.layout.kind, Path(cfg.align_model) if cfg.align_loss else None)
     if not cfg.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
@@ -346,6 +377,7 @@ class Encoders:
     image_processor: object = None
     latents_config: dict | None = None
     empty_text: torch.Tensor | None = None  # (1, 512, D)
+    align_target: tuple | None = None  # --align-loss: the DINOv3 model and its normalisation (a2/align.py)
 
 
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
@@ -364,6 +396,8 @@ def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encod
         enc.latents_config = dict(latents_mean=list(enc.vae.config.latents_mean),
                                   latents_std=list(enc.vae.config.latents_std), scale_factor_spatial=vae_scale(enc.vae))
         enc.empty_text = encode_prompt(enc.tokenizer, enc.text_encoder, [""]).to(device)  # the CFG-dropout prompt
+    if cfg.align_loss and (run.cache is None or cfg.precompute):  # else the cache holds the targets
+        enc.align_target = align.load_target_model(cfg.align_model, device)
     return enc
 
 
@@ -411,6 +445,11 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         for p in transformer.parameters():  # LoRA (and expansion) weights train in fp32
             if p.requires_grad:
                 p.data = p.data.float()
+    if cfg.align_loss:  # trainable fp32 submodule: optimised, reduced, checkpointed, planned; never exported
+        try:
+            align.install(transformer, align.target_dim(cfg.align_model), cfg.align_blocks, seed=cfg.seed)
+        except ValueError as e:  # a block the model lacks
+            raise ConfigError(str(e)) from None
     transformer.train()
     return transformer, source
 
@@ -468,6 +507,7 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
         with unset_fake_temporarily():
             zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]],
+                         align=align_zeros(cfg, run, b, h, w),  # --align-loss: the cache's targets
                          text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim),
                          clip=torch.zeros(b, CLIP_TOKENS * layout.reference_images, model.config.image_dim or 1)
                          if layout.use_clip else None)
@@ -492,6 +532,15 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         sys.exit(3)
     return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
                 compiled_gb=compiled)
+
+
+def align_zeros(cfg: TrainConfig, run: Run, b: int, h: int, w: int) -> torch.Tensor | None:
+    """--align-loss: zero DINOv3 targets (B, N, L, D) of the run's references, as its precompute cache holds them."""
+    if not cfg.align_loss:
+        return None
+    patch, s = run.info.patch_size, run.info.vae_scale
+    starts, tokens, _ = align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)
+    return torch.zeros(b, len(starts), tokens, align.target_dim(cfg.align_model))
 
 
 class PosteriorShapes:
@@ -589,8 +638,9 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     ks = [(j * run.world + rank) * cfg.micro_batch + i for i in range(b)]
     key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
     gens = [sample_generator(cfg.seed, key, k) for k in ks]
-    drop_text = [torch.rand((), generator=g).item() < cfg.text_dropout for g in gens]
-    drop_refs = [torch.rand((), generator=g).item() < cfg.reference_dropout for g in gens]
+    drop_text = [torch.rand((), generator=g).item() for g in gens]
+    drop_refs = [torch.rand((), generator=g).item() for g in gens]
+    drop_text, drop_refs = dropouts(cfg, drop_text, drop_refs)
     sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
                                                                                    cfg.timestep_buckets))
                                for g, k in zip(gens, ks)]), device)  # (B,)
@@ -604,7 +654,11 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
         refs = None
         if layout.takes_references:
-            refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
+            refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
+            if cfg.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
+                refs = augment_references(refs, [sample_generator(cfg.seed, key, k, stream=AUGMENT_STREAM)
+                                                 for k in ks])
+            refs = refs if cached else h2d(refs, device)
         region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
         x0, cond = encode(vae, layout, video, refs, gens, run.encode_mode,
                           None if region is None else h2d(region, device))
@@ -615,9 +669,25 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
                           image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
         cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+        targets = None
+        if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
+            patch = run.info.patch_size
+            _, _, grid = align.reference_spans(layout, (height // s // patch[1], width // s // patch[2]), patch)
+            targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * layout.tokens(run.info, height, width),
-                reference_images=batch.get("ref_vae"))
+                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
+                references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+
+
+def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
+    """Which samples drop their prompt and their references, from each sample's two uniform draws: independently
+    (--joint-dropout 0: u_text < --text-dropout, u_refs < --reference-dropout), or as exclusive cases of u_text alone
+    (RefAlign's): [0, p_text) the prompt, then p_refs the references, then p_joint both."""
+    if not cfg.joint_dropout:
+        return [u < cfg.text_dropout for u in u_text], [u < cfg.reference_dropout for u in u_refs]
+    t, r, j = cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout
+    return [u < t or t + r <= u < t + r + j for u in u_text], [t <= u < t + r + j for u in u_text]
 
 
 def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
@@ -626,12 +696,22 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
     patch_size = getattr(model, "module", model).config.patch_size
     x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
-    with amp:
+    layout = inputs.get("layout", run.layout)  # the batch's element set
+    prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
+    spans = None
+    if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens
+        spans = align.reference_spans(layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
+                                      patch_size)[:2]
+    with amp, (align.capture(model, spans) if spans else nullcontext()) as features:
         pred = model(hidden_states=x_in.to(dtype), timestep=timestep, encoder_hidden_states=inputs["text"].to(dtype),
                      encoder_hidden_states_image=None if cond.image is None else cond.image.to(dtype),
                      return_dict=False)[0]
     pred = video_prediction(pred, cond)
     loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, loss_start(cond, cfg.loss_on_references))
+    if spans:
+        loss = loss + cfg.align_weight * align.align_loss(features, inputs["align_targets"], sigmas,
+                                                          inputs["references_kept"], cfg.align_gate_floor,
+                                                          cfg.align_gate_power)
     s = sigmas.view(-1, 1, 1, 1, 1)
     viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
                reference_images=inputs["reference_images"])
@@ -654,10 +734,16 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
             clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
                 if run.layout.use_clip else None
+            targets = None
+            if enc.align_target is not None:  # --align-loss: the DINOv3 targets, once per reference
+                patch, s = run.info.patch_size, run.info.vae_scale
+                _, _, grid = align.reference_spans(layout, (video.shape[3] // s // patch[1],
+                                                            video.shape[4] // s // patch[2]), patch)
+                targets = align.dino_targets(enc.align_target, refs, grid)[0].cpu()  # (N, L, D)
         n = int(text.abs().sum(-1).nonzero().max()) + 1 if text.abs().sum() > 0 else 0
         return dict(prompt=batch["prompts"][0], posteriors=[p[0].cpu() for p in rec.posteriors],
                     text=text[:n].cpu(), clip=None if clip is None else clip.cpu(),
-                    region=None if region is None else region[0])
+                    region=None if region is None else region[0], align=targets)
 
     write_cache(run.cache, dataset, encode_batch, rank, world)
     if world > 1:
@@ -764,7 +850,8 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
     rank runs as many forwards, the extra ones discarded); each (sample, sigma) loss is computed by one rank and summed
     with zeros from the others, so the result is the same bit for bit at any world size."""
     sigmas = eval_sigmas(cfg, run)
-    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, overfit_batches=0, timestep_buckets=0)
+    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, joint_dropout=0.0, overfit_batches=0,
+                    timestep_buckets=0, reference_augment=False, align_loss=False)  # the flow loss alone
     one = replace(run, world=1)
     per = torch.zeros(len(held), len(sigmas), device=device)  # (N, Q)
     transformer.eval()  # (LoRA dropout)
@@ -858,7 +945,7 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
-                   original_keys: bool = False) -> Path:
+                   original_keys: str | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
@@ -866,8 +953,9 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
-    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of a Phantom-Wan
-    checkpoint): also transformer_original/Phantom-Wan.pth, the weights in original-Wan keys as Phantom's own code
+    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
+    checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
+    transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
     if cfg.training_type == "lora":
         from a2 import standin
@@ -876,7 +964,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
             return standin.export_lora(run_dir, getattr(model, "module", model),
                                        (f"_{cfg.expert}" if cfg.expert else "") + tag)
-        return export_lora(run_dir, model, cfg.expert, tag)[0]
+        with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
+            return export_lora(run_dir, bare, cfg.expert, tag)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
@@ -884,17 +973,23 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
             model = WanTransformer3DModel.from_config(model.config)
         model.load_state_dict(full_state, assign=True)
     out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
-    model.save_pretrained(out)
-    comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
-    log(f"full model for ComfyUI (Load Diffusion Model) and Wan's own code, bf16 in original Wan keys: {comfy}")
-    if original_keys:
-        from a2.transformer import diffusers_to_original, original_wan_config
+    with align.without_projectors(model) as model:  # the alignment loss's projectors are no part of the model
+        model.save_pretrained(out)
+        comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
+        log(f"full model for ComfyUI (Load Diffusion Model) and Wan's own code, bf16 in original Wan keys: {comfy}")
+        if original_keys:
+            from a2.transformer import diffusers_to_original, original_wan_config
 
-        original = run_dir / "transformer_original"
-        original.mkdir(exist_ok=True)
-        (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
-        torch.save({k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
-                   original / "Phantom-Wan.pth")
+            original = run_dir / "transformer_original"
+            original.mkdir(exist_ok=True)
+            (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
+            sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
+            if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
+                from safetensors.torch import save_file
+
+                save_file(sd, original / original_keys)
+            else:
+                torch.save(sd, original / original_keys)
     return out
 
 
@@ -1040,7 +1135,8 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
     return checkpoint(run_dir, done, transformer, opt, cfg, failures)
 
 
-def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int, original_keys: bool) -> dict:
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int,
+           original_keys: str | None) -> dict:  # a file name (export_weights)
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
     collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
@@ -1232,7 +1328,8 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, bool(run.info.original_weights)))
+        original = run.layout.original_export if run.info.original_weights else None  # also in the lab's keys
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

@@ -129,6 +129,8 @@ class Sampling:
     fps: int = 15
     seed: int = 42
     noise_on_cpu: bool = False  # the noise drawn with a CPU generator whatever the device (Stand-In's rand_device)
+    timestep_in_dtype: bool = False  # the DiT gets the timestep cast to the compute dtype and back, as DiffSynth's
+    # pipelines cast it (bf16: 937.5 becomes 936; float32: unchanged)
     seeded_placement: bool = False  # MAGREF: the seed shuffles the canvas (Layout.placement_seed = the seed)
 
 
@@ -147,6 +149,9 @@ class Kind:
     # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
     # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
+    # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
+    # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
+    original_export: str = "Phantom-Wan.pth"
 
     def takes(self, n: int) -> bool:
         """One sample of this kind can hold n element images."""
@@ -173,6 +178,12 @@ KIND_DEFS = {k.name: k for k in (
     Kind("magref", "channel", (1, 8), cache_fields=(("version", 3),), sampling=Sampling(
         schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seeded_placement=True)),
     # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
+    # RefAlign's pipeline (DiffSynth's wan_video_new3 + its example script): Euler on DiffSynth's linspace(1, 0),
+    # shift 5, 50 steps, U + 5 (I - U) + 7.5 (C - I), Wan's negative prompt, seed 0, CPU noise for the video frames
+    Kind("refalign", "time", (1, 3), sampling=Sampling(
+        scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
+        guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seed=0, noise_on_cpu=True,
+        timestep_in_dtype=True), original_export="refalign_model.safetensors"),
     Kind("standin", "tokens", (1, 1), sampling=Sampling(
         scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
         negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True),
@@ -182,7 +193,8 @@ KINDS = tuple(KIND_DEFS)
 CHANNEL_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "channel")  # 36-channel models
 APPENDED_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "time")  # references after the video's latents
 REFERENCE_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.references[1])  # made from element images
-NATIVE_KINDS = ("phantom", "v3")  # the released models' own layouts, chosen by their weights (ModelInfo.native_kind)
+NATIVE_KINDS = ("phantom", "v3", "refalign")  # the released models' own layouts, chosen by their weights
+# (ModelInfo.native_kind)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
 # (A2, the prefix kind's own, samples it)
 MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax"), "Wan2.2 I2V A14B": dict(encode_mode="argmax"),
@@ -353,6 +365,17 @@ class Layout:
         return self.kind in CHANNEL_KINDS
 
     @property
+    def reference_tokens(self) -> bool:
+        """The references are tokens of the transformer's sequence, after the video's (appended latent frames, or
+        Stand-In's reference tokens): what --align-loss aligns (a2/align.py)."""
+        return KIND_DEFS[self.kind].axis in ("time", "tokens")
+
+    @property
+    def original_export(self) -> str:
+        """The file a full fine-tune of the kind's original-key weights is also exported as (Kind.original_export)."""
+        return KIND_DEFS[self.kind].original_export
+
+    @property
     def takes_region(self) -> bool:
         """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
         return self.kind == "magref"
@@ -406,6 +429,8 @@ class Layout:
                "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
                "phantom": f"(then {self.ref_latents} reference latents, posterior means, Phantom-Wan's layout) ",
                "v3": f"(then {len(self.repeats)} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) ",
+               "refalign": f"(then {self.ref_latents} clean reference latents, posterior means, no text "
+                           "cross-attention: RefAlign's layout) ",
                "magref": f"a canvas of {len(self.repeats)} references as frame 0, then ",
                "standin": f"(then Stand-In's reference tokens of a {'x'.join(map(str, self.reference_size or ()))} "
                           "image: time -1, t 0, self-only attention) "}.get(self.kind, "")
@@ -773,7 +798,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
                              f"not {layout.reference_grid}: a VAE of another stride than Wan 2.1's (Stand-In's bases)")
         return cond
     if kind in APPENDED_KINDS:
-        mode = "argmax" if kind == "phantom" else sample_mode  # the mode of a Gaussian is its mean
+        mode = "argmax" if kind in ("phantom", "refalign") else sample_mode  # the mode of a Gaussian is its mean
         latents = [encode_vae(vae, x, mode, generator) for x in frames]  # (B, C, 1 per 1-4 frames, h, w) each
         if kind == "v3":
             latents += [latents[0].new_zeros(latents[0].shape)] * (V3_SLOTS - n)
@@ -891,12 +916,36 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
     Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
     e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
-    reference_grid. Others: nothing."""
+    reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention).
+    Others: nothing."""
+    if layout.kind == "refalign":
+        video_only_cross_attention(transformer, layout.ref_latents)
     if layout.kind != "standin":
         return
     if not standin.installed(transformer):
         standin.install(transformer, rank or standin.RANK)
     standin.packed_forward(transformer, layout.reference_grid)
+
+
+def video_only_cross_attention(transformer, ref_latents: int) -> None:
+    """RefAlign's blocks: the text cross-attention for the video tokens only, the reference tokens (the last
+    `ref_latents` latent frames of hidden_states) passed through unchanged (its DiTBlock adds cross_attn to x_video
+    alone). Stand-In's video-only processor on every attn2; a pre-hook counts the reference tokens of each call from
+    its input's shape."""
+    transformer.reference_latents = ref_latents  # this call's (a sampling call may take another count)
+    if getattr(transformer, "video_only_hook", None) is not None:
+        return
+
+    def count(module, args, kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (B, C, T + L_ref, H, W)
+        p_t, p_h, p_w = module.config.patch_size
+        n = module.reference_latents // p_t * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+        for block in module.blocks:
+            block.attn2.processor.num_reference = n
+
+    for block in transformer.blocks:
+        block.attn2.set_processor(standin.VideoOnlyCrossAttnProcessor())
+    transformer.video_only_hook = transformer.register_forward_pre_hook(count, with_kwargs=True)
 
 
 def kind_weights(transformer, layout: Layout) -> list:

@@ -351,6 +351,8 @@ class A2Pipeline(WanLoraLoaderMixin):
 
         def predict(model, x_t, t, c, text):
             x, timestep = model_input(x_t, c, t.expand(1), model.config.patch_size)
+            if own.timestep_in_dtype:  # the lab's pipeline hands the DiT its timestep in the compute dtype
+                timestep = timestep.to(dtype).to(timestep.dtype)
             image = None if c.image is None else c.image.to(dtype)
             return video_prediction(model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text,
                                           encoder_hidden_states_image=image, return_dict=False)[0], c)

@@ -57,7 +57,8 @@ TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
                "random-5B": dict(preset="5B", ti2v=True), "tiny-phantom": dict(t2v=True, released="phantom"),
-               "tiny-v3": dict(t2v=True, released="v3"), "tiny-magref": dict(released="magref")}
+               "tiny-v3": dict(t2v=True, released="v3"), "tiny-magref": dict(released="magref"),
+               "tiny-refalign": dict(t2v=True, released="refalign")}
 
 # Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
 # dim_mult 1,2,4,4, 2 res blocks) at width 8: the same patching (12 = 3x2x2 channels in and out), residual
@@ -170,6 +171,8 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
       config.json (the tiny heads are 32 wide, not Wan's 128), beside the Wan T2V parts in diffusers format
       (vae/ text_encoder/ tokenizer/ scheduler/, which the real release takes from Wan2.1-T2V-1.3B).
     v3: SkyReels-V3 R2V's, a diffusers dir whose transformer config names their class.
+    refalign: RefAlign's, one model.safetensors in original-Wan keys (a dir whose name says refalign: how a2 tells it
+      from Phantom-Wan, a2/transformer.py is_refalign), the Wan config.json and the Wan T2V parts beside it.
     magref: the tiny I2V model as MAGREF-Video/MAGREF ships its DiT: original-Wan keys in diffusion_pytorch_model
       shards + index, Wan's config.json (model_type i2v), a T5/VAE/CLIP .pth beside them (a stand-in file that a2
       must not take for the DiT), and the Wan I2V parts in diffusers format (which the release takes from
@@ -194,6 +197,11 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     for name, part in parts.items():
         part.save_pretrained(out_dir / name)
     sd = {k: v.contiguous() for k, v in diffusers_to_original(transformer.state_dict()).items()}
+    wan = dict(original_wan_config(transformer.config), model_type="i2v" if released == "magref" else "t2v")
+    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
+    if released == "refalign":
+        save_file(sd, out_dir / "model.safetensors")
+        return out_dir
     stem = "diffusion_pytorch_model" if released == "magref" else "Phantom_Wan_tiny"
     first, second = f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors"
     shards = {first: {k: v for k, v in sd.items() if k.startswith("blocks.")}}
@@ -204,8 +212,6 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if released == "magref":  # the original Wan VAE file sits beside the DiT in the release
         torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
-    wan = dict(original_wan_config(transformer.config), model_type="i2v" if released == "magref" else "t2v")
-    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
     return out_dir
 
 

@@ -119,6 +119,7 @@ class ModelInfo:
     expand_timesteps: bool = False  # TI2V-5B: one timestep per token (0 on conditioning frames), model_index's flag
     # ---- the released subject-to-video models (Phantom-Wan, SkyReels-V3 R2V)
     native_kind: str | None = None  # the conditioning layout the weights were trained in: "phantom" | "v3" | "magref"
+    # | "refalign"
     original_weights: tuple[Path, ...] = ()  # original-Wan checkpoint files (Phantom); empty: transformer/ is diffusers
     components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
@@ -449,8 +450,22 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
         if not (Path(comp) / c).is_dir():
             raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; Phantom-Wan runs with "
                                    f"{PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+    if is_refalign(files[0]):
+        return ModelInfo(path, "RefAlign", Z_DIM, False, None, None, None, native_kind="refalign",
+                         original_weights=tuple(files), components_dir=Path(comp))
     return ModelInfo(path, "Phantom-Wan", Z_DIM, False, None, None, None, native_kind="phantom",
                      original_weights=tuple(files), components_dir=Path(comp))
+
+
+def is_refalign(checkpoint: Path) -> bool:
+    """RefAlign's weights are a plain Wan2.1 T2V DiT in original keys (its model.safetensors), as Phantom-Wan's are:
+    the tensors cannot tell them apart, so the name does: a checkpoint file or its dir named RefAlign, or a Hub cache
+    repo of that name (gudaochangsheng/RefAlign-1.3B / -14B, or downloaded into a dir so named; a2's export
+    transformer_original/refalign_model.safetensors) is RefAlign's, any other original-Wan T2V checkpoint
+    Phantom-Wan's."""
+    path = Path(checkpoint).absolute()
+    names = [path.name, path.parent.name] + [p for p in path.parts if p.startswith("models--")]
+    return any("refalign" in name.lower() for name in names)
 
 
 def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:

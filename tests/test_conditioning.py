@@ -29,6 +29,7 @@ KINDS = {
                                      "--num-frames", "9"]),
     "phantom": ("tiny-phantom", ["--num-frames", "9"]),  # the released models' own layouts, chosen by their weights
     "v3": ("tiny-v3", ["--num-frames", "9"]),
+    "refalign": ("tiny-refalign", ["--num-frames", "9"]),  # (RefAlign's weights: Phantom's, named RefAlign)
     # two elements side by side on one canvas (three would be 10 px wide at 32x32: under one token, refused)
     "magref": ("tiny", ["--reference-layout", "magref", "--num-frames", "9", "--elements",
                         "subject=_person.png:repeat=1", "object=_object.png:repeat=1"]),
@@ -126,6 +127,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
 
 
 @pytest.mark.parametrize("name,extra", [
+    ("prefix-mixed", ["--max-steps", "3"]),  # clips of 3, 2 and 1 elements: each cached with its own layout
     ("inplace-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
     ("inplace-last", ["--frame-conditioning", "first_and_last", "--num-frames", "17"]),
     ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
@@ -141,15 +143,18 @@ def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path,
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
-    model = {"inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
+    model = {"prefix": "tiny", "inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
              "v3": "tiny-v3", "standin": "tiny-t2v", "magref": "tiny-magref"}[name.split("-")[0]]
     cache = tmp_path / "cache"
+    if name == "prefix-mixed":
+        data_dir = mixed_elements(data_dir, tmp_path)
     steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))
     train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute", *extra, model=model))
     cached = train(*args(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps, model=model))
     assert losses(cached["run_dir"]) == losses(live["run_dir"])
-    assert max_diff(params(cached["run_dir"] / "ckpt-0000002"), params(live["run_dir"] / "ckpt-0000002")) == 0.0
+    last = max(losses(live["run_dir"]))
+    assert max_diff(params(cached["run_dir"] / f"ckpt-{last:07d}"), params(live["run_dir"] / f"ckpt-{last:07d}")) == 0.0
 
 
 def test_the_cache_replays_the_runs_conditioning_frames(data_dir, tmp_path):
@@ -202,16 +207,8 @@ def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_di
         dataset_configs(TrainConfig(model="tiny", dataset_config=str(cfg_file), device="cpu"))
 
 
-@pytest.mark.parametrize("model,extra", [
-    ("tiny", []),  # A2's prefix: the roles kept, the absent ones absent
-    ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"]),
-    ("tiny-v3", ["--num-frames", "9"]),
-])
-def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_left_out(data_dir, tmp_path, capsys,
-                                                                                         model, extra):
-    """A folder dataset whose clips hold 3, 2 and 1 element images (the object, the background missing: optional
-    elements) trains for a full epoch with the kind's defaults, a layout per element set (element_layout); a clip
-    with none is named and left out before step 1."""
+def mixed_elements(data_dir, tmp_path):
+    """A copy of the 4-clip dataset whose clips hold 3, 2, 1 and no element images (optional elements missing)."""
     import shutil
 
     d = tmp_path / "data"
@@ -219,12 +216,33 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
     for f in ("001_object.png", "002_object.png", "002_background.png", "003_person.png", "003_object.png",
               "003_background.png"):
         (d / f).unlink()
-    r = train(*args(d, tmp_path, "mixed", "--max-steps", "3", "--elements", "subject=_person.png",
-                    "object=_object.png", "background=_background.png", *extra, model=model))
+    return d
+
+
+THREE = ["--elements", "subject=_person.png", "object=_object.png", "background=_background.png"]
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("tiny", THREE),  # A2's prefix: the roles kept, the absent ones absent
+    ("tiny-t2v", [*THREE, "--reference-layout", "incontext", "--num-frames", "9"]),
+    ("tiny-v3", [*THREE, "--num-frames", "9"]),
+    ("tiny-phantom", [*THREE, "--num-frames", "9"]),
+    # MAGREF's canvas of 1 or 2 images (3 side by side would be under a token wide at 32x32)
+    ("tiny-magref", ["--num-frames", "9", "--elements", "subject=_person.png:repeat=1",
+                     "object=_object.png:repeat=1"]),
+])
+def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_left_out(data_dir, tmp_path, capsys,
+                                                                                         model, extra):
+    """A folder dataset whose clips hold 3, 2 and 1 element images (the object, the background missing: optional
+    elements) trains for a full epoch with the kind's defaults, a layout per element set (element_layout); a clip
+    with none is named and left out before step 1."""
+    d = mixed_elements(data_dir, tmp_path)
+    sets = (["subject, object, background", "subject, background", "subject"] if "background=_background.png" in extra
+            else ["subject, object", "subject"])
+    r = train(*args(d, tmp_path, "mixed", "--max-steps", "3", *extra, model=model))  # magref: 001, 002 the subject
     out = capsys.readouterr().out
     assert "left out 1 whose element set the kind cannot take" in out and "left out: 003: " in out
-    assert all(f"[{names}]: 1 samples" in out for names in ("subject, object, background", "subject, background",
-                                                           "subject"))
+    assert all(f"[{names}]: " in out for names in sets)
     assert len(losses(r["run_dir"])) == 3  # one epoch: every clip it can take, once
 
 
@@ -280,3 +298,24 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not cycles, cycles
     graph["a2.images"] = graph["a2.images"] | {"a2.pipeline"}  # and it can fail: an arrow back up is a cycle
     assert cycle("a2.images", "a2.images", ["a2.images"])
+
+
+def test_ddp_on_mixed_element_sets_equals_one_process(data_dir, tmp_path):
+    """2 ranks x micro-batch 1 on clips of two element sets (a global batch holds one bucket: both ranks take the
+    same set) == one process x micro-batch 2 on the same samples, after an epoch of both buckets."""
+    import shutil
+
+    from tests.conftest import launch
+
+    d = tmp_path / "data"
+    shutil.copytree(data_dir, d)
+    for f in ("002_object.png", "003_object.png"):
+        (d / f).unlink()
+    steps = ["--max-steps", "2", "--lr", "1e-2", "--adam-eps", "1e-4"]
+    p = launch(args(d, tmp_path, "ddp", "--micro-batch", "1", *steps), nproc=2)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-4000:]
+    one = train(*args(d, tmp_path, "one", "--micro-batch", "2", *steps))
+    assert "[subject, background]: 2 samples" in out and "[subject, object, background]: 2 samples" in out
+    assert max_diff(params(tmp_path / "ddp" / "ckpt-0000002"), params(one["run_dir"] / "ckpt-0000002")) <= 1e-6
+    assert losses(tmp_path / "ddp").keys() == losses(one["run_dir"]).keys() == {1, 2}

@@ -645,6 +645,11 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     assert p.negative_prompt == WAN_NEGATIVE_PROMPT
     with pytest.raises(ValueError, match="--preset v3-distilled: the phantom kind samples in its own way"):
         own(phantom_dir, preset="v3-distilled")
+    five = parse_elements([f"r{i}=_r{i}.png" for i in range(5)])  # infer.py takes any count the kind takes, no other
+    with pytest.raises(ValueError, match="the phantom kind takes 1 to 4 element image.s. a sample, this one has 5"):
+        infer.check_layout(infer.InferConfig(num_frames=9), detect_model(phantom_dir), five, False)
+    one = infer.check_layout(infer.InferConfig(num_frames=9), detect_model(phantom_dir), five[:1], False)
+    assert one.ref_latents == 1
     for i, (w, h) in enumerate([(301, 97), (97, 301), (96, 64), (50, 51)]):
         image = synthetic(w, h, 20 + i)
         assert np.array_equal(np.asarray(preprocess_image(image, "fit_pad_white", (32, 47))),

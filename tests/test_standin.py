@@ -418,6 +418,9 @@ def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
         runs[name] = str(tmp_path / f"{name}.pt")
         assert infer.main(infer.InferConfig(**base, lora=lora, save_latents=runs[name])) == 0
     assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["base"])) == 1
+    chosen = {k: v for k, v in base.items() if k != "reference_layout"}  # the file chooses its kind and sampler
+    assert infer.main(infer.InferConfig(**chosen, lora=(str(r["weights"]),), compare=runs["standin"],
+                                        tolerance=0.0)) == 0
     assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["both"])) == 1
     assert infer.main(infer.InferConfig(**base, lora=(str(wan), str(r["weights"])), compare=runs["both"],
                                         tolerance=0.0)) == 0

@@ -160,7 +160,7 @@ def test_train_dry_run_exits_3_when_it_does_not_fit(data_dir, tmp_path):
     assert e.value.code == 3 and not (tmp_path / "dry").exists()
 
 
-@pytest.mark.parametrize("name", ["incontext-ti2v", "phantom", "magref", "standin"])
+@pytest.mark.parametrize("name", ["phantom", "standin"])  # two it once refused; each case costs ~4 s
 def test_train_dry_run_runs_the_training_step_of_every_kind(data_dir, tmp_path, name):
     """--dry-run traces the step training runs (model_inputs + forward_loss on a synthetic batch of zero posteriors
     in the kind's VAE calls), so it covers the kinds it once refused: it traces a peak under the card, no run dir."""

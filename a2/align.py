@@ -1,0 +1,224 @@
+"""RefAlign's reference-alignment loss (arXiv 2603.25743, code gudaochangsheng/RefAlign), a training option for the
+kinds whose references are tokens of the sequence.
+
+After each chosen block (RefAlign: 0..8) the reference tokens of the block's output go through that block's projector
+Linear(dim -> dim/2) -> SiLU -> Linear(-> D), no biases, and are compared with the DINOv3 patch features (D wide) of
+the same reference image on the same token grid:
+
+    pos   = mean over the tokens of relu(1 - cos(P(h_i), f_i))                  (same reference, same position)
+    neg   = mean over token pairs of different references of relu(cos(P(h_i), f_j))   (0 with one reference)
+    align = gate(t) · mean over the blocks of (pos + neg),  gate(t) = floor + (1 - floor) · (t / 1000)^power
+
+RefAlign's gate (its gate_from_timestep(t, 0, 1000, beta=3)) is 0.1 + 0.9 (t/1000)^3: floor 0.1, power 3. A sample
+whose references were dropped contributes 0 (RefAlign multiplies its loss by 0). The targets are the last layer's
+patch tokens before the final norm (RefAlign reads hidden_states[-1]), CLS and register tokens dropped.
+
+Which kinds: refalign, phantom, v3 and incontext append the references' latent frames after the video's on the
+time axis, and standin adds its reference tokens after the video's; every block's output holds their tokens. The
+channel kinds (prefix, inplace, magref) put a reference into the channels of video tokens (no token of its own to
+align) and t2v and clean take no reference image.
+
+The projectors hang on the transformer (`align_projectors`), so the optimizer, DDP's gradient reduction, the
+checkpoint and the memory plan see them as trainable weights; export leaves them out (without_projectors): they are
+no part of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REFALIGN_BLOCKS = tuple(range(9))  # the blocks RefAlign aligns
+ATTRIBUTE = "align_projectors"  # the transformer's submodule holding the projectors
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv3's processor defaults
+
+
+class Projectors(nn.Module):
+    """One projector per aligned block: Linear(dim, dim/2) -> SiLU -> Linear(dim/2, target_dim), no biases (RefAlign's
+    MLP3). While `spans` is set (capture), each aligned block's forward hook projects its output's reference tokens
+    into `features[block]` (B, N, L, target_dim)."""
+
+    def __init__(self, dim: int, target_dim: int, blocks=REFALIGN_BLOCKS):
+        super().__init__()
+        self.blocks = tuple(blocks)
+        self.mlps = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(dim, dim // 2, bias=False), nn.SiLU(),
+                                                         nn.Linear(dim // 2, target_dim, bias=False))
+                                   for i in self.blocks})
+        self.spans: tuple | None = None  # (starts, tokens): where the references are in a block's output
+        self.features: dict[int, torch.Tensor] = {}
+
+    def hook(self, index: int):
+        def project(_module, _args, output):
+            if self.spans is None:  # validation, eval loss, sampling: nothing to align
+                return
+            hidden = output[0] if isinstance(output, tuple) else output  # (B, L, dim)
+            self.features[index] = self.mlps[str(index)](reference_tokens(hidden, *self.spans))
+        return project
+
+
+def install(transformer, target_dim: int, blocks=REFALIGN_BLOCKS, seed: int = 0) -> Projectors:
+    """Attach fp32 projectors (initialised from `seed`, trainable) to `transformer` and hook its blocks. A ValueError
+    names a block the model lacks."""
+    n = len(transformer.blocks)
+    if not blocks or any(not 0 <= i < n for i in blocks):
+        raise ValueError(f"--align-blocks {tuple(blocks)}: this model has blocks 0..{n - 1}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        projectors = Projectors(transformer.config.num_attention_heads * transformer.config.attention_head_dim,
+                                target_dim, blocks)
+    projectors.requires_grad_(True)
+    setattr(transformer, ATTRIBUTE, projectors)
+    for i in projectors.blocks:
+        transformer.blocks[i].register_forward_hook(projectors.hook(i))
+    return projectors
+
+
+def projectors_of(model) -> Projectors | None:
+    return getattr(getattr(model, "module", model), ATTRIBUTE, None)
+
+
+@contextmanager
+def capture(model, spans):
+    """Within, the aligned blocks project the reference tokens at `spans` (reference_spans); yields the features."""
+    projectors = projectors_of(model)
+    projectors.spans, projectors.features = spans, {}
+    try:
+        yield projectors.features
+    finally:
+        projectors.spans = None
+
+
+@contextmanager
+def without_projectors(model):
+    """The transformer without its projectors (export: save_pretrained and the ComfyUI file hold the model alone)."""
+    module = getattr(model, "module", model)
+    projectors = module._modules.pop(ATTRIBUTE, None)
+    try:
+        yield module
+    finally:
+        if projectors is not None:
+            module._modules[ATTRIBUTE] = projectors
+
+
+def strip(state: dict) -> dict:
+    """A state dict without the projectors' entries (a gathered --fsdp state)."""
+    return {k: v for k, v in state.items() if not k.startswith(ATTRIBUTE + ".")}
+
+
+# ---------------------------------------------------------------- where the reference tokens are
+
+
+def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
+    """(starts, tokens, grid): each reference's first token counted from the end of a block's output (negative), its
+    token count and its (rows, cols) token grid. video_grid: the video's tokens per frame (rows, cols).
+
+    refalign / phantom / v3: one latent frame per reference after the video (v3: its first len(repeats) of 4 slots);
+    incontext: each element's latent frames after the video, its first frame aligned (the others repeat the image);
+    standin: its reference tokens after the video's, a reference_grid over the patch."""
+    from a2.conditioning import num_latent_frames
+
+    if not layout.reference_tokens:
+        raise ValueError(f"the {layout.kind} kind has no reference tokens in the sequence; --align-loss takes "
+                         f"{', '.join(aligned_kinds())}")
+    if layout.reference_grid is not None:  # Stand-In's own reference tokens, after the video's
+        grid = (layout.reference_grid[0] // patch_size[1], layout.reference_grid[1] // patch_size[2])
+        return (-grid[0] * grid[1],), grid[0] * grid[1], grid
+    per = video_grid[0] * video_grid[1]  # reference latent frames after the video's: each element's first frame
+    frames = [num_latent_frames(r) for r in layout.repeats]  # (1 each in the released layouts; v3: then empty slots)
+    firsts = [sum(frames[:i]) for i in range(len(frames))]
+    return tuple(-(layout.ref_latents - f) * per for f in firsts), per, tuple(video_grid)
+
+
+def aligned_kinds() -> list[str]:
+    """The kinds whose references are tokens of the sequence (Layout.reference_tokens)."""
+    from a2.conditioning import KIND_DEFS
+
+    return [k for k, d in KIND_DEFS.items() if d.axis in ("time", "tokens")]
+
+
+def reference_tokens(hidden: torch.Tensor, starts, tokens: int) -> torch.Tensor:
+    """(B, L, D) block output -> (B, N, tokens, D): the tokens of each reference."""
+    return torch.stack([hidden[:, s:(s + tokens if s + tokens < 0 else None)] for s in starts], dim=1)
+
+
+# ---------------------------------------------------------------- the targets
+
+
+def load_target_model(path, device, dtype=torch.float32):
+    """The DINOv3 target model from a local dir (transformers' DINOv3ViTModel, e.g. facebook/dinov3-vitb16-pretrain-
+    lvd1689m), frozen, with its processor's normalisation: (model, mean, std). A bad dir is one-line ValueError."""
+    from transformers import DINOv3ViTModel
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--align-model {path}: not a DINOv3 model dir (no config.json)")
+    model = DINOv3ViTModel.from_pretrained(path, torch_dtype=dtype).to(device).eval().requires_grad_(False)
+    mean, std = IMAGENET_MEAN, IMAGENET_STD
+    processor = path / "preprocessor_config.json"
+    if processor.is_file():
+        p = json.loads(processor.read_text())
+        mean, std = p.get("image_mean", mean), p.get("image_std", std)
+    return model, tuple(mean), tuple(std)
+
+
+def target_dim(path) -> int:
+    """The target model's feature width (its config's hidden_size), read without loading the weights."""
+    path = Path(path)
+    try:
+        return int(json.loads((path / "config.json").read_text())["hidden_size"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"--align-model {path}: not a DINOv3 model dir ({type(e).__name__}: {e})") from None
+
+
+@torch.no_grad()
+def dino_targets(target, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(B, N, 3, H, W) reference images in [-1, 1] -> (B, N, rows·cols, D) float32: DINOv3's last-layer patch tokens
+    of each image resized to the DiT's token grid times DINOv3's patch (RefAlign at 480x832: 30x52 tokens of 16 px,
+    no resize); `target` = load_target_model's (model, mean, std)."""
+    model, mean, std = target
+    b, n = images.shape[:2]
+    patch = model.config.patch_size
+    size = (grid[0] * patch, grid[1] * patch)
+    x = images.flatten(0, 1).float()  # (B·N, 3, H, W)
+    if tuple(x.shape[-2:]) != size:
+        x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    x = (x + 1) / 2
+    x = (x - x.new_tensor(mean).view(1, 3, 1, 1)) / x.new_tensor(std).view(1, 3, 1, 1)
+    param = next(model.parameters())
+    hidden = model(pixel_values=x.to(param.device, param.dtype), output_hidden_states=True).hidden_states[-1]
+    skip = 1 + model.config.num_register_tokens  # CLS, then the registers
+    return hidden[:, skip:].float().unflatten(0, (b, n))  # (B, N, rows·cols, D)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def gate(sigmas: torch.Tensor, floor: float = 0.1, power: float = 3.0) -> torch.Tensor:
+    """(B,) -> (B,): floor + (1 - floor) · (t/1000)^power at t = 1000·sigma (RefAlign: 0.1 + 0.9 (t/1000)^3)."""
+    return floor + (1 - floor) * sigmas.float() ** power
+
+
+def block_loss(features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, N, L, D) projected reference tokens and (B, N, L, D) targets -> (B,) pos + neg of one block."""
+    s = F.normalize(features.float(), dim=-1)
+    t = F.normalize(targets.float(), dim=-1)
+    pos = (1 - (s * t).sum(-1)).relu().mean(dim=(1, 2))  # (B,)
+    n = s.shape[1]
+    if n < 2:
+        return pos
+    neg = torch.stack([(s[:, a] @ t[:, c].transpose(1, 2)).relu().mean(dim=(1, 2))  # (B,) per ordered pair
+                       for a in range(n) for c in range(n) if a != c]).mean(0)
+    return pos + neg
+
+
+def align_loss(features: dict, targets: torch.Tensor, sigmas: torch.Tensor, kept: torch.Tensor, floor: float = 0.1,
+               power: float = 3.0) -> torch.Tensor:
+    """The batch's alignment loss (a scalar): mean over samples of kept · gate(sigma) · mean over blocks of block_loss.
+    features: {block: (B, N, L, D)} (capture's); kept (B,): 1 where the sample kept its references."""
+    per_block = torch.stack([block_loss(features[i], targets.to(features[i].device)) for i in sorted(features)])
+    return (kept.float() * gate(sigmas, floor, power) * per_block.mean(0)).mean()
