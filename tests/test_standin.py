@@ -173,9 +173,9 @@ def test_forward_is_stand_ins():
     loras = their_loras(model)
     assert torch.equal(ours, TheirStandIn(model, loras, wan_numerics=False, joint_ffn=True)(latents, t, text,
                                                                                               reference))
-    for wan in (False, True):
+    for wan in (False, True):  # the separate FFN may round alike or not, by the CPU's kernels and thread count
         theirs = TheirStandIn(model, loras, wan_numerics=wan)(latents, t, text, reference)
-        assert 0 < (ours - theirs).abs().max() <= BOUND
+        assert (ours - theirs).abs().max() <= BOUND
     assert (ours - standin.forward(model, latents, t, text)).abs().max() > 100 * BOUND
 
 
