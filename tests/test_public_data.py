@@ -91,8 +91,10 @@ def test_opens2v_thresholds_are_flags_and_the_fallback_is_the_largest_crop(opens
     c = pd_.index_opens2v(a)
     assert c["subject: largest crop taken as fallback (none passed)"] == 2 and c["clips kept"] == 2
     line = json.loads((tmp_path / "index.jsonl").read_text().splitlines()[0])
-    assert line["elements"]["subject"]["class_name"] == "woman"  # the largest subject crop
-    assert "object" not in line["elements"]  # no fallback for objects
+    roles = pd_.clip_roles(line)
+    assert roles["subject"]["class_name"] == "woman"  # the largest subject crop
+    assert "object" not in roles  # no fallback for objects
+    assert [r["class_name"] for r in line["references"]] == ["woman"]  # the fallback alone
 
 
 def test_opens2v_clip_is_face_cut_of_the_cropped_frames_at_its_own_fps(opens2v):
@@ -178,7 +180,7 @@ def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
 def test_load_failure_mid_run_is_a_marker_not_a_crash(opens2v, tmp_path):
     index = tmp_path / "index.jsonl"
     line = json.loads((opens2v["out"] / "index.jsonl").read_text().splitlines()[0])
-    line["elements"]["subject"]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # does not fit the frame
+    line["references"][0]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # the subject's: does not fit the frame
     index.write_text(json.dumps(line) + "\n")
     ds = E2VDataset([public_cfg(index)], num_frames=9, verbose=False)
     item = ds[(0, 0)]
@@ -313,8 +315,8 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
     lines = [json.loads(x) for x in (out / "index.jsonl").read_text().splitlines()]
     assert [x.get("cluster") for x in lines] == ["cluster7", "cluster7"]
     # the synthetic clips share their annotation: make the second clip's elements another frame, so they differ
-    for ref in ("subject", "object"):
-        lines[1]["elements"][ref]["frame"] += 5
+    for ref in lines[1]["references"]:
+        ref["frame"] += 5
     index = tmp_path / "edited.jsonl"
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
     names = ["subject", "object", "background"]
