@@ -331,3 +331,74 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         for ref in ("subject", "object"):
             assert np.array_equal(cross[i][ref], own[j][ref])
         assert np.array_equal(cross[i]["background"], own[i]["background"])
+
+
+# ---------------------------------------------------------------- references per clip, as the models were trained
+
+
+def varied_opens2v(shared, root: Path) -> dict:
+    """Four OpenS2V-5M clips of 1, 2, 4 and 2 kept masks (the last without its background png): the synthetic part
+    with the backpack removed from clip 0, and a hat (small) and a dog (the largest crop of all) added to clip 2."""
+    fx = pd_.synthetic_opens2v(root, hiker_frames(shared), person(shared), num_clips=4)
+    records, ann = fx["records"], str(fx["ann"])
+    keys = list(records)
+    h, w = next(iter(fx["masks"].values())).shape
+    yy, xx = np.mgrid[0:h, 0:w]
+    del records[keys[0]]["annotation"]["mask_annotation"][ann]["4"]
+    extra = {"6": ("hat", (yy < h * 0.35) & (xx < w * 0.3)), "7": ("dog", yy > h * 0.5)}
+    a = records[keys[2]]["annotation"]
+    for k, (cls, m) in extra.items():
+        a["ann_frame_data"]["annotations"].append(dict(class_name=cls, bbox=[0, 0, 1, 1], aes_score=5.0, gme_score=0.7))
+        a["mask_map"][k] = {"class_name": cls}
+        a["mask_annotation"][ann][k] = {**pd_.rle_encode(m), "score": [0.99]}
+    records[keys[2]]["word_tags"]["object"] += ["hat", "dog"]
+    pd_.write_part(fx["json"], records.items())
+    bg = root / "Background" / "total_part1"
+    for p in bg.glob(f"{keys[3].split('_step6')[0]}*"):
+        p.unlink()
+    return dict(fx, keys=keys)
+
+
+def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(shared_data, tmp_path):
+    """BindWeave's rule on OpenS2V-5M (get_sora_feature.py: every mask with crop_ratio >= 0.1 and aes >= 4.5 or
+    gme >= 0.6 is a reference; a clip whose background png is missing is kept without one), here among the
+    subject/object-tagged masks and largest first: the kinds without roles take the first `most`, A2's prefix its
+    roles, absent ones absent."""
+    fx = varied_opens2v(shared_data, tmp_path)
+    out = tmp_path / "index"
+    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
+    assert c["clips read"] == c["clips kept"] == 4
+    assert c["clips without a background png (kept without a background)"] == 1
+    assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (1, 2, 1)
+    report = (out / "report.txt").read_text()
+    assert f"{fx['keys'][3]}: " in report and "background png not found" in report
+    lines = {x["key"]: x for x in map(json.loads, (out / "index.jsonl").read_text().splitlines())}
+    k0, k1, k2, k3 = (lines[k] for k in fx["keys"])
+
+    def classes(refs):
+        return [r.get("class_name", "background png") for r in refs]
+
+    # largest crop first: the dog's is half the frame, the woman's ellipse ~0.28, the backpack ~0.13, the hat ~0.1
+    assert classes(k2["references"]) == ["dog", "woman", "backpack", "hat"]
+    # kinds without roles: phantom / v3 take 4, magref 8, incontext its configured maximum (here 2)
+    assert classes(pd_.clip_references(k2, 4, background=False)) == ["dog", "woman", "backpack", "hat"]
+    assert classes(pd_.clip_references(k2, 4, background=True)) == ["dog", "woman", "backpack", "background png"]
+    assert classes(pd_.clip_references(k2, 8, background=True)) == ["dog", "woman", "backpack", "hat",
+                                                                     "background png"]
+    assert classes(pd_.clip_references(k2, 2, background=False)) == ["dog", "woman"]
+    assert classes(pd_.clip_references(k0, 4, background=True)) == ["woman", "background png"]
+    assert classes(pd_.clip_references(k0, 1, background=True)) == ["woman"]  # the background never takes the slot
+    assert classes(pd_.clip_references(k3, 4, background=True)) == ["woman", "backpack"]  # none to add
+    # A2's prefix: its roles, the largest of each, absent ones absent
+    roles = {k: {n: r.get("class_name", "png") for n, r in pd_.clip_roles(x).items()} for k, x in lines.items()}
+    assert [roles[k] for k in fx["keys"]] == [
+        dict(subject="woman", background="png"), dict(subject="woman", object="backpack", background="png"),
+        dict(subject="woman", object="dog", background="png"), dict(subject="woman", object="backpack")]
+    # a run's elements: A2's roles, or positional references (ref0, ref1, ...) filled largest first
+    released = [f"ref{i}" for i in range(4)]
+    assert {n: r["class_name"] for n, r in pd_.clip_elements(k2, released).items()} == dict(
+        ref0="dog", ref1="woman", ref2="backpack", ref3="hat")
+    assert sorted(pd_.clip_elements(k0, [*released[:3], "background"])) == ["background", "ref0"]
+    samples = pd_.list_index(out / "index.jsonl", public_cfg(out / "index.jsonl"), 0, [])
+    assert [sorted(s.refs) for s in samples] == [["background", "subject"], ["background", "object", "subject"],
+                                                 ["background", "object", "subject"], ["object", "subject"]]
