@@ -162,10 +162,14 @@ def test_bad_records_are_one_line_each_and_the_index_is_still_written(opens2v, t
         mine = [x for x in lines if x.startswith(key + ": ")]
         assert len(mine) == 1 and what in mine[0], (key, mine)
     assert len(lines) == len(expect)
-    assert c["clips kept"] == 1 and c["clips dropped: bad record"] == 2 and c["clips dropped: video missing"] == 1
+    assert c["clips kept"] == 2 and c["clips dropped: bad record"] == 2 and c["clips dropped: video missing"] == 1
     # "outside": its one subject mask is empty inside the crop (the others were taken out), so no subject is left
-    assert c["clips dropped: no subject mask"] == 1 and c["clips dropped: background png missing"] == 1
-    assert [json.loads(x)["key"] for x in (tmp_path / "out" / "index.jsonl").read_text().splitlines()] == [key0]
+    assert c["clips dropped: no subject mask"] == 1
+    # as BindWeave's loader, a clip whose background png is missing is kept without one (and named above)
+    assert c["clips without a background png (kept without a background)"] == 1
+    kept = [json.loads(x) for x in (tmp_path / "out" / "index.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in kept] == [key0, "nobackground_part1_step6"]
+    assert "background" in kept[0]["elements"] and "background" not in kept[1]["elements"]
 
 
 def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
