@@ -251,8 +251,8 @@ def clip_references(line: dict, most: int, background: bool) -> list[dict]:
     """The references of a clip for a kind without roles (Phantom, SkyReels-V3, MAGREF, in-context), as the released
     models were trained on the public data: every kept subject/object mask, largest first, and where the kind uses
     one the clip's background png (when it has one) in the last slot, `most` references in all (the kind's
-    maximum; a background never takes the only slot). Index lines without `references` (Phantom-Data, HuMoSet)
-    give their elements in role order."""
+    maximum; a background never takes the only slot). Phantom-Data's references are in its phrase order, the person
+    first; index lines without `references` (HuMoSet, indexes built before) give their elements in role order."""
     masks = line.get("references")
     if masks is None:
         masks = [dict(v, role=k) for k, v in (line.get("elements") or {}).items() if k != "background"]
@@ -664,8 +664,8 @@ class IndexPhantom:
 
     def rule(self) -> str:
         return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
-                "phrase/box class -> subject, the first other phrase -> object; box (768 canvas) scaled to the frame "
-                "and clipped")
+                "phrase/box class first (A2's subject), the others in phrase order (the first: A2's object); box "
+                "(768 canvas) scaled to the frame and clipped")
 
 
 def is_person(*words) -> bool:
@@ -725,10 +725,10 @@ def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Pat
         return None
     people = [r for p, r in refs if is_person(p, r["class_name"])]
     subject = people[0] if people else refs[0][1]
-    others = [r for _, r in refs if r is not subject]
-    elements = dict(subject=subject, **({"object": others[0]} if others else {}))
-    counts["references not used (a2: one subject, one object)"] += max(0, len(refs) - len(elements))
-    return dict(key=vid, dataset="phantom", video=str(video), caption=caption, elements=elements)
+    ordered = [subject, *(r for _, r in refs if r is not subject)]  # A2's subject, then its object, then the rest
+    counts[f"clips with {len(ordered) if len(ordered) < 8 else '8+'} reference(s)"] += 1
+    return dict(key=vid, dataset="phantom", video=str(video), caption=caption, elements={},
+                references=[dict(r, role="object" if i else "subject") for i, r in enumerate(ordered)])
 
 
 def index_phantom(a: IndexPhantom):

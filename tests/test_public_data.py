@@ -237,6 +237,9 @@ def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(shared_data, tmp_p
     assert c["clips kept"] == 1 and c["clips dropped: video not downloaded"] == 1
     assert c["boxes overflowing the 768 canvas (clipped at load)"] == 1
     assert "gone: " in (tmp_path / "out" / "report.txt").read_text()
+    line = json.loads((tmp_path / "out" / "index.jsonl").read_text())
+    assert [(r["role"], r["class_name"]) for r in pd_.clip_references(line, 4, background=True)] == [
+        ("subject", "person"), ("object", "mountain")]  # every phrase a reference, the person first
     s = pd_.list_index(tmp_path / "out" / "index.jsonl", public_cfg(tmp_path / "out" / "index.jsonl", "phantom"),
                        0, [])[0]
     _, images = pd_.load_sample(s, [], ["subject", "object"])
