@@ -815,7 +815,7 @@ def next_batch(batches, step: int) -> dict:
     try:
         return next(batches)
     except Exception as e:
-        text = str(e).strip()
+        text = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()  # a KeyError's str quotes
         if "DataLoader worker" not in text:
             raise
         lines = text.splitlines()  # "Caught X in DataLoader worker process 0. Original Traceback ... X: msg"

@@ -423,6 +423,27 @@ def test_a_loader_worker_raising_mid_epoch_ends_the_run_in_one_line(data_dir, tm
     assert sorted(c.name for c in (tmp_path / "r").glob("ckpt-*")) == ["ckpt-0000002"]
 
 
+def test_what_the_dataloader_raises_about_a_worker_is_one_line():
+    """A worker killed (the OOM killer) or failing outside a sample: LoaderError, one line (exit 1 in train_a2.py),
+    not the DataLoader's multi-line message; anything else is raised as it is."""
+    from data import LoaderError, next_batch
+
+    def raising(e):
+        raise e
+        yield
+
+    caught = ("Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+              '  File "x.py", line 1, in f\nKeyError: 7\n')
+    for e, line in ((RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly"),
+                     "step 5: a loader worker failed: DataLoader worker (pid(s) 123) exited unexpectedly"),
+                    (KeyError(caught), "step 5: a loader worker failed: KeyError: 7")):
+        with pytest.raises(LoaderError) as got:
+            next_batch(raising(e), 4)
+        assert str(got.value) == line
+    with pytest.raises(ZeroDivisionError):
+        next_batch(raising(ZeroDivisionError("x")), 4)
+
+
 def test_items_that_cannot_be_batched_fail_naming_each_sample_and_file():
     from data import collate
 
