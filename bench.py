@@ -237,7 +237,7 @@ def bench_opens2v(b: BenchConfig) -> dict:
     from PIL import Image
 
     from a2 import public_data
-    from a2.pipeline import read_image
+    from a2.images import read_image
     from data import read_frames
 
     root, shared = Path(b.opens2v), Path(__file__).resolve().parent.parent / "shared" / "data"

@@ -401,9 +401,10 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     if vae.reference_layout not in REFERENCE_LAYOUTS or vae.reference_timestep not in REFERENCE_TIMESTEPS:
         raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout!r} / reference_timestep "
                           f"{vae.reference_timestep!r}: expected one of {REFERENCE_LAYOUTS} / {REFERENCE_TIMESTEPS}")
-    if vae.reference_layout == "incontext" and vae.frame_conditioning != "full":
-        raise ConfigError(f"{where}.processors.vae: reference_layout incontext places element references; "
-                          f"frame_conditioning {vae.frame_conditioning!r} conditions on video frames (use full)")
+    if vae.reference_layout != "channel" and vae.frame_conditioning != "full":  # the element layouts take no frames
+        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout} places element "
+                          f"references; frame_conditioning {vae.frame_conditioning!r} conditions on video frames "
+                          "(use full)")
     if vae.frame_conditioning not in FRAME_CONDITIONING:
         raise ConfigError(f"{where}.processors.vae.frame_conditioning: {vae.frame_conditioning!r} is not one of "
                           f"{FRAME_CONDITIONING}")
@@ -416,9 +417,9 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     raw = d.get("elements", [])
     elements = check_elements([_element_from_json(e, i, defaults, f"{where}.elements[{i}]") for i, e in enumerate(raw)],
                               f"{where}.elements")
-    if vae.reference_layout == "incontext" and not elements:
-        raise ConfigError(f"{where}.processors.vae.reference_layout: incontext places element references, but "
-                          f"{where} lists no elements")
+    if vae.reference_layout != "channel" and not elements:  # every element layout but A2's default needs them
+        raise ConfigError(f"{where}.processors.vae.reference_layout: {vae.reference_layout} places element "
+                          f"references, but {where} lists no elements")
     buckets = tuple(d.get("frame_buckets", ()))
     if any((not isinstance(f, int)) or f < 1 or (f - 1) % 4 for f in buckets):
         raise ConfigError(f"{where}.frame_buckets: every bucket must be 4k+1, got {list(buckets)}")
@@ -488,6 +489,19 @@ class EvalConfig:
     """Elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0
     """Score this many evenly spaced frames (0: all)."""
+    # OpenS2V-Eval v1.1's metrics under their names (a2/opens2v.py), computed on the decoded video tensor
+
+    aes_clip: str | None = None
+    """aes_score: a CLIP ViT-L/14 dir (openai/clip-vit-large-patch14), with --eval.aes-mlp."""
+    aes_mlp: str | None = None
+    """aes_score: the LAION aesthetic MLP's state dict (OpenS2V-Weight/aesthetic-model.pth)."""
+    facesim: str | None = None
+    """cur_score of the --eval.faces elements: an OpenS2V-Weight dir (face_extractor/ +
+    glint360k_curricular_face_r101_backbone.bin); needs insightface and onnxruntime."""
+    gme: str | None = None
+    """gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
+    motion_fb: bool = False
+    """motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
 
 
 # ---------------------------------------------------------------- training (train_a2.py)
@@ -644,8 +658,9 @@ class TrainConfig:
     (they are clean; per-token timesteps as Wan 2.2 TI2V)."""
     prefix_frames: int = 1
     """--frame-conditioning prefix: how many leading pixel frames of the video are given as the condition."""
-    vae_sample_mode: Literal["sample", "argmax"] = "sample"
-    """Condition/target latents: a posterior sample (A2 samples at inference) or the posterior mode."""
+    vae_sample_mode: Literal["sample", "argmax"] | None = None
+    """Condition/target latents: a posterior sample or the posterior mode. Default: what the kind samples with on
+    the model (a2.conditioning.kind_sampling: A2 samples; diffusers' Wan I2V, Phantom, MAGREF, Stand-In the mean)."""
     skip_bad_samples: bool = False
     """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
     num_workers: int = 2
@@ -805,9 +820,9 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
         raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
                           "OUT/index.jsonl (data.py index) and --frame-conditioning full")
-    if cfg.reference_layout == "incontext" and no_elements:
-        raise ConfigError("--reference-layout incontext places element references: it needs element images "
-                          "(--dataset-type e2v, --frame-conditioning full)")
+    if cfg.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
+        raise ConfigError(f"--reference-layout {cfg.reference_layout} places element references: it needs element "
+                          "images (--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
     main = DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",

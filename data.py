@@ -17,21 +17,18 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import math
 import multiprocessing.context
 import os
 import random
-import re
 import signal
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
@@ -42,123 +39,58 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import clip_frames, reference_pixels
-from a2.pipeline import read_image
-from a2.standin import REFERENCE_SIZE
+from a2.conditioning import KIND_DEFS, clip_frames, element_layout, element_refusal, reference_pixels
+from a2.images import read_image
+from a2.media import (
+    VIDEO_EXTS,
+    DatasetError,
+    Problem,
+    Sample,
+    _decode,
+    _manifest_rows,
+    caption_problems,
+    clip_length,
+    frame_buckets,
+    probe_video,
+    read_frames,
+)
 from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
     PUBLIC_TYPES,
     DatasetConfig,
     Element,
-    InputError,
     TrainConfig,
     dataset_configs,
-    printable,
     read_text,
     run_cli,
 )
 
-VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
-DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
-LLM_PREFIXES = (
-    "the video shows", "the video depicts", "the video features", "the video captures", "the video showcases",
-    "this video shows", "this video depicts", "in this video,", "in this video", "in the video,", "in the video",
-    "the clip shows", "the scene shows", "the footage shows", "a video of", "a clip of",
-)
 
 
-class DatasetError(InputError):
-    """Invalid dataset: the message lists every problem, one line each (Problem)."""
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One problem of one sample, printed `<id>: <file> (<where>): <what>`; where: the manifest line, if any.
-    A warning is reported and the sample kept; any other problem makes the sample bad."""
-
-    id: str
-    file: object
-    what: str
-    where: str = ""
-    warning: bool = False
-
-    def __str__(self):
-        where = f" ({self.where})" if self.where else ""
-        return printable(f"{self.id}: {self.file}{where}: {self.what}")
 
 
 # ---------------------------------------------------------------- captions
 
 
-def clean_caption(text: str) -> str:
-    """Strip the boilerplate LLM captioners start with ("The video shows ...", "In this video, ...")."""
-    text = " ".join(text.split())
-    lowered = text.lower()
-    for p in LLM_PREFIXES:
-        if lowered.startswith(p):
-            text = text[len(p):].lstrip(" ,:")
-            return text[:1].upper() + text[1:]
-    return text
 
 
-def t5_tokens_at_least(text: str) -> int:
-    """A lower bound of the prompt's T5 (umT5 SentencePiece) tokens without loading a tokenizer: every word and every
-    punctuation mark is at least one token (rare and long words are several), plus the end-of-text token."""
-    return len(re.findall(r"\w+|[^\w\s]", text)) + 1
 
 
-def caption_problems(sid: str, text: str, file, where: str, cfg: DatasetConfig) -> tuple[str, list[Problem]]:
-    """The prompt a caption trains as, and what is wrong with it."""
-    prompt = clean_caption(text) if cfg.remove_common_llm_caption_prefixes else text.strip()
-    if not prompt:
-        what = ("empty caption" if not text.strip() else
-                f"caption {text.strip()[:40]!r} is empty once the captioner's boilerplate is removed")
-        return prompt, [Problem(sid, file, what, where)]
-    n = t5_tokens_at_least(prompt)
-    if n > TEXT_TOKENS:
-        return prompt, [Problem(sid, file, f"caption has at least {n} T5 tokens; the text encoder reads the first "
-                                           f"{TEXT_TOKENS}", where, warning=True)]
-    return prompt, []
 
 
 # ---------------------------------------------------------------- video decoding
 
 
-def _decode(path: Path, last: int | None = None):
-    """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
-    import av
-
-    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
-        if not c.streams.video:
-            raise ValueError("no video stream (an audio-only file?)")
-        stream = c.streams.video[0]
-        stream.thread_type = "AUTO"
-        for i, frame in enumerate(c.decode(stream)):
-            yield i, frame
-            if last is not None and i >= last:
-                return
 
 
-def displayed(frame) -> np.ndarray:
-    """A decoded frame as it is meant to be shown, (H, W, 3) uint8: the rotation of the display matrix applied (a
-    portrait phone video is stored landscape with a 90 degree rotation)."""
-    return np.rot90(frame.to_ndarray(format="rgb24"), k=round(frame.rotation / 90) % 4)
 
 
-def probe_video(path: Path) -> tuple[int, tuple[int, int]]:
-    """(frames the container lists, 0 if it does not; (H, W) as displayed), from the first decoded frame."""
-    import av
-
-    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
-        listed = int(c.streams.video[0].frames) if c.streams.video else 0
-    for _, frame in _decode(path, 0):
-        turned = round(frame.rotation / 90) % 2
-        return listed, ((frame.width, frame.height) if turned else (frame.height, frame.width))
-    raise ValueError("no frame decodes")
 
 
 def decodable_frames(path: Path, last: int | None = None) -> int:
@@ -166,17 +98,6 @@ def decodable_frames(path: Path, last: int | None = None) -> int:
     return sum(1 for _ in _decode(path, last))
 
 
-def read_frames(path: Path, indices: list[int]) -> np.ndarray:
-    """Decode the frames at `indices` (may repeat) -> (len, H, W, 3) uint8 as displayed. PyAV, decoding up to the
-    last."""
-    want, got = set(indices), {}
-    for i, frame in _decode(path, max(indices)):
-        if i in want:
-            got[i] = displayed(frame)
-    missing = sorted(want - set(got))
-    if missing:
-        raise ValueError(f"could not decode frames {missing[:5]} (the file has fewer frames than it lists)")
-    return np.stack([got[i] for i in indices])
 
 
 def read_npz(path: Path) -> np.ndarray:
@@ -255,20 +176,12 @@ def frame_windows(total: int, frames: int, cfg: DatasetConfig) -> list[tuple[int
     return [tuple(src[s:s + frames]) for s in starts]
 
 
-def frame_buckets(cfg: DatasetConfig, num_frames: int) -> tuple[int, ...]:
-    """Clip lengths a dataset trains with: num_frames, or with auto_frame_buckets each bucket up to it."""
-    if not cfg.auto_frame_buckets:
-        return (num_frames,)
-    return tuple(f for f in (cfg.frame_buckets or DEFAULT_FRAME_BUCKETS) if f <= num_frames) or (num_frames,)
 
 
-def clip_length(cfg: DatasetConfig, num_frames: int, total: int) -> int:
-    """Frames a clip of `total` frames trains with: the largest of its dataset's buckets it fills (0: none)."""
-    return max((f for f in frame_buckets(cfg, num_frames) if f <= total), default=0)
 
 
 def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
-    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.pipeline.preprocess_image.
+    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.images.preprocess_image.
 
     Resizes in uint8, channels-last: PyTorch's vectorised uint8 bicubic kernel is ~50x faster than the float one
     (81 frames to 480x832: 0.1 s vs 4-5 s on one core) and differs from it only by the final rounding."""
@@ -300,30 +213,6 @@ def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch
 # ---------------------------------------------------------------- scanning and validation
 
 
-@dataclass
-class Sample:
-    id: str
-    dataset: int  # index into the run's dataset configs
-    video: Path
-    prompt: str  # the caption as trained (decoded, boilerplate removed)
-    elements: dict[str, Path] = field(default_factory=dict)  # element name -> image
-    num_frames: int = 0
-    size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
-    where: str = ""  # its manifest line, for messages
-    problems: list[Problem] = field(default_factory=list)
-    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to (x0, x1, y0, y1), and
-    # each element image is built from refs[name] (a mask, box or image entry of the index)
-    start: int = 0
-    crop: tuple | None = None
-    refs: dict = field(default_factory=dict)
-    cluster: str | None = None  # OpenS2V's cross-video cluster
-    # --frame-extraction other than spread: the source frames of each window (check_sample); one each once scan has
-    # made every window a sample of its own
-    windows: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def bad(self) -> bool:
-        return any(not p.warning for p in self.problems)
 
 
 def _visible_files(root: Path) -> dict[str, list[Path]]:
@@ -390,30 +279,6 @@ def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetC
     return out
 
 
-def _manifest_rows(path: Path) -> list[tuple[int, dict | None, str]]:
-    """(line, row with stripped lower-case keys or None, why not): CSV (any of , ; tab as Excel writes them) or
-    JSONL."""
-    try:
-        text = read_text(path)
-    except ValueError as e:
-        raise DatasetError(f"{path}: manifest is {e}") from None
-    if path.suffix.lower() in (".csv", ".tsv"):
-        header = text.split("\n", 1)[0]
-        reader = csv.DictReader(io.StringIO(text), delimiter=max(",;\t", key=header.count))
-        return [(reader.line_num, {k.strip().lower(): v.strip() for k, v in r.items() if isinstance(k, str)
-                                   and isinstance(v, str)}, "") for r in reader]
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            rows.append((n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
-            continue
-        rows.append((n, {str(k).strip().lower(): v for k, v in r.items()}, "") if isinstance(r, dict)
-                    else (n, None, f"expected a JSON object, got {type(r).__name__}"))
-    return rows
 
 
 def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
@@ -588,6 +453,10 @@ class E2VDataset(torch.utils.data.Dataset):
                 ("warning: " if p.warning else "") + str(p) for p in problems)
                                + "\n(--skip-bad-samples drops these samples instead)")
         self.samples = [s for s in samples if not s.bad]
+        # the element sets the run's kind cannot take (a2.conditioning.Kind.references): named, left out before step 1
+        refusals = [layout and element_refusal(layout, len(s.elements)) for s in self.samples]
+        self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
+        self.samples = [s for s, why in zip(self.samples, refusals) if not why]
         self.buckets = [self.bucket_of(s) for s in self.samples]
         if verbose:
             print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
@@ -597,8 +466,10 @@ class E2VDataset(torch.utils.data.Dataset):
     def summary(self, problems: list[Problem], skipped: int, global_batch: int) -> list[str]:
         """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
         lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
-                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")]
+                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")
+                 + (f"; left out {len(self.left_out)} whose element set the kind cannot take" if self.left_out else "")]
         lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
+        lines += [f"  left out: {p}" for p in self.left_out]
         for di, c in enumerate(self.cfgs):
             mine = [s for s in self.samples if s.dataset == di]
             cover = ", ".join(f"{e.name} {sum(e.name in s.elements for s in mine)}/{len(mine)}" for e in c.elements)
@@ -659,7 +530,9 @@ class E2VDataset(torch.utils.data.Dataset):
                             text=text, clip=c.get("clip"), region=c.get("region"), element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(self.layout.reference_images if self.layout else len(elements), 3,
+                            ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
+                                       if self.layout
+                                       else len(elements), 3,
                                        *(self.layout and self.layout.reference_size or (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
@@ -882,14 +755,11 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 
     dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
     dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    # version 2: A2's pad/crop-then-resize preprocessing of images and frames; magref 3: its canvas made of the
-    # element images as read (no longer framed to the video first), the pixel region mask cached
-    key = dict(version=3 if kind == "magref" else 2,
+    key = dict(**dict(KIND_DEFS[kind].cache_fields if kind else (("version", 2),)),  # the kind's own fields
                encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
                datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
-               **({"reference_size": REFERENCE_SIZE} if kind == "standin" else {}),  # not the video's, as once
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -28,18 +28,15 @@ import torch
 import tyro
 
 from a2 import standin
-from a2.conditioning import plan
+from a2.conditioning import KIND_DEFS, kind_sampling, plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import expansion_file, load_expanded, load_lora
 from a2.pipeline import (
-    A2_NEGATIVE_PROMPT,
-    WAN_NEGATIVE_PROMPT,
     A2Pipeline,
     check_size,
     load_first_frame,
     load_references,
     save_video,
-    schedule_sigmas,
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
@@ -86,18 +83,17 @@ class InferConfig:
     element_specs: tuple[str, ...] = ()
     """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
     Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
-    preset: Literal["phantom", "v3", "v3-distilled", "standin"] | None = None
-    """Sample as a released model's own code does; sets the flags still at their defaults. phantom: 50 steps,
-    --guidance-scale 7.5 --guidance-scale-img 5 (three forwards a step), Wan's Chinese negative prompt, 16 fps.
-    v3: 50 steps, 7.5 / 5, empty negative prompt, 24 fps. v3-distilled (SkyReels-V3's released generate_video):
-    8 steps, guidance 1 (one forward a step), 121 frames (5 s), 24 fps. Shift 5 and their UniPC schedule come with
-    the model dir either way. standin (Stand-In's infer.py, on Wan T2V with its --lora file): --reference-layout
-    standin, Euler on --schedule flowmatch with shift 5, 20 steps, guidance 5, Wan's Chinese negative prompt, seed 0,
-    the noise drawn on the CPU (their rand_device), 25 fps."""
+    preset: Literal["v3-distilled"] | None = None
+    """Another of the lab's own entry points for its model (a2.conditioning.Kind.modes): v3-distilled, SkyReels-V3's
+    released generate_video: 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset every flag
+    left out is the model's own sampler's (its kind's Sampling: Phantom-Wan 50 steps, guidance 7.5 / 5, Wan's
+    Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, empty negative prompt, 24 fps; MAGREF its UniPC from
+    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift
+    5, 20 steps, seed 0, the noise on the CPU, 25 fps; the references' VAE encode as each lab's)."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """Text prompt of the video."""
-    negative_prompt: str = A2_NEGATIVE_PROMPT
-    """Negative prompt of classifier-free guidance (default: A2's)."""
+    negative_prompt: str | None = None
+    """Negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
     height: int | None = None
     """Video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
     width: int | None = None
@@ -108,22 +104,23 @@ class InferConfig:
     """4k+1 pixel frames generated in all, reference frames included (default 81, A2's, of which 12 are references; a
     built-in tiny model: 33)."""
     steps: int | None = None
-    """Denoising steps of the sampler (default 50; a built-in tiny model: 10)."""
-    guidance_scale: float = 5.0
-    """Classifier-free guidance scale (1: no guidance, one forward per step)."""
+    """Denoising steps of the sampler (default: the model's own sampler's, 50; a built-in tiny model: 10)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
     guidance_scale_img: float | None = None
-    """--reference-layout incontext: reference guidance as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
-    references; Phantom: --guidance-scale 7.5 --guidance-scale-img 5). Default: text CFG only, references in both."""
+    """Reference guidance of the in-context kinds as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
+    references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same as 1)."""
     guidance_scale_2: float | None = None
     """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
-    seed: int = 42
-    """Seed of the initial noise and of the condition's VAE posterior sample."""
+    seed: int | None = None
+    """Seed of the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the
+    model's own sampler's, 42; Stand-In 0)."""
     flow_shift: float | None = None
     """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
-    scheduler: Literal["unipc", "euler"] = "unipc"
-    """Sampler: UniPC multistep (A2's) or flow-matching Euler."""
+    scheduler: Literal["unipc", "euler"] | None = None
+    """Sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
     schedule: Literal["model", "flowmatch"] = "model"
-    """The sampler's unshifted sigmas: the model's (a released model's own UniPC schedule, else diffusers'), or
+    """The sampler's unshifted sigmas: the model's (its kind's own: a released model's, else diffusers'), or
     flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
     linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
     combine: Literal["before", "after"] = "before"
@@ -137,8 +134,9 @@ class InferConfig:
     video's size (load its LoRA file with --lora)."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
-    sample_mode: Literal["sample", "argmax"] = "sample"
-    """Condition latents: a posterior sample with the seed's generator (A2) or the posterior mode (diffusers)."""
+    sample_mode: Literal["sample", "argmax"] | None = None
+    """Condition latents: a posterior sample with the seed's generator (A2) or the posterior mode (diffusers' Wan,
+    Phantom-Wan, MAGREF, Stand-In). Default: the model's own."""
     clip_size: int = 512
     """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
@@ -161,8 +159,8 @@ class InferConfig:
     """torch device to run on (cuda, cuda:1, cpu)."""
     out: str = "outputs/a2.mp4"
     """Output mp4 path."""
-    fps: int = 15
-    """Frames per second of the written mp4."""
+    fps: int | None = None
+    """Frames per second of the written mp4 (default: the model's own, 15 for A2)."""
     side_by_side: bool = True
     """Show the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None
@@ -176,7 +174,9 @@ class InferConfig:
     train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
     side (left: base, right: LoRA): one mp4 per prompt."""
     eval_set: str | None = None
-    """Score the model (and a --lora against it): a .jsonl file, one video per row: {"prompt": "...", "elements":
+    """An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside its Images/): render one
+    <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. Or score the model (and
+    a --lora against it) on a2's own metrics: a .jsonl file, one video per row: {"prompt": "...", "elements":
     {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
     ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
     rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
@@ -191,14 +191,12 @@ class InferConfig:
 
     def __post_init__(self):
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
-        defaults = {f.name: f.default for f in fields(self)}  # a --preset fills the flags left at their defaults
-        for key, value in PRESETS.get(self.preset, {}).items():
-            if getattr(self, key) == defaults[key]:
-                setattr(self, key, value)
+        if self.preset and self.num_frames is None:  # the lab's entry point's length (the rest: own_sampling)
+            self.num_frames = next(s for k in KIND_DEFS.values() for n, s in k.modes if n == self.preset).num_frames
         # a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a
         # CPU; it is sampled at the size the README demo trains it at unless the size is given
         tiny = self.model in TINY_MODELS and not self.model.startswith("random-")
-        size, frames, steps = ((64, 64), 33, 10) if tiny else ((480, 832), 81, 50)
+        size, frames, steps = ((64, 64), 33, 10) if tiny else ((480, 832), 81, None)
         defaulted = [flag for flag, v in (("size", self.resolution or self.height and self.width),
                                           ("frames", self.num_frames), ("steps", self.steps)) if v is None]
         self.height, self.width = height_width(self.height, self.width, self.resolution, size)
@@ -212,15 +210,17 @@ class InferConfig:
                                   "size; --resolution, --num-frames and --steps set them)")
 
 
-# the released models' own sampling settings (a2/pipeline.py NATIVE_SAMPLING has their shift and schedule)
-PRESETS = {
-    "phantom": dict(steps=50, guidance_scale=7.5, guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16),
-    "v3": dict(steps=50, guidance_scale=7.5, guidance_scale_img=5.0, negative_prompt="", fps=24),
-    "v3-distilled": dict(steps=8, guidance_scale=1.0, guidance_scale_img=None, negative_prompt="", num_frames=121,
-                         fps=24),
-    "standin": dict(reference_layout="standin", scheduler="euler", schedule="flowmatch", flow_shift=5.0, steps=20,
-                    guidance_scale=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, seed=0, fps=25),
-}
+OWN = ("negative_prompt", "guidance_scale", "guidance_scale_img", "steps", "fps", "seed")  # Sampling's names
+
+
+def own_sampling(cfg: InferConfig, info, layout):
+    """The flags left out (None) set to what `layout`'s kind samples with on this model, or the lab's --preset entry
+    point (a2.conditioning.kind_sampling): the one place infer.py's defaults come from. Returns that Sampling."""
+    own = kind_sampling(layout.kind, info.name, cfg.preset)
+    for name in OWN:
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, getattr(own, name))
+    return own
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -279,7 +279,7 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def read_references(cfg: InferConfig, images, info=None, first_frame: bool = False) -> dict:
+def read_references(cfg: InferConfig, images, info=None, first_frame: bool = False, seed: int | None = None) -> dict:
     """Element images (`path` or `name=path`) paired with the element specs, the layout they are sampled in
     (check_layout) and the images loaded as it takes them (errors name the file): dict(refs, clip_refs, repeats,
     region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Default specs: A2's, or a
@@ -287,6 +287,8 @@ def read_references(cfg: InferConfig, images, info=None, first_frame: bool = Fal
     default = RELEASED_ELEMENTS if info is not None and info.native_kind else A2_ELEMENTS
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
     layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame)
+    if layout is not None and own_sampling(cfg, info, layout).seeded_placement:  # MAGREF's canvas follows the seed
+        layout = replace(layout, placement_seed=cfg.seed if seed is None else seed)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
     refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
@@ -304,9 +306,10 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
 
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
-             first_frame=None, region=None) -> dict:
-    # Stand-In draws its noise with a CPU generator (rand_device="cpu") whatever the device
-    device = "cpu" if cfg.preset == "standin" else cfg.device
+             first_frame=None, region=None, layout=None) -> dict:
+    """One video in `layout` (check_layout's, the one plan), every setting the flags leave out its kind's own."""
+    own = kind_sampling(layout.kind, pipe.model, cfg.preset) if layout is not None else None
+    device = "cpu" if own is not None and own.noise_on_cpu else cfg.device  # Stand-In's rand_device
     generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
     sigmas = None if cfg.schedule == "model" else schedule_sigmas(cfg.schedule, cfg.steps)
     return pipe(prompt, refs, clip_refs, repeats, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
@@ -316,7 +319,7 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, r
                 flow_shift=cfg.flow_shift,
                 combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
                 reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep,
-                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region)
+                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region, layout=layout)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -342,7 +345,7 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
         for model in models:
             set_lora(pipe, model == "lora")
             video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed,
-                             region=row["region"])["video"][0]
+                             region=row["region"], layout=row["layout"])["video"][0]
             halves.append(video)
             if evaluators is not None:
                 result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
@@ -355,6 +358,63 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
         print(f"wrote {paths[-1]}" + (" (left: base, right: LoRA)" if len(models) == 2 else ""))
     (out_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
     return scores
+
+
+def opens2v_set(cfg: InferConfig) -> bool:
+    """--eval-set names an OpenS2V-Eval set (`<Domain>_Eval.json`, a JSON object of samples), not a2's .jsonl."""
+    return bool(cfg.eval_set) and Path(cfg.eval_set).suffix == ".json"
+
+
+def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
+    """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
+    prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
+    layout planned here, before any weights load (errors name the sample); the images load when rendered."""
+    from PIL import Image
+
+    from a2.opens2v import read_eval_set
+
+    specs = parse_elements(cfg.element_specs) if cfg.element_specs else (
+        RELEASED_ELEMENTS if info.native_kind else A2_ELEMENTS)
+    rows = []
+    for sid, sample in read_eval_set(cfg.eval_set).items():
+        where = f"{cfg.eval_set}: sample {sid}"
+        images = [str(p) for p in sample["images"]]
+        try:
+            for path in images:
+                with Image.open(path) as im:
+                    im.verify()
+            items = pair_elements(images, specs)
+            layout = check_layout(cfg, info, tuple(e for e, _ in items), False)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{where}: {e}") from e
+        rows.append(dict(id=sid, prompt=sample["prompt"], line=where, images=images, layout=layout,
+                         elements={e.name: None for e, _ in items}))
+    return rows
+
+
+def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], info) -> None:
+    """One `<sample id>.mp4` per sample in --out-dir, OpenS2V-Eval's layout (the model as loaded: with its LoRA
+    when one is given; no references beside the frames). Resumable: a video already there is kept; a video is
+    written into out_dir/.partial/ and moved in when complete, so an interrupted one is redone."""
+    out_dir = Path(cfg.out_dir)
+    partial = out_dir / ".partial"
+    for i, row in enumerate(rows, 1):
+        path = out_dir / f"{row['id']}.mp4"
+        if path.is_file():
+            print(f"[{i}/{len(rows)}] {row['id']}: kept (done before)")
+            continue
+        try:
+            refs = read_references(cfg, row["images"], info)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{row['line']}: {e}") from e
+        video = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["repeats"],
+                         region=refs["region"])["video"][0]
+        save_video(partial / path.name, video, cfg.fps).replace(path)
+        print(f"[{i}/{len(rows)}] {row['id']}: wrote {path}", flush=True)
+    if partial.is_dir() and not any(partial.iterdir()):
+        partial.rmdir()
+    print(f"score them: python3 -m a2.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
+          "--aes-clip/--aes-mlp, --face, --gme; README 'OpenS2V-Eval')")
 
 
 def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
@@ -400,6 +460,9 @@ def main(cfg: InferConfig) -> int:
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
             raise ValueError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
+    if cfg.reference_layout == "channel" and any(p and standin.is_lora_file(p) for p in
+                                                 (*cfg.lora, cfg.lora_high, cfg.lora_low)):
+        cfg.reference_layout = "standin"  # a Stand-In file is sampled in its own kind
     rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
@@ -410,10 +473,13 @@ def main(cfg: InferConfig) -> int:
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
             raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")
-        rows = read_rows(cfg.eval_set or cfg.prompts_file)
-        for row in rows:  # read and check every row's images before loading any model
+        if opens2v_set(cfg):
+            rows = read_opens2v_set(cfg, info)
+        else:
+            rows = read_rows(cfg.eval_set or cfg.prompts_file)
+        for row in rows if not opens2v_set(cfg) else ():  # every row's images read and checked before any model
             try:
-                row.update(read_references(cfg, row.get("images", cfg.elements), info))
+                row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
@@ -460,6 +526,9 @@ def main(cfg: InferConfig) -> int:
             print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
         elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
             print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
+    if rows is not None and opens2v_set(cfg):
+        render_opens2v_set(cfg, pipe, rows, info)
+        return 0
     if rows is not None:
         evaluators = None
         if cfg.eval_set:
@@ -471,7 +540,7 @@ def main(cfg: InferConfig) -> int:
                   + format_table(means))
         return 0
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame,
-                   region=refs["region"])
+                   region=refs["region"], layout=refs["layout"])
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)

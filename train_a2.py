@@ -25,10 +25,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import tyro
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,14 +43,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2.conditioning import (
-    CHANNEL_KINDS,
-    Conditioning,
     Layout,
     PosteriorCache,
     drop,
+    element_layout,
     encode,
+    kind_sampling,
     kind_weights,
     loss_start,
+    model_flow_shift,
     model_input,
     num_latent_frames,
     plan,
@@ -79,7 +83,6 @@ from a2.pipeline import (
     load_encoders,
     load_first_frame,
     load_references,
-    sampler_settings,
     save_video,
     tensor_to_uint8,
 )
@@ -199,6 +202,7 @@ class Run:
     compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
     val_elements: bool = False  # --val-elements given
     val_every: int = 0  # --val-every
+    encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
 
     @property
     def validates(self) -> bool:
@@ -261,7 +265,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every)
+               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every,
+               cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
@@ -381,7 +386,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     source = None
     if cfg.fsdp:
         transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or run.layout.kind not in CHANNEL_KINDS
+    assert is_e2v(transformer) or not run.layout.channel
     prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
     if cfg.training_type == "lora":
         from peft import LoraConfig
@@ -435,17 +440,18 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     from a2.trace import compiled_peak, report
     from a2.trace import dry_run as trace_step
 
-    layout = run.layout
-    if layout.kind not in ("prefix", "inplace", "t2v") or run.info.ti2v or cfg.fsdp:
-        raise ConfigError(f"--dry-run traces the prefix, inplace and t2v kinds without --fsdp, not {layout.kind}")
+    layout = run.layout  # the largest element set: the configured one (data buckets hold it or a subset)
+    if cfg.fsdp:
+        raise ConfigError("--dry-run traces one process's step: drop --fsdp")
     # as on CUDA: bf16 with --mixed-precision bf16, the blocks compiled unless --compile False
     run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.compile, "cuda"))
     h, w = cfg.resolution
-    b, s, t_lat = cfg.micro_batch, run.info.vae_scale, num_latent_frames(layout.num_frames)
+    b = cfg.micro_batch
     budget = cfg.max_memory_gb or 80.0
     full = cfg.training_type == "full"
     tokens = b * layout.tokens(run.info, h, w)
     config = {}
+    log(f"dry run: the step of the run's largest element set, {len(layout.repeats)} element(s)")
 
     def plan_for(model):
         config.update(model.config)
@@ -457,16 +463,17 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
                            offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks, compile=run.compile)
         return replace(plan, why=f"--memory auto: {plan.why}")
 
-    def forward(model):
-        latents = torch.zeros(b, run.info.z_dim, t_lat, h // s, w // s)  # (B, 16, T, h, w)
-        cond = Conditioning(layout.kind, per_token=layout.per_token)  # the shapes a2/conditioning.py builds
-        if layout.kind in CHANNEL_KINDS:
-            cond.condition = torch.zeros(b, 4 + run.info.z_dim, t_lat, h // s, w // s)  # (B, 4 + C, T, h, w)
-            cond.ref_latents = latents[:, :, :layout.ref_latents] if layout.kind == "prefix" else None
-        if layout.use_clip:
-            cond.image = torch.zeros(b, CLIP_TOKENS * len(run.elements), model.config.image_dim)  # (B, 257·N, D)
-        inputs = dict(x0=latents, noise=torch.zeros_like(latents), sigmas=torch.full((b,), 0.5), cond=cond,
-                      text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim), reference_images=None)
+    batch, enc = synthetic_batch(run, b, h, w)
+
+    def forward(model):  # the training step itself (model_inputs + forward_loss), on zero posteriors
+        # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
+        with unset_fake_temporarily():
+            zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]],
+                         text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim),
+                         clip=torch.zeros(b, CLIP_TOKENS * layout.reference_images, model.config.image_dim or 1)
+                         if layout.use_clip else None)
+            inputs = model_inputs(zeros, 0, 0, cfg, run, replace(enc, empty_text=torch.zeros(
+                1, TEXT_TOKENS, model.config.text_dim)), 0, torch.device("cpu"))
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
         return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
 
@@ -480,6 +487,43 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
         sys.exit(3)
     return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
                 compiled_gb=compiled)
+
+
+class PosteriorShapes:
+    """A VAE stand-in that hands out a posterior of the right shape for each encode, on the meta device (no data):
+    what a precompute cache of the run would hold, for a synthetic batch."""
+
+    def __init__(self, info):
+        self.config = SimpleNamespace(latents_mean=[0.0] * info.z_dim, latents_std=[1.0] * info.z_dim,
+                                      scale_factor_spatial=info.vae_scale)
+        self.z_dim, self.shapes = info.z_dim, []
+
+    def parameters(self):
+        return iter([torch.empty(0, device="meta")])
+
+    def encode(self, pixels: torch.Tensor):
+        b, _, f, h, w = pixels.shape
+        s = self.config.scale_factor_spatial
+        params = torch.zeros(b, 2 * self.z_dim, num_latent_frames(f), h // s, w // s, device="meta")
+        self.shapes.append(tuple(params.shape))
+        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
+
+
+def synthetic_batch(run: Run, b: int, h: int, w: int) -> tuple[dict, Encoders]:
+    """A cached batch of the run's layout (its largest element set) as model_inputs reads it, and the Encoders of a
+    run trained from the cache: the posteriors' shapes (the kind's VAE calls, traced on meta tensors), no data. The
+    dry run fills them with zeros (fake tensors)."""
+    layout = run.layout
+    vae = PosteriorShapes(run.info)
+    video = torch.empty(b, 3, layout.clip_frames, h, w, device="meta")
+    size = layout.reference_size or (h, w)
+    refs = torch.empty(b, layout.reference_images, 3, *size, device="meta") if layout.takes_references else None
+    region = torch.ones(b, h, w, dtype=torch.bool) if layout.takes_region else None
+    encode(vae, layout, video, refs, None, "argmax", region)
+    batch = dict(indices=list(range(b)), posteriors=vae.shapes, video_shape=tuple(video.shape),
+                 ref_shape=None if refs is None else tuple(refs.shape), region=region, repeats=layout.repeats,
+                 element_names=tuple(e.name for e in run.elements) if layout.takes_references else ())
+    return batch, Encoders(latents_config=vars(vae.config))
 
 
 def meta_replica(transformer):
@@ -545,7 +589,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
     sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
                                                                                    cfg.timestep_buckets))
                                for g, k in zip(gens, ks)]), device)  # (B,)
-    layout = run.layout
+    layout = element_layout(run.layout, batch["repeats"])  # the batch's element set (its bucket's)
     with torch.no_grad():
         s = run.info.vae_scale
         noise = h2d(torch.stack([torch.randn(run.info.z_dim, num_latent_frames(layout.num_frames), height // s,
@@ -557,7 +601,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else h2d(batch["ref_vae"], device)
         region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
-        x0, cond = encode(vae, layout, video, refs, gens, cfg.vae_sample_mode,
+        x0, cond = encode(vae, layout, video, refs, gens, run.encode_mode,
                           None if region is None else h2d(region, device))
         text = (h2d(batch["text"], device) if cached
                 else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
@@ -599,7 +643,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
         rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
         with torch.no_grad():
             video, refs, region = batch["video"].to(enc.vae.device), batch.get("ref_vae"), batch.get("region")
-            _, cond = encode(rec, run.layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax",
+            layout = element_layout(run.layout, batch["repeats"])  # the sample's own element set
+            _, cond = encode(rec, layout, video, None if refs is None else refs.to(enc.vae.device), None, "argmax",
                              region)
             text = encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"])[0]  # (512, D), zeros after tokens
             clip = image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"])[0] \
@@ -650,12 +695,14 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, expand_timesteps=run.info.ti2v, **sampler_settings(run.info))
+                      **experts, expand_timesteps=run.info.ti2v, native_kind=run.info.native_kind,
+                      model=run.info.name, flow_shift=model_flow_shift(run.info.parts_dir))
+    layout = validation_layout(element_layout(run.layout, repeats), repeats)  # the elements given: any set it takes
     with amp:
-        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
+        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=layout.num_frames,
                    num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
                    flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   layout=validation_layout(run.layout, repeats), region=region,
+                   layout=layout, region=region, sample_mode=run.encode_mode,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

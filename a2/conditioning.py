@@ -46,22 +46,160 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+import random
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
+from a2 import standin
+from a2.images import MAGREF_GRIDS, element_tensors, magref_canvas, pil_to_tensor, preprocess_image
+from a2.transformer import resolve_e2v_type
 from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
 
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "standin")
-CHANNEL_KINDS = ("prefix", "inplace", "magref")  # the condition enters on the channel axis (36-channel models)
-APPENDED_KINDS = ("incontext", "phantom", "v3")  # the reference latents follow the video's on the time axis
-REFERENCE_KINDS = ("prefix", "magref", "standin") + APPENDED_KINDS  # the kinds made from element images
-NATIVE_KINDS = ("phantom", "v3")  # the released models' own layouts, chosen by their weights (ModelInfo.native_kind)
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
+
+
+# ---------------------------------------------------------------- the kinds
+
+A2_NEGATIVE_PROMPT = (
+    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+    "background, three legs, many people in the background, walking backwards"
+)
+
+
+def model_flow_shift(model_dir, default: float = 8.0) -> float:
+    """The sampler shift a model dir ships (scheduler_config flow_shift / shift: A2 8, Wan2.1 T2V 3, ...)."""
+    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    if not path.exists():
+        return default
+    c = json.loads(path.read_text())
+    return float(c.get("flow_shift") or c.get("shift") or default)
+
+
+# Wan's own negative prompt (the Chinese original of A2's), which Phantom-Wan always samples with
+WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"  # noqa: RUF001
+                       "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
+                       "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
+                       "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
+SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
+def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
+    """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
+    start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
+    phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
+    use_flow_sigmas default, which SkyReels-V3 pins. flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0,
+    extra_one_step=True), Stand-In's Euler sampler: torch's float32 linspace(1, 0, steps + 1) without the 0 (diffusers'
+    FlowMatchEuler default ends near 0.005 instead). Fed to set_timesteps(sigmas=), which shifts them."""
+    if schedule == "diffusers":
+        return None
+    if schedule == "phantom":
+        return np.linspace(float(np.float32(1 - 1 / 1000)), 0, steps + 1)[:-1].copy()
+    if schedule == "diffusers034":
+        return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
+    if schedule == "flowmatch":  # torch's linspace, not numpy's: float32 values that can differ in the last bit
+        return torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a kind's own code samples: what A2Pipeline and infer.py use for every setting the caller leaves out."""
+
+    scheduler: str = "unipc"  # unipc | euler (make_scheduler)
+    schedule: str = "diffusers"  # the unshifted sigmas (schedule_sigmas)
+    flow_shift: float | None = None  # None: the shift the model dir ships (model_flow_shift)
+    encode_mode: str = "sample"  # the references' / condition's VAE encode: a posterior sample or its mean (argmax),
+    # in training too (its encode is its sampling's)
+    steps: int = 50
+    guidance_scale: float = 5.0
+    guidance_scale_img: float | None = None  # the appended kinds' reference guidance (a third forward); None: off
+    negative_prompt: str = A2_NEGATIVE_PROMPT
+    num_frames: int | None = None  # None: the caller's (81 pixel frames)
+    fps: int = 15
+    seed: int = 42
+    noise_on_cpu: bool = False  # the noise drawn with a CPU generator whatever the device (Stand-In's rand_device)
+    seeded_placement: bool = False  # MAGREF: the seed shuffles the canvas (Layout.placement_seed = the seed)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One conditioning kind: everything that differs between kinds as data. What is truly particular (MAGREF's
+    canvas, Stand-In's packing, the clean frames) stays an `if kind ==` in the functions below."""
+
+    name: str
+    axis: str  # where the condition enters: none | channel (mask | condition, 36 channels) | time (after x_t) |
+    # tokens (Stand-In's packed reference) | frames (clean leading latent frames)
+    references: tuple[int, int] = (0, 0)  # (fewest, most) element images one sample takes; (0, 0): none
+    frame_conditioning: tuple[str, ...] = ("full",)  # the --frame-conditioning modes it takes (plan refuses others)
+    sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
+    modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
+    # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
+    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
+    cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
+
+    def takes(self, n: int) -> bool:
+        """One sample of this kind can hold n element images."""
+        return self.references[0] <= n <= self.references[1]
+
+
+INPLACE_MODES = ("first", "first_and_last", "index", "prefix", "random")
+MOST_ELEMENTS = 8  # incontext: each element its own latents; a2 takes as many as MAGREF's canvas
+_PHANTOM = Sampling(schedule="phantom", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
+                    guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16)
+_V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", guidance_scale=7.5,
+               guidance_scale_img=5.0, negative_prompt="", fps=24)
+KIND_DEFS = {k.name: k for k in (
+    Kind("t2v", "none"),
+    # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
+    Kind("prefix", "channel", (1, MOST_ELEMENTS)),
+    Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax")),
+    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix")),  # + TI2V's frame
+    Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax")),
+    Kind("phantom", "time", (1, 4), sampling=_PHANTOM),
+    Kind("v3", "time", (1, V3_SLOTS), sampling=_V3, modes=(("v3-distilled", replace(
+        _V3, steps=8, guidance_scale=1.0, guidance_scale_img=None, num_frames=121)),)),
+    # MAGREF's generate(): Wan's FlowUniPC from sigma 0.999 at the shift its dir ships, WanVAE.encode's mean
+    Kind("magref", "channel", (1, 8), cache_fields=(("version", 3),), sampling=Sampling(
+        schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seeded_placement=True)),
+    # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
+    Kind("standin", "tokens", (1, 1), sampling=Sampling(
+        scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
+        negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True),
+        cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE))),
+)}
+KINDS = tuple(KIND_DEFS)
+CHANNEL_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "channel")  # 36-channel models
+APPENDED_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "time")  # references after the video's latents
+REFERENCE_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.references[1])  # made from element images
+NATIVE_KINDS = ("phantom", "v3")  # the released models' own layouts, chosen by their weights (ModelInfo.native_kind)
+# the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
+# (A2, the prefix kind's own, samples it)
+MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax"), "Wan2.2 I2V A14B": dict(encode_mode="argmax"),
+                  "Wan2.2 TI2V 5B": dict(encode_mode="argmax")}
+
+
+def kind_sampling(kind: str, model: str | None = None, mode: str | None = None) -> Sampling:
+    """The sampling of a `kind` on a model named `model` (ModelInfo.name), or the lab's entry point `mode`
+    (infer.py --preset); raises ValueError naming the modes the kind has."""
+    d = KIND_DEFS[kind]
+    if mode is not None:
+        modes = dict(d.modes)
+        if mode not in modes:
+            raise ValueError(f"--preset {mode}: the {kind} kind samples in its own way"
+                             + (f" or as {', '.join(modes)}" if modes else "") + "; drop --preset")
+        return modes[mode]
+    return replace(d.sampling, **MODEL_SAMPLING.get(model, {}))
 
 
 # ---------------------------------------------------------------- VAE latents
@@ -124,8 +262,6 @@ class PosteriorCache:
         return iter([torch.empty(0, device="meta")])  # pixels.to(meta) in encode_vae: a no-op
 
     def encode(self, pixels: torch.Tensor):
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
         if self.vae is not None:
             dist = self.vae.encode(pixels).latent_dist
             self.posteriors.append(dist.parameters)
@@ -210,6 +346,16 @@ class Layout:
         """A precompute cache (VAE posteriors, magref's latent region mask) holds all the kind builds: not random
         conditioning frames, drawn per step."""
         return self.frame_conditioning != "random"
+
+    @property
+    def channel(self) -> bool:
+        """The condition enters on the channel axis (mask | condition latents: a 36-channel model's input)."""
+        return self.kind in CHANNEL_KINDS
+
+    @property
+    def takes_region(self) -> bool:
+        """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
+        return self.kind == "magref"
 
     @property
     def takes_references(self) -> bool:
@@ -308,9 +454,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if len(repeats) != 1:
             raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
         l_ref = 1
-        from a2.standin import REFERENCE_SIZE
-
-        settings.setdefault("reference_size", REFERENCE_SIZE)
+        settings.setdefault("reference_size", standin.REFERENCE_SIZE)
     elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
@@ -319,6 +463,34 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     if kind == "clean" and not settings.get("clean_frames"):
         raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
+
+
+def element_layout(layout: Layout, repeats) -> Layout:
+    """The run's layout for one element set (a bucket's: its elements' repeats, in position order), from the same
+    plan: the same clip and settings, the references, their latents and the tokens of the set. A prefix sequence
+    keeps its clip and holds the set's reference latents before it (fewer elements: a shorter sequence). Raises
+    ValueError when the kind cannot take the set (element_refusal)."""
+    repeats = tuple(repeats)
+    if not layout.takes_references or repeats == layout.repeats:
+        return layout
+    why = element_refusal(layout, len(repeats))
+    if why:
+        raise ValueError(why)
+    num_frames = layout.num_frames
+    if layout.kind == "prefix":
+        num_frames = VAE_T * (num_latent_frames(layout.clip_frames) + num_ref_latents(repeats, layout.combine) - 1) + 1
+    derived = ("kind", "num_frames", "clip_frames", "ref_latents", "repeats")
+    return make_layout(layout.kind, num_frames, repeats,
+                       **{f.name: getattr(layout, f.name) for f in fields(Layout) if f.name not in derived})
+
+
+def element_refusal(layout: Layout, n: int) -> str | None:
+    """Why one sample of `layout`'s kind cannot hold n element images (its definition's count range), else None."""
+    d = KIND_DEFS[layout.kind]
+    if not layout.takes_references or d.takes(n):
+        return None
+    lo, hi = d.references
+    return f"the {layout.kind} kind takes {lo} to {hi} element image(s) a sample, this one has {n}"
 
 
 def clip_frames(num_frames: int, elements, vae) -> int:
@@ -337,8 +509,6 @@ def clip_frames(num_frames: int, elements, vae) -> int:
 def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type: str = "auto") -> Layout:
     """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
-    from a2.transformer import resolve_e2v_type
-
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
     if info.native_kind == "magref" and kind == "prefix":
@@ -366,6 +536,8 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
             raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
                               f"clip's {num_frames} frames")
         clean = n
+    if vae.frame_conditioning not in KIND_DEFS[kind].frame_conditioning:  # else another kind would train silently
+        raise ConfigError(f"{where}: the {kind} kind takes no --frame-conditioning {vae.frame_conditioning}: drop it")
     if kind == "magref" and not info.e2v:
         raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                           "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
@@ -403,8 +575,6 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
 def check_canvas(names: list[str]) -> None:
     """MAGREF's canvas holds at most 8 elements, else a ConfigError naming them. Whether each fits its block (a token,
     16 px, on each side once placed) depends on its image's aspect, so magref_canvas checks that as it loads them."""
-    from a2.pipeline import MAGREF_GRIDS
-
     n, most = len(names), max(MAGREF_GRIDS)
     if n > most:
         raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
@@ -437,11 +607,14 @@ def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
 def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
                     first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
                     reference_timestep: str = "shared", e2v_type: str = "dual", native_kind: str | None = None,
-                    placement_seed: int | None = None) -> Layout:
+                    placement_seed: int | None = None, reference_lora: bool = False) -> Layout:
     """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
     36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
     also beside in-context references), or text alone; a released S2V model (native_kind) its own layout. Raises
-    ValueError naming what does not fit."""
+    ValueError naming what does not fit. reference_lora: the transformer carries Stand-In's reference LoRA (a file
+    loaded with a2.standin.load_lora): the references take its layout unless another is asked for."""
+    if reference_lora and reference_layout == "channel":
+        reference_layout = "standin"
     if native_kind == "magref" and reference_layout == "channel":
         reference_layout = "magref"  # MAGREF's weights take its canvas layout
     if native_kind in NATIVE_KINDS:
@@ -659,17 +832,13 @@ def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, i
     (N, 3, h, w) in [-1, 1], region (H, W) bool or None). `elements`: their config.Elements; size=(H, W) the video's.
 
     magref: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
-      made from the images themselves, no element preprocess (a2.pipeline.magref_canvas, layout.placement_seed),
+      made from the images themselves, no element preprocess (a2.images.magref_canvas, layout.placement_seed),
       and region where their pixels are on it. A reference thinner than a token once placed is a one-line
       ValueError naming it (`names`, e.g. the files).
     standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
     Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
     clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
     these are what the metrics compare the video with)."""
-    import random
-
-    from a2.pipeline import element_tensors, magref_canvas, pil_to_tensor, preprocess_image
-
     if layout is None or layout.kind != "magref":
         kind = None if layout is None else layout.kind
         pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
@@ -690,9 +859,7 @@ def reference_framing(kind: str | None, element, size: tuple[int, int]):
     element as it is, at the video's `size`."""
     if kind != "standin":
         return element, size
-    from a2.standin import REFERENCE_PREPROCESS, REFERENCE_SIZE
-
-    return replace(element, vae_preprocess=REFERENCE_PREPROCESS), REFERENCE_SIZE
+    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), standin.REFERENCE_SIZE
 
 
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
@@ -727,8 +894,6 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     reference_grid. Others: nothing."""
     if layout.kind != "standin":
         return
-    from a2 import standin
-
     if not standin.installed(transformer):
         standin.install(transformer, rank or standin.RANK)
     standin.packed_forward(transformer, layout.reference_grid)
@@ -783,9 +948,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     if cond.kind in CHANNEL_KINDS:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
     if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
-        from a2.standin import pack_reference
-
-        return pack_reference(x, cond.ref_latents), timestep
+        return standin.pack_reference(x, cond.ref_latents), timestep
     if cond.kind not in APPENDED_KINDS:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input

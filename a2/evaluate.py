@@ -11,6 +11,8 @@ with a face-embedding model, for the elements named as faces. Per video: CLIP-T 
 frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
 Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
 DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
+With the OpenS2V-Eval flags (--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb) the
+video also gets that benchmark's metrics under their names (aes_score, cur_score, gme_score, motion_fb; a2/opens2v.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from a2.pipeline import tensor_to_uint8
+from a2.images import tensor_to_uint8
 
 
 class Embedder:
@@ -76,6 +78,7 @@ class Evaluators:
     clip_t: Embedder | None = None
     tokenizer: object = None
     device: str | torch.device = "cpu"
+    opens2v: object = None  # a2.opens2v.Scorers: OpenS2V-Eval's metrics under their names
 
 
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
@@ -125,6 +128,11 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
             raise ValueError(f"{cfg.clip_text} (--eval.clip-text): needs a CLIPModel (text and vision towers), got "
                              f"{type(ev.clip_t.model).__name__}")
         ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
+    if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
+        from a2.opens2v import load_scorers
+
+        ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
+        ev.opens2v.motion = cfg.motion_fb
     for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
                           (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
                           (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
@@ -220,11 +228,16 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
     (3, h, w) in [-1, 1] as `a2.pipeline.load_references` makes it (`named_references`);
     faces: names of the elements scored with the face model; max_frames > 0 scores that many evenly spaced frames.
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
-    frames = video_frames(video)
+    frames = every_frame = video_frames(video)
     if max_frames and len(frames) > max_frames:
         frames = frames[np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
     refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
     per_video = {"motion": motion_magnitude(frames, device=ev.device)}
+    if ev.opens2v is not None:  # their metrics sample the whole video themselves
+        from a2.opens2v import video_metrics
+
+        face_refs = [refs[i] for i, n in enumerate(elements) if n in faces] if elements else []
+        per_video.update(video_metrics(every_frame, prompt, ev.opens2v, face_refs))
     per_element = {name: {} for name in elements}
     for key, enc, names in (("clip_i", ev.clip, list(elements)), ("dino_i", ev.dino, list(elements)),
                             ("face_sim", ev.face, [n for n in elements if n in faces])):

@@ -50,6 +50,10 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from a2.fp8 import quantize_base_weights
+from a2.offload import apply_offload
+from a2.transformer import configure_blocks
+
 ACT_PER_TOKEN_D = 24.0  # A: bytes per token per model dim of a block's activations (bf16 autocast)
 ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
 # eager LoRA blocks' transient is larger than a compiled block's (whose graph plans its buffers, what A and B were
@@ -308,9 +312,6 @@ def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmu
     frozen weights (a2/fp8.py) and swapped blocks' weights to pinned host memory (a2/offload.py) while the model is
     still on the host, then the rest to `device`, then the blocks' recomputation / compilation (configure_blocks)
     with the recomputed blocks' saved tensors offloaded. Returns what to log."""
-    from a2.fp8 import quantize_base_weights
-    from a2.offload import apply_offload
-    from a2.transformer import configure_blocks
 
     lines = []
     if plan.fp8:

@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch import nn
 
-from a2.trace import fake_mode_active, host_memory
+from a2.fake import fake_mode_active, host_memory
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU: a copy's fixed cost outweighs the memory
 

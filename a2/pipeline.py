@@ -10,15 +10,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
-from PIL import Image, ImageOps
+from PIL import Image
 from tqdm import tqdm
 
+from a2 import standin
 from a2.conditioning import (
     VAE_T,
     Layout,
     drop,
     initial_latents,
+    kind_sampling,
     latent_stats,
+    model_flow_shift,
     model_input,
     num_latent_frames,
     prepare_latents,
@@ -26,154 +29,14 @@ from a2.conditioning import (
     reference_pixels,
     restore,
     sampling_layout,
+    schedule_sigmas,
     vae_scale,
     video_prediction,
 )
+from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
 from a2.transformer import TEXT_TOKENS, expert_for_timestep
-from config import PREPROCESS_MODES
 
 # ---------------------------------------------------------------- element images
-
-
-def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
-    """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes, and as
-    Phantom-Wan and SkyReels-V3 R2V for theirs (fit_pad_white).
-
-    fit_pad_white: Lanczos-resize to fit inside the size (the long side exact, the other truncated to whole pixels),
-    then pad with white, the odd pixel right / bottom (Phantom's and V3's references: resize first, then pad).
-    resize: stretch. center_crop: crop the middle to the target aspect, then resize (A2's backgrounds).
-    pad_white: pad to the target aspect with white, the image centred, then resize (A2's subjects, objects and
-    every CLIP image, at 512x512). letterbox: the same with black padding. Crop and pad sizes are truncated to
-    whole pixels as A2 does, and every resize is PIL bicubic (PIL's default, which A2 uses)."""
-    if mode not in PREPROCESS_MODES:
-        raise ValueError(f"unknown preprocess mode {mode!r}; choose one of {PREPROCESS_MODES}")
-    image = image.convert("RGB")
-    h, w = size
-    iw, ih = image.size
-    if mode == "fit_pad_white":
-        nw, nh = (w, int(w / (iw / ih))) if iw / ih > w / h else (int(h * (iw / ih)), h)
-        image = image.resize((nw, nh), Image.LANCZOS)
-        return ImageOps.expand(image, ((w - nw) // 2, (h - nh) // 2, w - nw - (w - nw) // 2,
-                                       h - nh - (h - nh) // 2), fill=(255, 255, 255))  # left, top, right, bottom
-    wider = ih / iw < h / w  # the image is wider than the target aspect
-    if mode == "center_crop":
-        if wider:
-            cw = int(ih / h * w)
-            left = (iw - cw) // 2
-            image = image.crop((left, 0, left + cw, ih))
-        else:
-            ch = int(iw / w * h)
-            top = (ih - ch) // 2
-            image = image.crop((0, top, iw, top + ch))
-    elif mode in ("pad_white", "letterbox"):
-        fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
-        # the same pad on both sides, so an odd remainder makes the padded aspect off by a pixel (A2's rounding)
-        if wider:
-            pad = int(((h / w) * iw - ih) / 2.0)
-            canvas, at = Image.new("RGB", (iw, ih + 2 * pad), fill), (0, pad)
-        else:
-            pad = int(((w / h) * ih - iw) / 2.0)
-            canvas, at = Image.new("RGB", (iw + 2 * pad, ih), fill), (pad, 0)
-        canvas.paste(image, at)
-        image = canvas
-    return image.resize((w, h), Image.BICUBIC)
-
-
-# MAGREF's canvas grids: the smallest that holds the references, as (rows, columns), blocks filled row by row
-MAGREF_GRIDS = {1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 6: (2, 3), 8: (2, 4)}
-MAGREF_MIN_SIDE = 16  # px: one transformer token (VAE stride 8 x patch 2); a thinner reference is no token wide
-
-
-def magref_blocks(n: int, size: tuple[int, int]) -> list[tuple[int, int, int, int]]:
-    """The blocks (x0, y0, x1, y1) of MAGREF's canvas of size=(height, width) for 1-8 references, row by row: the
-    smallest grid of MAGREF_GRIDS with a block per reference, the last row and column taking the remainder."""
-    height, width = size
-    rows, cols = MAGREF_GRIDS[min(k for k in MAGREF_GRIDS if k >= n)]
-    bw, bh = width // cols, height // rows
-    return [(c * bw, r * bh, width if c == cols - 1 else (c + 1) * bw, height if r == rows - 1 else (r + 1) * bh)
-            for r in range(rows) for c in range(cols)]
-
-
-def magref_fit(image_size: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
-    """An image's (width, height) fitted into a (width, height) block, aspect kept, sides truncated (MAGREF's)."""
-    (iw, ih), (w, h) = image_size, block
-    ratio = iw / ih
-    return (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
-
-
-def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
-                  min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
-    """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), and the
-    region mask (H, W) bool that is True where a reference's pixels are (False on the white around them).
-
-    The canvas is cut into the smallest grid of MAGREF_GRIDS with a block per reference (the last row and column
-    take the remainder of the integer division); each reference is resized (PIL Lanczos, aspect kept, sides
-    truncated to whole pixels) to fit its block and centred in it. rng: a random.Random that shuffles the reference
-    order, then the blocks, as MAGREF does (random.Random(s) places as MAGREF does after random.seed(s)); None
-    keeps reference i in block i. Images are RGB (read_image composites transparency on white). Raises a one-line
-    ValueError for no references, more than the largest grid holds, or a reference thinner than min_side pixels
-    once placed (names, default "reference <i>", say which)."""
-    n = len(images)
-    names = names or [f"reference {i}" for i in range(n)]
-    height, width = size
-    if not 0 < n <= max(MAGREF_GRIDS):
-        raise ValueError(f"{', '.join(names) or 'no references'}: MAGREF's canvas places 1 to {max(MAGREF_GRIDS)} "
-                         f"references (a 2x4 grid at most), got {n}: pass at most {max(MAGREF_GRIDS)}")
-    blocks = magref_blocks(n, size)
-    order = list(range(n))
-    if rng is not None:
-        rng.shuffle(order)
-        rng.shuffle(blocks)
-    canvas = Image.new("RGB", (width, height), (255, 255, 255))
-    mask = torch.zeros(height, width, dtype=torch.bool)
-    for i, (x0, y0, x1, y1) in zip(order, blocks):
-        image = images[i].convert("RGB")
-        w, h = x1 - x0, y1 - y0
-        nw, nh = magref_fit(image.size, (w, h))
-        if min(nw, nh) < min_side:
-            raise ValueError(f"{names[i]}: a {image.width}x{image.height} reference is {nw}x{nh} px in its {w}x{h} "
-                             f"block of MAGREF's {width}x{height} canvas ({n} references), under {min_side} px: "
-                             "crop it nearer the block's aspect or pass fewer references")
-        left, top = x0 + (w - nw) // 2, y0 + (h - nh) // 2
-        canvas.paste(image.resize((nw, nh), Image.LANCZOS), (left, top))
-        mask[top:top + nh, left:left + nw] = True
-    return canvas, mask
-
-
-def pil_to_tensor(image: Image.Image) -> torch.Tensor:
-    """RGB PIL -> (3, H, W) float in [-1, 1] (the VAE's pixel range)."""
-    # /255 then 2x-1 in float32, exactly as diffusers' VaeImageProcessor (bit-parity with its I2V pipeline)
-    x = torch.from_numpy(np.asarray(image.convert("RGB")).astype(np.float32) / 255.0)
-    return (2.0 * x - 1.0).permute(2, 0, 1).contiguous()
-
-
-def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
-    """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
-
-    `element` needs `.vae_preprocess` and `.clip_preprocess` (config.Element). The CLIP tensor is
-    the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
-    vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
-    clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))
-    return vae, clip
-
-
-def read_image(path) -> Image.Image:
-    """An image file as the RGB picture it means: fully decoded (a truncated file fails here, not mid-run), EXIF
-    orientation applied, transparency composited on white (A2's references are white-background cut-outs; black
-    would show inside pad_white's white padding), 16-bit brought to 8 bits (PIL's own convert clips it to white).
-    The one image reader of training, validation and inference. Raises ValueError saying what is wrong."""
-    try:
-        with Image.open(path) as im:
-            im.load()
-            image = ImageOps.exif_transpose(im)
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error... for damaged files
-        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from e
-    if image.mode.startswith("I"):  # I;16 / I: 16-bit samples, 0..65535
-        image = Image.fromarray((np.asarray(image, np.float64) / 257).round().clip(0, 255).astype(np.uint8))
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
-        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
-    return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
 
 
 def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), layout=None):
@@ -197,12 +60,6 @@ def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (
                                          [str(p) for _, p in items])
     repeats = tuple(e.repeat for e, _ in items)
     return vae[None], clip[None], repeats, None if region is None else region[None]
-
-
-def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
-    """(..., 3, H, W) in [-1, 1] -> (..., H, W, 3) uint8 (inverse of pil_to_tensor on uint8 images)."""
-    x = ((x.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-    return x.movedim(-3, -1).numpy()
 
 
 # ---------------------------------------------------------------- text and image encoders
@@ -286,62 +143,6 @@ def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the pipeline
 
-A2_NEGATIVE_PROMPT = (
-    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
-    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
-    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
-    "background, three legs, many people in the background, walking backwards"
-)
-
-
-def model_flow_shift(model_dir, default: float = 8.0) -> float:
-    """The sampler shift a model dir ships (scheduler_config flow_shift / shift: A2 8, Wan2.1 T2V 3, ...)."""
-    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
-    if not path.exists():
-        return default
-    import json
-
-    c = json.loads(path.read_text())
-    return float(c.get("flow_shift") or c.get("shift") or default)
-
-
-# Wan's own negative prompt (the Chinese original of A2's), which Phantom-Wan always samples with
-WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"  # noqa: RUF001
-                       "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
-                       "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
-                       "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
-SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
-# how the released S2V models sample: their shift (Phantom's parts come from Wan2.1-T2V-1.3B, whose scheduler config
-# says 3; Phantom samples at 5 regardless) and their UniPC's sigmas
-NATIVE_SAMPLING = {"phantom": dict(flow_shift=5.0, schedule="phantom"),
-                   "v3": dict(flow_shift=5.0, schedule="diffusers034")}
-
-
-def sampler_settings(info) -> dict:
-    """A2Pipeline's flow_shift and schedule for a model (a2.transformer.ModelInfo): the released S2V models' own, else
-    the shift the model dir ships and diffusers' schedule."""
-    return NATIVE_SAMPLING.get(info.native_kind) or dict(flow_shift=model_flow_shift(info.parts_dir),
-                                                          schedule="diffusers")
-
-
-def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
-    """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
-    start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
-    phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
-    use_flow_sigmas default, which SkyReels-V3 pins. flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0,
-    extra_one_step=True), Stand-In's Euler sampler: torch's float32 linspace(1, 0, steps + 1) without the 0 (diffusers'
-    FlowMatchEuler default ends near 0.005 instead). Fed to set_timesteps(sigmas=), which shifts them."""
-    if schedule == "diffusers":
-        return None
-    if schedule == "phantom":
-        return np.linspace(float(np.float32(1 - 1 / 1000)), 0, steps + 1)[:-1].copy()
-    if schedule == "diffusers034":
-        return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
-    if schedule == "flowmatch":  # torch's linspace, not numpy's: float32 values that can differ in the last bit
-        return torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-
-
 def make_scheduler(name: str, flow_shift: float, num_train_timesteps: int = 1000):
     """UniPC (A2 and Wan's default; A2 uses flow_shift 8) or FlowMatchEuler, both in flow-matching mode."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
@@ -388,7 +189,8 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
                  transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0,
-                 expand_timesteps: bool = False, schedule: str = "diffusers", native_kind: str | None = None):
+                 expand_timesteps: bool = False, native_kind: str | None = None,
+                 model: str | None = None):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
@@ -397,8 +199,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
-        self.schedule = schedule  # the UniPC sigmas (schedule_sigmas)
         self.native_kind = native_kind  # a released S2V model's own layout (phantom | v3), the kind it samples in
+        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.conditioning.kind_sampling)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -424,7 +226,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
                    transformer_2 if info.two_experts else None, info.boundary_ratio,
-                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, **sampler_settings(info))
+                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, model=info.name,
+                   flow_shift=model_flow_shift(info.parts_dir))
         return pipe.to(device)
 
     def to(self, device):
@@ -450,17 +253,17 @@ class A2Pipeline(WanLoraLoaderMixin):
         clip_references: torch.Tensor | None = None,
         repeats: tuple[int, ...] = (),
         *,
-        negative_prompt: str = A2_NEGATIVE_PROMPT,
+        negative_prompt: str | None = None,
         height: int = 480,
         width: int = 832,
         num_frames: int = 81,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
         guidance_scale_2: float | None = None,
-        scheduler: str = "unipc",
+        scheduler: str | None = None,
         flow_shift: float | None = None,
         combine: str = "before",
-        sample_mode: str = "sample",
+        sample_mode: str | None = None,
         generator: torch.Generator | None = None,
         decode: str = "drop_refs",
         progress: bool = True,
@@ -506,7 +309,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             layout = sampling_layout(transformer.config, self.expand_timesteps, num_frames, repeats,
                                      references=references is not None, first_frame=first_frame is not None,
                                      combine=combine, reference_layout=reference_layout,
-                                     reference_timestep=reference_timestep, native_kind=self.native_kind)
+                                     reference_timestep=reference_timestep, native_kind=self.native_kind,
+                                     reference_lora=standin.installed(transformer))
         for model in (transformer, self.transformer_2):
             if model is not None:
                 prepare_model(model, layout)
@@ -515,9 +319,17 @@ class A2Pipeline(WanLoraLoaderMixin):
                              "Phantom-Wan / SkyReels-V3 R2V models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
-        sched = make_scheduler(scheduler, self.flow_shift if flow_shift is None else flow_shift)
-        if sigmas is None and scheduler == "unipc":
-            sigmas = schedule_sigmas(self.schedule, num_inference_steps)
+        # what the call leaves out, the kind's own sampler gives (on this model: a2.conditioning.kind_sampling)
+        own = kind_sampling(layout.kind, self.model)
+        scheduler = scheduler or own.scheduler
+        sample_mode = sample_mode or own.encode_mode
+        negative_prompt = own.negative_prompt if negative_prompt is None else negative_prompt
+        num_inference_steps = num_inference_steps or own.steps
+        guidance_scale = own.guidance_scale if guidance_scale is None else guidance_scale
+        flow_shift = flow_shift if flow_shift is not None else own.flow_shift or self.flow_shift
+        sched = make_scheduler(scheduler, flow_shift)
+        if sigmas is None:
+            sigmas = schedule_sigmas(own.schedule, num_inference_steps)
         if sigmas is None:
             sched.set_timesteps(num_inference_steps, device=device)
         else:  # the released model's own schedule (shifted by the scheduler)

@@ -38,19 +38,20 @@ import numpy as np
 import tyro
 from PIL import Image
 
-from a2.pipeline import read_image
-from config import PUBLIC_TYPES, DatasetConfig, InputError, run_cli
-from data import (
+from a2.images import read_image
+from a2.media import (
     VIDEO_EXTS,
     Problem,
     Sample,
     _decode,
+    _manifest_rows,
     caption_problems,
     clip_length,
     frame_buckets,
     probe_video,
     read_frames,
 )
+from config import PUBLIC_TYPES, DatasetConfig, InputError, run_cli
 
 PHANTOM_CANVAS = 768  # Phantom-Data's boxes are in pixels of the frame resized to this long side
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
@@ -208,8 +209,6 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
 
 def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
     """The samples of an index.jsonl written by `data.py index`."""
-    from data import _manifest_rows
-
     out, first = [], {}
     for n, r, why in _manifest_rows(path):
         where = f"{path.name} line {n}"

@@ -46,14 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from a2.fake import _HOST
+from a2.memory import HOST_MARGIN, MARGIN, MARGIN_GB, apply_plan, block_bytes
+
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
 GB = 2**30
 CATEGORIES = ("weights", "state", "kept", "transient", "swapped")
-
-
-def fake_mode_active() -> bool:
-    """A FakeTensorMode is on: tensors have no data (a dry run)."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -147,21 +145,6 @@ def fake_tensors():
     with mock.patch.object(FakeTensorConverter, "set_tensor_memo", lambda *args: None), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
-
-
-_HOST: list = []  # a2/offload.py's host copies being made: [pow2] (pinned allocator rounding) on top
-
-
-@contextlib.contextmanager
-def host_memory(pow2: bool):
-    """Storages made inside are pinned host memory (a2/offload.py's copies), whatever their device: in a dry run
-    the device is emulated on the CPU. pow2: torch's pinned caching allocator rounds them up to a power of two
-    (offloaded activations); else exact (swapped weights, one registered buffer per block)."""
-    _HOST.append(pow2)
-    try:
-        yield
-    finally:
-        _HOST.pop()
 
 
 @dataclass(eq=False)
@@ -344,7 +327,6 @@ def dry_run(build, plan_for, forward, steps: int = 2) -> tuple[LiveBytes, object
     applies it (fp8, swap, offload, recomputation; eager, the device emulated on the CPU), then `steps` training
     steps (trace_steps: AdamW, clipping) run under LiveBytes, forward(model) returning the loss under
     torch.autocast("cpu", bfloat16). Returns (the tracer, the plan)."""
-    from a2.memory import apply_plan
 
     tracer = LiveBytes("cpu", emulate_cuda=True)
     with fake_tensors(), emulated_cuda("cpu"), tracer:
@@ -367,7 +349,6 @@ def compiled_peak(tracer: LiveBytes, config: dict, tokens: int, full_blocks: int
     block's recomputation and backward, 2·L·(24d + 4f) (a2/memory.py block_bytes). Those compiled terms are the H100
     measurement (bench.py), not a trace. A forward peak keeps its eager working set (a compiled forward's, fused,
     is taken to be no larger; not measured)."""
-    from a2.memory import block_bytes
 
     full = block_bytes(config, tokens)["full"]
     peak = tracer.peak.total - tracer.peak.kept_by_full_blocks() + full_blocks * full
@@ -382,7 +363,6 @@ def report(tracer: LiveBytes, plan, budget_gb: float, estimate_gb: float | None 
     pinned host memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see
     (module docstring): the traced peak, or with compiled blocks (`compiled_gb`: compiled_peak) that accounting.
     Returns (lines, fits)."""
-    from a2.memory import HOST_MARGIN, MARGIN, MARGIN_GB
 
     cats = tracer.peak.by_category()
     usable = budget_gb * (1 - MARGIN) - MARGIN_GB

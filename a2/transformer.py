@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from a2.trace import fake_mode_active
+from a2.fake import fake_mode_active
 from config import InputError
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels
@@ -613,6 +614,10 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
+        if fake_mode_active():  # a dry run: the architecture its files say, on fake tensors, no weights read
+            with unset_fake_temporarily():
+                config = original_config(checkpoints[0], d / "config.json")
+            return random_transformer(config, dtype, "cpu")
         return load_original(checkpoints[0], original_config(checkpoints[0], d / "config.json"), dtype)
     if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

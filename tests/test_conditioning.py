@@ -3,6 +3,7 @@ from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import tyro
@@ -37,11 +38,10 @@ KINDS = {
 }
 
 
-def setup(data_dir, name):
+def setup(data_dir, name, *flags):
     model, extra = KINDS[name]
     cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
-                                      "--device", "cpu", "--vae-sample-mode", "argmax", "--text-dropout", "0",
-                                      *extra])
+                                      "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)[0]])
@@ -50,10 +50,17 @@ def setup(data_dir, name):
 
 
 @pytest.mark.parametrize("name", list(KINDS))
-def test_training_feeds_what_the_sampler_feeds(data_dir, name):
+def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     """At the sampler's first step (sigma 1) with the same noise and the same element images (or first frame), the
     training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
-    it: forward hooks on the one transformer, every kind."""
+    it: forward hooks on the one transformer, every kind, each VAE-encoding as its kind does on its model (no mode
+    given on either side: the same mode in both). Where that mode draws from the posterior (A2's, in-context, V3)
+    the draws come from each side's own generator, so the tensors are compared with the posterior mean on both."""
+    from a2 import conditioning
+
+    modes = []
+    encode_vae = conditioning.encode_vae
+    monkeypatch.setattr(conditioning, "encode_vae", lambda *a, **k: modes.append(a[2]) or encode_vae(*a, **k))
     cfg, run, enc, batch = setup(data_dir, name)
     kind = run.layout.kind
     assert kind == name.split("-")[0]
@@ -63,7 +70,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
     pipe = A2Pipeline(transformer, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      expand_timesteps=run.info.ti2v)
+                      expand_timesteps=run.info.ti2v, model=run.info.name)
     refs = clips = region = None
     repeats, first_frame = (), None
     if run.layout.takes_references:
@@ -74,11 +81,22 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     elif kind == "clean":
         first_frame = batch["video"][:, :, 0]
     layout = validation_layout(run.layout, repeats)  # as validate() samples the run
-    pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
-         num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sample_mode="argmax",
-         generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-         layout=layout, region=region)
-    (sampled,) = seen
+
+    def sample(mode=None):
+        seen.clear()
+        pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
+             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
+             generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
+             layout=layout, region=region)
+        return seen[0]
+
+    sampled = sample()
+    sampling_modes, modes[:] = modes[:], []
+    train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    assert set(sampling_modes) <= set(modes) == {run.encode_mode}  # the kind's one encode mode, on both sides
+    if run.encode_mode == "sample":
+        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax")
+        sampled = sample("argmax")
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 
     inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
@@ -113,7 +131,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name):
     ("clean-prefix5", ["--frame-conditioning", "prefix", "--prefix-frames", "5", "--num-frames", "17"]),
     ("t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
     ("phantom", ["--num-frames", "9"]),
-    ("v3", ["--num-frames", "9", "--vae-sample-mode", "sample"]),  # V3 samples its references' posteriors
+    ("v3", ["--num-frames", "9"]),  # V3 samples its references' posteriors (its own encode)
     ("standin", ["--reference-layout", "standin", "--num-frames", "9", "--elements", "subject=_person.png"]),
     # MAGREF: the canvas' encodes, its CLIP tokens and its latent region mask cached; two elements side by side
     ("magref", ["--reference-layout", "magref", "--num-frames", "9", "--elements", "subject=_person.png:repeat=1",
@@ -165,3 +183,100 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
                                                   "processors": {"vae": vae}}]}))
     cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
     assert train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout.kind == "incontext"
+
+
+@pytest.mark.parametrize("layout", ["standin", "magref", "incontext"])
+def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_dir, tmp_path, layout):
+    """An element layout with --frame-conditioning (whose clips carry no elements) once trained the inplace kind
+    silently; it is refused before any weights load, from the flags and from a dataset config alike."""
+    cfg = TrainConfig(model="tiny", data_root=str(data_dir), reference_layout=layout, frame_conditioning="first",
+                      num_frames=9, resolution=(32, 32), device="cpu")
+    with pytest.raises(ConfigError, match=rf"^--reference-layout {layout} places element references: it needs "
+                                          r"element images \(--dataset-type e2v, --frame-conditioning full\)$"):
+        dataset_configs(cfg)
+    cfg_file = tmp_path / "ds.json"
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "processors": {"vae": {
+        "reference_layout": layout, "frame_conditioning": "first"}}}]}))
+    with pytest.raises(ConfigError, match=rf"processors.vae: reference_layout {layout} places element references; "
+                                          r"frame_conditioning 'first' conditions on video frames \(use full\)$"):
+        dataset_configs(TrainConfig(model="tiny", dataset_config=str(cfg_file), device="cpu"))
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("tiny", []),  # A2's prefix: the roles kept, the absent ones absent
+    ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"]),
+    ("tiny-v3", ["--num-frames", "9"]),
+])
+def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_left_out(data_dir, tmp_path, capsys,
+                                                                                         model, extra):
+    """A folder dataset whose clips hold 3, 2 and 1 element images (the object, the background missing: optional
+    elements) trains for a full epoch with the kind's defaults, a layout per element set (element_layout); a clip
+    with none is named and left out before step 1."""
+    import shutil
+
+    d = tmp_path / "data"
+    shutil.copytree(data_dir, d)
+    for f in ("001_object.png", "002_object.png", "002_background.png", "003_person.png", "003_object.png",
+              "003_background.png"):
+        (d / f).unlink()
+    r = train(*args(d, tmp_path, "mixed", "--max-steps", "3", "--elements", "subject=_person.png",
+                    "object=_object.png", "background=_background.png", *extra, model=model))
+    out = capsys.readouterr().out
+    assert "left out 1 whose element set the kind cannot take" in out and "left out: 003: " in out
+    assert all(f"[{names}]: 1 samples" in out for names in ("subject, object, background", "subject, background",
+                                                           "subject"))
+    assert len(losses(r["run_dir"])) == 3  # one epoch: every clip it can take, once
+
+
+def test_no_kind_name_is_compared_outside_the_kind_definitions():
+    """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
+    project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
+    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its step is not
+    yet the training step's). A dataset type that shares a name (t2v) is not a kind."""
+    import re
+    from pathlib import Path
+
+    from a2.conditioning import KIND_DEFS
+
+    names = "|".join(KIND_DEFS)
+    compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
+                          r"|\b[A-Z_]*KINDS\b")
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"a2/conditioning.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
+             for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if compared.search(re.sub(r"dataset_type\s*==\s*\S+", "", line.split("#")[0]))]
+    assert not found, "\n".join(found)
+    # and it can fail: the rule finds the comparisons a kind's definition replaced
+    assert compared.search('if layout.kind == "magref":') and compared.search("kind not in CHANNEL_KINDS")
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    """The modules import each other in layers (images, fake, media at the bottom; conditioning below the pipeline;
+    the tracer above the production modules it measures): no cycle, counting imports inside functions."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {("a2." if f.parent.name == "a2" else "") + f.stem: f for f in [*root.glob("*.py"), *root.glob("a2/*.py")]}
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+
+    def cycle(start, node, path):
+        for d in graph[node]:
+            if d == start or (d not in path and (found := cycle(start, d, path + [d]))):
+                return path + [d] if d == start else found
+        return None
+
+    cycles = [c for name in graph if (c := cycle(name, name, [name]))]
+    assert not cycles, cycles
+    graph["a2.images"] = graph["a2.images"] | {"a2.pipeline"}  # and it can fail: an arrow back up is a cycle
+    assert cycle("a2.images", "a2.images", ["a2.images"])

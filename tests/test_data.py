@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from a2.media import clean_caption
 from config import A2_ELEMENTS, ConfigError, DatasetConfig, Element, load_dataset_config, parse_elements
 from data import (
     BucketBatchSampler,
     DatasetError,
     E2VDataset,
-    clean_caption,
     collate,
     make_synthetic_dataset,
     rank_slice,

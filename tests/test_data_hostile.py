@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from a2.conditioning import clip_frames
-from a2.pipeline import read_image
+from a2.images import read_image
 from config import A2_ELEMENTS, ConfigError, DatasetConfig, load_dataset_config
 from data import (
     DatasetError,

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from a2.media import displayed
 from config import DatasetConfig
-from data import DatasetError, E2VDataset, _decode, cache_key, displayed, resize_frames
+from data import DatasetError, E2VDataset, _decode, cache_key, resize_frames
 from tests.conftest import args, losses, train
 
 F = 17  # clip frames of the windows

@@ -114,7 +114,8 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
     assert (given.height, given.width, given.num_frames, given.steps, given.defaults_note) == (32, 48, 17, 2, None)
     for model in ("random-1.3B", "/models/SkyReels-A2"):
         real = parsed("--model", model)
-        assert (real.height, real.width, real.num_frames, real.steps, real.defaults_note) == (480, 832, 81, 50, None)
+        # the steps: the model's own sampler's, known once the model is read (infer.own_sampling)
+        assert (real.height, real.width, real.num_frames, real.steps, real.defaults_note) == (480, 832, 81, None, None)
     for cls in (infer.InferConfig, TrainConfig):
         with pytest.raises(SystemExit):
             tyro.cli(cls, args=["--help"])

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
-from a2.pipeline import pil_to_tensor, preprocess_image
+from a2.images import pil_to_tensor, preprocess_image
 
 H, W = 32, 48
 
@@ -280,8 +280,20 @@ def test_latents_are_scaled_by_the_reciprocal_std(vae):
     assert torch.equal(decode_vae(vae, latents), want)
 
 
+def a2_named(model_dir, tmp_path):
+    """A copy of a tiny Wan2.1 I2V dir named as SkyReels-A2 ships (its pipeline and transformer classes)."""
+    import json
+    import shutil
+
+    d = tmp_path / "a2"
+    shutil.copytree(model_dir, d)
+    for f, name in ((d / "model_index.json", "A2Pipeline"), (d / "transformer" / "config.json", "A2Model")):
+        f.write_text(json.dumps({**json.loads(f.read_text()), "_class_name": name}))
+    return d
+
+
 @pytest.mark.parametrize("n", [2, 3])
-def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n):
+def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n, tmp_path):
     """A2Pipeline on A2's inputs == SkyReels-A2's pipeline, written out here step by step (its infer.py
     preprocessing; noise drawn first, then the condition's posterior sampled with the same generator; `(z - mean) *
     (1 / std)`; its per-branch mask; text-only CFG with the same image tokens; UniPC, shift 8), with the same
@@ -293,7 +305,7 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n):
     from a2.pipeline import A2Pipeline, encode_prompt, load_references
     from config import A2_ELEMENTS
 
-    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    pipe = A2Pipeline.from_pretrained(a2_named(tiny_dir, tmp_path))  # A2's weights: A2's sampler, by its name
     h, w, f = 32, 48, 21
     paths = [shared_data / p for p in ("a2_human.png", "a2_thing.png", "a2_env.png")][:n]
     g = torch.Generator().manual_seed(42)
@@ -330,7 +342,6 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n):
         refs, clips, reps, _ = load_references(list(zip(elements, paths)), (h, w), (512, 512))
         assert reps == repeats
         out = pipe("a man in the forest", refs, clips, reps, negative_prompt="bad", height=h, width=w, num_frames=f,
-                   num_inference_steps=3, flow_shift=8.0, generator=torch.Generator().manual_seed(42), decode="none",
-                   progress=False)
+                   num_inference_steps=3, generator=torch.Generator().manual_seed(42), decode="none", progress=False)
     assert torch.equal(out["condition"], condition)
     assert torch.equal(out["latents"], latents)

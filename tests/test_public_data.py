@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 import a2.public_data as pd_
-from a2.pipeline import element_tensors, read_image
+from a2.images import element_tensors, read_image
 from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
 from data import E2VDataset, Validate, read_frames, resize_frames, validate
 

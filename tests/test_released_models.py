@@ -426,10 +426,12 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     timestep, text) and the final video latents are equal bit for bit. Both are fed the same text-encoder outputs
     (a2's encode_prompt on the tiny UMT5). Phantom: three passes at its default scales 7.5 / 5, the noise for T + L
     frames; V3: the distilled preset's single pass at 8 steps, and three passes (v3-cfg)."""
+    from a2.conditioning import kind_sampling
     from a2.pipeline import A2Pipeline, encode_prompt, load_references
 
     pipe = A2Pipeline.from_pretrained(phantom_dir if kind == "phantom" else v3_dir)
-    assert (pipe.native_kind, pipe.flow_shift, pipe.schedule) == (
+    own = kind_sampling(pipe.native_kind)  # what the call below leaves out: the kind's own sampler
+    assert (pipe.native_kind, own.flow_shift, own.schedule) == (
         ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
     images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
     refs, _, repeats, _ = load_references(items, (32, 48))
@@ -529,7 +531,7 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
     assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]
     diffusers_file, comfy_file = r["weights"], r["run_dir"] / "pytorch_lora_weights_comfy.safetensors"
     base = dict(model=model, elements=els, element_specs=FIT, height=32, width=32, num_frames=9, steps=2,
-                device="cpu", out=str(tmp_path / "v.mp4"), preset="phantom" if kind == "phantom" else "v3-distilled")
+                device="cpu", out=str(tmp_path / "v.mp4"), preset=None if kind == "phantom" else "v3-distilled")
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape[2] == run["layout"]["ref_latents"]
@@ -614,20 +616,35 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
             assert inputs["x0"].shape[2] == 3 and inputs["x0"].abs().max() > 0
 
 
-def test_presets_and_fit_pad_white():
-    """infer.py --preset sets the flags still at their defaults; a2's fit_pad_white framing is both labs' (odd pads
-    too), and it is an element preprocess mode the configs accept."""
+def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
+    """infer.py's flags left out are the kind's own sampler's (Phantom's 7.5 / 5 and Wan's negative prompt, V3's
+    empty one), a --preset is one of the lab's own entry points (V3's distilled one) and no other model takes it;
+    a2's fit_pad_white framing is both labs' (odd pads too), and it is an element preprocess mode the configs
+    accept."""
     import numpy as np
 
     import infer
-    from a2.pipeline import WAN_NEGATIVE_PROMPT, preprocess_image
-    from config import parse_elements
+    from a2.conditioning import WAN_NEGATIVE_PROMPT
+    from a2.images import preprocess_image
+    from a2.transformer import detect_model
+    from config import RELEASED_ELEMENTS, parse_elements
 
-    d = infer.InferConfig(preset="v3-distilled")
-    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.num_frames, d.fps) == (8, 1.0, None, 121, 24)
-    p = infer.InferConfig(preset="phantom", steps=3, fps=30)
-    assert (p.steps, p.fps, p.guidance_scale, p.guidance_scale_img) == (3, 30, 7.5, 5.0)
-    assert p.negative_prompt == WAN_NEGATIVE_PROMPT and infer.InferConfig().guidance_scale_img is None
+    def own(model, **flags):
+        cfg = infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags)
+        info = detect_model(model)
+        infer.own_sampling(cfg, info, infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False))
+        return cfg
+
+    d = own(v3_dir, preset="v3-distilled")
+    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (8, 1.0, None, 24, "")
+    assert infer.InferConfig(preset="v3-distilled").num_frames == 121
+    v = own(v3_dir)
+    assert (v.steps, v.guidance_scale, v.guidance_scale_img, v.fps) == (50, 7.5, 5.0, 24)
+    p = own(phantom_dir, steps=3, fps=30)
+    assert (p.steps, p.fps, p.guidance_scale, p.guidance_scale_img, p.seed) == (3, 30, 7.5, 5.0, 42)
+    assert p.negative_prompt == WAN_NEGATIVE_PROMPT
+    with pytest.raises(ValueError, match="--preset v3-distilled: the phantom kind samples in its own way"):
+        own(phantom_dir, preset="v3-distilled")
     for i, (w, h) in enumerate([(301, 97), (97, 301), (96, 64), (50, 51)]):
         image = synthetic(w, h, 20 + i)
         assert np.array_equal(np.asarray(preprocess_image(image, "fit_pad_white", (32, 47))),

@@ -4,6 +4,7 @@ code), the restriction costs less than the extra tokens, and Stand-In's LoRA fil
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -352,8 +353,8 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
 
     def sample(ref):
         return pipe("a face", ref, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=3,
-                    guidance_scale=5.0, sample_mode="argmax", generator=torch.Generator().manual_seed(0),
-                    decode="none", progress=False, reference_layout="standin")["latents"]
+                    guidance_scale=5.0, generator=torch.Generator().manual_seed(0), decode="none",
+                    progress=False)["latents"]  # the file's kind, its encode
 
     ref_tokens = 32 * 32  # whatever the video's size
     video_tokens = 3 * (h // 16) * (w // 16)
@@ -448,7 +449,8 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents. The video is
     32x48 and the reference Stand-In's 512x512 face crop (FaceProcessor's size, 1024 tokens), packed after the video's
     latents in 171 frames of 4x6 latents (the last one zero padded)."""
-    from a2.pipeline import A2Pipeline, encode_prompt, pil_to_tensor, preprocess_image, read_image, schedule_sigmas
+    from a2.images import pil_to_tensor, preprocess_image, read_image
+    from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")
@@ -468,13 +470,12 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
         model.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
                                                         with_kwargs=True)
 
-    def sample(sigmas):
+    def sample(sigmas=None):  # the kind (the file's), Euler, shift 5 and the schedule: the defaults of its file
         return pipe(prompt, pil_to_tensor(image)[None, None], None, (1,), negative_prompt=negative, height=h, width=w,
-                    num_frames=frames, num_inference_steps=steps, guidance_scale=5.0, scheduler="euler",
-                    flow_shift=5.0, sigmas=sigmas, generator=torch.Generator().manual_seed(seed), decode="none",
-                    progress=False, reference_layout="standin")
+                    num_frames=frames, num_inference_steps=steps, guidance_scale=5.0, sigmas=sigmas,
+                    generator=torch.Generator().manual_seed(seed), decode="none", progress=False)
 
-    ours = sample(schedule_sigmas("flowmatch", steps))
+    ours = sample()
     calls, computed = list(seen), [n > 3 * (h // 16) * (w // 16) for n in lengths]
     loras = [their_loras(model) for model in experts]
     kw = dict(num_frames=frames, height=h, width=w, steps=steps, seed=seed)
@@ -502,7 +503,8 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     own = their_pipeline([TheirStandIn(m, lo, wan_numerics=True) for m, lo in zip(experts, loras)], pipe.vae, image,
                          text, null, **kw)
     assert 0 < (ours["latents"] - own["latents"]).abs().max() <= BOUND
-    assert (ours["latents"] - sample(None)["latents"]).abs().max() > 100 * BOUND  # diffusers' own Euler schedule
+    diffusers_euler = np.linspace(1.0, 1 / 1000, steps)  # FlowMatchEulerDiscreteScheduler's own, ending near 0.005
+    assert (ours["latents"] - sample(diffusers_euler)["latents"]).abs().max() > 100 * BOUND
 
 
 # ---------------------------------------------------------------- Wan 2.2 A14B experts; base vs LoRA rows
@@ -528,8 +530,9 @@ def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monk
         assert all(standin.THEIR_KEY.fullmatch(k) for k in state) and len(state) == 6 * 2
         assert any(v.abs().max() > 0 for k, v in state.items() if ".up." in k)  # trained away from the zero init
     element = str(data_dir / "000_person.png")
-    base = dict(model="tiny-wan22-t2v", preset="standin", elements=(element,), element_specs=("subject=_person.png",),
-                height=32, width=32, num_frames=9, steps=4, device="cpu", out=str(tmp_path / "v.mp4"))
+    base = dict(model="tiny-wan22-t2v", reference_layout="standin", elements=(element,),
+                element_specs=("subject=_person.png",), height=32, width=32, num_frames=9, steps=4, device="cpu",
+                out=str(tmp_path / "v.mp4"))
     runs = {}
     for name, loras in (("base", {}), ("high", dict(lora_high=str(files["high"]))),
                         ("both", dict(lora_high=str(files["high"]), lora_low=str(files["low"])))):
@@ -552,8 +555,8 @@ def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monk
 
     with pytest.raises(ValueError, match=r"^\S*standin_lora_high\.ckpt: a Stand-In LoRA on \S*tiny-wan22-i2v\S* "
                                          r"\(.*\); Stand-In is a LoRA on Wan T2V: load it on its base \(Stand-In_wan"):
-        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "preset": None}, lora_high=str(
-            files["high"])))
+        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "reference_layout": "channel"},
+                                     lora_high=str(files["high"])))
     deep = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3})
     standin.install(deep, rank=RANK)
     their_file(deep, tmp_path / "deep.ckpt")

@@ -1,0 +1,157 @@
+"""Element images: read, framed to a size, and MAGREF's canvas. The bottom of the image path: the conditioning
+(reference_pixels), the pipeline, the data and the metrics all frame element images with these functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from config import PREPROCESS_MODES
+
+
+def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
+    """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes, and as
+    Phantom-Wan and SkyReels-V3 R2V for theirs (fit_pad_white).
+
+    fit_pad_white: Lanczos-resize to fit inside the size (the long side exact, the other truncated to whole pixels),
+    then pad with white, the odd pixel right / bottom (Phantom's and V3's references: resize first, then pad).
+    resize: stretch. center_crop: crop the middle to the target aspect, then resize (A2's backgrounds).
+    pad_white: pad to the target aspect with white, the image centred, then resize (A2's subjects, objects and
+    every CLIP image, at 512x512). letterbox: the same with black padding. Crop and pad sizes are truncated to
+    whole pixels as A2 does, and every resize is PIL bicubic (PIL's default, which A2 uses)."""
+    if mode not in PREPROCESS_MODES:
+        raise ValueError(f"unknown preprocess mode {mode!r}; choose one of {PREPROCESS_MODES}")
+    image = image.convert("RGB")
+    h, w = size
+    iw, ih = image.size
+    if mode == "fit_pad_white":
+        nw, nh = (w, int(w / (iw / ih))) if iw / ih > w / h else (int(h * (iw / ih)), h)
+        image = image.resize((nw, nh), Image.LANCZOS)
+        return ImageOps.expand(image, ((w - nw) // 2, (h - nh) // 2, w - nw - (w - nw) // 2,
+                                       h - nh - (h - nh) // 2), fill=(255, 255, 255))  # left, top, right, bottom
+    wider = ih / iw < h / w  # the image is wider than the target aspect
+    if mode == "center_crop":
+        if wider:
+            cw = int(ih / h * w)
+            left = (iw - cw) // 2
+            image = image.crop((left, 0, left + cw, ih))
+        else:
+            ch = int(iw / w * h)
+            top = (ih - ch) // 2
+            image = image.crop((0, top, iw, top + ch))
+    elif mode in ("pad_white", "letterbox"):
+        fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
+        # the same pad on both sides, so an odd remainder makes the padded aspect off by a pixel (A2's rounding)
+        if wider:
+            pad = int(((h / w) * iw - ih) / 2.0)
+            canvas, at = Image.new("RGB", (iw, ih + 2 * pad), fill), (0, pad)
+        else:
+            pad = int(((w / h) * ih - iw) / 2.0)
+            canvas, at = Image.new("RGB", (iw + 2 * pad, ih), fill), (pad, 0)
+        canvas.paste(image, at)
+        image = canvas
+    return image.resize((w, h), Image.BICUBIC)
+
+
+# MAGREF's canvas grids: the smallest that holds the references, as (rows, columns), blocks filled row by row
+MAGREF_GRIDS = {1: (1, 1), 2: (1, 2), 3: (1, 3), 4: (2, 2), 6: (2, 3), 8: (2, 4)}
+MAGREF_MIN_SIDE = 16  # px: one transformer token (VAE stride 8 x patch 2); a thinner reference is no token wide
+
+
+def magref_blocks(n: int, size: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+    """The blocks (x0, y0, x1, y1) of MAGREF's canvas of size=(height, width) for 1-8 references, row by row: the
+    smallest grid of MAGREF_GRIDS with a block per reference, the last row and column taking the remainder."""
+    height, width = size
+    rows, cols = MAGREF_GRIDS[min(k for k in MAGREF_GRIDS if k >= n)]
+    bw, bh = width // cols, height // rows
+    return [(c * bw, r * bh, width if c == cols - 1 else (c + 1) * bw, height if r == rows - 1 else (r + 1) * bh)
+            for r in range(rows) for c in range(cols)]
+
+
+def magref_fit(image_size: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """An image's (width, height) fitted into a (width, height) block, aspect kept, sides truncated (MAGREF's)."""
+    (iw, ih), (w, h) = image_size, block
+    ratio = iw / ih
+    return (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
+
+
+def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
+                  min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
+    """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), and the
+    region mask (H, W) bool that is True where a reference's pixels are (False on the white around them).
+
+    The canvas is cut into the smallest grid of MAGREF_GRIDS with a block per reference (the last row and column
+    take the remainder of the integer division); each reference is resized (PIL Lanczos, aspect kept, sides
+    truncated to whole pixels) to fit its block and centred in it. rng: a random.Random that shuffles the reference
+    order, then the blocks, as MAGREF does (random.Random(s) places as MAGREF does after random.seed(s)); None
+    keeps reference i in block i. Images are RGB (read_image composites transparency on white). Raises a one-line
+    ValueError for no references, more than the largest grid holds, or a reference thinner than min_side pixels
+    once placed (names, default "reference <i>", say which)."""
+    n = len(images)
+    names = names or [f"reference {i}" for i in range(n)]
+    height, width = size
+    if not 0 < n <= max(MAGREF_GRIDS):
+        raise ValueError(f"{', '.join(names) or 'no references'}: MAGREF's canvas places 1 to {max(MAGREF_GRIDS)} "
+                         f"references (a 2x4 grid at most), got {n}: pass at most {max(MAGREF_GRIDS)}")
+    blocks = magref_blocks(n, size)
+    order = list(range(n))
+    if rng is not None:
+        rng.shuffle(order)
+        rng.shuffle(blocks)
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    mask = torch.zeros(height, width, dtype=torch.bool)
+    for i, (x0, y0, x1, y1) in zip(order, blocks):
+        image = images[i].convert("RGB")
+        w, h = x1 - x0, y1 - y0
+        nw, nh = magref_fit(image.size, (w, h))
+        if min(nw, nh) < min_side:
+            raise ValueError(f"{names[i]}: a {image.width}x{image.height} reference is {nw}x{nh} px in its {w}x{h} "
+                             f"block of MAGREF's {width}x{height} canvas ({n} references), under {min_side} px: "
+                             "crop it nearer the block's aspect or pass fewer references")
+        left, top = x0 + (w - nw) // 2, y0 + (h - nh) // 2
+        canvas.paste(image.resize((nw, nh), Image.LANCZOS), (left, top))
+        mask[top:top + nh, left:left + nw] = True
+    return canvas, mask
+
+
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL -> (3, H, W) float in [-1, 1] (the VAE's pixel range)."""
+    # /255 then 2x-1 in float32, exactly as diffusers' VaeImageProcessor (bit-parity with its I2V pipeline)
+    x = torch.from_numpy(np.asarray(image.convert("RGB")).astype(np.float32) / 255.0)
+    return (2.0 * x - 1.0).permute(2, 0, 1).contiguous()
+
+
+def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
+    """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
+
+    `element` needs `.vae_preprocess` and `.clip_preprocess` (config.Element). The CLIP tensor is
+    the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
+    vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
+    clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))
+    return vae, clip
+
+
+def read_image(path) -> Image.Image:
+    """An image file as the RGB picture it means: fully decoded (a truncated file fails here, not mid-run), EXIF
+    orientation applied, transparency composited on white (A2's references are white-background cut-outs; black
+    would show inside pad_white's white padding), 16-bit brought to 8 bits (PIL's own convert clips it to white).
+    The one image reader of training, validation and inference. Raises ValueError saying what is wrong."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            image = ImageOps.exif_transpose(im)
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error... for damaged files
+        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from e
+    if image.mode.startswith("I"):  # I;16 / I: 16-bit samples, 0..65535
+        image = Image.fromarray((np.asarray(image, np.float64) / 257).round().clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")  # L, P, CMYK, YCbCr, 1: PIL's conversions keep their brightness
+
+
+def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(..., 3, H, W) in [-1, 1] -> (..., H, W, 3) uint8 (inverse of pil_to_tensor on uint8 images)."""
+    x = ((x.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return x.movedim(-3, -1).numpy()

@@ -1,0 +1,747 @@
+"""OpenS2V-Eval v1.1: the field's subject-to-video benchmark, scored as its own scripts score it.
+
+    python3 -m a2.opens2v --videos outputs/opens2v --eval-set OpenS2V-Eval/Open-Domain_Eval.json \
+        --aes-clip /models/clip-vit-large-patch14 --aes-mlp /models/OpenS2V-Weight/aesthetic-model.pth
+
+OpenS2V-Eval (OpenS2V-Nexus, Apache-2.0) has 180 subject-text pairs in three sets (Open-, Human-, Single-Domain), a
+video per sample id (`<id>.mp4`), a script per metric writing one JSON file of per-video scores, and a merge
+(`eval/merge_result.py`) that averages each metric over the videos, clips and normalises it and weights it into a
+TotalScore. This module is a second implementation of that definition, read from their v1.1 code (the fork
+franciszzj/OpenS2V-Nexus, eval/), never copied:
+
+- the metrics a2 computes itself, under their JSON file and key names so their merge (and ours) reads them:
+  `aesthetic_score.json` aes_score (CLIP ViT-L/14 image embedding, L2-normalised, through the LAION aesthetic MLP,
+  mean over 32 evenly spaced frames), `motion_amplitude.json` motion_fb (OpenCV Farneback flow between consecutive
+  frames, each flow map area-resized to 16 px wide, |mean| of their mean), `facesim.json` cur_score / arc_score
+  (insightface detection + alignment, CurricularFace IR-101 embedding of the reference face and of 32 frames' largest
+  face), `gmescore.json` gme_score (gme-Qwen2-VL text-image cosine of the prompt and 32 frames);
+- a proxy that is *not* NexusScore (their detector is YOLO-World, GPL-3.0): `a2_subject_proxy.json`
+  subject_clip_i_proxy, the CLIP ViT-L/14 cosine of each reference image and each frame, max over frames, mean over
+  references. It is printed beside the table and never enters a TotalScore;
+- MotionSmoothness (Q-Align) and NaturalScore (a hosted judge) and NexusScore come from their own scripts run on the
+  same video dir (`motion_smoothness.json`, `naturalscore_{1,2,3}.json`, `nexusscore.json`): merged when present;
+- the merge and the TotalScore of merge_result.py, and a partial TotalScore over the metrics present (their weights
+  renormalised to sum to 1, labelled with what is missing), printed next to the published leaderboard rows (whose
+  partial TotalScore over the same metrics is computed from their columns, so the comparison is like for like).
+
+Encoders load from local dirs only; a metric whose encoder is not given is skipped with one message.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DOMAINS = ("Open-Domain", "Human-Domain", "Single-Domain")
+
+# merge_result.py v1.1: the weights of the normalised metrics; Human-Domain has no NexusScore
+WEIGHTS = {
+    "Open-Domain": dict(aes_score=0.16, motion_smoothness=0.06, motion_amplitude=0.02, facesim_cur=0.20,
+                        gme_score=0.12, nexus_score=0.20, natural_score=0.24),
+    "Human-Domain": dict(aes_score=0.18, motion_smoothness=0.09, motion_amplitude=0.03, facesim_cur=0.25,
+                         gme_score=0.15, natural_score=0.30),
+}
+WEIGHTS["Single-Domain"] = WEIGHTS["Open-Domain"]
+# v1.0 (the repository's first merge_result.py): one motion metric; the demo's model_name_Open-Domain.json total
+WEIGHTS_V10 = {"Open-Domain": dict(aes_score=0.12, motion=0.12, facesim_cur=0.20, gme_score=0.12, nexus_score=0.20,
+                                   natural_score=0.24)}
+
+# (low, high, clip below low too): each per-video value is clipped to high (and to low where marked), averaged over
+# the videos that have it, then mapped (avg - low) / (high - low)
+RANGES = dict(aes_score=(4.0, 7.0, True), motion_amplitude=(0.0, 1.0, False), motion_smoothness=(0.0, 1.0, False),
+              facesim_cur=(0.0, 1.0, False), gme_score=(0.0, 1.0, False), nexus_score=(0.0, 0.05, False),
+              natural_score=(1.0, 5.0, True))
+
+# their per-metric files: file stem -> (key inside a video's record, merged metric name)
+FILES = dict(aesthetic_score=("aes_score", "aes_score"), motion_amplitude=("motion_fb", "motion_amplitude"),
+             motion_smoothness=("motion_smoothness", "motion_smoothness"), facesim=("cur_score", "facesim_cur"),
+             gmescore=("gme_score", "gme_score"), nexusscore=("nexus_score", "nexus_score"))
+NATURAL_FILES = ("naturalscore_1", "naturalscore_2", "naturalscore_3")
+PROXY_FILE, PROXY_KEY = "a2_subject_proxy", "subject_clip_i_proxy"
+
+# the leaderboard CSVs' columns (percent) for each merged metric, in their order
+COLUMNS = dict(aes_score="Aesthetics↑", motion_smoothness="MotionSmoothness↑", motion_amplitude="MotionAmplitude↑",
+               facesim_cur="FaceSim↑", gme_score="GmeScore↑", nexus_score="NexusScore↑",
+               natural_score="NaturalScore↑")
+TOTAL_COLUMN = "TotalScore↑"
+
+FACE_IDS = ("singlehuman", "singleface", "faceobj", "humanobj")  # the sample ids get_facesim.py scores
+FACE_DIRS = ("/man/", "/woman/", "/crop_woman/", "/crop_man/")  # its reference: the first image in one of these
+GME_QUERY = "Find an image that matches the given text."
+GME_SYSTEM = "You are a helpful assistant."
+METRIC_FRAMES = 32  # aes, facesim and gme score this many evenly spaced frames; motion_fb all of them
+
+
+# ---------------------------------------------------------------- sets and videos
+
+
+def domain_of(path) -> str:
+    """`Open-Domain_Eval.json` -> Open-Domain (the merge's eval_type)."""
+    name = Path(path).name
+    for domain in DOMAINS:
+        if name.startswith(domain):
+            return domain
+    raise ValueError(f"{path}: not an OpenS2V-Eval set name (expected one of "
+                     f"{', '.join(d + '_Eval.json' for d in DOMAINS)})")
+
+
+def read_eval_set(path) -> dict[str, dict]:
+    """An OpenS2V-Eval set as downloaded: {sample id: {prompt, img_paths (relative to the set's dir, which holds
+    Images/), class_label}}. Returns {id: dict(prompt, images (absolute Paths), class_label)}; errors name the
+    sample."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read an OpenS2V-Eval set ({e})") from e
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{path}: expected {{sample id: {{prompt, img_paths, ...}}}}, got {type(data).__name__}")
+    samples = {}
+    for sid, row in data.items():
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f"{path}: sample {sid}: no 'prompt'")
+        paths = row.get("img_paths")
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise ValueError(f"{path}: sample {sid}: 'img_paths' must be a list of paths, got {paths!r}")
+        samples[sid] = dict(prompt=row["prompt"].strip(), images=[path.parent / p for p in paths],
+                            img_paths=paths, class_label=row.get("class_label", []))
+    return samples
+
+
+def frame_indices(total: int, num_frames: int | None) -> np.ndarray:
+    """Their sample_video_frames: all frames, or np.linspace(0, total - 1, n) truncated to int."""
+    return np.arange(total) if num_frames is None else np.linspace(0, total - 1, num_frames, dtype=int)
+
+
+def read_video(path) -> np.ndarray:
+    """All frames (F, H, W, 3) uint8 RGB, decoded as their scripts decode them (imageio's ffmpeg reader)."""
+    import imageio
+
+    try:
+        reader = imageio.get_reader(str(path), "ffmpeg")
+        try:
+            frames = [reader.get_data(i) for i in range(reader.count_frames())]
+        finally:
+            reader.close()
+    except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
+        last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        raise ValueError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
+    if not frames:
+        raise ValueError(f"{path}: no frames")
+    return np.stack(frames)
+
+
+def sample_frames(frames: np.ndarray, num_frames: int | None) -> np.ndarray:
+    return frames[frame_indices(len(frames), num_frames)]
+
+
+# ---------------------------------------------------------------- MotionAmplitude (motion_fb)
+
+
+def motion_fb(frames: np.ndarray) -> float:
+    """get_motion_amplitude.py's motion_fb: Farneback flow (pyr_scale 0.5, 3 levels, window 15, 3 iterations,
+    poly_n 5, sigma 1.2) between consecutive frames of the whole video, each flow map resized (INTER_AREA) to 16 px
+    wide, the signed mean over maps, pixels and both components, its absolute value. Their frames are RGB but
+    converted with COLOR_BGR2GRAY (swapped luma weights): kept, it is the metric's definition."""
+    import cv2
+
+    prev = cv2.cvtColor(np.ascontiguousarray(frames[0]), cv2.COLOR_BGR2GRAY)
+    maps = []
+    for frame in frames[1:]:
+        grey = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_BGR2GRAY)
+        flow = cv2.calcOpticalFlowFarneback(prev, grey, None, 0.5, 3, 15, 3, 5, 1.2, 0)  # (H, W, 2)
+        maps.append(cv2.resize(flow, (16, int(flow.shape[0] * (16 / flow.shape[1]))), interpolation=cv2.INTER_AREA))
+        prev = grey
+    if not maps:
+        return 0.0
+    return abs(float(np.mean(np.mean(np.array(maps), axis=0))))
+
+
+# ---------------------------------------------------------------- Aesthetics (aes_score)
+
+
+class AestheticMLP(nn.Module):
+    """The LAION aesthetic predictor head on a CLIP ViT-L/14 image embedding (768): its state dict
+    (`layers.{0,2,4,6,7}`, OpenS2V-Weight/aesthetic-model.pth) loads unchanged. Dropouts are inert at eval."""
+
+    def __init__(self, dim: int = 768):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+    def forward(self, embed: torch.Tensor) -> torch.Tensor:
+        return self.layers(embed)  # (N, 1)
+
+
+def pil_image_processor(module: str, name: str):
+    """The PIL-backed image processor class: their scripts ran on transformers 4.x, whose default CLIP / Qwen2-VL
+    processors resize with PIL; transformers 5's default (torchvision) one differs by up to 0.015 in the normalised
+    pixels of the demo frames, so v5's `<Name>Pil` is used where it exists."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"),
+                       name + "Pil")
+    except (ImportError, AttributeError):
+        return getattr(importlib.import_module("transformers"), name)
+
+
+class Aesthetics:
+    """aes_score of frames: CLIPImageProcessor -> CLIPVisionModelWithProjection image_embeds, L2-normalised -> MLP,
+    mean over the frames (get_aesscore.py, fp32)."""
+
+    def __init__(self, clip, processor, mlp: AestheticMLP, device="cpu"):
+        self.clip, self.processor, self.mlp, self.device = clip.eval(), processor, mlp.eval(), device
+
+    @classmethod
+    def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
+        from transformers import CLIPVisionModelWithProjection
+
+        clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
+        mlp = AestheticMLP(clip.config.projection_dim)
+        mlp.load_state_dict(torch.load(mlp_path, map_location="cpu", weights_only=True))
+        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir),
+                   mlp.to(device), device)
+
+    @torch.no_grad()
+    def embed(self, frames: np.ndarray) -> torch.Tensor:
+        x = self.processor(images=list(frames), return_tensors="pt").pixel_values.to(self.device)
+        e = self.clip(pixel_values=x).image_embeds  # (N, 768)
+        return e / torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def __call__(self, frames: np.ndarray) -> float:
+        return self.mlp(self.embed(frames)).squeeze(1).mean().item()
+
+
+# ---------------------------------------------------------------- FaceSim-Cur (cur_score)
+
+
+class IRUnit(nn.Module):
+    """TFace's IR basic block (BN-conv-BN-PReLU-conv(stride)-BN plus a shortcut), named as their checkpoints."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.shortcut_layer = (nn.MaxPool2d(1, stride) if cin == cout else
+                               nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+        self.res_layer = nn.Sequential(nn.BatchNorm2d(cin), nn.Conv2d(cin, cout, 3, 1, 1, bias=False),
+                                       nn.BatchNorm2d(cout), nn.PReLU(cout), nn.Conv2d(cout, cout, 3, stride, 1,
+                                                                                      bias=False),
+                                       nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        return self.res_layer(x) + self.shortcut_layer(x)
+
+
+class IRBackbone(nn.Module):
+    """CurricularFace's IR-101 backbone on 112x112 faces -> 512-d embedding (glint360k_curricular_face_r101_backbone
+    .bin loads unchanged). `units` / `widths` make the tiny stand-ins of the tests; the defaults are IR-101."""
+
+    def __init__(self, units=(3, 13, 30, 3), widths=(64, 128, 256, 512), dim: int = 512):
+        super().__init__()
+        self.input_layer = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.PReLU(64))
+        body, cin = [], 64
+        for n, cout in zip(units, widths):
+            body += [IRUnit(cin, cout, 2)] + [IRUnit(cout, cout, 1) for _ in range(n - 1)]
+            cin = cout
+        self.body = nn.Sequential(*body)
+        self.output_layer = nn.Sequential(nn.BatchNorm2d(cin), nn.Dropout(0.4), nn.Flatten(),
+                                          nn.Linear(cin * 7 * 7, dim), nn.BatchNorm1d(dim, affine=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 112, 112) in [-1, 1] -> (B, dim)
+        return self.output_layer(self.body(self.input_layer(x)))
+
+
+class FaceSim:
+    """get_facesim.py: the largest face insightface finds (det_size 320; retried on a 1.25x grey-padded image when
+    none), aligned with insightface's norm_crop to 224, resized to 112, embedded by CurricularFace; cur_score = mean
+    over the frames with a face of max(0, cosine) to the reference's embedding (zeros left out), arc_score the same
+    with insightface's own recognition embedding (zeros kept, as their loop keeps them).
+
+    `detect(image_bgr) -> (kps (5, 2), embedding) | None` and `align(image_bgr, kps) -> (224, 224, 3) BGR` default to
+    insightface; the tests give stand-ins."""
+
+    def __init__(self, cur: nn.Module, detect, align, device="cpu"):
+        self.cur, self.detect, self.align, self.device = cur.eval(), detect, align, device
+
+    @classmethod
+    def load(cls, model_dir, device="cpu") -> FaceSim:
+        """`model_dir` as OpenS2V-Weight lays it out: face_extractor/ (insightface's antelopev2 models, loaded by
+        insightface.app.FaceAnalysis) and glint360k_curricular_face_r101_backbone.bin."""
+        try:
+            from insightface.app import FaceAnalysis
+            from insightface.utils import face_align
+        except ImportError as e:
+            raise ValueError(f"cur_score needs insightface and onnxruntime (pip install insightface onnxruntime): "
+                             f"{e}") from e
+        model_dir = Path(model_dir)
+        weights = model_dir / "glint360k_curricular_face_r101_backbone.bin"
+        if not weights.is_file() or not (model_dir / "face_extractor").is_dir():
+            raise ValueError(f"{model_dir}: expected face_extractor/ and {weights.name} (OpenS2V-Weight's layout)")
+        providers = ["CUDAExecutionProvider"] if str(device).startswith("cuda") else ["CPUExecutionProvider"]
+        app = FaceAnalysis(root=str(model_dir / "face_extractor"), providers=providers)
+        app.prepare(ctx_id=0, det_size=(320, 320))
+
+        def detect(image_bgr):
+            faces = app.get(image_bgr)
+            if not faces:
+                return None
+            face = max(faces, key=lambda f: (f["bbox"][2] - f["bbox"][0]) * (f["bbox"][3] - f["bbox"][1]))
+            return face["kps"], face["embedding"]
+
+        cur = IRBackbone()
+        cur.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        return cls(cur.to(device), detect, lambda img, kps: face_align.norm_crop(img, landmark=kps, image_size=224),
+                   device)
+
+    def face(self, rgb: np.ndarray):
+        """(aligned 224x224 RGB face, recognition embedding) of the largest face, or (None, None)."""
+        import cv2
+
+        bgr = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR)
+        found = self.detect(bgr)
+        if found is None:
+            h, w = bgr.shape[:2]
+            top, left = int(h * 0.25), int(w * 0.25)
+            padded = cv2.copyMakeBorder(bgr, top, top, left, left, cv2.BORDER_CONSTANT, value=(128, 128, 128))
+            found = self.detect(padded)
+            if found is None:
+                return None, None
+            found = (np.asarray(found[0]) - np.array([left, top]), found[1])
+        return cv2.cvtColor(self.align(bgr, found[0]), cv2.COLOR_BGR2RGB), found[1]
+
+    @torch.no_grad()
+    def embed(self, face_rgb: np.ndarray) -> torch.Tensor:
+        import cv2
+
+        x = torch.from_numpy(cv2.resize(face_rgb, (112, 112)).transpose(2, 0, 1).copy()).float()[None]  # (1,3,112,112)
+        e = self.cur(x.div(255).sub(0.5).div(0.5).to(self.device))[0].float().cpu()
+        return e / e.norm()
+
+    def __call__(self, reference_rgb: np.ndarray, frames: np.ndarray) -> dict | None:
+        """{cur_score, arc_score} of the frames against the reference; None when the reference has no face."""
+        ref_face, ref_arc = self.face(reference_rgb)
+        if ref_face is None:
+            return None
+        ref_cur = self.embed(ref_face)
+        cur, arc = [], []
+        for frame in frames:
+            face, emb = self.face(frame)
+            if face is None:
+                continue
+            c = max(0.0, F.cosine_similarity(ref_cur, self.embed(face), dim=-1).item())
+            a = max(0.0, F.cosine_similarity(torch.as_tensor(ref_arc).float(), torch.as_tensor(emb).float(),
+                                             dim=-1).item())
+            if c != 0.0:
+                cur.append(c)
+            arc.append(a)
+        return dict(cur_score=float(np.mean(cur)) if cur else 0.0, arc_score=float(np.mean(arc)) if arc else 0.0)
+
+
+def face_reference(sample: dict) -> Path | None:
+    """get_facesim.py's reference: the first image under a man / woman folder."""
+    for rel, path in zip(sample["img_paths"], sample["images"]):
+        if any(d in rel for d in FACE_DIRS):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------- GmeScore (gme_score)
+
+
+def smart_size(height: int, width: int, factor: int = 28, min_pixels: int = 4 * 28 * 28,
+               max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
+    """Qwen2-VL's size rule, as gme_model.py applies it before the processor: sides rounded to multiples of 28,
+    the area brought inside [min_pixels, max_pixels] at the same aspect."""
+    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class Gme:
+    """gme-Qwen2-VL embeddings through transformers (gme_model.py's GmeQwen2VL): a chat-formatted input, the image's
+    tokens replaced by the vision tower's merged patches, the language model run with plain 1-D positions (as their
+    forward, which bypasses Qwen2-VL's M-RoPE index), the last real token's hidden state, L2-normalised.
+    gme_score = mean over 32 frames of the prompt's (query instruction) embedding dotted with each frame's."""
+
+    def __init__(self, model, processor, device="cpu", batch: int = 32):
+        self.model, self.processor, self.device, self.batch = model.eval(), processor, device, batch
+        if processor is not None:
+            processor.tokenizer.padding_side = "right"
+
+    @classmethod
+    def load(cls, model_dir, device="cpu", dtype=torch.float16) -> Gme:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
+        pixels = dict(min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)
+        processor = AutoProcessor.from_pretrained(model_dir, **pixels)
+        processor.image_processor = pil_image_processor("qwen2_vl", "Qwen2VLImageProcessor").from_pretrained(
+            model_dir, **pixels)
+        return cls(model.to(device), processor, device)
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
+        core = self.model.model  # Qwen2VLModel: visual + language_model
+        embeds = core.get_input_embeddings()(input_ids)  # (B, L, D)
+        if pixel_values is not None:
+            image = torch.cat(core.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
+            embeds[input_ids == self.model.config.image_token_id] = image
+        hidden = core.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+        if attention_mask[:, -1].sum() == attention_mask.shape[0]:  # left padding (or none): the last position
+            pooled = hidden[:, -1]
+        else:
+            pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]
+        return F.normalize(pooled.float(), dim=-1)  # (B, D)
+
+    def messages(self, texts, with_image: bool, instruction: str) -> list[str]:
+        image = "<|vision_start|><|image_pad|><|vision_end|>" if with_image else ""
+        return [f"<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{t or ''}<|im_end|>\n"
+                "<|im_start|>assistant\n<|endoftext|>" for t in texts]
+
+    def embed(self, texts=None, images=None, instruction: str = GME_SYSTEM) -> torch.Tensor:
+        n = len(texts) if texts is not None else len(images)
+        out = []
+        for i in range(0, n, self.batch):
+            t = texts[i:i + self.batch] if texts is not None else [None] * len(images[i:i + self.batch])
+            imgs = None
+            if images is not None:
+                from PIL import Image
+
+                imgs = [Image.fromarray(a) for a in images[i:i + self.batch]]
+                imgs = [im.resize(smart_size(im.height, im.width)[::-1]) for im in imgs]
+            inputs = self.processor(text=self.messages(t, imgs is not None, instruction), images=imgs, padding=True,
+                                    truncation=True, max_length=1800, return_tensors="pt").to(self.device)
+            out.append(self.forward(inputs["input_ids"], inputs["attention_mask"], inputs.get("pixel_values"),
+                                    inputs.get("image_grid_thw")).cpu())
+        return torch.cat(out)
+
+    def __call__(self, prompt: str, frames: np.ndarray) -> float:
+        # get_gmescore.py embeds the prompt once per frame: the same text, so one embedding serves them all
+        query = self.embed(texts=[prompt], instruction=GME_QUERY)  # (1, D)
+        corpus = self.embed(images=frames)  # (N, D)
+        return (query * corpus).sum(-1).mean().item()
+
+
+# ---------------------------------------------------------------- the a2 proxy (not NexusScore)
+
+
+def subject_clip_i_proxy(aes: Aesthetics, references: list[np.ndarray], frames: np.ndarray) -> float:
+    """NOT NexusScore (which detects each subject with YOLO-World and compares crops): the CLIP ViT-L/14 cosine of
+    each whole reference image and each whole frame, max over frames, mean over references. A cheap trend signal for
+    subject fidelity on the aesthetic model's CLIP; it never enters a TotalScore."""
+    f = aes.embed(frames)  # (N, 768), unit
+    return float(np.mean([(aes.embed(ref[None]) @ f.T).max().item() for ref in references]))
+
+
+# ---------------------------------------------------------------- merge and TotalScore
+
+
+def merge_dir(json_dir) -> dict[str, dict]:
+    """merge_result.py's merge_scores_files: every per-metric JSON file of the dir, {video id: {merged metric:
+    value}} (natural_score the mean of the naturalscore_* judges present). Files that are no metric of theirs or ours
+    are ignored."""
+    merged: dict[str, dict] = {}
+    json_dir = Path(json_dir)
+    for stem in (*FILES, *NATURAL_FILES, PROXY_FILE):
+        path = json_dir / f"{stem}.json"
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        for vid, record in data.items():
+            row = merged.setdefault(vid, {})
+            if stem in NATURAL_FILES:
+                row.setdefault("_natural", []).append(float(record))
+            elif stem == PROXY_FILE:
+                row[PROXY_KEY] = record[PROXY_KEY]
+            elif isinstance(record, dict) and FILES[stem][0] in record:
+                row[FILES[stem][1]] = record[FILES[stem][0]]
+    for row in merged.values():
+        if "_natural" in row:
+            row["natural_score"] = sum(row["_natural"]) / len(row.pop("_natural"))
+    return merged
+
+
+def normalised_metrics(merged: dict[str, dict]) -> dict[str, float]:
+    """process_scores: per metric, each video's value clipped (|.| first for the motion metrics; nexus_score 0 means
+    'not detected' and is left out), the mean over the videos that have it, mapped to [0, 1] by the metric's range.
+    Metrics no video has are absent (their script would map an empty mean to (0 - low) / (high - low))."""
+    out = {}
+    for metric, (low, high, clip_low) in RANGES.items():
+        values = []
+        for row in merged.values():
+            if metric not in row or (metric == "nexus_score" and row[metric] == 0):
+                continue
+            v = abs(row[metric]) if metric.startswith("motion") else row[metric]
+            v = min(v, high)
+            values.append(max(v, low) if clip_low else v)
+        if values:
+            out[metric] = (sum(values) / len(values) - low) / (high - low)
+    return out
+
+
+def total_score(metrics: dict[str, float], domain: str) -> tuple[float, list[str]]:
+    """The TotalScore of merge_result.py v1.1 when every metric of the domain is present; otherwise the partial
+    TotalScore: the weights of the metrics present renormalised to sum to 1. Returns (score, missing metrics)."""
+    weights = WEIGHTS[domain]
+    present = {m: w for m, w in weights.items() if m in metrics}
+    missing = [m for m in weights if m not in metrics]
+    if not present:
+        return float("nan"), missing
+    norm = sum(present.values())
+    return sum(w * metrics[m] for m, w in present.items()) / norm, missing
+
+
+def score_label(domain: str, missing: list[str]) -> str:
+    if not missing:
+        return "TotalScore"
+    kept = sum(w for m, w in WEIGHTS[domain].items() if m not in missing)
+    return (f"partial TotalScore (missing {', '.join(COLUMNS[m].rstrip('↑') for m in missing)}; the other weights "
+            f"renormalised from {kept:.2f} to 1)")
+
+
+def merge_result(json_dir, domain: str) -> dict:
+    """merge_result.py's output ({total_score, <normalised metrics>}) plus, when metrics are missing, `partial`
+    True and `missing`; `label` says which TotalScore it is."""
+    metrics = normalised_metrics(merge_dir(json_dir))
+    if not metrics:
+        raise ValueError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
+    total, missing = total_score(metrics, domain)
+    out = dict(total_score=total, **{m: metrics[m] for m in WEIGHTS[domain] if m in metrics})
+    if missing:
+        out.update(partial=True, missing=missing)
+    out["label"] = score_label(domain, missing)
+    return out
+
+
+# ---------------------------------------------------------------- the leaderboard
+
+
+def read_leaderboard(path) -> list[dict]:
+    """A published results_<domain>.csv: [{model, venue, total (percent), metrics {merged metric: fraction}}]."""
+    rows = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for n, r in enumerate(csv.DictReader(f), 2):
+            try:
+                metrics = {m: float(r[c].rstrip("%")) / 100 for m, c in COLUMNS.items() if c in r}
+                total = float(r[TOTAL_COLUMN].rstrip("%"))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{path}:{n}: not a leaderboard row ({e})") from e
+            name = r["Model"].split("](")[0].lstrip("[")
+            rows.append(dict(model=name, venue=r.get("Venue", ""), total=total, metrics=metrics))
+    return rows
+
+
+def format_table(run: dict, domain: str, published: list[dict], name: str = "this run") -> str:
+    """The run's metrics and (partial) TotalScore (percent, 2 decimals) above the published rows, sorted by the same
+    TotalScore; a published row's partial TotalScore is computed from its columns over the run's metrics."""
+    metrics = [m for m in WEIGHTS[domain]]
+    missing = run.get("missing", [])
+    label = "TotalScore" if not missing else "Partial"
+    head = f"{'model':<28} {label:>10} " + " ".join(f"{COLUMNS[m].rstrip('↑')[:12]:>12}" for m in metrics)
+    lines = [run["label"], head, "-" * len(head)]
+
+    def line(model, total, values, extra=""):
+        cells = " ".join(f"{'-' if m not in values else f'{100 * values[m]:.2f}':>12}" for m in metrics)
+        return f"{model[:28]:<28} {total:>10.2f} {cells}{extra}"
+
+    rows = [(run["total_score"] * 100, line(name, run["total_score"] * 100, run, "  <-"))]
+    for p in published:
+        kept = {m: v for m, v in p["metrics"].items() if m not in missing}
+        total = total_score(kept, domain)[0] * 100 if missing else p["total"]
+        rows.append((total, line(p["model"], total, p["metrics"])))
+    lines += [r for _, r in sorted(rows, key=lambda x: -x[0])]
+    if missing:
+        lines.append("(published rows: their partial TotalScore over the same metrics, from their columns)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- scoring a directory
+
+
+@dataclass
+class Scorers:
+    """The encoders given (None: that metric is skipped). motion_fb needs none."""
+
+    aes: Aesthetics | None = None
+    face: FaceSim | None = None
+    gme: Gme | None = None
+    motion: bool = True
+
+
+def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
+    """The encoders of the dirs given; gme in gme_dtype (theirs: float16)."""
+    if bool(aes_clip) != bool(aes_mlp):
+        raise ValueError("aes_score needs both --aes-clip (CLIP ViT-L/14 dir) and --aes-mlp (aesthetic-model.pth)")
+    s = Scorers()
+    if aes_clip:
+        s.aes = Aesthetics.load(aes_clip, aes_mlp, device)
+    if face:
+        s.face = FaceSim.load(face, device)
+    if gme:
+        s.gme = Gme.load(gme, device, gme_dtype)
+    skipped = [n for n, v in (("aes_score and the subject proxy (no CLIP ViT-L/14 + aesthetic MLP)", s.aes),
+                              ("cur_score (no face models dir)", s.face), ("gme_score (no gme-Qwen2-VL dir)", s.gme))
+               if v is None]
+    if skipped:
+        print("not computed (encoder not given): " + "; ".join(skipped))
+    return s
+
+
+def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=()) -> dict[str, float]:
+    """The metrics a2 computes of one video's frames (F, H, W, 3) uint8, by their JSON names: motion_fb over every
+    frame, aes_score / gme_score / cur_score over 32 evenly spaced ones (cur_score: the mean over the face
+    references in which a face is found). Training validation scores the decoded tensor, not an mp4."""
+    out = {}
+    some = sample_frames(frames, METRIC_FRAMES)
+    if scorers.motion:
+        out["motion_fb"] = motion_fb(frames)
+    if scorers.aes is not None:
+        out["aes_score"] = scorers.aes(some)
+    if scorers.gme is not None:
+        out["gme_score"] = scorers.gme(prompt, some)
+    if scorers.face is not None:
+        found = [r["cur_score"] for r in (scorers.face(ref, some) for ref in face_refs) if r is not None]
+        if found:
+            out["cur_score"] = float(np.mean(found))
+    return out
+
+
+def load_image(path) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the reference image ({e})") from e
+
+
+def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> list[str]:
+    """Each metric a2 computes, over the `<id>.mp4` of `video_dir` that are samples of the set, into json_dir in
+    their file format. A metric file already there is kept (as their scripts do: delete it, or redo=True, to
+    recompute). Returns the files written."""
+    video_dir, json_dir = Path(video_dir), Path(json_dir)
+    json_dir.mkdir(parents=True, exist_ok=True)
+    videos = sorted(p for p in video_dir.glob("*.mp4") if p.stem in samples)
+    if not videos:
+        raise ValueError(f"{video_dir}: no <sample id>.mp4 of the set (e.g. {next(iter(samples))}.mp4)")
+    todo = {stem: on for stem, on in (("motion_amplitude", scorers.motion), ("aesthetic_score", scorers.aes),
+                                      (PROXY_FILE, scorers.aes), ("facesim", scorers.face),
+                                      ("gmescore", scorers.gme))
+            if on and (redo or not (json_dir / f"{stem}.json").is_file())}
+    results: dict[str, dict] = {stem: {} for stem in todo}
+    for i, path in enumerate(videos, 1):
+        if not todo:
+            break
+        sid, sample = path.stem, samples[path.stem]
+        frames = read_video(path)
+        some = sample_frames(frames, METRIC_FRAMES)
+        if "motion_amplitude" in todo:
+            results["motion_amplitude"][sid] = dict(motion_fb=motion_fb(frames))
+        if "aesthetic_score" in todo:
+            results["aesthetic_score"][sid] = dict(aes_score=scorers.aes(some))
+        if PROXY_FILE in todo:
+            refs = [load_image(p) for p in sample["images"]]
+            results[PROXY_FILE][sid] = {PROXY_KEY: subject_clip_i_proxy(scorers.aes, refs, some)}
+        if "facesim" in todo and sid.startswith(FACE_IDS) and (ref := face_reference(sample)) is not None:
+            found = scorers.face(load_image(ref), some)
+            if found is not None:
+                results["facesim"][sid] = found
+        if "gmescore" in todo:
+            results["gmescore"][sid] = dict(gme_score=scorers.gme(sample["prompt"], some))
+        print(f"[{i}/{len(videos)}] {sid}: " + ", ".join(f"{k}={v:.4f}" for r in results.values()
+                                                          for k, v in r.get(sid, {}).items()), flush=True)
+    written = []
+    for stem, data in results.items():
+        out = json_dir / f"{stem}.json"
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=4))
+        tmp.replace(out)
+        written.append(str(out))
+    return written
+
+
+THEIR_SCRIPTS = """\
+MotionSmoothness, NexusScore and NaturalScore come from OpenS2V-Nexus's own scripts (eval/, each in the environment
+its README gives), run on the same dirs; their JSON files land next to a2's and are merged by this command:
+  python get_motion_smoothness.py --input_video_folder {videos} --output_json_folder {json_dir}
+  python get_nexusscore.py --input_video_folder {videos} --input_image_folder {root} \\
+      --input_json_file {set} --output_json_folder {json_dir} --yolo_model_path <OpenS2V-Weight>/yolo_world_v2_l_...pth
+  python get_naturalscore.py --input_video_folder {videos} --output_json_folder {json_dir} --api_key <key>"""
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python3 -m a2.opens2v", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--videos", required=True, help="dir of <sample id>.mp4 (infer.py --eval-set's, or anyone's)")
+    p.add_argument("--eval-set", required=True, help="an OpenS2V-Eval set as downloaded, e.g. "
+                   "OpenS2V-Eval/Open-Domain_Eval.json (beside its Images/)")
+    p.add_argument("--json-dir", help="where the per-metric JSON files go (default: <videos>/opens2v_json)")
+    p.add_argument("--aes-clip", help="CLIP ViT-L/14 dir (openai/clip-vit-large-patch14) for aes_score")
+    p.add_argument("--aes-mlp", help="the LAION aesthetic MLP (OpenS2V-Weight/aesthetic-model.pth)")
+    p.add_argument("--face", help="OpenS2V-Weight dir: face_extractor/ + glint360k_curricular_face_r101_backbone.bin")
+    p.add_argument("--gme", help="gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)")
+    p.add_argument("--gme-dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                   help="their float16; float32 on a CPU")
+    p.add_argument("--leaderboard", help="the published results_<domain>.csv (default: the v1.1 CSVs shipped in "
+                   "tests/media/opens2v_eval/)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-motion", action="store_true", help="skip motion_fb")
+    p.add_argument("--redo", action="store_true", help="recompute a2's metric files that already exist")
+    args = p.parse_args(argv)
+    try:
+        domain = domain_of(args.eval_set)
+        samples = read_eval_set(args.eval_set)
+        if not Path(args.videos).is_dir():
+            raise ValueError(f"--videos {args.videos}: not a directory")
+        json_dir = Path(args.json_dir or Path(args.videos) / "opens2v_json")
+        board = Path(args.leaderboard) if args.leaderboard else (
+            Path(__file__).resolve().parent.parent / "tests" / "media" / "opens2v_eval"
+            / f"leaderboard_results_{domain}.csv")
+        published = read_leaderboard(board) if board.is_file() else []
+        scorers = load_scorers(args.aes_clip, args.aes_mlp, args.face, args.gme, args.device,
+                               getattr(torch, args.gme_dtype))
+        scorers.motion = not args.no_motion
+        score_videos(args.videos, samples, json_dir, scorers, args.redo)
+        result = merge_result(json_dir, domain)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = len([p for p in Path(args.videos).glob("*.mp4") if p.stem in samples])
+    if n < len(samples):
+        print(f"note: {n} of the set's {len(samples)} videos are in {args.videos}; the means cover those")
+    out = Path(args.videos) / f"opens2v_{domain}.json"
+    out.write_text(json.dumps(result, indent=4))
+    print(f"wrote {out}\n" + format_table(result, domain, published))
+    merged = merge_dir(json_dir)
+    proxy = [r[PROXY_KEY] for r in merged.values() if PROXY_KEY in r]
+    if proxy:
+        print(f"{PROXY_KEY} (a2's proxy, not NexusScore; not in any TotalScore): {np.mean(proxy):.4f}")
+    if result.get("missing"):
+        print(THEIR_SCRIPTS.format(videos=args.videos, json_dir=json_dir, set=args.eval_set,
+                                   root=Path(args.eval_set).parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
