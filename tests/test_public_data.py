@@ -419,6 +419,8 @@ OPENS2V_KINDS = {
     "v3": ("tiny-v3", 9, {}),
     "magref": ("tiny-magref", 9, {}),
     "incontext": ("tiny-t2v", 9, {"reference_layout": "incontext"}),
+    # Phantom as it was trained on the public data: every kept mask a reference, largest first, up to its 4
+    "phantom-refs": ("tiny-phantom", 9, {"elements": tuple(f"ref{i}=_ref{i}.png" for i in range(4))}),
 }
 
 
@@ -437,7 +439,10 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
         ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
                                model=model, **kw))
         assert len(ds) == 4, kind
-        flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", v)]
+        if kind == "phantom-refs":  # the clips' 1, 2, 4 and 2 kept masks
+            assert [b[3] for b in ds.buckets] == [("ref0",), ("ref0", "ref1"), ("ref0", "ref1", "ref2", "ref3"),
+                                                  ("ref0", "ref1")]
+        flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
         r = train("--model", model, "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
                   *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", kind, "--max-steps", "4",
                   "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
