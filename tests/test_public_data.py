@@ -415,12 +415,11 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
 # the README's kinds on an OpenS2V-5M index: model, frames (what the clips' 16 frames fill), other flags
 OPENS2V_KINDS = {
     "prefix": ("tiny", 21, {}),  # A2: its subject / object / background roles
-    "phantom": ("tiny-phantom", 9, {}),
     "v3": ("tiny-v3", 9, {}),
     "magref": ("tiny-magref", 9, {}),
     "incontext": ("tiny-t2v", 9, {"reference_layout": "incontext"}),
     # Phantom as it was trained on the public data: every kept mask a reference, largest first, up to its 4
-    "phantom-refs": ("tiny-phantom", 9, {"elements": tuple(f"ref{i}=_ref{i}.png" for i in range(4))}),
+    "phantom": ("tiny-phantom", 9, {"elements": tuple(f"ref{i}=_ref{i}.png" for i in range(4))}),
 }
 
 
@@ -439,7 +438,7 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
         ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
                                model=model, **kw))
         assert len(ds) == 4, kind
-        if kind == "phantom-refs":  # the clips' 1, 2, 4 and 2 kept masks
+        if kind == "phantom":  # the clips' 1, 2, 4 and 2 kept masks
             assert [b[3] for b in ds.buckets] == [("ref0",), ("ref0", "ref1"), ("ref0", "ref1", "ref2", "ref3"),
                                                   ("ref0", "ref1")]
         flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
