@@ -220,7 +220,7 @@ def check_backends(b: BenchConfig) -> dict:
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
     from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig, clip_frames_for
-    from data import BucketBatchSampler, E2VDataset, collate
+    from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
     size = (b.height, b.width)
     cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
@@ -231,7 +231,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
     dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
-                                         multiprocessing_context="spawn" if b.num_workers else None,
+                                         multiprocessing_context=WorkerContext() if b.num_workers else None,
                                          persistent_workers=b.num_workers > 0)
     n, t0, epoch = 0, None, 0
     while n < b.warmup + b.steps:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing.context
 import os
 import random
 import signal
@@ -519,14 +520,15 @@ class E2VDataset(torch.utils.data.Dataset):
         cfg = self.cfgs[s.dataset]
         elements = [e for e in cfg.elements if e.name in names]
         file = s.video
-        try:
+        try:  # everything up to the returned tensors: an exception in a loader worker must not end the run raw
             if self.cache_dir:
                 file = self.cache_dir / "samples" / f"{idx}.pt"
                 c = torch.load(file, weights_only=True)
                 text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
                 text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
-                return dict(index=idx, id=s.id, prompt=c["prompt"], posteriors=c["posteriors"], text=text,
-                            clip=c.get("clip"), region=c.get("region"), align=c.get("align"), element_names=names,
+                return dict(index=idx, id=s.id, file=str(file), prompt=c["prompt"], posteriors=c["posteriors"],
+                            text=text, clip=c.get("clip"), region=c.get("region"), align=c.get("align"),
+                            element_names=names,
                             repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
                             video_shape=(3, frames, h, w),
                             ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
@@ -548,19 +550,30 @@ class E2VDataset(torch.utils.data.Dataset):
             file = s.video  # the sample; an image MAGREF's canvas cannot hold is named in the message (files)
             vae, clip, region = reference_pixels(self.layout, [images[e.name] for e in elements], elements, (h, w),
                                                  tuple(cfg.clip.resolution), files)
+            video = resize_frames(raw, cfg.reshape_mode, (h, w))  # (3, F, H, W)
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
-        return dict(index=idx, id=s.id, video=resize_frames(raw, cfg.reshape_mode, (h, w)),  # (3, F, H, W)
-                    prompt=s.prompt, element_names=names, repeats=tuple(e.repeat for e in elements),
-                    ref_vae=vae, ref_clip=clip, region=region, bucket=(frames, h, w, names))
+        return dict(index=idx, id=s.id, video=video, prompt=s.prompt, element_names=names,
+                    repeats=tuple(e.repeat for e in elements), ref_vae=vae, ref_clip=clip, region=region,
+                    bucket=(frames, h, w, names), file=str(s.video))
 
 
 def collate(items: list[dict]) -> dict:
-    """One micro-batch; {indices, failed: [(index, problem line)]} when an item failed to load."""
+    """One micro-batch; {indices, failed: [(index, problem line)]} when an item failed to load, or when the items
+    cannot be batched (then each is named with its file): in a loader worker an exception would end the run with
+    a raw traceback on this rank alone, a failed batch ends it in one line on every rank (LoadFailures)."""
     indices = [it["index"] for it in items]
     if any("failed" in it for it in items):
         return dict(indices=indices, failed=[(it["index"], it["failed"]) for it in items if "failed" in it])
+    try:
+        return stack_items(items, indices)
+    except Exception as ex:
+        return dict(indices=indices, failed=[(it["index"], str(Problem(
+            it["id"], it["file"], f"failed to batch ({type(ex).__name__}: {ex})"))) for it in items])
+
+
+def stack_items(items: list[dict], indices: list[int]) -> dict:
     b0 = items[0]["bucket"]
     if any(it["bucket"] != b0 for it in items):
         raise ValueError(f"a batch mixes buckets: {[it['bucket'] for it in items]}")
@@ -595,6 +608,7 @@ class LoadFailures:
         self.skip = skip_bad_samples
         self.dropped: dict[int, str] = {}  # sample index -> its problem line
         self.new: dict[int, str] = {}  # failures of the current step
+        self.last: list[str] = []  # those of the last step not trained
         self.skipped_steps = 0
 
     def refuses(self, batch: dict, group=None) -> bool:
@@ -614,6 +628,7 @@ class LoadFailures:
         """After a step with a refused micro-batch: count it, drop its new failures (with skip_bad_samples), and
         return the lines to log."""
         self.skipped_steps += 1
+        self.last = list(self.new.values())
         lines = [f"step {step}: sample failed to load: {line}" for line in self.new.values()]
         if self.skip:
             self.dropped.update(self.new)
@@ -622,8 +637,11 @@ class LoadFailures:
         return lines
 
     def stop_message(self, step: int) -> str:
-        return (f"stopped at step {step} on a sample that failed to load (above); the checkpoint before it is written: "
-                "fix or remove the file and --resume auto, or --resume auto --skip-bad-samples to drop it")
+        """The run's last line: the step, the first failure (sample, file, problem), what to do."""
+        more = f" (and {len(self.last) - 1} more above)" if len(self.last) > 1 else ""
+        return (f"stopped at step {step} on a sample that failed to load: {self.last[0] if self.last else '?'}{more}; "
+                "the checkpoint before it is written: fix or remove the file and --resume auto, or --resume auto "
+                "--skip-bad-samples to drop it")
 
     def summary(self) -> str:
         return f"{len(self.dropped)} sample(s) dropped after failing to load; {self.skipped_steps} step(s) not trained"
@@ -659,6 +677,54 @@ def stop_signals_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class LoaderError(RuntimeError):
+    """A loader worker that died (killed by a signal: the kernel's OOM killer) or raised outside a sample: the run
+    ends in one line, exit 1."""
+
+
+def next_batch(batches, step: int) -> dict:
+    """The next micro-batch of step `step` (0-based). A sample that fails comes back as a failed batch (collate);
+    what the DataLoader itself raises about a worker becomes LoaderError, one line, instead of its traceback."""
+    try:
+        return next(batches)
+    except Exception as e:
+        text = (e.args[0] if e.args and isinstance(e.args[0], str) else str(e)).strip()  # a KeyError's str quotes
+        if "DataLoader worker" not in text:
+            raise
+        lines = text.splitlines()  # "Caught X in DataLoader worker process 0. Original Traceback ... X: msg"
+        raise LoaderError(f"step {step + 1}: a loader worker failed: "
+                          f"{lines[-1] if text.startswith('Caught ') else lines[0]}") from None
+
+
+class WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned loader worker that leaves with os._exit once its loop has returned, as a forked one does. Left to
+    spawn's sys.exit, the interpreter finalizes while the worker's queue feeder thread may still be sharing the last
+    batch's tensors into shared memory with the GIL released (torch's worker loop cancels that thread's join at
+    shutdown); CPython then ends the thread with pthread_exit as it retakes the GIL, and the forced unwind through
+    torch's C++ frame calls std::terminate: `terminate called without an active exception`, the worker killed by
+    SIGABRT, and the main process's DataLoader raising in the middle of its own exit."""
+
+    def run(self):
+        code = 0
+        try:
+            super().run()  # torch's _worker_loop
+        except BaseException:  # what multiprocessing's _bootstrap would print before exiting 1
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class WorkerContext(multiprocessing.context.SpawnContext):
+    """DataLoader multiprocessing_context: spawned workers (a process running CUDA and OpenMP threads cannot fork
+    safely) that exit without finalizing (WorkerProcess)."""
+
+    Process = WorkerProcess
 
 
 def stop_workers(batches) -> None:

@@ -134,11 +134,14 @@ from data import (
     BucketBatchSampler,
     DatasetError,
     E2VDataset,
+    LoaderError,
     LoadFailures,
+    WorkerContext,
     cache_key,
     collate,
     held_out,
     ignore_stop_signals,
+    next_batch,
     rank_slice,
     stop_signals_blocked,
     stop_workers,
@@ -1074,7 +1077,7 @@ def make_loader(dataset, sampler, start_step: int, rank: int, world: int, cfg: T
                                                 cfg.overfit_batches),
         collate_fn=collate, num_workers=cfg.num_workers, pin_memory=use_cuda, persistent_workers=cfg.num_workers > 0,
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
-        multiprocessing_context="spawn" if cfg.num_workers > 0 else None,
+        multiprocessing_context=WorkerContext() if cfg.num_workers > 0 else None,
         worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
 
 
@@ -1270,7 +1273,7 @@ def main(cfg: TrainConfig) -> dict:
             step_loss = torch.zeros((), device=device)
             refused = False  # a sample of this global batch failed to load, on some rank: the step trains nothing
             for j in range(cfg.grad_accum):
-                batch = next(data_iter)
+                batch = next_batch(data_iter, step)
                 refused = failures.refuses(batch, ctrl) or refused  # a collective: every rank, every micro-batch
                 if refused:
                     continue
@@ -1351,6 +1354,9 @@ if __name__ == "__main__":
         sys.exit(2)
     except Diverged as e:
         print(f"error: diverged: {e}", file=sys.stderr)
+        sys.exit(1)
+    except LoaderError as e:  # a worker killed or failing outside a sample (a sample's failure is a DatasetError)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except CheckpointError as e:  # e.g. a full disk: the run dir, the free space and what the checkpoint needs
         print(f"error: {e}", file=sys.stderr)

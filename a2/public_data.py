@@ -222,8 +222,7 @@ def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem])
         s = Sample(str(r["key"]), di, Path(r["video"]), "", where=where, start=int(r.get("start") or 0),
                    crop=tuple(r["crop"]) if r.get("crop") else None, num_frames=int(r.get("num_frames") or 0))
         s.prompt, s.problems = caption_problems(s.id, str(r.get("caption") or ""), path, where, cfg)
-        names = {e.name for e in cfg.elements}
-        s.refs = {k: v for k, v in (r.get("elements") or {}).items() if k in names}
+        s.refs = clip_elements(r, [e.name for e in cfg.elements])
         s.elements = {k: ref_file(v) for k, v in s.refs.items()}
         s.cluster = r.get("cluster")
         if s.id in first:
@@ -232,6 +231,47 @@ def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem])
         out.append(s)
     if cfg.cross_video:
         cross_video(out)
+    return out
+
+
+ROLES = ("subject", "object", "background")  # A2's elements: a reference of the index plays one of these
+
+
+def clip_roles(line: dict) -> dict[str, dict]:
+    """A2's prefix: the clip's subject (its largest kept subject mask), object (largest kept object mask) and
+    background png, each where the clip has it; absent ones absent."""
+    out = dict(line.get("elements") or {})
+    for ref in line.get("references") or []:  # largest first
+        out.setdefault(ref["role"], ref)
+    return {k: out[k] for k in sorted(out, key=lambda k: ROLES.index(k) if k in ROLES else len(ROLES))}
+
+
+def clip_references(line: dict, most: int, background: bool) -> list[dict]:
+    """The references of a clip for a kind without roles (Phantom, SkyReels-V3, MAGREF, in-context), as the released
+    models were trained on the public data: every kept subject/object mask, largest first, and where the kind uses
+    one the clip's background png (when it has one) in the last slot, `most` references in all (the kind's
+    maximum; a background never takes the only slot). Phantom-Data's references are in its phrase order, the person
+    first; index lines without `references` (HuMoSet, indexes built before) give their elements in role order."""
+    masks = line.get("references")
+    if masks is None:
+        masks = [dict(v, role=k) for k, v in (line.get("elements") or {}).items() if k != "background"]
+    bg = (line.get("elements") or {}).get("background") if background and most > 1 else None
+    return masks[:most - (bg is not None)] + ([dict(bg, role="background")] if bg else [])
+
+
+def clip_elements(line: dict, names: list[str]) -> dict[str, dict]:
+    """{element name: index entry} of a clip for the run's elements `names` (position order): A2's roles when every
+    name is one (subject / object / background), else the references of clip_references in position order (the
+    released models' ref0, ref1, ...: the kind's maximum is the number of names; a `background` name takes the
+    background png)."""
+    if set(names) <= set(ROLES):
+        return {k: v for k, v in clip_roles(line).items() if k in names}
+    slots = [n for n in names if n != "background"]
+    refs = clip_references(line, len(names), "background" in names)
+    masks = [r for r in refs if r["role"] != "background"]
+    out = dict(zip(slots, masks))
+    if refs and refs[-1]["role"] == "background":
+        out["background"] = refs[-1]
     return out
 
 
@@ -415,16 +455,18 @@ class IndexOpenS2V:
     """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
     which keeps almost none; the demo dataloader keeps all)."""
     background: bool = True
-    """Require the Background png (a clip without it is reported and skipped); --no-background indexes without."""
+    """Use the Background png (a clip without it is kept without a background, counted and named in the report);
+    --no-background indexes no background."""
     cross_pairs: str | None = None
     """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
     --cross-video (the reference from a paired clip)."""
 
     def rule(self) -> str:
         return (f"subject/object masks by word_tags (subject+pre_define -> subject, object -> object); a mask is kept "
-                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}); "
-                f"the largest kept crop is the element, the largest subject crop when none is kept; background png "
-                f"if background_ase_score >= {self.min_background_aes}")
+                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}), the "
+                f"largest subject crop when no subject mask is kept; references: every kept mask, largest first "
+                f"(A2's subject / object: the largest of each); background png if found and background_ase_score >= "
+                f"{self.min_background_aes}, else none")
 
 
 def cluster_of(key: str) -> str:
@@ -512,44 +554,47 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         b = boxes[int(k) - 1]
         pools[element].append(dict(k=k, cls=cls, ratio=float(bw * bh) / (h * w), aes=float(b.get("aes_score", 0)),
                                    gme=float(b.get("gme_score", 0)), rle=rle))
-    chosen = {}
+    kept: list[dict] = []  # every subject/object mask that passes the filters
     for element, pool in pools.items():
-        kept = []
+        passed = []
         for m in pool:
             if m["ratio"] < a.min_crop_ratio:
                 counts[f"{element} masks dropped: crop_ratio < {a.min_crop_ratio}"] += 1
             elif m["aes"] < a.min_aes and m["gme"] < a.min_gme:
                 counts[f"{element} masks dropped: aes < {a.min_aes} and gme < {a.min_gme}"] += 1
             else:
-                kept.append(m)
-        if not kept and pool and element == "subject":
+                passed.append(dict(m, role=element))
+        if not passed and pool and element == "subject":
             counts["subject: largest crop taken as fallback (none passed)"] += 1
-            kept = pool
-        if kept:
-            chosen[element] = max(kept, key=lambda m: m["ratio"])
-    if "subject" not in chosen:
+            passed = [dict(max(pool, key=lambda m: m["ratio"]), role=element)]
+        kept += passed
+    if not any(m["role"] == "subject" for m in kept):
         counts["clips dropped: no subject mask"] += 1
         return None
     if not video.is_file():
         counts["clips dropped: video missing"] += 1
         lines.append(str(Problem(key, video, f"video {missing(video)}")))
         return None
-    elements = {e: dict(mask=dict(size=[h, w], counts=m["rle"]["counts"]), video=str(video), frame=ann, crop=crop,
-                        class_name=m["cls"]) for e, m in chosen.items()}
+    kept.sort(key=lambda m: -m["ratio"])  # largest first (stable: ties keep the record's mask order)
+    counts[f"clips with {len(kept) if len(kept) < 8 else '8+'} kept mask(s)"] += 1
+    references = [dict(mask=dict(size=[h, w], counts=m["rle"]["counts"]), video=str(video), frame=ann, crop=crop,
+                       class_name=m["cls"], role=m["role"]) for m in kept]
+    elements = {}
     if a.background:
         png, how, tried = background_png(root, part, key)
-        if png is None:
-            counts["clips dropped: background png missing"] += 1
-            lines.append(str(Problem(key, tried[0], f"background png not found (nor {tried[1].name})")))
-            return None
-        counts[f"background found as {how}"] += 1
         bg_aes = float(rec["annotation"]["ann_frame_data"].get("background_ase_score", 0))
-        if bg_aes >= a.min_background_aes:
+        if png is None:  # BindWeave's loader keeps such a clip, without a background
+            counts["clips without a background png (kept without a background)"] += 1
+            lines.append(str(Problem(key, tried[0], f"background png not found (nor {tried[1].name}): the clip is "
+                                                    "kept without a background")))
+        elif bg_aes >= a.min_background_aes:
+            counts[f"background found as {how}"] += 1
             elements["background"] = dict(image=str(png))
         else:
+            counts[f"background found as {how}"] += 1
             counts[f"backgrounds not used: background_ase_score < {a.min_background_aes}"] += 1
     line = dict(key=key, dataset="opens2v", video=str(video), caption=caption, fps=md.get("fps"), start=start,
-                num_frames=end - start, crop=crop, elements=elements)
+                num_frames=end - start, crop=crop, references=references, elements=elements)
     cluster = clusters.get(f"{part}/{key}") or clusters.get(key)
     if cluster:
         line["cluster"] = cluster
@@ -618,8 +663,8 @@ class IndexPhantom:
 
     def rule(self) -> str:
         return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
-                "phrase/box class -> subject, the first other phrase -> object; box (768 canvas) scaled to the frame "
-                "and clipped")
+                "phrase/box class first (A2's subject), the others in phrase order (the first: A2's object); box "
+                "(768 canvas) scaled to the frame and clipped")
 
 
 def is_person(*words) -> bool:
@@ -679,10 +724,10 @@ def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Pat
         return None
     people = [r for p, r in refs if is_person(p, r["class_name"])]
     subject = people[0] if people else refs[0][1]
-    others = [r for _, r in refs if r is not subject]
-    elements = dict(subject=subject, **({"object": others[0]} if others else {}))
-    counts["references not used (a2: one subject, one object)"] += max(0, len(refs) - len(elements))
-    return dict(key=vid, dataset="phantom", video=str(video), caption=caption, elements=elements)
+    ordered = [subject, *(r for _, r in refs if r is not subject)]  # A2's subject, then its object, then the rest
+    counts[f"clips with {len(ordered) if len(ordered) < 8 else '8+'} reference(s)"] += 1
+    return dict(key=vid, dataset="phantom", video=str(video), caption=caption, elements={},
+                references=[dict(r, role="object" if i else "subject") for i, r in enumerate(ordered)])
 
 
 def index_phantom(a: IndexPhantom):

@@ -91,8 +91,10 @@ def test_opens2v_thresholds_are_flags_and_the_fallback_is_the_largest_crop(opens
     c = pd_.index_opens2v(a)
     assert c["subject: largest crop taken as fallback (none passed)"] == 2 and c["clips kept"] == 2
     line = json.loads((tmp_path / "index.jsonl").read_text().splitlines()[0])
-    assert line["elements"]["subject"]["class_name"] == "woman"  # the largest subject crop
-    assert "object" not in line["elements"]  # no fallback for objects
+    roles = pd_.clip_roles(line)
+    assert roles["subject"]["class_name"] == "woman"  # the largest subject crop
+    assert "object" not in roles  # no fallback for objects
+    assert [r["class_name"] for r in line["references"]] == ["woman"]  # the fallback alone
 
 
 def test_opens2v_clip_is_face_cut_of_the_cropped_frames_at_its_own_fps(opens2v):
@@ -160,10 +162,14 @@ def test_bad_records_are_one_line_each_and_the_index_is_still_written(opens2v, t
         mine = [x for x in lines if x.startswith(key + ": ")]
         assert len(mine) == 1 and what in mine[0], (key, mine)
     assert len(lines) == len(expect)
-    assert c["clips kept"] == 1 and c["clips dropped: bad record"] == 2 and c["clips dropped: video missing"] == 1
+    assert c["clips kept"] == 2 and c["clips dropped: bad record"] == 2 and c["clips dropped: video missing"] == 1
     # "outside": its one subject mask is empty inside the crop (the others were taken out), so no subject is left
-    assert c["clips dropped: no subject mask"] == 1 and c["clips dropped: background png missing"] == 1
-    assert [json.loads(x)["key"] for x in (tmp_path / "out" / "index.jsonl").read_text().splitlines()] == [key0]
+    assert c["clips dropped: no subject mask"] == 1
+    # as BindWeave's loader, a clip whose background png is missing is kept without one (and named above)
+    assert c["clips without a background png (kept without a background)"] == 1
+    kept = [json.loads(x) for x in (tmp_path / "out" / "index.jsonl").read_text().splitlines()]
+    assert [x["key"] for x in kept] == [key0, "nobackground_part1_step6"]
+    assert "background" in kept[0]["elements"] and "background" not in kept[1]["elements"]
 
 
 def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
@@ -178,7 +184,7 @@ def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
 def test_load_failure_mid_run_is_a_marker_not_a_crash(opens2v, tmp_path):
     index = tmp_path / "index.jsonl"
     line = json.loads((opens2v["out"] / "index.jsonl").read_text().splitlines()[0])
-    line["elements"]["subject"]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # does not fit the frame
+    line["references"][0]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # the subject's: does not fit the frame
     index.write_text(json.dumps(line) + "\n")
     ds = E2VDataset([public_cfg(index)], num_frames=9, verbose=False)
     item = ds[(0, 0)]
@@ -231,6 +237,9 @@ def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(shared_data, tmp_p
     assert c["clips kept"] == 1 and c["clips dropped: video not downloaded"] == 1
     assert c["boxes overflowing the 768 canvas (clipped at load)"] == 1
     assert "gone: " in (tmp_path / "out" / "report.txt").read_text()
+    line = json.loads((tmp_path / "out" / "index.jsonl").read_text())
+    assert [(r["role"], r["class_name"]) for r in pd_.clip_references(line, 4, background=True)] == [
+        ("subject", "person"), ("object", "mountain")]  # every phrase a reference, the person first
     s = pd_.list_index(tmp_path / "out" / "index.jsonl", public_cfg(tmp_path / "out" / "index.jsonl", "phantom"),
                        0, [])[0]
     _, images = pd_.load_sample(s, [], ["subject", "object"])
@@ -313,8 +322,8 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
     lines = [json.loads(x) for x in (out / "index.jsonl").read_text().splitlines()]
     assert [x.get("cluster") for x in lines] == ["cluster7", "cluster7"]
     # the synthetic clips share their annotation: make the second clip's elements another frame, so they differ
-    for ref in ("subject", "object"):
-        lines[1]["elements"][ref]["frame"] += 5
+    for ref in lines[1]["references"]:
+        ref["frame"] += 5
     index = tmp_path / "edited.jsonl"
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
     names = ["subject", "object", "background"]
@@ -329,3 +338,111 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         for ref in ("subject", "object"):
             assert np.array_equal(cross[i][ref], own[j][ref])
         assert np.array_equal(cross[i]["background"], own[i]["background"])
+
+
+# ---------------------------------------------------------------- references per clip, as the models were trained
+
+
+def varied_opens2v(shared, root: Path) -> dict:
+    """Four OpenS2V-5M clips of 1, 2, 4 and 2 kept masks (the last without its background png): the synthetic part
+    with the backpack removed from clip 0, and a hat (small) and a dog (the largest crop of all) added to clip 2."""
+    fx = pd_.synthetic_opens2v(root, hiker_frames(shared), person(shared), num_clips=4)
+    records, ann = fx["records"], str(fx["ann"])
+    keys = list(records)
+    h, w = next(iter(fx["masks"].values())).shape
+    yy, xx = np.mgrid[0:h, 0:w]
+    del records[keys[0]]["annotation"]["mask_annotation"][ann]["4"]
+    # the dog's crop no wider than twice its height: MAGREF's canvas block at the test's 64x96 holds it
+    extra = {"6": ("hat", (yy < h * 0.35) & (xx < w * 0.3)), "7": ("dog", (yy > h * 0.4) & (xx > w * 0.3))}
+    a = records[keys[2]]["annotation"]
+    for k, (cls, m) in extra.items():
+        a["ann_frame_data"]["annotations"].append(dict(class_name=cls, bbox=[0, 0, 1, 1], aes_score=5.0, gme_score=0.7))
+        a["mask_map"][k] = {"class_name": cls}
+        a["mask_annotation"][ann][k] = {**pd_.rle_encode(m), "score": [0.99]}
+    records[keys[2]]["word_tags"]["object"] += ["hat", "dog"]
+    pd_.write_part(fx["json"], records.items())
+    bg = root / "Background" / "total_part1"
+    for p in bg.glob(f"{keys[3].split('_step6')[0]}*"):
+        p.unlink()
+    return dict(fx, keys=keys)
+
+
+def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(shared_data, tmp_path):
+    """BindWeave's rule on OpenS2V-5M (get_sora_feature.py: every mask with crop_ratio >= 0.1 and aes >= 4.5 or
+    gme >= 0.6 is a reference; a clip whose background png is missing is kept without one), here among the
+    subject/object-tagged masks and largest first: the kinds without roles take the first `most`, A2's prefix its
+    roles, absent ones absent."""
+    fx = varied_opens2v(shared_data, tmp_path)
+    out = tmp_path / "index"
+    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
+    assert c["clips read"] == c["clips kept"] == 4
+    assert c["clips without a background png (kept without a background)"] == 1
+    assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (1, 2, 1)
+    report = (out / "report.txt").read_text()
+    assert f"{fx['keys'][3]}: " in report and "background png not found" in report
+    lines = {x["key"]: x for x in map(json.loads, (out / "index.jsonl").read_text().splitlines())}
+    k0, k1, k2, k3 = (lines[k] for k in fx["keys"])
+
+    def classes(refs):
+        return [r.get("class_name", "background png") for r in refs]
+
+    # largest crop first: the dog's is 0.42 of the frame, the woman's ellipse ~0.28, the backpack ~0.13, the hat ~0.1
+    assert classes(k2["references"]) == ["dog", "woman", "backpack", "hat"]
+    # kinds without roles: phantom / v3 take 4, magref 8, incontext its configured maximum (here 2)
+    assert classes(pd_.clip_references(k2, 4, background=False)) == ["dog", "woman", "backpack", "hat"]
+    assert classes(pd_.clip_references(k2, 4, background=True)) == ["dog", "woman", "backpack", "background png"]
+    assert classes(pd_.clip_references(k2, 8, background=True)) == ["dog", "woman", "backpack", "hat",
+                                                                     "background png"]
+    assert classes(pd_.clip_references(k2, 2, background=False)) == ["dog", "woman"]
+    assert classes(pd_.clip_references(k0, 4, background=True)) == ["woman", "background png"]
+    assert classes(pd_.clip_references(k0, 1, background=True)) == ["woman"]  # the background never takes the slot
+    assert classes(pd_.clip_references(k3, 4, background=True)) == ["woman", "backpack"]  # none to add
+    # A2's prefix: its roles, the largest of each, absent ones absent
+    roles = {k: {n: r.get("class_name", "png") for n, r in pd_.clip_roles(x).items()} for k, x in lines.items()}
+    assert [roles[k] for k in fx["keys"]] == [
+        dict(subject="woman", background="png"), dict(subject="woman", object="backpack", background="png"),
+        dict(subject="woman", object="dog", background="png"), dict(subject="woman", object="backpack")]
+    # a run's elements: A2's roles, or positional references (ref0, ref1, ...) filled largest first
+    released = [f"ref{i}" for i in range(4)]
+    assert {n: r["class_name"] for n, r in pd_.clip_elements(k2, released).items()} == dict(
+        ref0="dog", ref1="woman", ref2="backpack", ref3="hat")
+    assert sorted(pd_.clip_elements(k0, [*released[:3], "background"])) == ["background", "ref0"]
+    samples = pd_.list_index(out / "index.jsonl", public_cfg(out / "index.jsonl"), 0, [])
+    assert [sorted(s.refs) for s in samples] == [["background", "subject"], ["background", "object", "subject"],
+                                                 ["background", "object", "subject"], ["object", "subject"]]
+
+
+# the README's kinds on an OpenS2V-5M index: model, frames (what the clips' 16 frames fill), other flags
+OPENS2V_KINDS = {
+    "prefix": ("tiny", 21, {}),  # A2: its subject / object / background roles
+    "v3": ("tiny-v3", 9, {}),
+    "magref": ("tiny-magref", 9, {}),
+    "incontext": ("tiny-t2v", 9, {"reference_layout": "incontext"}),
+    # Phantom as it was trained on the public data: every kept mask a reference, largest first, up to its 4
+    "phantom": ("tiny-phantom", 9, {"elements": tuple(f"ref{i}=_ref{i}.png" for i in range(4))}),
+}
+
+
+def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path):
+    """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
+    clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch, every
+    clip (none left out: each kind takes 1 to 4 references), and the report names the clip without a background."""
+    from tests.conftest import train
+
+    root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
+    fx = varied_opens2v(shared_data, root)
+    pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
+    index = out / "index.jsonl"
+    assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()
+    for kind, (model, frames, kw) in OPENS2V_KINDS.items():
+        ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
+                               model=model, **kw))
+        assert len(ds) == 4, kind
+        if kind == "phantom":  # the clips' 1, 2, 4 and 2 kept masks
+            assert [b[3] for b in ds.buckets] == [("ref0",), ("ref0", "ref1"), ("ref0", "ref1", "ref2", "ref3"),
+                                                  ("ref0", "ref1")]
+        flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
+        r = train("--model", model, "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
+                  *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", kind, "--max-steps", "4",
+                  "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
+        assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"])), kind  # one epoch: 4 clips, none skipped

@@ -3,9 +3,11 @@ train/infer conditioning parity, LoRA export loads in infer.py and diffusers, ba
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,6 +360,99 @@ def run_patched(patch, argv):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-c", PATCHED.format(root=str(ROOT), patch=patch), *argv], env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+class SharedBatches(torch.utils.data.Dataset):
+    """Batches large enough that a loader worker is still sharing one into shared memory (its queue's feeder thread,
+    in torch's C++ with the GIL released) when it is told to stop."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.ones(16_000_000)  # 64 MB
+
+
+def test_a_loader_worker_stopped_while_it_sends_a_batch_exits_cleanly():
+    """The cause of `terminate called without an active exception` / `DataLoader worker (pid ...) is killed by
+    signal: Aborted`: a spawned worker that finalizes the interpreter while its feeder thread is in C++ is aborted
+    (with multiprocessing's spawn context this worker exits -6, here on every try); data.WorkerContext's workers
+    leave with os._exit like forked ones."""
+    from data import WorkerContext, stop_workers
+
+    loader = torch.utils.data.DataLoader(SharedBatches(), batch_size=None, num_workers=1, prefetch_factor=4,
+                                         multiprocessing_context=WorkerContext())
+    batches = iter(loader)
+    assert next(batches).shape == (16_000_000,)
+    worker = batches._workers[0]
+    stop_workers(batches)  # raises when the worker dies of a signal meanwhile (the DataLoader's SIGCHLD handler)
+    assert worker.exitcode == 0
+
+
+# a loader worker of the run raises on its third sample, in a step of the first epoch, where nothing caught it before
+RAISE_IN_WORKER = """
+import os
+import data
+resize, calls = data.resize_frames, []
+def resize_frames(*a, **k):
+    calls.append(1)
+    if len(calls) == 3 and os.environ.get("A2_TEST_WORKER") and data.torch.utils.data.get_worker_info():
+        raise RuntimeError("injected: the worker failed")
+    return resize(*a, **k)
+data.resize_frames = resize_frames
+"""
+
+
+def test_a_loader_worker_raising_mid_epoch_ends_the_run_in_one_line(data_dir, tmp_path):
+    """An exception in a loader worker, outside what reading a file raises: the run checkpoints the step before and
+    ends with one line naming the step, the sample and its file (exit 2), no traceback, no aborted worker."""
+    from tests.conftest import ROOT
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(RAISE_IN_WORKER)  # runs in every process, workers too
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "A2_TEST_WORKER": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "train_a2.py"), *args(data_dir, tmp_path, "r", "--num-workers",
+                                                                          "1", "--max-steps", "4")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "terminate called" not in p.stderr and "DataLoader worker" not in p.stderr
+    m = re.fullmatch(r"error: stopped at step 3 on a sample that failed to load: (\S+): (\S+): failed to load "
+                     r"\(RuntimeError: injected: the worker failed\); the checkpoint before it is written: .*", err[-1])
+    assert m and Path(m[2]) == data_dir / f"{m[1]}.mp4", err[-1]
+    assert sorted(c.name for c in (tmp_path / "r").glob("ckpt-*")) == ["ckpt-0000002"]
+
+
+def test_what_the_dataloader_raises_about_a_worker_is_one_line():
+    """A worker killed (the OOM killer) or failing outside a sample: LoaderError, one line (exit 1 in train_a2.py),
+    not the DataLoader's multi-line message; anything else is raised as it is."""
+    from data import LoaderError, next_batch
+
+    def raising(e):
+        raise e
+        yield
+
+    caught = ("Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+              '  File "x.py", line 1, in f\nKeyError: 7\n')
+    for e, line in ((RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly"),
+                     "step 5: a loader worker failed: DataLoader worker (pid(s) 123) exited unexpectedly"),
+                    (KeyError(caught), "step 5: a loader worker failed: KeyError: 7")):
+        with pytest.raises(LoaderError) as got:
+            next_batch(raising(e), 4)
+        assert str(got.value) == line
+    with pytest.raises(ZeroDivisionError):
+        next_batch(raising(ZeroDivisionError("x")), 4)
+
+
+def test_items_that_cannot_be_batched_fail_naming_each_sample_and_file():
+    from data import collate
+
+    items = [dict(index=i, id=f"00{i}", file=f"/d/00{i}.mp4", bucket=(5, 8, 8, ()), prompt="p", element_names=(),
+                  repeats=(), video=torch.zeros(3, 5, 8, 8 + i), ref_vae=torch.zeros(0, 3, 8, 8),
+                  ref_clip=torch.zeros(0, 3, 4, 4)) for i in range(2)]
+    batch = collate(items)
+    assert batch["indices"] == [0, 1] and [i for i, _ in batch["failed"]] == [0, 1]
+    assert batch["failed"][1][1].startswith("001: /d/001.mp4: failed to batch (RuntimeError: stack expects")
 
 
 @pytest.mark.parametrize("how", ["exception", "second-signal", "signal-at-export", "disk-full"])
