@@ -17,23 +17,26 @@ A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (reco
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
 checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
---layout magref: one CLIP image (the canvas, 257 tokens) whatever --refs, the canvas a frame of --frames.
+The step is train_a2.py's (model_inputs + forward_loss: the kind's conditioning, its loss, --align-refs' alignment
+loss) on the batch a precompute cache of the run would hold (train_a2.py synthetic_batch, zero posteriors and
+tokens): --layout any kind of a2/conditioning.py, laid out from its definition (bench_run).
+--layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas a frame of --frames.
 --layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
 layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
 on reference keys) + 4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries
 on video keys).
 --align-refs N: RefAlign's alignment loss (a2/align.py) on N reference latent frames appended after the video (the
-phantom layout's tokens), its projectors on --align-blocks trained with the run, and a random DINOv3 ViT of
---align-dim (768: ViT-B/16, 1024: ViT-L/16) computing the targets of N reference images each step (training without
-a cache); the memory plan counts both. Its cost: against `--align-refs N --no-align-loss`, the same sequence without
-the loss.
+phantom kind's tokens, or those of the --layout kind given), its projectors on --align-blocks trained with the run,
+and a random DINOv3 ViT of --align-dim (768: ViT-B/16, 1024: ViT-L/16) computing the targets of N reference images
+each step (training without a cache); the memory plan counts both. Its cost: against `--align-refs N
+--no-align-loss`, the same sequence without the loss.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -41,10 +44,20 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from a2 import align, conditioning
+from a2 import align
+from a2.conditioning import KIND_DEFS, KINDS, kind_sampling, kind_weights, make_layout, prepare_model
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
-from config import OnOffAuto, height_width, resolve_compile
+from a2.transformer import (
+    CLIP_TOKENS,
+    TEXT_TOKENS,
+    TI2V_Z_DIM,
+    ModelInfo,
+    preset_config,
+    random_transformer,
+    resolve_e2v_type,
+)
+from config import LORA_TARGETS, Element, OnOffAuto, TrainConfig, height_width, resolve_compile
+from train_a2 import Run, forward_loss, model_inputs, synthetic_batch, zero_batch
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -53,7 +66,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 class BenchConfig:
     """Time a training step (or the data loader) at a real shape with random weights."""
 
-    preset: Literal["tiny", "1.3B", "14B", "5B"] = "tiny"
+    preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
     """Transformer size: tiny (tests), Wan 1.3B, Wan/A2 14B, or Wan 2.2 TI2V 5B (random weights, no download)."""
     frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
     """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
@@ -65,10 +78,13 @@ class BenchConfig:
     """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
     refs: int = 3
     """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
-    layout: Literal["default", "magref", "standin"] = "default"
-    """default: A2's (--refs CLIP images; the reference frames are part of --frames); magref: MAGREF's canvas, one
-    CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank --lora-rank)
-    trained instead of a peft LoRA (a2/conditioning.py's kinds)."""
+    layout: Literal[("default",) + KINDS] = "default"
+    """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
+    synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
+    model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
+    reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
+    canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
+    --lora-rank) trained instead of a peft LoRA."""
     mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
     """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
     lora_rank: int = 32
@@ -388,6 +404,50 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
                 compiled_gb=compiled, fits=fits)
 
 
+def refuse(message: str):
+    """An input mistake: one line on stderr, exit 2."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
+    """The run bench's step trains: the kind --layout names (default: A2's prefix kind with --refs elements, T2V
+    with none; --align-refs N: Phantom's N appended references), laid out from its definition at --frames, on a
+    random model of the preset shaped for it (36 channels where the kind conditions on channels); its ModelInfo read
+    from the preset, not a dir. Returns (Run, train_a2.py's TrainConfig of the step, the transformer config).
+    A shape or count the kind cannot take exits 2 in one line."""
+    kind = b.layout if b.layout != "default" else "phantom" if b.align_refs else "prefix" if b.refs else "t2v"
+    d = KIND_DEFS[kind]
+    lo, hi = d.references
+    n = min(max(b.align_refs or b.refs, lo), hi)  # --refs within what one sample of the kind holds
+    if b.align_refs and (n != b.align_refs or d.axis not in ("time", "tokens")):
+        refuse(f"bench.py --align-refs {b.align_refs}: the {kind} kind holds {lo} to {hi} references"
+               + ("" if d.axis in ("time", "tokens") else ", none of them tokens of the sequence")
+               + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
+    try:
+        cfg = preset_config(b.preset, e2v=d.axis == "channel")
+    except ValueError as e:
+        refuse(f"bench.py --preset {b.preset} --layout {kind}: {e}")
+    info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
+                     cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
+                     vae_scale=vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
+                     expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM)
+    # the kind's first --frame-conditioning mode; a2/conditioning.py plan's reference paths for such a model
+    e2v_type = resolve_e2v_type(info, "auto", d.axis != "none") if d.axis in ("none", "channel") else "vae"
+    try:
+        layout = make_layout(kind, b.frames, (1,) * n, frame_conditioning=d.frame_conditioning[0],
+                             clean_frames=int(d.axis == "frames"), e2v_type=e2v_type, image_branch=info.image_branch,
+                             use_clip=n > 0 and d.axis == "channel" and e2v_type != "vae" and info.image_branch,
+                             per_token=info.ti2v)
+    except ValueError as e:
+        refuse(f"bench.py --layout {kind} --frames {b.frames}: {e}")
+    elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n))
+    run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
+              encode_mode=kind_sampling(kind).encode_mode)
+    train_cfg = TrainConfig(micro_batch=b.batch, lora_rank=b.lora_rank, align_loss=b.align_loss and b.align_refs > 0)
+    return run, train_cfg, cfg
+
+
 def align_target(b: BenchConfig, cfg: dict, model, device, dtype):
     """--align-refs: the projectors installed on `model` (trainable, fp32) and a random DINOv3 ViT-B/16 or ViT-L/16
     (4 registers) resident on `device` in `dtype`, as train_a2.py holds them; returns dino_targets' target."""
@@ -413,9 +473,8 @@ def main(b: BenchConfig) -> dict:
     if b.context_parallel > 1:
         raise SystemExit("bench.py --context-parallel N goes with --dry-run (one rank's plan and trace); time a CP "
                          "step with train_a2.py --context-parallel N under torchrun")
-    standin = b.layout == "standin"
-    refs = 0 if standin else 1 if b.layout == "magref" else b.refs  # CLIP images
-    cfg = preset_config(b.preset, e2v=refs > 0)
+    run, train_cfg, cfg = bench_run(b)
+    layout, info = run.layout, run.info
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     # built in place on the device: LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
@@ -423,35 +482,32 @@ def main(b: BenchConfig) -> dict:
     model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
-    if standin:  # train_a2.py's: Stand-In's processors, its forward and reference LoRA (the LoRA run's weights)
-        from a2.conditioning import kind_weights, make_layout, prepare_model
-
-        layout = make_layout("standin", b.frames, (1,))
-        prepare_model(model, layout, b.lora_rank)
+    prepare_model(model, layout, b.lora_rank)  # as train_a2.py: a kind's own modules (Stand-In's reference LoRA)
     if b.mode == "lora":
         from peft import LoraConfig
 
-        from config import LORA_TARGETS
-
         model.requires_grad_(False)
-        if standin:
-            for p in kind_weights(model, layout):
-                p.requires_grad_(True)
-        else:
-            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
+        own = kind_weights(model, layout)  # a kind's own LoRA is the adapter
+        for p in own:
+            p.requires_grad_(True)
+        if not own:  # as train_a2.py: the image K/V adapted only where the step feeds CLIP tokens
+            target = LORA_TARGETS if layout.use_clip else LORA_TARGETS.replace("|add_k_proj|add_v_proj", "")
+            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=target))
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
-    tokens = (t_lat + b.align_refs) * (h // 2) * (w // 2)
+    h, w = b.height, b.width
+    tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
+    packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
     target = None
     if b.align_refs and b.align_loss:  # before the plan: it counts the projectors and the resident target model
         target = align_target(b, cfg, model, device, dtype)
     compile = resolve_compile(b.compile, device.type)
-    print(f"blocks {'compiled' if compile else 'eager'}")
+    print(f"{layout.describe()} | blocks {'compiled' if compile else 'eager'}")
     forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=compile)
     if b.memory == "auto" and device.type == "cuda":
-        plan = plan_for_model(model, b.batch * tokens, b.max_memory_gb, b.mode == "full", False, device, **forced)
+        plan = plan_for_model(model, b.batch * (tokens + packed), b.max_memory_gb, b.mode == "full", False, device,
+                              **forced)
     else:
         plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None, None,
                           "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
@@ -466,29 +522,26 @@ def main(b: BenchConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
-    context = TEXT_TOKENS + CLIP_TOKENS * refs
-    x = torch.randn(b.batch, cfg["in_channels"], t_lat + b.align_refs, h, w, device=device)
-    if standin:  # + the reference latent, packed as a2/conditioning.py's model_input packs it
-        from a2.standin import pack_reference
-
-        x = pack_reference(x, torch.randn(b.batch, cfg["in_channels"], 1, *layout.reference_grid, device=device))
-    text = torch.randn(b.batch, TEXT_TOKENS, cfg["text_dim"], device=device)
-    image = torch.randn(b.batch, CLIP_TOKENS * refs, cfg["image_dim"], device=device) if refs else None
-    velocity = torch.randn(b.batch, cfg["out_channels"], t_lat + b.align_refs, h, w, device=device)
+    context = TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
+    # train_a2.py's step on the batch a precompute cache of this run would hold (zero posteriors, text, CLIP tokens)
+    batch, enc = synthetic_batch(run, b.batch, h, w)
+    grid = None
+    if b.align_refs:  # the cache's DINOv3 targets, zeros; with the loss, replaced each step by the target model's
+        patch = info.patch_size
+        grid = align.reference_spans(layout, (h // info.vae_scale // patch[1], w // info.vae_scale // patch[2]),
+                                     patch)[2]
+        aligned = torch.zeros(b.batch, len(layout.repeats), grid[0] * grid[1], b.align_dim)
+    batch, enc = zero_batch(batch, enc, run, model.config, aligned if b.align_refs else None, device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    ref_images = torch.rand(b.batch, b.align_refs, 3, b.height, b.width, device=device) * 2 - 1
-    sigmas = torch.full((b.batch,), 0.5, device=device)
-    phantom = conditioning.make_layout("phantom", b.frames, (1,) * max(1, b.align_refs))
-    spans = align.reference_spans(phantom, (h // 2, w // 2)) if target else None
+    ref_images = torch.rand(b.batch, len(layout.repeats), 3, h, w, device=device) * 2 - 1
+    steps = iter(range(b.warmup + b.steps))
 
     def step():
-        with amp, (align.capture(model, spans[:2]) if target else nullcontext()) as features:
-            out = model(x, torch.full((b.batch,), 500.0, device=device), text, encoder_hidden_states_image=image,
-                        return_dict=False)[0]
-        loss = (out.float() - velocity).pow(2).mean()
+        inputs = model_inputs(batch, next(steps), 0, train_cfg, run, enc, 0, device)
         if target:  # the targets from the pixels each step, as train_a2.py without a cache
-            loss = loss + align.align_loss(features, align.dino_targets(target, ref_images, spans[2]), sigmas,
-                                           torch.ones_like(sigmas))
+            with torch.no_grad():
+                inputs["align_targets"] = align.dino_targets(target, ref_images, grid)
+        loss = forward_loss(model, inputs, train_cfg, run, amp, dtype)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -508,9 +561,8 @@ def main(b: BenchConfig) -> dict:
     dt = (time.perf_counter() - t0) / b.steps
 
     linear, core = forward_flops(cfg, tokens, context)
-    ref_tokens = (layout.reference_grid[0] // 2) * (layout.reference_grid[1] // 2) if standin else 0
-    if standin:
-        extra = standin_flops(cfg, tokens, ref_tokens, b.lora_rank)
+    if packed:
+        extra = standin_flops(cfg, tokens, packed, b.lora_rank)
         linear, core = linear + extra[0], core + extra[1]
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
     # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
@@ -523,8 +575,9 @@ def main(b: BenchConfig) -> dict:
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=refs, layout=b.layout, mode=b.mode,
-               tokens=tokens, reference_tokens=ref_tokens or b.align_refs * (h // 2) * (w // 2),
+    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=len(layout.repeats),
+               layout=layout.kind, mode=b.mode, tokens=tokens,
+               reference_tokens=layout.tokens(info, h, w) - info.latent_tokens(layout.clip_frames, h, w),
                align_loss=bool(target), align_params=sum(p.numel() for p in align.projectors_of(model).parameters())
                if target else 0, forward_pflop=(linear + core) / 1e15, s_per_step=dt,
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,

@@ -509,13 +509,8 @@ def dry_run(cfg: TrainConfig, run: Run) -> dict:
     def forward(model):  # the training step itself (model_inputs + forward_loss), on zero posteriors
         # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
         with unset_fake_temporarily():
-            zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]],
-                         align=align_zeros(cfg, run, b, h, w),  # --align-loss: the cache's targets
-                         text=torch.zeros(b, TEXT_TOKENS, model.config.text_dim),
-                         clip=torch.zeros(b, CLIP_TOKENS * layout.reference_images, model.config.image_dim or 1)
-                         if layout.use_clip else None)
-            inputs = model_inputs(zeros, 0, 0, cfg, run, replace(enc, empty_text=torch.zeros(
-                1, TEXT_TOKENS, model.config.text_dim)), 0, torch.device("cpu"))
+            zeros, zeros_enc = zero_batch(batch, enc, run, model.config, align_zeros(cfg, run, b, h, w))
+            inputs = model_inputs(zeros, 0, 0, cfg, run, zeros_enc, 0, torch.device("cpu"))
         amp = torch.autocast("cpu", dtype=torch.bfloat16)
         return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
 
@@ -581,6 +576,19 @@ def synthetic_batch(run: Run, b: int, h: int, w: int) -> tuple[dict, Encoders]:
                  ref_shape=None if refs is None else tuple(refs.shape), region=region, repeats=layout.repeats,
                  element_names=tuple(e.name for e in run.elements) if layout.takes_references else ())
     return batch, Encoders(latents_config=vars(vae.config))
+
+
+def zero_batch(batch: dict, enc: Encoders, run: Run, config, align_targets: torch.Tensor | None = None,
+               device="cpu") -> tuple[dict, Encoders]:
+    """synthetic_batch's shapes as zero tensors (the dry run's and bench.py's step): the posteriors, the text and
+    CLIP tokens a precompute cache would hold for a transformer of `config`, `align_targets` as its DINOv3 targets
+    (--align-loss), and the empty prompt of text dropout on `device`."""
+    b = len(batch["indices"])
+    zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]], align=align_targets,
+                 text=torch.zeros(b, TEXT_TOKENS, config.text_dim),  # (B, 512, D)
+                 clip=torch.zeros(b, CLIP_TOKENS * run.layout.reference_images, config.image_dim or 1)
+                 if run.layout.use_clip else None)  # (B, 257·N, D)
+    return zeros, replace(enc, empty_text=torch.zeros(1, TEXT_TOKENS, config.text_dim, device=device))
 
 
 def meta_replica(transformer):

@@ -1,9 +1,16 @@
 """bench.py: the FLOP formula against the figures stated for the real shapes, and a CPU run on tiny."""
 
-import pytest
+import re
+from pathlib import Path
 
+import pytest
+import torch
+
+import bench
+from a2.conditioning import KINDS, V3_SLOTS
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main
+from train_a2 import forward_loss
 
 
 def test_flops_match_the_stated_real_shapes():
@@ -33,3 +40,53 @@ def test_bench_runs_each_memory_piece_on_cpu():
                          offload_activations=True, swap_blocks=1, fp8_base=True, peak_tflops=1.0))
     assert (r["offload"], r["swap_blocks"], r["fp8"]) == (True, 1, True)
     assert "1 blocks swapped to host" in r["plan"] and r["host_gb"] > 0 and r["s_per_step"] > 0
+
+
+# tokens of each kind's input at 9 frames of 32x32 on tiny (3 latent frames of 2x2 tokens) and the reference tokens
+# counted in them or beside them (Stand-In's 512x512 image: 32x32 tokens), by hand from each lab's layout
+KIND_TOKENS = {"t2v": (12, 0), "prefix": (12, 4), "inplace": (12, 0), "incontext": (20, 8), "phantom": (20, 8),
+               "refalign": (20, 8), "v3": (12 + 4 * V3_SLOTS, 4 * V3_SLOTS), "magref": (12, 4), "standin": (12, 1024),
+               "clean": (3, 0)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bench_runs_every_kind(kind):
+    """bench.py --layout KIND trains the kind's own step (its tokens, its references) for each kind a2 has."""
+    assert set(KIND_TOKENS) == set(KINDS)
+    r = main(BenchConfig(preset="tiny-ti2v" if kind == "clean" else "tiny", frames=9, height=32, width=32, refs=2,
+                         layout=kind, steps=1, warmup=0, dtype="float32", device="cpu", compile=False))
+    assert r["layout"] == kind and (r["tokens"], r["reference_tokens"]) == KIND_TOKENS[kind]
+    assert r["s_per_step"] > 0 and r["forward_pflop"] > 0
+
+
+def test_bench_times_train_a2s_loss(monkeypatch):
+    """The timed step is train_a2.py's forward_loss on model_inputs' batch: a change to the loss reaches bench, the
+    alignment loss (--align-refs) included."""
+    seen = []
+
+    def changed_loss(model, inputs, cfg, run, amp, dtype):
+        loss, viz = forward_loss(model, inputs, cfg, run, amp, dtype)
+        seen.append((run.layout.kind, cfg.align_loss, inputs["align_targets"], tuple(inputs["x0"].shape), loss))
+        return 2 * loss, viz
+
+    monkeypatch.setattr(bench, "forward_loss", changed_loss)
+    main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, steps=2, warmup=1, dtype="float32",
+                     device="cpu", compile=False))
+    assert len(seen) == 3  # warmup + timed steps
+    kind, aligned, targets, x0, loss = seen[-1]
+    assert (kind, aligned, x0) == ("phantom", True, (1, 16, 3, 4, 4))  # the video's 3 latents (then 2 references)
+    assert targets.shape[:2] == (1, 2) and targets.abs().sum() > 0  # the target model's, not the cache's zeros
+    assert torch.isfinite(loss) and loss > 0
+
+
+def test_bench_refuses_what_the_kind_cannot_take(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, layout="prefix", device="cpu"))
+    assert e.value.code == 2 and "prefix kind" in capsys.readouterr().err
+
+
+def test_bench_compares_no_kind_name():
+    """What differs between kinds is read from their definitions (a2/conditioning.py), not compared in bench.py."""
+    names = "|".join(KINDS)
+    source = (Path(bench.__file__)).read_text()
+    assert not re.findall(rf'[=!]=\s*"({names})"|"({names})"\s*[=!]=|in\s*\([^)]*"({names})"', source)
