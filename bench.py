@@ -43,6 +43,7 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from a2 import align
 from a2.conditioning import KIND_DEFS, KINDS, kind_sampling, kind_weights, make_layout, prepare_model
@@ -330,18 +331,17 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
     from a2.trace import compiled_peak, report
     from a2.trace import dry_run as trace_dry_run
 
-    cfg = preset_config(b.preset, e2v=b.refs > 0)
+    run, train_cfg, cfg = bench_run(b)
     n = cfg["num_layers"]
     cut = {**cfg, "num_layers": layers or n}
     compile = resolve_compile(b.compile, "cuda")  # as the GPU run resolves it
     budget = b.max_memory_gb or 80.0
-    t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
-    tokens = b.batch * t_lat * (h // 2) * (w // 2)
+    tokens = b.batch * run.layout.tokens(run.info, b.height, b.width)
     cp = b.context_parallel
     if cp > 1:  # one rank's share: what it plans for and keeps
         from a2.parallel import step_costs
 
-        costs = step_costs(cfg, tokens // b.batch, TEXT_TOKENS + CLIP_TOKENS * b.refs, cp)
+        costs = step_costs(cfg, tokens // b.batch, context_tokens(run.layout), cp)
         tokens = b.batch * costs["tokens"]
         print(f"context parallel {cp}: {tokens} tokens per rank; per rank forward attention cores "
               f"{b.batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
@@ -353,16 +353,9 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
 
     def build():
         model = random_transformer(cut, torch.float32 if full else torch.bfloat16, "cpu")
-        if not full:
-            from peft import LoraConfig
-
-            from config import LORA_TARGETS
-
-            model.requires_grad_(False)
-            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=LORA_TARGETS))
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
+        trainable(model, run.layout, b)
+        if train_cfg.align_loss:  # the projectors (the target model runs beside the step, not in the trace)
+            align.install(model, b.align_dim, [i for i in b.align_blocks if i < cut["num_layers"]])
         if cp > 1:
             from a2.parallel import context_parallel
 
@@ -382,14 +375,14 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
         got["plan"] = plan
         return cut_plan(plan, n, cut["num_layers"])
 
-    def forward(model):
-        x = torch.zeros(b.batch, cfg["in_channels"], t_lat, h, w)
-        text = torch.zeros(b.batch, TEXT_TOKENS, cfg["text_dim"])
-        image = torch.zeros(b.batch, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(x, torch.full((b.batch,), 500.0), text, encoder_hidden_states_image=image,
-                        return_dict=False)[0]
-        return out.float().pow(2).mean()
+    batch, enc = synthetic_batch(run, b.batch, b.height, b.width)
+
+    def forward(model):  # train_a2.py's step on zero posteriors, as its dry run
+        with unset_fake_temporarily():  # the inputs are real (small, latent-sized): the step's draws read values
+            zeros, zeros_enc = zero_batch(batch, enc, run, model.config, cache_targets(b, run))
+            inputs = model_inputs(zeros, 0, 0, train_cfg, run, zeros_enc, 0, torch.device("cpu"))
+        return forward_loss(model, inputs, train_cfg, run, torch.autocast("cpu", dtype=torch.bfloat16),
+                            torch.bfloat16)[0]
 
     tracer, traced = trace_dry_run(build, plan_for, forward)
     k = round(traced.checkpoint_fraction * cut["num_layers"])
@@ -448,6 +441,47 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     return run, train_cfg, cfg
 
 
+def trainable(model, layout, b: BenchConfig) -> None:
+    """What train_a2.py trains of `model`: the kind's own modules (Stand-In's reference LoRA, rank --lora-rank) and,
+    with --mode lora, its own LoRA or else a peft LoRA on the frozen weights (the image K/V adapted only where the
+    step feeds CLIP tokens), trainable weights in fp32."""
+    prepare_model(model, layout, b.lora_rank)
+    if b.mode != "lora":
+        return
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    own = kind_weights(model, layout)
+    for p in own:
+        p.requires_grad_(True)
+    if not own:
+        target = LORA_TARGETS if layout.use_clip else LORA_TARGETS.replace("|add_k_proj|add_v_proj", "")
+        model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=target))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
+def context_tokens(layout) -> int:
+    """Cross-attention keys of one sample: the 512 text tokens and 257 CLIP tokens per image where the step feeds
+    them."""
+    return TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
+
+
+def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
+    """The references' token grid (rows, cols) at h x w pixels: DINOv3's targets are resized to it (a2/align.py)."""
+    s, patch = run.info.vae_scale, run.info.patch_size
+    return align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)[2]
+
+
+def cache_targets(b: BenchConfig, run: Run) -> torch.Tensor | None:
+    """--align-refs: the DINOv3 targets a precompute cache would hold, zeros (B, N, rows·cols, --align-dim)."""
+    if not b.align_refs:
+        return None
+    rows, cols = reference_grid(run, b.height, b.width)
+    return torch.zeros(b.batch, len(run.layout.repeats), rows * cols, b.align_dim)
+
+
 def align_target(b: BenchConfig, cfg: dict, model, device, dtype):
     """--align-refs: the projectors installed on `model` (trainable, fp32) and a random DINOv3 ViT-B/16 or ViT-L/16
     (4 registers) resident on `device` in `dtype`, as train_a2.py holds them; returns dino_targets' target."""
@@ -482,20 +516,7 @@ def main(b: BenchConfig) -> dict:
     model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
-    prepare_model(model, layout, b.lora_rank)  # as train_a2.py: a kind's own modules (Stand-In's reference LoRA)
-    if b.mode == "lora":
-        from peft import LoraConfig
-
-        model.requires_grad_(False)
-        own = kind_weights(model, layout)  # a kind's own LoRA is the adapter
-        for p in own:
-            p.requires_grad_(True)
-        if not own:  # as train_a2.py: the image K/V adapted only where the step feeds CLIP tokens
-            target = LORA_TARGETS if layout.use_clip else LORA_TARGETS.replace("|add_k_proj|add_v_proj", "")
-            model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=target))
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+    trainable(model, layout, b)
     h, w = b.height, b.width
     tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
     packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
@@ -522,16 +543,11 @@ def main(b: BenchConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
-    context = TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
+    context = context_tokens(layout)
     # train_a2.py's step on the batch a precompute cache of this run would hold (zero posteriors, text, CLIP tokens)
     batch, enc = synthetic_batch(run, b.batch, h, w)
-    grid = None
-    if b.align_refs:  # the cache's DINOv3 targets, zeros; with the loss, replaced each step by the target model's
-        patch = info.patch_size
-        grid = align.reference_spans(layout, (h // info.vae_scale // patch[1], w // info.vae_scale // patch[2]),
-                                     patch)[2]
-        aligned = torch.zeros(b.batch, len(layout.repeats), grid[0] * grid[1], b.align_dim)
-    batch, enc = zero_batch(batch, enc, run, model.config, aligned if b.align_refs else None, device)
+    # the cache's DINOv3 targets (zeros); with the loss, replaced each step by the target model's
+    batch, enc = zero_batch(batch, enc, run, model.config, cache_targets(b, run), device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     ref_images = torch.rand(b.batch, len(layout.repeats), 3, h, w, device=device) * 2 - 1
     steps = iter(range(b.warmup + b.steps))
@@ -540,7 +556,7 @@ def main(b: BenchConfig) -> dict:
         inputs = model_inputs(batch, next(steps), 0, train_cfg, run, enc, 0, device)
         if target:  # the targets from the pixels each step, as train_a2.py without a cache
             with torch.no_grad():
-                inputs["align_targets"] = align.dino_targets(target, ref_images, grid)
+                inputs["align_targets"] = align.dino_targets(target, ref_images, reference_grid(run, h, w))
         loss = forward_loss(model, inputs, train_cfg, run, amp, dtype)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -224,6 +224,8 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def track(self, t: torch.Tensor, source: torch.Tensor | None = None, op: str = "") -> _Storage | None:
+        if t.device.type == "meta":  # shapes only (the training step's pixels from a cache): no memory anywhere
+            return None
         st = t.untyped_storage()
         info = self.storages.get(st)
         if info is not None:
