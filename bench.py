@@ -68,7 +68,8 @@ class BenchConfig:
     """Time a training step (or the data loader) at a real shape with random weights."""
 
     preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
-    """Transformer size: tiny (tests), Wan 1.3B, Wan/A2 14B, or Wan 2.2 TI2V 5B (random weights, no download)."""
+    """Transformer size: tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean kind), Wan 1.3B, Wan/A2 14B, or
+    Wan 2.2 TI2V 5B (random weights, no download)."""
     frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
     """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
     height: int | None = None

@@ -90,3 +90,16 @@ def test_bench_compares_no_kind_name():
     names = "|".join(KINDS)
     source = (Path(bench.__file__)).read_text()
     assert not re.findall(rf'[=!]=\s*"({names})"|"({names})"\s*[=!]=|in\s*\([^)]*"({names})"', source)
+
+
+def test_bench_dry_run_traces_each_kinds_step():
+    """bench.py --dry-run traces the same step as the timed one: Stand-In's 1024 reference tokens beside the video's
+    make its traced step larger than T2V's at the same shape; MAGREF's and TI2V's (clean) steps trace too."""
+    def traced(layout, preset="tiny"):
+        r = bench.dry_run(BenchConfig(preset=preset, frames=9, height=32, width=32, refs=2, layout=layout,
+                                      compile=False))
+        assert r["fits"]
+        return r["tracer"].peak.total
+
+    assert traced("standin") > traced("t2v") > 0
+    assert traced("magref") > 0 and traced("clean", "tiny-ti2v") > 0
