@@ -37,7 +37,7 @@ import tyro
 
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
-from config import OnOffAuto, height_width, resolve_compile
+from config import OnOffAuto, exit_on_signal, height_width, resolve_compile
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -476,6 +476,7 @@ def main(b: BenchConfig) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_signal("a benchmark keeps nothing; run it again")
     b = tyro.cli(BenchConfig)
     if b.dry_run:
         raise SystemExit(0 if dry_run(b)["fits"] else 3)

@@ -27,6 +27,7 @@ import random
 import re
 import signal
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ from config import (
     InputError,
     TrainConfig,
     dataset_configs,
+    exit_on_signal,
     printable,
     read_text,
     run_cli,
@@ -839,7 +841,12 @@ def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: 
     if dataset.frame_sampling == "random":
         raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
     (cache / "samples").mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
+    mine = range(rank, len(dataset), world)
+    todo = [i for i in mine if not (cache / "samples" / f"{i}.pt").exists()]
+    if rank == 0 and len(todo) < len(mine):
+        print(f"precompute: resuming, {len(mine) - len(todo)} of {len(mine)} samples already encoded in {cache}")
+    if threading.current_thread() is threading.main_thread():  # signal handlers: the main thread's alone
+        exit_on_signal(f"the samples encoded so far are kept in {cache}; the same command resumes the precompute")
     for i in tqdm(todo, desc="precompute", disable=rank != 0):
         batch = collate([dataset[(i, 0)]])
         if "failed" in batch:
@@ -1028,4 +1035,5 @@ def _cli(argv: list[str]):
 
 
 if __name__ == "__main__":
+    exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     _cli(sys.argv[1:])

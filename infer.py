@@ -47,7 +47,11 @@ from config import (
     A2_ELEMENTS,
     RELEASED_ELEMENTS,
     EvalConfig,
+    InputError,
+    MissingInput,
     VaeProcessorConfig,
+    as_input_error,
+    exit_on_signal,
     height_width,
     pair_elements,
     parse_elements,
@@ -384,47 +388,50 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 def main(cfg: InferConfig) -> int:
     if getattr(cfg, "defaults_note", None):
         print(cfg.defaults_note)
-    check_size(cfg.height, cfg.width, cfg.num_frames)
-    # an unsupported dir fails here, before any loading
-    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
-    check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
-    first_frame = read_first_frame(cfg, info)
+    # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
+    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames)
+    info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
+                                               and model_path(cfg.image_encoder), cfg.components))
+    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
+    first_frame = as_input_error(read_first_frame, cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
-        raise ValueError("--image renders one video; it takes no --prompts-file / --eval-set")
+        raise InputError("--image renders one video; it takes no --prompts-file / --eval-set")
     if info.two_experts and cfg.lora:
-        raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
+        raise InputError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
-        raise ValueError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
+        raise InputError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
                          "A14B; use --lora")
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # before the layout check, which would name the model
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
-            raise ValueError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
+            raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
     rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
-            raise ValueError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
+            raise InputError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
         if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
-            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
+            raise InputError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
                              "--lora-high / --lora-low)")
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
-            raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
+            raise InputError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")
-        rows = read_rows(cfg.eval_set or cfg.prompts_file)
+        rows = as_input_error(read_rows, cfg.eval_set or cfg.prompts_file)
         for row in rows:  # read and check every row's images before loading any model
             try:
                 row.update(read_references(cfg, row.get("images", cfg.elements), info))
-            except (ValueError, FileNotFoundError) as e:
-                raise type(e)(f"{row['line']}: {e}") from e
+            except FileNotFoundError as e:
+                raise MissingInput(f"{row['line']}: {e}") from e
+            except ValueError as e:
+                raise InputError(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
         layouts = [row["layout"] for row in rows]
     else:
-        refs = read_references(cfg, cfg.elements, info, first_frame is not None)
+        refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
         items = list(refs["elements"])
         layouts = [refs["layout"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
-        raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
+        raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
                          "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
@@ -487,4 +494,5 @@ def main(cfg: InferConfig) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signal("the videos written so far are kept; the same command renders again")
     sys.exit(run_cli(main, tyro.cli(InferConfig)))  # bad input: its one line, exit 2

@@ -120,6 +120,7 @@ from config import (
     Element,
     TrainConfig,
     dataset_configs,
+    exit_on_signal,
     pair_elements,
     resolve_compile,
     run_cli,
@@ -1185,6 +1186,8 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
+                   "same command again")
     try:
         result = run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit 2
     except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
