@@ -30,7 +30,7 @@ import tyro
 from a2 import standin
 from a2.conditioning import plan
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.lora import expansion_file, load_expanded, load_lora
+from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.pipeline import (
     A2_NEGATIVE_PROMPT,
     WAN_NEGATIVE_PROMPT,
@@ -159,6 +159,9 @@ class InferConfig:
     """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
     lora_scale: float = 1.0
     """Multiplier of the LoRA update (1: as trained)."""
+    force: bool = False
+    """Load a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load, the rest
+    are skipped (without it such a file is refused)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of all model weights and of the computation."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -452,13 +455,21 @@ def main(cfg: InferConfig) -> int:
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
         print("elements: " + ", ".join(dict.fromkeys(items))
               + (f" (repeats {refs['repeats']})" if rows is None else ""))
-    adapters = []
+    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
+    for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
+        note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
+        if note:
+            print(note)
+    if cfg.reference_layout == "standin" and not any(
+            p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high, cfg.lora_low)):
+        print("warning: --reference-layout standin without a Stand-In LoRA file (--lora Stand-In_wan2.1_T2V_14B.ckpt, "
+              "or a2's standin_lora.ckpt): the reference image is not attended to by trained weights")
     for i, path in enumerate(cfg.lora):
         if standin.is_lora_file(path):
             print(f"Stand-In LoRA {path}: rank {standin.load_lora(pipe.transformer, path)}, reference tokens only")
             continue
         adapters.append("default" if i == 0 else f"lora{i}")
-        print(load_lora(pipe, path, cfg.lora_scale, adapter=adapters[-1]))
+        print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=adapters[-1], force=cfg.force))
     if len(adapters) > 1:  # load_lora activates its own adapter alone
         pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
@@ -466,7 +477,8 @@ def main(cfg: InferConfig) -> int:
             model = pipe.transformer_2 if name == "low" else pipe.transformer
             print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
         elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
-            print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
+            print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low",
+                                 force=cfg.force))
     if rows is not None:
         evaluators = None
         if cfg.eval_set:

@@ -68,7 +68,7 @@ from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, samp
     timestep_bucket,
 )
 from a2.fp8 import scaled_mm_supported
-from a2.lora import check_lora_export
+from a2.lora import base_metadata, check_lora_export, model_family
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.pipeline import (
     A2Pipeline,
@@ -801,6 +801,7 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
+                   metadata: dict | None = None,
                    original_keys: bool = False) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
@@ -818,8 +819,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
 
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
             return standin.export_lora(run_dir, getattr(model, "module", model),
-                                       (f"_{cfg.expert}" if cfg.expert else "") + tag)
-        return export_lora(run_dir, model, cfg.expert, tag)[0]
+                                       (f"_{cfg.expert}" if cfg.expert else "") + tag, metadata)
+        return export_lora(run_dir, model, cfg.expert, tag, metadata)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
@@ -841,13 +842,14 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     return out
 
 
-def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int) -> Path | None:
+def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int,
+               metadata: dict | None = None) -> Path | None:
     """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
     pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
     with ema_weights(opt, params):
         full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
             if cfg.fsdp else None
-        return export_weights(run_dir, transformer, cfg, full, tag="_ema") if rank == 0 else None
+        return export_weights(run_dir, transformer, cfg, full, tag="_ema", metadata=metadata) if rank == 0 else None
 
 
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
@@ -981,18 +983,20 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
     return checkpoint(run_dir, done, transformer, opt, cfg, failures)
 
 
-def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int, original_keys: bool) -> dict:
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int, original_keys: bool,
+           metadata: dict | None = None) -> dict:
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
     collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
     if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys)
+        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys,
+                                        metadata=metadata)
         log(f"exported {out['weights']}")
     del full_state
     if cfg.ema_decay:
-        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank)
+        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank, metadata)
         log(f"exported the EMA weights {out['ema_weights']}")
     return out
 
@@ -1171,7 +1175,9 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, bool(run.info.original_weights)))
+        base = base_metadata(transformer.config, model_family(run.info), run.layout.kind, cfg.model)  # LoRA metadata
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, bool(run.info.original_weights),
+                             base))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

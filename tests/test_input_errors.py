@@ -19,8 +19,9 @@ def one_line_exit_2(capsys, cfg) -> str:
         run_cli(infer.main, cfg)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err.strip()
+    lines = [line for line in err.split("\n") if line and not line.startswith("\r")]  # progress bars aside
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
 
 
 @pytest.mark.parametrize("mistake, want", [
@@ -104,3 +105,66 @@ def test_precompute_says_it_resumes_and_a_signal_keeps_what_was_encoded(tmp_path
         data.collate = collate
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+# ---------------------------------------------------------------- LoRAs that know their base
+
+
+def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.0")):
+    """A LoRA file on the built-in `model`, exported as train_a2.py exports it, with the metadata a run on it
+    records (the kind: what infer.py plans for the demo's elements on it)."""
+    from peft import LoraConfig
+
+    from a2.lora import base_metadata, export_lora, model_family
+    from a2.tiny import model_path
+    from a2.transformer import detect_model, load_transformer
+
+    info = detect_model(model_path(model))
+    transformer = load_transformer(info.path)
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(targets)))
+    cfg = infer.InferConfig(model=model, height=32, width=32, num_frames=17, device="cpu")
+    kind = infer.read_references(cfg, elements(data_dir, model), info)["layout"].kind
+    out.mkdir(parents=True)
+    return export_lora(out, transformer, metadata=base_metadata(transformer.config, model_family(info), kind,
+                                                                 model))[0]
+
+
+def elements(data_dir, model):
+    """What each model takes at 32x32: TI2V a prompt alone, MAGREF one image on its canvas, A2 / Phantom three."""
+    names = {"tiny-ti2v": (), "tiny-magref": ("person",)}.get(model, ("person", "object", "background"))
+    return tuple(str(data_dir / f"000_{n}.png") for n in names)
+
+
+@pytest.mark.parametrize("trained_on, loaded_into, says", [
+    ("tiny-phantom", "tiny", "warning: --lora {lora} was trained on another base (tiny-phantom): model "
+                             "'Phantom-Wan', here 'Wan2.1 I2V'; shapes 'layers 2, width 128, ffn 256, in 16, out 16, "
+                             "text 32, image None, patch 1x2x2', here 'layers 2, width 128, ffn 256, in 36, out 16, "
+                             "text 32, image 32, patch 1x2x2'; kind 'phantom', here 'prefix'"),
+    ("tiny-magref", "tiny", "warning: --lora {lora} was trained on another base (tiny-magref): "),
+    ("tiny", "tiny-magref", "warning: --lora {lora} was trained on another base (tiny): "),
+    ("tiny-ti2v", "tiny", "warning: --lora {lora} was trained on another base (tiny-ti2v): "),
+    ("tiny-ti2v", "tiny", "error: --lora {lora}: 1 of 17 LoRA pairs do not fit the transformer (proj_out: out "
+                          "features 192, the model's 64): trained on another base; --force loads the pairs that fit"),
+])
+def test_a_lora_on_another_base_is_named_in_one_line(tmp_path, capsys, data_dir, trained_on, loaded_into, says):
+    """A2 (tiny), Phantom-Wan (tiny-phantom), MAGREF (tiny-magref), TI2V-5B (tiny-ti2v): a LoRA loaded into a model
+    other than its base is named in one line (warning: it loads; a LoRA whose pairs do not fit: refused, exit 2,
+    --force loads what fits); on its own base it says nothing; the load line counts the file's pairs."""
+    targets = ("to_q", "to_k", "to_v", "to_out.0") + (("proj_out",) if says.startswith("error") else ())
+    lora = lora_of(trained_on, tmp_path / trained_on, data_dir, targets)  # proj_out: 48 channels out on TI2V
+    cfg = dict(model=loaded_into, lora=(str(lora),), height=32, width=32, num_frames=17, steps=1, decode="none",
+               device="cpu", elements=elements(data_dir, loaded_into), out=str(tmp_path / "o.mp4"))
+    if says.startswith("error"):
+        assert one_line_exit_2(capsys, infer.InferConfig(**cfg)).startswith(says.format(lora=lora))
+        assert infer.main(infer.InferConfig(**cfg, force=True)) == 0
+        assert "34 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched), 1 pairs skipped" in \
+            capsys.readouterr().out
+        return
+    assert infer.main(infer.InferConfig(**cfg)) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning: --lora")]
+    assert len(warnings) == 1 and warnings[0].startswith(says.format(lora=lora)), out
+    assert "32 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched)" in out
+    own = dict(cfg, model=trained_on, elements=elements(data_dir, trained_on))
+    assert infer.main(infer.InferConfig(**own)) == 0
+    assert "warning" not in capsys.readouterr().out
