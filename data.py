@@ -17,6 +17,7 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -180,19 +181,43 @@ def read_frames(path: Path, indices: list[int]) -> np.ndarray:
     return np.stack([got[i] for i in indices])
 
 
+def npz_frames_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of a T2V-workflow clip's `frames`, read from the .npy header inside the zip (no frame
+    is read), checked as read_npz checks the array: ValueError naming the fix."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        names = [n.removesuffix(".npy") for n in z.namelist()]
+        if "frames" not in names:
+            raise ValueError(f"no 'frames' array (it has {names})")
+        with z.open("frames.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:  # 3.0 (utf-8 field names): no public header reader; read the array
+                x = read_npz(path)
+                return x.shape, x.dtype
+            shape, _, dtype = read[version](f)
+    _check_frames(shape, dtype)
+    return shape, dtype
+
+
+def _check_frames(shape: tuple[int, ...], dtype) -> None:
+    if len(shape) == 4 and shape[1] == 3 and shape[-1] != 3:
+        raise ValueError(f"frames are (F, 3, H, W) {shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
+    if len(shape) != 4 or shape[-1] != 3:
+        raise ValueError(f"frames have shape {shape}; expected (F, H, W, 3)")
+    if dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
+        raise ValueError(f"frames are {dtype}; store uint8 0..255 (from floats in [0, 1]: "
+                         "(frames * 255).round().astype(np.uint8))")
+
+
 def read_npz(path: Path) -> np.ndarray:
     """The `frames` of a T2V-workflow clip, checked: (F, H, W, 3) uint8, else ValueError naming the fix."""
     with np.load(path) as z:  # no pickles: allow_pickle stays False
         if "frames" not in z.files:
             raise ValueError(f"no 'frames' array (it has {z.files})")
         x = z["frames"]
-    if x.ndim == 4 and x.shape[1] == 3 and x.shape[-1] != 3:
-        raise ValueError(f"frames are (F, 3, H, W) {x.shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
-    if x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"frames have shape {x.shape}; expected (F, H, W, 3)")
-    if x.dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
-        raise ValueError(f"frames are {x.dtype}; store uint8 0..255 (from floats in [0, 1]: "
-                         "(frames * 255).round().astype(np.uint8))")
+    _check_frames(x.shape, x.dtype)
     return x
 
 
@@ -363,6 +388,9 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> 
         try:
             s.prompt, problems = caption_problems(s.id, read_text(caption), caption, "", cfg)
             s.problems += problems
+            if caption.read_bytes()[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # read right, but said
+                s.problems.append(Problem(s.id, caption, "caption is UTF-16 (read as such); the other tools of a "
+                                                         "dataset pipeline may expect UTF-8", warning=True))
         except FileNotFoundError:
             s.problems.append(Problem(s.id, caption, "caption file missing"))
         except ValueError as e:
@@ -462,9 +490,9 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                     "not found" if not img.exists() else str(ex))
             s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
     try:
-        if s.video.suffix.lower() == ".npz":
-            x = read_npz(s.video)
-            listed, size = len(x), x.shape[1:3]
+        if s.video.suffix.lower() == ".npz":  # the header: every check of the array but its values
+            shape, _ = npz_frames_header(s.video)
+            listed, size = shape[0], shape[1:3]
         else:
             listed, size = probe_video(s.video)
         total = listed or decodable_frames(s.video)  # a container that lists no count (webm, mkv): count them

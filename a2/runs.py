@@ -247,7 +247,13 @@ def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
 
 # ---------------------------------------------------------------- writing and reading checkpoints
 
-CHECKPOINT_MARGIN = 16 * 2**20  # bytes beyond the tensors: state.pt, config.json, manifest, pickle/header overhead
+# bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a tenth of
+# the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed 16 MiB more
+CHECKPOINT_MARGIN = (0.1, 2**18)
+
+
+def checkpoint_margin(tensor_bytes: int) -> int:
+    return int(tensor_bytes * CHECKPOINT_MARGIN[0]) + CHECKPOINT_MARGIN[1]
 
 
 def _rank() -> int:
@@ -256,10 +262,11 @@ def _rank() -> int:
 
 def checkpoint_bytes(model, opt) -> int:
     """What a checkpoint takes on disk, known before writing it: the trainable weights and every optimizer state
-    tensor (under FSDP2 their global sizes: the sum of all ranks' shards), plus CHECKPOINT_MARGIN."""
+    tensor (under FSDP2 their global sizes: the sum of all ranks' shards), plus a margin proportional to them
+    (checkpoint_margin)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    return weights + state + CHECKPOINT_MARGIN
+    return weights + state + checkpoint_margin(weights + state)
 
 
 def _one_line(e: BaseException) -> str:

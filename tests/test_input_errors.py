@@ -168,3 +168,46 @@ def test_a_lora_on_another_base_is_named_in_one_line(tmp_path, capsys, data_dir,
     own = dict(cfg, model=trained_on, elements=elements(data_dir, trained_on))
     assert infer.main(infer.InferConfig(**own)) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- data.py validate: .npz rows and captions
+
+
+def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(tmp_path, capsys, monkeypatch):
+    """The T2V workflow's planted faults (wrong key, float frames in [0, 1], channels-first, 3 frames, a missing
+    file) are each reported before step 1, read from the .npy header alone (no frame array is loaded); a UTF-16
+    caption is read right and reported as a warning."""
+    import codecs
+    import json
+
+    import numpy as np
+
+    import data
+
+    frames = (np.random.default_rng(0).random((17, 32, 32, 3)) * 255).astype(np.uint8)
+    arrays = dict(good=dict(frames=frames), key=dict(video=frames), float=dict(frames=frames / 255.0),
+                  first=dict(frames=frames.transpose(0, 3, 1, 2)), three=dict(frames=frames[:3]))
+    for name, arr in arrays.items():
+        np.savez(tmp_path / f"{name}.npz", **arr)
+    rows = [dict(path=f"{n}.npz", prompt="a clip") for n in [*arrays, "missing"]]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(data, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--model", "tiny-t2v", "--dataset-type", "t2v", "--manifest",
+                   str(tmp_path / "train.jsonl"), "--resolution", "32", "32", "--num-frames", "17"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for what in ("key.npz (train.jsonl line 2): unreadable video (ValueError: no 'frames' array (it has ['video']))",
+                 "float.npz (train.jsonl line 3): unreadable video (ValueError: frames are float64; store uint8",
+                 "first.npz (train.jsonl line 4): unreadable video (ValueError: frames are (F, 3, H, W)",
+                 "three.npz (train.jsonl line 5): 3 frames, shorter than the smallest bucket (17)",
+                 "missing.npz (train.jsonl line 6): video file not found"):
+        assert what in err, what
+    assert "error: 5 problem(s)" in err and "good.npz" not in err
+
+    videos = data.make_synthetic_dataset(tmp_path / "e2v", num_samples=1, num_frames=17, size=(32, 32))
+    caption = videos / "000.txt"
+    caption.write_bytes(codecs.BOM_UTF16_LE + caption.read_text().encode("utf-16-le"))
+    data._cli(["validate", "--data-root", str(videos), "--resolution", "32", "32", "--num-frames", "17"])
+    out = capsys.readouterr()
+    assert "000.txt: caption is UTF-16 (read as such)" in out.out + out.err
