@@ -442,10 +442,10 @@ def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
 # ---------------------------------------------------------------- real media
 
 
-def test_real_rotated_hiker_and_cut_out(shared_data, tmp_path):
+def test_real_rotated_hiker_and_cut_out(media, shared_data, tmp_path):
     """The hiker clip re-encoded as a phone stores portrait video (landscape pixels + rotation): read back upright,
     it is the original turned; a cut-out of the real person photo is white where it is transparent."""
-    with av.open(str(shared_data / "hiker.mp4")) as c:
+    with av.open(str(media / "hiker.mp4")) as c:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])[:9]
     turned = np.ascontiguousarray(np.rot90(frames, k=-1, axes=(1, 2)))  # what the phone saw: portrait
     write_video(tmp_path / "phone.mp4", np.ascontiguousarray(np.rot90(turned, k=1, axes=(1, 2))), rotation=-90)
