@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import infer
 from config import run_cli
@@ -211,3 +212,24 @@ def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(
     data._cli(["validate", "--data-root", str(videos), "--resolution", "32", "32", "--num-frames", "17"])
     out = capsys.readouterr()
     assert "000.txt: caption is UTF-16 (read as such)" in out.out + out.err
+
+
+# ---------------------------------------------------------------- what the mutation audit found untested
+
+
+@pytest.mark.parametrize("shape, size, keep", [((8, 12), (8, 8), (slice(0, 8), slice(2, 10))),
+                                               ((12, 8), (8, 8), (slice(2, 10), slice(0, 8))),
+                                               ((8, 13), (8, 8), (slice(0, 8), slice(2, 10)))])
+def test_training_frames_centre_crop_takes_the_middle_pixels(shape, size, keep):
+    """center_crop keeps the middle columns (rows) exactly: at the target's own scale the frame is the input's
+    centre, pixel for pixel (a crop shifted by one pixel is another frame)."""
+    import numpy as np
+
+    from data import resize_frames
+
+    h, w = shape
+    yy, xx = np.mgrid[0:h, 0:w]
+    frame = np.stack([xx * 20, yy * 20, (xx + yy) * 7], -1).astype(np.uint8)[None]  # (1, H, W, 3): each pixel unique
+    got = resize_frames(frame, "center_crop", size)  # (3, 1, 8, 8) in [-1, 1]
+    want = torch.from_numpy(frame[0][keep]).permute(2, 0, 1).float() * (2 / 255) - 1
+    assert torch.allclose(got[:, 0], want, atol=1e-6)
