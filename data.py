@@ -747,8 +747,11 @@ class LoadFailures:
     later micro-batch holding it is refused too, without reading it, and the dropped set goes into checkpoints
     (state_dict). Without, the run checkpoints the state before the step and stops with stop_message()."""
 
-    def __init__(self, skip_bad_samples: bool):
+    def __init__(self, skip_bad_samples: bool, keys: list[str] | None = None):
         self.skip = skip_bad_samples
+        # what each sample index is (its video path, @window): a resume on a changed dataset finds the dropped
+        # samples by it, not by their position
+        self.keys = list(keys or [])
         self.dropped: dict[int, str] = {}  # sample index -> its problem line
         self.new: dict[int, str] = {}  # failures of the current step
         self.skipped_steps = 0
@@ -785,10 +788,35 @@ class LoadFailures:
         return f"{len(self.dropped)} sample(s) dropped after failing to load; {self.skipped_steps} step(s) not trained"
 
     def state_dict(self) -> dict:
-        return dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
+        keys = {i: self.keys[i] for i in self.dropped if i < len(self.keys)}
+        return dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps, dropped_keys=keys,
+                    dataset=dataset_digest(self.keys), samples=len(self.keys))
 
-    def load_state_dict(self, state: dict):
-        self.dropped, self.skipped_steps = {int(k): v for k, v in state["dropped"].items()}, state["skipped_steps"]
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore the dropped samples; returns the lines to log when the dataset changed since the checkpoint (the
+        dropped samples are then found by path, those gone named)."""
+        self.skipped_steps = state["skipped_steps"]
+        dropped = {int(k): v for k, v in state["dropped"].items()}
+        if "dataset" not in state or not self.keys or state["dataset"] == dataset_digest(self.keys):
+            self.dropped = dropped
+            return []
+        index = {k: i for i, k in enumerate(self.keys)}
+        keys = {int(i): k for i, k in state.get("dropped_keys", {}).items()}
+        self.dropped = {index[keys[i]]: line for i, line in dropped.items() if keys.get(i) in index}
+        gone = [keys.get(i, f"sample {i}") for i in dropped if keys.get(i) not in index]
+        then = state.get("samples", "?")
+        lines = [f"the dataset changed since the checkpoint ({then} samples then, {len(self.keys)} now): the data "
+                 "order from here is not the uninterrupted run's"]
+        if dropped:
+            lines.append("dropped samples kept by path: " + (", ".join(keys[i] for i in dropped if keys.get(i) in index)
+                                                             or "none")
+                         + ("; no longer in the dataset: " + ", ".join(gone) if gone else ""))
+        return lines
+
+
+def dataset_digest(keys: list[str]) -> str:
+    """What a checkpoint records of its dataset: a hash of the samples' paths in order."""
+    return hashlib.sha256("\n".join(keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- loader workers and stop signals

@@ -1082,14 +1082,15 @@ def main(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=True)
     guard = NonFiniteSteps(opt, device)
-    failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
+    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples])  # (data.py)
     if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
         ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = 0
     if point.path:
         state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
         start_step = state["step"]
-        failures.load_state_dict(state.get("load_failures", failures.state_dict()))
+        for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
+            log(line)  # the dataset changed since the checkpoint
         log(f"resumed from {point.path} at step {start_step}")
     loader = make_loader(dataset, sampler, start_step, rank, world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
