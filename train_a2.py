@@ -1055,9 +1055,10 @@ def main(cfg: TrainConfig) -> dict:
         on_rank0(open_run_dir, run_dir, lock, cfg, run, point)
 
     # ---------------------------------------------------------------- encoders; precompute cache (then exit)
+    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
+    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
     needed = run.cache is None or cfg.precompute or run.validates \
-        or any(p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors
-               if ds_cfgs[0].visualization.enabled)
+        or any(p["type"] == "vae_decode" for v in visualizations for p in v.processors)
     enc = load_run_encoders(cfg, run, device, needed)
     if cfg.precompute:
         precompute(run, dataset, enc, rank, world)
@@ -1145,7 +1146,8 @@ def main(cfg: TrainConfig) -> dict:
             opt.zero_grad(set_to_none=True)
             done = step + 1
             if rank == 0 and not refused:
-                visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
+                for vis in visualizations:
+                    visualize(done, viz, vis, enc.vae, run_dir)
             if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
                 rec = step_record(done, step_loss, grad_norm, opt, guard, cfg, last_ckpt, meter, use_cuda)
                 losses.append(rec["loss"])

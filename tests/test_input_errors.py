@@ -257,3 +257,28 @@ def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path()
     assert shrunk.dropped == {}
     old = LoadFailures(True, ["x.mp4 (x)", "y.mp4 (y)"])  # a checkpoint of an older a2: by position, as it was
     assert old.load_state_dict(dict(dropped={"1": "y"}, skipped_steps=0)) == [] and old.dropped == {1: "y"}
+
+
+def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):
+    """A JSON dataset config whose second dataset asks for visualisations (latents saved, frames decoded to PNG):
+    a 2-step run writes them where and when that block says (not only the first dataset's block is read)."""
+    import json
+
+    from tests.conftest import args, train
+
+    block = dict(enabled=True, output_dir="viz/{run_id}", frequency=2,
+                 processors=[dict(type="latent_save", data=["input_latents"]),
+                             dict(type="vae_decode", data=["predicted_latents"], frames=[0, -1])])
+    (tmp_path / "train.json").write_text(json.dumps({"datasets": [
+        dict(data_root=str(data_dir), dataset_type="t2v", target_resolution=[32, 32]),
+        dict(data_root=str(data_dir), dataset_type="t2v", target_resolution=[32, 32], visualization=block)]}))
+    flags = [f for f in args(data_dir, tmp_path, "viz", "--max-steps", "2", "--num-frames", "17", model="tiny-t2v")
+             if f not in ("--data-root", str(data_dir))]
+    train(*flags, "--dataset-config", str(tmp_path / "train.json"))
+    out = tmp_path / "viz" / "viz" / "viz"
+    assert sorted(p.name for p in out.iterdir()) == ["step0000002_input_latents.pt",
+                                                     "step0000002_predicted_latents_f-1.png",
+                                                     "step0000002_predicted_latents_f0.png"]
+    from PIL import Image
+
+    assert Image.open(out / "step0000002_predicted_latents_f0.png").size == (32, 32)
