@@ -541,8 +541,9 @@ class TrainConfig:
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3
     R2V), a Phantom-Wan checkpoint (file or dir; trained in its own layout, as V3), a Hugging Face Hub id
     (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in offline tiny
-    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, or a
-    real-size one with random weights built on the GPU (no download; for speed and memory at real shapes):
+    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
+    tiny-magref, or a real-size one with random weights built on the GPU (no download; for speed and memory at real
+    shapes):
     random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""

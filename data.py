@@ -473,8 +473,9 @@ def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Probl
     return out
 
 
-def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
-    """Read what training will read; set the clip's frames and size, and add what fails to s.problems."""
+def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, short_why: str = "") -> Sample:
+    """Read what training will read; set the clip's frames and size, and add what fails to s.problems (short_why:
+    why the clips must be that long, in the user's terms)."""
     for e in cfg.elements:
         if e.required and e.name not in s.elements:
             s.problems.append(Problem(s.id, s.video.with_name(s.video.stem + e.suffixes[0]),
@@ -503,7 +504,7 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
         if not frames:
             at = f" ({kept} at {cfg.target_fps:g} fps)" if kept != total else ""
             s.problems.append(Problem(s.id, s.video, f"{total} frames{at}, shorter than the smallest bucket "
-                                                     f"({min(frame_buckets(cfg, num_frames))})", s.where))
+                                                     f"({min(frame_buckets(cfg, num_frames))}){short_why}", s.where))
         elif listed and s.video.suffix.lower() != ".npz":
             last = max(w[-1] for w in s.windows) if s.windows else last_frame_read(total, frames, sampling)
             got = decodable_frames(s.video, last)
@@ -520,7 +521,8 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
     return s
 
 
-def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") -> tuple[list[Sample], list[Problem]]:
+def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
+         short_why: str = "") -> tuple[list[Sample], list[Problem]]:
     """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample."""
     samples, problems = [], []
     for di, cfg in enumerate(cfgs):
@@ -545,7 +547,8 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
             found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        why = dict(short_why=short_why) if check is check_sample else {}
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling, **why))
         samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
 
@@ -609,7 +612,9 @@ class E2VDataset(torch.utils.data.Dataset):
         self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
-        samples, loose = scan(cfgs, num_frames, frame_sampling)
+        refs = 0 if layout is None else layout.num_frames - layout.clip_frames  # pixel frames the references take
+        why = f": --num-frames {layout.num_frames} less the {refs} frames the references take" if refs > 0 else ""
+        samples, loose = scan(cfgs, num_frames, frame_sampling, why)
         problems = loose + [p for s in samples for p in s.problems]
         errors = [p for p in problems if not p.warning]
         if errors and not skip_bad_samples:

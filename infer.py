@@ -65,8 +65,8 @@ class InferConfig:
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
     a Phantom-Wan checkpoint (file or dir; sampled in its own layout, as V3), a Hugging Face Hub id
     (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline tiny model (tiny,
-    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3; sampled by default at the README
-    demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights built on the GPU (random-1.3B,
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref; sampled by default at
+    the README demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights built on the GPU (random-1.3B,
     random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
@@ -215,8 +215,10 @@ class InferConfig:
         self.defaults_note = None  # printed by main(): the defaults a built-in tiny model gave the flags left out
         if tiny and defaulted:
             self.defaults_note = (f"--model {self.model}: a built-in tiny model, sampled at {self.height}x"
-                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps (the README demo's "
-                                  "size; --resolution, --num-frames and --steps set them)")
+                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps ("
+                                  + ("the README demo's size; " if (self.height, self.width, self.num_frames,
+                                                                     self.steps) == (64, 64, 33, 10) else "")
+                                  + "--resolution, --num-frames and --steps set them)")
 
 
 # the released models' own sampling settings (a2/pipeline.py NATIVE_SAMPLING has their shift and schedule)

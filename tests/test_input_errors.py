@@ -282,3 +282,31 @@ def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):
     from PIL import Image
 
     assert Image.open(out / "step0000002_predicted_latents_f0.png").size == (32, 32)
+
+
+def test_a_short_clip_is_named_in_the_users_terms(data_dir, capsys):
+    """--num-frames 33 with A2's three references: a 17-frame clip is refused naming the clip's frames, the frames
+    a clip needs, and why (the references take 12 of the 33)."""
+    import data
+
+    with pytest.raises(SystemExit):
+        data._cli(["validate", "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "33"])
+    err = capsys.readouterr().err
+    assert ("000.mp4: 17 frames, shorter than the smallest bucket (21): --num-frames 33 less the 12 frames the "
+            "references take") in err, err
+
+
+def test_every_built_in_model_is_listed_and_the_size_banner_is_true():
+    """--model's help names every built-in model (infer.py and train_a2.py); the built-in model's banner calls its
+    size the README demo's only when it is (v3-distilled renders 121 frames)."""
+    import re
+
+    from a2.tiny import TINY_MODELS
+
+    for f in ("infer.py", "config.py"):
+        text = (ROOT / f).read_text()
+        doc = re.search(r'\n    model: str = "tiny"\n    """(.*?)"""', text, re.S).group(1)
+        assert [m for m in TINY_MODELS if m not in doc] == [], f
+    assert "the README demo's size" in infer.InferConfig(model="tiny").defaults_note
+    note = infer.InferConfig(model="tiny-v3", preset="v3-distilled").defaults_note
+    assert "121 frames" in note and "README" not in note
