@@ -793,9 +793,11 @@ class LoadFailures:
         return f"{len(self.dropped)} sample(s) dropped after failing to load; {self.skipped_steps} step(s) not trained"
 
     def state_dict(self) -> dict:
-        keys = {i: self.keys[i] for i in self.dropped if i < len(self.keys)}
-        return dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps, dropped_keys=keys,
-                    dataset=dataset_digest(self.keys), samples=len(self.keys))
+        state = dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
+        if self.keys:  # the dataset it is of, and the dropped samples by path
+            state.update(dropped_keys={i: self.keys[i] for i in self.dropped if i < len(self.keys)},
+                         dataset=dataset_digest(self.keys), samples=len(self.keys))
+        return state
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Restore the dropped samples; returns the lines to log when the dataset changed since the checkpoint (the
