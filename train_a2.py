@@ -1044,6 +1044,10 @@ def main(cfg: TrainConfig) -> dict:
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     held = held_out(dataset, cfg.eval_split, cfg.seed)  # eval loss samples, never trained on
+    if held:
+        clips = sorted({str(dataset.samples[i].video) for i in held})
+        log(f"held out for the eval loss (never trained on): {len(held)} sample(s) of {len(clips)} clip(s): "
+            + ", ".join(clips[:8]) + (f" and {len(clips) - 8} more" if len(clips) > 8 else ""))
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
@@ -1157,8 +1161,12 @@ def main(cfg: TrainConfig) -> dict:
             last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
                                           failures, world)
             if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
-                                           device, amp), metrics_file, tb)
+                log(f"step {done}: eval loss of {len(held)} held-out sample(s) ...")  # the bar stops meanwhile
+                t_eval = time.perf_counter()
+                rec = evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, rank, world,
+                                        device, amp)
+                log(f"step {done}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t_eval:.1f} s)")
+                log_step(rec, metrics_file, tb)
             if cfg.val_every and done % cfg.val_every == 0:
                 with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
                     log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,

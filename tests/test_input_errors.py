@@ -310,3 +310,19 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true():
     assert "the README demo's size" in infer.InferConfig(model="tiny").defaults_note
     note = infer.InferConfig(model="tiny-v3", preset="v3-distilled").defaults_note
     assert "121 frames" in note and "README" not in note
+
+
+def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):
+    """--eval-split: the run names the held-out clips; each eval says it starts and how long it took."""
+    import re
+
+    from tests.conftest import args, train
+
+    train(*args(data_dir, tmp_path, "held", "--max-steps", "1", "--eval-split", "1", "--eval-every", "1",
+                "--num-frames", "17"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("held out for the eval loss"))
+    assert re.fullmatch(rf"held out for the eval loss \(never trained on\): 1 sample\(s\) of 1 clip\(s\): "
+                        rf"{re.escape(str(data_dir))}/00[0-3]\.mp4", line), line
+    assert "step 1: eval loss of 1 held-out sample(s) ..." in out
+    assert re.search(r"step 1: eval loss \d+\.\d{4} \(\d+\.\d s\)", out), out
