@@ -457,6 +457,10 @@ def main(cfg: InferConfig) -> int:
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
         print("elements: " + ", ".join(dict.fromkeys(items))
               + (f" (repeats {refs['repeats']})" if rows is None else ""))
+    lay = layouts[0] if layouts else None
+    if rows is None and lay is not None and lay.num_frames > lay.clip_frames:  # the references lead the sequence
+        print(f"video: {lay.clip_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
+              f"references take {lay.num_frames - lay.clip_frames}")
     adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
@@ -496,7 +500,10 @@ def main(cfg: InferConfig) -> int:
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)
-        print(f"wrote {path} ({out['video'].shape[2]} frames, {cfg.height}x{cfg.width})")
+        n = out["video"].shape[2]
+        print(f"wrote {path} ({n} frames, {cfg.height}x{cfg.width}"
+              + (f"; --num-frames {cfg.num_frames} less the {cfg.num_frames - n} the references take" if n <
+                 cfg.num_frames else "") + ")")
     if cfg.save_latents:
         Path(cfg.save_latents).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None

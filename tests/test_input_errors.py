@@ -326,3 +326,14 @@ def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_d
                         rf"{re.escape(str(data_dir))}/00[0-3]\.mp4", line), line
     assert "step 1: eval loss of 1 held-out sample(s) ..." in out
     assert re.search(r"step 1: eval loss \d+\.\d{4} \(\d+\.\d s\)", out), out
+
+
+def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir):
+    """A2's layout: --num-frames is the whole sequence, references first: the plan and the written video say the
+    video's frames and what the references took."""
+    els = tuple(str(data_dir / f"000_{n}.png") for n in ("person", "object", "background"))
+    assert infer.main(infer.InferConfig(model="tiny", elements=els, height=32, width=32, num_frames=17, steps=1,
+                                        device="cpu", out=str(tmp_path / "v.mp4"))) == 0
+    out = capsys.readouterr().out
+    assert "video: 5 frames: --num-frames 17 is the whole sequence, of which the references take 12" in out
+    assert f"wrote {tmp_path / 'v.mp4'} (5 frames, 32x32; --num-frames 17 less the 12 the references take)" in out
