@@ -9,7 +9,8 @@ A run dir `output_dir/run_name`:
                       changed)
     metrics.jsonl     one row per logged step; cut back to the resumed step on resume
     ckpt-<step>/      trainable.safetensors + optimizer.pt (DDP) or sharded/ (--fsdp, torch.distributed.checkpoint),
-                      state.pt, config.json, and manifest.json, written last: the checkpoint is complete iff its
+                      state.pt (read weights-only: a run dir cannot run code on resume), config.json, and
+                      manifest.json, written last: the checkpoint is complete iff its
                       manifest is there and every file has the size (and, up to CHECKSUM_MAX_BYTES, the crc32) it lists
     .tmp-ckpt-<step>/ a checkpoint being written (renamed to ckpt-<step> once its manifest is on disk)
 
