@@ -14,6 +14,15 @@ the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    import tyro
+
+    from config import TrainConfig, exit_on_signal, run_cli
+
+    exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
+                   "same command again")
+    CLI_CONFIG = run_cli(tyro.cli, TrainConfig)
+
 import itertools
 import json
 import math
@@ -1203,10 +1212,8 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
-                   "same command again")
     try:
-        result = run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit 2
+        result = run_cli(main, CLI_CONFIG)  # a config or data error: its message, no traceback, exit 2
     except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
