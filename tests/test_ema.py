@@ -142,6 +142,13 @@ def test_the_loops_ema_follows_the_warm_up_schedule(data_dir, tmp_path):
     train(*args(data_dir, tmp_path, "ema", "--max-steps", "3", "--ckpt-every", "1", "--keep-last", "5", "--lr",
                 "1e-2", "--warmup-steps", "0", *EMA))
     run = tmp_path / "ema"
+    from a2.lora import read_base_metadata
+
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors",
+                 "pytorch_lora_weights_ema_comfy.safetensors"):  # every export records its base and kind
+        assert read_base_metadata(run / name) == dict(
+            a2_base_model="tiny", a2_base_family="Wan2.1 I2V", a2_kind="prefix",
+            a2_base_shapes="layers 2, width 128, ffn 256, in 36, out 16, text 32, image 32, patch 1x2x2"), name
     ckpts = [run / f"ckpt-{k:07d}" for k in (1, 2, 3)]
     weights = [load_file(c / "trainable.safetensors") for c in ckpts]
     ema = [emas(c) for c in ckpts]

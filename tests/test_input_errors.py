@@ -348,3 +348,21 @@ def test_train_help_and_a_flag_typo_answer_before_torch_is_imported(argv, code):
              "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", probe, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip().splitlines()[-1] == f"exit {code} False", (p.stdout[-500:], p.stderr[-500:])
+
+
+def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
+    """Stand-In's .ckpt carries the base metadata beside its "state_dict" (their loader reads that key alone); a2
+    reads both back."""
+    from a2 import standin
+    from a2.lora import base_metadata, read_base_metadata
+    from tests.test_standin import tiny_t2v
+
+    model = tiny_t2v()
+    meta = base_metadata(model.config, "Wan2.1 T2V", "standin", "tiny-t2v")
+    path = standin.export_lora(tmp_path, model, metadata=meta)
+    assert read_base_metadata(path) == meta
+    assert set(torch.load(path, weights_only=True)) == {"state_dict", "a2_metadata"}
+    other = tiny_t2v(seed=1)
+    standin.load_lora(other, path)
+    assert all(torch.equal(a, b) for a, b in zip(standin.lora_state_dict(model).values(),
+                                                 standin.lora_state_dict(other).values()))
