@@ -366,3 +366,13 @@ def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
     standin.load_lora(other, path)
     assert all(torch.equal(a, b) for a, b in zip(standin.lora_state_dict(model).values(),
                                                  standin.lora_state_dict(other).values()))
+
+
+def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
+    """bench.py --data-root on a dir that is not there: one line, exit 2 (as bench.py's __main__ runs it)."""
+    import bench
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(bench.bench_loader, bench.BenchConfig(data_root=str(tmp_path / "none")))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: datasets[0]: data_root {tmp_path / 'none'} is not a directory\n"
