@@ -35,7 +35,6 @@ each step (training without a cache); the memory plan counts both. Its cost: aga
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +56,17 @@ from a2.transformer import (
     random_transformer,
     resolve_e2v_type,
 )
-from config import LORA_TARGETS, Element, OnOffAuto, TrainConfig, height_width, resolve_compile
+from config import (
+    LORA_TARGETS,
+    ConfigError,
+    Element,
+    OnOffAuto,
+    TrainConfig,
+    exit_on_signal,
+    height_width,
+    resolve_compile,
+    run_cli,
+)
 from train_a2 import Run, forward_loss, model_inputs, synthetic_batch, zero_batch
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
@@ -237,7 +246,8 @@ def check_backends(b: BenchConfig) -> dict:
 
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
-    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig, clip_frames_for
+    from a2.conditioning import clip_frames
+    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
     from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
     size = (b.height, b.width)
@@ -245,7 +255,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
                         elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
                         dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
     # a public dataset's clip is what A2's reference latents leave of --frames (81 -> 69), as train_a2.py reads it
-    frames = clip_frames_for(b.frames, [cfg]) if manifest else b.frames
+    frames = clip_frames(b.frames, cfg.elements, cfg.vae) if manifest else b.frames
     dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
@@ -398,30 +408,24 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
                 compiled_gb=compiled, fits=fits)
 
 
-def refuse(message: str):
-    """An input mistake: one line on stderr, exit 2."""
-    print(message, file=sys.stderr)
-    raise SystemExit(2)
-
-
 def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     """The run bench's step trains: the kind --layout names (default: A2's prefix kind with --refs elements, T2V
     with none; --align-refs N: Phantom's N appended references), laid out from its definition at --frames, on a
     random model of the preset shaped for it (36 channels where the kind conditions on channels); its ModelInfo read
     from the preset, not a dir. Returns (Run, train_a2.py's TrainConfig of the step, the transformer config).
-    A shape or count the kind cannot take exits 2 in one line."""
+    A shape or count the kind cannot take is a ConfigError (one line, exit 2 under run_cli)."""
     kind = b.layout if b.layout != "default" else "phantom" if b.align_refs else "prefix" if b.refs else "t2v"
     d = KIND_DEFS[kind]
     lo, hi = d.references
     n = min(max(b.align_refs or b.refs, lo), hi)  # --refs within what one sample of the kind holds
     if b.align_refs and (n != b.align_refs or d.axis not in ("time", "tokens")):
-        refuse(f"bench.py --align-refs {b.align_refs}: the {kind} kind holds {lo} to {hi} references"
+        raise ConfigError(f"bench.py --align-refs {b.align_refs}: the {kind} kind holds {lo} to {hi} references"
                + ("" if d.axis in ("time", "tokens") else ", none of them tokens of the sequence")
                + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
     try:
         cfg = preset_config(b.preset, e2v=d.axis == "channel")
     except ValueError as e:
-        refuse(f"bench.py --preset {b.preset} --layout {kind}: {e}")
+        raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
                      cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
                      vae_scale=vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
@@ -434,7 +438,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
                              use_clip=n > 0 and d.axis == "channel" and e2v_type != "vae" and info.image_branch,
                              per_token=info.ti2v)
     except ValueError as e:
-        refuse(f"bench.py --layout {kind} --frames {b.frames}: {e}")
+        raise ConfigError(f"bench.py --layout {kind} --frames {b.frames}: {e}") from None
     elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n))
     run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
               encode_mode=kind_sampling(kind).encode_mode)
@@ -615,8 +619,9 @@ def main(b: BenchConfig) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_signal("a benchmark keeps nothing; run it again")
     b = tyro.cli(BenchConfig)
-    if b.dry_run:
-        raise SystemExit(0 if dry_run(b)["fits"] else 3)
-    check_backends(b) if b.check_backends else bench_opens2v(b) if b.opens2v else bench_loader(b) if b.data_root else \
-        main(b)
+    if b.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
+        raise SystemExit(0 if run_cli(dry_run, b)["fits"] else 3)
+    run_cli(check_backends if b.check_backends else bench_opens2v if b.opens2v else bench_loader if b.data_root else
+            main, b)

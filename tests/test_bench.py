@@ -10,6 +10,7 @@ import bench
 from a2.conditioning import KINDS, V3_SLOTS
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main
+from config import run_cli
 from train_a2 import forward_loss
 
 
@@ -80,8 +81,9 @@ def test_bench_times_train_a2s_loss(monkeypatch):
 
 
 def test_bench_refuses_what_the_kind_cannot_take(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, layout="prefix", device="cpu"))
+    with pytest.raises(SystemExit) as e:  # as bench.py's __main__ runs it
+        run_cli(main, BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, layout="prefix",
+                                  device="cpu"))
     assert e.value.code == 2 and "prefix kind" in capsys.readouterr().err
 
 
