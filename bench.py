@@ -553,6 +553,9 @@ def main(b: BenchConfig) -> dict:
     batch, enc = synthetic_batch(run, b.batch, h, w)
     # the cache's DINOv3 targets (zeros); with the loss, replaced each step by the target model's
     batch, enc = zero_batch(batch, enc, run, model.config, cache_targets(b, run), device)
+    if device.type == "cuda":  # pinned once, as train_a2.py's loader hands a batch over: model_inputs' copies queue
+        batch = {k: [p.pin_memory() for p in v] if k == "posteriors" else
+                 v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     ref_images = torch.rand(b.batch, len(layout.repeats), 3, h, w, device=device) * 2 - 1
     steps = iter(range(b.warmup + b.steps))
