@@ -379,6 +379,10 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
     c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
     assert c["clips read"] == c["clips kept"] == 4
     assert c["clips without a background png (kept without a background)"] == 1
+    # the one clip of 4 masks (and a background png) has more than V3 (3 beside the png) and RefAlign (3) take
+    more = {k: v for k, v in c.items() if k.startswith("clips with more kept masks than")}
+    assert more == {f"clips with more kept masks than the {k} kind takes with default flags (the 3 largest used)": 1
+                    for k in ("v3", "refalign")}
     assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (2, 1, 1)
     report = (out / "report.txt").read_text()
     assert f"{fx['keys'][3]}: " in report and "background png not found" in report
@@ -436,11 +440,12 @@ OPENS2V_SETS = {
 OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
 
 
-def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path):
+def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys):
     """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
     clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch of every
     clip (none left out), clips of 1, 2 and 3+ references each, the kinds without roles every kept mask up to their
-    maximum; the index report names the clip without a background."""
+    maximum; the index report names the clip without a background. A line no kind can take (no mask, no background:
+    an index edited by hand) is named and left out before step 1 by validate and training alike."""
     from tests.conftest import train
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
@@ -448,10 +453,13 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
     pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()
+    empty = dict(json.loads(index.read_text().splitlines()[0]), key="no-mask", references=[], elements={})
+    index.write_text(index.read_text() + json.dumps(empty) + "\n")
     for kind, (model, frames, kw) in OPENS2V_KINDS.items():
         ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
                                model=model, **kw))
-        assert len(ds) == 4 and not ds.left_out, kind
+        assert len(ds) == 4 and [p.id for p in ds.left_out] == ["no-mask"], kind
+        assert "left out: no-mask: " in capsys.readouterr().out, kind
         assert [b[3] for b in ds.buckets] == OPENS2V_SETS[kind], kind
         assert {min(len(b[3]), 3) for b in ds.buckets} == {1, 2, 3}, kind  # 1, 2 and 3+ references
         flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
@@ -459,3 +467,4 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
                   *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", kind, "--max-steps", "4",
                   "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
         assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"])), kind  # one epoch: 4 clips, none skipped
+        assert "left out: no-mask: " in capsys.readouterr().out, kind
