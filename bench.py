@@ -44,7 +44,7 @@ import tyro
 from a2 import align, conditioning
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, TI2V_Z_DIM, preset_config, random_transformer
-from config import OnOffAuto, height_width, resolve_compile
+from config import OnOffAuto, exit_on_signal, height_width, resolve_compile, run_cli
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -219,7 +219,8 @@ def check_backends(b: BenchConfig) -> dict:
 
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
-    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig, clip_frames_for
+    from a2.conditioning import clip_frames
+    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
     from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
     size = (b.height, b.width)
@@ -227,7 +228,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
                         elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
                         dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
     # a public dataset's clip is what A2's reference latents leave of --frames (81 -> 69), as train_a2.py reads it
-    frames = clip_frames_for(b.frames, [cfg]) if manifest else b.frames
+    frames = clip_frames(b.frames, cfg.elements, cfg.vae) if manifest else b.frames
     dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
@@ -545,8 +546,9 @@ def main(b: BenchConfig) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_signal("a benchmark keeps nothing; run it again")
     b = tyro.cli(BenchConfig)
-    if b.dry_run:
-        raise SystemExit(0 if dry_run(b)["fits"] else 3)
-    check_backends(b) if b.check_backends else bench_opens2v(b) if b.opens2v else bench_loader(b) if b.data_root else \
-        main(b)
+    if b.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
+        raise SystemExit(0 if run_cli(dry_run, b)["fits"] else 3)
+    run_cli(check_backends if b.check_backends else bench_opens2v if b.opens2v else bench_loader if b.data_root else
+            main, b)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import signal
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -49,6 +50,24 @@ class InputError(ValueError):
     """Bad input from the user (flags, config, data): the CLIs print it as it is, one line per problem, no traceback."""
 
 
+class MissingInput(InputError, FileNotFoundError):
+    """A file or dir the user named is not there: an InputError (one line, exit 2) that `except FileNotFoundError`
+    still catches."""
+
+
+def as_input_error(fn, *args, **kwargs):
+    """fn(*args, **kwargs) reading what the user gave (files, sizes, flags): its FileNotFoundError / ValueError is an
+    input mistake, raised again as MissingInput / InputError with the same message (one line, exit 2)."""
+    try:
+        return fn(*args, **kwargs)
+    except InputError:
+        raise
+    except FileNotFoundError as e:
+        raise MissingInput(" ".join(str(e).split())) from e
+    except ValueError as e:
+        raise InputError(" ".join(str(e).split())) from e
+
+
 class ConfigError(InputError):
     """A bad config value; the message names the file (or flag) and the key."""
 
@@ -56,6 +75,20 @@ class ConfigError(InputError):
 def printable(text: str) -> str:
     """Text that print() cannot choke on: file names that are not UTF-8 (surrogate escapes) as \\xNN."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def exit_on_signal(hint: str) -> None:
+    """SIGTERM / SIGINT (Ctrl-C) end the process in one line, the signal and `hint` (what is kept, how to go on),
+    exit 128 + the signal, no traceback; SystemExit, so every `finally` (temp files) runs on the way out. Called
+    again, it changes the hint."""
+    def stop(signum, _frame):
+        from tqdm import tqdm  # its write: on a line of its own below a progress bar
+
+        tqdm.write(printable(f"error: stopped by {signal.Signals(signum).name}: {hint}"), file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, stop)
 
 
 def run_cli(main, *args):
@@ -524,8 +557,8 @@ class TrainConfig:
     V3), a Hugging Face Hub id
     (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in offline tiny
     model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
-    tiny-refalign, or a
-    real-size one with random weights built on the GPU (no download; for speed and memory at real shapes):
+    tiny-magref, tiny-refalign, or a real-size one with random weights built on the GPU (no download; for speed and
+    memory at real shapes):
     random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
     """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""

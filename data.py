@@ -17,6 +17,7 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -25,6 +26,7 @@ import os
 import random
 import signal
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -69,6 +71,7 @@ from config import (
     Element,
     TrainConfig,
     dataset_configs,
+    exit_on_signal,
     read_text,
     run_cli,
 )
@@ -107,19 +110,43 @@ def decodable_frames(path: Path, last: int | None = None) -> int:
 
 
 
+def npz_frames_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of a T2V-workflow clip's `frames`, read from the .npy header inside the zip (no frame
+    is read), checked as read_npz checks the array: ValueError naming the fix."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        names = [n.removesuffix(".npy") for n in z.namelist()]
+        if "frames" not in names:
+            raise ValueError(f"no 'frames' array (it has {names})")
+        with z.open("frames.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:  # 3.0 (utf-8 field names): no public header reader; read the array
+                x = read_npz(path)
+                return x.shape, x.dtype
+            shape, _, dtype = read[version](f)
+    _check_frames(shape, dtype)
+    return shape, dtype
+
+
+def _check_frames(shape: tuple[int, ...], dtype) -> None:
+    if len(shape) == 4 and shape[1] == 3 and shape[-1] != 3:
+        raise ValueError(f"frames are (F, 3, H, W) {shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
+    if len(shape) != 4 or shape[-1] != 3:
+        raise ValueError(f"frames have shape {shape}; expected (F, H, W, 3)")
+    if dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
+        raise ValueError(f"frames are {dtype}; store uint8 0..255 (from floats in [0, 1]: "
+                         "(frames * 255).round().astype(np.uint8))")
+
+
 def read_npz(path: Path) -> np.ndarray:
     """The `frames` of a T2V-workflow clip, checked: (F, H, W, 3) uint8, else ValueError naming the fix."""
     with np.load(path) as z:  # no pickles: allow_pickle stays False
         if "frames" not in z.files:
             raise ValueError(f"no 'frames' array (it has {z.files})")
         x = z["frames"]
-    if x.ndim == 4 and x.shape[1] == 3 and x.shape[-1] != 3:
-        raise ValueError(f"frames are (F, 3, H, W) {x.shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
-    if x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"frames have shape {x.shape}; expected (F, H, W, 3)")
-    if x.dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
-        raise ValueError(f"frames are {x.dtype}; store uint8 0..255 (from floats in [0, 1]: "
-                         "(frames * 255).round().astype(np.uint8))")
+    _check_frames(x.shape, x.dtype)
     return x
 
 
@@ -258,6 +285,9 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> 
         try:
             s.prompt, problems = caption_problems(s.id, read_text(caption), caption, "", cfg)
             s.problems += problems
+            if caption.read_bytes()[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # read right, but said
+                s.problems.append(Problem(s.id, caption, "caption is UTF-16 (read as such); the other tools of a "
+                                                         "dataset pipeline may expect UTF-8", warning=True))
         except FileNotFoundError:
             s.problems.append(Problem(s.id, caption, "caption file missing"))
         except ValueError as e:
@@ -316,8 +346,9 @@ def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Probl
     return out
 
 
-def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
-    """Read what training will read; set the clip's frames and size, and add what fails to s.problems."""
+def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, short_why: str = "") -> Sample:
+    """Read what training will read; set the clip's frames and size, and add what fails to s.problems (short_why:
+    why the clips must be that long, in the user's terms)."""
     for e in cfg.elements:
         if e.required and e.name not in s.elements:
             s.problems.append(Problem(s.id, s.video.with_name(s.video.stem + e.suffixes[0]),
@@ -333,9 +364,9 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
                     "not found" if not img.exists() else str(ex))
             s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
     try:
-        if s.video.suffix.lower() == ".npz":
-            x = read_npz(s.video)
-            listed, size = len(x), x.shape[1:3]
+        if s.video.suffix.lower() == ".npz":  # the header: every check of the array but its values
+            shape, _ = npz_frames_header(s.video)
+            listed, size = shape[0], shape[1:3]
         else:
             listed, size = probe_video(s.video)
         total = listed or decodable_frames(s.video)  # a container that lists no count (webm, mkv): count them
@@ -346,7 +377,7 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) 
         if not frames:
             at = f" ({kept} at {cfg.target_fps:g} fps)" if kept != total else ""
             s.problems.append(Problem(s.id, s.video, f"{total} frames{at}, shorter than the smallest bucket "
-                                                     f"({min(frame_buckets(cfg, num_frames))})", s.where))
+                                                     f"({min(frame_buckets(cfg, num_frames))}){short_why}", s.where))
         elif listed and s.video.suffix.lower() != ".npz":
             last = max(w[-1] for w in s.windows) if s.windows else last_frame_read(total, frames, sampling)
             got = decodable_frames(s.video, last)
@@ -373,7 +404,8 @@ def kind_datasets(cfgs: list[DatasetConfig], kind: str, given: bool) -> list[Dat
     return [replace(c, elements=index_elements(kind)) for c in cfgs]
 
 
-def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") -> tuple[list[Sample], list[Problem]]:
+def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
+         short_why: str = "") -> tuple[list[Sample], list[Problem]]:
     """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample."""
     samples, problems = [], []
     for di, cfg in enumerate(cfgs):
@@ -398,7 +430,8 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform") 
             found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling))
+        why = dict(short_why=short_why) if check is check_sample else {}
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling, **why))
         samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
 
@@ -462,7 +495,9 @@ class E2VDataset(torch.utils.data.Dataset):
         self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
-        samples, loose = scan(cfgs, num_frames, frame_sampling)
+        refs = 0 if layout is None else layout.num_frames - layout.clip_frames  # pixel frames the references take
+        why = f": --num-frames {layout.num_frames} less the {refs} frames the references take" if refs > 0 else ""
+        samples, loose = scan(cfgs, num_frames, frame_sampling, why)
         problems = loose + [p for s in samples for p in s.problems]
         errors = [p for p in problems if not p.warning]
         if errors and not skip_bad_samples:
@@ -621,8 +656,11 @@ class LoadFailures:
     later micro-batch holding it is refused too, without reading it, and the dropped set goes into checkpoints
     (state_dict). Without, the run checkpoints the state before the step and stops with stop_message()."""
 
-    def __init__(self, skip_bad_samples: bool):
+    def __init__(self, skip_bad_samples: bool, keys: list[str] | None = None):
         self.skip = skip_bad_samples
+        # what each sample index is (its video path, @window): a resume on a changed dataset finds the dropped
+        # samples by it, not by their position
+        self.keys = list(keys or [])
         self.dropped: dict[int, str] = {}  # sample index -> its problem line
         self.new: dict[int, str] = {}  # failures of the current step
         self.last: list[str] = []  # those of the last step not trained
@@ -664,10 +702,37 @@ class LoadFailures:
         return f"{len(self.dropped)} sample(s) dropped after failing to load; {self.skipped_steps} step(s) not trained"
 
     def state_dict(self) -> dict:
-        return dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
+        state = dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
+        if self.keys:  # the dataset it is of, and the dropped samples by path
+            state.update(dropped_keys={i: self.keys[i] for i in self.dropped if i < len(self.keys)},
+                         dataset=dataset_digest(self.keys), samples=len(self.keys))
+        return state
 
-    def load_state_dict(self, state: dict):
-        self.dropped, self.skipped_steps = {int(k): v for k, v in state["dropped"].items()}, state["skipped_steps"]
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore the dropped samples; returns the lines to log when the dataset changed since the checkpoint (the
+        dropped samples are then found by path, those gone named)."""
+        self.skipped_steps = state["skipped_steps"]
+        dropped = {int(k): v for k, v in state["dropped"].items()}
+        if "dataset" not in state or not self.keys or state["dataset"] == dataset_digest(self.keys):
+            self.dropped = dropped
+            return []
+        index = {k: i for i, k in enumerate(self.keys)}
+        keys = {int(i): k for i, k in state.get("dropped_keys", {}).items()}
+        self.dropped = {index[keys[i]]: line for i, line in dropped.items() if keys.get(i) in index}
+        gone = [keys.get(i, f"sample {i}") for i in dropped if keys.get(i) not in index]
+        then = state.get("samples", "?")
+        lines = [f"the dataset changed since the checkpoint ({then} samples then, {len(self.keys)} now): the data "
+                 "order from here is not the uninterrupted run's"]
+        if dropped:
+            lines.append("dropped samples kept by path: " + (", ".join(keys[i] for i in dropped if keys.get(i) in index)
+                                                             or "none")
+                         + ("; no longer in the dataset: " + ", ".join(gone) if gone else ""))
+        return lines
+
+
+def dataset_digest(keys: list[str]) -> str:
+    """What a checkpoint records of its dataset: a hash of the samples' paths in order."""
+    return hashlib.sha256("\n".join(keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- loader workers and stop signals
@@ -794,7 +859,12 @@ def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: 
     if dataset.frame_sampling == "random":
         raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
     (cache / "samples").mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(rank, len(dataset), world) if not (cache / "samples" / f"{i}.pt").exists()]
+    mine = range(rank, len(dataset), world)
+    todo = [i for i in mine if not (cache / "samples" / f"{i}.pt").exists()]
+    if rank == 0 and len(todo) < len(mine):
+        print(f"precompute: resuming, {len(mine) - len(todo)} of {len(mine)} samples already encoded in {cache}")
+    if threading.current_thread() is threading.main_thread():  # signal handlers: the main thread's alone
+        exit_on_signal(f"the samples encoded so far are kept in {cache}; the same command resumes the precompute")
     for i in tqdm(todo, desc="precompute", disable=rank != 0):
         batch = collate([dataset[(i, 0)]])
         if "failed" in batch:
@@ -987,4 +1057,5 @@ def _cli(argv: list[str]):
 
 
 if __name__ == "__main__":
+    exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     _cli(sys.argv[1:])

@@ -31,7 +31,7 @@ import tyro
 from a2 import standin
 from a2.conditioning import KIND_DEFS, element_refusal, kind_sampling, plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.lora import expansion_file, load_expanded, load_lora
+from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
@@ -46,7 +46,11 @@ from config import (
     A2_ELEMENTS,
     RELEASED_ELEMENTS,
     EvalConfig,
+    InputError,
+    MissingInput,
     VaeProcessorConfig,
+    as_input_error,
+    exit_on_signal,
     height_width,
     pair_elements,
     parse_elements,
@@ -60,9 +64,9 @@ class InferConfig:
     """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
     a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
     a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
-    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-refalign;
-    sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with random weights
-    built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
+    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref,
+    tiny-refalign; sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with
+    random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
@@ -155,6 +159,9 @@ class InferConfig:
     """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
     lora_scale: float = 1.0
     """Multiplier of the LoRA update (1: as trained)."""
+    force: bool = False
+    """Load a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load, the rest
+    are skipped (without it such a file is refused)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of all model weights and of the computation."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,8 +215,10 @@ class InferConfig:
         self.defaults_note = None  # printed by main(): the defaults a built-in tiny model gave the flags left out
         if tiny and defaulted:
             self.defaults_note = (f"--model {self.model}: a built-in tiny model, sampled at {self.height}x"
-                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps (the README demo's "
-                                  "size; --resolution, --num-frames and --steps set them)")
+                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps ("
+                                  + ("the README demo's size; " if (self.height, self.width, self.num_frames,
+                                                                     self.steps) == (64, 64, 33, 10) else "")
+                                  + "--resolution, --num-frames and --steps set them)")
 
 
 OWN = ("negative_prompt", "guidance_scale", "guidance_scale_img", "steps", "fps", "seed")  # Sampling's names
@@ -450,21 +459,22 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 def main(cfg: InferConfig) -> int:
     if getattr(cfg, "defaults_note", None):
         print(cfg.defaults_note)
-    check_size(cfg.height, cfg.width, cfg.num_frames)
-    # an unsupported dir fails here, before any loading
-    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
-    check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
-    first_frame = read_first_frame(cfg, info)
+    # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
+    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames)
+    info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
+                                               and model_path(cfg.image_encoder), cfg.components))
+    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
+    first_frame = as_input_error(read_first_frame, cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
-        raise ValueError("--image renders one video; it takes no --prompts-file / --eval-set")
+        raise InputError("--image renders one video; it takes no --prompts-file / --eval-set")
     if info.two_experts and cfg.lora:
-        raise ValueError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
+        raise InputError(f"{info.path} is a {info.name} expert pair: give --lora-high and/or --lora-low, not --lora")
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
-        raise ValueError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
+        raise InputError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
                          "A14B; use --lora")
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # before the layout check, which would name the model
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
-            raise ValueError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
+            raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
     if cfg.reference_layout == "channel" and any(p and standin.is_lora_file(p) for p in
                                                  (*cfg.lora, cfg.lora_high, cfg.lora_low)):
@@ -472,31 +482,33 @@ def main(cfg: InferConfig) -> int:
     rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
-            raise ValueError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
+            raise InputError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
         if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
-            raise ValueError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
+            raise InputError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
                              "--lora-high / --lora-low)")
         if cfg.save_latents or cfg.compare or cfg.decode == "none":
-            raise ValueError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
+            raise InputError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
                              "--decode none")
         if opens2v_set(cfg):
             rows = read_opens2v_set(cfg, info)
         else:
-            rows = read_rows(cfg.eval_set or cfg.prompts_file)
+            rows = as_input_error(read_rows, cfg.eval_set or cfg.prompts_file)
         for row in rows if not opens2v_set(cfg) else ():  # every row's images read and checked before any model
             try:
                 row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
-            except (ValueError, FileNotFoundError) as e:
-                raise type(e)(f"{row['line']}: {e}") from e
+            except FileNotFoundError as e:
+                raise MissingInput(f"{row['line']}: {e}") from e
+            except ValueError as e:
+                raise InputError(f"{row['line']}: {e}") from e
         items = [n for row in rows for n in row["elements"]]
         layouts = [row["layout"] for row in rows]
     else:
-        refs = read_references(cfg, cfg.elements, info, first_frame is not None)
+        refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
         items = list(refs["elements"])
         layouts = [refs["layout"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
-        raise ValueError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
+        raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
                          "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
@@ -521,13 +533,25 @@ def main(cfg: InferConfig) -> int:
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
         print("elements: " + ", ".join(dict.fromkeys(items))
               + (f" (repeats {refs['repeats']})" if rows is None else ""))
-    adapters = []
+    lay = layouts[0] if layouts else None
+    if rows is None and lay is not None and lay.num_frames > lay.clip_frames:  # the references lead the sequence
+        print(f"video: {lay.clip_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
+              f"references take {lay.num_frames - lay.clip_frames}")
+    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
+    for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
+        note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
+        if note:
+            print(note)
+    if cfg.reference_layout == "standin" and not any(
+            p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high, cfg.lora_low)):
+        print("warning: --reference-layout standin without a Stand-In LoRA file (--lora Stand-In_wan2.1_T2V_14B.ckpt, "
+              "or a2's standin_lora.ckpt): the reference image is not attended to by trained weights")
     for i, path in enumerate(cfg.lora):
         if standin.is_lora_file(path):
             print(f"Stand-In LoRA {path}: rank {standin.load_lora(pipe.transformer, path)}, reference tokens only")
             continue
         adapters.append("default" if i == 0 else f"lora{i}")
-        print(load_lora(pipe, path, cfg.lora_scale, adapter=adapters[-1]))
+        print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=adapters[-1], force=cfg.force))
     if len(adapters) > 1:  # load_lora activates its own adapter alone
         pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
     for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
@@ -535,7 +559,8 @@ def main(cfg: InferConfig) -> int:
             model = pipe.transformer_2 if name == "low" else pipe.transformer
             print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
         elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
-            print(load_lora(pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low"))
+            print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low",
+                                 force=cfg.force))
     for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():
         if model is not None:
             context_parallel(model, dist.group.WORLD)
@@ -559,7 +584,10 @@ def main(cfg: InferConfig) -> int:
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
         path = save_video(cfg.out, out["video"][0], cfg.fps, side)
-        print(f"wrote {path} ({out['video'].shape[2]} frames, {cfg.height}x{cfg.width})")
+        n = out["video"].shape[2]
+        print(f"wrote {path} ({n} frames, {cfg.height}x{cfg.width}"
+              + (f"; --num-frames {cfg.num_frames} less the {cfg.num_frames - n} the references take" if n <
+                 cfg.num_frames else "") + ")")
     if cfg.save_latents:
         Path(cfg.save_latents).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None
@@ -571,4 +599,5 @@ def main(cfg: InferConfig) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_signal("the videos written so far are kept; the same command renders again")
     sys.exit(run_cli(main, tyro.cli(InferConfig)))  # bad input: its one line, exit 2

@@ -14,6 +14,15 @@ the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    import tyro
+
+    from config import TrainConfig, exit_on_signal, run_cli
+
+    exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
+                   "same command again")
+    CLI_CONFIG = run_cli(tyro.cli, TrainConfig)
+
 import itertools
 import json
 import math
@@ -74,7 +83,7 @@ from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, samp
     timestep_bucket,
 )
 from a2.fp8 import scaled_mm_supported
-from a2.lora import check_lora_export
+from a2.lora import base_metadata, check_lora_export, model_family
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.parallel import context_parallel, data_parallel, grad_scale
 from a2.pipeline import (
@@ -126,6 +135,7 @@ from config import (
     Element,
     TrainConfig,
     dataset_configs,
+    exit_on_signal,
     pair_elements,
     resolve_compile,
     run_cli,
@@ -953,7 +963,7 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
 
 
 def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
-                   original_keys: str | None = None) -> Path:
+                   metadata: dict | None = None, original_keys: str | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
     full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
@@ -971,9 +981,9 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
 
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
             return standin.export_lora(run_dir, getattr(model, "module", model),
-                                       (f"_{cfg.expert}" if cfg.expert else "") + tag)
+                                       (f"_{cfg.expert}" if cfg.expert else "") + tag, metadata)
         with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
-            return export_lora(run_dir, bare, cfg.expert, tag)[0]
+            return export_lora(run_dir, bare, cfg.expert, tag, metadata)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
         from diffusers import WanTransformer3DModel
 
@@ -1001,13 +1011,14 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     return out
 
 
-def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int) -> Path | None:
+def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int,
+               metadata: dict | None = None) -> Path | None:
     """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
     pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
     with ema_weights(opt, params):
         full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
             if cfg.fsdp else None
-        return export_weights(run_dir, transformer, cfg, full, tag="_ema") if rank == 0 else None
+        return export_weights(run_dir, transformer, cfg, full, tag="_ema", metadata=metadata) if rank == 0 else None
 
 
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
@@ -1144,18 +1155,19 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
 
 
 def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int,
-           original_keys: str | None) -> dict:  # a file name (export_weights)
+           original_keys: str | None, metadata: dict | None = None) -> dict:  # a file name (export_weights)
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
     collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
     out, full_state = {}, None
     if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys)
+        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys,
+                                        metadata=metadata)
         log(f"exported {out['weights']}")
     del full_state
     if cfg.ema_decay:
-        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank)
+        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank, metadata)
         log(f"exported the EMA weights {out['ema_weights']}")
     return out
 
@@ -1206,6 +1218,10 @@ def main(cfg: TrainConfig) -> dict:
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     held = held_out(dataset, cfg.eval_split, cfg.seed)  # eval loss samples, never trained on
+    if held:
+        clips = sorted({str(dataset.samples[i].video) for i in held})
+        log(f"held out for the eval loss (never trained on): {len(held)} sample(s) of {len(clips)} clip(s): "
+            + ", ".join(clips[:8]) + (f" and {len(clips) - 8} more" if len(clips) > 8 else ""))
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
@@ -1217,9 +1233,10 @@ def main(cfg: TrainConfig) -> dict:
         on_rank0(open_run_dir, run_dir, lock, cfg, run, point)
 
     # ---------------------------------------------------------------- encoders; precompute cache (then exit)
+    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
+    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
     needed = run.cache is None or cfg.precompute or run.validates \
-        or any(p["type"] == "vae_decode" for p in ds_cfgs[0].visualization.processors
-               if ds_cfgs[0].visualization.enabled)
+        or any(p["type"] == "vae_decode" for v in visualizations for p in v.processors)
     enc = load_run_encoders(cfg, run, device, needed)
     if cfg.precompute:
         precompute(run, dataset, enc, rank, world)
@@ -1244,14 +1261,15 @@ def main(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=True)
     guard = NonFiniteSteps(opt, device)
-    failures = LoadFailures(cfg.skip_bad_samples)  # samples that fail to load mid-run (data.py)
+    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples])  # (data.py)
     if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
         ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = 0
     if point.path:
         state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
         start_step = state["step"]
-        failures.load_state_dict(state.get("load_failures", failures.state_dict()))
+        for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
+            log(line)  # the dataset changed since the checkpoint
         log(f"resumed from {point.path} at step {start_step}")
     loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
@@ -1306,7 +1324,8 @@ def main(cfg: TrainConfig) -> dict:
             opt.zero_grad(set_to_none=True)
             done = step + 1
             if rank == 0 and not refused:
-                visualize(done, viz, ds_cfgs[0].visualization, enc.vae, run_dir)
+                for vis in visualizations:
+                    visualize(done, viz, vis, enc.vae, run_dir)
             if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
                 rec = step_record(done, step_loss, grad_norm, opt, guard, cfg, last_ckpt, meter, use_cuda)
                 losses.append(rec["loss"])
@@ -1316,8 +1335,12 @@ def main(cfg: TrainConfig) -> dict:
             last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
                                           failures, world)
             if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
-                                           dp_world, device, amp), metrics_file, tb)
+                log(f"step {done}: eval loss of {len(held)} held-out sample(s) ...")  # the bar stops meanwhile
+                t_eval = time.perf_counter()
+                rec = evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
+                                        dp_world, device, amp)
+                log(f"step {done}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t_eval:.1f} s)")
+                log_step(rec, metrics_file, tb)
             if cfg.val_every and done % cfg.val_every == 0:
                 with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
                     log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
@@ -1338,7 +1361,8 @@ def main(cfg: TrainConfig) -> dict:
                   interrupted=interrupted)
     if not interrupted:
         original = run.layout.original_export if run.info.original_weights else None  # also in the lab's keys
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original))
+        base = base_metadata(transformer.config, model_family(run.info), run.layout.kind, cfg.model)  # LoRA metadata
+        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original, base))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
@@ -1354,7 +1378,7 @@ def main(cfg: TrainConfig) -> dict:
 
 if __name__ == "__main__":
     try:
-        result = run_cli(main, tyro.cli(TrainConfig))  # a config or data error: its message, no traceback, exit 2
+        result = run_cli(main, CLI_CONFIG)  # a config or data error: its message, no traceback, exit 2
     except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

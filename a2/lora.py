@@ -109,7 +109,96 @@ def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor
     return original
 
 
-def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "") -> tuple[Path, Path]:
+def shape_signature(config) -> str:
+    """A transformer's shapes as one string (a WanTransformer3DModel config): what tells bases apart that a LoRA's
+    own shapes do not (A2-14B and Phantom-Wan-14B have the same attention and FFN widths, not the same inputs)."""
+    c = dict(config)
+    patch = "x".join(str(p) for p in c.get("patch_size", ()))
+    return (f"layers {c.get('num_layers')}, width {c.get('num_attention_heads', 0) * c.get('attention_head_dim', 0)}, "
+            f"ffn {c.get('ffn_dim')}, in {c.get('in_channels')}, out {c.get('out_channels')}, text "
+            f"{c.get('text_dim')}, image {c.get('image_dim')}, patch {patch}")
+
+
+def model_family(info) -> str:
+    """A model's family as a LoRA records it: detect_model's name (SkyReels-A2, Phantom-Wan, MAGREF, Wan2.1 I2V...)."""
+    return info.name
+
+
+def base_metadata(config, family: str, kind: str, model: str) -> dict[str, str]:
+    """What an exported LoRA records of what it was trained on (its safetensors metadata; a Stand-In .ckpt's
+    "a2_metadata"): the base model as given, its family (detect_model's name, and the released weights' kind),
+    its shape signature, and the conditioning kind of the run."""
+    return dict(a2_base_model=str(model), a2_base_family=family, a2_base_shapes=shape_signature(config),
+                a2_kind=kind)
+
+
+def read_base_metadata(path) -> dict[str, str]:
+    """An a2 LoRA file's base_metadata ({} for a file from another tool or an older a2, or a peft dir)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / DIFFUSERS_NAME
+    if not path.is_file():
+        return {}
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # unreadable: the loader says so, in its own words
+            return {}
+        meta = state.get("a2_metadata", {}) if isinstance(state, dict) else {}
+    return {k: v for k, v in meta.items() if k.startswith(("a2_base_", "a2_kind"))}
+
+
+def base_mismatch(path, meta: dict, config, family: str, kind: str) -> str | None:
+    """One line when a LoRA file was trained on another base (family or shapes) or conditioning kind than the run
+    it is loaded into; None when it was not (or the file does not say)."""
+    if not meta:
+        return None
+    here = dict(a2_base_family=family, a2_base_shapes=shape_signature(config), a2_kind=kind)
+    what = {"a2_base_family": "model", "a2_base_shapes": "shapes", "a2_kind": "kind"}
+    diffs = [f"{what[k]} {meta[k]!r}, here {v!r}" for k, v in here.items() if k in meta and meta[k] != v]
+    if not diffs:
+        return None
+    return (f"warning: --lora {path} was trained on another base ({meta.get('a2_base_model', '?')}): "
+            + "; ".join(diffs))
+
+
+def lora_fit(pipe, path, low_expert: bool = False) -> tuple[dict, list[str]]:
+    """The file's LoRA tensors after diffusers' key conversion, and why pairs do not fit the transformer
+    (lora_fit_problems): (state dict, problems)."""
+    sd = pipe.lora_state_dict(path)
+    sd = sd[0] if isinstance(sd, tuple) else sd
+    return sd, lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, sd)
+
+
+def lora_fit_problems(model, sd: dict) -> list[str]:
+    """`module: why` for each LoRA pair of a diffusers-keyed state dict that does not fit `model`: a module it lacks,
+    or other in/out features than the pair's."""
+    problems = []
+    for key, t in sd.items():
+        m = re.fullmatch(r"transformer\.(.+)\.lora_([AB])\.weight", key)
+        if m is None:
+            continue
+        try:
+            module = model.get_submodule(m.group(1))
+        except AttributeError:
+            if m.group(2) == "A":
+                problems.append(f"{m.group(1)}: no such module")
+            continue
+        base = getattr(module, "base_layer", module)
+        side, have, got = (("in", base.in_features, t.shape[1]) if m.group(2) == "A" else
+                           ("out", base.out_features, t.shape[0]))
+        if have != got:
+            problems.append(f"{m.group(1)}: {side} features {got}, the model's {have}")
+    return problems
+
+
+def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "",
+                metadata: dict[str, str] | None = None) -> tuple[Path, Path]:
     """Write both files (module docstring) into run_dir; returns (diffusers file, original/ComfyUI file). Each says in
     its safetensors metadata which loader it is for (a2_format, a2_loader), the _comfy file is read back before it is
     named, and a line names the file for ComfyUI.
@@ -119,7 +208,7 @@ def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "") 
     from safetensors.torch import load_file, save_file
 
     def meta(fmt):
-        return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt]}
+        return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt], **(metadata or {})}
 
     part = (f"_{expert}" if expert else "") + tag
     names = [n.replace("weights", f"weights{part}") for n in (DIFFUSERS_NAME, COMFY_NAME)]
@@ -204,34 +293,48 @@ def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low_expert: bool = False) -> str:
+def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low_expert: bool = False,
+              force: bool = False) -> str:
     """A LoRA -> pipe.transformer (pipe.transformer_2: low_expert, Wan 2.2's low-noise expert). Read: a file or dir in
     diffusers, original Wan/ComfyUI or musubi-tuner keys (diffusers converts them), or a peft save_pretrained dir.
     Returns a line saying what was loaded: the key format, how many LoRA weights the file holds and how many
-    modules of the transformer took them.
+    modules of the transformer took them (a module adapted without a weight from the file is not counted).
 
-    diffusers only warns when no key matched the model, so that is an error here."""
-    from peft.tuners.lora import LoraLayer
+    A file whose pairs do not all fit the transformer (trained on another base: a module it lacks, other widths) is
+    refused in one line; force=True loads the pairs that fit. diffusers only warns when no key matched the model,
+    so that is an error here."""
+    from config import InputError
 
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
-    source = peft_dir_state_dict(path_) if peft_dir else path
-    # the file's tensors after diffusers' key conversion (what it tries to match); read again, LoRA files are small
-    file_keys = list(source if peft_dir else pipe.lora_state_dict(path))
+    target = "transformer_2" if low_expert else "transformer"
+    if peft_dir:
+        source = peft_dir_state_dict(path_)
+        problems = lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, source)
+    else:  # the file's tensors after diffusers' key conversion (what it tries to match)
+        source, problems = lora_fit(pipe, path, low_expert)
+    pairs = sum(bool(re.search(r"\.lora_A\.weight$", k)) for k in source)
+    misfit = {p.split(":")[0] for p in problems}
+    if problems and not force:
+        raise InputError(f"--lora {path}: {len(misfit)} of {pairs} LoRA pairs do not fit the {target} "
+                         f"({problems[0]}{', ...' if len(problems) > 1 else ''}): trained on another base; "
+                         "--force loads the pairs that fit")
+    if problems:
+        source = {k: v for k, v in source.items() if re.sub(r"^transformer\.|\.lora_[AB]\.weight$", "", k)
+                  not in misfit}
     pipe.load_lora_weights(source, adapter_name=adapter, load_into_transformer_2=low_expert)
     model = pipe.transformer_2 if low_expert else pipe.transformer
     if adapter not in (getattr(model, "peft_config", None) or {}):
-        raise ValueError(f"--lora {path}: no LoRA key matched the transformer (expected diffusers `transformer.`, "
+        raise InputError(f"--lora {path}: no LoRA key matched the {target} (expected diffusers `transformer.`, "
                          "original `diffusion_model.` or musubi `lora_unet_` keys, or a peft adapter dir)")
     model.set_adapters([adapter], [scale])
-    modules = sum(isinstance(m, LoraLayer) and adapter in m.lora_A for m in model.modules())
-    weights = sum(bool(re.search(r"\.lora_[AB]\.weight$", k)) for k in file_keys)
+    modules = pairs - len(misfit)
     fmt = "peft adapter dir" if peft_dir else _key_format(path_)
-    return (f"LoRA {path} ({fmt}): {weights} lora_A/lora_B weights, {modules} modules of "
-            f"{'transformer_2' if low_expert else 'transformer'} adapted ({2 * modules} weights matched), "
-            f"scale {scale:g}")
+    return (f"LoRA {path} ({fmt}): {2 * pairs} lora_A/lora_B weights, {modules} modules of {target} adapted "
+            f"({2 * modules} weights matched)" + (f", {len(misfit)} pairs skipped (--force)" if misfit else "")
+            + f", scale {scale:g}")
 
 
 def _key_format(path: Path) -> str:

@@ -9,7 +9,8 @@ A run dir `output_dir/run_name`:
                       changed)
     metrics.jsonl     one row per logged step; cut back to the resumed step on resume
     ckpt-<step>/      trainable.safetensors + optimizer.pt (DDP) or sharded/ (--fsdp, torch.distributed.checkpoint),
-                      state.pt, config.json, and manifest.json, written last: the checkpoint is complete iff its
+                      state.pt (read weights-only: a run dir cannot run code on resume), config.json, and
+                      manifest.json, written last: the checkpoint is complete iff its
                       manifest is there and every file has the size (and, up to CHECKSUM_MAX_BYTES, the crc32) it lists
     .tmp-ckpt-<step>/ a checkpoint being written (renamed to ckpt-<step> once its manifest is on disk)
 
@@ -23,8 +24,10 @@ names the last checkpoint with finite weights; CheckpointError: a checkpoint cou
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -202,13 +205,15 @@ def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
         if name not in manifest.get("files", {}):
             return f"{name} not in the manifest"
     try:
-        torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
+        torch.load(ckpt / "state.pt", weights_only=True, map_location="cpu")
         json.loads((ckpt / "config.json").read_text())
         if (ckpt / "trainable.safetensors").exists():
             from safetensors import safe_open
 
             with safe_open(ckpt / "trainable.safetensors", "pt") as f:
                 f.keys()
+        if (ckpt / "sharded").is_dir():
+            _sharded_reader(ckpt).read_metadata()
     except Exception as e:  # any reader's error means: not loadable
         return f"unreadable ({type(e).__name__}: {e})"
     return None
@@ -243,7 +248,13 @@ def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
 
 # ---------------------------------------------------------------- writing and reading checkpoints
 
-CHECKPOINT_MARGIN = 16 * 2**20  # bytes beyond the tensors: state.pt, config.json, manifest, pickle/header overhead
+# bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a tenth of
+# the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed 16 MiB more
+CHECKPOINT_MARGIN = (0.1, 2**18)
+
+
+def checkpoint_margin(tensor_bytes: int) -> int:
+    return int(tensor_bytes * CHECKPOINT_MARGIN[0]) + CHECKPOINT_MARGIN[1]
 
 
 def _rank() -> int:
@@ -252,10 +263,11 @@ def _rank() -> int:
 
 def checkpoint_bytes(model, opt) -> int:
     """What a checkpoint takes on disk, known before writing it: the trainable weights and every optimizer state
-    tensor (under FSDP2 their global sizes: the sum of all ranks' shards), plus CHECKPOINT_MARGIN."""
+    tensor (under FSDP2 their global sizes: the sum of all ranks' shards), plus a margin proportional to them
+    (checkpoint_margin)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    return weights + state + CHECKPOINT_MARGIN
+    return weights + state + checkpoint_margin(weights + state)
 
 
 def _one_line(e: BaseException) -> str:
@@ -329,13 +341,18 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ckpt = Path(ckpt)
-    state = torch.load(ckpt / "state.pt", weights_only=False)
+    state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
     if fsdp:
         if not (ckpt / "sharded").is_dir():
             raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
+        _sharded_reader(ckpt).read_metadata()  # refused here, in one line, if it holds code (dcp wraps its errors)
         model_sd, optim_sd = get_state_dict(model, opt)
         sharded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sharded, checkpoint_id=ckpt / "sharded")  # every rank reads its shards (any world size)
+        try:
+            dcp.load(sharded, storage_reader=_sharded_reader(ckpt), planner=_tensors_only_planner())  # any world size
+        except dcp.api.CheckpointException as e:  # a BaseException, its cause in .failures: {rank: (error, trace)}
+            cause = next(iter(e.failures.values()))[0]
+            raise ValueError(f"{ckpt}: sharded checkpoint unreadable ({_one_line(cause)})") from None
         set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
     else:
         if not (ckpt / "trainable.safetensors").exists():
@@ -347,11 +364,62 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     return state
 
 
-def sharded_has_ema(ckpt: Path) -> bool:
-    """Whether an --fsdp checkpoint holds an EMA (optimizer state entries "ema"): read from its metadata, no tensors."""
+# A run dir may come from someone else: resuming it must not run code from its files. state.pt and optimizer.pt are
+# read with torch's weights-only loader; the sharded checkpoint's pickles (torch.distributed.checkpoint's .metadata
+# and its non-tensor entries, which torch unpickles freely) through the allow-lists below.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a sharded checkpoint's .metadata: its dataclasses, torch dtypes/sizes and paths, nothing else."""
+
+    def find_class(self, module, name):
+        obj = getattr(importlib.import_module(module), name, None) if module in (_DCP_METADATA, "torch") else None
+        if ((module, name) in _METADATA_GLOBALS or isinstance(obj, torch.dtype)
+                or (module == _DCP_METADATA and isinstance(obj, type) and obj.__module__ == module)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata (code, not data)")
+
+
+def _sharded_reader(ckpt: Path):
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(Path(ckpt) / "sharded")).read_metadata().state_dict_metadata
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(Path(ckpt) / "sharded"))
+
+
+def _tensors_only_planner():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner()
+
+
+def sharded_has_ema(ckpt: Path) -> bool:
+    """Whether an --fsdp checkpoint holds an EMA (optimizer state entries "ema"): read from its metadata, no tensors."""
+    keys = _sharded_reader(ckpt).read_metadata().state_dict_metadata
     return any(k.startswith("optim.state.") and k.endswith(".ema") for k in keys)
 
 

@@ -374,12 +374,14 @@ def load_lora(transformer, path) -> int:
     return rank
 
 
-def export_lora(run_dir: Path, transformer, tag: str = "") -> Path:
+def export_lora(run_dir: Path, transformer, tag: str = "", metadata: dict[str, str] | None = None) -> Path:
     """The trained reference LoRA as a Stand-In file, run_dir/standin_lora<tag>.ckpt (a Wan 2.2 expert's tag starts
     _high | _low, as Stand-In names its pair): their keys under "state_dict", a torch pickle as their
     set_condition_branch loads it (load_lora and infer.py --lora, --lora-high / --lora-low read it back)."""
     path = Path(run_dir) / f"standin_lora{tag}.ckpt"
-    torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()}}, path)
+    # "a2_metadata": what it was trained on (a2.lora.base_metadata); their loader reads "state_dict" alone
+    torch.save({"state_dict": {k: v.cpu() for k, v in lora_state_dict(transformer).items()},
+                "a2_metadata": dict(metadata or {})}, path)
     return path
 
 

@@ -52,6 +52,10 @@ def tiny_tokenizer():
 # Wan 2.2 A14B's switch points: the high-noise expert takes timesteps >= ratio*1000
 WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 
+# what the built-in models' cache dirs are named after: a dir built by an older a2 (other weights, e.g. the random
+# VAE before invertible_init) is not reused
+TINY_BUILD = 2
+
 # `--model` names of the built-in tiny models -> tiny_model_dir arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
@@ -79,6 +83,84 @@ def tiny_ti2v_vae():
                             latents_std=(0.5 + 0.01 * c).tolist()).eval()
 
 
+# invertible_init's constants: the colour channels carry an offset and a constant channel dominates each pixel's
+# channel norm, so that the only non-linear parts left (the heads' RMS norm and SiLU) act as a fixed scale
+_COLOUR_OFFSET, _CONSTANT, _HEAD_GAMMA = 10.0, 1000.0, 300.0
+
+
+@torch.no_grad()
+def invertible_init(vae):
+    """Set a tiny Wan 2.1 VAE (base_dim 8, dim_mult 1,1,1,1, 1 res block) to weights whose decode of an encode
+    is the clip's colours, block-averaged over 8x8 pixels and 4 frames (the latent grid) and upsampled back, so that
+    what a transformer learns shows in its videos, while the model stays the real AutoencoderKLWan and code path.
+    Residual and attention blocks are identities (their last convs zero); the strided convs average 2x2 pixels
+    and 2 frames; the upsampling ones repeat frames and smooth with a [1 2 1] kernel; the heads' RMS norm + SiLU act
+    as a near-constant scale on channels carrying an offset beside a large constant channel. The 16 latent
+    channels are a fixed orthonormal mix of R, G, B (normalised latents of unit scale), with the VAE's own
+    latents_mean/std; the posterior's log-variance is -30 (sample == mode up to e-7)."""
+    for p in vae.parameters():
+        p.zero_()
+    enc, dec, cfg = vae.encoder, vae.decoder, vae.config
+    z, mean, std = cfg.z_dim, torch.tensor(cfg.latents_mean), torch.tensor(cfg.latents_std)
+    g = torch.Generator().manual_seed(0)
+    mix = torch.linalg.qr(torch.randn(z, 3, generator=g, dtype=torch.float64))[0].float()  # [z, 3] orthonormal
+    mix = mix * (z / 3) ** 0.5  # [z, 3]: normalised latents ~ the colours' scale
+    rgb, const = slice(0, 3), 3
+    eye3 = torch.eye(3)
+
+    def carry(conv, n_in=None, taps=None):
+        """conv passes channels 0-3 through (at the given (t, y, x) taps, weights summing to 1)."""
+        w = conv.weight
+        for tap, wt in taps:
+            for c in range(4 if n_in is None else n_in):
+                w[(c, c) + tap] = wt
+
+    # encoder: colours + offset and the constant channel, averaged down, then the head mixes them into latents
+    enc.conv_in.weight[rgb, :, 2, 1, 1] = eye3
+    enc.conv_in.bias[rgb], enc.conv_in.bias[const] = _COLOUR_OFFSET, _CONSTANT
+    for m in enc.modules():
+        if type(m).__name__ == "WanResample":  # 2x2 average (the pad is right/bottom), 2-frame average in time
+            carry(m.resample[1], taps=[((a, b), 0.25) for a in (0, 1) for b in (0, 1)])
+            if hasattr(m, "time_conv"):
+                carry(m.time_conv, taps=[((1, 0, 0), 0.5), ((2, 0, 0), 0.5)])
+    silu0, slope = _head_response(cfg.base_dim)
+    for norm in (enc.norm_out, dec.norm_out):
+        norm.gamma.fill_(_HEAD_GAMMA)
+    enc.conv_out.weight[:z, rgb, 2, 1, 1] = std[:, None] * mix / slope
+    enc.conv_out.bias[:z] = mean - std * mix.sum(1) * silu0 / slope
+    enc.conv_out.bias[z:] = -30.0  # log-variance: a deterministic encoder
+    vae.quant_conv.weight[:, :, 0, 0, 0] = torch.eye(2 * z)
+
+    # decoder: latents back to colours + offset and the constant channel, upsampled, then the head's inverse scale
+    vae.post_quant_conv.weight[:, :, 0, 0, 0] = torch.eye(z)
+    dec.conv_in.weight[rgb, :, 2, 1, 1] = mix.T / (z / 3) / std[None]
+    dec.conv_in.bias[rgb] = _COLOUR_OFFSET - (mix.T / (z / 3)) @ (mean / std)
+    dec.conv_in.bias[const] = _CONSTANT
+    smooth = torch.tensor([1.0, 2.0, 1.0]) / 4
+    for m in dec.modules():
+        if type(m).__name__ == "WanResidualBlock" and not isinstance(m.conv_shortcut, torch.nn.Identity):
+            carry(m.conv_shortcut, taps=[((0, 0, 0), 1.0)])
+        if type(m).__name__ == "WanResample":
+            carry(m.resample[1], taps=[((a, b), float(smooth[a] * smooth[b])) for a in range(3) for b in range(3)])
+            if hasattr(m, "time_conv"):  # each latent frame -> two equal frames (channel blocks [:dim], [dim:])
+                for c in range(4):
+                    m.time_conv.weight[c, c, 2, 0, 0] = m.time_conv.weight[m.dim + c, c, 2, 0, 0] = 1.0
+    dec.conv_out.weight[:, rgb, 2, 1, 1] = eye3 / slope
+    dec.conv_out.bias[:] = -silu0 / slope
+    return vae
+
+
+def _head_response(dim: int) -> tuple[float, float]:
+    """What a VAE head's RMS norm (x / |x| * sqrt(dim) * gamma) and SiLU make of a colour channel at its offset
+    (|x| ~ the constant channel): the output there, and its slope (the gain of small changes around it)."""
+    import math
+
+    gain = dim ** 0.5 * _HEAD_GAMMA / math.hypot(_CONSTANT, 3 ** 0.5 * _COLOUR_OFFSET)
+    y = _COLOUR_OFFSET * gain
+    sig = 1 / (1 + math.exp(-y))
+    return y * sig, gain * (sig + y * sig * (1 - sig))
+
+
 def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny",
                ti2v: bool = False) -> dict:
     """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
@@ -99,8 +181,8 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
         vocab_size=len(tokenizer), d_model=tcfg["text_dim"], d_kv=8, d_ff=64, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
     )).eval()
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
-                           temperal_downsample=[False, True, True]).eval()
+    vae = invertible_init(AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                           attn_scales=[], temperal_downsample=[False, True, True]).eval())
     if ti2v:
         vae = tiny_ti2v_vae()
     if wan22:
@@ -254,7 +336,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
 
     from transformers.utils import logging as hf_logging
 
-    root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2"))
+    root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2")) / f"built-{TINY_BUILD}"
     root.mkdir(parents=True, exist_ok=True)
     d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
                 + (released or ("ti2v" if ti2v else "t2v" if t2v else "i2v")))

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED_DATA = ROOT.parent / "shared" / "data"
+SHARED_DATA = ROOT.parent / "shared" / "data"  # the SkyReels-A2 photos (Skywork licence: not redistributed here)
+MEDIA = ROOT / "tests" / "media"  # the Apache-2.0 real clips, in the repository (tests/media/README.md)
+PHOTOS_MISSING = "needs the SkyReels-A2 photos"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end: how many tests skipped for want of the SkyReels-A2 photos, and where those come from."""
+    n = sum(PHOTOS_MISSING in str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", []))
+    if n:
+        terminalreporter.write_line(f"{n} tests skipped: they need the SkyReels-A2 photos (a2_human.png, a2_thing.png, "
+                                    f"a2_env.png from the SkyReels-A2 repository's assets/, Skywork community "
+                                    f"licence) at {SHARED_DATA}; see tests/media/README.md")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,9 +58,16 @@ def tiny_t2v_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_data():
+    """../shared/data: the SkyReels-A2 photos (and, there too, the clips of tests/media)."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"real media not present at {SHARED_DATA}")
+        pytest.skip(f"{PHOTOS_MISSING} (Skywork community licence) at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def media():
+    """tests/media: the real clips in the repository (Apache-2.0; tests/media/README.md)."""
+    return MEDIA
 
 
 # ---------------------------------------------------------------- helpers of the training tests

@@ -175,8 +175,8 @@ def test_manifest_and_npz_forms(synth, tmp_path):
     assert it["video"].shape == (3, 9, 32, 32) and it["ref_vae"].shape[0] == 0
 
 
-def test_real_hiker_clip_loads_to_requested_shape(shared_data, tmp_path):
-    shutil.copy(shared_data / "hiker.mp4", tmp_path / "hiker.mp4")
+def test_real_hiker_clip_loads_to_requested_shape(media, tmp_path):
+    shutil.copy(media / "hiker.mp4", tmp_path / "hiker.mp4")
     (tmp_path / "hiker.txt").write_text("A hiker standing at the top of a mountain, triumphantly, high quality")
     cfg = DatasetConfig(str(tmp_path), target_resolution=(480, 832), elements=())
     it = E2VDataset([cfg], num_frames=49, verbose=False)[0]

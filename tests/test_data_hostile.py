@@ -400,8 +400,8 @@ def test_validate_cli_one_line_per_problem_exit_2_no_traceback(synth, tmp_path):
     # --num-frames is the whole sequence, as in train_a2.py: 33 with A2's three references leaves 21 clip frames
     ds = DatasetConfig(str(d))
     assert clip_frames(33, ds.elements, ds.vae) == 21
-    assert lines[1:5] == [f"  00{i}: {d / f'00{i}.mp4'}: 17 frames, shorter than the smallest bucket (21)"
-                          for i in range(4)]
+    assert lines[1:5] == [f"  00{i}: {d / f'00{i}.mp4'}: 17 frames, shorter than the smallest bucket (21): "
+                          "--num-frames 33 less the 12 frames the references take" for i in range(4)]
 
 
 def test_validate_skips_what_it_lists_and_names_bad_flags(synth, tmp_path, capsys):
@@ -442,10 +442,10 @@ def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
 # ---------------------------------------------------------------- real media
 
 
-def test_real_rotated_hiker_and_cut_out(shared_data, tmp_path):
+def test_real_rotated_hiker_and_cut_out(media, shared_data, tmp_path):
     """The hiker clip re-encoded as a phone stores portrait video (landscape pixels + rotation): read back upright,
     it is the original turned; a cut-out of the real person photo is white where it is transparent."""
-    with av.open(str(shared_data / "hiker.mp4")) as c:
+    with av.open(str(media / "hiker.mp4")) as c:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])[:9]
     turned = np.ascontiguousarray(np.rot90(frames, k=-1, axes=(1, 2)))  # what the phone saw: portrait
     write_video(tmp_path / "phone.mp4", np.ascontiguousarray(np.rot90(turned, k=1, axes=(1, 2))), rotation=-90)
@@ -549,4 +549,5 @@ def test_validate_lists_every_problem_of_a_sample(synth, tmp_path, capsys):
     assert code == 2
     mine = [x for x in err.splitlines() if x.startswith("  001: ")]
     assert mine == [f"  001: {d / '001.txt'}: caption is UTF-16 text without a byte-order mark (NUL bytes); save it "
-                    "as UTF-8", f"  001: {d / '001.mp4'}: 17 frames, shorter than the smallest bucket (21)"]
+                    "as UTF-8", f"  001: {d / '001.mp4'}: 17 frames, shorter than the smallest bucket (21): "
+                    "--num-frames 33 less the 12 frames the references take"]

@@ -133,3 +133,35 @@ def test_fsdp_ema_is_sharded_equals_ddp_and_resumes(full_runs, data_dir, tmp_pat
                                        elements=(str(data_dir / "000_person.png"),),
                                        save_latents=str(tmp_path / "ema.pt")))
     assert out == 0 and (tmp_path / "ema.pt").exists()
+
+
+def test_the_loops_ema_follows_the_warm_up_schedule(data_dir, tmp_path):
+    """The training loop applies the EMA of step s (0-based) with decay min(0.9, (1 + s) / (10 + s)), written out
+    here: each checkpoint's EMA is the previous one moved towards that checkpoint's weights by 1 - decay (a loop
+    that passed another step to the schedule would not match)."""
+    train(*args(data_dir, tmp_path, "ema", "--max-steps", "3", "--ckpt-every", "1", "--keep-last", "5", "--lr",
+                "1e-2", "--warmup-steps", "0", *EMA))
+    run = tmp_path / "ema"
+    from a2.lora import read_base_metadata
+
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors",
+                 "pytorch_lora_weights_ema_comfy.safetensors"):  # every export records its base and kind
+        assert read_base_metadata(run / name) == dict(
+            a2_base_model="tiny", a2_base_family="Wan2.1 I2V", a2_kind="prefix",
+            a2_base_shapes="layers 2, width 128, ffn 256, in 36, out 16, text 32, image 32, patch 1x2x2"), name
+    ckpts = [run / f"ckpt-{k:07d}" for k in (1, 2, 3)]
+    weights = [load_file(c / "trainable.safetensors") for c in ckpts]
+    ema = [emas(c) for c in ckpts]
+    # which weight each optimizer index is: after the first step the EMA is that weight itself
+    names = {}
+    for i, e in ema[0].items():
+        same = [n for n, w in weights[0].items() if w.shape == e.shape and torch.equal(w, e)]
+        assert len(same) == 1, (i, same)
+        names[i] = same[0]
+    assert len(names) == len(weights[0]) > 0
+    for s in (1, 2):
+        decay = min(0.9, (1 + s) / (10 + s))
+        for i, name in names.items():
+            want = ema[s - 1][i] + (1 - decay) * (weights[s][name] - ema[s - 1][i])
+            assert torch.allclose(ema[s][i], want, rtol=0, atol=1e-6), (s, name)
+        assert max((ema[s][i] - ema[s - 1][i]).abs().max().item() for i in names) > 1e-4  # it moved

@@ -20,10 +20,10 @@ F = 17  # clip frames of the windows
 
 
 @pytest.fixture(scope="module")
-def hiker(shared_data, tmp_path_factory):
-    """A t2v dataset of one clip: ../shared/data/hiker_tiny.mp4 (49 frames, 8 fps)."""
+def hiker(media, tmp_path_factory):
+    """A t2v dataset of one clip: tests/media/hiker_tiny.mp4 (49 frames, 8 fps)."""
     d = tmp_path_factory.mktemp("hiker")
-    shutil.copy(shared_data / "hiker_tiny.mp4", d / "hiker.mp4")
+    shutil.copy(media / "hiker_tiny.mp4", d / "hiker.mp4")
     (d / "hiker.txt").write_text("A hiker walks along a mountain trail.")
     with av.open(str(d / "hiker.mp4")) as c:
         assert c.streams.video[0].frames == 49 and c.streams.video[0].average_rate == 8

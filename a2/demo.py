@@ -1,0 +1,175 @@
+"""What a training run did, in one picture: the element images, frames of the base model's video and of the LoRA's
+(same prompt, seed and elements), and the loss curve; plus how far each video is from the training clip.
+
+    python -m a2.demo runs/demo --elements sample_data/000_person.png sample_data/000_object.png \
+        sample_data/000_background.png --clip sample_data/000.mp4 --out runs/demo/demo.png
+
+The distance is the mean squared pixel difference, in [-1, 1] units, after averaging both videos over 8x8 pixel
+blocks (the latent grid: the tiny model's VAE keeps no finer detail, so finer texture is no one's to learn).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+
+
+@dataclass
+class DemoConfig:
+    """Render a run's LoRA and its base model from the same elements and seed; write the picture."""
+
+    run_dir: tyro.conf.Positional[str]
+    """The training run's dir (holds pytorch_lora_weights.safetensors, config.json and metrics.jsonl)."""
+    elements: tuple[str, ...] = ()
+    """The element images to render with (the run's --val-elements when left out)."""
+    clip: str | None = None
+    """A training clip (video file) the videos are measured against."""
+    prompt: str | None = None
+    """The prompt (the clip's caption file beside it when left out, else infer.py's default)."""
+    seed: int = 42
+    """The seed of both videos' noise."""
+    frames: int = 4
+    """Frames shown per video, evenly spaced."""
+    out: str | None = None
+    """The PNG to write (RUN_DIR/demo.png when left out)."""
+
+
+def block_distance(video: torch.Tensor, clip: torch.Tensor, block: int = 8) -> float:
+    """Mean squared difference of two (3, F, H, W) videos in [-1, 1] after 8x8-pixel block averages, over the
+    frames both have (the clip resized to the video's size first)."""
+    n = min(video.shape[1], clip.shape[1])
+    v, c = video[:, :n].float(), clip[:, :n].float()
+    if c.shape[-2:] != v.shape[-2:]:
+        c = F.interpolate(c, size=v.shape[-2:], mode="bilinear", antialias=True)
+    pool = lambda x: F.avg_pool2d(x, block)  # noqa: E731  (frames as the batch: (3, F, H/8, W/8))
+    return float(((pool(v) - pool(c)) ** 2).mean())
+
+
+def read_clip(path: str | Path) -> torch.Tensor:
+    """A video file as (3, F, H, W) in [-1, 1]."""
+    import imageio.v3 as iio
+
+    frames = iio.imread(path, plugin="pyav")  # (F, H, W, 3) uint8
+    return torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1
+
+
+def loss_curve(losses: list[float], size: tuple[int, int]):
+    """A PIL image of the loss per step (raw, and its 10-step running mean) with its range written on it."""
+    from PIL import Image, ImageDraw
+
+    h, w = size
+    img = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(img)
+    if len(losses) < 2:
+        draw.text((4, h // 2), "no loss logged", fill="black")
+        return img
+    y = np.asarray(losses, dtype=np.float64)
+    smooth = np.convolve(y, np.ones(10) / 10, mode="valid") if len(y) >= 10 else y
+    lo, hi = float(y.min()), float(y.max())
+    pad = 14
+
+    def points(values, offset=0):
+        xs = pad + (np.arange(len(values)) + offset) * (w - 2 * pad) / max(1, len(y) - 1)
+        ys = h - pad - (values - lo) / max(hi - lo, 1e-12) * (h - 2 * pad)
+        return list(zip(xs.tolist(), ys.tolist()))
+
+    draw.line(points(y), fill=(170, 170, 230), width=1)
+    draw.line(points(smooth, offset=len(y) - len(smooth)), fill=(20, 20, 160), width=2)
+    draw.text((pad, 1), f"loss {hi:.3f} .. {lo:.3f}, steps 1-{len(y)}", fill="black")
+    return img
+
+
+def compose(elements: list, rows: list[tuple[str, torch.Tensor]], losses: list[float], frames: int, scale: int = 2):
+    """The picture: a row of element images, a row of frames per (label, (3, F, H, W) video), the loss curve."""
+    from PIL import Image, ImageDraw
+
+    def tile(x: torch.Tensor):  # (3, H, W) in [-1, 1]
+        arr = ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+        im = Image.fromarray(arr)
+        return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
+
+    label_w, gap = 120, 4
+    tiles = [[tile(v[:, int(i)]) for i in np.linspace(0, v.shape[1] - 1, frames).round()] for _, v in rows]
+    th = tiles[0][0].height
+    els = [e.convert("RGB").resize((th * e.width // e.height, th)) for e in elements]
+    width = label_w + max(sum(t.width + gap for t in row) for row in tiles + [els])
+    curve_h = 2 * th
+    height = (len(rows) + 1) * (th + gap) + curve_h + gap
+    pic = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(pic)
+    for r, (label, row) in enumerate([("elements", els)] + [(label, t) for (label, _), t in zip(rows, tiles)]):
+        y, x = r * (th + gap), label_w
+        draw.text((4, y + th // 2 - 6), label, fill="black")
+        for t in row:
+            pic.paste(t, (x, y))
+            x += t.width + gap
+    y = (len(rows) + 1) * (th + gap)
+    draw.text((4, y + curve_h // 2 - 6), "training loss", fill="black")
+    pic.paste(loss_curve(losses, (curve_h, width - label_w)), (label_w, y))
+    return pic
+
+
+def run(cfg: DemoConfig) -> dict:
+    """Render base and LoRA, write the picture; returns dict(path, base=distance, lora=distance) (distances None
+    without --clip)."""
+    import infer
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+    from a2.tiny import model_path
+    from a2.transformer import detect_model
+
+    run_dir = Path(cfg.run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    lora = run_dir / "pytorch_lora_weights.safetensors"
+    if not lora.is_file():
+        raise FileNotFoundError(f"{lora}: no LoRA in the run dir (the run has not finished, or is not a LoRA run)")
+    elements = cfg.elements or tuple(config.get("val_elements") or ())
+    prompt = cfg.prompt
+    if prompt is None and cfg.clip and Path(cfg.clip).with_suffix(".txt").is_file():
+        prompt = Path(cfg.clip).with_suffix(".txt").read_text().strip()
+    h, w = config["resolution"]
+    icfg = infer.InferConfig(model=config["model"], elements=elements, height=h, width=w,
+                             num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
+                             **({"prompt": prompt} if prompt else {}))
+    info = detect_model(model_path(icfg.model))
+    refs = infer.read_references(icfg, icfg.elements, info)
+    pipe = A2Pipeline.from_pretrained(icfg.model, device="cpu")
+    print(load_lora(pipe, str(lora)))
+    videos = {}
+    for name in ("base", "lora"):
+        infer.set_lora(pipe, name == "lora")
+        out = infer.generate(icfg, pipe, icfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"],
+                             region=refs["region"])
+        videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
+    clip = read_clip(cfg.clip) if cfg.clip else None
+    result = {k: None if clip is None else block_distance(v, clip) for k, v in videos.items()}
+    losses = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    from PIL import Image
+
+    label = lambda k: k if result[k] is None else f"{k} ({result[k]:.3f})"  # noqa: E731
+    pic = compose([Image.open(p) for p in elements], [(label(k), v) for k, v in videos.items()], losses,
+                  cfg.frames)
+    path = Path(cfg.out or run_dir / "demo.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pic.save(path)
+    if clip is not None:
+        print(f"distance to {cfg.clip} (mean squared difference of 8x8-pixel block means, [-1, 1] units): "
+              f"base {result['base']:.4f}, LoRA {result['lora']:.4f} (lower is closer)")
+    print(f"wrote {path}: elements, base and LoRA frames (seed {cfg.seed}), loss curve")
+    return dict(path=path, **result)
+
+
+if __name__ == "__main__":
+    from config import run_cli
+
+    sys.exit(run_cli(lambda c: run(c) and 0, tyro.cli(DemoConfig)))

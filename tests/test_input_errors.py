@@ -1,0 +1,378 @@
+"""infer.py, data.py and bench.py as a newcomer meets them: each input mistake ends in one line (exit 2), a signal in
+one line with what is kept (exit 128 + the signal), and a precompute says it resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import infer
+from config import run_cli
+from tests.conftest import ROOT
+
+
+def one_line_exit_2(capsys, cfg) -> str:
+    """infer.py's main on cfg, as its __main__ runs it: must exit 2 with one line on stderr and nothing else."""
+    with pytest.raises(SystemExit) as e:
+        run_cli(infer.main, cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.split("\n") if line and not line.startswith("\r")]  # progress bars aside
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("mistake, want", [
+    ("missing", "nope.png: element 'subject' image not found"),
+    ("text", "notes.png: element 'subject' is not a readable image"),
+    ("size", "height and width must be positive multiples of 16, got 60x60"),
+    ("frames", "num_frames must be 4k+1 (e.g. 17, 49, 81), got 20"),
+])
+def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mistake, want):
+    (tmp_path / "notes.png").write_text("not a picture\n")
+    good = [str(data_dir / f"000_{n}.png") for n in ("person", "object", "background")]
+    cfg = dict(missing=dict(elements=(str(tmp_path / "nope.png"), *good[1:])),
+               text=dict(elements=(str(tmp_path / "notes.png"), *good[1:])),
+               size=dict(elements=tuple(good), height=60, width=60),
+               frames=dict(elements=tuple(good), num_frames=20))[mistake]
+    err = one_line_exit_2(capsys, infer.InferConfig(model="tiny", device="cpu", out=str(tmp_path / "o.mp4"), **cfg))
+    assert want in err
+    assert not (tmp_path / "o.mp4").exists()
+
+
+def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
+    """The one-line error keeps its kind: callers that catch FileNotFoundError still do."""
+    with pytest.raises(FileNotFoundError, match="image not found"):
+        infer.main(infer.InferConfig(model="tiny", device="cpu", elements=(str(tmp_path / "nope.png"),)))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_in_one_line_with_what_is_kept(signum):
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from config import exit_on_signal; "
+            "exit_on_signal('the videos written so far are kept; the same command renders again'); "
+            f"print('ready', flush=True); os.kill(os.getpid(), {int(signum)}); time.sleep(30)")
+    p = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 128 + signum
+    name = signal.Signals(signum).name
+    assert p.stderr == f"error: stopped by {name}: the videos written so far are kept; the same command renders again\n"
+
+
+def test_precompute_says_it_resumes_and_a_signal_keeps_what_was_encoded(tmp_path, capsys):
+    """write_cache: a stop mid-way keeps the finished samples (and says so in one line); the rerun names how many
+    it keeps and encodes only the rest."""
+    from data import write_cache
+
+    class Samples:
+        frame_sampling = "uniform"
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, key):
+            return dict(video=None, index=key[0])
+
+    encoded, stop_at = [], [2]
+
+    def encode(batch):
+        if len(encoded) == stop_at[0]:
+            os.kill(os.getpid(), signal.SIGINT)  # during the third sample's encoding
+        encoded.append(batch["index"])
+        return dict(x=1)
+
+    import data
+
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        collate = data.collate
+        data.collate = lambda items: items[0]
+        with pytest.raises(SystemExit) as e:
+            write_cache(tmp_path, Samples(), encode)
+        assert e.value.code == 128 + signal.SIGINT
+        err = capsys.readouterr().err  # the progress bar's, then the one line
+        line = (f"error: stopped by SIGINT: the samples encoded so far are kept in {tmp_path}; the same command "
+                "resumes the precompute\n")
+        assert f"\r{line}" in err and err.count("error") == 1  # on its own line (the bar cleared)
+        kept = sorted(p.name for p in (tmp_path / "samples").glob("*.pt"))
+        assert kept == ["0.pt", "1.pt"]
+        encoded.clear()
+        stop_at[0] = None
+        write_cache(tmp_path, Samples(), encode)
+        assert f"precompute: resuming, 2 of 4 samples already encoded in {tmp_path}" in capsys.readouterr().out
+        assert encoded == [2, 3]  # the missing samples only
+    finally:
+        data.collate = collate
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+# ---------------------------------------------------------------- LoRAs that know their base
+
+
+def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.0")):
+    """A LoRA file on the built-in `model`, exported as train_a2.py exports it, with the metadata a run on it
+    records (the kind: what infer.py plans for the demo's elements on it)."""
+    from peft import LoraConfig
+
+    from a2.lora import base_metadata, export_lora, model_family
+    from a2.tiny import model_path
+    from a2.transformer import detect_model, load_transformer
+
+    info = detect_model(model_path(model))
+    transformer = load_transformer(info.path)
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(targets)))
+    cfg = infer.InferConfig(model=model, height=32, width=32, num_frames=17, device="cpu")
+    kind = infer.read_references(cfg, elements(data_dir, model), info)["layout"].kind
+    out.mkdir(parents=True)
+    return export_lora(out, transformer, metadata=base_metadata(transformer.config, model_family(info), kind,
+                                                                 model))[0]
+
+
+def elements(data_dir, model):
+    """What each model takes at 32x32: TI2V a prompt alone, MAGREF one image on its canvas, A2 / Phantom three."""
+    names = {"tiny-ti2v": (), "tiny-magref": ("person",)}.get(model, ("person", "object", "background"))
+    return tuple(str(data_dir / f"000_{n}.png") for n in names)
+
+
+@pytest.mark.parametrize("trained_on, loaded_into, says", [
+    ("tiny-phantom", "tiny", "warning: --lora {lora} was trained on another base (tiny-phantom): model "
+                             "'Phantom-Wan', here 'Wan2.1 I2V'; shapes 'layers 2, width 128, ffn 256, in 16, out 16, "
+                             "text 32, image None, patch 1x2x2', here 'layers 2, width 128, ffn 256, in 36, out 16, "
+                             "text 32, image 32, patch 1x2x2'; kind 'phantom', here 'prefix'"),
+    ("tiny-magref", "tiny", "warning: --lora {lora} was trained on another base (tiny-magref): "),
+    ("tiny", "tiny-magref", "warning: --lora {lora} was trained on another base (tiny): "),
+    ("tiny-ti2v", "tiny", "warning: --lora {lora} was trained on another base (tiny-ti2v): "),
+    ("tiny-ti2v", "tiny", "error: --lora {lora}: 1 of 17 LoRA pairs do not fit the transformer (proj_out: out "
+                          "features 192, the model's 64): trained on another base; --force loads the pairs that fit"),
+])
+def test_a_lora_on_another_base_is_named_in_one_line(tmp_path, capsys, data_dir, trained_on, loaded_into, says):
+    """A2 (tiny), Phantom-Wan (tiny-phantom), MAGREF (tiny-magref), TI2V-5B (tiny-ti2v): a LoRA loaded into a model
+    other than its base is named in one line (warning: it loads; a LoRA whose pairs do not fit: refused, exit 2,
+    --force loads what fits); on its own base it says nothing; the load line counts the file's pairs."""
+    targets = ("to_q", "to_k", "to_v", "to_out.0") + (("proj_out",) if says.startswith("error") else ())
+    lora = lora_of(trained_on, tmp_path / trained_on, data_dir, targets)  # proj_out: 48 channels out on TI2V
+    cfg = dict(model=loaded_into, lora=(str(lora),), height=32, width=32, num_frames=17, steps=1, decode="none",
+               device="cpu", elements=elements(data_dir, loaded_into), out=str(tmp_path / "o.mp4"))
+    if says.startswith("error"):
+        assert one_line_exit_2(capsys, infer.InferConfig(**cfg)).startswith(says.format(lora=lora))
+        assert infer.main(infer.InferConfig(**cfg, force=True)) == 0
+        assert "34 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched), 1 pairs skipped" in \
+            capsys.readouterr().out
+        return
+    assert infer.main(infer.InferConfig(**cfg)) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning: --lora")]
+    assert len(warnings) == 1 and warnings[0].startswith(says.format(lora=lora)), out
+    assert "32 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched)" in out
+    own = dict(cfg, model=trained_on, elements=elements(data_dir, trained_on))
+    assert infer.main(infer.InferConfig(**own)) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- data.py validate: .npz rows and captions
+
+
+def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(tmp_path, capsys, monkeypatch):
+    """The T2V workflow's planted faults (wrong key, float frames in [0, 1], channels-first, 3 frames, a missing
+    file) are each reported before step 1, read from the .npy header alone (no frame array is loaded); a UTF-16
+    caption is read right and reported as a warning."""
+    import codecs
+    import json
+
+    import numpy as np
+
+    import data
+
+    frames = (np.random.default_rng(0).random((17, 32, 32, 3)) * 255).astype(np.uint8)
+    arrays = dict(good=dict(frames=frames), key=dict(video=frames), float=dict(frames=frames / 255.0),
+                  first=dict(frames=frames.transpose(0, 3, 1, 2)), three=dict(frames=frames[:3]))
+    for name, arr in arrays.items():
+        np.savez(tmp_path / f"{name}.npz", **arr)
+    rows = [dict(path=f"{n}.npz", prompt="a clip") for n in [*arrays, "missing"]]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(data, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--model", "tiny-t2v", "--dataset-type", "t2v", "--manifest",
+                   str(tmp_path / "train.jsonl"), "--resolution", "32", "32", "--num-frames", "17"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for what in ("key.npz (train.jsonl line 2): unreadable video (ValueError: no 'frames' array (it has ['video']))",
+                 "float.npz (train.jsonl line 3): unreadable video (ValueError: frames are float64; store uint8",
+                 "first.npz (train.jsonl line 4): unreadable video (ValueError: frames are (F, 3, H, W)",
+                 "three.npz (train.jsonl line 5): 3 frames, shorter than the smallest bucket (17)",
+                 "missing.npz (train.jsonl line 6): video file not found"):
+        assert what in err, what
+    assert "error: 5 problem(s)" in err and "good.npz" not in err
+
+    videos = data.make_synthetic_dataset(tmp_path / "e2v", num_samples=1, num_frames=17, size=(32, 32))
+    caption = videos / "000.txt"
+    caption.write_bytes(codecs.BOM_UTF16_LE + caption.read_text().encode("utf-16-le"))
+    data._cli(["validate", "--data-root", str(videos), "--resolution", "32", "32", "--num-frames", "17"])
+    out = capsys.readouterr()
+    assert "000.txt: caption is UTF-16 (read as such)" in out.out + out.err
+
+
+# ---------------------------------------------------------------- what the mutation audit found untested
+
+
+@pytest.mark.parametrize("shape, size, keep", [((8, 12), (8, 8), (slice(0, 8), slice(2, 10))),
+                                               ((12, 8), (8, 8), (slice(2, 10), slice(0, 8))),
+                                               ((8, 13), (8, 8), (slice(0, 8), slice(2, 10)))])
+def test_training_frames_centre_crop_takes_the_middle_pixels(shape, size, keep):
+    """center_crop keeps the middle columns (rows) exactly: at the target's own scale the frame is the input's
+    centre, pixel for pixel (a crop shifted by one pixel is another frame)."""
+    import numpy as np
+
+    from data import resize_frames
+
+    h, w = shape
+    yy, xx = np.mgrid[0:h, 0:w]
+    frame = np.stack([xx * 20, yy * 20, (xx + yy) * 7], -1).astype(np.uint8)[None]  # (1, H, W, 3): each pixel unique
+    got = resize_frames(frame, "center_crop", size)  # (3, 1, 8, 8) in [-1, 1]
+    want = torch.from_numpy(frame[0][keep]).permute(2, 0, 1).float() * (2 / 255) - 1
+    assert torch.allclose(got[:, 0], want, atol=1e-6)
+
+
+def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path():
+    """A checkpoint records its dataset (a hash of the samples' paths) and its dropped samples by path: resumed on
+    the same data nothing is said; on changed data (a clip added before the dropped one, or the dropped one gone)
+    one line says the dataset changed, and the dropped sample is dropped again where it now is, or named as gone."""
+    from data import LoadFailures
+
+    before = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
+    before.dropped = {1: "b: b.mp4: unreadable video"}
+    before.skipped_steps = 1
+    state = before.state_dict()
+    same = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
+    assert same.load_state_dict(state) == [] and same.dropped == before.dropped and same.skipped_steps == 1
+    grown = LoadFailures(True, ["0.mp4 (0)", "a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
+    lines = grown.load_state_dict(state)
+    assert grown.dropped == {2: "b: b.mp4: unreadable video"}  # b where it is now, not position 1 (a)
+    assert lines == ["the dataset changed since the checkpoint (3 samples then, 4 now): the data order from here is "
+                     "not the uninterrupted run's", "dropped samples kept by path: b.mp4 (b)"]
+    shrunk = LoadFailures(True, ["a.mp4 (a)", "c.mp4 (c)"])
+    assert shrunk.load_state_dict(state)[1] == "dropped samples kept by path: none; no longer in the dataset: b.mp4 (b)"
+    assert shrunk.dropped == {}
+    old = LoadFailures(True, ["x.mp4 (x)", "y.mp4 (y)"])  # a checkpoint of an older a2: by position, as it was
+    assert old.load_state_dict(dict(dropped={"1": "y"}, skipped_steps=0)) == [] and old.dropped == {1: "y"}
+
+
+def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):
+    """A JSON dataset config whose second dataset asks for visualisations (latents saved, frames decoded to PNG):
+    a 2-step run writes them where and when that block says (not only the first dataset's block is read)."""
+    import json
+
+    from tests.conftest import args, train
+
+    block = dict(enabled=True, output_dir="viz/{run_id}", frequency=2,
+                 processors=[dict(type="latent_save", data=["input_latents"]),
+                             dict(type="vae_decode", data=["predicted_latents"], frames=[0, -1])])
+    (tmp_path / "train.json").write_text(json.dumps({"datasets": [
+        dict(data_root=str(data_dir), dataset_type="t2v", target_resolution=[32, 32]),
+        dict(data_root=str(data_dir), dataset_type="t2v", target_resolution=[32, 32], visualization=block)]}))
+    flags = [f for f in args(data_dir, tmp_path, "viz", "--max-steps", "2", "--num-frames", "17", model="tiny-t2v")
+             if f not in ("--data-root", str(data_dir))]
+    train(*flags, "--dataset-config", str(tmp_path / "train.json"))
+    out = tmp_path / "viz" / "viz" / "viz"
+    assert sorted(p.name for p in out.iterdir()) == ["step0000002_input_latents.pt",
+                                                     "step0000002_predicted_latents_f-1.png",
+                                                     "step0000002_predicted_latents_f0.png"]
+    from PIL import Image
+
+    assert Image.open(out / "step0000002_predicted_latents_f0.png").size == (32, 32)
+
+
+def test_a_short_clip_is_named_in_the_users_terms(data_dir, capsys):
+    """--num-frames 33 with A2's three references: a 17-frame clip is refused naming the clip's frames, the frames
+    a clip needs, and why (the references take 12 of the 33)."""
+    import data
+
+    with pytest.raises(SystemExit):
+        data._cli(["validate", "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "33"])
+    err = capsys.readouterr().err
+    assert ("000.mp4: 17 frames, shorter than the smallest bucket (21): --num-frames 33 less the 12 frames the "
+            "references take") in err, err
+
+
+def test_every_built_in_model_is_listed_and_the_size_banner_is_true():
+    """--model's help names every built-in model (infer.py and train_a2.py); the built-in model's banner calls its
+    size the README demo's only when it is (v3-distilled renders 121 frames)."""
+    import re
+
+    from a2.tiny import TINY_MODELS
+
+    for f in ("infer.py", "config.py"):
+        text = (ROOT / f).read_text()
+        doc = re.search(r'\n    model: str = "tiny"\n    """(.*?)"""', text, re.S).group(1)
+        assert [m for m in TINY_MODELS if m not in doc] == [], f
+    assert "the README demo's size" in infer.InferConfig(model="tiny").defaults_note
+    note = infer.InferConfig(model="tiny-v3", preset="v3-distilled").defaults_note
+    assert "121 frames" in note and "README" not in note
+
+
+def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):
+    """--eval-split: the run names the held-out clips; each eval says it starts and how long it took."""
+    import re
+
+    from tests.conftest import args, train
+
+    train(*args(data_dir, tmp_path, "held", "--max-steps", "1", "--eval-split", "1", "--eval-every", "1",
+                "--num-frames", "17"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("held out for the eval loss"))
+    assert re.fullmatch(rf"held out for the eval loss \(never trained on\): 1 sample\(s\) of 1 clip\(s\): "
+                        rf"{re.escape(str(data_dir))}/00[0-3]\.mp4", line), line
+    assert "step 1: eval loss of 1 held-out sample(s) ..." in out
+    assert re.search(r"step 1: eval loss \d+\.\d{4} \(\d+\.\d s\)", out), out
+
+
+def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir):
+    """A2's layout: --num-frames is the whole sequence, references first: the plan and the written video say the
+    video's frames and what the references took."""
+    els = tuple(str(data_dir / f"000_{n}.png") for n in ("person", "object", "background"))
+    assert infer.main(infer.InferConfig(model="tiny", elements=els, height=32, width=32, num_frames=17, steps=1,
+                                        device="cpu", out=str(tmp_path / "v.mp4"))) == 0
+    out = capsys.readouterr().out
+    assert "video: 5 frames: --num-frames 17 is the whole sequence, of which the references take 12" in out
+    assert f"wrote {tmp_path / 'v.mp4'} (5 frames, 32x32; --num-frames 17 less the 12 the references take)" in out
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--max-step", "3"], 2)])
+def test_train_help_and_a_flag_typo_answer_before_torch_is_imported(argv, code):
+    """train_a2.py parses its flags before its heavy imports: --help and a typo answer without importing torch (the
+    seconds a newcomer would wait)."""
+    probe = ("import runpy, sys; sys.argv = ['train_a2.py', *sys.argv[1:]]; sys.path.insert(0, '')\n"
+             "try:\n    runpy.run_path('train_a2.py', run_name='__main__')\n"
+             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", probe, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip().splitlines()[-1] == f"exit {code} False", (p.stdout[-500:], p.stderr[-500:])
+
+
+def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
+    """Stand-In's .ckpt carries the base metadata beside its "state_dict" (their loader reads that key alone); a2
+    reads both back."""
+    from a2 import standin
+    from a2.lora import base_metadata, read_base_metadata
+    from tests.test_standin import tiny_t2v
+
+    model = tiny_t2v()
+    meta = base_metadata(model.config, "Wan2.1 T2V", "standin", "tiny-t2v")
+    path = standin.export_lora(tmp_path, model, metadata=meta)
+    assert read_base_metadata(path) == meta
+    assert set(torch.load(path, weights_only=True)) == {"state_dict", "a2_metadata"}
+    other = tiny_t2v(seed=1)
+    standin.load_lora(other, path)
+    assert all(torch.equal(a, b) for a, b in zip(standin.lora_state_dict(model).values(),
+                                                 standin.lora_state_dict(other).values()))
+
+
+def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
+    """bench.py --data-root on a dir that is not there: one line, exit 2 (as bench.py's __main__ runs it)."""
+    import bench
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(bench.bench_loader, bench.BenchConfig(data_root=str(tmp_path / "none")))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: datasets[0]: data_root {tmp_path / 'none'} is not a directory\n"
