@@ -291,8 +291,9 @@ def more_than_kinds_take(masks: int, background: bool) -> list[str]:
 
 
 def cross_video(samples: list[Sample]) -> int:
-    """OpenS2V's cross-video pairs: a clip of a cluster takes its subject and object from the next clip of the same
-    cluster (its key order, cyclic), so the reference is not a frame of the target video. Returns clips changed."""
+    """OpenS2V's cross-video pairs: a clip of a cluster takes its subject and object (a kind without roles: each
+    reference slot both clips fill) from the next clip of the same cluster (its key order, cyclic), so the reference
+    is not a frame of the target video; its background stays its own. Returns clips changed."""
     clusters: dict[str, list[Sample]] = {}
     for s in samples:
         if s.cluster:
@@ -305,8 +306,8 @@ def cross_video(samples: list[Sample]) -> int:
             if len(members) < 2:
                 break
             other = own[id(members[(i + 1) % len(members)])]
-            for name in ("subject", "object"):
-                if name in other and name in s.refs:
+            for name in other:  # A2's subject and object, or the references ref0, ref1, ... both clips have
+                if name != "background" and name in s.refs:
                     s.refs[name] = other[name]
                     s.elements[name] = ref_file(other[name])
             changed += 1

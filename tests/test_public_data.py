@@ -6,6 +6,7 @@ one line, and a multi-MB part JSON is indexed in bounded memory."""
 
 import json
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from PIL import Image
 
 import a2.public_data as pd_
+from a2.conditioning import index_elements
 from a2.images import element_tensors, read_image
 from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
 from data import E2VDataset, Validate, read_frames, resize_frames, validate
@@ -326,17 +328,26 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         ref["frame"] += 5
     index = tmp_path / "edited.jsonl"
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    names = ["subject", "object", "background"]
 
-    def images(cross: bool):
-        samples = pd_.list_index(index, public_cfg(index, cross_video=cross), 0, [])
-        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], names)[1].items()} for s in samples]
+    def images(cross: bool, elements=A2_ELEMENTS):
+        cfg = replace(public_cfg(index, cross_video=cross), elements=elements)
+        names = [e.name for e in elements]
+        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], [n for n in names if n in s.refs])[1].items()}
+                for s in pd_.list_index(index, cfg, 0, [])]
 
     own, cross = images(False), images(True)
     assert not np.array_equal(own[0]["subject"], own[1]["subject"])  # the two clips' own subjects differ
     for i, j in ((0, 1), (1, 0)):  # each takes the other's subject and object, keeps its own background
         for ref in ("subject", "object"):
             assert np.array_equal(cross[i][ref], own[j][ref])
+        assert np.array_equal(cross[i]["background"], own[i]["background"])
+    # a kind without roles (V3's default elements on an index: ref0, ref1, ref2, background): each reference slot
+    v3 = index_elements("v3")
+    own, cross = images(False, v3), images(True, v3)
+    assert sorted(own[0]) == sorted(own[1]) == ["background", "ref0", "ref1"]
+    for i, j in ((0, 1), (1, 0)):
+        for ref in ("ref0", "ref1"):
+            assert np.array_equal(cross[i][ref], own[j][ref]) and not np.array_equal(cross[i][ref], own[i][ref])
         assert np.array_equal(cross[i]["background"], own[i]["background"])
 
 
