@@ -41,7 +41,14 @@ import torch.nn.functional as F
 import tyro
 from PIL import Image
 
-from a2.conditioning import KIND_DEFS, clip_frames, element_layout, element_refusal, reference_pixels
+from a2.conditioning import (
+    KIND_DEFS,
+    clip_frames,
+    element_layout,
+    element_refusal,
+    index_elements,
+    reference_pixels,
+)
 from a2.images import read_image
 from a2.media import (
     VIDEO_EXTS,
@@ -385,6 +392,16 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
                 f"unreadable video ({type(ex).__name__}: {ex})")
         s.problems.append(Problem(s.id, s.video, what, s.where))
     return s
+
+
+def kind_datasets(cfgs: list[DatasetConfig], kind: str, given: bool) -> list[DatasetConfig]:
+    """The datasets as the run's kind reads them: on public-dataset indexes, with no elements given (--elements or a
+    dataset config), a kind without roles takes every kept mask of a clip, largest first, up to its maximum (and the
+    background png where it uses one: index_elements), not A2's three roles. Otherwise `cfgs` unchanged."""
+    d = KIND_DEFS[kind]
+    if given or d.roles or not d.references[1] or any(c.dataset_type not in PUBLIC_TYPES for c in cfgs):
+        return cfgs
+    return [replace(c, elements=index_elements(kind)) for c in cfgs]
 
 
 def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
@@ -998,6 +1015,10 @@ class Validate(TrainConfig):
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
     layout = training_layout(a, cfgs)
+    if layout is not None:  # the kind's own elements on a public index, planned again with them
+        kinds = kind_datasets(cfgs, layout.kind, bool(a.elements or a.dataset_config))
+        if kinds is not cfgs:
+            cfgs, layout = kinds, training_layout(a, kinds)
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
                       layout=layout)

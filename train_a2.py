@@ -151,6 +151,7 @@ from data import (
     collate,
     held_out,
     ignore_stop_signals,
+    kind_datasets,
     next_batch,
     rank_slice,
     stop_signals_blocked,
@@ -254,6 +255,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
+    kinds = kind_datasets(ds_cfgs, layout.kind, bool(cfg.elements or cfg.dataset_config))
+    if kinds is not ds_cfgs:  # a public index read by a kind without roles: its own references
+        elements = kinds[0].elements
+        layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
                           "builds its condition from pixels each step (random frames): train it without a cache")
@@ -1205,6 +1210,7 @@ def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
+    ds_cfgs = kind_datasets(ds_cfgs, run.layout.kind, bool(cfg.elements or cfg.dataset_config))  # as planned
     check_extra_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg, run)

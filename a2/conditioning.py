@@ -60,7 +60,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from a2 import standin
 from a2.images import MAGREF_GRIDS, element_tensors, magref_canvas, pil_to_tensor, preprocess_image
 from a2.transformer import resolve_e2v_type
-from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, ConfigError
+from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, RELEASED_ELEMENTS, ConfigError
 
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
@@ -152,6 +152,11 @@ class Kind:
     # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
     # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
     original_export: str = "Phantom-Wan.pth"
+    # its elements play roles (A2's subject / object / background, Stand-In's subject): a public index fills them by
+    # role; a kind without roles takes a clip's kept masks as positional references ref0, ref1, ... (index_elements)
+    roles: bool = False
+    # a public index's background png is one of its references, in the last slot (the lab trained with backgrounds)
+    background: bool = False
 
     def takes(self, n: int) -> bool:
         """One sample of this kind can hold n element images."""
@@ -167,15 +172,18 @@ _V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", gu
 KIND_DEFS = {k.name: k for k in (
     Kind("t2v", "none"),
     # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
-    Kind("prefix", "channel", (1, MOST_ELEMENTS)),
+    Kind("prefix", "channel", (1, MOST_ELEMENTS), roles=True, background=True),
     Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax")),
-    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix")),  # + TI2V's frame
+    # a2's own: A2's elements (a background among them) as tokens after the clip; + TI2V's first frame
+    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix"), background=True),
     Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax")),
+    # Phantom-Data's references are the clip's subjects, no background (BindWeave's OpenS2V loader, of the same
+    # family, loads the background png and never adds it); SkyReels-V3 R2V's and MAGREF's references include scenes
     Kind("phantom", "time", (1, 4), sampling=_PHANTOM),
-    Kind("v3", "time", (1, V3_SLOTS), sampling=_V3, modes=(("v3-distilled", replace(
+    Kind("v3", "time", (1, V3_SLOTS), sampling=_V3, background=True, modes=(("v3-distilled", replace(
         _V3, steps=8, guidance_scale=1.0, guidance_scale_img=None, num_frames=121)),)),
     # MAGREF's generate(): Wan's FlowUniPC from sigma 0.999 at the shift its dir ships, WanVAE.encode's mean
-    Kind("magref", "channel", (1, 8), cache_fields=(("version", 3),), sampling=Sampling(
+    Kind("magref", "channel", (1, 8), background=True, cache_fields=(("version", 3),), sampling=Sampling(
         schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seeded_placement=True)),
     # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
     # RefAlign's pipeline (DiffSynth's wan_video_new3 + its example script): Euler on DiffSynth's linspace(1, 0),
@@ -186,7 +194,7 @@ KIND_DEFS = {k.name: k for k in (
         timestep_in_dtype=True), original_export="refalign_model.safetensors"),
     Kind("standin", "tokens", (1, 1), sampling=Sampling(
         scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
-        negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True),
+        negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True), roles=True,
         cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE))),
 )}
 KINDS = tuple(KIND_DEFS)
@@ -507,6 +515,18 @@ def element_layout(layout: Layout, repeats) -> Layout:
     derived = ("kind", "num_frames", "clip_frames", "ref_latents", "repeats")
     return make_layout(layout.kind, num_frames, repeats,
                        **{f.name: getattr(layout, f.name) for f in fields(Layout) if f.name not in derived})
+
+
+def index_elements(kind: str) -> tuple:
+    """The elements a kind without roles reads from a public-dataset index with default flags: ref0, ref1, ... (one
+    frame each, framed as the labs frame them) up to its maximum, the last slot `background` where the kind uses one
+    (a clip's background png there, or when it has none no background)."""
+    d = KIND_DEFS[kind]
+    refs = RELEASED_ELEMENTS[:d.references[1] - d.background]
+    if not d.background:
+        return refs
+    return refs + (replace(RELEASED_ELEMENTS[0], name="background", suffixes=("_background.png",),
+                           position=len(refs)),)
 
 
 def element_refusal(layout: Layout, n: int) -> str | None:

@@ -275,9 +275,25 @@ def clip_elements(line: dict, names: list[str]) -> dict[str, dict]:
     return out
 
 
+def more_than_kinds_take(masks: int, background: bool) -> list[str]:
+    """The report's lines a clip of `masks` kept masks (and a background png or not) counts in: one per kind without
+    roles whose maximum it exceeds (with default flags that kind takes the largest, the rest are no reference of
+    its). A clip with no subject mask is dropped by the index itself (counted)."""
+    from a2.conditioning import KIND_DEFS
+
+    out = []
+    for k, d in KIND_DEFS.items():
+        most = d.references[1] - (d.background and background)  # the background png takes the last slot
+        if d.references[1] and not d.roles and masks > most:
+            out.append(f"clips with more kept masks than the {k} kind takes with default flags (the {most} largest "
+                       "used)")
+    return out
+
+
 def cross_video(samples: list[Sample]) -> int:
-    """OpenS2V's cross-video pairs: a clip of a cluster takes its subject and object from the next clip of the same
-    cluster (its key order, cyclic), so the reference is not a frame of the target video. Returns clips changed."""
+    """OpenS2V's cross-video pairs: a clip of a cluster takes its subject and object (a kind without roles: each
+    reference slot both clips fill) from the next clip of the same cluster (its key order, cyclic), so the reference
+    is not a frame of the target video; its background stays its own. Returns clips changed."""
     clusters: dict[str, list[Sample]] = {}
     for s in samples:
         if s.cluster:
@@ -290,8 +306,8 @@ def cross_video(samples: list[Sample]) -> int:
             if len(members) < 2:
                 break
             other = own[id(members[(i + 1) % len(members)])]
-            for name in ("subject", "object"):
-                if name in other and name in s.refs:
+            for name in other:  # A2's subject and object, or the references ref0, ref1, ... both clips have
+                if name != "background" and name in s.refs:
                     s.refs[name] = other[name]
                     s.elements[name] = ref_file(other[name])
             changed += 1
@@ -593,6 +609,8 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         else:
             counts[f"background found as {how}"] += 1
             counts[f"backgrounds not used: background_ase_score < {a.min_background_aes}"] += 1
+    for what in more_than_kinds_take(len(kept), "background" in elements):
+        counts[what] += 1
     line = dict(key=key, dataset="opens2v", video=str(video), caption=caption, fps=md.get("fps"), start=start,
                 num_frames=end - start, crop=crop, references=references, elements=elements)
     cluster = clusters.get(f"{part}/{key}") or clusters.get(key)

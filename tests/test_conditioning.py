@@ -39,8 +39,26 @@ KINDS = {
 }
 
 
-def setup(data_dir, name, *flags):
+# element counts each kind takes (Kind.references): the fewest and the most, element images cycling through the
+# data's three; MAGREF's 2x4 canvas of eight needs 64x128 (each block a token wide at least)
+SUFFIXES = ("_person.png", "_object.png", "_background.png")
+COUNTS = [("prefix", 1), ("prefix", 8), ("incontext-shared", 1), ("incontext-shared", 8), ("phantom", 1),
+          ("phantom", 4), ("v3", 1), ("v3", 4), ("refalign", 1), ("refalign", 3), ("magref", 1), ("magref", 8)]
+
+
+def count_flags(name, n):
+    """The kind's flags with n elements instead of its own."""
     model, extra = KINDS[name]
+    if "--elements" in extra:
+        extra = extra[:extra.index("--elements")]
+    size = ["--resolution", "64", "128"] if (name, n) == ("magref", 8) else []
+    return [*extra, *size, "--elements", *(f"ref{i}={SUFFIXES[i % 3]}:repeat=1" for i in range(n))]
+
+
+def setup(data_dir, name, *flags, n=None):
+    model, extra = KINDS[name]
+    if n is not None:
+        extra = count_flags(name, n)
     cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
@@ -50,19 +68,22 @@ def setup(data_dir, name, *flags):
     return cfg, run, enc, batch
 
 
-@pytest.mark.parametrize("name", list(KINDS))
-def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
+@pytest.mark.parametrize("name,n", [(k, None) for k in KINDS] + COUNTS,
+                         ids=list(KINDS) + [f"{k}-{n}refs" for k, n in COUNTS])
+def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
     """At the sampler's first step (sigma 1) with the same noise and the same element images (or first frame), the
     training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
     it: forward hooks on the one transformer, every kind, each VAE-encoding as its kind does on its model (no mode
-    given on either side: the same mode in both). Where that mode draws from the posterior (A2's, in-context, V3)
-    the draws come from each side's own generator, so the tensors are compared with the posterior mean on both."""
+    given on either side: the same mode in both), with its own elements and with the fewest and the most it takes
+    (n). Where that mode draws from the posterior (A2's, in-context, V3) the draws come from each side's own
+    generator, so the tensors are compared with the posterior mean on both."""
     from a2 import conditioning
 
     modes = []
     encode_vae = conditioning.encode_vae
     monkeypatch.setattr(conditioning, "encode_vae", lambda *a, **k: modes.append(a[2]) or encode_vae(*a, **k))
-    cfg, run, enc, batch = setup(data_dir, name)
+    cfg, run, enc, batch = setup(data_dir, name, n=n)
+    h, w = cfg.resolution
     kind = run.layout.kind
     assert kind == name.split("-")[0]
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
@@ -76,7 +97,8 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     repeats, first_frame = (), None
     if run.layout.takes_references:
         files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
-        refs, clips, repeats, region = load_references(files, (32, 32), (cfg.clip_size, cfg.clip_size), run.layout)
+        refs, clips, repeats, region = load_references(files, (h, w), (cfg.clip_size, cfg.clip_size), run.layout)
+        assert n is None or len(repeats) == len(run.layout.repeats) == n  # both sides: n references
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
@@ -85,7 +107,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
 
     def sample(mode=None):
         seen.clear()
-        pipe(batch["prompts"][0], refs, clips, repeats, height=32, width=32, num_frames=cfg.num_frames,
+        pipe(batch["prompts"][0], refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
              num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
              generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
              layout=layout, region=region)
@@ -96,7 +118,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
     assert set(sampling_modes) <= set(modes) == {run.encode_mode}  # the kind's one encode mode, on both sides
     if run.encode_mode == "sample":
-        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax")
+        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax", n=n)
         sampled = sample("argmax")
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 
@@ -117,13 +139,13 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, monkeypatch):
     if kind in ("prefix", "inplace"):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
     if kind in ("incontext", "phantom", "v3"):
-        assert x.shape[2] == t + run.layout.ref_latents == t + {"v3": 4}.get(kind, 3)
+        assert x.shape[2] == t + run.layout.ref_latents == t + (4 if kind == "v3" else n or 3)
     if kind == "standin":  # Stand-In's 512x512 reference (64x64 latents) packed in 4x4-latent frames: 256 of them
         from a2.standin import unpack_reference
 
         assert x.shape[2] == t + 256 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
     if name == "prefix":
-        assert trained["encoder_hidden_states_image"].shape[1] == 3 * 257
+        assert trained["encoder_hidden_states_image"].shape[1] == (n or 3) * 257
 
 
 @pytest.mark.parametrize("name,extra", [

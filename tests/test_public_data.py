@@ -6,6 +6,7 @@ one line, and a multi-MB part JSON is indexed in bounded memory."""
 
 import json
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from PIL import Image
 
 import a2.public_data as pd_
+from a2.conditioning import index_elements
 from a2.images import element_tensors, read_image
 from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
 from data import E2VDataset, Validate, read_frames, resize_frames, validate
@@ -326,11 +328,12 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         ref["frame"] += 5
     index = tmp_path / "edited.jsonl"
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    names = ["subject", "object", "background"]
 
-    def images(cross: bool):
-        samples = pd_.list_index(index, public_cfg(index, cross_video=cross), 0, [])
-        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], names)[1].items()} for s in samples]
+    def images(cross: bool, elements=A2_ELEMENTS):
+        cfg = replace(public_cfg(index, cross_video=cross), elements=elements)
+        names = [e.name for e in elements]
+        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], [n for n in names if n in s.refs])[1].items()}
+                for s in pd_.list_index(index, cfg, 0, [])]
 
     own, cross = images(False), images(True)
     assert not np.array_equal(own[0]["subject"], own[1]["subject"])  # the two clips' own subjects differ
@@ -338,20 +341,30 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         for ref in ("subject", "object"):
             assert np.array_equal(cross[i][ref], own[j][ref])
         assert np.array_equal(cross[i]["background"], own[i]["background"])
+    # a kind without roles (V3's default elements on an index: ref0, ref1, ref2, background): each reference slot
+    v3 = index_elements("v3")
+    own, cross = images(False, v3), images(True, v3)
+    assert sorted(own[0]) == sorted(own[1]) == ["background", "ref0", "ref1"]
+    for i, j in ((0, 1), (1, 0)):
+        for ref in ("ref0", "ref1"):
+            assert np.array_equal(cross[i][ref], own[j][ref]) and not np.array_equal(cross[i][ref], own[i][ref])
+        assert np.array_equal(cross[i]["background"], own[i]["background"])
 
 
 # ---------------------------------------------------------------- references per clip, as the models were trained
 
 
 def varied_opens2v(shared, root: Path) -> dict:
-    """Four OpenS2V-5M clips of 1, 2, 4 and 2 kept masks (the last without its background png): the synthetic part
-    with the backpack removed from clip 0, and a hat (small) and a dog (the largest crop of all) added to clip 2."""
+    """Four OpenS2V-5M clips of 1, 2, 4 and 1 kept masks (the last without its background png): the synthetic part
+    with the backpack removed from clips 0 and 3, and a hat (small) and a dog (the largest crop of all) added to
+    clip 2."""
     fx = pd_.synthetic_opens2v(root, hiker_frames(shared), person(shared), num_clips=4)
     records, ann = fx["records"], str(fx["ann"])
     keys = list(records)
     h, w = next(iter(fx["masks"].values())).shape
     yy, xx = np.mgrid[0:h, 0:w]
-    del records[keys[0]]["annotation"]["mask_annotation"][ann]["4"]
+    for k in (keys[0], keys[3]):
+        del records[k]["annotation"]["mask_annotation"][ann]["4"]
     # the dog's crop no wider than twice its height: MAGREF's canvas block at the test's 64x96 holds it
     extra = {"6": ("hat", (yy < h * 0.35) & (xx < w * 0.3)), "7": ("dog", (yy > h * 0.4) & (xx > w * 0.3))}
     a = records[keys[2]]["annotation"]
@@ -377,7 +390,11 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
     c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
     assert c["clips read"] == c["clips kept"] == 4
     assert c["clips without a background png (kept without a background)"] == 1
-    assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (1, 2, 1)
+    # the one clip of 4 masks (and a background png) has more than V3 (3 beside the png) and RefAlign (3) take
+    more = {k: v for k, v in c.items() if k.startswith("clips with more kept masks than")}
+    assert more == {f"clips with more kept masks than the {k} kind takes with default flags (the 3 largest used)": 1
+                    for k in ("v3", "refalign")}
+    assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (2, 1, 1)
     report = (out / "report.txt").read_text()
     assert f"{fx['keys'][3]}: " in report and "background png not found" in report
     lines = {x["key"]: x for x in map(json.loads, (out / "index.jsonl").read_text().splitlines())}
@@ -396,12 +413,12 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
     assert classes(pd_.clip_references(k2, 2, background=False)) == ["dog", "woman"]
     assert classes(pd_.clip_references(k0, 4, background=True)) == ["woman", "background png"]
     assert classes(pd_.clip_references(k0, 1, background=True)) == ["woman"]  # the background never takes the slot
-    assert classes(pd_.clip_references(k3, 4, background=True)) == ["woman", "backpack"]  # none to add
+    assert classes(pd_.clip_references(k3, 4, background=True)) == ["woman"]  # none to add
     # A2's prefix: its roles, the largest of each, absent ones absent
     roles = {k: {n: r.get("class_name", "png") for n, r in pd_.clip_roles(x).items()} for k, x in lines.items()}
     assert [roles[k] for k in fx["keys"]] == [
         dict(subject="woman", background="png"), dict(subject="woman", object="backpack", background="png"),
-        dict(subject="woman", object="dog", background="png"), dict(subject="woman", object="backpack")]
+        dict(subject="woman", object="dog", background="png"), dict(subject="woman")]
     # a run's elements: A2's roles, or positional references (ref0, ref1, ...) filled largest first
     released = [f"ref{i}" for i in range(4)]
     assert {n: r["class_name"] for n, r in pd_.clip_elements(k2, released).items()} == dict(
@@ -409,24 +426,37 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
     assert sorted(pd_.clip_elements(k0, [*released[:3], "background"])) == ["background", "ref0"]
     samples = pd_.list_index(out / "index.jsonl", public_cfg(out / "index.jsonl"), 0, [])
     assert [sorted(s.refs) for s in samples] == [["background", "subject"], ["background", "object", "subject"],
-                                                 ["background", "object", "subject"], ["object", "subject"]]
+                                                 ["background", "object", "subject"], ["subject"]]
 
 
-# the README's kinds on an OpenS2V-5M index: model, frames (what the clips' 16 frames fill), other flags
+# the README's kinds on an OpenS2V-5M index, default flags: model, frames (what the clips' 16 frames fill), other flags
 OPENS2V_KINDS = {
     "prefix": ("tiny", 21, {}),  # A2: its subject / object / background roles
     "v3": ("tiny-v3", 9, {}),
     "magref": ("tiny-magref", 9, {}),
     "incontext": ("tiny-t2v", 9, {"reference_layout": "incontext"}),
-    # Phantom as it was trained on the public data: every kept mask a reference, largest first, up to its 4
-    "phantom": ("tiny-phantom", 9, {"elements": tuple(f"ref{i}=_ref{i}.png" for i in range(4))}),
+    "phantom": ("tiny-phantom", 9, {}),
 }
+# each clip's element set (bucket names) per kind. The clips have 1, 2, 4 and 1 kept masks, the last no background
+# png. The kinds without roles take every kept mask, largest first, up to their maximum; v3 / magref / incontext the
+# background png in the last slot (v3's 4: three masks and the background), Phantom none
+_R = tuple(f"ref{i}" for i in range(4))
+OPENS2V_SETS = {
+    "prefix": [("subject", "background"), ("subject", "object", "background"), ("subject", "object", "background"),
+               ("subject",)],
+    "phantom": [_R[:1], _R[:2], _R, _R[:1]],
+    "v3": [(*_R[:1], "background"), (*_R[:2], "background"), (*_R[:3], "background"), _R[:1]],
+    "magref": [(*_R[:1], "background"), (*_R[:2], "background"), (*_R, "background"), _R[:1]],
+}
+OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
 
 
-def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path):
+def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys):
     """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
-    clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch, every
-    clip (none left out: each kind takes 1 to 4 references), and the report names the clip without a background."""
+    clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch of every
+    clip (none left out), clips of 1, 2 and 3+ references each, the kinds without roles every kept mask up to their
+    maximum; the index report names the clip without a background. A line no kind can take (no mask, no background:
+    an index edited by hand) is named and left out before step 1 by validate and training alike."""
     from tests.conftest import train
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
@@ -434,15 +464,18 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
     pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()
+    empty = dict(json.loads(index.read_text().splitlines()[0]), key="no-mask", references=[], elements={})
+    index.write_text(index.read_text() + json.dumps(empty) + "\n")
     for kind, (model, frames, kw) in OPENS2V_KINDS.items():
         ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
                                model=model, **kw))
-        assert len(ds) == 4, kind
-        if kind == "phantom":  # the clips' 1, 2, 4 and 2 kept masks
-            assert [b[3] for b in ds.buckets] == [("ref0",), ("ref0", "ref1"), ("ref0", "ref1", "ref2", "ref3"),
-                                                  ("ref0", "ref1")]
+        assert len(ds) == 4 and [p.id for p in ds.left_out] == ["no-mask"], kind
+        assert "left out: no-mask: " in capsys.readouterr().out, kind
+        assert [b[3] for b in ds.buckets] == OPENS2V_SETS[kind], kind
+        assert {min(len(b[3]), 3) for b in ds.buckets} == {1, 2, 3}, kind  # 1, 2 and 3+ references
         flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
         r = train("--model", model, "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
                   *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", kind, "--max-steps", "4",
                   "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
         assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"])), kind  # one epoch: 4 clips, none skipped
+        assert "left out: no-mask: " in capsys.readouterr().out, kind
