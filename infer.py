@@ -513,7 +513,8 @@ def main(cfg: InferConfig) -> int:
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.dtype)
     rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
-    if dist.is_initialized() and (rows is not None or any(lay.kind == "standin" for lay in layouts)):
+    # Stand-In's packed reference tokens (its K/V cache) are not split: one process
+    if dist.is_initialized() and (rows is not None or any(lay.reference_grid is not None for lay in layouts)):
         raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
                          "run --prompts-file / --eval-set / Stand-In in one process")
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
@@ -542,7 +543,7 @@ def main(cfg: InferConfig) -> int:
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
         if note:
             print(note)
-    if cfg.reference_layout == "standin" and not any(
+    if lay is not None and lay.reference_grid is not None and not any(
             p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high, cfg.lora_low)):
         print("warning: --reference-layout standin without a Stand-In LoRA file (--lora Stand-In_wan2.1_T2V_14B.ckpt, "
               "or a2's standin_lora.ckpt): the reference image is not attended to by trained weights")
