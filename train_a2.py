@@ -722,7 +722,7 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
     patch_size = getattr(model, "module", model).config.patch_size
     x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
-    layout = inputs.get("layout", run.layout)  # the batch's element set
+    layout = inputs["layout"]  # the batch's element set (model_inputs')
     prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
     spans = None
     if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens

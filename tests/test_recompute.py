@@ -85,13 +85,13 @@ def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
     (1e-5); a recomputation that sees other inputs or dtypes (bf16 rounding alone is ~4e-3) is far outside it. Only
     the first step is compared: after it, AdamW's normalised update (about lr x sign(g) where |g| is tiny) turns
     rounding-level gradient differences into lr-sized weight differences."""
-    import a2.transformer
+    import a2.memory
     from data import make_synthetic_dataset
     from tests.conftest import args, losses, train
 
     setups, grads = [], []
-    # train_a2 sets its blocks up through a2.memory.apply_plan, which calls a2.transformer.configure_blocks
-    monkeypatch.setattr(a2.transformer, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
+    # train_a2 sets its blocks up through a2.memory.apply_plan, which calls configure_blocks
+    monkeypatch.setattr(a2.memory, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
     clip = torch.nn.utils.clip_grad_norm_
 
     def record(params, max_norm):  # the step's gradients, as the optimizer gets them

@@ -140,7 +140,7 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
     """The training step feeds what inference feeds (clean frame 0, timestep 0 on its tokens) and the loss ignores
     the prediction there."""
     import train_a2
-    from a2.conditioning import Conditioning
+    from a2.conditioning import Conditioning, make_layout
     from a2.flow import noisy_latents
 
     g = torch.Generator().manual_seed(2)
@@ -157,9 +157,10 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
 
     model.config = SimpleNamespace(patch_size=(1, 2, 2))
 
-    cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none")
+    cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none", align_loss=False)
     cond = Conditioning("clean", clean=clean, keep=torch.ones(2), per_token=True)
-    inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=torch.zeros(2, 512, 32), reference_images=None)
+    inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=torch.zeros(2, 512, 32), reference_images=None,
+                  layout=make_layout("clean", 9, clean_frames=1))
     loss, _ = train_a2.forward_loss(model, inputs, cfg, None, torch.autocast("cpu", enabled=False), torch.float32)
     assert loss.item() == 0.0
     assert torch.equal(seen["x"][:, :, :1], clean) and torch.equal(seen["x"][:, :, 1:], x_t[:, :, 1:])
