@@ -57,6 +57,20 @@ def tiny_t2v_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dino_dir(tmp_path_factory):
+    """A tiny random DINOv3 ViT (patch 16, 4 registers, as the released ones) saved as a model dir."""
+    import torch
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    torch.manual_seed(0)
+    cfg = DINOv3ViTConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                          patch_size=16, num_register_tokens=4, image_size=32)
+    out = tmp_path_factory.mktemp("dino") / "dinov3"
+    DINOv3ViTModel(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def shared_data():
     """../shared/data: the SkyReels-A2 photos (and, there too, the clips of tests/media)."""
     if not SHARED_DATA.is_dir():

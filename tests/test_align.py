@@ -20,19 +20,6 @@ FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_
 
 
 @pytest.fixture(scope="module")
-def dino_dir(tmp_path_factory):
-    """A tiny random DINOv3 ViT (patch 16, 4 registers, as the released ones) saved as a model dir."""
-    from transformers import DINOv3ViTConfig, DINOv3ViTModel
-
-    torch.manual_seed(0)
-    cfg = DINOv3ViTConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                          patch_size=16, num_register_tokens=4, image_size=32)
-    out = tmp_path_factory.mktemp("dino") / "dinov3"
-    DINOv3ViTModel(cfg).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def phantom_dir():
     from a2.tiny import model_path
 

@@ -451,7 +451,7 @@ OPENS2V_SETS = {
 OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
 
 
-def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys):
+def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys, dino_dir):
     """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
     clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch of every
     clip (none left out), clips of 1, 2 and 3+ references each, the kinds without roles every kept mask up to their
@@ -479,3 +479,11 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
                   "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
         assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"])), kind  # one epoch: 4 clips, none skipped
         assert "left out: no-mask: " in capsys.readouterr().out, kind
+    # RefAlign with its alignment loss, LoRA and full fine-tuning, on the same index: its three largest masks
+    for extra in ((), ("--training-type", "full")):
+        r = train("--model", "tiny-refalign", "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
+                  *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", f"refalign{len(extra)}",
+                  "--max-steps", "4", "--num-frames", "9", "--log-every", "1", "--device", "cpu", "--align-loss",
+                  "--align-model", str(dino_dir), "--align-blocks", "0", "1", *extra)
+        assert len(r["losses"]) == 4 and all(np.isfinite(r["losses"])), extra
+        assert "left out: no-mask: " in capsys.readouterr().out, extra
