@@ -67,6 +67,13 @@ def test_prefix_after_encodes_each_element_alone(vae):
 
 
 def test_before_and_after_differ(vae):
+    """Encoding the references together (before) lets the VAE's causal temporal convolutions mix the elements;
+    alone (after) does not. The tiny model's VAE is set to per-frame block means (a2/tiny.py invertible_init), which
+    mix nothing: a randomly initialised VAE of its shape does."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan.from_config(vae.config).eval()
     refs = torch.rand(1, 2, 3, H, W, generator=torch.Generator().manual_seed(2)) * 2 - 1
     with torch.no_grad():
         a = prepare_latents(vae, make_layout("prefix", 13, (1, 4), combine="before"), references=refs).condition
