@@ -907,12 +907,16 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
 
 def evaluate_held_out(step: int, cfg: TrainConfig, run: Run, transformer, opt, params, enc: Encoders, dataset,
                       held: list[int], rank: int, world: int, device, amp) -> dict:
-    """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...)."""
+    """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...), announced and
+    timed (the progress bar stops meanwhile)."""
+    log(f"step {step}: eval loss of {len(held)} held-out sample(s) ...")
+    t0 = time.perf_counter()
     rec = eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp)
     if cfg.ema_decay:
         with ema_weights(opt, params):
             rec.update(eval_loss(step, cfg, run, transformer, enc, dataset, held, rank, world, device, amp,
                                  "eval_ema/"))
+    log(f"step {step}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
     return rec
 
 
@@ -1162,10 +1166,12 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, guard: Non
     return checkpoint(run_dir, done, transformer, opt, cfg, failures)
 
 
-def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, rank: int,
-           original_keys: str | None, metadata: dict | None = None) -> dict:  # a file name (export_weights)
+def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, run: Run, rank: int) -> dict:
     """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
-    collective on every rank); original_keys: a Phantom-Wan full fine-tune also in its original-Wan keys."""
+    collective on every rank), each LoRA file with its base's metadata; a full fine-tune of a lab's original-key
+    checkpoint (Phantom-Wan, RefAlign) also in those keys."""
+    original_keys = run.layout.original_export if run.info.original_weights else None
+    metadata = base_metadata(transformer.config, model_family(run.info), run.layout.kind, cfg.model)
     out, full_state = {}, None
     if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1343,12 +1349,8 @@ def main(cfg: TrainConfig) -> dict:
             last_ckpt = checkpoint_if_due(done, interrupted, cfg, guard, params, last_ckpt, run_dir, transformer, opt,
                                           failures, world)
             if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log(f"step {done}: eval loss of {len(held)} held-out sample(s) ...")  # the bar stops meanwhile
-                t_eval = time.perf_counter()
-                rec = evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
-                                        dp_world, device, amp)
-                log(f"step {done}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t_eval:.1f} s)")
-                log_step(rec, metrics_file, tb)
+                log_step(evaluate_held_out(done, cfg, run, transformer, opt, params, enc, dataset, held, dp_rank,
+                                           dp_world, device, amp), metrics_file, tb)
             if cfg.val_every and done % cfg.val_every == 0:
                 with ema_weights(opt, params, cfg.ema_decay > 0):  # the EMA, when kept, is what validation shows
                     log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
@@ -1368,9 +1370,7 @@ def main(cfg: TrainConfig) -> dict:
     result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        original = run.layout.original_export if run.info.original_weights else None  # also in the lab's keys
-        base = base_metadata(transformer.config, model_family(run.info), run.layout.kind, cfg.model)  # LoRA metadata
-        result.update(export(run_dir, model, transformer, opt, params, cfg, rank, original, base))
+        result.update(export(run_dir, model, transformer, opt, params, cfg, run, rank))
         if cfg.val_elements and not cfg.val_every:
             with ema_weights(opt, params, cfg.ema_decay > 0):
                 log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, rank, device, amp,
