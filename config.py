@@ -16,17 +16,15 @@ import codecs
 import json
 import signal
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
 import tyro
 
 # the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
 # how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
-REFERENCE_LAYOUTS = ("channel", "incontext", "magref", "standin")  # where element references enter the transformer
-REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
 
 
 def _on_off(args: list[str]) -> bool:
@@ -237,27 +235,80 @@ def height_width(height: int | None, width: int | None, resolution: tuple[int, i
 
 
 @dataclass(frozen=True)
-class VaeProcessorConfig:
-    """The VAE path of the conditioning."""
+class ConditioningConfig:
+    """How element images and video frames condition the transformer. train_a2.py and infer.py take these flags, a
+    dataset JSON file the same keys in processors.vae; a2.conditioning.plan decides the run's kind from them once."""
+
+    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
+    """Where the element images enter the transformer. channel: A2's mask and reference latents on the channel axis
+    (36-channel A2 / Wan I2V models, or a T2V base expanded in full). incontext: each element VAE-encoded alone, its
+    clean latents appended after the video latents on the time axis, as Phantom-Wan and SkyReels-V3 R2V do (a T2V
+    model trains as it is; --num-frames then counts the video alone). magref: MAGREF's layout on a Wan I2V model,
+    the elements pasted on one white canvas that is the I2V first frame and the CLIP image (--num-frames counts the
+    canvas frame). standin: Stand-In's reference tokens on a Wan T2V model, one face crop framed to 512x512. A
+    released model (Phantom-Wan, SkyReels-V3, MAGREF, RefAlign) and a Stand-In LoRA file choose their own."""
+    reference_timestep: Literal["shared", "zero"] = "shared"
+    """The timestep of in-context reference tokens: shared gives them the sample's (Phantom-Wan, SkyReels-V3), zero
+    marks them clean (per-token timesteps, as Wan 2.2 TI2V)."""
+    combine: Literal["before", "after"] = "before"
+    """How the element images are VAE-encoded: before encodes them as one mini-video (A2), after encodes each alone
+    and concatenates the latents."""
+    frame_conditioning: Literal["full", "first", "first_and_last", "index", "prefix", "random"] = "full"
+    """What conditions the video. full: the element images (A2's references, or the reference layout's). The others
+    give frames of the video itself, as Wan I2V and FLF2V do: the first, the first and last, the one at
+    --frame-index, the first --prefix-frames, or a random one. infer.py takes full, or first with --image (TI2V-5B)."""
+    frame_index: int = 0
+    """The 0-based pixel frame of the video that --frame-conditioning index gives as the condition."""
+    prefix_frames: int = 1
+    """How many leading pixel frames of the video --frame-conditioning prefix gives as the condition."""
+    concatenate_mask: bool = True
+    """Whether the 4-channel mask goes between the noisy and the condition latents (the 36-channel input). Every
+    channel kind needs it; only a dataset file may turn it off, to be refused with the reason."""
+    vae_sample_mode: Annotated[Literal["sample", "argmax"] | None, tyro.conf.arg(aliases=("--sample-mode",))] = None
+    """How the references and the condition are VAE-encoded: a posterior sample (from the sample's generator) or the
+    posterior mode (argmax). Left out, each kind encodes as its lab samples: A2 and SkyReels-V3 sample; diffusers' Wan
+    I2V, Phantom-Wan, MAGREF and Stand-In take the mean. Training encodes as sampling does."""
+
+
+def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
+    """c's values checked against the flags' choices (a dataset file is not parsed by tyro), else a ConfigError
+    naming `where` and the key."""
+    for key, choices in CONDITIONING_CHOICES.items():
+        if choices and getattr(c, key) not in choices:
+            raise ConfigError(f"{where}.{key}: {getattr(c, key)!r} is not one of {choices}")
+    for key in ("frame_index", "prefix_frames"):
+        if not isinstance(getattr(c, key), int) or isinstance(getattr(c, key), bool):
+            raise ConfigError(f"{where}.{key}: expected an integer, got {getattr(c, key)!r}")
+    if not isinstance(c.concatenate_mask, bool):
+        raise ConfigError(f"{where}.concatenate_mask: expected true or false, got {c.concatenate_mask!r}")
+    if c.reference_layout != "channel" and c.frame_conditioning != "full":  # the element layouts take no frames
+        raise ConfigError(f"{where}: reference_layout {c.reference_layout} places element references; "
+                          f"frame_conditioning {c.frame_conditioning} conditions on video frames (use full)")
+    return c
+
+
+def literal_choices(hint) -> tuple:
+    """The values a Literal type allows (None too where it is optional); () for any other type."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    choices = tuple(v for a in get_args(hint) for v in literal_choices(a))
+    return choices + (None,) if choices and type(None) in get_args(hint) else choices
+
+
+CONDITIONING_CHOICES = {k: literal_choices(h) for k, h in get_type_hints(ConditioningConfig).items()}
+REFERENCE_LAYOUTS = CONDITIONING_CHOICES["reference_layout"]  # where element references enter the transformer
+REFERENCE_TIMESTEPS = CONDITIONING_CHOICES["reference_timestep"]  # incontext: the timestep of the reference tokens
+FRAME_CONDITIONING = CONDITIONING_CHOICES["frame_conditioning"]
+
+
+@dataclass(frozen=True)
+class VaeProcessorConfig(ConditioningConfig):
+    """The VAE path of a dataset: the conditioning (ConditioningConfig's keys) and how its images are framed."""
 
     resolution: tuple[int, int] = (480, 832)
     """(height, width) in pixels the video and the element images are brought to."""
-    combine: str = "before"
-    """before: the element mini-video is VAE-encoded at once (A2); after: each element alone, latents concatenated."""
     default_preprocess: str = "resize"
     """Framing of elements that do not set their own (PREPROCESS_MODES)."""
-    frame_conditioning: str = "full"
-    """full (A2's element prefix) | first | first_and_last | index | prefix | random (frames of the video itself)."""
-    frame_index: int = 0
-    """The conditioning frame of frame_conditioning=index (0-based pixel frame)."""
-    concatenate_mask: bool = True
-    """Put the 4-channel mask between noisy and condition latents (the 36-channel input)."""
-    reference_layout: str = "channel"
-    """Where the element references enter the transformer (frame_conditioning full): channel = A2's mask | condition
-    latents on the channel axis (36-channel I2V/A2 models); incontext = each element's clean latents appended after
-    the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; T2V models, trains as a LoRA)."""
-    reference_timestep: str = "shared"
-    """incontext: timestep of the reference tokens: shared (the sample's, as Phantom and V3) | zero (they are clean)."""
 
 
 @dataclass(frozen=True)
@@ -338,7 +389,6 @@ class DatasetConfig:
 
 
 PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
-FRAME_CONDITIONING = ("full", "first", "first_and_last", "index", "prefix", "random")
 FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")
 _EXTRACTION_KEYS = ("frame_extraction", "frame_stride", "frame_sample", "source_fps", "target_fps")
 
@@ -418,29 +468,14 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     pv, pc = procs.get("vae", {}), procs.get("clip", {})
     _check_keys(pv, {f.name for f in fields(VaeProcessorConfig)}, f"{where}.processors.vae")
     _check_keys(pc, {f.name for f in fields(ClipProcessorConfig)}, f"{where}.processors.clip")
-    vae = VaeProcessorConfig(
+    vae = check_conditioning(VaeProcessorConfig(
         resolution=_hw(pv.get("resolution", list(res)), f"{where}.processors.vae.resolution"),
-        combine=pv.get("combine", d.get("vae_combine", "before")),
         default_preprocess=pv.get("default_preprocess", "resize"),
-        frame_conditioning=pv.get("frame_conditioning", "full"), frame_index=pv.get("frame_index", 0),
-        concatenate_mask=pv.get("concatenate_mask", True),
-        reference_layout=pv.get("reference_layout", "channel"),
-        reference_timestep=pv.get("reference_timestep", "shared"))
+        **{**({"combine": d["vae_combine"]} if "vae_combine" in d else {}),
+           **{f.name: pv[f.name] for f in fields(ConditioningConfig) if f.name in pv}}), f"{where}.processors.vae")
     clip = ClipProcessorConfig(
         resolution=_hw(pc.get("resolution", d.get("clip_resolution", [512, 512])), f"{where}.processors.clip"),
         default_preprocess=pc.get("default_preprocess", "pad_white"))
-    if vae.combine not in ("before", "after"):
-        raise ConfigError(f"{where}.processors.vae.combine: expected 'before' or 'after', got {vae.combine!r}")
-    if vae.reference_layout not in REFERENCE_LAYOUTS or vae.reference_timestep not in REFERENCE_TIMESTEPS:
-        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout!r} / reference_timestep "
-                          f"{vae.reference_timestep!r}: expected one of {REFERENCE_LAYOUTS} / {REFERENCE_TIMESTEPS}")
-    if vae.reference_layout != "channel" and vae.frame_conditioning != "full":  # the element layouts take no frames
-        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout} places element "
-                          f"references; frame_conditioning {vae.frame_conditioning!r} conditions on video frames "
-                          "(use full)")
-    if vae.frame_conditioning not in FRAME_CONDITIONING:
-        raise ConfigError(f"{where}.processors.vae.frame_conditioning: {vae.frame_conditioning!r} is not one of "
-                          f"{FRAME_CONDITIONING}")
     for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
         if m not in PREPROCESS_MODES:
             raise ConfigError(f"{where}.processors.{k}.default_preprocess: {m!r} is not one of {PREPROCESS_MODES}")
@@ -679,28 +714,9 @@ class TrainConfig:
     """Pixel frames of the whole sequence, reference frames included (4k+1)."""
     clip_size: int = 512
     """Square size the CLIP-path element images are brought to (A2: 512, pad_white)."""
-    combine: Literal["before", "after"] = "before"
-    """VAE-encode the element mini-video at once (before, A2) or each element alone, latents concatenated (after)."""
-    frame_conditioning: Literal["full", "first", "first_and_last", "index", "prefix", "random"] = "full"
-    """full: A2's element prefix; the others condition on frames of the target video itself (Wan I2V/FLF2V)."""
-    frame_index: int = 0
-    """--frame-conditioning index: the 0-based pixel frame of the video given as the condition."""
-    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
-    """channel: A2's mask | reference latents on the channel axis (36-channel A2 / Wan I2V models, or a T2V base
-    expanded in full). incontext: each element VAE-encoded alone (repeat frames), its clean latents appended after the
-    video latents on the time axis, as Phantom-Wan / SkyReels-V3 R2V: a T2V model trains as it is (LoRA or full);
-    --num-frames is then the video's alone (README: In-context references). magref: MAGREF's layout on a Wan I2V
-    model, the elements pasted on one white canvas that is the I2V first frame (mask = their region) and the CLIP
-    image; --num-frames counts the canvas frame. standin: Stand-In's reference tokens on a Wan T2V model (one element,
-    a face crop framed fit_pad_white to Stand-In's 512x512 whatever --resolution; its reference-only LoRA)."""
-    reference_timestep: Literal["shared", "zero"] = "shared"
-    """--reference-layout incontext: the reference tokens' timestep: shared = the sample's (Phantom, V3), zero = 0
-    (they are clean; per-token timesteps as Wan 2.2 TI2V)."""
-    prefix_frames: int = 1
-    """--frame-conditioning prefix: how many leading pixel frames of the video are given as the condition."""
-    vae_sample_mode: Literal["sample", "argmax"] | None = None
-    """Condition/target latents: a posterior sample or the posterior mode. Default: what the kind samples with on
-    the model (a2.conditioning.kind_sampling: A2 samples; diffusers' Wan I2V, Phantom, MAGREF, Stand-In the mean)."""
+    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
+    """How element images and video frames condition the model (shared with infer.py and a dataset file's
+    processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
     skip_bad_samples: bool = False
     """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
     num_workers: int = 2
@@ -872,19 +888,26 @@ class TrainConfig:
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
     if cfg.dataset_config:
-        return with_eval_manifest(cfg, load_dataset_config(cfg.dataset_config))
+        cfgs = load_dataset_config(cfg.dataset_config)
+        for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
+            flag, file = getattr(cfg.conditioning, f.name), getattr(cfgs[0].vae, f.name)
+            if flag != getattr(ConditioningConfig(), f.name) and flag != file:
+                raise ConfigError(f"--{f.name.replace('_', '-')} {flag}: {cfg.dataset_config} sets processors.vae."
+                                  f"{f.name} to {file!r}; set it in the file, or drop the flag")
+        return with_eval_manifest(cfg, cfgs)
     if not cfg.data_root and not cfg.manifest:
         raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
     _hw(list(cfg.resolution), "--resolution")
     if cfg.dataset_type == "t2v" and cfg.elements:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
-    no_elements = cfg.dataset_type == "t2v" or cfg.frame_conditioning != "full"
+    c = cfg.conditioning
+    no_elements = cfg.dataset_type == "t2v" or c.frame_conditioning != "full"
     if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
         raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
                           "OUT/index.jsonl (data.py index) and --frame-conditioning full")
-    if cfg.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
-        raise ConfigError(f"--reference-layout {cfg.reference_layout} places element references: it needs element "
+    if c.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
+        raise ConfigError(f"--reference-layout {c.reference_layout} places element references: it needs element "
                           "images (--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
     manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
@@ -894,9 +917,7 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         elements=() if no_elements else elements,
         dataset_type="t2v" if no_elements else cfg.dataset_type if cfg.dataset_type in PUBLIC_TYPES else "e2v",
         sam=cfg.sam, cross_video=cfg.cross_video,
-        vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), combine=cfg.combine,
-                               frame_conditioning=cfg.frame_conditioning, frame_index=cfg.frame_index,
-                               reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep),
+        vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), **asdict(c)),
         clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)),
         **{k: getattr(cfg, k) for k in _EXTRACTION_KEYS})
     return with_eval_manifest(cfg, [check_extraction(main, "--frame-extraction")])

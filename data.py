@@ -1035,7 +1035,7 @@ def training_layout(a: Validate, cfgs):
 
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type)
+        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.e2v_type)
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return None

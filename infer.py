@@ -20,7 +20,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import tyro
 
 from a2 import standin
-from a2.conditioning import KIND_DEFS, element_refusal, kind_sampling, plan, schedule_sigmas
+from a2.conditioning import KIND_DEFS, kind_sampling, sampling_plan, schedule_sigmas
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.parallel import context_parallel, sampling_group
@@ -45,10 +45,11 @@ from a2.transformer import detect_model, load_transformer
 from config import (
     A2_ELEMENTS,
     RELEASED_ELEMENTS,
+    ConditioningConfig,
+    ConfigError,
     EvalConfig,
     InputError,
     MissingInput,
-    VaeProcessorConfig,
     as_input_error,
     exit_on_signal,
     height_width,
@@ -129,20 +130,9 @@ class InferConfig:
     """The sampler's unshifted sigmas: the model's (its kind's own: a released model's, else diffusers'), or
     flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
     linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
-    combine: Literal["before", "after"] = "before"
-    """VAE-encode the element mini-video at once (before, A2) or each element alone (after)."""
-    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
-    """channel: A2's mask | reference latents on the channel axis (A2 / Wan I2V). incontext: the elements' clean
-    latents after the video latents on the time axis (Phantom-Wan / SkyReels-V3 R2V; a T2V model + train_a2.py
-    --reference-layout incontext LoRA); --num-frames is then the video's alone. magref: MAGREF's canvas of all the
-    elements as the I2V first frame (the first 4 frames are dropped from the video, as MAGREF's). standin: Stand-In's
-    reference tokens on Wan T2V, one element: a face crop, framed fit_pad_white to Stand-In's 512x512 whatever the
-    video's size (load its LoRA file with --lora)."""
-    reference_timestep: Literal["shared", "zero"] = "shared"
-    """--reference-layout incontext: the reference tokens' timestep: shared (the sample's, Phantom / V3) or zero."""
-    sample_mode: Literal["sample", "argmax"] | None = None
-    """Condition latents: a posterior sample with the seed's generator (A2) or the posterior mode (diffusers' Wan,
-    Phantom-Wan, MAGREF, Stand-In). Default: the model's own."""
+    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
+    """How the element images condition the model: train_a2.py's flags (config.ConditioningConfig), so a run's
+    sampling takes the flags it trained with."""
     clip_size: int = 512
     """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
@@ -297,9 +287,9 @@ def read_references(cfg: InferConfig, images, info=None, first_frame: bool = Fal
     released S2V model's (info.native_kind) RELEASED_ELEMENTS. Without `info` no layout: each element framed."""
     default = RELEASED_ELEMENTS if info is not None and info.native_kind else A2_ELEMENTS
     items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
-    layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame)
-    if layout is not None and own_sampling(cfg, info, layout).seeded_placement:  # MAGREF's canvas follows the seed
-        layout = replace(layout, placement_seed=cfg.seed if seed is None else seed)
+    layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame, seed)
+    if layout is not None:
+        own_sampling(cfg, info, layout)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
     refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
@@ -307,34 +297,31 @@ def read_references(cfg: InferConfig, images, info=None, first_frame: bool = Fal
                 elements=named_references(items, clip_refs), specs=tuple(e for e, _ in items))
 
 
-def check_layout(cfg: InferConfig, info, specs, first_frame: bool):
-    """The conditioning plan of a2/conditioning.py, the one train_a2.py makes: a model that cannot take these inputs
-    (or flags) fails here, in one line, before any weights load."""
-    vae = VaeProcessorConfig(resolution=(cfg.height, cfg.width), combine=cfg.combine,
-                             frame_conditioning="first" if first_frame else "full",
-                             reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep)
-    layout = plan(info, specs, vae, cfg.num_frames, e2v_type="auto" if info.image_encoder_dir else "vae")
-    why = element_refusal(layout, len(specs))  # any count the kind takes, and no other
-    if why:
-        raise ValueError(f"{info.path} ({info.name}): {why}")
-    return layout
+def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | None = None):
+    """The conditioning plan of a2/conditioning.py, the one train_a2.py makes (sampling_plan): a model that cannot
+    take these inputs (or flags) fails here, in one line, before any weights load. seed: the row's (else --seed)."""
+    c = cfg.conditioning
+    if c.frame_conditioning not in ("full", "first") or c.frame_conditioning == "first" and not first_frame:
+        raise ConfigError(f"--frame-conditioning {c.frame_conditioning}: infer.py conditions on element images "
+                          "(full), or on a first frame given with --image (first, Wan 2.2 TI2V-5B)")
+    return sampling_plan(info, specs, c, cfg.num_frames, first_frame=first_frame, preset=cfg.preset,
+                         reference_lora=any(p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high,
+                                                                                  cfg.lora_low)),
+                         seed=cfg.seed if seed is None else seed)
 
 
-def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, repeats, seed=None,
-             first_frame=None, region=None, layout=None) -> dict:
+def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, layout, seed=None,
+             first_frame=None, region=None) -> dict:
     """One video in `layout` (check_layout's, the one plan), every setting the flags leave out its kind's own."""
-    own = kind_sampling(layout.kind, pipe.model, cfg.preset) if layout is not None else None
-    device = "cpu" if own is not None and own.noise_on_cpu else cfg.device  # Stand-In's rand_device
+    own = kind_sampling(layout.kind, pipe.model, cfg.preset)
+    device = "cpu" if own.noise_on_cpu else cfg.device  # Stand-In's rand_device
     generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
     sigmas = None if cfg.schedule == "model" else schedule_sigmas(cfg.schedule, cfg.steps)
-    return pipe(prompt, refs, clip_refs, repeats, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
-                height=cfg.height,
-                width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=cfg.steps,
-                guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler,
-                flow_shift=cfg.flow_shift,
-                combine=cfg.combine, sample_mode=cfg.sample_mode, generator=generator, decode=cfg.decode,
-                reference_layout=cfg.reference_layout, reference_timestep=cfg.reference_timestep,
-                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region, layout=layout)
+    return pipe(prompt, refs, clip_refs, layout=layout, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
+                height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps, guidance_scale=cfg.guidance_scale,
+                guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
+                sample_mode=cfg.conditioning.vae_sample_mode, generator=generator, decode=cfg.decode,
+                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -359,8 +346,8 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
         halves = []
         for model in models:
             set_lora(pipe, model == "lora")
-            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["repeats"], seed,
-                             region=row["region"], layout=row["layout"])["video"][0]
+            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["layout"], seed,
+                             region=row["region"])["video"][0]
             halves.append(video)
             if evaluators is not None:
                 result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
@@ -422,7 +409,7 @@ def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], inf
             refs = read_references(cfg, row["images"], info)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"{row['line']}: {e}") from e
-        video = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["repeats"],
+        video = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["layout"],
                          region=refs["region"])["video"][0]
         save_video(partial / path.name, video, cfg.fps).replace(path)
         print(f"[{i}/{len(rows)}] {row['id']}: wrote {path}", flush=True)
@@ -476,9 +463,6 @@ def main(cfg: InferConfig) -> int:
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
             raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
-    if cfg.reference_layout == "channel" and any(p and standin.is_lora_file(p) for p in
-                                                 (*cfg.lora, cfg.lora_high, cfg.lora_low)):
-        cfg.reference_layout = "standin"  # a Stand-In file is sampled in its own kind
     rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
@@ -578,8 +562,8 @@ def main(cfg: InferConfig) -> int:
             print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
                   + format_table(means))
         return 0
-    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"], first_frame=first_frame,
-                   region=refs["region"], layout=refs["layout"])
+    out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
+                   region=refs["region"])
     if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
         return 0
     if out["video"] is not None:

@@ -248,17 +248,15 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
         raise ConfigError("--offload-activations is not tried with --fsdp: drop one of them")
     if cfg.swap_blocks < 0:
         raise ConfigError(f"--swap-blocks {cfg.swap_blocks}: a number of blocks, >= 0")
-    vae_cfg = ds_cfgs[0].vae
-    if any(d.vae != vae_cfg for d in ds_cfgs[1:]):
-        raise ConfigError("all datasets of one run must share processors.vae (combine, frame conditioning)")
+    vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
     elements = ds_cfgs[0].elements
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
-    layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
+    layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)  # the kind, checked
     kinds = kind_datasets(ds_cfgs, layout.kind, bool(cfg.elements or cfg.dataset_config))
     if kinds is not ds_cfgs:  # a public index read by a kind without roles: its own references
         elements = kinds[0].elements
-        layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)
+        layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
                           "builds its condition from pixels each step (random frames): train it without a cache")
@@ -285,7 +283,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
                resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every,
-               cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
+               vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
 def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
@@ -812,14 +810,13 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
-                      **experts, expand_timesteps=run.info.ti2v, native_kind=run.info.native_kind,
-                      model=run.info.name, flow_shift=model_flow_shift(run.info.parts_dir))
+                      **experts, expand_timesteps=run.info.ti2v, model=run.info.name, info=run.info,
+                      flow_shift=model_flow_shift(run.info.parts_dir))
     layout = validation_layout(element_layout(run.layout, repeats), repeats)  # the elements given: any set it takes
     with amp:
-        out = pipe(cfg.val_prompt, refs, clips, repeats, height=h, width=w, num_frames=layout.num_frames,
-                   num_inference_steps=cfg.val_steps, guidance_scale=cfg.val_guidance_scale,
-                   flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   layout=layout, region=region, sample_mode=run.encode_mode,
+        out = pipe(cfg.val_prompt, refs, clips, layout=layout, height=h, width=w, num_inference_steps=cfg.val_steps,
+                   guidance_scale=cfg.val_guidance_scale, flow_shift=cfg.val_flow_shift, first_frame=first_frame,
+                   region=region, sample_mode=run.encode_mode,
                    generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
     transformer.train()
     if "other" in frozen:

@@ -60,7 +60,12 @@ from diffusers.utils.torch_utils import randn_tensor
 from a2 import standin
 from a2.images import MAGREF_GRIDS, element_tensors, magref_canvas, pil_to_tensor, preprocess_image
 from a2.transformer import resolve_e2v_type
-from config import REFERENCE_LAYOUTS, REFERENCE_TIMESTEPS, RELEASED_ELEMENTS, ConfigError
+from config import (
+    RELEASED_ELEMENTS,
+    ConditioningConfig,
+    ConfigError,
+    VaeProcessorConfig,
+)
 
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
@@ -334,7 +339,7 @@ def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefi
 
 @dataclass(frozen=True)
 class Layout:
-    """What the kind means for one run (plan) or one sampling call (sampling_layout), computed once."""
+    """What the kind means for one run (plan) or one sampling call (sampling_plan), computed once."""
 
     kind: str  # t2v | prefix | inplace | incontext | clean | phantom | v3 (module docstring)
     num_frames: int  # pixel frames of the sequence the VAE encodes (prefix: references + clip; else the clip)
@@ -551,7 +556,7 @@ def clip_frames(num_frames: int, elements, vae) -> int:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
 
 
-def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type: str = "auto") -> Layout:
+def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout:
     """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
@@ -571,7 +576,7 @@ def plan(info, elements, vae, num_frames: int, prefix_frames: int = 1, e2v_type:
     if info.ti2v and kind == "prefix":
         raise ConfigError(f"{where} takes the latents alone: element references go in context "
                           "(--reference-layout incontext), not in A2's channel prefix layout")
-    clean = 0
+    clean, prefix_frames = 0, vae.prefix_frames
     if info.ti2v and vae.frame_conditioning != "full":
         if vae.frame_conditioning not in ("first", "prefix"):
             raise ConfigError(f"{where}: --frame-conditioning {vae.frame_conditioning} is not a run of leading "
@@ -649,63 +654,33 @@ def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
     return native
 
 
-def sampling_layout(transformer_config, per_token: bool, num_frames: int, repeats=(), *, references: bool,
-                    first_frame: bool = False, combine: str = "before", reference_layout: str = "channel",
-                    reference_timestep: str = "shared", e2v_type: str = "dual", native_kind: str | None = None,
-                    placement_seed: int | None = None, reference_lora: bool = False) -> Layout:
-    """The Layout of one sampling call from what it is given (A2Pipeline): references on the channel axis of a
-    36-channel model (prefix), in context on a latents-only one (incontext), a TI2V-5B first frame (clean frames,
-    also beside in-context references), or text alone; a released S2V model (native_kind) its own layout. Raises
-    ValueError naming what does not fit. reference_lora: the transformer carries Stand-In's reference LoRA (a file
-    loaded with a2.standin.load_lora): the references take its layout unless another is asked for."""
-    if reference_lora and reference_layout == "channel":
-        reference_layout = "standin"
-    if native_kind == "magref" and reference_layout == "channel":
-        reference_layout = "magref"  # MAGREF's weights take its canvas layout
-    if native_kind in NATIVE_KINDS:
-        if not references or first_frame or reference_layout != "channel" or reference_timestep != "shared":
-            raise ValueError(f"this model samples in its own {native_kind} layout: it takes reference images, no "
-                             "first_frame, and the default reference_layout / reference_timestep")
-        return make_layout(native_kind, num_frames, repeats, e2v_type="vae")
-    e2v = transformer_config.in_channels == 36
-    if reference_layout not in REFERENCE_LAYOUTS:
-        raise ValueError(f"unknown reference layout {reference_layout!r}; choose one of {REFERENCE_LAYOUTS}")
-    if reference_timestep not in REFERENCE_TIMESTEPS:
-        raise ValueError(f"unknown reference timestep {reference_timestep!r}; choose one of {REFERENCE_TIMESTEPS}")
-    if first_frame and not per_token:
-        raise ValueError("first_frame is Wan 2.2 TI2V-5B's image-to-video; other I2V models take the image as "
-                         "their one reference")
-    if per_token and references and reference_layout != "incontext":
-        raise ValueError("Wan 2.2 TI2V-5B takes element references in context (reference_layout incontext), not "
-                         "as channels; give first_frame for image-to-video")
-    if reference_layout == "incontext":
-        if e2v:
-            raise ValueError("reference_layout incontext is for models that take the latents alone (T2V); this "
-                             f"one takes {transformer_config.in_channels} channels: use the channel layout")
-        if not references:
-            raise ValueError("reference_layout incontext needs reference images")
-        kind = "incontext"
-    elif reference_layout == "standin":
-        if e2v or per_token or not references:
-            raise ValueError("reference_layout standin is Stand-In's, on a Wan T2V model (16 channels) with one "
-                             f"reference image (this one takes {transformer_config.in_channels} channels)")
-        kind = "standin"
-    elif reference_layout == "magref":
-        if not e2v or not references:
-            raise ValueError("reference_layout magref is MAGREF's Wan I2V layout: a 36-channel model and reference "
-                             f"images (this one takes {transformer_config.in_channels} channels)")
-        kind = "magref"
-    elif e2v:
-        if not references:
-            raise ValueError("this E2V/I2V model needs reference images")
-        kind = "prefix"
-    else:
-        kind = "clean" if first_frame else "t2v"
-    return make_layout(kind, num_frames, repeats if kind in REFERENCE_KINDS else (), combine=combine,
-                       reference_timestep=reference_timestep, clean_frames=int(first_frame),
-                       e2v_type=e2v_type if kind in ("prefix", "magref") else "vae" if kind in ("incontext", "standin")
-                       else "none",
-                       per_token=per_token, placement_seed=placement_seed)
+def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame: bool = False,
+                  image_branch: bool | None = None, reference_lora: bool = False, seed: int | None = None,
+                  preset: str | None = None) -> Layout:
+    """The Layout one sampling call takes (infer.py, and A2Pipeline.plan for library callers): `plan`, the one
+    train_a2.py makes, for these elements (Elements, or their frame counts in position order) and a
+    ConditioningConfig, plus what only sampling has. first_frame: Wan 2.2 TI2V-5B's --image (frame conditioning
+    first). image_branch: the pipeline has a CLIP image encoder (None: the model dir's, info.image_encoder_dir).
+    reference_lora: a Stand-In reference LoRA is loaded, so the references take its layout unless another is asked.
+    seed: MAGREF's canvas placement follows it. Raises ConfigError naming the model and what does not fit."""
+    if elements and isinstance(elements[0], int):  # frame counts alone: unnamed references, one per count
+        elements = tuple(replace(RELEASED_ELEMENTS[i % len(RELEASED_ELEMENTS)], name=f"ref{i}", repeat=r, position=i)
+                         for i, r in enumerate(elements))
+    changes = {}
+    if reference_lora and conditioning.reference_layout == "channel":
+        changes["reference_layout"] = "standin"
+    if first_frame:
+        changes["frame_conditioning"] = "first"
+    vae = replace(VaeProcessorConfig(**{f.name: getattr(conditioning, f.name) for f in fields(ConditioningConfig)}),
+                  **changes)
+    image_branch = info.image_encoder_dir is not None if image_branch is None else image_branch
+    layout = plan(info, tuple(elements), vae, num_frames, e2v_type="auto" if image_branch else "vae")
+    why = element_refusal(layout, len(elements))  # any count the kind takes, and no other
+    if why:
+        raise ConfigError(f"{info.path} ({info.name}): {why}")
+    if seed is not None and kind_sampling(layout.kind, info.name, preset).seeded_placement:
+        layout = replace(layout, placement_seed=seed)
+    return layout
 
 
 def validation_layout(layout: Layout, repeats=()) -> Layout:

@@ -28,13 +28,14 @@ from a2.conditioning import (
     prepare_model,
     reference_pixels,
     restore,
-    sampling_layout,
+    sampling_plan,
     schedule_sigmas,
     vae_scale,
     video_prediction,
 )
 from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
 from a2.transformer import TEXT_TOKENS, expert_for_timestep
+from config import ConditioningConfig
 
 # ---------------------------------------------------------------- element images
 
@@ -189,8 +190,7 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     def __init__(self, transformer, vae, tokenizer, text_encoder, image_encoder=None, image_processor=None,
                  transformer_2=None, boundary_ratio: float | None = None, flow_shift: float = 8.0,
-                 expand_timesteps: bool = False, native_kind: str | None = None,
-                 model: str | None = None):
+                 expand_timesteps: bool = False, model: str | None = None, info=None):
         if (transformer_2 is None) != (boundary_ratio is None):
             raise ValueError("a Wan 2.2 expert pair needs both transformer_2 and boundary_ratio")
         self.transformer, self.vae = transformer, vae
@@ -199,8 +199,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
-        self.native_kind = native_kind  # a released S2V model's own layout (phantom | v3), the kind it samples in
         self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.conditioning.kind_sampling)
+        self.info = info  # a2.transformer.ModelInfo (from_pretrained): what `plan` plans for
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -226,8 +226,8 @@ class A2Pipeline(WanLoraLoaderMixin):
             else None, dtype)
         pipe = cls(transformer, vae, tokenizer, text_encoder, image_encoder, image_processor,
                    transformer_2 if info.two_experts else None, info.boundary_ratio,
-                   expand_timesteps=info.expand_timesteps, native_kind=info.native_kind, model=info.name,
-                   flow_shift=model_flow_shift(info.parts_dir))
+                   expand_timesteps=info.expand_timesteps, model=info.name,
+                   flow_shift=model_flow_shift(info.parts_dir), info=info)
         return pipe.to(device)
 
     def to(self, device):
@@ -245,33 +245,41 @@ class A2Pipeline(WanLoraLoaderMixin):
         return dict(transformer=self.transformer, transformer_2=self.transformer_2, vae=self.vae,
                     text_encoder=self.text_encoder, image_encoder=self.image_encoder)
 
+    def plan(self, num_frames: int, elements=(), conditioning: ConditioningConfig | None = None, *,
+             first_frame: bool = False, seed: int | None = None) -> Layout:
+        """The layout a call samples in, for library callers: a2.conditioning.sampling_plan on this model, the plan
+        infer.py and train_a2.py make. elements: Elements or their frame counts (A2's: (1, 4, 4)); first_frame:
+        a TI2V-5B image-to-video call; seed: the call's, which MAGREF's canvas placement follows."""
+        if self.info is None:
+            raise ValueError("A2Pipeline.plan needs the model's ModelInfo: build it with from_pretrained, or pass "
+                             "info=a2.transformer.detect_model(...)")
+        return sampling_plan(self.info, elements, conditioning or ConditioningConfig(), num_frames,
+                             first_frame=first_frame, image_branch=self.image_encoder is not None, seed=seed,
+                             reference_lora=standin.installed(self.transformer))
+
     @torch.no_grad()
     def __call__(
         self,
         prompt: str,
         references: torch.Tensor | None = None,
         clip_references: torch.Tensor | None = None,
-        repeats: tuple[int, ...] = (),
         *,
+        layout: Layout,
         negative_prompt: str | None = None,
         height: int = 480,
         width: int = 832,
-        num_frames: int = 81,
+        num_frames: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         guidance_scale_2: float | None = None,
         scheduler: str | None = None,
         flow_shift: float | None = None,
-        combine: str = "before",
         sample_mode: str | None = None,
         generator: torch.Generator | None = None,
         decode: str = "drop_refs",
         progress: bool = True,
-        reference_layout: str = "channel",
-        reference_timestep: str = "shared",
         guidance_scale_img: float | None = None,
         first_frame: torch.Tensor | None = None,
-        layout: Layout | None = None,
         sigmas=None,
         region: torch.Tensor | None = None,
     ) -> dict:
@@ -282,12 +290,9 @@ class A2Pipeline(WanLoraLoaderMixin):
         the CLIP-path ones (None for models without an image branch), as load_references gives them for the kind
         (the magref kind: its one canvas, and `region` (1, H, W) where the element images are on it). Noise is drawn
         first, then the posterior is sampled with the same generator (A2's order, needed for bit-parity).
-        The conditioning kind (a2/conditioning.py) is `layout`, or, when None, what sampling_layout derives from the
-        model and the inputs: a released S2V model's own (self.native_kind: phantom | v3, sampled on its own UniPC
-        schedule, self.schedule), reference_layout channel on a 36-channel model (prefix: A2 / Wan I2V), incontext on a
-        latents-only one (`reference_timestep` shared | zero; the sampler then runs on the video latents alone),
-        `first_frame` (1, 3, H, W) on Wan 2.2 TI2V-5B (its clean latent replaces the first latent frame at timestep
-        0; references beside it go in context), or text alone; `combine` as prepare_latents.
+        layout: the conditioning kind and its shapes (a2/conditioning.py), planned once: infer.py's and training's
+        plan, or `self.plan(...)` for a library caller. `first_frame` (1, 3, H, W) is a TI2V-5B image-to-video call's
+        first frame (its clean latent replaces the first latent frame at timestep 0).
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
         flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
@@ -305,12 +310,13 @@ class A2Pipeline(WanLoraLoaderMixin):
         s = vae_scale(self.vae)
         check_size(height, width, num_frames, s * transformer.config.patch_size[1])
         device, dtype = self.device, transformer.dtype
-        if layout is None:
-            layout = sampling_layout(transformer.config, self.expand_timesteps, num_frames, repeats,
-                                     references=references is not None, first_frame=first_frame is not None,
-                                     combine=combine, reference_layout=reference_layout,
-                                     reference_timestep=reference_timestep, native_kind=self.native_kind,
-                                     reference_lora=standin.installed(transformer))
+        if num_frames not in (None, layout.num_frames):
+            raise ValueError(f"num_frames {num_frames}: the layout was planned for {layout.num_frames}")
+        num_frames = layout.num_frames
+        if (references is not None) != layout.takes_references or (first_frame is not None) != bool(
+                layout.clean_frames):
+            raise ValueError(f"the {layout.kind} layout takes " + ("reference images" if layout.takes_references
+                             else "no reference images") + (" and a first frame" if layout.clean_frames else ""))
         for model in (transformer, self.transformer_2):
             if model is not None:
                 prepare_model(model, layout)
