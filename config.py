@@ -283,7 +283,7 @@ def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
         raise ConfigError(f"{where}.concatenate_mask: expected true or false, got {c.concatenate_mask!r}")
     if c.reference_layout != "channel" and c.frame_conditioning != "full":  # the element layouts take no frames
         raise ConfigError(f"{where}: reference_layout {c.reference_layout} places element references; "
-                          f"frame_conditioning {c.frame_conditioning} conditions on video frames (use full)")
+                          f"frame_conditioning {c.frame_conditioning!r} conditions on video frames (use full)")
     return c
 
 

@@ -308,11 +308,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         channel condition, the in-context reference latents, or the clean leading latents), num_ref_latents)."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
         s = vae_scale(self.vae)
-        check_size(height, width, num_frames, s * transformer.config.patch_size[1])
-        device, dtype = self.device, transformer.dtype
         if num_frames not in (None, layout.num_frames):
             raise ValueError(f"num_frames {num_frames}: the layout was planned for {layout.num_frames}")
         num_frames = layout.num_frames
+        check_size(height, width, num_frames, s * transformer.config.patch_size[1])
+        device, dtype = self.device, transformer.dtype
         if (references is not None) != layout.takes_references or (first_frame is not None) != bool(
                 layout.clean_frames):
             raise ValueError(f"the {layout.kind} layout takes " + ("reference images" if layout.takes_references

@@ -2,6 +2,7 @@
 from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import tyro
 import train_a2
 from a2.conditioning import validation_layout
 from a2.pipeline import A2Pipeline, load_references
-from config import ConfigError, TrainConfig, dataset_configs
+from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs
 from data import E2VDataset, collate
 from tests.conftest import args, losses, max_diff, params, train
 
@@ -107,10 +108,10 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
 
     def sample(mode=None):
         seen.clear()
-        pipe(batch["prompts"][0], refs, clips, repeats, height=h, width=w, num_frames=cfg.num_frames,
-             num_inference_steps=1, guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
+        pipe(batch["prompts"][0], refs, clips, layout=layout, height=h, width=w, num_inference_steps=1,
+             guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
              generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-             layout=layout, region=region)
+             region=region)
         return seen[0]
 
     sampled = sample()
@@ -216,7 +217,8 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
 def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_dir, tmp_path, layout):
     """An element layout with --frame-conditioning (whose clips carry no elements) once trained the inplace kind
     silently; it is refused before any weights load, from the flags and from a dataset config alike."""
-    cfg = TrainConfig(model="tiny", data_root=str(data_dir), reference_layout=layout, frame_conditioning="first",
+    cfg = TrainConfig(model="tiny", data_root=str(data_dir),
+                      conditioning=ConditioningConfig(reference_layout=layout, frame_conditioning="first"),
                       num_frames=9, resolution=(32, 32), device="cpu")
     with pytest.raises(ConfigError, match=rf"^--reference-layout {layout} places element references: it needs "
                                           r"element images \(--dataset-type e2v, --frame-conditioning full\)$"):
@@ -227,6 +229,85 @@ def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_di
     with pytest.raises(ConfigError, match=rf"processors.vae: reference_layout {layout} places element references; "
                                           r"frame_conditioning 'first' conditions on video frames \(use full\)$"):
         dataset_configs(TrainConfig(model="tiny", dataset_config=str(cfg_file), device="cpu"))
+
+
+def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(data_dir, tmp_path, capsys):
+    """train_a2.py, infer.py and a dataset file's processors.vae take the same conditioning settings (one dataclass,
+    its choices checked the same way); with --dataset-config the file holds and a flag that disagrees is refused in
+    one line; a file's vae_sample_mode is the run's encode mode."""
+    from dataclasses import fields
+
+    import infer
+    from config import VaeProcessorConfig, load_dataset_config
+
+    names = [f.name for f in fields(ConditioningConfig)]
+    assert [f.name for f in fields(VaeProcessorConfig)][:len(names)] == names
+    for cli in (TrainConfig, infer.InferConfig):
+        assert next(f for f in fields(cli) if f.name == "conditioning").default_factory is ConditioningConfig
+        assert "conditioning options" in tyro_help(cli)
+    flags = tyro.cli(TrainConfig, args=["--reference-layout", "incontext", "--combine", "after", "--sample-mode",
+                                        "argmax"])
+    assert flags.conditioning == ConditioningConfig(reference_layout="incontext", combine="after",
+                                                    vae_sample_mode="argmax")
+    cfg_file = tmp_path / "ds.json"
+    elements = [{"name": "subject", "suffixes": ["_person.png"]}]
+    vae = {"reference_layout": "incontext", "combine": "after", "vae_sample_mode": "sample"}
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "processors": {"vae": vae}}]}))
+    assert load_dataset_config(cfg_file)[0].vae == VaeProcessorConfig(**vae)
+    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
+    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+    assert (run.layout.kind, run.layout.combine, run.encode_mode) == ("incontext", "after", "sample")
+    same = replace(cfg, conditioning=ConditioningConfig(reference_layout="incontext"))  # agrees with the file
+    assert dataset_configs(same)[0].vae.reference_layout == "incontext"
+    other = replace(cfg, conditioning=ConditioningConfig(combine="before", reference_timestep="zero"))
+    with pytest.raises(ConfigError, match=rf"^--reference-timestep zero: {cfg_file} sets processors.vae."
+                                          r"reference_timestep to 'shared'; set it in the file, or drop the flag$"):
+        dataset_configs(other)
+    cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "processors": {"vae": {"vae_sample_mode": "mean"}}}]}))
+    with pytest.raises(ConfigError, match=r"processors.vae.vae_sample_mode: 'mean' is not one of \('sample', "
+                                          r"'argmax', None\)$"):
+        load_dataset_config(cfg_file)
+    with pytest.raises(ConfigError, match=r"^--frame-conditioning index: infer.py conditions on element images"):
+        infer.main(infer.InferConfig(model="tiny", elements=(str(data_dir / "000_person.png"),), height=32, width=32,
+                                     num_frames=21, conditioning=ConditioningConfig(frame_conditioning="index")))
+
+
+def tyro_help(cli) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(cli, args=["--help"])
+    return out.getvalue()
+
+
+def test_the_pipeline_samples_the_layout_it_is_given(tiny_dir, data_dir):
+    """A2Pipeline derives no kind of its own: the call takes a layout (the plan's), refuses inputs the layout does
+    not take, and the README's library example (pipe.plan, then the call) runs."""
+    import re
+    from pathlib import Path
+
+    pipe = A2Pipeline.from_pretrained(tiny_dir)
+    with pytest.raises(TypeError, match="layout"):
+        pipe("x", height=32, width=32, num_inference_steps=1)
+    layout = pipe.plan(21, (1, 4, 4))
+    assert layout.kind == "prefix" and layout.repeats == (1, 4, 4)
+    with pytest.raises(ValueError, match="the prefix layout takes reference images"):
+        pipe("x", layout=layout, height=32, width=32, num_inference_steps=1)
+    with pytest.raises(ValueError, match="num_frames 17: the layout was planned for 21"):
+        pipe("x", torch.zeros(1, 3, 3, 32, 32), layout=layout, num_frames=17, height=32, width=32)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = re.search(r"a library caller plans one on the loaded\nmodel:\n\n```python\n(.*?)```", readme, re.S)[1]
+    files = [str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png")]
+    example = example.replace('["me.png", "bear.png", "forest.png"]', repr(files))
+    example = example.replace('"tiny"', repr(str(tiny_dir)))
+    example = example.replace("height=64, width=64)", "height=64, width=64, num_inference_steps=2, progress=False)")
+    scope = {}
+    exec(example, scope)
+    assert scope["video"].shape == (1, 3, 33 - 12, 64, 64)
 
 
 def mixed_elements(data_dir, tmp_path):

@@ -83,7 +83,8 @@ def test_design_document_config_loads(tmp_path):
     ({"frame_buckets": [16]}, r"frame_buckets: every bucket must be 4k\+1"),
     ({"elements": [{"name": "a", "suffixes": ["_a.png"], "vae": {"repeat": 0}}]}, "repeat must be >= 1"),
     ({"elements": [{"name": "a", "suffixes": ["_a.png"], "clip": {"preprocess": "zoom"}}]}, "'zoom' is not one"),
-    ({"processors": {"vae": {"combine": "during"}}}, "combine: expected 'before' or 'after'"),
+    ({"processors": {"vae": {"combine": "during"}}},
+     r"processors.vae.combine: 'during' is not one of \('before', 'after'\)"),
     ({"elements": [{"name": "a", "suffixes": ["x"]}, {"name": "a", "suffixes": ["y"], "position": 1}]},
      "names must be unique"),
 ])

@@ -11,7 +11,7 @@ import tyro
 import train_a2
 from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
 from a2.pipeline import A2Pipeline
-from config import ConfigError, TrainConfig, dataset_configs, load_dataset_config
+from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, load_dataset_config
 from data import E2VDataset, collate
 from tests.conftest import args, losses, max_diff, params, train
 
@@ -140,7 +140,8 @@ def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
     assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]  # validation samples it
     assert r["weights"].name == "pytorch_lora_weights.safetensors"
     base = dict(model="tiny-t2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
-                reference_layout="incontext", reference_timestep="zero", out=str(tmp_path / "v.mp4"))
+                conditioning=ConditioningConfig(reference_layout="incontext", reference_timestep="zero"),
+                out=str(tmp_path / "v.mp4"))
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape == (1, 16, 3, 4, 4)
@@ -182,7 +183,7 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
     cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu")
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
     assert (run.layout.kind, run.layout.clip_frames, run.layout.ref_latents) == ("incontext", 9, 1)
-    for bad, message, els in (({"reference_layout": "time"}, "reference_layout 'time'", elements),
+    for bad, message, els in (({"reference_layout": "time"}, "reference_layout: 'time' is not one of", elements),
                               ({"reference_layout": "incontext", "frame_conditioning": "first"}, "use full", elements),
                               (vae, r"datasets\[0\] lists no elements", [])):
         cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": els,
@@ -209,9 +210,9 @@ def test_reference_guidance_as_phantom(tiny_t2v_dir):
 
     def sample(**kw):
         calls.clear()
-        return pipe("a bear", refs, None, (1, 1), height=32, width=32, num_frames=5, num_inference_steps=1,
-                    scheduler="euler", generator=torch.Generator().manual_seed(2), decode="none", progress=False,
-                    reference_layout="incontext", **kw)["latents"]
+        return pipe("a bear", refs, None, layout=pipe.plan(5, (1, 1), ConditioningConfig(reference_layout="incontext")),
+                    height=32, width=32, num_inference_steps=1, scheduler="euler",
+                    generator=torch.Generator().manual_seed(2), decode="none", progress=False, **kw)["latents"]
 
     text_cfg = sample(guidance_scale=4.0)
     assert len(calls) == 2
@@ -228,4 +229,4 @@ def test_reference_guidance_as_phantom(tiny_t2v_dir):
     torch.testing.assert_close(sample(guidance_scale=4.0, guidance_scale_img=1.0), text_cfg, rtol=0, atol=1e-5)
     assert (guided - text_cfg).abs().max() > 1e-4
     with pytest.raises(ValueError, match="for reference_layout incontext"):
-        pipe("a bear", guidance_scale_img=2.0, height=32, width=32, num_frames=5, num_inference_steps=1)
+        pipe("a bear", layout=pipe.plan(5), guidance_scale_img=2.0, height=32, width=32, num_inference_steps=1)

@@ -11,8 +11,10 @@ import torch
 from PIL import Image, ImageOps
 
 from a2.images import magref_canvas
+from config import ConditioningConfig
 
 PHOTOS = ("a2_human.png", "a2_thing.png", "a2_env.png")
+MAGREF = ConditioningConfig(reference_layout="magref")
 
 
 def their_canvas(images, height, width):
@@ -211,7 +213,7 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     import shutil
 
     import train_a2
-    from a2.conditioning import sampling_layout
+    from a2.conditioning import sampling_plan
     from a2.tiny import model_path
     from a2.transformer import UnsupportedModel, detect_model, load_transformer
     from config import ConfigError, TrainConfig, dataset_configs
@@ -232,18 +234,17 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
         detect_model(bare, components=tmp_path / "no-such" / "Wan-AI" / "parts")
     assert "\n" not in str(e.value)
     assert detect_model(bare, components=d).components_dir == d
-    cfg = TrainConfig(model="tiny-t2v", data_root=str(data_dir), reference_layout="magref", num_frames=9,
+    cfg = TrainConfig(model="tiny-t2v", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(32, 64), device="cpu")
     with pytest.raises(ConfigError, match=r"16 input channels: reference_layout magref is MAGREF's Wan I2V layout"):
         train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
-    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), reference_layout="magref", num_frames=9,
+    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(48, 48), device="cpu", cache_dir=str(tmp_path / "c"))  # 3 elements: 16 px each
     layout = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout  # a cache too
     assert (layout.kind, layout.clip_frames, layout.ref_latents, layout.use_clip) == ("magref", 8, 1, True)
     assert layout.cacheable
     with pytest.raises(ValueError, match="MAGREF's Wan I2V layout"):
-        sampling_layout(load_transformer(model_path("tiny-t2v")).config, False, 9, (1,), references=True,
-                        reference_layout="magref")
+        sampling_plan(detect_model(model_path("tiny-t2v")), (1,), MAGREF, 9)
 
 
 MAGREF_ELEMENTS = ("subject=_person.png:repeat=1", "object=_object.png:repeat=1")
@@ -266,7 +267,7 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
     def plan(cfg):
         return train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
 
-    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), reference_layout="magref", num_frames=9,
+    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(32, 32), device="cpu", elements=MAGREF_ELEMENTS)
     layout = plan(cfg).layout
     nine = tuple(f"e{i}=_e{i}.png" for i in range(9))
@@ -285,7 +286,7 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
     monkeypatch.setattr(A2Pipeline, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=rf"^{line}, under 16 px: .*fewer references$") as e:
         infer.main(infer.InferConfig(model="tiny-magref", elements=(person, str(strip)), height=32, width=32,
-                                     num_frames=9, device="cpu", reference_layout="magref"))
+                                     num_frames=9, device="cpu", conditioning=MAGREF))
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=rf"^--val-elements: {line}"):
         plan(replace(cfg, val_elements=(person, str(strip))))
@@ -344,7 +345,7 @@ def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):
     layout = json.loads((r["run_dir"] / "run.json").read_text())["layout"]
     assert (layout["kind"], layout["clip_frames"], layout["use_clip"]) == ("magref", 8, True)
     base = dict(model="tiny-magref", elements=els, element_specs=MAGREF_ELEMENTS, height=32, width=32, num_frames=9,
-                steps=2, device="cpu", reference_layout="magref", out=str(tmp_path / "v.mp4"))
+                steps=2, device="cpu", conditioning=MAGREF, out=str(tmp_path / "v.mp4"))
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape == (1, 20, 3, 4, 4)

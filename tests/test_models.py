@@ -350,8 +350,8 @@ def test_wan22_pair_matches_diffusers(kind, wan22_t2v_dir, wan22_i2v_dir):
     pipe = A2Pipeline.from_pretrained(d)
     calls = hook_experts(pipe)
     x = pil_to_tensor(image)[None, None] if kind == "i2v" else None
-    out = pipe(kw["prompt"], x, x, (1,) if kind == "i2v" else (), negative_prompt="blurry", height=h, width=w,
-               num_frames=f, num_inference_steps=steps, guidance_scale=5.0, guidance_scale_2=3.0,
+    out = pipe(kw["prompt"], x, x, layout=pipe.plan(f, (1,) if kind == "i2v" else ()), negative_prompt="blurry",
+               height=h, width=w, num_inference_steps=steps, guidance_scale=5.0, guidance_scale_2=3.0,
                generator=torch.Generator().manual_seed(7), decode="none", progress=False)  # the model's own sampler
     assert out["latents"].shape == expected.shape
     assert (out["latents"] - expected).abs().max().item() <= 1e-5

@@ -24,13 +24,13 @@ def test_one_reference_matches_diffusers_wan_i2v(tiny_dir):
 
     pipe = A2Pipeline.from_pretrained(tiny_dir)
     x = pil_to_tensor(image)[None, None]  # (1, 1, 3, H, W): the VAE path sees the image as given
-    out = pipe(prompt, x, x, (1,), negative_prompt=negative, height=h, width=w, num_frames=f,
+    out = pipe(prompt, x, x, layout=pipe.plan(f, (1,)), negative_prompt=negative, height=h, width=w,
                num_inference_steps=steps, guidance_scale=5.0, generator=torch.Generator().manual_seed(7),
                decode="none", progress=False)  # the shift, schedule and posterior mean: the model's own
     assert out["latents"].shape == expected.shape
     assert (out["latents"] - expected).abs().max().item() <= 1e-5
     # and the test can fail: another seed moves the output far beyond the tolerance
-    other = pipe(prompt, x, x, (1,), negative_prompt=negative, height=h, width=w, num_frames=f,
+    other = pipe(prompt, x, x, layout=pipe.plan(f, (1,)), negative_prompt=negative, height=h, width=w,
                  num_inference_steps=steps, generator=torch.Generator().manual_seed(8), decode="none",
                  progress=False)
     assert (other["latents"] - expected).abs().max().item() > 1e-2

@@ -348,7 +348,8 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n, tmp_path):
         elements = [A2_ELEMENTS[0], replace(A2_ELEMENTS[1], repeat=4)] if n == 2 else A2_ELEMENTS
         refs, clips, reps, _ = load_references(list(zip(elements, paths)), (h, w), (512, 512))
         assert reps == repeats
-        out = pipe("a man in the forest", refs, clips, reps, negative_prompt="bad", height=h, width=w, num_frames=f,
-                   num_inference_steps=3, generator=torch.Generator().manual_seed(42), decode="none", progress=False)
+        out = pipe("a man in the forest", refs, clips, layout=pipe.plan(f, reps), negative_prompt="bad", height=h,
+                   width=w, num_inference_steps=3, generator=torch.Generator().manual_seed(42), decode="none",
+                   progress=False)
     assert torch.equal(out["condition"], condition)
     assert torch.equal(out["latents"], latents)

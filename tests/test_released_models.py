@@ -430,8 +430,8 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     from a2.pipeline import A2Pipeline, encode_prompt, load_references
 
     pipe = A2Pipeline.from_pretrained(phantom_dir if kind == "phantom" else v3_dir)
-    own = kind_sampling(pipe.native_kind)  # what the call below leaves out: the kind's own sampler
-    assert (pipe.native_kind, own.flow_shift, own.schedule) == (
+    own = kind_sampling(pipe.info.native_kind)  # what the call below leaves out: the kind's own sampler
+    assert (pipe.info.native_kind, own.flow_shift, own.schedule) == (
         ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
     images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
     refs, _, repeats, _ = load_references(items, (32, 48))
@@ -441,7 +441,7 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     scales = dict(phantom=(7.5, 5.0), v3=(1.0, None), **{"v3-cfg": (5.0, 2.0)})[kind]
 
     seen, handle = record_forwards(pipe.transformer)
-    ours = pipe(prompt, refs, None, repeats, negative_prompt=negative, height=32, width=48, num_frames=frames,
+    ours = pipe(prompt, refs, None, layout=pipe.plan(frames, repeats), negative_prompt=negative, height=32, width=48,
                 num_inference_steps=steps, guidance_scale=scales[0], guidance_scale_img=scales[1],
                 generator=torch.Generator().manual_seed(3), decode="none", progress=False)
     a2_calls, seen[:] = list(seen), []
@@ -472,8 +472,8 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
 def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path):
     """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
     the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
-    from a2.conditioning import plan, sampling_layout
-    from config import A2_ELEMENTS, ConfigError, Element, VaeProcessorConfig
+    from a2.conditioning import plan, sampling_plan
+    from config import A2_ELEMENTS, ConditioningConfig, ConfigError, Element, VaeProcessorConfig
 
     five = tuple(Element(f"e{i}", (f"_{i}.png",), position=i) for i in range(5))
     p, v = detect_model(phantom_dir), detect_model(v3_dir)
@@ -494,10 +494,10 @@ def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny
     with pytest.raises(ConfigError) as e:
         plan(p, A2_ELEMENTS, vae, 9, e2v_type="dual")
     one_line(e, str(phantom_dir), "no CLIP image branch", "--e2v-type vae")
-    with pytest.raises(ValueError, match="at most 4"):
-        sampling_layout(None, False, 9, (1,) * 5, references=True, native_kind="v3")
-    with pytest.raises(ValueError, match="own phantom layout"):
-        sampling_layout(None, False, 9, (1,), references=True, reference_layout="incontext", native_kind="phantom")
+    with pytest.raises(ConfigError, match="at most 4"):
+        sampling_plan(v, (1,) * 5, ConditioningConfig(), 9)
+    with pytest.raises(ConfigError, match="own phantom layout"):
+        sampling_plan(p, (1,), ConditioningConfig(reference_layout="incontext"), 9)
     assert detect_model(tiny_t2v_dir).native_kind is None  # the kinds come from the weights, nothing else
 
 

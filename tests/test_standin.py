@@ -2,7 +2,6 @@
 cached K/V sampling is the uncached one, a2's forward is Stand-In's (tests/their_standin.py, written from their
 code), the restriction costs less than the extra tokens, and Stand-In's LoRA file loads with clear errors."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,12 +13,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from a2 import standin
 from a2.transformer import TEXT_TOKENS, preset_config
-from config import Element
+from config import ConditioningConfig, Element
 from tests.their_standin import TheirStandIn, their_sampling
 
 RANK = 8
 GRID = (3, 8, 12)  # latent frames, height, width of the video: 3 x 4 x 6 = 72 tokens
 REF = (6, 6)  # the reference latent: 3 x 3 = 9 tokens
+STANDIN = ConditioningConfig(reference_layout="standin")
 
 
 def tiny_t2v(seed=0):
@@ -233,12 +233,11 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
     packed after the video's 60x104 ones in one latent frame (zero padded) and read back exactly, 32x32 = 1024
     reference tokens (at time -1, past the 30x52 token grid), as their model was trained.
     A reference latent that does not fit in whole frames of a small video takes several (4x6 latents: 171 frames)."""
-    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, sampling_layout
+    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, sampling_plan
     from a2.tiny import model_path
     from a2.transformer import detect_model
 
-    layout = sampling_layout(SimpleNamespace(in_channels=16), False, 1, (1,), references=True,
-                             reference_layout="standin")  # what A2Pipeline samples a 480x832 Wan T2V video with
+    layout = sampling_plan(detect_model(model_path("tiny-t2v")), (1,), STANDIN, 1)  # a 480x832 Wan T2V video's
     assert layout == make_layout("standin", 1, (1,), e2v_type="vae")
     assert layout.reference_size == standin.REFERENCE_SIZE == (512, 512)
     assert layout.reference_grid == (64, 64) and "512x512" in layout.describe()
@@ -352,7 +351,7 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
                                                                with_kwargs=True)
 
     def sample(ref):
-        return pipe("a face", ref, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=3,
+        return pipe("a face", ref, None, layout=pipe.plan(9, (1,)), height=h, width=w, num_inference_steps=3,
                     guidance_scale=5.0, generator=torch.Generator().manual_seed(0), decode="none",
                     progress=False)["latents"]  # the file's kind, its encode
 
@@ -369,13 +368,15 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     assert torch.equal(cached, again) and (cached - uncached).abs().max() <= BOUND
     assert (cached - other).abs().max() > 100 * BOUND
     with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2"):
-        pipe("a face", torch.cat(refs, 1), None, (1, 1), height=h, width=w, num_frames=9, num_inference_steps=1,
-             reference_layout="standin", progress=False, decode="none")
+        pipe("a face", torch.cat(refs, 1), None, layout=pipe.plan(9, (1,)), height=h, width=w, num_inference_steps=1,
+             progress=False, decode="none")
+    with pytest.raises(ValueError, match="the standin kind takes 1 to 1 element image"):
+        pipe.plan(9, (1, 1))
     video_sized = load_references([(Element("face", ()), shared_data / "a2_human.png")], (h, w))[0]
     with pytest.raises(ValueError, match=r"Stand-In's reference is a 512x512 image \(its face crop\) whatever the "
                                          r"video's size, got 32x48"):
-        pipe("a face", video_sized, None, (1,), height=h, width=w, num_frames=9, num_inference_steps=1,
-             reference_layout="standin", progress=False, decode="none")
+        pipe("a face", video_sized, None, layout=pipe.plan(9, (1,), STANDIN), height=h, width=w,
+             num_inference_steps=1, progress=False, decode="none")
 
 
 def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
@@ -411,7 +412,7 @@ def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
     wan = train(*args(data_dir, tmp_path, "wan", "--max-steps", "1", "--lr", "5e-2", "--warmup-steps", "0",
                       "--dataset-type", "t2v", "--num-frames", "9", model="tiny-t2v"))["weights"]
     base = dict(model="tiny-t2v", elements=(str(data_dir / "000_person.png"),), element_specs=("subject=_person.png",),
-                height=32, width=32, num_frames=9, steps=2, device="cpu", reference_layout="standin",
+                height=32, width=32, num_frames=9, steps=2, device="cpu", conditioning=STANDIN,
                 out=str(tmp_path / "v.mp4"))
     runs = {}
     for name, lora in (("base", ()), ("standin", (str(r["weights"]),)), ("both", (str(r["weights"]), str(wan)))):
@@ -474,9 +475,9 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
                                                         with_kwargs=True)
 
     def sample(sigmas=None):  # the kind (the file's), Euler, shift 5 and the schedule: the defaults of its file
-        return pipe(prompt, pil_to_tensor(image)[None, None], None, (1,), negative_prompt=negative, height=h, width=w,
-                    num_frames=frames, num_inference_steps=steps, guidance_scale=5.0, sigmas=sigmas,
-                    generator=torch.Generator().manual_seed(seed), decode="none", progress=False)
+        return pipe(prompt, pil_to_tensor(image)[None, None], None, layout=pipe.plan(frames, (1,)),
+                    negative_prompt=negative, height=h, width=w, num_inference_steps=steps, guidance_scale=5.0,
+                    sigmas=sigmas, generator=torch.Generator().manual_seed(seed), decode="none", progress=False)
 
     ours = sample()
     calls, computed = list(seen), [n > 3 * (h // 16) * (w // 16) for n in lengths]
@@ -533,7 +534,7 @@ def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monk
         assert all(standin.THEIR_KEY.fullmatch(k) for k in state) and len(state) == 6 * 2
         assert any(v.abs().max() > 0 for k, v in state.items() if ".up." in k)  # trained away from the zero init
     element = str(data_dir / "000_person.png")
-    base = dict(model="tiny-wan22-t2v", reference_layout="standin", elements=(element,),
+    base = dict(model="tiny-wan22-t2v", conditioning=STANDIN, elements=(element,),
                 element_specs=("subject=_person.png",), height=32, width=32, num_frames=9, steps=4, device="cpu",
                 out=str(tmp_path / "v.mp4"))
     runs = {}

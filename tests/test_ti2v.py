@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from config import ConditioningConfig
 from tests.conftest import args, train
 
 H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
@@ -183,7 +184,8 @@ def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
     assert pipe.expand_timesteps and pipe.flow_shift == 5.0
 
     def ours(seed, **extra):
-        return pipe(prompt, negative_prompt=negative, height=H, width=W, num_frames=F, num_inference_steps=steps,
+        return pipe(prompt, layout=pipe.plan(F, first_frame="first_frame" in extra), negative_prompt=negative, height=H,
+                    width=W, num_inference_steps=steps,
                     guidance_scale=5.0, generator=torch.Generator().manual_seed(seed), decode="none", progress=False,
                     **extra)["latents"]
 
@@ -224,7 +226,7 @@ def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
     from config import TrainConfig, dataset_configs
 
     cfg = TrainConfig(model="tiny-ti2v", data_root=str(data_dir), resolution=(32, 32), num_frames=17,
-                      frame_conditioning="first")
+                      conditioning=ConditioningConfig(frame_conditioning="first"))
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)[0]])
@@ -232,7 +234,8 @@ def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
         x0, cond = encode(pipe.vae, run.layout, batch["video"], None, None, run.encode_mode)  # the kind's own
     clean = cond.clean
     assert cond.kind == "clean" and x0.shape == (1, 48, 5, 2, 2) and clean.shape == (1, 48, 1, 2, 2)
-    out = pipe("x", height=32, width=32, num_frames=17, num_inference_steps=1, first_frame=batch["video"][:, :, 0],
+    out = pipe("x", layout=pipe.plan(17, first_frame=True), height=32, width=32, num_inference_steps=1,
+               first_frame=batch["video"][:, :, 0],
                generator=torch.Generator().manual_seed(0), decode="none", progress=False)
     assert torch.equal(out["condition"], clean)
     assert torch.equal(out["latents"][:, :, :1], clean)  # the result keeps the given frame
@@ -302,7 +305,7 @@ def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
     assert run["layout"]["kind"] == "incontext" and run["layout"]["e2v_type"] == "vae" and not run["layout"]["expand"]
     assert (r["run_dir"] / "samples" / "step-0000003.mp4").exists()
     base = dict(model="tiny-ti2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
-                reference_layout="incontext", reference_timestep="zero", decode="none")
+                conditioning=ConditioningConfig(reference_layout="incontext", reference_timestep="zero"), decode="none")
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt", weights_only=True)
     assert saved["latents"].shape == (1, 48, 3, 2, 2) and saved["condition"].shape == (1, 48, 3, 2, 2)

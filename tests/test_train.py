@@ -204,7 +204,7 @@ def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     with torch.no_grad():
         want = prepare_latents(pipe.vae, make_layout("prefix", 21, repeats), references=refs, sample_mode="sample",
                                generator=g)
-    out = pipe("x", refs, clips, repeats, height=32, width=32, num_frames=21, num_inference_steps=1,
+    out = pipe("x", refs, clips, layout=pipe.plan(21, repeats), height=32, width=32, num_inference_steps=1,
                generator=torch.Generator().manual_seed(3), decode="none", progress=False, sample_mode="sample")
     assert torch.equal(out["condition"], want.condition)  # A2's draw order (a Wan2.1 I2V dir takes the mean)
     assert not torch.equal(train_cond.condition, want.condition)  # a different posterior draw is visible...
