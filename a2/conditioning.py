@@ -34,6 +34,8 @@ A run's layout has one `kind`:
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
   plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
+                       From config.ConditioningConfig (flags and processors.vae alike); sampling_plan is the same
+                       plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it is given.
   reference_pixels     the element images as the kind takes them (framed per element, or magref's one canvas).
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
