@@ -83,12 +83,16 @@ def test_resolution_is_one_name_across_clis():
     import bench
     import infer
 
-    # infer.py's default model is the built-in tiny one, sampled at the README demo's 64x64 unless told
+    # infer.py's default model is the built-in tiny one, sampled at 64x64 unless told (infer.resolve, in its main)
     for cls, default in ((infer.InferConfig, (64, 64)), (bench.BenchConfig, (64, 64))):
-        a = tyro.cli(cls, args=["--resolution", "32", "48"])
-        b = tyro.cli(cls, args=["--height", "32", "--width", "48"])
+        def parse(*argv, cls=cls):
+            cfg = tyro.cli(cls, args=list(argv))
+            return infer.resolve(cfg)[0] if cls is infer.InferConfig else cfg
+
+        a = parse("--resolution", "32", "48")
+        b = parse("--height", "32", "--width", "48")
         assert (a.height, a.width) == (b.height, b.width) == (32, 48) and a.resolution == b.resolution == (32, 48)
-        c = tyro.cli(cls, args=[])
+        c = parse()
         assert (c.height, c.width) == default
         with pytest.raises(ValueError, match="disagree"):
             cls(resolution=(32, 48), height=64)
