@@ -16,9 +16,9 @@ import codecs
 import json
 import signal
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import tyro
 
@@ -27,6 +27,8 @@ import tyro
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
 REFERENCE_LAYOUTS = ("channel", "incontext", "magref", "standin")  # where element references enter the transformer
 REFERENCE_TIMESTEPS = ("shared", "zero")  # incontext: the timestep of the reference tokens
+# a2/conditioning.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "standin")
 
 
 def _on_off(args: list[str]) -> bool:
@@ -98,6 +100,37 @@ def run_cli(main, *args):
     except InputError as e:
         print(printable(f"error: {e}"), file=sys.stderr)
         sys.exit(2)
+
+
+def option_names(cls, prefix: str = "") -> list[str]:
+    """The --flags tyro makes of a config dataclass: --field-name, --nested.field-name, and their aliases."""
+    names = []
+    hints = get_type_hints(cls, include_extras=True)
+    for f in fields(cls):
+        hint, name = hints[f.name], prefix + f.name.replace("_", "-")
+        if is_dataclass(hint):
+            names += option_names(hint, name + ".")
+            continue
+        names.append(f"--{name}")
+        names += [a for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", None) or ()]
+    return names
+
+
+def parse_cli(cls, args=None, **kwargs):
+    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) is one line and
+    an unknown option one line naming the closest known ones (tyro's own answer quotes their whole help), exit 2."""
+    import difflib
+
+    cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+    if unknown:
+        flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
+        known = option_names(type(cfg))
+        close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
+        what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
+        print(f"error: {what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+              + "; --help lists the options", file=sys.stderr)
+        sys.exit(2)
+    return cfg
 
 
 def read_text(path) -> str:
@@ -1057,3 +1090,238 @@ class InferConfig:
     def __post_init__(self):
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
         height_width(self.height, self.width, self.resolution, (0, 0))  # --resolution and --height/--width agree
+
+
+# ---------------------------------------------------------------- benchmark (bench.py)
+
+
+@dataclass
+class BenchConfig:
+    """Time a training step (or the data loader) at a real shape with random weights."""
+
+    preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
+    """Transformer size: tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean kind), Wan 1.3B, Wan/A2 14B, or
+    Wan 2.2 TI2V 5B (random weights, no download)."""
+    frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
+    """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
+    height: int | None = None
+    """Video height in pixels, a multiple of 16 (default 64)."""
+    width: int | None = None
+    """Video width in pixels, a multiple of 16 (default 64)."""
+    resolution: tuple[int, int] | None = None
+    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
+    refs: int = 3
+    """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
+    layout: Literal[("default",) + KINDS] = "default"
+    """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
+    synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
+    model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
+    reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
+    canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
+    --lora-rank) trained instead of a peft LoRA."""
+    mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
+    """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
+    lora_rank: int = 32
+    """LoRA rank r (alpha = r)."""
+    batch: Annotated[int, tyro.conf.arg(aliases=("--micro-batch",))] = 1
+    """Samples per forward (train_a2.py: --micro-batch)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU when there is one."""
+    memory: Literal["auto", "manual"] = "auto"
+    """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
+    manual, and on the CPU: the three flags below."""
+    max_memory_gb: float | None = None
+    """Emulate a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA
+    allocator is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
+    checkpoint_fraction: float = 1.0
+    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
+    save_attention: bool = False
+    """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
+    offload_activations: bool = False
+    """What recomputed blocks keep for backward goes to pinned host memory (a2/offload.py); forced on under auto."""
+    swap_blocks: int = 0
+    """LoRA: this many blocks' frozen weights live in pinned host memory (a2/offload.py); a minimum under auto."""
+    fp8_base: bool = False
+    """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
+    fp8_matmul: bool = False
+    """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
+    compile: OnOffAuto = None
+    """torch.compile the transformer blocks (regional compilation); default: on with CUDA, off on the CPU (as
+    train_a2.py); --compile False: eager."""
+    attention_backend: str | None = None
+    """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it). auto: bfloat16 on a GPU, float32
+    on the CPU."""
+    steps: int = 5
+    """Timed training steps (loader: timed samples)."""
+    warmup: int = 2
+    """Untimed steps first (compilation, allocator warmup)."""
+    out: str | None = None
+    """Append the result as one JSON line to this file."""
+    data_root: str | None = None
+    """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
+    E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
+    num_workers: int = 0
+    """--data-root / --opens2v: DataLoader worker processes."""
+    opens2v: str | None = None
+    """Instead of the transformer: build a synthetic OpenS2V-5M layout in this dir (../shared/data's hiker.mp4 looped
+    to 81 frames at 1280x720 with a2_human.png composited under a known mask, --clips records in one part JSON of the
+    published schema), time `data.py index opens2v` on it (clips/s, MB/s of JSON), then the loader on 8 of its clips
+    at frames x height x width (samples/s, element images built from the RLE masks on the fly)."""
+    clips: int = 20000
+    """--opens2v: records in the part JSON."""
+    check_backends: tuple[str, ...] = ()
+    """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
+    attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+    dry_run: bool = False
+    """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
+    memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
+    category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
+    context_parallel: int = 1
+    """With --dry-run: one rank of a context-parallel group of N (a2/parallel.py, emulated in one process): the plan
+    and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
+    attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
+    train_a2.py --context-parallel N.)"""
+    align_refs: int = 0
+    """Reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence), 0: none
+    (see the module docstring)."""
+    align_loss: bool = True
+    """With --align-refs: add RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence
+    without it, the baseline of its cost."""
+    align_dim: Literal[768, 1024] = 768
+    """Width of the random DINOv3 target model: 768 ViT-B/16 (RefAlign's for 1.3B), 1024 ViT-L/16 (for 14B)."""
+    align_blocks: tuple[int, ...] = tuple(range(9))
+    """Blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, clipped)."""
+    compare_run: str | None = None
+    """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
+    the first logged interval) against this step's, as the training loop's overhead over the bare step."""
+
+    def __post_init__(self):
+        self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
+        self.resolution = (self.height, self.width)
+
+
+# ---------------------------------------------------------------- data.py's commands (a2/public_data.py's indexes)
+
+
+@dataclass
+class MakeSample:
+    """Write a tiny synthetic E2V dataset (videos, captions, element images)."""
+
+    out: tyro.conf.Positional[str]
+    """Dir to write the dataset into (created)."""
+    num_samples: int = 4
+    """Number of samples (clips)."""
+    num_frames: int = 33
+    """Frames per clip."""
+    height: int = 64
+    """Frame height in pixels."""
+    width: int = 64
+    """Frame width in pixels."""
+
+
+@dataclass
+class Validate(TrainConfig):
+    """Check a dataset as `train_a2.py` with the same flags reads it (give it the training command's flags), print
+    the summary and every problem; exit status 2 when a problem would stop training."""
+
+    world_size: int = 1
+    """Processes of the training run (torchrun: nproc_per_node x nnodes): with --micro-batch and --grad-accum it
+    makes the global batch that each bucket must fill to be trained."""
+
+
+@dataclass
+class IndexOpenS2V:
+    """Index OpenS2V-5M as downloaded (Videos/total_partN/, Background/total_partN/, Jsons/mask_and_bbox_High-
+    Quality/total_partN.json): streams each part's JSON (never loaded whole), one part at a time, resumable."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir (Videos/, Background/, Jsons/)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    min_crop_ratio: float = 0.1
+    """Drop a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
+    min_aes: float = 4.5
+    """Keep a mask with aesthetic score >= this, or (next flag) GME score >= that (BindWeave: 4.5)."""
+    min_gme: float = 0.6
+    """...or GME score >= this (BindWeave: 0.6)."""
+    min_background_aes: float = 0.0
+    """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
+    which keeps almost none; the demo dataloader keeps all)."""
+    background: bool = True
+    """Use the Background png (a clip without it is kept without a background, counted and named in the report);
+    --no-background indexes no background."""
+    cross_pairs: str | None = None
+    """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
+    --cross-video (the reference from a paired clip)."""
+
+    def rule(self) -> str:
+        return (f"subject/object masks by word_tags (subject+pre_define -> subject, object -> object); a mask is kept "
+                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}), the "
+                f"largest subject crop when no subject mask is kept; references: every kept mask, largest first "
+                f"(A2's subject / object: the largest of each); background png if found and background_ase_score >= "
+                f"{self.min_background_aes}, else none")
+
+
+@dataclass
+class IndexPhantom:
+    """Index Phantom-Data (koala36M_multi_ref_merged_filtered.parquet + the clips you downloaded), streamed in
+    row groups (one resumable part each)."""
+
+    root: tyro.conf.Positional[str]
+    """Dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    videos: str | None = None
+    """Dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
+    parquet: str | None = None
+    """The training meta parquet (default ROOT/koala36M_multi_ref_merged_filtered.parquet)."""
+
+    def rule(self) -> str:
+        return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
+                "phrase/box class first (A2's subject), the others in phrase order (the first: A2's object); box "
+                "(768 canvas) scaled to the frame and clipped")
+
+
+@dataclass
+class IndexHumoSet:
+    """Index HuMoSet (video/, reference_image/, video_caption.parquet): the reference photo is the subject."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+
+    def rule(self) -> str:
+        return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
+
+
+@dataclass
+class ExportElements:
+    """Write the element images training builds from an index: DIR/<clip key>/<element>.png + DIR/produced.json."""
+
+    manifest: str
+    """The index.jsonl of `data.py index`."""
+    out: str
+    """Dir to write into (created)."""
+    sam: str | None = None
+    """Segment box/photo references with this local SAM dir (as training with --sam)."""
+    cross_video: bool = False
+    """Take subject/object from a paired clip of the same cluster (as training with --cross-video)."""
+    limit: int = 0
+    """Export only the first N clips (0: all)."""
+
+
+IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
+    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+
+# `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
+DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
+               | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
+               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand)]
+               | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])

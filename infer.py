@@ -16,12 +16,10 @@ and compare a LoRA with its base model over a prompt list.
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    import tyro
-
-    from config import InferConfig, exit_on_signal, run_cli
+    from config import InferConfig, exit_on_signal, parse_cli
 
     exit_on_signal("the videos written so far are kept; the same command renders again")
-    CLI_CONFIG = run_cli(tyro.cli, InferConfig)
+    CLI_CONFIG = parse_cli(InferConfig)
 
 import csv
 import json
