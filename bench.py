@@ -34,18 +34,21 @@ each step (training without a cache); the memory plan counts both. Its cost: aga
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    from config import BenchConfig, exit_on_signal, parse_cli
+
+    exit_on_signal("a benchmark keeps nothing; run it again")
+    CLI_CONFIG = parse_cli(BenchConfig)
+
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
-import tyro
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from a2 import align
-from a2.conditioning import KIND_DEFS, KINDS, kind_sampling, kind_weights, make_layout, prepare_model
+from a2.conditioning import KIND_DEFS, kind_sampling, kind_weights, make_layout, prepare_model
 from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
 from a2.transformer import (
     CLIP_TOKENS,
@@ -58,128 +61,16 @@ from a2.transformer import (
 )
 from config import (
     LORA_TARGETS,
+    BenchConfig,
     ConfigError,
     Element,
-    OnOffAuto,
     TrainConfig,
-    exit_on_signal,
-    height_width,
     resolve_compile,
     run_cli,
 )
 from train_a2 import Run, forward_loss, model_inputs, synthetic_batch, zero_batch
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
-
-
-@dataclass
-class BenchConfig:
-    """Time a training step (or the data loader) at a real shape with random weights."""
-
-    preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
-    """Transformer size: tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean kind), Wan 1.3B, Wan/A2 14B, or
-    Wan 2.2 TI2V 5B (random weights, no download)."""
-    frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
-    """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
-    height: int | None = None
-    """Video height in pixels, a multiple of 16 (default 64)."""
-    width: int | None = None
-    """Video width in pixels, a multiple of 16 (default 64)."""
-    resolution: tuple[int, int] | None = None
-    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
-    refs: int = 3
-    """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
-    layout: Literal[("default",) + KINDS] = "default"
-    """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
-    synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
-    model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
-    reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
-    canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
-    --lora-rank) trained instead of a peft LoRA."""
-    mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
-    """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
-    lora_rank: int = 32
-    """LoRA rank r (alpha = r)."""
-    batch: Annotated[int, tyro.conf.arg(aliases=("--micro-batch",))] = 1
-    """Samples per forward (train_a2.py: --micro-batch)."""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """auto: the GPU when there is one."""
-    memory: Literal["auto", "manual"] = "auto"
-    """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
-    manual, and on the CPU: the three flags below."""
-    max_memory_gb: float | None = None
-    """Emulate a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA
-    allocator is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
-    gradient_checkpointing: bool = False
-    """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
-    checkpoint_fraction: float = 1.0
-    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
-    save_attention: bool = False
-    """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
-    offload_activations: bool = False
-    """What recomputed blocks keep for backward goes to pinned host memory (a2/offload.py); forced on under auto."""
-    swap_blocks: int = 0
-    """LoRA: this many blocks' frozen weights live in pinned host memory (a2/offload.py); a minimum under auto."""
-    fp8_base: bool = False
-    """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
-    fp8_matmul: bool = False
-    """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
-    compile: OnOffAuto = None
-    """torch.compile the transformer blocks (regional compilation); default: on with CUDA, off on the CPU (as
-    train_a2.py); --compile False: eager."""
-    attention_backend: str | None = None
-    """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16" if torch.cuda.is_available() else "float32"
-    """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it)."""
-    steps: int = 5
-    """Timed training steps (loader: timed samples)."""
-    warmup: int = 2
-    """Untimed steps first (compilation, allocator warmup)."""
-    out: str | None = None
-    """Append the result as one JSON line to this file."""
-    data_root: str | None = None
-    """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
-    E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
-    num_workers: int = 0
-    """--data-root / --opens2v: DataLoader worker processes."""
-    opens2v: str | None = None
-    """Instead of the transformer: build a synthetic OpenS2V-5M layout in this dir (../shared/data's hiker.mp4 looped
-    to 81 frames at 1280x720 with a2_human.png composited under a known mask, --clips records in one part JSON of the
-    published schema), time `data.py index opens2v` on it (clips/s, MB/s of JSON), then the loader on 8 of its clips
-    at frames x height x width (samples/s, element images built from the RLE masks on the fly)."""
-    clips: int = 20000
-    """--opens2v: records in the part JSON."""
-    check_backends: tuple[str, ...] = ()
-    """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
-    attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
-    peak_tflops: float | None = None
-    """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
-    dry_run: bool = False
-    """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
-    memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
-    category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
-    context_parallel: int = 1
-    """With --dry-run: one rank of a context-parallel group of N (a2/parallel.py, emulated in one process): the plan
-    and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
-    attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
-    train_a2.py --context-parallel N.)"""
-    align_refs: int = 0
-    """Reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence), 0: none
-    (see the module docstring)."""
-    align_loss: bool = True
-    """With --align-refs: add RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence
-    without it, the baseline of its cost."""
-    align_dim: Literal[768, 1024] = 768
-    """Width of the random DINOv3 target model: 768 ViT-B/16 (RefAlign's for 1.3B), 1024 ViT-L/16 (for 14B)."""
-    align_blocks: tuple[int, ...] = tuple(range(9))
-    """Blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, clipped)."""
-    compare_run: str | None = None
-    """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
-    the first logged interval) against this step's, as the training loop's overhead over the bare step."""
-
-    def __post_init__(self):
-        self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
-        self.resolution = (self.height, self.width)
 
 
 def host_rss() -> float:
@@ -508,7 +399,7 @@ def main(b: BenchConfig) -> dict:
     use_expandable_segments()  # as train_a2.py: before CUDA initialises
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = getattr(torch, b.dtype)
+    dtype = getattr(torch, b.dtype if b.dtype != "auto" else "bfloat16" if cuda else "float32")
     if b.context_parallel > 1:
         raise SystemExit("bench.py --context-parallel N goes with --dry-run (one rank's plan and trace); time a CP "
                          "step with train_a2.py --context-parallel N under torchrun")
@@ -622,8 +513,7 @@ def main(b: BenchConfig) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_signal("a benchmark keeps nothing; run it again")
-    b = tyro.cli(BenchConfig)
+    b = CLI_CONFIG
     if b.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
         raise SystemExit(0 if run_cli(dry_run, b)["fits"] else 3)
     run_cli(check_backends if b.check_backends else bench_opens2v if b.opens2v else bench_loader if b.data_root else

@@ -16,15 +16,17 @@ import codecs
 import json
 import signal
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import tyro
 
 # the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
 # how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
+# a2/conditioning.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
+KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "standin")
 
 
 def _on_off(args: list[str]) -> bool:
@@ -96,6 +98,37 @@ def run_cli(main, *args):
     except InputError as e:
         print(printable(f"error: {e}"), file=sys.stderr)
         sys.exit(2)
+
+
+def option_names(cls, prefix: str = "") -> list[str]:
+    """The --flags tyro makes of a config dataclass: --field-name, --nested.field-name, and their aliases."""
+    names = []
+    hints = get_type_hints(cls, include_extras=True)
+    for f in fields(cls):
+        hint, name = hints[f.name], prefix + f.name.replace("_", "-")
+        if is_dataclass(hint):
+            names += option_names(hint, name + ".")
+            continue
+        names.append(f"--{name}")
+        names += [a for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", None) or ()]
+    return names
+
+
+def parse_cli(cls, args=None, **kwargs):
+    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) is one line and
+    an unknown option one line naming the closest known ones (tyro's own answer quotes their whole help), exit 2."""
+    import difflib
+
+    cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+    if unknown:
+        flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
+        known = option_names(type(cfg))
+        close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
+        what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
+        print(f"error: {what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+              + "; --help lists the options", file=sys.stderr)
+        sys.exit(2)
+    return cfg
 
 
 def read_text(path) -> str:
@@ -245,7 +278,8 @@ class ConditioningConfig:
     clean latents appended after the video latents on the time axis, as Phantom-Wan and SkyReels-V3 R2V do (a T2V
     model trains as it is; --num-frames then counts the video alone). magref: MAGREF's layout on a Wan I2V model,
     the elements pasted on one white canvas that is the I2V first frame and the CLIP image (--num-frames counts the
-    canvas frame). standin: Stand-In's reference tokens on a Wan T2V model, one face crop framed to 512x512. A
+    canvas frame; sampling drops its first 4 frames, as MAGREF does). standin: Stand-In's reference tokens on a Wan
+    T2V model, one face crop framed to 512x512 whatever the video's size (infer.py loads its file with --lora). A
     released model (Phantom-Wan, SkyReels-V3, MAGREF, RefAlign) and a Stand-In LoRA file choose their own."""
     reference_timestep: Literal["shared", "zero"] = "shared"
     """The timestep of in-context reference tokens: shared gives them the sample's (Phantom-Wan, SkyReels-V3), zero
@@ -932,3 +966,373 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
     return cfgs + [replace(cfgs[0], data_root=str(manifest.parent), manifest=str(manifest), weight=1.0, eval=True,
                            source="--eval-manifest")]
 
+
+# ---------------------------------------------------------------- inference (infer.py)
+
+
+@dataclass
+class InferConfig:
+    model: str = "tiny"
+    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
+    a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
+    a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
+    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref,
+    tiny-refalign; sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with
+    random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
+    transformer: str | None = None
+    """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
+    T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
+    transformer_2: str | None = None
+    """Wan 2.2 A14B: a low-noise expert dir replacing the model's transformer_2 (runs/<run>/transformer_2)."""
+    image_encoder: str | None = None
+    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
+    model dir has none (a T2V base expanded to E2V)."""
+    components: str | None = None
+    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
+    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
+    (MAGREF) from the Hub."""
+    elements: tuple[str, ...] = ()
+    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
+    Empty for a T2V model (text only)."""
+    image: str | None = None
+    """Wan 2.2 TI2V-5B image-to-video: the first frame of the video (resized to --height x --width with Lanczos, as
+    diffusers' VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
+    element_specs: tuple[str, ...] = ()
+    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
+    Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
+    preset: Literal["v3-distilled"] | None = None
+    """Another of the lab's own entry points for its model (a2.conditioning.Kind.modes): v3-distilled, SkyReels-V3's
+    released generate_video: 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset every flag
+    left out is the model's own sampler's (its kind's Sampling: Phantom-Wan 50 steps, guidance 7.5 / 5, Wan's
+    Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, empty negative prompt, 24 fps; MAGREF its UniPC from
+    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift
+    5, 20 steps, seed 0, the noise on the CPU, 25 fps; the references' VAE encode as each lab's)."""
+    prompt: str = "A man is holding a teddy bear in the forest."
+    """Text prompt of the video."""
+    negative_prompt: str | None = None
+    """Negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
+    height: int | None = None
+    """Video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
+    width: int | None = None
+    """Video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
+    resolution: tuple[int, int] | None = None
+    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
+    num_frames: int | None = None
+    """4k+1 pixel frames generated in all, reference frames included (default 81, A2's, of which 12 are references; a
+    built-in tiny model: 33)."""
+    steps: int | None = None
+    """Denoising steps of the sampler (default: the model's own sampler's, 50; a built-in tiny model: 10)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
+    guidance_scale_img: float | None = None
+    """Reference guidance of the in-context kinds as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
+    references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same as 1)."""
+    guidance_scale_2: float | None = None
+    """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
+    seed: int | None = None
+    """Seed of the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the
+    model's own sampler's, 42; Stand-In 0)."""
+    flow_shift: float | None = None
+    """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
+    scheduler: Literal["unipc", "euler"] | None = None
+    """Sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
+    schedule: Literal["model", "flowmatch"] = "model"
+    """The sampler's unshifted sigmas: the model's (its kind's own: a released model's, else diffusers'), or
+    flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
+    linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
+    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
+    """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
+    flags it trained with."""
+    clip_size: int = 512
+    """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
+    decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
+    """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
+    lora: tuple[str, ...] = ()
+    """LoRA files or dirs (several compose): diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original
+    Wan / ComfyUI keys (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys
+    (`lora_unet_`), a peft `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors), or a
+    Stand-In file (its `self_attn.q_loras` keys: the reference LoRA of --reference-layout standin; an ordinary LoRA
+    beside it adapts every token, as Stand-In's infer_with_lora.py)."""
+    lora_high: str | None = None
+    """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
+    lora_low: str | None = None
+    """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
+    lora_scale: float = 1.0
+    """Multiplier of the LoRA update (1: as trained)."""
+    force: bool = False
+    """Load a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load, the rest
+    are skipped (without it such a file is refused)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of all model weights and of the computation."""
+    device: str = "auto"
+    """Torch device to run on (cuda, cuda:1, cpu). auto: the GPU when there is one, else the CPU."""
+    out: str = "outputs/a2.mp4"
+    """Output mp4 path."""
+    fps: int | None = None
+    """Frames per second of the written mp4 (default: the model's own, 15 for A2)."""
+    side_by_side: bool = True
+    """Show the reference images left of each frame, as A2's infer.py does."""
+    save_latents: str | None = None
+    """Write the final latents and the condition tensor here (a parity reference)."""
+    compare: str | None = None
+    """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
+    tolerance: float = 1e-4
+    """--compare: largest max |Δ| per tensor that passes."""
+    prompts_file: str | None = None
+    """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
+    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
+    side (left: base, right: LoRA): one mp4 per prompt."""
+    eval_set: str | None = None
+    """An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside its Images/): render one
+    <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. Or score the model (and
+    a --lora against it) on a2's own metrics: a .jsonl file, one video per row: {"prompt": "...", "elements":
+    {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
+    ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
+    rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
+    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with
+    the base vs LoRA deltas."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
+    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
+    out_dir: str = "outputs/eval"
+    """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
+
+    def __post_init__(self):
+        self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
+        height_width(self.height, self.width, self.resolution, (0, 0))  # --resolution and --height/--width agree
+
+
+# ---------------------------------------------------------------- benchmark (bench.py)
+
+
+@dataclass
+class BenchConfig:
+    """Time a training step (or the data loader) at a real shape with random weights."""
+
+    preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
+    """Transformer size: tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean kind), Wan 1.3B, Wan/A2 14B, or
+    Wan 2.2 TI2V 5B (random weights, no download)."""
+    frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
+    """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
+    height: int | None = None
+    """Video height in pixels, a multiple of 16 (default 64)."""
+    width: int | None = None
+    """Video width in pixels, a multiple of 16 (default 64)."""
+    resolution: tuple[int, int] | None = None
+    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
+    refs: int = 3
+    """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
+    layout: Literal[("default",) + KINDS] = "default"
+    """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
+    synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
+    model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
+    reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
+    canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
+    --lora-rank) trained instead of a peft LoRA."""
+    mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
+    """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
+    lora_rank: int = 32
+    """LoRA rank r (alpha = r)."""
+    batch: Annotated[int, tyro.conf.arg(aliases=("--micro-batch",))] = 1
+    """Samples per forward (train_a2.py: --micro-batch)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU when there is one."""
+    memory: Literal["auto", "manual"] = "auto"
+    """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
+    manual, and on the CPU: the three flags below."""
+    max_memory_gb: float | None = None
+    """Emulate a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA
+    allocator is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
+    checkpoint_fraction: float = 1.0
+    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
+    save_attention: bool = False
+    """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
+    offload_activations: bool = False
+    """What recomputed blocks keep for backward goes to pinned host memory (a2/offload.py); forced on under auto."""
+    swap_blocks: int = 0
+    """LoRA: this many blocks' frozen weights live in pinned host memory (a2/offload.py); a minimum under auto."""
+    fp8_base: bool = False
+    """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
+    fp8_matmul: bool = False
+    """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
+    compile: OnOffAuto = None
+    """torch.compile the transformer blocks (regional compilation); default: on with CUDA, off on the CPU (as
+    train_a2.py); --compile False: eager."""
+    attention_backend: str | None = None
+    """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it). auto: bfloat16 on a GPU, float32
+    on the CPU."""
+    steps: int = 5
+    """Timed training steps (loader: timed samples)."""
+    warmup: int = 2
+    """Untimed steps first (compilation, allocator warmup)."""
+    out: str | None = None
+    """Append the result as one JSON line to this file."""
+    data_root: str | None = None
+    """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
+    E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
+    num_workers: int = 0
+    """--data-root / --opens2v: DataLoader worker processes."""
+    opens2v: str | None = None
+    """Instead of the transformer: build a synthetic OpenS2V-5M layout in this dir (../shared/data's hiker.mp4 looped
+    to 81 frames at 1280x720 with a2_human.png composited under a known mask, --clips records in one part JSON of the
+    published schema), time `data.py index opens2v` on it (clips/s, MB/s of JSON), then the loader on 8 of its clips
+    at frames x height x width (samples/s, element images built from the RLE masks on the fly)."""
+    clips: int = 20000
+    """--opens2v: records in the part JSON."""
+    check_backends: tuple[str, ...] = ()
+    """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
+    attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+    dry_run: bool = False
+    """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
+    memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
+    category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
+    context_parallel: int = 1
+    """With --dry-run: one rank of a context-parallel group of N (a2/parallel.py, emulated in one process): the plan
+    and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
+    attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
+    train_a2.py --context-parallel N.)"""
+    align_refs: int = 0
+    """Reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence), 0: none
+    (see the module docstring)."""
+    align_loss: bool = True
+    """With --align-refs: add RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence
+    without it, the baseline of its cost."""
+    align_dim: Literal[768, 1024] = 768
+    """Width of the random DINOv3 target model: 768 ViT-B/16 (RefAlign's for 1.3B), 1024 ViT-L/16 (for 14B)."""
+    align_blocks: tuple[int, ...] = tuple(range(9))
+    """Blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, clipped)."""
+    compare_run: str | None = None
+    """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
+    the first logged interval) against this step's, as the training loop's overhead over the bare step."""
+
+    def __post_init__(self):
+        self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
+        self.resolution = (self.height, self.width)
+
+
+# ---------------------------------------------------------------- data.py's commands (a2/public_data.py's indexes)
+
+
+@dataclass
+class MakeSample:
+    """Write a tiny synthetic E2V dataset (videos, captions, element images)."""
+
+    out: tyro.conf.Positional[str]
+    """Dir to write the dataset into (created)."""
+    num_samples: int = 4
+    """Number of samples (clips)."""
+    num_frames: int = 33
+    """Frames per clip."""
+    height: int = 64
+    """Frame height in pixels."""
+    width: int = 64
+    """Frame width in pixels."""
+
+
+@dataclass
+class Validate(TrainConfig):
+    """Check a dataset as `train_a2.py` with the same flags reads it (give it the training command's flags), print
+    the summary and every problem; exit status 2 when a problem would stop training."""
+
+    world_size: int = 1
+    """Processes of the training run (torchrun: nproc_per_node x nnodes): with --micro-batch and --grad-accum it
+    makes the global batch that each bucket must fill to be trained."""
+
+
+@dataclass
+class IndexOpenS2V:
+    """Index OpenS2V-5M as downloaded (Videos/total_partN/, Background/total_partN/, Jsons/mask_and_bbox_High-
+    Quality/total_partN.json): streams each part's JSON (never loaded whole), one part at a time, resumable."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir (Videos/, Background/, Jsons/)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    min_crop_ratio: float = 0.1
+    """Drop a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
+    min_aes: float = 4.5
+    """Keep a mask with aesthetic score >= this, or (next flag) GME score >= that (BindWeave: 4.5)."""
+    min_gme: float = 0.6
+    """...or GME score >= this (BindWeave: 0.6)."""
+    min_background_aes: float = 0.0
+    """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
+    which keeps almost none; the demo dataloader keeps all)."""
+    background: bool = True
+    """Use the Background png (a clip without it is kept without a background, counted and named in the report);
+    --no-background indexes no background."""
+    cross_pairs: str | None = None
+    """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
+    --cross-video (the reference from a paired clip)."""
+
+    def rule(self) -> str:
+        return (f"subject/object masks by word_tags (subject+pre_define -> subject, object -> object); a mask is kept "
+                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}), the "
+                f"largest subject crop when no subject mask is kept; references: every kept mask, largest first "
+                f"(A2's subject / object: the largest of each); background png if found and background_ase_score >= "
+                f"{self.min_background_aes}, else none")
+
+
+@dataclass
+class IndexPhantom:
+    """Index Phantom-Data (koala36M_multi_ref_merged_filtered.parquet + the clips you downloaded), streamed in
+    row groups (one resumable part each)."""
+
+    root: tyro.conf.Positional[str]
+    """Dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    videos: str | None = None
+    """Dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
+    parquet: str | None = None
+    """The training meta parquet (default ROOT/koala36M_multi_ref_merged_filtered.parquet)."""
+
+    def rule(self) -> str:
+        return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
+                "phrase/box class first (A2's subject), the others in phrase order (the first: A2's object); box "
+                "(768 canvas) scaled to the frame and clipped")
+
+
+@dataclass
+class IndexHumoSet:
+    """Index HuMoSet (video/, reference_image/, video_caption.parquet): the reference photo is the subject."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir."""
+    out: tyro.conf.Positional[str]
+    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+
+    def rule(self) -> str:
+        return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
+
+
+@dataclass
+class ExportElements:
+    """Write the element images training builds from an index: DIR/<clip key>/<element>.png + DIR/produced.json."""
+
+    manifest: str
+    """The index.jsonl of `data.py index`."""
+    out: str
+    """Dir to write into (created)."""
+    sam: str | None = None
+    """Segment box/photo references with this local SAM dir (as training with --sam)."""
+    cross_video: bool = False
+    """Take subject/object from a paired clip of the same cluster (as training with --cross-video)."""
+    limit: int = 0
+    """Export only the first N clips (0: all)."""
+
+
+IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
+    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+
+# `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
+DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
+               | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
+               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand)]
+               | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])

@@ -17,6 +17,14 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    from config import DataCommand, Validate, dataset_configs, exit_on_signal, parse_cli, run_cli
+
+    exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
+    CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
+    if isinstance(CLI_COMMAND, Validate):  # the flags' and the dataset config's mistakes too (validate reads them)
+        run_cli(dataset_configs, CLI_COMMAND)
+
 import codecs
 import hashlib
 import json
@@ -30,7 +38,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
@@ -38,7 +46,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 from PIL import Image
 
 from a2.conditioning import (
@@ -67,11 +74,14 @@ from a2.transformer import TEXT_TOKENS
 from config import (
     A2_ELEMENTS,
     PUBLIC_TYPES,
+    DataCommand,
     DatasetConfig,
     Element,
-    TrainConfig,
+    MakeSample,
+    Validate,
     dataset_configs,
     exit_on_signal,
+    parse_cli,
     read_text,
     run_cli,
 )
@@ -986,32 +996,6 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
     return root
 
 
-@dataclass
-class MakeSample:
-    """Write a tiny synthetic E2V dataset (videos, captions, element images)."""
-
-    out: tyro.conf.Positional[str]
-    """Dir to write the dataset into (created)."""
-    num_samples: int = 4
-    """Number of samples (clips)."""
-    num_frames: int = 33
-    """Frames per clip."""
-    height: int = 64
-    """Frame height in pixels."""
-    width: int = 64
-    """Frame width in pixels."""
-
-
-@dataclass
-class Validate(TrainConfig):
-    """Check a dataset as `train_a2.py` with the same flags reads it (give it the training command's flags), print
-    the summary and every problem; exit status 2 when a problem would stop training."""
-
-    world_size: int = 1
-    """Processes of the training run (torchrun: nproc_per_node x nnodes): with --micro-batch and --grad-accum it
-    makes the global batch that each bucket must fill to be trained."""
-
-
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
     layout = training_layout(a, cfgs)
@@ -1042,12 +1026,13 @@ def training_layout(a: Validate, cfgs):
 
 
 def _cli(argv: list[str]):
+    run_command(parse_cli(DataCommand, args=argv, description=__doc__))
+
+
+def run_command(a) -> None:
+    """A parsed `data.py COMMAND`: make-sample, validate, index or export-elements."""
     from a2 import public_data
 
-    a = tyro.extras.subcommand_cli_from_dict({"make-sample": MakeSample, "validate": Validate,
-                                              "index": public_data.IndexCommand,
-                                              "export-elements": public_data.ExportElements}, args=argv,
-                                             description=__doc__)
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):
@@ -1057,5 +1042,4 @@ def _cli(argv: list[str]):
 
 
 if __name__ == "__main__":
-    exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
-    _cli(sys.argv[1:])
+    run_command(CLI_COMMAND)

@@ -15,18 +15,22 @@ and compare a LoRA with its base model over a prompt list.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    from config import InferConfig, exit_on_signal, parse_cli
+
+    exit_on_signal("the videos written so far are kept; the same command renders again")
+    CLI_CONFIG = parse_cli(InferConfig)
+
 import csv
 import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-import tyro
 
 from a2 import standin
 from a2.conditioning import KIND_DEFS, kind_sampling, sampling_plan, schedule_sigmas
@@ -45,170 +49,44 @@ from a2.transformer import detect_model, load_transformer
 from config import (
     A2_ELEMENTS,
     RELEASED_ELEMENTS,
-    ConditioningConfig,
     ConfigError,
-    EvalConfig,
+    InferConfig,
     InputError,
     MissingInput,
     as_input_error,
-    exit_on_signal,
     height_width,
     pair_elements,
     parse_elements,
     run_cli,
 )
 
-
-@dataclass
-class InferConfig:
-    model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
-    a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
-    a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
-    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref,
-    tiny-refalign; sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with
-    random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
-    transformer: str | None = None
-    """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
-    T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
-    transformer_2: str | None = None
-    """Wan 2.2 A14B: a low-noise expert dir replacing the model's transformer_2 (runs/<run>/transformer_2)."""
-    image_encoder: str | None = None
-    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
-    model dir has none (a T2V base expanded to E2V)."""
-    components: str | None = None
-    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
-    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
-    (MAGREF) from the Hub."""
-    elements: tuple[str, ...] = ()
-    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
-    Empty for a T2V model (text only)."""
-    image: str | None = None
-    """Wan 2.2 TI2V-5B image-to-video: the first frame of the video (resized to --height x --width with Lanczos, as
-    diffusers' VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
-    element_specs: tuple[str, ...] = ()
-    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
-    Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
-    preset: Literal["v3-distilled"] | None = None
-    """Another of the lab's own entry points for its model (a2.conditioning.Kind.modes): v3-distilled, SkyReels-V3's
-    released generate_video: 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset every flag
-    left out is the model's own sampler's (its kind's Sampling: Phantom-Wan 50 steps, guidance 7.5 / 5, Wan's
-    Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, empty negative prompt, 24 fps; MAGREF its UniPC from
-    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift
-    5, 20 steps, seed 0, the noise on the CPU, 25 fps; the references' VAE encode as each lab's)."""
-    prompt: str = "A man is holding a teddy bear in the forest."
-    """Text prompt of the video."""
-    negative_prompt: str | None = None
-    """Negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
-    height: int | None = None
-    """Video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
-    width: int | None = None
-    """Video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
-    resolution: tuple[int, int] | None = None
-    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
-    num_frames: int | None = None
-    """4k+1 pixel frames generated in all, reference frames included (default 81, A2's, of which 12 are references; a
-    built-in tiny model: 33)."""
-    steps: int | None = None
-    """Denoising steps of the sampler (default: the model's own sampler's, 50; a built-in tiny model: 10)."""
-    guidance_scale: float | None = None
-    """Classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
-    guidance_scale_img: float | None = None
-    """Reference guidance of the in-context kinds as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
-    references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same as 1)."""
-    guidance_scale_2: float | None = None
-    """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
-    seed: int | None = None
-    """Seed of the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the
-    model's own sampler's, 42; Stand-In 0)."""
-    flow_shift: float | None = None
-    """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
-    scheduler: Literal["unipc", "euler"] | None = None
-    """Sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
-    schedule: Literal["model", "flowmatch"] = "model"
-    """The sampler's unshifted sigmas: the model's (its kind's own: a released model's, else diffusers'), or
-    flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
-    linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
-    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
-    """How the element images condition the model: train_a2.py's flags (config.ConditioningConfig), so a run's
-    sampling takes the flags it trained with."""
-    clip_size: int = 512
-    """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
-    decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
-    """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
-    lora: tuple[str, ...] = ()
-    """LoRA files or dirs (several compose): diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original
-    Wan / ComfyUI keys (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys
-    (`lora_unet_`), a peft `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors), or a
-    Stand-In file (its `self_attn.q_loras` keys: the reference LoRA of --reference-layout standin; an ordinary LoRA
-    beside it adapts every token, as Stand-In's infer_with_lora.py)."""
-    lora_high: str | None = None
-    """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
-    lora_low: str | None = None
-    """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
-    lora_scale: float = 1.0
-    """Multiplier of the LoRA update (1: as trained)."""
-    force: bool = False
-    """Load a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load, the rest
-    are skipped (without it such a file is refused)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of all model weights and of the computation."""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """torch device to run on (cuda, cuda:1, cpu)."""
-    out: str = "outputs/a2.mp4"
-    """Output mp4 path."""
-    fps: int | None = None
-    """Frames per second of the written mp4 (default: the model's own, 15 for A2)."""
-    side_by_side: bool = True
-    """Show the reference images left of each frame, as A2's infer.py does."""
-    save_latents: str | None = None
-    """Write the final latents and the condition tensor here (a parity reference)."""
-    compare: str | None = None
-    """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
-    tolerance: float = 1e-4
-    """--compare: largest max |Δ| per tensor that passes."""
-    prompts_file: str | None = None
-    """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
-    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
-    side (left: base, right: LoRA): one mp4 per prompt."""
-    eval_set: str | None = None
-    """An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside its Images/): render one
-    <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. Or score the model (and
-    a --lora against it) on a2's own metrics: a .jsonl file, one video per row: {"prompt": "...", "elements":
-    {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
-    ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
-    rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
-    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with
-    the base vs LoRA deltas."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """Local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
-    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
-    out_dir: str = "outputs/eval"
-    """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
+# a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a CPU
+TINY_SIZE, TINY_FRAMES, TINY_STEPS = (64, 64), 33, 10
 
 
-    def __post_init__(self):
-        self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
-        if self.preset and self.num_frames is None:  # the lab's entry point's length (the rest: own_sampling)
-            self.num_frames = next(s for k in KIND_DEFS.values() for n, s in k.modes if n == self.preset).num_frames
-        # a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a
-        # CPU; it is sampled at the size the README demo trains it at unless the size is given
-        tiny = self.model in TINY_MODELS and not self.model.startswith("random-")
-        size, frames, steps = ((64, 64), 33, 10) if tiny else ((480, 832), 81, None)
-        defaulted = [flag for flag, v in (("size", self.resolution or self.height and self.width),
-                                          ("frames", self.num_frames), ("steps", self.steps)) if v is None]
-        self.height, self.width = height_width(self.height, self.width, self.resolution, size)
-        self.resolution = (self.height, self.width)
-        self.num_frames = frames if self.num_frames is None else self.num_frames
-        self.steps = steps if self.steps is None else self.steps
-        self.defaults_note = None  # printed by main(): the defaults a built-in tiny model gave the flags left out
-        if tiny and defaulted:
-            self.defaults_note = (f"--model {self.model}: a built-in tiny model, sampled at {self.height}x"
-                                  f"{self.width}, {self.num_frames} frames, {self.steps} steps ("
-                                  + ("the README demo's size; " if (self.height, self.width, self.num_frames,
-                                                                     self.steps) == (64, 64, 33, 10) else "")
-                                  + "--resolution, --num-frames and --steps set them)")
+def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
+    """A copy of cfg with the defaults that depend on the model and the preset filled in: the size, the frames and
+    (a built-in tiny model) the steps; --device auto. Returns it and, for the banner, where each of size / frames /
+    steps came from when the flags left it out. The sampler's other defaults are the kind's (own_sampling)."""
+    tiny = cfg.model in TINY_MODELS and not cfg.model.startswith("random-")
+    mode = next((s for k in KIND_DEFS.values() for n, s in k.modes if n == cfg.preset), None)
+    given_size = cfg.resolution is not None or (cfg.height is not None and cfg.width is not None)
+    size = TINY_SIZE if tiny else (480, 832)
+    height, width = height_width(cfg.height, cfg.width, cfg.resolution, size)
+    source = {}
+    if not given_size:
+        source["size"] = "tiny model's default" if tiny else "default"
+    num_frames, steps = cfg.num_frames, cfg.steps
+    if num_frames is None:
+        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode is not None else
+                                        (TINY_FRAMES, "tiny model's default") if tiny else (81, "default"))
+    if steps is None and tiny and mode is None:  # a preset's steps are its own (own_sampling)
+        steps, source["steps"] = TINY_STEPS, "tiny model's default"
+    elif steps is None and mode is not None:
+        source["steps"] = f"--preset {cfg.preset}"
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
+                   device=device), source
 
 
 OWN = ("negative_prompt", "guidance_scale", "guidance_scale_img", "steps", "fps", "seed")  # Sampling's names
@@ -222,6 +100,14 @@ def own_sampling(cfg: InferConfig, info, layout):
         if getattr(cfg, name) is None:
             setattr(cfg, name, getattr(own, name))
     return own
+
+
+def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> str:
+    """What a built-in model renders and, for each of size / frames / steps the flags left out, where it came from."""
+    said = [(f"{cfg.height}x{cfg.width}", "size"), (f"{cfg.num_frames} frames", "frames"), (f"{steps} steps", "steps")]
+    return (f"--model {cfg.model}: a built-in model, sampled at "
+            + ", ".join(text + (f" ({source[key]})" if key in source else "") for text, key in said)
+            + "; --resolution, --num-frames and --steps set them")
 
 
 def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
@@ -444,8 +330,7 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 
 
 def main(cfg: InferConfig) -> int:
-    if getattr(cfg, "defaults_note", None):
-        print(cfg.defaults_note)
+    cfg, source = resolve(cfg)
     # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
     as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames)
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
@@ -519,6 +404,9 @@ def main(cfg: InferConfig) -> int:
         print("elements: " + ", ".join(dict.fromkeys(items))
               + (f" (repeats {refs['repeats']})" if rows is None else ""))
     lay = layouts[0] if layouts else None
+    if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
+        steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
+        print(size_banner(cfg, steps, source))
     if rows is None and lay is not None and lay.num_frames > lay.clip_frames:  # the references lead the sequence
         print(f"video: {lay.clip_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.clip_frames}")
@@ -584,5 +472,4 @@ def main(cfg: InferConfig) -> int:
 
 
 if __name__ == "__main__":
-    exit_on_signal("the videos written so far are kept; the same command renders again")
-    sys.exit(run_cli(main, tyro.cli(InferConfig)))  # bad input: its one line, exit 2
+    sys.exit(run_cli(main, CLI_CONFIG))  # bad input: its one line, exit 2

@@ -15,13 +15,12 @@ the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    import tyro
-
-    from config import TrainConfig, exit_on_signal, run_cli
+    from config import TrainConfig, dataset_configs, exit_on_signal, parse_cli, run_cli
 
     exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
                    "same command again")
-    CLI_CONFIG = run_cli(tyro.cli, TrainConfig)
+    CLI_CONFIG = parse_cli(TrainConfig)
+    run_cli(dataset_configs, CLI_CONFIG)  # the flags' and the dataset config's mistakes too (main reads them again)
 
 import itertools
 import json
@@ -38,7 +37,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import tyro
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import (

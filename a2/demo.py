@@ -135,9 +135,9 @@ def run(cfg: DemoConfig) -> dict:
     if prompt is None and cfg.clip and Path(cfg.clip).with_suffix(".txt").is_file():
         prompt = Path(cfg.clip).with_suffix(".txt").read_text().strip()
     h, w = config["resolution"]
-    icfg = infer.InferConfig(model=config["model"], elements=elements, height=h, width=w,
-                             num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
-                             **({"prompt": prompt} if prompt else {}))
+    icfg, _ = infer.resolve(infer.InferConfig(model=config["model"], elements=elements, height=h, width=w,
+                                              num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
+                                              **({"prompt": prompt} if prompt else {})))
     info = detect_model(model_path(icfg.model))
     refs = infer.read_references(icfg, icfg.elements, info)
     pipe = A2Pipeline.from_pretrained(icfg.model, device="cpu")

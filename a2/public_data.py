@@ -29,13 +29,10 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
-import tyro
 from PIL import Image
 
 from a2.images import read_image
@@ -51,7 +48,17 @@ from a2.media import (
     probe_video,
     read_frames,
 )
-from config import PUBLIC_TYPES, DatasetConfig, InputError, run_cli
+from config import (  # noqa: F401 (data.py's commands, configs of the indexes below)
+    PUBLIC_TYPES,
+    DatasetConfig,
+    ExportElements,
+    IndexCommand,
+    IndexHumoSet,
+    IndexOpenS2V,
+    IndexPhantom,
+    InputError,
+    run_cli,
+)
 
 PHANTOM_CANVAS = 768  # Phantom-Data's boxes are in pixels of the frame resized to this long side
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
@@ -452,39 +459,6 @@ def find_video(stem: Path) -> Path | None:
 # ---------------------------------------------------------------- OpenS2V-5M
 
 
-@dataclass
-class IndexOpenS2V:
-    """Index OpenS2V-5M as downloaded (Videos/total_partN/, Background/total_partN/, Jsons/mask_and_bbox_High-
-    Quality/total_partN.json): streams each part's JSON (never loaded whole), one part at a time, resumable."""
-
-    root: tyro.conf.Positional[str]
-    """The dataset dir (Videos/, Background/, Jsons/)."""
-    out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
-    min_crop_ratio: float = 0.1
-    """Drop a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
-    min_aes: float = 4.5
-    """Keep a mask with aesthetic score >= this, or (next flag) GME score >= that (BindWeave: 4.5)."""
-    min_gme: float = 0.6
-    """...or GME score >= this (BindWeave: 0.6)."""
-    min_background_aes: float = 0.0
-    """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
-    which keeps almost none; the demo dataloader keeps all)."""
-    background: bool = True
-    """Use the Background png (a clip without it is kept without a background, counted and named in the report);
-    --no-background indexes no background."""
-    cross_pairs: str | None = None
-    """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
-    --cross-video (the reference from a paired clip)."""
-
-    def rule(self) -> str:
-        return (f"subject/object masks by word_tags (subject+pre_define -> subject, object -> object); a mask is kept "
-                f"if crop_ratio >= {self.min_crop_ratio} and (aes >= {self.min_aes} or gme >= {self.min_gme}), the "
-                f"largest subject crop when no subject mask is kept; references: every kept mask, largest first "
-                f"(A2's subject / object: the largest of each); background png if found and background_ase_score >= "
-                f"{self.min_background_aes}, else none")
-
-
 def cluster_of(key: str) -> str:
     """OpenS2V's cluster id of a clip key (its demo dataloader's rule)."""
     c = key.split("_segment")[0]
@@ -665,26 +639,6 @@ def index_opens2v(a: IndexOpenS2V):
 # ---------------------------------------------------------------- Phantom-Data
 
 
-@dataclass
-class IndexPhantom:
-    """Index Phantom-Data (koala36M_multi_ref_merged_filtered.parquet + the clips you downloaded), streamed in
-    row groups (one resumable part each)."""
-
-    root: tyro.conf.Positional[str]
-    """Dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
-    out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
-    videos: str | None = None
-    """Dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
-    parquet: str | None = None
-    """The training meta parquet (default ROOT/koala36M_multi_ref_merged_filtered.parquet)."""
-
-    def rule(self) -> str:
-        return ("each cross_pair phrase is a reference: its first refer_result whose clip is downloaded; a person "
-                "phrase/box class first (A2's subject), the others in phrase order (the first: A2's object); box "
-                "(768 canvas) scaled to the frame and clipped")
-
-
 def is_person(*words) -> bool:
     return any(w in PERSON_WORDS for t in words if isinstance(t, str) for w in re.findall(r"[a-z]+", t.lower()))
 
@@ -785,19 +739,6 @@ def index_phantom(a: IndexPhantom):
 # ---------------------------------------------------------------- HuMoSet
 
 
-@dataclass
-class IndexHumoSet:
-    """Index HuMoSet (video/, reference_image/, video_caption.parquet): the reference photo is the subject."""
-
-    root: tyro.conf.Positional[str]
-    """The dataset dir."""
-    out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
-
-    def rule(self) -> str:
-        return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
-
-
 HUMO_VIDEO_COLS = ("video", "video_name", "video_path", "video_id", "vid", "file_name", "filename", "name", "path",
                    "id")
 HUMO_CAPTION_COLS = ("caption", "video_caption", "text", "prompt", "description")
@@ -860,22 +801,6 @@ def index_humoset(a: IndexHumoSet):
 # ---------------------------------------------------------------- export-elements
 
 
-@dataclass
-class ExportElements:
-    """Write the element images training builds from an index: DIR/<clip key>/<element>.png + DIR/produced.json."""
-
-    manifest: str
-    """The index.jsonl of `data.py index`."""
-    out: str
-    """Dir to write into (created)."""
-    sam: str | None = None
-    """Segment box/photo references with this local SAM dir (as training with --sam)."""
-    cross_video: bool = False
-    """Take subject/object from a paired clip of the same cluster (as training with --cross-video)."""
-    limit: int = 0
-    """Export only the first N clips (0: all)."""
-
-
 def export_elements(a: ExportElements) -> dict:
     from tqdm import tqdm
 
@@ -910,8 +835,6 @@ def export_elements(a: ExportElements) -> dict:
     return produced
 
 
-IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
-    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
 
 
 def run(a) -> object:

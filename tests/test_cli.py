@@ -10,8 +10,9 @@ import tyro
 
 from tests.conftest import ROOT
 
-# the dataclasses tyro parses, and every config dataclass (config.py; the JSON dataset config's fields too)
-CLI_CLASSES = {"config.py": None, "infer.py": None, "bench.py": None, "data.py": ("MakeSample", "Validate")}
+# the dataclasses tyro parses (every CLI's, a2/public_data.py's indexes among them), and every config dataclass
+# (the JSON dataset config's fields too): all in config.py, which imports no torch
+CLI_CLASSES = {"config.py": None}
 
 
 def undocumented_fields(path, classes=None):
@@ -79,18 +80,55 @@ def test_help(capsys, monkeypatch):
     assert r.returncode == 0 and "make-sample" in r.stdout and "validate" in r.stdout, r.stderr[-2000:]
 
 
+def test_bench_layout_choices_are_the_kinds():
+    """config.KINDS (bench.py --layout's choices, read before torch is imported) are a2/conditioning.py's kinds."""
+    from a2.conditioning import KIND_DEFS
+    from config import KINDS
+
+    assert KINDS == tuple(KIND_DEFS)
+
+
 def test_resolution_is_one_name_across_clis():
     import bench
     import infer
 
-    # infer.py's default model is the built-in tiny one, sampled at the README demo's 64x64 unless told
+    # infer.py's default model is the built-in tiny one, sampled at 64x64 unless told (infer.resolve, in its main)
     for cls, default in ((infer.InferConfig, (64, 64)), (bench.BenchConfig, (64, 64))):
-        a = tyro.cli(cls, args=["--resolution", "32", "48"])
-        b = tyro.cli(cls, args=["--height", "32", "--width", "48"])
+        def parse(*argv, cls=cls):
+            cfg = tyro.cli(cls, args=list(argv))
+            return infer.resolve(cfg)[0] if cls is infer.InferConfig else cfg
+
+        a = parse("--resolution", "32", "48")
+        b = parse("--height", "32", "--width", "48")
         assert (a.height, a.width) == (b.height, b.width) == (32, 48) and a.resolution == b.resolution == (32, 48)
-        c = tyro.cli(cls, args=[])
+        c = parse()
         assert (c.height, c.width) == default
         with pytest.raises(ValueError, match="disagree"):
             cls(resolution=(32, 48), height=64)
     assert tyro.cli(bench.BenchConfig, args=["--num-frames", "9"]).frames == 9
     assert tyro.cli(bench.BenchConfig, args=["--training-type", "full", "--micro-batch", "2"]).mode == "full"
+
+
+HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script imports after parsing its flags
+
+
+@pytest.mark.parametrize("script, argv, typo, mistake", [
+    ("train_a2.py", [], "--modle", ["--data-root", "x", "--resolution", "30", "30"]),  # not multiples of 16
+    ("infer.py", [], "--prompt-file", ["--resolution", "32", "48", "--height", "64"]),  # the two forms disagree
+    ("bench.py", [], "--num-frame", ["--layout", "nope"]),
+    ("data.py", ["validate"], "--data-roo", ["--data-root", "x", "--resolution", "30", "30"]),
+])
+def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, argv, typo, mistake):
+    """--help, a flag typo (one line naming the closest flag) and a config error exit before torch, diffusers or a2
+    are imported (python -X importtime lists every module a run imports): seconds, not the heavy imports' ~9 s."""
+    for args, code in ((argv + ["--help"], 0), (argv + [typo, "x"], 2), (argv + mistake, 2)):
+        r = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *args], capture_output=True,
+                           text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+        timings = [ln for ln in r.stderr.splitlines() if ln.startswith("import time:")]
+        heavy = sorted(m for m in (ln.rsplit("|", 1)[1].strip() for ln in timings) if m.split(".")[0] in HEAVY)
+        said = [ln for ln in r.stderr.splitlines() if not ln.startswith("import time:")]
+        assert len(timings) > 50 and r.returncode == code and heavy == [], (args, r.returncode, heavy[:5], said[-5:])
+        if args[-2:] == [typo, "x"]:
+            assert len(said) == 1 and said[0].startswith(f"error: unknown option {typo} (did you mean --"), said
+        elif code == 0:
+            assert "usage:" in r.stdout and "--help" in r.stdout

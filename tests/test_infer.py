@@ -104,18 +104,21 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
     import infer
     from config import TrainConfig
 
-    def parsed(*argv):
-        return tyro.cli(infer.InferConfig, args=list(argv))
+    def parsed(*argv):  # the config as infer.main resolves it, and where each default came from
+        return infer.resolve(tyro.cli(infer.InferConfig, args=list(argv)))
 
-    tiny = parsed("--model", "tiny-t2v")
+    tiny, source = parsed("--model", "tiny-t2v")
     assert (tiny.height, tiny.width, tiny.num_frames, tiny.steps) == (64, 64, 33, 10)
-    assert tiny.defaults_note.startswith("--model tiny-t2v: a built-in tiny model, sampled at 64x64, 33 frames, 10 ")
-    given = parsed("--resolution", "32", "48", "--num-frames", "17", "--steps", "2")
-    assert (given.height, given.width, given.num_frames, given.steps, given.defaults_note) == (32, 48, 17, 2, None)
+    assert infer.size_banner(tiny, tiny.steps, source).startswith(
+        "--model tiny-t2v: a built-in model, sampled at 64x64 (tiny model's default), 33 frames (tiny model's "
+        "default), 10 steps (tiny model's default);")
+    given, source = parsed("--resolution", "32", "48", "--num-frames", "17", "--steps", "2")
+    assert (given.height, given.width, given.num_frames, given.steps, source) == (32, 48, 17, 2, {})
     for model in ("random-1.3B", "/models/SkyReels-A2"):
-        real = parsed("--model", model)
+        real, source = parsed("--model", model)
         # the steps: the model's own sampler's, known once the model is read (infer.own_sampling)
-        assert (real.height, real.width, real.num_frames, real.steps, real.defaults_note) == (480, 832, 81, None, None)
+        assert (real.height, real.width, real.num_frames, real.steps) == (480, 832, 81, None)
+        assert source == dict(size="default", frames="default")
     for cls in (infer.InferConfig, TrainConfig):
         with pytest.raises(SystemExit):
             tyro.cli(cls, args=["--help"])

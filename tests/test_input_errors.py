@@ -296,20 +296,24 @@ def test_a_short_clip_is_named_in_the_users_terms(data_dir, capsys):
             "references take") in err, err
 
 
-def test_every_built_in_model_is_listed_and_the_size_banner_is_true():
-    """--model's help names every built-in model (infer.py and train_a2.py); the built-in model's banner calls its
-    size the README demo's only when it is (v3-distilled renders 121 frames)."""
+def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
+    """--model's help (infer.py and train_a2.py, as --help prints it) names every built-in model and no other; the
+    built-in model's banner says what it renders and why (v3-distilled: 121 frames, 8 steps)."""
     import re
 
-    from a2.tiny import TINY_MODELS
+    import tyro
 
-    for f in ("infer.py", "config.py"):
-        text = (ROOT / f).read_text()
-        doc = re.search(r'\n    model: str = "tiny"\n    """(.*?)"""', text, re.S).group(1)
-        assert [m for m in TINY_MODELS if m not in doc] == [], f
-    assert "the README demo's size" in infer.InferConfig(model="tiny").defaults_note
-    note = infer.InferConfig(model="tiny-v3", preset="v3-distilled").defaults_note
-    assert "121 frames" in note and "README" not in note
+    from a2.tiny import TINY_MODELS
+    from config import InferConfig, TrainConfig
+    from tests.test_cli import help_text, option_help
+
+    for cls in (InferConfig, TrainConfig):
+        said = option_help(help_text(capsys, monkeypatch, lambda a, cls=cls: tyro.cli(cls, args=a), []), "--model")
+        names = set(re.findall(r"\b(?:tiny|random)(?:-[A-Za-z0-9.]*[A-Za-z0-9])+|\btiny\b", said))
+        assert names == set(TINY_MODELS), (cls.__name__, names ^ set(TINY_MODELS))
+    cfg, source = infer.resolve(infer.InferConfig(model="tiny-v3", preset="v3-distilled"))
+    note = infer.size_banner(cfg, 8, source)
+    assert "121 frames (--preset v3-distilled), 8 steps (--preset v3-distilled)" in note and "README" not in note
 
 
 def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):

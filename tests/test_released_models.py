@@ -630,14 +630,14 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     from config import RELEASED_ELEMENTS, parse_elements
 
     def own(model, **flags):
-        cfg = infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags)
+        cfg = infer.resolve(infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags))[0]
         info = detect_model(model)
         infer.own_sampling(cfg, info, infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False))
         return cfg
 
     d = own(v3_dir, preset="v3-distilled")
     assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (8, 1.0, None, 24, "")
-    assert infer.InferConfig(preset="v3-distilled").num_frames == 121
+    assert infer.resolve(infer.InferConfig(preset="v3-distilled"))[0].num_frames == 121
     v = own(v3_dir)
     assert (v.steps, v.guidance_scale, v.guidance_scale_img, v.fps) == (50, 7.5, 5.0, 24)
     p = own(phantom_dir, steps=3, fps=30)
@@ -645,10 +645,11 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     assert p.negative_prompt == WAN_NEGATIVE_PROMPT
     with pytest.raises(ValueError, match="--preset v3-distilled: the phantom kind samples in its own way"):
         own(phantom_dir, preset="v3-distilled")
+    nine = infer.resolve(infer.InferConfig(num_frames=9))[0]
     five = parse_elements([f"r{i}=_r{i}.png" for i in range(5)])  # infer.py takes any count the kind takes, no other
     with pytest.raises(ValueError, match="the phantom kind takes 1 to 4 element image.s. a sample, this one has 5"):
-        infer.check_layout(infer.InferConfig(num_frames=9), detect_model(phantom_dir), five, False)
-    one = infer.check_layout(infer.InferConfig(num_frames=9), detect_model(phantom_dir), five[:1], False)
+        infer.check_layout(nine, detect_model(phantom_dir), five, False)
+    one = infer.check_layout(nine, detect_model(phantom_dir), five[:1], False)
     assert one.ref_latents == 1
     for i, (w, h) in enumerate([(301, 97), (97, 301), (96, 64), (50, 51)]):
         image = synthetic(w, h, 20 + i)
