@@ -26,7 +26,7 @@ import tyro
 # how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
 # a2/conditioning.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
-KINDS = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "standin")
+KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "standin")
 
 
 def _on_off(args: list[str]) -> bool:
@@ -1123,7 +1123,7 @@ class BenchConfig:
     """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
     refs: int = 3
     """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
-    layout: Literal[("default",) + KINDS] = "default"
+    layout: Literal[("default",) + KIND_NAMES] = "default"
     """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
     synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
     model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the

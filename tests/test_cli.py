@@ -81,11 +81,11 @@ def test_help(capsys, monkeypatch):
 
 
 def test_bench_layout_choices_are_the_kinds():
-    """config.KINDS (bench.py --layout's choices, read before torch is imported) are a2/conditioning.py's kinds."""
+    """config.KIND_NAMES (bench.py --layout's choices, read before torch is imported) are a2/conditioning.py's kinds."""
     from a2.conditioning import KIND_DEFS
-    from config import KINDS
+    from config import KIND_NAMES
 
-    assert KINDS == tuple(KIND_DEFS)
+    assert KIND_NAMES == tuple(KIND_DEFS)
 
 
 def test_resolution_is_one_name_across_clis():

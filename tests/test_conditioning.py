@@ -352,8 +352,9 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
 def test_no_kind_name_is_compared_outside_the_kind_definitions():
     """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
     project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
-    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its step is not
-    yet the training step's). A dataset type that shares a name (t2v) is not a kind."""
+    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its choices,
+    config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is
+    not a kind."""
     import re
     from pathlib import Path
 

@@ -367,10 +367,11 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     assert lengths[18:] == [video_tokens + ref_tokens] * 6
     assert torch.equal(cached, again) and (cached - uncached).abs().max() <= BOUND
     assert (cached - other).abs().max() > 100 * BOUND
-    with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2"):
+    with pytest.raises(ValueError, match=r"the standin kind takes 1 reference image\(s\) for the element repeats "
+                                         r"\(1,\), got 2"):
         pipe("a face", torch.cat(refs, 1), None, layout=pipe.plan(9, (1,)), height=h, width=w, num_inference_steps=1,
              progress=False, decode="none")
-    with pytest.raises(ValueError, match="the standin kind takes 1 to 1 element image"):
+    with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2 elements"):
         pipe.plan(9, (1, 1))
     video_sized = load_references([(Element("face", ()), shared_data / "a2_human.png")], (h, w))[0]
     with pytest.raises(ValueError, match=r"Stand-In's reference is a 512x512 image \(its face crop\) whatever the "
@@ -559,7 +560,7 @@ def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monk
 
     with pytest.raises(ValueError, match=r"^\S*standin_lora_high\.ckpt: a Stand-In LoRA on \S*tiny-wan22-i2v\S* "
                                          r"\(.*\); Stand-In is a LoRA on Wan T2V: load it on its base \(Stand-In_wan"):
-        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "reference_layout": "channel"},
+        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "conditioning": ConditioningConfig()},
                                      lora_high=str(files["high"])))
     deep = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3})
     standin.install(deep, rank=RANK)
