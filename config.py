@@ -106,8 +106,9 @@ def option_names(cls, prefix: str = "") -> list[str]:
     hints = get_type_hints(cls, include_extras=True)
     for f in fields(cls):
         hint, name = hints[f.name], prefix + f.name.replace("_", "-")
-        if is_dataclass(hint):
-            names += option_names(hint, name + ".")
+        inner, marks = (get_args(hint)[0], get_args(hint)[1:]) if get_origin(hint) is Annotated else (hint, ())
+        if is_dataclass(inner):  # a section: --section.field, or --field under OmitArgPrefixes
+            names += option_names(inner, prefix if tyro.conf.OmitArgPrefixes in marks else name + ".")
             continue
         names.append(f"--{name}")
         names += [a for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", None) or ()]

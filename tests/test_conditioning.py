@@ -238,13 +238,14 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     from dataclasses import fields
 
     import infer
-    from config import VaeProcessorConfig, load_dataset_config
+    from config import VaeProcessorConfig, load_dataset_config, option_names
 
     names = [f.name for f in fields(ConditioningConfig)]
     assert [f.name for f in fields(VaeProcessorConfig)][:len(names)] == names
     for cli in (TrainConfig, infer.InferConfig):
         assert next(f for f in fields(cli) if f.name == "conditioning").default_factory is ConditioningConfig
         assert "conditioning options" in tyro_help(cli)
+        assert {"--reference-layout", "--vae-sample-mode", "--sample-mode"} <= set(option_names(cli))  # typo hints
     flags = tyro.cli(TrainConfig, args=["--reference-layout", "incontext", "--combine", "after", "--sample-mode",
                                         "argmax"])
     assert flags.conditioning == ConditioningConfig(reference_layout="incontext", combine="after",
