@@ -1275,7 +1275,8 @@ def main(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=True)
     guard = NonFiniteSteps(opt, device)
-    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples])  # (data.py)
+    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
+                            dataset.stamp)
     if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
         ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = 0
@@ -1283,7 +1284,7 @@ def main(cfg: TrainConfig) -> dict:
         state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
         start_step = state["step"]
         for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
-            log(line)  # the dataset changed since the checkpoint
+            log(line)  # whether the dataset changed since the checkpoint; the dropped samples, by path
         log(f"resumed from {point.path} at step {start_step}")
     loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
