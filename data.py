@@ -47,6 +47,7 @@ from a2.conditioning import (
     element_layout,
     element_refusal,
     index_elements,
+    largest_element_set,
     reference_pixels,
 )
 from a2.images import read_image
@@ -1056,13 +1057,13 @@ def validate(a: Validate) -> E2VDataset:
     if layout is not None:  # the kind's own elements on a public index, planned again with them
         kinds = kind_datasets(cfgs, layout.kind, bool(a.elements or a.dataset_config))
         if kinds is not cfgs:
-            cfgs, layout = kinds, training_layout(a, kinds)
+            cfgs, layout = kinds, training_layout(a, kinds, largest_element_set(layout.kind, kinds[0].elements))
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
                       layout=layout)
 
 
-def training_layout(a: Validate, cfgs):
+def training_layout(a: Validate, cfgs, elements=None):
     """The Layout train_a2.py plans with these flags (clip length, how element images become references). It depends
     on the model (Phantom-Wan, SkyReels-V3 and MAGREF weights take their own layouts), so when --model is on this
     machine (a built-in model, a dir or a file) it is planned as training plans it; a Hub id is not downloaded for
@@ -1073,7 +1074,7 @@ def training_layout(a: Validate, cfgs):
 
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type)
+        return plan(info, elements or cfgs[0].elements, cfgs[0].vae, a.num_frames, a.prefix_frames, a.e2v_type)
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return None

@@ -61,6 +61,7 @@ from a2.conditioning import (
     encode,
     kind_sampling,
     kind_weights,
+    largest_element_set,
     loss_start,
     model_flow_shift,
     model_input,
@@ -257,7 +258,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)  # the kind, checked
     kinds = kind_datasets(ds_cfgs, layout.kind, bool(cfg.elements or cfg.dataset_config))
     if kinds is not ds_cfgs:  # a public index read by a kind without roles: its own references
-        elements = kinds[0].elements
+        elements = largest_element_set(layout.kind, kinds[0].elements)
         layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.prefix_frames, cfg.e2v_type)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
