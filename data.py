@@ -667,8 +667,9 @@ class LoadFailures:
 
     Every rank calls refuses() on each micro-batch: it gathers the failures of all ranks, so all ranks agree that the
     step is not trained (no optimizer step). With skip_bad_samples the sample is dropped for the rest of the run: each
-    later micro-batch holding it is refused too, without reading it, and the dropped set goes into checkpoints
-    (state_dict). Without, the run checkpoints the state before the step and stops with stop_message()."""
+    later micro-batch holding it is refused too, whether it loads then or not (named by path), and the dropped set
+    goes into checkpoints by path (state_dict). Without, the run checkpoints the state before the step and stops with
+    stop_message()."""
 
     def __init__(self, skip_bad_samples: bool, keys: list[str] | None = None, stamp=None):
         self.skip = skip_bad_samples
