@@ -750,7 +750,8 @@ class LoadFailures:
         lines = []
         if state["dataset"] != dataset_digest(self.keys):
             lines.append(f"the dataset changed since the checkpoint ({state.get('samples', '?')} samples then, "
-                         f"{len(self.keys)} now): the data order from here is not the uninterrupted run's")
+                         f"{len(self.keys)} now): the data order from here, and an --eval-split's draw of held-out "
+                         "clips, are not the uninterrupted run's")
         index = {k: i for i, k in enumerate(self.keys)}
         keys = {int(i): k for i, k in state.get("dropped_keys", {}).items()}
         stamps = {int(i): v for i, v in state.get("dropped_stamps", {}).items()}

@@ -252,8 +252,9 @@ def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path()
     grown = LoadFailures(True, ["0.mp4 (0)", "a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
     lines = grown.load_state_dict(state)
     assert grown.dropped == {2: "b: b.mp4: unreadable video"}  # b where it is now, not position 1 (a)
-    assert lines == ["the dataset changed since the checkpoint (3 samples then, 4 now): the data order from here is "
-                     "not the uninterrupted run's", "1 sample(s) dropped before the checkpoint stay dropped: b.mp4 (b)"]
+    assert lines == ["the dataset changed since the checkpoint (3 samples then, 4 now): the data order from here, and "
+                     "an --eval-split's draw of held-out clips, are not the uninterrupted run's",
+                     "1 sample(s) dropped before the checkpoint stay dropped: b.mp4 (b)"]
     shrunk = LoadFailures(True, ["a.mp4 (a)", "c.mp4 (c)"])
     assert shrunk.load_state_dict(state)[1] == "dropped before the checkpoint, no longer in the dataset: b.mp4 (b)"
     assert shrunk.dropped == {}
