@@ -54,6 +54,7 @@ from a2.conditioning import (
     element_layout,
     element_refusal,
     index_elements,
+    largest_element_set,
     reference_pixels,
 )
 from a2.images import read_image
@@ -571,6 +572,19 @@ class E2VDataset(torch.utils.data.Dataset):
         names = tuple(e.name for e in cfg.elements if e.name in s.elements)
         return (frames, h, w, names)
 
+    def stamp(self, index: int) -> str:
+        """What the sample's files are now (each one's size and modification time): LoadFailures reads a dropped
+        sample again on resume once they change (the bad file was replaced)."""
+        s = self.samples[index]
+        out = []
+        for f in (s.video, *s.elements.values()):
+            try:
+                st = os.stat(f)
+                out.append(f"{st.st_size}:{st.st_mtime_ns}")
+            except OSError:
+                out.append("missing")
+        return " ".join(out)
+
     def __len__(self):
         return len(self.samples)
 
@@ -663,16 +677,22 @@ class LoadFailures:
 
     Every rank calls refuses() on each micro-batch: it gathers the failures of all ranks, so all ranks agree that the
     step is not trained (no optimizer step). With skip_bad_samples the sample is dropped for the rest of the run: each
-    later micro-batch holding it is refused too, without reading it, and the dropped set goes into checkpoints
-    (state_dict). Without, the run checkpoints the state before the step and stops with stop_message()."""
+    later micro-batch holding it is refused too, whether it loads then or not (named by path), and the dropped set
+    goes into checkpoints by path (state_dict). Without, the run checkpoints the state before the step and stops with
+    stop_message()."""
 
-    def __init__(self, skip_bad_samples: bool, keys: list[str] | None = None):
+    def __init__(self, skip_bad_samples: bool, keys: list[str] | None = None, stamp=None):
         self.skip = skip_bad_samples
         # what each sample index is (its video path, @window): a resume on a changed dataset finds the dropped
         # samples by it, not by their position
         self.keys = list(keys or [])
+        # sample index -> what its files are now (E2VDataset.stamp): a dropped sample whose files were replaced
+        # since is read again on resume, one left as it was stays dropped
+        self.stamp = stamp
         self.dropped: dict[int, str] = {}  # sample index -> its problem line
+        self.stamps: dict[int, str] = {}  # dropped sample index -> its files when it was dropped
         self.new: dict[int, str] = {}  # failures of the current step
+        self.held: list[int] = []  # samples dropped before that the current step holds
         self.last: list[str] = []  # those of the last step not trained
         self.skipped_steps = 0
 
@@ -687,7 +707,11 @@ class LoadFailures:
             dist.all_gather_object(every, mine, group=group)
             mine = [x for rank_failures in every for x in rank_failures]
         self.new.update((i, line) for i, line in mine if i not in self.dropped)
+        self.held += [i for i in dict.fromkeys(i for i, _ in mine) if i in self.dropped and i not in self.held]
         return bool(mine)
+
+    def name(self, i: int) -> str:
+        return self.keys[i] if i < len(self.keys) else f"sample {i}"
 
     def skip_step(self, step: int) -> list[str]:
         """After a step with a refused micro-batch: count it, drop its new failures (with skip_bad_samples), and
@@ -695,10 +719,14 @@ class LoadFailures:
         self.skipped_steps += 1
         self.last = list(self.new.values())
         lines = [f"step {step}: sample failed to load: {line}" for line in self.new.values()]
+        if self.held:  # which clip a step leaves out is always said, by path
+            lines.append(f"step {step}: holds sample(s) dropped before: {', '.join(map(self.name, self.held))}")
         if self.skip:
             self.dropped.update(self.new)
+            if self.stamp:
+                self.stamps.update((i, self.stamp(i)) for i in self.new)
             lines.append(f"step {step} not trained; {len(self.dropped)} sample(s) dropped so far")
-        self.new = {}
+        self.new, self.held = {}, []
         return lines
 
     def stop_message(self, step: int) -> str:
@@ -713,30 +741,43 @@ class LoadFailures:
 
     def state_dict(self) -> dict:
         state = dict(dropped=dict(self.dropped), skipped_steps=self.skipped_steps)
-        if self.keys:  # the dataset it is of, and the dropped samples by path
+        if self.keys:  # the dataset it is of, and the dropped samples by path (and their files then)
             state.update(dropped_keys={i: self.keys[i] for i in self.dropped if i < len(self.keys)},
+                         dropped_stamps={i: self.stamps[i] for i in self.dropped if i in self.stamps},
                          dataset=dataset_digest(self.keys), samples=len(self.keys))
         return state
 
     def load_state_dict(self, state: dict) -> list[str]:
-        """Restore the dropped samples; returns the lines to log when the dataset changed since the checkpoint (the
-        dropped samples are then found by path, those gone named)."""
+        """Restore the dropped samples, found by path; returns the lines to log: whether the dataset changed since
+        the checkpoint, and each dropped sample by path: dropped still, read again (its files were replaced since),
+        or gone from the dataset. A resume never leaves out a clip without naming it."""
         self.skipped_steps = state["skipped_steps"]
         dropped = {int(k): v for k, v in state["dropped"].items()}
-        if "dataset" not in state or not self.keys or state["dataset"] == dataset_digest(self.keys):
+        if "dataset" not in state or not self.keys:  # a checkpoint of an older a2: by position, as it was
             self.dropped = dropped
-            return []
+            return [f"the checkpoint does not record its samples' paths: its {len(dropped)} dropped sample(s) are "
+                    "taken by position, now " + ", ".join(map(self.name, dropped))] if dropped and self.keys else []
+        lines = []
+        if state["dataset"] != dataset_digest(self.keys):
+            lines.append(f"the dataset changed since the checkpoint ({state.get('samples', '?')} samples then, "
+                         f"{len(self.keys)} now): the data order from here, and an --eval-split's draw of held-out "
+                         "clips, are not the uninterrupted run's")
         index = {k: i for i, k in enumerate(self.keys)}
         keys = {int(i): k for i, k in state.get("dropped_keys", {}).items()}
-        self.dropped = {index[keys[i]]: line for i, line in dropped.items() if keys.get(i) in index}
-        gone = [keys.get(i, f"sample {i}") for i in dropped if keys.get(i) not in index]
-        then = state.get("samples", "?")
-        lines = [f"the dataset changed since the checkpoint ({then} samples then, {len(self.keys)} now): the data "
-                 "order from here is not the uninterrupted run's"]
-        if dropped:
-            lines.append("dropped samples kept by path: " + (", ".join(keys[i] for i in dropped if keys.get(i) in index)
-                                                             or "none")
-                         + ("; no longer in the dataset: " + ", ".join(gone) if gone else ""))
+        stamps = {int(i): v for i, v in state.get("dropped_stamps", {}).items()}
+        now = {i: index[keys[i]] for i in dropped if keys.get(i) in index}  # checkpoint's index -> this run's
+        fixed = [i for i in now if self.stamp and i in stamps and self.stamp(now[i]) != stamps[i]]
+        self.dropped = {now[i]: dropped[i] for i in now if i not in fixed}
+        self.stamps = {now[i]: stamps[i] for i in now if i not in fixed and i in stamps}
+        gone = [keys.get(i, f"sample {i}") for i in dropped if i not in now]
+        if self.dropped:
+            lines.append(f"{len(self.dropped)} sample(s) dropped before the checkpoint stay dropped: "
+                         + ", ".join(map(self.name, self.dropped)))
+        if fixed:
+            lines.append("read again, their files changed since they were dropped: "
+                         + ", ".join(keys[i] for i in fixed))
+        if gone:
+            lines.append("dropped before the checkpoint, no longer in the dataset: " + ", ".join(gone))
         return lines
 
 
@@ -1002,13 +1043,13 @@ def validate(a: Validate) -> E2VDataset:
     if layout is not None:  # the kind's own elements on a public index, planned again with them
         kinds = kind_datasets(cfgs, layout.kind, bool(a.elements or a.dataset_config))
         if kinds is not cfgs:
-            cfgs, layout = kinds, training_layout(a, kinds)
+            cfgs, layout = kinds, training_layout(a, kinds, largest_element_set(layout.kind, kinds[0].elements))
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
                       layout=layout)
 
 
-def training_layout(a: Validate, cfgs):
+def training_layout(a: Validate, cfgs, elements=None):
     """The Layout train_a2.py plans with these flags (clip length, how element images become references). It depends
     on the model (Phantom-Wan, SkyReels-V3 and MAGREF weights take their own layouts), so when --model is on this
     machine (a built-in model, a dir or a file) it is planned as training plans it; a Hub id is not downloaded for
@@ -1019,7 +1060,7 @@ def training_layout(a: Validate, cfgs):
 
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        return plan(info, cfgs[0].elements, cfgs[0].vae, a.num_frames, a.e2v_type)
+        return plan(info, elements or cfgs[0].elements, cfgs[0].vae, a.num_frames, a.e2v_type)
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return None

@@ -59,6 +59,7 @@ from a2.conditioning import (
     encode,
     kind_sampling,
     kind_weights,
+    largest_element_set,
     loss_start,
     model_flow_shift,
     model_input,
@@ -253,7 +254,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)  # the kind, checked
     kinds = kind_datasets(ds_cfgs, layout.kind, bool(cfg.elements or cfg.dataset_config))
     if kinds is not ds_cfgs:  # a public index read by a kind without roles: its own references
-        elements = kinds[0].elements
+        elements = largest_element_set(layout.kind, kinds[0].elements)
         layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
@@ -1270,7 +1271,8 @@ def main(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
                             fused=True)
     guard = NonFiniteSteps(opt, device)
-    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples])  # (data.py)
+    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
+                            dataset.stamp)
     if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
         ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     start_step = 0
@@ -1278,7 +1280,7 @@ def main(cfg: TrainConfig) -> dict:
         state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
         start_step = state["step"]
         for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
-            log(line)  # the dataset changed since the checkpoint
+            log(line)  # whether the dataset changed since the checkpoint; the dropped samples, by path
         log(f"resumed from {point.path} at step {start_step}")
     loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)

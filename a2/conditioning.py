@@ -526,14 +526,21 @@ def element_layout(layout: Layout, repeats) -> Layout:
 
 def index_elements(kind: str) -> tuple:
     """The elements a kind without roles reads from a public-dataset index with default flags: ref0, ref1, ... (one
-    frame each, framed as the labs frame them) up to its maximum, the last slot `background` where the kind uses one
-    (a clip's background png there, or when it has none no background)."""
+    frame each, framed as the labs frame them) up to its maximum, then `background` where the kind uses one. A clip
+    fills at most the maximum (a2.public_data.clip_elements): with a background png the masks leave it the last
+    slot, without one they fill every slot (a V3 clip of 4 masks and no png: 4 references)."""
     d = KIND_DEFS[kind]
-    refs = RELEASED_ELEMENTS[:d.references[1] - d.background]
+    refs = RELEASED_ELEMENTS[:d.references[1]]
     if not d.background:
         return refs
     return refs + (replace(RELEASED_ELEMENTS[0], name="background", suffixes=("_background.png",),
                            position=len(refs)),)
+
+
+def largest_element_set(kind: str, elements) -> tuple:
+    """What a run plans (memory, dry run, validation's pairing) for index_elements(kind): the largest set one clip
+    fills, the kind's maximum of references (the masks, or one mask fewer and the background png)."""
+    return tuple(elements)[:KIND_DEFS[kind].references[1] or None]
 
 
 def element_refusal(layout: Layout, n: int) -> str | None:

@@ -269,12 +269,12 @@ def clip_references(line: dict, most: int, background: bool) -> list[dict]:
 def clip_elements(line: dict, names: list[str]) -> dict[str, dict]:
     """{element name: index entry} of a clip for the run's elements `names` (position order): A2's roles when every
     name is one (subject / object / background), else the references of clip_references in position order (the
-    released models' ref0, ref1, ...: the kind's maximum is the number of names; a `background` name takes the
-    background png)."""
+    released models' ref0, ref1, ...: the kind's maximum is the number of those names; a `background` name takes
+    the background png, in place of the last mask, when the clip has one)."""
     if set(names) <= set(ROLES):
         return {k: v for k, v in clip_roles(line).items() if k in names}
     slots = [n for n in names if n != "background"]
-    refs = clip_references(line, len(names), "background" in names)
+    refs = clip_references(line, len(slots), "background" in names)
     masks = [r for r in refs if r["role"] != "background"]
     out = dict(zip(slots, masks))
     if refs and refs[-1]["role"] == "background":

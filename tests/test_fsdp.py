@@ -154,3 +154,32 @@ def test_fsdp_refuses_lora(data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"--fsdp shards full fine-tuning \(--training-type full\)"):
         train(*args(data_dir, tmp_path, "lora", "--fsdp"))
     assert not (tmp_path / "lora").exists()  # refused before the run dir
+
+
+def test_fsdp_on_mixed_element_sets_equals_one_process(tmp_path):
+    """2 FSDP ranks x micro-batch 1 on clips of three element sets (3, 2 and 1 element images, two clips each: a
+    global batch holds one bucket, so both ranks take the same set and the same sequence length) == one process x
+    micro-batch 2 on the same samples: the losses and the weights after an epoch of every bucket."""
+    from data import make_synthetic_dataset
+
+    d = make_synthetic_dataset(tmp_path / "data", num_samples=6, num_frames=17, size=(32, 32))
+    for f in ("002_object.png", "003_object.png", "004_object.png", "004_background.png", "005_object.png",
+              "005_background.png"):
+        (d / f).unlink()
+    steps = ["--training-type", "full", "--lr", "1e-2", "--adam-eps", "1e-4", "--max-steps", "3"]
+    p = launch(args(d, tmp_path, "fsdp", *steps, "--fsdp", "--micro-batch", "1"), nproc=2)
+    log = finish(p)
+    one = train(*args(d, tmp_path, "one", *steps, "--micro-batch", "2"))["run_dir"]
+    for names in ("subject, object, background", "subject, background", "subject"):
+        assert f"[{names}]: 2 samples" in log, log[-3000:]
+    assert "global batch 2 = micro 1 x accum 1 x world 2" in log
+    fsdp = tmp_path / "fsdp"
+    diff = max_diff(exported(fsdp), exported(one))
+    print(f"FSDP on mixed element sets vs one process after 3 steps: max |param diff| {diff:.3g}")
+    assert diff <= 1e-6
+    from a2.tiny import model_path
+
+    assert max_diff(exported(one), exported(model_path("tiny"))) > 1e-4  # the weights did move
+    got, want = metrics(fsdp, "loss"), metrics(one, "loss")
+    assert sorted(got) == sorted(want) == [1, 2, 3] and max(abs(got[s] - want[s]) for s in want) <= 1e-6, (got, want)
+    assert len({round(v, 4) for v in want.values()}) == 3  # three different batches

@@ -237,8 +237,9 @@ def test_training_frames_centre_crop_takes_the_middle_pixels(shape, size, keep):
 
 def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path():
     """A checkpoint records its dataset (a hash of the samples' paths) and its dropped samples by path: resumed on
-    the same data nothing is said; on changed data (a clip added before the dropped one, or the dropped one gone)
-    one line says the dataset changed, and the dropped sample is dropped again where it now is, or named as gone."""
+    the same data the dropped sample is named; on changed data (a clip added before the dropped one, or the dropped
+    one gone) one line says the dataset changed, and the dropped sample is dropped again where it now is, or named
+    as gone. tests/test_resume_data.py runs these through train_a2.main."""
     from data import LoadFailures
 
     before = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
@@ -246,17 +247,21 @@ def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path()
     before.skipped_steps = 1
     state = before.state_dict()
     same = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
-    assert same.load_state_dict(state) == [] and same.dropped == before.dropped and same.skipped_steps == 1
+    assert same.load_state_dict(state) == ["1 sample(s) dropped before the checkpoint stay dropped: b.mp4 (b)"]
+    assert same.dropped == before.dropped and same.skipped_steps == 1
     grown = LoadFailures(True, ["0.mp4 (0)", "a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
     lines = grown.load_state_dict(state)
     assert grown.dropped == {2: "b: b.mp4: unreadable video"}  # b where it is now, not position 1 (a)
-    assert lines == ["the dataset changed since the checkpoint (3 samples then, 4 now): the data order from here is "
-                     "not the uninterrupted run's", "dropped samples kept by path: b.mp4 (b)"]
+    assert lines == ["the dataset changed since the checkpoint (3 samples then, 4 now): the data order from here, and "
+                     "an --eval-split's draw of held-out clips, are not the uninterrupted run's",
+                     "1 sample(s) dropped before the checkpoint stay dropped: b.mp4 (b)"]
     shrunk = LoadFailures(True, ["a.mp4 (a)", "c.mp4 (c)"])
-    assert shrunk.load_state_dict(state)[1] == "dropped samples kept by path: none; no longer in the dataset: b.mp4 (b)"
+    assert shrunk.load_state_dict(state)[1] == "dropped before the checkpoint, no longer in the dataset: b.mp4 (b)"
     assert shrunk.dropped == {}
-    old = LoadFailures(True, ["x.mp4 (x)", "y.mp4 (y)"])  # a checkpoint of an older a2: by position, as it was
-    assert old.load_state_dict(dict(dropped={"1": "y"}, skipped_steps=0)) == [] and old.dropped == {1: "y"}
+    old = LoadFailures(True, ["x.mp4 (x)", "y.mp4 (y)"])  # a checkpoint of an older a2: by position, as it was, said
+    assert old.load_state_dict(dict(dropped={"1": "y"}, skipped_steps=0)) == [
+        "the checkpoint does not record its samples' paths: its 1 dropped sample(s) are taken by position, now "
+        "y.mp4 (y)"] and old.dropped == {1: "y"}
 
 
 def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import a2.public_data as pd_
-from a2.conditioning import index_elements
+from a2.conditioning import KIND_DEFS, index_elements, largest_element_set
 from a2.images import element_tensors, read_image
 from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
 from data import E2VDataset, Validate, read_frames, resize_frames, validate
@@ -341,7 +341,7 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
         for ref in ("subject", "object"):
             assert np.array_equal(cross[i][ref], own[j][ref])
         assert np.array_equal(cross[i]["background"], own[i]["background"])
-    # a kind without roles (V3's default elements on an index: ref0, ref1, ref2, background): each reference slot
+    # a kind without roles (V3's default elements on an index: ref0..ref3, background): each reference slot
     v3 = index_elements("v3")
     own, cross = images(False, v3), images(True, v3)
     assert sorted(own[0]) == sorted(own[1]) == ["background", "ref0", "ref1"]
@@ -449,6 +449,57 @@ OPENS2V_SETS = {
     "magref": [(*_R[:1], "background"), (*_R[:2], "background"), (*_R, "background"), _R[:1]],
 }
 OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
+
+
+@pytest.mark.parametrize("kind", [k for k, d in KIND_DEFS.items() if d.references[1] and not d.roles])
+def test_a_clip_of_the_kinds_maximum_of_masks_fills_every_slot_with_or_without_a_background_png(kind):
+    """A clip of as many kept masks as the kind takes (and one of more): without a background png every slot is a
+    mask (V3: 4 of 4); with one, where the kind uses it, one mask fewer and the png last; never more than the kind
+    takes, and the run plans that largest set."""
+    d = KIND_DEFS[kind]
+    most = d.references[1]
+    names = [e.name for e in index_elements(kind)]
+    assert [e.name for e in largest_element_set(kind, index_elements(kind))] == [f"ref{i}" for i in range(most)]
+    for masks in (most, most + 1):
+        refs = [dict(role="subject" if i == 0 else "object", class_name=f"c{i}") for i in range(masks)]  # largest 1st
+        bare = pd_.clip_elements(dict(references=refs, elements={}), names)
+        assert {n: r["class_name"] for n, r in bare.items()} == {f"ref{i}": f"c{i}" for i in range(most)}, masks
+        png = pd_.clip_elements(dict(references=refs, elements=dict(background=dict(image="bg.png"))), names)
+        if d.background:
+            assert {n: r.get("class_name", "png") for n, r in png.items()} == {
+                **{f"ref{i}": f"c{i}" for i in range(most - 1)}, "background": "png"}, masks
+        else:
+            assert png == bare
+
+
+def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(shared_data, tmp_path, capsys):
+    """Through the index as validate and training read it: the clip of 4 masks with its background png, and the
+    same clip without the png. V3 takes 3 masks and the png, and all 4 masks (not 3 with the last slot empty);
+    MAGREF and in-context (up to 8) all 4 masks either way, the png added where there is one; Phantom uses no png."""
+    from tests.conftest import train
+
+    root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
+    fx = varied_opens2v(shared_data, root)
+    pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
+    index = out / "index.jsonl"
+    four = next(x for x in map(json.loads, index.read_text().splitlines()) if x["key"] == fx["keys"][2])
+    assert len(four["references"]) == 4 and "background" in four["elements"]
+    bare = dict(four, key="no-png", elements={k: v for k, v in four["elements"].items() if k != "background"})
+    index.write_text(json.dumps(four) + "\n" + json.dumps(bare) + "\n")
+    want = {"v3": [(*_R[:3], "background"), _R], "magref": [(*_R, "background"), _R],
+            "incontext": [(*_R, "background"), _R], "phantom": [_R, _R]}
+    for kind, sets in want.items():
+        model, frames, kw = OPENS2V_KINDS[kind]
+        ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
+                               model=model, **kw))
+        assert [b[3] for b in ds.buckets] == sets and not ds.left_out, kind
+    capsys.readouterr()
+    r = train("--model", "tiny-v3", "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
+              *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", "v3", "--max-steps", "2",
+              "--num-frames", "9", "--log-every", "1", "--device", "cpu")
+    assert len(r["losses"]) == 2 and all(np.isfinite(r["losses"]))  # one epoch: both clips
+    log = capsys.readouterr().out
+    assert "[ref0, ref1, ref2, ref3]: 1 samples" in log and "[ref0, ref1, ref2, background]: 1 samples" in log, log
 
 
 def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys, dino_dir):
