@@ -1198,6 +1198,40 @@ def log_step(rec: dict | None, metrics_file, tb) -> None:
 # ---------------------------------------------------------------- main
 
 
+def optimizer_and_resume(cfg: TrainConfig, params, transformer, dataset, point, device):
+    """AdamW over the trainable weights, its non-finite guard and the run's load-failure bookkeeping, restored from
+    the checkpoint when resuming (what changed in the dataset since, said by path). Returns (opt, guard, failures,
+    start_step)."""
+    # fused: a non-finite step is skipped through its found_inf (NonFiniteSteps), on the device
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
+                            fused=True)
+    guard = NonFiniteSteps(opt, device)
+    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
+                            dataset.stamp)
+    if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
+        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
+    if not point.path:
+        return opt, guard, failures, 0
+    state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
+    for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
+        log(line)  # whether the dataset changed since the checkpoint; the dropped samples, by path
+    log(f"resumed from {point.path} at step {state['step']}")
+    return opt, guard, failures, state["step"]
+
+
+def optimizer_step(opt, params, guard, step_loss, step: int, cfg: TrainConfig, world: int):
+    """Clip, step (skipped on the device when the loss or the norm is not finite) and update the EMA. Returns the
+    gradient norm before clipping."""
+    if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
+        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
+    opt.step()
+    if cfg.ema_decay:
+        update_ema(opt, params, ema_decay(cfg.ema_decay, step))
+    return grad_norm
+
+
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
     if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
@@ -1267,21 +1301,7 @@ def main(cfg: TrainConfig) -> dict:
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
 
     # ---------------------------------------------------------------- optimiser, resume, loader
-    # fused: a non-finite step is skipped through its found_inf (NonFiniteSteps), on the device
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
-                            fused=True)
-    guard = NonFiniteSteps(opt, device)
-    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
-                            dataset.stamp)
-    if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
-        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
-    start_step = 0
-    if point.path:
-        state = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
-        start_step = state["step"]
-        for line in failures.load_state_dict(state.get("load_failures", failures.state_dict())):
-            log(line)  # whether the dataset changed since the checkpoint; the dropped samples, by path
-        log(f"resumed from {point.path} at step {start_step}")
+    opt, guard, failures, start_step = optimizer_and_resume(cfg, params, transformer, dataset, point, device)
     loader = make_loader(dataset, sampler, start_step, dp_rank, dp_world, cfg, use_cuda)
     STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step
@@ -1325,13 +1345,7 @@ def main(cfg: TrainConfig) -> dict:
             if refused:
                 skip_step(step, failures, cfg, run_dir, transformer, opt, rank, world)
             else:
-                if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
-                    dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
-                opt.step()
-                if cfg.ema_decay:
-                    update_ema(opt, params, ema_decay(cfg.ema_decay, step))
+                grad_norm = optimizer_step(opt, params, guard, step_loss, step, cfg, world)
             opt.zero_grad(set_to_none=True)
             done = step + 1
             if rank == 0 and not refused:
