@@ -18,6 +18,7 @@ import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import tyro
@@ -151,21 +152,22 @@ class Element:
     """One reference image of a sample: how it is found, framed and placed in the sequence."""
 
     name: str
-    """Element name (subject, object, background, ...), unique in a dataset."""
+    """The element's name (subject, object, background, ...); names are unique in a dataset."""
     suffixes: tuple[str, ...]
-    """File name endings after the sample id (`_person.png`); the first that exists wins."""
+    """The file name endings after the sample id (`_person.png`) that name this element's image; the first one that
+    exists wins."""
     required: bool = False
-    """A sample without this element is a dataset error (else the element is optional)."""
+    """Makes a sample without this element a dataset error; otherwise the element is optional."""
     repeat: int = 1
-    """Pixel frames this element occupies in the VAE mini-video."""
+    """The number of pixel frames this element occupies in the VAE mini-video."""
     position: int = 0
-    """Order in the sequence (ascending)."""
+    """The element's place in the sequence; elements are ordered by ascending position."""
     vae_preprocess: str = "resize"
-    """How the image is framed to the video size for the VAE path (PREPROCESS_MODES)."""
+    """How the image is framed to the video size for the VAE path (one of PREPROCESS_MODES)."""
     clip_preprocess: str = "pad_white"
-    """How the image is framed to the CLIP size (PREPROCESS_MODES)."""
+    """How the image is framed to the CLIP size (one of PREPROCESS_MODES)."""
     clip: bool = True
-    """Encode with CLIP too (257 image tokens)."""
+    """Also encodes the image with CLIP (257 image tokens)."""
 
 
 # SkyReels-A2's published layout: repeats 1/4/4, VAE pad_white/pad_white/center_crop, CLIP pad_white (512x512)
@@ -341,9 +343,9 @@ class VaeProcessorConfig(ConditioningConfig):
     """The VAE path of a dataset: the conditioning (ConditioningConfig's keys) and how its images are framed."""
 
     resolution: tuple[int, int] = (480, 832)
-    """(height, width) in pixels the video and the element images are brought to."""
+    """The (height, width) in pixels that the video and the element images are brought to."""
     default_preprocess: str = "resize"
-    """Framing of elements that do not set their own (PREPROCESS_MODES)."""
+    """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
 @dataclass(frozen=True)
@@ -351,9 +353,9 @@ class ClipProcessorConfig:
     """The CLIP path of the conditioning."""
 
     resolution: tuple[int, int] = (512, 512)
-    """(height, width) in pixels element images are brought to before CLIPImageProcessor (A2: 512x512)."""
+    """The (height, width) in pixels that element images are brought to before CLIPImageProcessor (A2: 512x512)."""
     default_preprocess: str = "pad_white"
-    """Framing of elements that do not set their own (PREPROCESS_MODES)."""
+    """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
 @dataclass(frozen=True)
@@ -361,13 +363,13 @@ class VisualizationConfig:
     """Training-time dumps of latents and decoded frames (the design documents' `visualization` block)."""
 
     enabled: bool = False
-    """Write visualisations during training."""
+    """Writes visualisations during training."""
     output_dir: str = "visualizations/{run_id}"
-    """Where, relative to the run dir unless absolute; {run_id} is the run dir's name."""
+    """Where the visualisations go, relative to the run dir unless absolute; {run_id} is the run dir's name."""
     frequency: int = 100
-    """Every this many steps."""
+    """Writes them every this many steps."""
     processors: tuple = ()
-    """Dicts {type: latent_save | vae_decode, data: [tensor names], frames: [indices]}."""
+    """What to write: dicts {type: latent_save | vae_decode, data: [tensor names], frames: [indices]}."""
 
 
 @dataclass(frozen=True)
@@ -375,52 +377,58 @@ class DatasetConfig:
     """One dataset of a run (a JSON dataset config holds several)."""
 
     data_root: str
-    """Dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>), and the base of a manifest's relative paths."""
+    """The dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>); a manifest's relative paths are read from it
+    too."""
     dataset_type: str = "e2v"
-    """e2v: clips + element images; t2v: clips + prompts only; opens2v / phantom / humoset: an index of a public
-    dataset written by `data.py index` (the manifest), element images built from its annotations (public_data.py)."""
+    """What the samples are. e2v: clips and element images; t2v: clips and prompts only; opens2v / phantom / humoset: an
+    index of a public dataset written by `data.py index` (the manifest), whose element images are built from its
+    annotations (public_data.py)."""
     weight: float = 1.0
-    """Times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
+    """How many times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)
-    """(height, width) in pixels of the training clips."""
+    """The (height, width) in pixels of the training clips."""
     auto_frame_buckets: bool = False
-    """Put a clip shorter than num_frames into the largest 4k+1 frame bucket it fills, and into an aspect bucket."""
+    """Puts a clip shorter than num_frames into the largest 4k+1 frame bucket it fills, and into an aspect bucket."""
     frame_buckets: tuple[int, ...] = ()
-    """Frame counts (4k+1) of the buckets with auto_frame_buckets (default 17, 33, 49, 65, 81)."""
+    """The frame counts (4k+1) of the buckets with auto_frame_buckets (default 17, 33, 49, 65, 81)."""
     reshape_mode: str = "center_crop"
-    """How a video frame is brought to the target size (PREPROCESS_MODES)."""
+    """How a video frame is brought to the target size (one of PREPROCESS_MODES)."""
     remove_common_llm_caption_prefixes: bool = True
-    """Strip captioner boilerplate ("The video shows ...") from captions."""
+    """Strips captioner boilerplate ("The video shows ...") from the captions."""
     elements: tuple[Element, ...] = A2_ELEMENTS
     """The reference elements of each sample, in position order."""
     vae: VaeProcessorConfig = field(default_factory=VaeProcessorConfig)
-    """VAE-path settings."""
+    """The settings of the VAE path."""
     clip: ClipProcessorConfig = field(default_factory=ClipProcessorConfig)
-    """CLIP-path settings."""
+    """The settings of the CLIP path."""
     visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
-    """Training-time visualisation dumps."""
+    """The visualisations written during training."""
     manifest: str | None = None
-    """CSV/JSONL with video/caption columns, or a train.jsonl of .npz clips, instead of scanning data_root."""
+    """A CSV/JSONL file with video and caption columns, or a train.jsonl of .npz clips, read instead of scanning
+    data_root."""
     frame_extraction: str = "spread"
-    """Windows of a clip (FRAME_EXTRACTION): spread = one per clip, its frames spread evenly over the whole clip; head |
-    chunk | slide | uniform = musubi-tuner's windows of consecutive frames, each a sample (data.frame_windows)."""
+    """Which windows of a clip train (FRAME_EXTRACTION). spread: one per clip, its frames spread evenly over the whole
+    clip; head | chunk | slide | uniform: musubi-tuner's windows of consecutive frames, each a sample
+    (data.frame_windows)."""
     frame_stride: int = 1
-    """slide: frames between window starts."""
+    """With frame_extraction slide: the frames between window starts."""
     frame_sample: int = 1
-    """uniform: windows per clip."""
+    """With frame_extraction uniform: the windows per clip."""
     source_fps: float | None = None
-    """Frame rate of the clips; with target_fps below it, frames are dropped to reach target_fps first
-    (data.resampled_frames). None: the clips are used at their own rate."""
+    """The frame rate of the clips. With target_fps below it, frames are dropped to reach target_fps first
+    (data.resampled_frames); None: the clips are used at their own rate."""
     target_fps: float = 16.0
-    """Frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
+    """The frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
     eval: bool = False
-    """A held-out dataset: its samples are never trained on, only scored by the eval loss (--eval-every)."""
+    """Marks a held-out dataset: its samples are never trained on, only scored by the eval loss (--eval-every)."""
     source: str = ""
-    """Where it was defined (config file and entry, or flags), for messages; not part of the data."""
+    """Where the dataset was defined (config file and entry, or flags), for messages; it is no part of the data."""
     sam: str | None = None
-    """Public datasets: a local transformers SAM dir that segments box and photo references (else box crops)."""
+    """For public datasets: a local transformers SAM dir that segments the box and photo references (without it they are
+    box crops)."""
     cross_video: bool = False
-    """OpenS2V: subject/object from a paired clip of the same cross-video cluster (the index's --cross-pairs)."""
+    """For OpenS2V: takes subject and object from a paired clip of the same cross-video cluster (the index's
+    --cross-pairs)."""
 
 
 PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
@@ -577,34 +585,38 @@ class EvalConfig:
     encoder is not given is skipped with one message."""
 
     clip_image: str | None = None
-    """CLIP-I (and CLIP temporal consistency): a transformers CLIPModel / CLIPVisionModel(WithProjection) dir, or a
-    dir with image_encoder/ + image_processor/. Default: the model's own image encoder (A2: CLIP ViT-H/14)."""
+    """The encoder of CLIP-I (and of CLIP temporal consistency): a transformers CLIPModel /
+    CLIPVisionModel(WithProjection) dir, or a dir with image_encoder/ + image_processor/. Default: the model's own image
+    encoder (A2: CLIP ViT-H/14)."""
     clip_text: str | None = None
-    """CLIP-T: a transformers CLIPModel dir (text and vision towers, tokenizer, preprocessor_config.json), e.g.
-    laion/CLIP-ViT-H-14-laion2B-s32B-b79K, the CLIP that A2's image encoder comes from."""
+    """The encoder of CLIP-T: a transformers CLIPModel dir (text and vision towers, tokenizer,
+    preprocessor_config.json), e.g. laion/CLIP-ViT-H-14-laion2B-s32B-b79K, the CLIP that A2's image encoder comes
+    from."""
     dino: str | None = None
-    """DINO-I (and DINO temporal consistency): a transformers Dinov2Model dir, e.g. facebook/dinov2-base."""
+    """The encoder of DINO-I (and of DINO temporal consistency): a transformers Dinov2Model dir, e.g.
+    facebook/dinov2-base."""
     face: str | None = None
-    """Face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt (TorchScript), a
-    module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself (non-finite rows:
-    no face), or a transformers image model dir (embeds whole images: for face-crop references and videos)."""
+    """The encoder of face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt
+    (TorchScript), a module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself
+    (non-finite rows: no face); or a transformers image model dir, which embeds whole images (for face-crop references
+    and videos)."""
     faces: tuple[str, ...] = ("subject",)
-    """Elements scored by --eval.face (A2's subject is a person)."""
+    """The elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0
-    """Score this many evenly spaced frames (0: all)."""
+    """Scores this many evenly spaced frames (0: all)."""
     # OpenS2V-Eval v1.1's metrics under their names (a2/opens2v.py), computed on the decoded video tensor
 
     aes_clip: str | None = None
-    """aes_score: a CLIP ViT-L/14 dir (openai/clip-vit-large-patch14), with --eval.aes-mlp."""
+    """The CLIP of aes_score: a CLIP ViT-L/14 dir (openai/clip-vit-large-patch14), used with --eval.aes-mlp."""
     aes_mlp: str | None = None
-    """aes_score: the LAION aesthetic MLP's state dict (OpenS2V-Weight/aesthetic-model.pth)."""
+    """The head of aes_score: the LAION aesthetic MLP's state dict (OpenS2V-Weight/aesthetic-model.pth)."""
     facesim: str | None = None
-    """cur_score of the --eval.faces elements: an OpenS2V-Weight dir (face_extractor/ +
-    glint360k_curricular_face_r101_backbone.bin); needs insightface and onnxruntime."""
+    """The model of cur_score on the --eval.faces elements: an OpenS2V-Weight dir (face_extractor/ +
+    glint360k_curricular_face_r101_backbone.bin); it needs insightface and onnxruntime."""
     gme: str | None = None
-    """gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
+    """The model of gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
     motion_fb: bool = False
-    """motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
+    """Scores motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
 
 
 # ---------------------------------------------------------------- training (train_a2.py)
@@ -622,186 +634,192 @@ class TrainConfig:
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3
-    R2V), a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each trained in its own layout, as
-    V3), a Hugging Face Hub id
-    (Skywork/SkyReels-A2; downloaded once into the Hub cache, HF_HUB_OFFLINE respected), a built-in offline tiny
-    model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
-    tiny-magref, tiny-refalign, or a real-size one with random weights built on the GPU (no download; for speed and
-    memory at real shapes):
-    random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
+    """The model to train: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
+    TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each trained in
+    its own layout, as V3); a Hugging Face Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache;
+    HF_HUB_OFFLINE is respected); a built-in offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v,
+    tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign; or a real-size model with random
+    weights built on the GPU, for speed and memory at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B),
+    random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
-    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) for a T2V base expanded to E2V."""
+    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
+    its image branch."""
     components: str | None = None
-    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
-    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
+    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
+    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
     (MAGREF) from the Hub."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
-    """Reference paths: dual = VAE latents + CLIP tokens (A2); vae = VAE only (no image branch); clip = CLIP only.
-    auto: dual when the model has (or, a T2V base with --image-encoder, gets) an image branch; vae for Wan 2.2 I2V
-    A14B, which has none."""
+    """Which paths the references take. dual: VAE latents and CLIP tokens (A2); vae: VAE only (no image branch); clip:
+    CLIP only; auto: dual when the model has an image branch (or gets one: a T2V base with --image-encoder), vae for Wan
+    2.2 I2V A14B, which has none."""
     expert: Literal["high", "low"] | None = None
-    """Wan 2.2 A14B (two experts): train one. high = `transformer` (sigma >= boundary_ratio, the noisy steps), low =
-    `transformer_2` (sigma < boundary_ratio). Only that expert is loaded; sigma is drawn from --sigma-sampling's
-    distribution truncated to the expert's range (inverse CDF), so the two experts together see exactly it."""
+    """Trains one expert of a Wan 2.2 A14B pair: high is `transformer` (sigma >= boundary_ratio, the noisy steps), low
+    is `transformer_2` (sigma < boundary_ratio). Only that expert is loaded, and sigma is drawn from --sigma-sampling's
+    distribution truncated to the expert's range (inverse CDF), so the two experts together see exactly that
+    distribution."""
     training_type: Literal["lora", "full"] = "lora"
-    """lora: train a LoRA adapter on the frozen transformer; full: train all transformer weights."""
+    """What trains. lora: a LoRA adapter on the frozen transformer; full: all transformer weights."""
     lora_rank: int = 32
-    """LoRA rank r (columns of the down matrix)."""
+    """The LoRA rank r (the columns of the down matrix)."""
     lora_alpha: float = 32.0
-    """LoRA alpha: the update is scaled by alpha / rank."""
+    """The LoRA alpha: the update is scaled by alpha / rank."""
     lora_dropout: float = 0.0
-    """Dropout probability on the LoRA input."""
+    """The dropout probability on the LoRA input."""
     lora_target: str = LORA_TARGETS
-    """Regex over module names (peft full match): self/cross attention q/k/v/o, image K/V projections, FFN."""
+    """The modules that get a LoRA, as a regex over module names (peft's full match): self- and cross-attention q/k/v/o,
+    the image K/V projections and the FFN."""
     fp8_base: bool = False
-    """LoRA only: store the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales (half
-    the bytes of bf16; A2-14B: 15 GiB less), dequantized per layer in the forward (a2/fp8.py). Norms, embeddings,
-    the output head and the LoRA stay as they are; the exported LoRA loads on the bf16 model. Gradients differ from
-    the bf16 model's by ~3% (e4m3 rounding, tests/test_fp8.py)."""
+    """Stores the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales, dequantized per
+    layer in the forward (a2/fp8.py); LoRA only. It halves their bytes against bf16 (A2-14B: 15 GiB less). Norms,
+    embeddings, the output head and the LoRA stay as they are, and the exported LoRA loads on the bf16 model. Gradients
+    differ from the bf16 model's by ~3% (e4m3 rounding, tests/test_fp8.py)."""
     fp8_matmul: bool = False
-    """With --fp8-base, on CUDA compute capability 9.0+ (H100): the forward's linears multiply fp8 x fp8
-    (torch._scaled_mm, the input quantized per token) instead of dequantizing to bf16; the backward stays bf16.
-    Not yet measured faster; off by default."""
+    """Multiplies the forward's linears fp8 x fp8 (torch._scaled_mm, the input quantized per token) instead of
+    dequantizing to bf16, with --fp8-base on CUDA compute capability 9.0+ (H100); the backward stays bf16. It is off by
+    default: not yet measured faster."""
     fsdp: bool = False
-    """Full fine-tuning only: shard weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per
-    transformer block, then the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit
-    per GPU. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards),
-    so host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint,
-    loadable at another world size); the final transformer dir is gathered on rank 0."""
+    """Shards the weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per transformer block, then
+    the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit one GPU; full fine-tuning
+    only. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards), so
+    host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint, loadable at
+    another world size); the final transformer dir is gathered on rank 0."""
     context_parallel: int = 1
-    """Ranks that split one sample's tokens (Ulysses context parallel, a2/parallel.py): torchrun's world = data-parallel
-    ranks x this; consecutive ranks form a group (one node), train the same samples with the same noise and timestep,
-    and each holds 1/N of the sequence's activations. N divides the attention heads (14B: 40, 1.3B: 12). With DDP or
-    --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
+    """Splits each sample's tokens over this many ranks (Ulysses context parallel, a2/parallel.py): torchrun's world is
+    data-parallel ranks x this. Consecutive ranks form a group (one node), train the same samples with the same noise
+    and timestep, and each holds 1/N of the sequence's activations. N must divide the attention heads (14B: 40, 1.3B:
+    12). It works with DDP or --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    """Where to train: auto = CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
+    """Where to train. auto: CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
     memory: Literal["auto", "manual"] = "auto"
-    """auto (CUDA): one rule (a2/memory.py) plans the step from the model, the shape and the free GPU and host memory,
-    before the weights move to the GPU, and prints the plan and why: the fewest recomputed blocks that fit, keeping
-    their self-attention; then every block recomputed with what it keeps offloaded to host memory; then (LoRA) fp8
-    frozen weights; then the fewest blocks swapped to host memory. --gradient-checkpointing/--checkpoint-fraction/
-    --save-attention are then ignored; --fp8-base/--offload-activations/--swap-blocks force their piece on.
-    manual, and on the CPU: all those flags as given."""
+    """How the step's memory is planned. auto (CUDA): one rule (a2/memory.py) plans it from the model, the shape and the
+    free GPU and host memory before the weights move to the GPU, and prints the plan and why: the fewest recomputed
+    blocks that fit, keeping their self-attention; then every block recomputed with what it keeps offloaded to host
+    memory; then (LoRA) fp8 frozen weights; then the fewest blocks swapped to host memory. --gradient-checkpointing,
+    --checkpoint-fraction and --save-attention are then ignored, and --fp8-base, --offload-activations and --swap-blocks
+    force their piece on. manual, and on the CPU: all those flags as given."""
     max_memory_gb: float | None = None
-    """--memory auto plans for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller card)."""
+    """Makes --memory auto plan for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller
+    card)."""
     dry_run: bool = False
-    """Know before you rent: on any machine (no GPU, no weights read, no data loaded), build the transformer at real
-    size on fake tensors, plan and apply its memory as on a GPU with --max-memory-gb (default 80), trace two eager
-    training steps' live bytes (a2/trace.py) and print the device peak by category beside the plan's estimate;
-    exit 0 if it fits, 3 if not."""
+    """Tells you before you rent whether a run fits: on any machine (no GPU, no weights read, no data loaded) it builds
+    the transformer at real size on fake tensors, plans and applies its memory as on a GPU with --max-memory-gb (default
+    80), traces two eager training steps' live bytes (a2/trace.py) and prints the device peak by category beside the
+    plan's estimate. It exits 0 if the run fits, 3 if not."""
     gradient_checkpointing: bool = True
-    """--memory manual: recompute blocks in backward (see --checkpoint-fraction)."""
+    """With --memory manual: recomputes blocks in the backward (see --checkpoint-fraction)."""
     checkpoint_fraction: float = 1.0
-    """--memory manual: fraction of transformer blocks recomputed in backward (lower: faster, more memory)."""
+    """With --memory manual: the fraction of transformer blocks recomputed in the backward (lower: faster, more
+    memory)."""
     save_attention: bool = False
-    """--memory manual: selective checkpointing, recomputed blocks keep their self-attention outputs (about half the
-    forward FLOPs at 81x480x832) and redo only the rest; costs tokens x dim bf16 per block (A2-14B at 81x480x832:
-    0.34 GB, ~13 GB for 40 blocks). a2.transformer.configure_blocks."""
+    """With --memory manual: selective checkpointing, where recomputed blocks keep their self-attention outputs (about
+    half the forward FLOPs at 81x480x832) and redo only the rest (a2.transformer.configure_blocks). It costs tokens x
+    dim bf16 per block (A2-14B at 81x480x832: 0.34 GB, ~13 GB for 40 blocks)."""
     attention_backend: str | None = None
-    """diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
+    """The diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
     SDPA's own choice, which on an H100 ran as fast as _native_cudnn and 1.3x faster than _native_flash (bench.py)."""
     compile: OnOffAuto = None
-    """torch.compile each transformer block (recomputed blocks together with their checkpoint). Default: on with
-    CUDA (the fastest setting that fits: A2-14B LoRA on an H100 12.09 s/step compiled vs 15.31 eager, 55.2 vs 59.5
-    GB peak; 1.3B full FT 3.16 -> 2.40 s/step), off on the CPU; the memory plan is made for the setting used
-    (printed at start). Costs ~1 min up front and a recompile per new input shape (bucket); the recompile limit is
-    raised to the run's shapes so no block falls back to eager. --compile False: eager."""
+    """Compiles each transformer block with torch.compile (recomputed blocks together with their checkpoint); --compile
+    False runs eager. Default: on with CUDA, the fastest setting that fits (A2-14B LoRA on an H100: 12.09 s/step
+    compiled vs 15.31 eager, 55.2 vs 59.5 GB peak; 1.3B full FT 3.16 -> 2.40 s/step), off on the CPU. The memory plan is
+    made for the setting used (printed at start). It costs ~1 min up front and a recompile per new input shape (bucket);
+    the recompile limit is raised to the run's shapes so that no block falls back to eager."""
     mixed_precision: Literal["bf16", "no"] = "bf16"
-    """bf16 autocast on CUDA (fp32 master weights); ignored on CPU."""
+    """Computes in bf16 autocast on CUDA (fp32 master weights); ignored on the CPU."""
     offload_activations: bool = False
-    """What the recomputed blocks keep for backward (their inputs; with --save-attention the attention outputs) goes
-    to pinned host memory in the forward and comes back one block ahead in the backward, on a side CUDA stream
-    (a2/offload.py). Costs host RAM of that size and two copies of it per step; the results are unchanged. Not
+    """Moves what the recomputed blocks keep for the backward (their inputs; with --save-attention the attention
+    outputs) to pinned host memory in the forward, and brings it back one block ahead in the backward, on a side CUDA
+    stream (a2/offload.py). It costs host RAM of that size and two copies of it per step; the results are unchanged. Not
     with --fsdp."""
     swap_blocks: int = 0
-    """LoRA: the frozen weights of the last N blocks live in pinned host memory and are copied to the GPU one block
-    ahead of use, in forward and backward (a2/offload.py): frees their bytes on the GPU (A2-14B: 0.65 GB a block in
-    bf16) for two host->GPU copies of them per step. Not with --training-type full or --fsdp."""
+    """Keeps the frozen weights of the last N blocks in pinned host memory and copies them to the GPU one block ahead of
+    use, in the forward and the backward (a2/offload.py); LoRA only, not with --training-type full or --fsdp. It frees
+    their bytes on the GPU (A2-14B: 0.65 GB a block in bf16) for two host->GPU copies of them per step."""
 
     # data
 
     data_root: str | None = None
-    """E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
+    """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
     dataset_config: str | None = None
-    """JSON dataset config (format of the design documents); overrides data_root/elements/resolution/frames."""
+    """A JSON dataset config (the design documents' format); it overrides --data-root, --elements, --resolution and the
+    frames."""
     manifest: str | None = None
-    """CSV/JSONL listing the clips (`video`/`path` + `caption`/`prompt` columns), e.g. the T2V workflow's train.jsonl
-    of .npz clips (uint8 `frames`); paths inside are relative to its dir, which is the default --data-root."""
+    """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
+    train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
+    --data-root."""
     dataset_type: Literal["e2v", "t2v", "opens2v", "phantom", "humoset"] = "e2v"
-    """e2v: clips + element images (A2). t2v: clips + prompts only, no elements: text-to-video training; a T2V model
-    (16 input channels) then trains as it is, without expansion. opens2v / phantom / humoset: OpenS2V-5M,
-    Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the element
-    images are built from their masks, boxes or photos (public_data.py; README: Public datasets)."""
+    """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
+    training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
+    OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
+    element images are built from their masks, boxes or photos (public_data.py; README: Public datasets)."""
     sam: str | None = None
-    """--dataset-type phantom/humoset: a local transformers SAM dir (SamModel) that segments the box / photo
-    references onto white; without, Phantom-Data's references are box crops."""
+    """With --dataset-type phantom or humoset: a local transformers SAM dir (SamModel) that segments the box and photo
+    references onto white; without it, Phantom-Data's references are box crops."""
     cross_video: bool = False
-    """--dataset-type opens2v: each clip's subject and object come from a paired clip of its cross-video cluster
-    (an index built with --cross-pairs), not from its own frame."""
+    """With --dataset-type opens2v: takes each clip's subject and object from a paired clip of its cross-video cluster
+    (an index built with --cross-pairs) instead of from its own frame."""
     elements: tuple[str, ...] = ()
-    """Element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements).
-    Empty: SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
+    """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements). Empty:
+    SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
     resolution: tuple[int, int] = (480, 832)
-    """Training (height, width); multiples of 16."""
+    """The training (height, width) in pixels, multiples of 16."""
     num_frames: int = 81
-    """Pixel frames of the whole sequence, reference frames included (4k+1)."""
+    """The pixel frames (4k+1) of the whole sequence, reference frames included."""
     clip_size: int = 512
-    """Square size the CLIP-path element images are brought to (A2: 512, pad_white)."""
+    """The square size that the CLIP-path element images are brought to (A2: 512, pad_white)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How element images and video frames condition the model (shared with infer.py and a dataset file's
     processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
     skip_bad_samples: bool = False
-    """Drop invalid samples (and say how many) instead of failing with the full list of problems."""
+    """Drops invalid samples (and says how many) instead of failing with the full list of problems."""
     num_workers: int = 2
-    """DataLoader worker processes per rank (0: load in the training process). They ignore SIGTERM/SIGINT: the
+    """The DataLoader worker processes per rank (0: load in the training process). They ignore SIGTERM/SIGINT: the
     training process handles those."""
     cache_dir: str | None = None
-    """Precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
-    into a subdir named by a hash of everything they depend on; without, training reads them from there and
-    never constructs the VAE/T5/CLIP (unless validation videos need them)."""
+    """The precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
+    into a subdir named by a hash of everything they depend on; without it, training reads them from there and never
+    constructs the VAE, T5 or CLIP (unless validation videos need them)."""
     precompute: bool = False
-    """Encode the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exit."""
+    """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
     frame_extraction: Literal["spread", "head", "chunk", "slide", "uniform"] = "spread"
-    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over
-    the whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide |
-    uniform: windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first;
-    chunk back to back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The
-    windows are a function of the clip alone (deterministic), are validated and cached each as a sample."""
+    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
+    whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
+    windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to
+    back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The windows are a
+    function of the clip alone (deterministic), and each is validated and cached as a sample."""
     frame_stride: int = 1
-    """--frame-extraction slide: frames between window starts (musubi-tuner's default 1: every start)."""
+    """With --frame-extraction slide: the frames between window starts (musubi-tuner's default 1: every start)."""
     frame_sample: int = 1
-    """--frame-extraction uniform: windows per clip (musubi-tuner's default 1: the first window, as head)."""
+    """With --frame-extraction uniform: the windows per clip (musubi-tuner's default 1: the first window, as head)."""
     source_fps: float | None = None
-    """Frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
-    the clips to --target-fps before windows are cut (head/chunk/slide/uniform). Default: clips as they are."""
+    """The frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
+    the clips to --target-fps before the windows are cut (head/chunk/slide/uniform). Default: the clips as they are."""
     target_fps: float = 16.0
-    """The rate clips are brought to with --source-fps: 16, the frame rate Wan 2.1/2.2 are trained at."""
+    """The frame rate the clips are brought to with --source-fps: 16, the rate Wan 2.1/2.2 are trained at."""
 
     # objective
 
     sigma_sampling: Literal["logit_normal", "uniform", "shifted"] = "logit_normal"
-    """logit_normal(0, 1) (SD3's default: puts the steps where flow matching learns most) | uniform | shifted
-    (uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule)."""
+    """How the training sigma is drawn. logit_normal(0, 1): SD3's default, which puts the steps where flow matching
+    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule."""
     logit_mean: float = 0.0
-    """Mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
+    """The mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
     logit_std: float = 1.0
-    """Standard deviation of that normal (--sigma-sampling logit_normal)."""
+    """The standard deviation of that normal (--sigma-sampling logit_normal)."""
     sigma_shift: float = 5.0
-    """Shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise)."""
+    """The shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise)."""
     loss_weighting: Literal["none", "cosmap"] = "none"
-    """Per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
+    """The per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
     loss_on_references: bool = True
-    """Include the reference latent frames in the loss (the model denoises them at inference too)."""
+    """Includes the reference latent frames in the loss (the model denoises them at inference too)."""
     text_dropout: float = 0.1
-    """Probability to train a sample with the empty prompt (classifier-free guidance on text)."""
+    """The probability of training a sample with the empty prompt (classifier-free guidance on text)."""
     reference_dropout: float = 0.0
-    """Probability to drop all references of a sample (zero condition latents, mask and image tokens)."""
+    """The probability of dropping all references of a sample (zero condition latents, mask and image tokens)."""
     joint_dropout: float = 0.0
-    """Probability to drop the prompt and the references together. Above 0 the three dropouts are exclusive cases of
-    one draw, as RefAlign trains (its 0.1 / 0.1 / 0.1: the prompt alone, the references alone, both); at 0 the prompt
-    and the references are dropped independently."""
+    """The probability of dropping the prompt and the references together. Above 0 the three dropouts are exclusive
+    cases of one draw, as RefAlign trains (its 0.1 / 0.1 / 0.1: the prompt alone, the references alone, both); at 0 the
+    prompt and the references are dropped independently."""
     reference_augment: bool = False
     """Augment each reference image every step before it is encoded (RefAlign's: flip, rotation up to 45 degrees,
     shear, scale/translate, perspective, colour/brightness jitter, blur; white fill, a2/augment.py), drawn from the
@@ -811,65 +829,66 @@ class TrainConfig:
     per-block projectors, aligned with DINOv3 features of the reference images (--align-model). Kinds phantom, v3,
     incontext, standin (the others have no reference tokens). The projectors train with the run, never exported."""
     align_model: str | None = None
-    """Local DINOv3 model dir (transformers' DINOv3ViTModel) of the alignment targets: RefAlign uses ViT-B/16 (768-d)
-    for the 1.3B model and ViT-L/16 (1024-d) for the 14B."""
+    """The local DINOv3 model dir (transformers' DINOv3ViTModel) of the alignment targets; RefAlign uses ViT-B/16
+    (768-d) for the 1.3B model and ViT-L/16 (1024-d) for the 14B."""
     align_blocks: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7, 8)
-    """Blocks whose output reference tokens are aligned (RefAlign: the first nine)."""
+    """The blocks whose output reference tokens are aligned (RefAlign: the first nine)."""
     align_weight: float = 1.0
-    """Weight of the alignment loss added to the flow-matching loss."""
+    """The weight of the alignment loss added to the flow-matching loss."""
     align_gate_floor: float = 0.1
-    """Timestep gate of the alignment loss: floor + (1 - floor) (t/1000)^power (RefAlign: 0.1 and 3)."""
+    """The floor of the alignment loss's timestep gate, floor + (1 - floor) (t/1000)^power (RefAlign: 0.1 and 3)."""
     align_gate_power: float = 3.0
-    """Power of the timestep gate (--align-gate-floor)."""
+    """The power of the timestep gate (see --align-gate-floor)."""
     timestep_buckets: int = 0
-    """Stratify the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
-    distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks
-    and accumulation. 0 (default): independent draws, the distribution itself; at a global batch of a few samples
-    stratifying evens out the sigmas each step sees."""
+    """Stratifies the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
+    distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks and
+    accumulation. At a global batch of a few samples this evens out the sigmas each step sees. 0 (default): independent
+    draws, the distribution itself."""
 
     # optimisation
 
     lr: float = 1e-4
-    """AdamW peak learning rate (after warmup)."""
+    """The AdamW peak learning rate (after warmup)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
+    """The AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
     adam_eps: float = 1e-8
-    """AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions),
-    which Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
+    """The AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions), which
+    Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
     warmup_steps: int = 100
-    """Optimizer steps of linear learning-rate warmup from lr / warmup_steps to lr."""
+    """The optimizer steps of linear learning-rate warmup, from lr / warmup_steps to lr."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After warmup: constant, or cosine decay to 0 at --max-steps."""
+    """The learning rate after warmup: constant, or cosine decay to 0 at --max-steps."""
     max_grad_norm: float = 1.0
-    """Clip the global gradient L2 norm to this (its value is logged as grad_norm, before clipping)."""
+    """Clips the global gradient L2 norm to this (the norm is logged as grad_norm, before clipping)."""
     max_nonfinite_steps: int = 3
-    """Divergence guard: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
-    device, no extra sync); after this many in a row the run stops (exit 1) naming its last checkpoint with finite
-    weights. Checked at every log step and checkpoint; no checkpoint is written while the last step was non-finite."""
+    """Stops a diverged run: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
+    device, no extra sync), and after this many in a row the run stops (exit 1) naming its last checkpoint with finite
+    weights. It is checked at every log step and checkpoint; no checkpoint is written while the last step was
+    non-finite."""
     ema_decay: float = 0.0
-    """Keep an EMA of the trained weights with this decay (e.g. 0.999), warmed up as min(decay, (1+t)/(10+t)) after
-    step t (a2/ema.py); kept on the device (--fsdp: sharded like the weights), checkpointed and resumed, used for the
-    validation videos and the eval loss (eval_ema/...), and exported beside the weights (..._ema.safetensors or
+    """Keeps an EMA of the trained weights with this decay (e.g. 0.999), warmed up as min(decay, (1+t)/(10+t)) after
+    step t (a2/ema.py). It is kept on the device (--fsdp: sharded like the weights), checkpointed and resumed, used for
+    the validation videos and the eval loss (eval_ema/...), and exported beside the weights (..._ema.safetensors or
     transformer_ema/). 0 (default): off; it costs one more copy of the trained weights."""
     micro_batch: int = 1
-    """Samples per rank per forward."""
+    """The samples per rank per forward."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step (global batch = micro_batch x grad_accum x ranks)."""
+    """The micro-batches accumulated per optimizer step (global batch = micro_batch x grad_accum x ranks)."""
     max_steps: int = 2000
-    """Optimizer steps of the whole run (a resumed run counts on from its checkpoint's step)."""
+    """The optimizer steps of the whole run (a resumed run counts on from its checkpoint's step)."""
     seed: int = 0
-    """Everything random (data order, sigma, noise, dropout, VAE posterior) is a function of this seed, the step
-    and the sample's index in the global batch, never of the rank."""
+    """Seeds everything random (data order, sigma, noise, dropout, VAE posterior): each draw is a function of this seed,
+    the step and the sample's index in the global batch, never of the rank."""
     overfit_batches: int = 0
-    """Debug: train on the first N global batches only, each coming back with the same sigma, noise and dropout
-    (overfit-one-batch check: the loss must fall far towards 0; a loop or conditioning bug shows here first)."""
+    """A debug check: trains on the first N global batches only, each coming back with the same sigma, noise and
+    dropout. The loss must fall far towards 0; a loop or conditioning bug shows here first."""
 
     # run
 
     output_dir: str = "runs"
-    """Parent dir of the run dirs."""
+    """The parent dir of the run dirs."""
     run_name: str | None = None
-    """Run dir = output_dir/run_name (default: a timestamp)."""
+    """The run dir's name under --output-dir (default: a timestamp)."""
     resume: str | None = None
     """`auto`: continue this run dir from its newest complete checkpoint (a dir that does not exist yet, or holds
     none, starts at step 0, so the same command serves the first launch and every requeue); or a checkpoint dir.
@@ -878,46 +897,47 @@ class TrainConfig:
     checkpointing the step it was in: resumable; 2 an input problem (config, data, run dir in use, checkpoint that
     does not fit), one line; 1 a failure (a diverged run names its last checkpoint with finite weights)."""
     ckpt_every: int = 500
-    """Write a checkpoint every N optimizer steps (and at the end, and on SIGTERM/SIGINT)."""
+    """Writes a checkpoint every N optimizer steps (and at the end, and on SIGTERM/SIGINT)."""
     keep_last: int = 3
-    """Complete checkpoints kept in the run dir (older ones are deleted)."""
+    """The complete checkpoints kept in the run dir (older ones are deleted)."""
     log_every: int = 10
-    """Log loss, lr, grad norm and throughput to metrics.jsonl every N steps (the one host sync of a step)."""
+    """Logs loss, lr, grad norm and throughput to metrics.jsonl every N steps (the one host sync of a step)."""
     tensorboard: bool = False
-    """Also write the logged values as TensorBoard scalars into run_dir/tb."""
+    """Also writes the logged values as TensorBoard scalars into run_dir/tb."""
     eval_split: int = 0
-    """Hold out this many clips of the training data (all their windows), drawn with --seed, never trained on, for
-    the eval loss. 0 (default): none (an --eval-manifest or a dataset config's `eval` datasets can still be given)."""
+    """Holds out this many clips of the training data (all their windows) for the eval loss, drawn with --seed and never
+    trained on. 0 (default): none (an --eval-manifest or a dataset config's `eval` datasets can still be given)."""
     eval_manifest: str | None = None
-    """A held-out dataset listed like --manifest (read with the training data's settings), for the eval loss."""
+    """A held-out dataset for the eval loss, listed like --manifest (read with the training data's settings)."""
     eval_every: int = 0
-    """Eval loss every N steps (and at the end) when there are held-out samples (0: at the end only): the loss of each
-    held-out sample at --eval-quantiles fixed sigmas with fixed noise (the same draws each time), as eval/loss and
-    eval/loss@<sigma> in metrics.jsonl and tensorboard. Costs one forward per sample per sigma, split over ranks."""
+    """Computes the eval loss every N steps (and at the end) when there are held-out samples (0: at the end only): the
+    loss of each held-out sample at --eval-quantiles fixed sigmas with fixed noise (the same draws each time), as
+    eval/loss and eval/loss@<sigma> in metrics.jsonl and tensorboard. It costs one forward per sample per sigma, split
+    over ranks."""
     eval_quantiles: int = 9
-    """Sigmas of the eval loss: the quantiles (i + 1) / (n + 1), i < n, of the --sigma-sampling distribution (in the
-    expert's range on Wan 2.2): 9 as diffusion-pipe (0.1 ... 0.9)."""
+    """The number of sigmas of the eval loss: the quantiles (i + 1) / (n + 1), i < n, of the --sigma-sampling
+    distribution (in the expert's range on Wan 2.2); 9 as diffusion-pipe (0.1 ... 0.9)."""
     val_every: int = 0
-    """Render validation videos every N steps (0: only at the end when val_elements are given). Text-only runs
+    """Renders validation videos every N steps (0: only at the end, when --val-elements are given). Text-only runs
     (--dataset-type t2v) render --val-prompt alone, every N steps."""
     val_elements: tuple[str, ...] = ()
-    """Validation element images (path or name=path), as infer.py --elements; on a Wan 2.2 TI2V-5B image-to-video
+    """The validation element images (path or name=path), as infer.py --elements. On a Wan 2.2 TI2V-5B image-to-video
     run (--frame-conditioning first), one image: the first frame (as infer.py --image)."""
     val_prompt: str = "A man is holding a teddy bear in the forest."
-    """Prompt of the validation videos."""
+    """The prompt of the validation videos."""
     val_steps: int = 30
-    """Sampler steps of a validation video."""
+    """The sampler steps of a validation video."""
     val_guidance_scale: float = 5.0
-    """Classifier-free guidance scale of the validation videos."""
+    """The classifier-free guidance scale of the validation videos."""
     val_flow_shift: float | None = None
-    """Sampler shift of the validation videos (default: the model dir's scheduler config)."""
+    """The sampler shift of the validation videos (default: the model dir's scheduler config)."""
     val_metrics: bool = True
-    """Score each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its
-    step: motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face
-    similarity with the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
+    """Scores each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its step:
+    motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face similarity with
+    the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """Local encoder dirs that score validation videos (--eval.clip-image, --eval.dino, --eval.clip-text, --eval.face;
-    a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
+    """The local encoder dirs that score validation videos (--eval.clip-image, --eval.dino, --eval.clip-text,
+    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
 
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
@@ -974,130 +994,135 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
 @dataclass
 class InferConfig:
     model: str = "tiny"
-    """Diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V),
-    a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in its own layout, as V3),
-    a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE respected), a built-in offline
-    tiny model (tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref,
-    tiny-refalign; sampled by default at the README demo's 64x64, 33 frames, 10 steps), or a real-size one with
-    random weights built on the GPU (random-1.3B, random-14B, random-5B). A Wan 2.2 pair samples with both experts."""
+    """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
+    TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in
+    its own layout, as V3); a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE is respected);
+    a built-in offline tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
+    tiny-magref, tiny-refalign (sampled by default at 64x64, 33 frames, 10 steps); or a real-size model with random
+    weights built on the GPU: random-1.3B, random-14B, random-5B. A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
-    """A transformer dir replacing the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
+    """A transformer dir that replaces the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
     transformer_2: str | None = None
-    """Wan 2.2 A14B: a low-noise expert dir replacing the model's transformer_2 (runs/<run>/transformer_2)."""
+    """A low-noise expert dir that replaces a Wan 2.2 A14B model's transformer_2 (runs/<run>/transformer_2)."""
     image_encoder: str | None = None
-    """Dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
+    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
     model dir has none (a T2V base expanded to E2V)."""
     components: str | None = None
-    """Dir (or Hub id) of the diffusers Wan parts a released original-Wan checkpoint runs with (vae/, text_encoder/,
-    tokenizer/, scheduler/; MAGREF also image_encoder/, image_processor/): Phantom-Wan, MAGREF. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) / Wan2.1-I2V-14B-480P-Diffusers
+    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
+    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
     (MAGREF) from the Hub."""
     elements: tuple[str, ...] = ()
-    """Element images in position order, `path` or `name=path` (name from --element-specs, e.g. subject=me.png).
-    Empty for a T2V model (text only)."""
+    """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
+    subject=me.png). Leave it empty for a T2V model (text only)."""
     image: str | None = None
-    """Wan 2.2 TI2V-5B image-to-video: the first frame of the video (resized to --height x --width with Lanczos, as
-    diffusers' VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
+    """The first frame of a Wan 2.2 TI2V-5B image-to-video, resized to --height x --width with Lanczos (as diffusers'
+    VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
-    """Element specs (the --elements grammar of train_a2.py); default: SkyReels-A2's subject/object/background, and on
-    Phantom-Wan / SkyReels-V3 R2V ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
+    """The element specs (train_a2.py's --elements grammar). Default: SkyReels-A2's subject/object/background; on
+    Phantom-Wan and SkyReels-V3 R2V, ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
     preset: Literal["v3-distilled"] | None = None
-    """Another of the lab's own entry points for its model (a2.conditioning.Kind.modes): v3-distilled, SkyReels-V3's
-    released generate_video: 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset every flag
-    left out is the model's own sampler's (its kind's Sampling: Phantom-Wan 50 steps, guidance 7.5 / 5, Wan's
-    Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, empty negative prompt, 24 fps; MAGREF its UniPC from
-    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift
-    5, 20 steps, seed 0, the noise on the CPU, 25 fps; the references' VAE encode as each lab's)."""
+    """Samples as another of the lab's own entry points for its model (a2.conditioning.Kind.modes). v3-distilled:
+    SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset
+    every flag left out is the model's own sampler's (its kind's Sampling): Phantom-Wan 50 steps, guidance 7.5 / 5,
+    Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, an empty negative prompt, 24 fps; MAGREF its UniPC from
+    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift 5,
+    20 steps, seed 0, the noise on the CPU, 25 fps; and the references' VAE encode as each lab's."""
     prompt: str = "A man is holding a teddy bear in the forest."
-    """Text prompt of the video."""
+    """The text prompt of the video."""
     negative_prompt: str | None = None
-    """Negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
+    """The negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
     height: int | None = None
-    """Video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
+    """The video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
     width: int | None = None
-    """Video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
+    """The video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
     resolution: tuple[int, int] | None = None
-    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
+    """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
     num_frames: int | None = None
-    """4k+1 pixel frames generated in all, reference frames included (default 81, A2's, of which 12 are references; a
-    built-in tiny model: 33)."""
+    """The pixel frames (4k+1) generated in all, reference frames included (default 81, A2's, of which 12 are
+    references; a built-in tiny model: 33; --preset v3-distilled: 121)."""
     steps: int | None = None
-    """Denoising steps of the sampler (default: the model's own sampler's, 50; a built-in tiny model: 10)."""
+    """The sampler's denoising steps (default: the model's own sampler's, 50; a built-in tiny model: 10; a --preset's
+    own)."""
     guidance_scale: float | None = None
-    """Classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
+    """The classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
     guidance_scale_img: float | None = None
-    """Reference guidance of the in-context kinds as Phantom-Wan / SkyReels-V3 sample (a third forward with zero
+    """The reference guidance of the in-context kinds, as Phantom-Wan and SkyReels-V3 sample (a third forward with zero
     references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same as 1)."""
     guidance_scale_2: float | None = None
-    """Wan 2.2 A14B: CFG scale of the low-noise expert (default: --guidance-scale), as diffusers' Wan pipelines."""
+    """The CFG scale of a Wan 2.2 A14B pair's low-noise expert, as diffusers' Wan pipelines (default:
+    --guidance-scale)."""
     seed: int | None = None
-    """Seed of the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the
-    model's own sampler's, 42; Stand-In 0)."""
+    """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the model's
+    own sampler's, 42; Stand-In 0)."""
     flow_shift: float | None = None
-    """Sigma shift of the sampler. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
+    """The sampler's sigma shift. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
     scheduler: Literal["unipc", "euler"] | None = None
-    """Sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
+    """The sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
     schedule: Literal["model", "flowmatch"] = "model"
-    """The sampler's unshifted sigmas: the model's (its kind's own: a released model's, else diffusers'), or
-    flowmatch, DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with:
-    linspace(1, 0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
+    """The sampler's unshifted sigmas. model: the model's (its kind's own: a released model's, else diffusers');
+    flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with, linspace(1,
+    0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
     flags it trained with."""
     clip_size: int = 512
-    """Square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
+    """The square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
-    """drop_refs: decode all latents, drop the reference frames (A2); video_only: decode the video latents alone."""
+    """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2); video_only: the video
+    latents alone; all: every frame, the references' included; none: no decode, the latents only (e.g. for
+    --save-latents)."""
     lora: tuple[str, ...] = ()
-    """LoRA files or dirs (several compose): diffusers keys (train_a2.py's pytorch_lora_weights.safetensors), original
-    Wan / ComfyUI keys (`diffusion_model.`, e.g. pytorch_lora_weights_comfy.safetensors), musubi-tuner keys
-    (`lora_unet_`), a peft `save_pretrained` adapter dir (adapter_config.json + adapter_model.safetensors), or a
-    Stand-In file (its `self_attn.q_loras` keys: the reference LoRA of --reference-layout standin; an ordinary LoRA
-    beside it adapts every token, as Stand-In's infer_with_lora.py)."""
+    """The LoRA files or dirs to load (several compose): diffusers keys (train_a2.py's
+    pytorch_lora_weights.safetensors), original Wan / ComfyUI keys (`diffusion_model.`, e.g.
+    pytorch_lora_weights_comfy.safetensors), musubi-tuner keys (`lora_unet_`), a peft `save_pretrained` adapter dir
+    (adapter_config.json + adapter_model.safetensors), or a Stand-In file (its `self_attn.q_loras` keys: the reference
+    LoRA of --reference-layout standin; an ordinary LoRA beside it adapts every token, as Stand-In's
+    infer_with_lora.py)."""
     lora_high: str | None = None
-    """Wan 2.2 A14B: LoRA for the high-noise expert `transformer` (train_a2.py --expert high)."""
+    """The LoRA of a Wan 2.2 A14B pair's high-noise expert `transformer` (train_a2.py --expert high)."""
     lora_low: str | None = None
-    """Wan 2.2 A14B: LoRA for the low-noise expert `transformer_2` (train_a2.py --expert low)."""
+    """The LoRA of a Wan 2.2 A14B pair's low-noise expert `transformer_2` (train_a2.py --expert low)."""
     lora_scale: float = 1.0
-    """Multiplier of the LoRA update (1: as trained)."""
+    """The multiplier of the LoRA update (1: as trained)."""
     force: bool = False
-    """Load a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load, the rest
-    are skipped (without it such a file is refused)."""
+    """Loads a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load and the rest
+    are skipped. Without it such a file is refused."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of all model weights and of the computation."""
+    """The dtype of all model weights and of the computation."""
     device: str = "auto"
     """Torch device to run on (cuda, cuda:1, cpu). auto: the GPU when there is one, else the CPU."""
     out: str = "outputs/a2.mp4"
-    """Output mp4 path."""
+    """The output mp4 path."""
     fps: int | None = None
-    """Frames per second of the written mp4 (default: the model's own, 15 for A2)."""
+    """The frames per second of the written mp4 (default: the model's own, 15 for A2)."""
     side_by_side: bool = True
-    """Show the reference images left of each frame, as A2's infer.py does."""
+    """Shows the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None
-    """Write the final latents and the condition tensor here (a parity reference)."""
+    """Writes the final latents and the condition tensor here (a parity reference)."""
     compare: str | None = None
-    """Compare this run's latents/condition with a --save-latents file; exit 1 when max |Δ| > tolerance."""
+    """Compares this run's latents and condition with a --save-latents file; exits 1 when max |Δ| > --tolerance."""
     tolerance: float = 1e-4
-    """--compare: largest max |Δ| per tensor that passes."""
+    """The largest max |Δ| per tensor that passes --compare."""
     prompts_file: str | None = None
-    """Evaluate a LoRA: render every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
-    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by
-    side (left: base, right: LoRA): one mp4 per prompt."""
+    """Evaluates a LoRA: renders every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
+    train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by side
+    (left: base, right: LoRA), one mp4 per prompt."""
     eval_set: str | None = None
-    """An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside its Images/): render one
-    <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. Or score the model (and
-    a --lora against it) on a2's own metrics: a .jsonl file, one video per row: {"prompt": "...", "elements":
-    {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1, "faces":
-    ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
-    rendered (without | with the LoRA, same seed, side by side), scored by a2/evaluate.py into --out-dir's
-    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with
-    the base vs LoRA deltas."""
+    """Renders and scores an eval set. An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside
+    its Images/) renders one <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. A
+    .jsonl file scores the model (and a --lora against it) on a2's own metrics, one video per row: {"prompt": "...",
+    "elements": {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1,
+    "faces": ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
+    rendered (without | with the LoRA, same seed, side by side) and scored by a2/evaluate.py into --out-dir's
+    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with the base
+    vs LoRA deltas."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """Local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
+    """The local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
     --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
     out_dir: str = "outputs/eval"
-    """Where --prompts-file / --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
+    """Where --prompts-file and --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
 
     def __post_init__(self):
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
@@ -1112,106 +1137,114 @@ class BenchConfig:
     """Time a training step (or the data loader) at a real shape with random weights."""
 
     preset: Literal["tiny", "tiny-ti2v", "1.3B", "14B", "5B"] = "tiny"
-    """Transformer size: tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean kind), Wan 1.3B, Wan/A2 14B, or
-    Wan 2.2 TI2V 5B (random weights, no download)."""
+    """The transformer size, with random weights (no download): tiny (tests; tiny-ti2v: shaped as TI2V-5B, for the clean
+    kind), Wan 1.3B, Wan/A2 14B, or Wan 2.2 TI2V 5B."""
     frames: Annotated[int, tyro.conf.arg(aliases=("--num-frames",))] = 21
-    """Pixel frames of the whole sequence (4k+1), reference frames included (train_a2.py/infer.py: --num-frames)."""
+    """The pixel frames (4k+1) of the whole sequence, reference frames included (train_a2.py and infer.py:
+    --num-frames)."""
     height: int | None = None
-    """Video height in pixels, a multiple of 16 (default 64)."""
+    """The video height in pixels, a multiple of 16 (default 64)."""
     width: int | None = None
-    """Video width in pixels, a multiple of 16 (default 64)."""
+    """The video width in pixels, a multiple of 16 (default 64)."""
     resolution: tuple[int, int] | None = None
-    """(height, width) in pixels, train_a2.py's name for --height H --width W (give one form or the other)."""
+    """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
     refs: int = 3
-    """Number of reference images (CLIP tokens 257 each); 0 for T2V."""
+    """The number of reference images (257 CLIP tokens each); 0 for T2V."""
     layout: Literal[("default",) + KIND_NAMES] = "default"
-    """A conditioning kind of a2/conditioning.py, its step as train_a2.py's (model_inputs + forward_loss) on a
-    synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, the
-    model 36 channels where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
+    """The conditioning kind of a2/conditioning.py whose step is timed, as train_a2.py's (model_inputs + forward_loss)
+    on a synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, and
+    a 36-channel model where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
     reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
     canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
     --lora-rank) trained instead of a peft LoRA."""
     mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
-    """lora: LoRA on the frozen transformer; full: all weights train (fp32 master weights, bf16 autocast)."""
+    """What trains. lora: a LoRA on the frozen transformer; full: all weights (fp32 master weights, bf16 autocast)."""
     lora_rank: int = 32
-    """LoRA rank r (alpha = r)."""
+    """The LoRA rank r (alpha = r)."""
     batch: Annotated[int, tyro.conf.arg(aliases=("--micro-batch",))] = 1
-    """Samples per forward (train_a2.py: --micro-batch)."""
+    """The samples per forward (train_a2.py: --micro-batch)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    """auto: the GPU when there is one."""
+    """Where to run. auto: the GPU when there is one, else the CPU."""
     memory: Literal["auto", "manual"] = "auto"
-    """auto (CUDA): recomputation planned by train_a2.py's rule (a2/memory.py), so the figures are the defaults';
-    manual, and on the CPU: the three flags below."""
+    """How recomputation is chosen. auto (CUDA): planned by train_a2.py's rule (a2/memory.py), so the figures are the
+    defaults'; manual, and on the CPU: the three flags below."""
     max_memory_gb: float | None = None
-    """Emulate a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA
-    allocator is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
+    """Emulates a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA allocator
+    is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
     gradient_checkpointing: bool = False
-    """Recompute transformer blocks in backward (--checkpoint-fraction of them)."""
+    """Recomputes transformer blocks in the backward (--checkpoint-fraction of them)."""
     checkpoint_fraction: float = 1.0
-    """Fraction of blocks recomputed when gradient_checkpointing (a2.transformer.configure_blocks)."""
+    """The fraction of blocks recomputed with --gradient-checkpointing (a2.transformer.configure_blocks)."""
     save_attention: bool = False
     """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
     offload_activations: bool = False
-    """What recomputed blocks keep for backward goes to pinned host memory (a2/offload.py); forced on under auto."""
+    """Moves what recomputed blocks keep for the backward to pinned host memory (a2/offload.py); forced on under
+    --memory auto."""
     swap_blocks: int = 0
-    """LoRA: this many blocks' frozen weights live in pinned host memory (a2/offload.py); a minimum under auto."""
+    """Keeps this many blocks' frozen weights in pinned host memory (a2/offload.py); LoRA only, a minimum under --memory
+    auto."""
     fp8_base: bool = False
-    """LoRA: frozen block linears stored as float8 e4m3 with per-channel scales (a2/fp8.py); forced on under auto."""
+    """Stores the frozen block linears as float8 e4m3 with per-channel scales (a2/fp8.py); LoRA only, forced on under
+    --memory auto."""
     fp8_matmul: bool = False
-    """With fp8 base weights on an H100: fp8 x fp8 forward matmuls (torch._scaled_mm)."""
+    """Multiplies the forward's matmuls fp8 x fp8 (torch._scaled_mm), with fp8 base weights on an H100."""
     compile: OnOffAuto = None
-    """torch.compile the transformer blocks (regional compilation); default: on with CUDA, off on the CPU (as
-    train_a2.py); --compile False: eager."""
+    """Compiles the transformer blocks with torch.compile (regional compilation); --compile False: eager. Default: on
+    with CUDA, off on the CPU (as train_a2.py)."""
     attention_backend: str | None = None
-    """diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
+    """The diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it). auto: bfloat16 on a GPU, float32
     on the CPU."""
     steps: int = 5
-    """Timed training steps (loader: timed samples)."""
+    """The timed training steps (with --data-root: timed samples)."""
     warmup: int = 2
-    """Untimed steps first (compilation, allocator warmup)."""
+    """The untimed steps run first (compilation, allocator warmup)."""
     out: str | None = None
-    """Append the result as one JSON line to this file."""
+    """Appends the result as one JSON line to this file."""
     data_root: str | None = None
-    """Instead of the transformer: time the data loader (decode, frame sampling, resize, element images) over this
-    E2V dataset dir at frames x height x width, A2's elements; samples/s over `steps` samples after `warmup`."""
+    """Times the data loader instead of the transformer (decode, frame sampling, resize, element images) over this E2V
+    dataset dir at frames x height x width with A2's elements: samples/s over --steps samples after --warmup."""
     num_workers: int = 0
-    """--data-root / --opens2v: DataLoader worker processes."""
+    """The DataLoader worker processes of --data-root and --opens2v."""
     opens2v: str | None = None
-    """Instead of the transformer: build a synthetic OpenS2V-5M layout in this dir (../shared/data's hiker.mp4 looped
-    to 81 frames at 1280x720 with a2_human.png composited under a known mask, --clips records in one part JSON of the
-    published schema), time `data.py index opens2v` on it (clips/s, MB/s of JSON), then the loader on 8 of its clips
-    at frames x height x width (samples/s, element images built from the RLE masks on the fly)."""
+    """Times the OpenS2V-5M indexing and loading instead of the transformer: builds a synthetic OpenS2V-5M layout in
+    this dir (../shared/data's hiker.mp4 looped to 81 frames at 1280x720 with a2_human.png composited under a known
+    mask, --clips records in one part JSON of the published schema), times `data.py index opens2v` on it (clips/s, MB/s
+    of JSON), then the loader on 8 of its clips at frames x height x width (samples/s, element images built from the RLE
+    masks on the fly)."""
     clips: int = 20000
-    """--opens2v: records in the part JSON."""
+    """The records in --opens2v's part JSON."""
     check_backends: tuple[str, ...] = ()
-    """Instead of timing: relative L2 error of the output and the gradients under bf16 autocast with each of these
-    attention backends against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train right?)."""
+    """Checks these attention backends instead of timing: the relative L2 error of the output and the gradients under
+    bf16 autocast with each of them against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train
+    right?)."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s of the device for MFU (default: looked up from the GPU name; none on CPU)."""
+    """The device's peak dense TFLOP/s for MFU (default: looked up from the GPU name; none on the CPU)."""
     dry_run: bool = False
-    """Instead of timing: build the model at real size on fake tensors (no GPU, no weights), plan and apply its
-    memory as on a GPU, trace two eager training steps' live bytes (a2/trace.py), print the device peak by
-    category beside the plan's estimate; exit 0 if it fits --max-memory-gb (default 80), 3 if not."""
+    """Checks the memory instead of timing: builds the model at real size on fake tensors (no GPU, no weights), plans
+    and applies its memory as on a GPU, traces two eager training steps' live bytes (a2/trace.py) and prints the device
+    peak by category beside the plan's estimate. It exits 0 if the step fits --max-memory-gb (default 80), 3 if not."""
     context_parallel: int = 1
-    """With --dry-run: one rank of a context-parallel group of N (a2/parallel.py, emulated in one process): the plan
-    and the trace at its share of the tokens (the whole sequence for heads / N in self-attention), and the rank's
-    attention FLOPs and all-to-all bytes per block. (The timed step is one process: time CP under torchrun with
-    train_a2.py --context-parallel N.)"""
+    """With --dry-run: plans and traces one rank of a context-parallel group of N (a2/parallel.py, emulated in one
+    process), at its share of the tokens (the whole sequence for heads / N in self-attention), with the rank's attention
+    FLOPs and all-to-all bytes per block. The timed step is one process: time context parallel under torchrun with
+    train_a2.py --context-parallel N."""
     align_refs: int = 0
-    """Reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence), 0: none
-    (see the module docstring)."""
+    """The reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence); 0:
+    none (see the module docstring)."""
     align_loss: bool = True
-    """With --align-refs: add RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence
-    without it, the baseline of its cost."""
+    """With --align-refs: adds RefAlign's alignment loss (projectors + DINOv3 targets); False: the same sequence without
+    it, the baseline of its cost."""
     align_dim: Literal[768, 1024] = 768
-    """Width of the random DINOv3 target model: 768 ViT-B/16 (RefAlign's for 1.3B), 1024 ViT-L/16 (for 14B)."""
+    """The width of the random DINOv3 target model: 768 for ViT-B/16 (RefAlign's for 1.3B), 1024 for ViT-L/16 (for
+    14B)."""
     align_blocks: tuple[int, ...] = tuple(range(9))
-    """Blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, clipped)."""
+    """The blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, and the list is
+    clipped)."""
     compare_run: str | None = None
-    """A train_a2.py run dir at the same shape and settings: also print its median s/step (metrics.jsonl, after
-    the first logged interval) against this step's, as the training loop's overhead over the bare step."""
+    """A train_a2.py run dir at the same shape and settings: also prints its median s/step (metrics.jsonl, after the
+    first logged interval) against this step's, as the training loop's overhead over the bare step."""
 
     def __post_init__(self):
         self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
@@ -1226,15 +1259,15 @@ class MakeSample:
     """Write a tiny synthetic E2V dataset (videos, captions, element images)."""
 
     out: tyro.conf.Positional[str]
-    """Dir to write the dataset into (created)."""
+    """The dir to write the dataset into (created)."""
     num_samples: int = 4
-    """Number of samples (clips)."""
+    """The number of samples (clips)."""
     num_frames: int = 33
-    """Frames per clip."""
+    """The frames per clip."""
     height: int = 64
-    """Frame height in pixels."""
+    """The frame height in pixels."""
     width: int = 64
-    """Frame width in pixels."""
+    """The frame width in pixels."""
 
 
 @dataclass
@@ -1243,7 +1276,7 @@ class Validate(TrainConfig):
     the summary and every problem; exit status 2 when a problem would stop training."""
 
     world_size: int = 1
-    """Processes of the training run (torchrun: nproc_per_node x nnodes): with --micro-batch and --grad-accum it
+    """The processes of the training run (torchrun: nproc_per_node x nnodes). With --micro-batch and --grad-accum it
     makes the global batch that each bucket must fill to be trained."""
 
 
@@ -1255,21 +1288,21 @@ class IndexOpenS2V:
     root: tyro.conf.Positional[str]
     """The dataset dir (Videos/, Background/, Jsons/)."""
     out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    """The dir for index.jsonl, report.txt and the per-part files (for resuming)."""
     min_crop_ratio: float = 0.1
-    """Drop a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
+    """Drops a subject/object mask whose tight box covers less than this fraction of the cropped frame (BindWeave)."""
     min_aes: float = 4.5
-    """Keep a mask with aesthetic score >= this, or (next flag) GME score >= that (BindWeave: 4.5)."""
+    """Keeps a mask with an aesthetic score >= this, or a GME score >= --min-gme (BindWeave: 4.5)."""
     min_gme: float = 0.6
-    """...or GME score >= this (BindWeave: 0.6)."""
+    """Keeps a mask with a GME score >= this, or an aesthetic score >= --min-aes (BindWeave: 0.6)."""
     min_background_aes: float = 0.0
-    """Use the Background png only when background_ase_score >= this (BindWeave's feature extraction uses 10.0,
+    """Uses the Background png only when its background_ase_score >= this (BindWeave's feature extraction uses 10.0,
     which keeps almost none; the demo dataloader keeps all)."""
     background: bool = True
-    """Use the Background png (a clip without it is kept without a background, counted and named in the report);
+    """Uses the Background png (a clip without one is kept without a background, counted and named in the report);
     --no-background indexes no background."""
     cross_pairs: str | None = None
-    """cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
+    """The cluster_videos.json of Jsons/cross_video_pairs: marks each listed clip with its cluster, for training's
     --cross-video (the reference from a paired clip)."""
 
     def rule(self) -> str:
@@ -1286,11 +1319,11 @@ class IndexPhantom:
     row groups (one resumable part each)."""
 
     root: tyro.conf.Positional[str]
-    """Dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
+    """The dir holding koala36M_multi_ref_merged_filtered.parquet (or give --parquet)."""
     out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    """The dir for index.jsonl, report.txt and the per-part files (for resuming)."""
     videos: str | None = None
-    """Dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
+    """The dir of the downloaded clips, <vid>.mp4 (default ROOT/videos)."""
     parquet: str | None = None
     """The training meta parquet (default ROOT/koala36M_multi_ref_merged_filtered.parquet)."""
 
@@ -1305,9 +1338,9 @@ class IndexHumoSet:
     """Index HuMoSet (video/, reference_image/, video_caption.parquet): the reference photo is the subject."""
 
     root: tyro.conf.Positional[str]
-    """The dataset dir."""
+    """The dataset dir (video/, reference_image/, video_caption.parquet)."""
     out: tyro.conf.Positional[str]
-    """Dir for index.jsonl, report.txt and the per-part files (resume)."""
+    """The dir for index.jsonl, report.txt and the per-part files (for resuming)."""
 
     def rule(self) -> str:
         return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
@@ -1320,13 +1353,13 @@ class ExportElements:
     manifest: str
     """The index.jsonl of `data.py index`."""
     out: str
-    """Dir to write into (created)."""
+    """The dir to write into (created)."""
     sam: str | None = None
-    """Segment box/photo references with this local SAM dir (as training with --sam)."""
+    """Segments the box and photo references with this local SAM dir (as training with --sam)."""
     cross_video: bool = False
-    """Take subject/object from a paired clip of the same cluster (as training with --cross-video)."""
+    """Takes subject and object from a paired clip of the same cluster (as training with --cross-video)."""
     limit: int = 0
-    """Export only the first N clips (0: all)."""
+    """Exports only the first N clips (0: all)."""
 
 
 IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
@@ -1337,3 +1370,24 @@ DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=Ma
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
                | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand)]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
+
+
+def help_from_docstrings(namespace: dict) -> None:
+    """Give each field of the config dataclasses in `namespace` its docstring as one paragraph of help (field
+    metadata "help", which tyro reads before the docstring): tyro 1.0 joins an attribute docstring's lines only
+    where the next line starts with a letter, and the source's indentation is not one, so --help broke every
+    sentence where the source wraps it."""
+    import ast
+
+    for node in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
+        cls = namespace.get(getattr(node, "name", None))
+        if not (isinstance(node, ast.ClassDef) and is_dataclass(cls)):
+            continue
+        for field_node, doc in zip(node.body, node.body[1:]):
+            if (isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr)
+                    and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+                f = cls.__dataclass_fields__[field_node.target.id]
+                f.metadata = MappingProxyType({**f.metadata, "help": " ".join(doc.value.value.split())})
+
+
+help_from_docstrings(globals())

@@ -316,9 +316,25 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
         said = option_help(help_text(capsys, monkeypatch, lambda a, cls=cls: tyro.cli(cls, args=a), []), "--model")
         names = set(re.findall(r"\b(?:tiny|random)(?:-[A-Za-z0-9.]*[A-Za-z0-9])+|\btiny\b", said))
         assert names == set(TINY_MODELS), (cls.__name__, names ^ set(TINY_MODELS))
-    cfg, source = infer.resolve(infer.InferConfig(model="tiny-v3", preset="v3-distilled"))
-    note = infer.size_banner(cfg, 8, source)
-    assert "121 frames (--preset v3-distilled), 8 steps (--preset v3-distilled)" in note and "README" not in note
+    cfg, source = infer.resolve(infer.InferConfig(model="tiny-t2v"))
+    assert infer.size_banner(cfg, cfg.steps, source).startswith(
+        "--model tiny-t2v: a built-in model, sampled at 64x64 (tiny model's default), 33 frames (tiny model's "
+        "default), 10 steps (tiny model's default)")
+
+
+def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch):
+    """--preset v3-distilled on the built-in tiny-v3: the banner names the frames and steps the preset sets, and
+    those are the ones rendered (the latents' frames, the steps the pipeline is asked for)."""
+    asked = []
+    generate = infer.generate
+    monkeypatch.setattr(infer, "generate", lambda cfg, *a, **k: asked.append(cfg.steps) or generate(cfg, *a, **k))
+    out = tmp_path / "v3.pt"
+    assert infer.main(infer.InferConfig(model="tiny-v3", preset="v3-distilled", resolution=(32, 32), decode="none",
+                                        elements=elements(data_dir, "tiny-v3")[:1], save_latents=str(out))) == 0
+    said = capsys.readouterr().out
+    assert ("--model tiny-v3: a built-in model, sampled at 32x32, 121 frames (--preset v3-distilled), 8 steps "
+            "(--preset v3-distilled);") in said, said
+    assert asked == [8] and torch.load(out)["latents"].shape[2] == (121 - 1) // 4 + 1  # the video's latent frames
 
 
 def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):
