@@ -299,8 +299,8 @@ class ConditioningConfig:
     prefix_frames: int = 1
     """How many leading pixel frames of the video --frame-conditioning prefix gives as the condition."""
     concatenate_mask: bool = True
-    """Whether the 4-channel mask goes between the noisy and the condition latents (the 36-channel input). Every
-    channel kind needs it; only a dataset file may turn it off, to be refused with the reason."""
+    """Whether the 4-channel mask goes between the noisy and the condition latents (the 36-channel input). The
+    channel kinds need it (off is refused, with the reason); the others have no mask to concatenate."""
     vae_sample_mode: Annotated[Literal["sample", "argmax"] | None, tyro.conf.arg(aliases=("--sample-mode",))] = None
     """How the references and the condition are VAE-encoded: a posterior sample (from the sample's generator) or the
     posterior mode (argmax). Left out, each kind encodes as its lab samples: A2 and SkyReels-V3 sample; diffusers' Wan
