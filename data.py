@@ -416,8 +416,9 @@ def kind_datasets(cfgs: list[DatasetConfig], kind: str, given: bool) -> list[Dat
 
 
 def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
-         short_why: str = "") -> tuple[list[Sample], list[Problem]]:
-    """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample."""
+         short_why: str = "", most: int = 0) -> tuple[list[Sample], list[Problem]]:
+    """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample. `most`:
+    the kind's maximum of element images a sample (0: any), which a public index's clip fills up to."""
     samples, problems = [], []
     for di, cfg in enumerate(cfgs):
         root = Path(cfg.data_root)
@@ -436,7 +437,7 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
             if manifest is None:
                 raise DatasetError(f"{where}: --dataset-type {cfg.dataset_type} reads an index: --manifest "
                                    "OUT/index.jsonl (written by `data.py index`)")
-            found, check = public_data.list_index(manifest, cfg, di, problems), public_data.check_public_sample
+            found, check = public_data.list_index(manifest, cfg, di, problems, most), public_data.check_public_sample
         else:
             found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
         if not found:
@@ -508,7 +509,8 @@ class E2VDataset(torch.utils.data.Dataset):
         self.cache_dir: Path | None = None
         refs = 0 if layout is None else layout.num_frames - layout.clip_frames  # pixel frames the references take
         why = f": --num-frames {layout.num_frames} less the {refs} frames the references take" if refs > 0 else ""
-        samples, loose = scan(cfgs, num_frames, frame_sampling, why)
+        most = KIND_DEFS[layout.kind].references[1] if layout else 0  # the element images one sample takes
+        samples, loose = scan(cfgs, num_frames, frame_sampling, why, most)
         problems = loose + [p for s in samples for p in s.problems]
         errors = [p for p in problems if not p.warning]
         if errors and not skip_bad_samples:

@@ -214,8 +214,9 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
 # ---------------------------------------------------------------- reading the index (training, validate, export)
 
 
-def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
-    """The samples of an index.jsonl written by `data.py index`."""
+def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem], most: int = 0) -> list[Sample]:
+    """The samples of an index.jsonl written by `data.py index`; `most`: the run's kind's maximum of references a
+    clip (clip_elements)."""
     out, first = [], {}
     for n, r, why in _manifest_rows(path):
         where = f"{path.name} line {n}"
@@ -229,7 +230,7 @@ def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem])
         s = Sample(str(r["key"]), di, Path(r["video"]), "", where=where, start=int(r.get("start") or 0),
                    crop=tuple(r["crop"]) if r.get("crop") else None, num_frames=int(r.get("num_frames") or 0))
         s.prompt, s.problems = caption_problems(s.id, str(r.get("caption") or ""), path, where, cfg)
-        s.refs = clip_elements(r, [e.name for e in cfg.elements])
+        s.refs = clip_elements(r, [e.name for e in cfg.elements], most)
         s.elements = {k: ref_file(v) for k, v in s.refs.items()}
         s.cluster = r.get("cluster")
         if s.id in first:
@@ -266,15 +267,16 @@ def clip_references(line: dict, most: int, background: bool) -> list[dict]:
     return masks[:most - (bg is not None)] + ([dict(bg, role="background")] if bg else [])
 
 
-def clip_elements(line: dict, names: list[str]) -> dict[str, dict]:
+def clip_elements(line: dict, names: list[str], most: int = 0) -> dict[str, dict]:
     """{element name: index entry} of a clip for the run's elements `names` (position order): A2's roles when every
     name is one (subject / object / background), else the references of clip_references in position order (the
-    released models' ref0, ref1, ...: the kind's maximum is the number of those names; a `background` name takes
-    the background png, in place of the last mask, when the clip has one)."""
+    released models' ref0, ref1, ...; a `background` name takes the background png, in the last slot, when the clip
+    has one), at most `most` in all (the kind's maximum; 0: one per name). index_elements names every slot and the
+    background: a clip with the png fills one slot fewer with masks, one without fills them all."""
     if set(names) <= set(ROLES):
         return {k: v for k, v in clip_roles(line).items() if k in names}
     slots = [n for n in names if n != "background"]
-    refs = clip_references(line, len(slots), "background" in names)
+    refs = clip_references(line, min(len(names), most or len(names)), "background" in names)
     masks = [r for r in refs if r["role"] != "background"]
     out = dict(zip(slots, masks))
     if refs and refs[-1]["role"] == "background":

@@ -455,21 +455,28 @@ OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
 def test_a_clip_of_the_kinds_maximum_of_masks_fills_every_slot_with_or_without_a_background_png(kind):
     """A clip of as many kept masks as the kind takes (and one of more): without a background png every slot is a
     mask (V3: 4 of 4); with one, where the kind uses it, one mask fewer and the png last; never more than the kind
-    takes, and the run plans that largest set."""
+    takes, and the run plans that largest set. Slots set by hand (`--elements ref0 ref1 background`) keep theirs:
+    a mask each, the png in the background slot."""
     d = KIND_DEFS[kind]
     most = d.references[1]
     names = [e.name for e in index_elements(kind)]
     assert [e.name for e in largest_element_set(kind, index_elements(kind))] == [f"ref{i}" for i in range(most)]
+
+    def classes(refs):
+        return {n: r.get("class_name", "png") for n, r in refs.items()}
+
     for masks in (most, most + 1):
         refs = [dict(role="subject" if i == 0 else "object", class_name=f"c{i}") for i in range(masks)]  # largest 1st
-        bare = pd_.clip_elements(dict(references=refs, elements={}), names)
-        assert {n: r["class_name"] for n, r in bare.items()} == {f"ref{i}": f"c{i}" for i in range(most)}, masks
-        png = pd_.clip_elements(dict(references=refs, elements=dict(background=dict(image="bg.png"))), names)
+        bare, png = dict(references=refs, elements={}), dict(references=refs, elements=dict(background=dict(image="b")))
+        assert classes(pd_.clip_elements(bare, names, most)) == {f"ref{i}": f"c{i}" for i in range(most)}, masks
         if d.background:
-            assert {n: r.get("class_name", "png") for n, r in png.items()} == {
+            assert classes(pd_.clip_elements(png, names, most)) == {
                 **{f"ref{i}": f"c{i}" for i in range(most - 1)}, "background": "png"}, masks
         else:
-            assert png == bare
+            assert pd_.clip_elements(png, names, most) == pd_.clip_elements(bare, names, most)
+        by_hand = ["ref0", "ref1", "background"]
+        assert classes(pd_.clip_elements(png, by_hand, most)) == dict(ref0="c0", ref1="c1", background="png")
+        assert classes(pd_.clip_elements(bare, by_hand, most)) == dict(ref0="c0", ref1="c1")
 
 
 def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(shared_data, tmp_path, capsys):
