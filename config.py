@@ -1356,7 +1356,8 @@ IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
 # `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
 DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
-               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand)]
+               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand, description=(
+                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet) for training."))]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
 
 
