@@ -970,6 +970,9 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
 
 @dataclass
 class InferConfig:
+    """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
+    runs, or compare a LoRA with its base model over a prompt list or an eval set."""
+
     model: str = "tiny"
     """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
     TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in
