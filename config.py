@@ -1,4 +1,6 @@
-"""Configs: the Element spec, dataset/processor configs (CLI grammar and JSON file), and TrainConfig (tyro).
+"""Configs: the Element spec, dataset/processor configs (CLI grammar and JSON file), and every CLI's config (tyro):
+TrainConfig, InferConfig, BenchConfig, data.py's commands. It imports tyro and the standard library only, so that
+each script parses its flags (parse_cli) before its heavy imports: --help, a typo or a config error answer at once.
 
 Element grammar for `--elements` (one string per element, position = order given unless pos= is set):
 
