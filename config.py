@@ -1,4 +1,6 @@
-"""Configs: the Element spec, dataset/processor configs (CLI grammar and JSON file), and TrainConfig (tyro).
+"""Configs: the Element spec, dataset/processor configs (CLI grammar and JSON file), and every CLI's config (tyro):
+TrainConfig, InferConfig, BenchConfig, data.py's commands. It imports tyro and the standard library only, so that
+each script parses its flags (parse_cli) before its heavy imports: --help, a typo or a config error answer at once.
 
 Element grammar for `--elements` (one string per element, position = order given unless pos= is set):
 
@@ -993,6 +995,9 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
 
 @dataclass
 class InferConfig:
+    """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
+    runs, or compare a LoRA with its base model over a prompt list or an eval set."""
+
     model: str = "tiny"
     """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
     TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in
@@ -1368,7 +1373,8 @@ IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
 # `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
 DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
-               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand)]
+               | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand, description=(
+                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet) for training."))]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
 
 

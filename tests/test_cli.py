@@ -78,6 +78,7 @@ def test_help(capsys, monkeypatch):
     r = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True, text=True,
                        env={**os.environ, "COLUMNS": "200"}, timeout=300)
     assert r.returncode == 0 and "make-sample" in r.stdout and "validate" in r.stdout, r.stderr[-2000:]
+    assert "Index a public S2V dataset" in r.stdout and "Union" not in r.stdout  # not typing.Union's docstring
 
 
 def test_bench_layout_choices_are_the_kinds():
