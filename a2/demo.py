@@ -199,7 +199,7 @@ def run(cfg: DemoConfig) -> dict:
             result[k] = block_distance(v, clip)
             result["match"][k] = {name: colour_match(v, clip, c) for name, c in colours}
     for k, v in videos.items():
-        label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\n"
+        label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\ncolour match "
                                              + ", ".join(f"{m:.2f}" for m in result["match"][k].values()))
         rows.append((label, v))
     steps, losses = [], []
