@@ -999,8 +999,10 @@ def rank_slice(global_batch: list, rank: int, world_size: int, micro_batch: int,
 
 def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, size: tuple[int, int] = (64, 64),
                            seed: int = 0, elements: tuple[Element, ...] = A2_ELEMENTS) -> Path:
-    """A tiny valid E2V dataset: a coloured square (subject) and disc (object) move over a textured
-    background; each element image shows exactly what is in the video."""
+    """A tiny valid E2V dataset: a saturated square (subject) and disc (object), each 7/16 of the frame's short side,
+    drift towards each other over a light, smoothly shaded background; each element image shows exactly what is in
+    the video. The shapes are large and slow (an eighth of the short side over the clip) so that they survive a VAE
+    that keeps 8x8-pixel, 4-frame means (the tiny model's): what a model learns from them can be seen."""
     import imageio.v3 as iio
 
     root = Path(root)
@@ -1008,31 +1010,37 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
     rng = np.random.default_rng(seed)
     h, w = size
     yy, xx = np.mgrid[0:h, 0:w]
+    side = min(h, w)
+    s, margin, drift = max(4, 7 * side // 16), side // 16, max(1, side // 8)
+
+    def shapes(d: int) -> dict:  # element position -> (h, w) mask: the square's, the disc's, d pixels along their paths
+        square = (yy >= margin) & (yy < margin + s) & (xx >= margin + d) & (xx < margin + d + s)
+        disc = (xx + 0.5 - (w - margin - s / 2 - d)) ** 2 + (yy + 0.5 - (h - margin - s / 2)) ** 2 < (s / 2) ** 2
+        return {0: square, 1: disc}
+
     for n in range(num_samples):
         sid = f"{n:03d}"
-        bg = (np.stack([np.sin(xx / (3 + n) + k) * np.cos(yy / (4 + k)) for k in range(3)], -1) * 60 + 110)
-        bg = (bg + rng.uniform(-40, 40, 3)).clip(0, 255).astype(np.uint8)
-        c1, c2 = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
-        s = max(4, h // 5)
+        tint = rng.uniform(-25, 25, 3)
+        shade = np.sin(np.pi * xx / w)[..., None] * np.cos(np.pi * yy[..., None] / h + np.arange(3)) * 20  # (h, w, 3)
+        bg = (200 + tint + shade).clip(0, 255).astype(np.uint8)
+        # two different saturated colours: one channel high, one low, one anywhere (far from the light background)
+        order = rng.permutation(3)
+        colours = {0: np.zeros(3, np.int64), 1: np.zeros(3, np.int64)}  # the square's, the disc's
+        colours[0][order] = (220, 30, rng.integers(30, 221))
+        colours[1][np.roll(order, 1)] = (220, 30, rng.integers(30, 221))
         frames = []
         for t in range(num_frames):
             f = bg.copy()
-            x0 = int((w - s) * t / max(1, num_frames - 1))
-            f[h // 4:h // 4 + s, x0:x0 + s] = c1
-            cx, cy = w - 1 - x0 - s // 2, 3 * h // 4
-            f[(xx - cx) ** 2 + (yy - cy) ** 2 < (s // 2) ** 2] = c2
+            for position, mask in shapes(round(drift * t / max(1, num_frames - 1))).items():
+                f[mask] = colours[position]
             frames.append(f)
         iio.imwrite(root / f"{sid}.mp4", np.stack(frames), fps=8, codec="libx264", plugin="pyav")
         (root / f"{sid}.txt").write_text(f"The video shows a square moving right while a disc moves left, scene {n}.")
-        shapes = {0: ("square", c1), 1: ("disc", c2)}
+        start = shapes(0)
         for e in elements:
-            if e.position in shapes:
-                img = np.full((2 * s, 2 * s, 3), 255, np.uint8)
-                if shapes[e.position][0] == "square":
-                    img[s // 2:s // 2 + s, s // 2:s // 2 + s] = c1
-                else:
-                    yy2, xx2 = np.mgrid[0:2 * s, 0:2 * s]
-                    img[(xx2 - s) ** 2 + (yy2 - s) ** 2 < (s // 2) ** 2] = c2
+            if e.position in start:  # the shape on white where the clip starts it: a reference the model can place
+                img = np.full((h, w, 3), 255, np.uint8)
+                img[start[e.position]] = colours[e.position]
             else:
                 img = bg
             Image.fromarray(img).save(root / f"{sid}{e.suffixes[0]}")

@@ -1,11 +1,14 @@
-"""What a training run did, in one picture: the element images, frames of the base model's video and of the LoRA's
-(same prompt, seed and elements), and the loss curve; plus how far each video is from the training clip.
+"""What a training run did, in one picture: the element images, frames of the training clip, of the base model's video
+and of the LoRA's (same prompt, seed and elements), and the loss curve; plus how far each video is from the clip.
 
     python -m a2.demo runs/demo --elements sample_data/000_person.png sample_data/000_object.png \
         sample_data/000_background.png --clip sample_data/000.mp4 --out runs/demo/demo.png
 
-The distance is the mean squared pixel difference, in [-1, 1] units, after averaging both videos over 8x8 pixel
-blocks (the latent grid: the tiny model's VAE keeps no finer detail, so finer texture is no one's to learn).
+Two measures against the clip: the distance, the mean squared pixel difference in [-1, 1] units after averaging
+both videos over 8x8 pixel blocks (the latent grid: the tiny model's VAE keeps no finer detail, so finer texture is
+no one's to learn); and per element image that shows one coloured shape on white (the synthetic data's square and
+disc), where that colour is: the correlation of the video's and the clip's closeness-to-that-colour maps (1: the
+shape is where and as large as in the clip; ~0: it is not there).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class DemoConfig:
     """The prompt (the clip's caption file beside it when left out, else infer.py's default)."""
     seed: int = 42
     """The seed of both videos' noise."""
+    steps: int | None = None
+    """Denoising steps (infer.py's default when left out)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance scale (infer.py's default when left out)."""
     frames: int = 4
     """Frames shown per video, evenly spaced."""
     out: str | None = None
@@ -52,6 +59,31 @@ def block_distance(video: torch.Tensor, clip: torch.Tensor, block: int = 8) -> f
     return float(((pool(v) - pool(c)) ** 2).mean())
 
 
+def element_colour(image) -> torch.Tensor | None:
+    """The colour (3,) in [-1, 1] of the one shape an element image shows on white (the median of its non-white
+    pixels), or None when the image is not such a picture (less than 2% or more than 90% of it is not white: a
+    background, a photo)."""
+    rgb = torch.from_numpy(np.array(image.convert("RGB"))).float() / 127.5 - 1  # (H, W, 3)
+    shape = (rgb < 0.7).any(-1)  # (H, W): farther than ~40/255 from white in some channel
+    if not 0.02 < shape.float().mean() < 0.9:
+        return None
+    return rgb[shape].median(0).values
+
+
+def colour_match(video: torch.Tensor, clip: torch.Tensor, colour: torch.Tensor, width: float = 0.3) -> float:
+    """Pearson correlation, over the frames both (3, F, H, W) videos have, of their closeness-to-`colour` maps
+    exp(-|pixel - colour|^2 / (2 width^2)) (the clip resized to the video's size first): ~1 when the video shows
+    that colour where, and as much as, the clip does; ~0 when it shows it nowhere or elsewhere."""
+    n = min(video.shape[1], clip.shape[1])
+    v, c = video[:, :n].float(), clip[:, :n].float()
+    if c.shape[-2:] != v.shape[-2:]:
+        c = F.interpolate(c, size=v.shape[-2:], mode="bilinear", antialias=True)
+    near = lambda x: torch.exp(-((x - colour.view(3, 1, 1, 1)) ** 2).sum(0) / (2 * width ** 2)).flatten()  # noqa: E731
+    a, b = near(v), near(c)  # (F*H*W,)
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-12))
+
+
 def read_clip(path: str | Path) -> torch.Tensor:
     """A video file as (3, F, H, W) in [-1, 1]."""
     import imageio.v3 as iio
@@ -60,8 +92,9 @@ def read_clip(path: str | Path) -> torch.Tensor:
     return torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1
 
 
-def loss_curve(losses: list[float], size: tuple[int, int]):
-    """A PIL image of the loss per step (raw, and its 10-step running mean) with its range written on it."""
+def loss_curve(steps: list[int], losses: list[float], size: tuple[int, int]):
+    """A PIL image of the logged losses (train_a2.py logs one every --log-every steps) and their running mean (10
+    points, fewer on a short log), with their range and steps written on it."""
     from PIL import Image, ImageDraw
 
     h, w = size
@@ -71,7 +104,8 @@ def loss_curve(losses: list[float], size: tuple[int, int]):
         draw.text((4, h // 2), "no loss logged", fill="black")
         return img
     y = np.asarray(losses, dtype=np.float64)
-    smooth = np.convolve(y, np.ones(10) / 10, mode="valid") if len(y) >= 10 else y
+    k = min(10, max(1, len(y) // 5))  # the running mean's window: 10 points, fewer on a short log
+    smooth = np.convolve(y, np.ones(k) / k, mode="valid")
     lo, hi = float(y.min()), float(y.max())
     pad = 14
 
@@ -82,11 +116,13 @@ def loss_curve(losses: list[float], size: tuple[int, int]):
 
     draw.line(points(y), fill=(170, 170, 230), width=1)
     draw.line(points(smooth, offset=len(y) - len(smooth)), fill=(20, 20, 160), width=2)
-    draw.text((pad, 1), f"loss {hi:.3f} .. {lo:.3f}, steps 1-{len(y)}", fill="black")
+    draw.text((pad, 1), f"loss {hi:.3f} .. {lo:.3f}, {len(y)} logged points, steps {steps[0]}-{steps[-1]}",
+              fill="black")
     return img
 
 
-def compose(elements: list, rows: list[tuple[str, torch.Tensor]], losses: list[float], frames: int, scale: int = 2):
+def compose(elements: list, rows: list[tuple[str, torch.Tensor]], steps: list[int], losses: list[float], frames: int,
+            scale: int = 2):
     """The picture: a row of element images, a row of frames per (label, (3, F, H, W) video), the loss curve."""
     from PIL import Image, ImageDraw
 
@@ -95,7 +131,7 @@ def compose(elements: list, rows: list[tuple[str, torch.Tensor]], losses: list[f
         im = Image.fromarray(arr)
         return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
 
-    label_w, gap = 120, 4
+    label_w, gap = 150, 4
     tiles = [[tile(v[:, int(i)]) for i in np.linspace(0, v.shape[1] - 1, frames).round()] for _, v in rows]
     th = tiles[0][0].height
     els = [e.convert("RGB").resize((th * e.width // e.height, th)) for e in elements]
@@ -106,19 +142,20 @@ def compose(elements: list, rows: list[tuple[str, torch.Tensor]], losses: list[f
     draw = ImageDraw.Draw(pic)
     for r, (label, row) in enumerate([("elements", els)] + [(label, t) for (label, _), t in zip(rows, tiles)]):
         y, x = r * (th + gap), label_w
-        draw.text((4, y + th // 2 - 6), label, fill="black")
+        for k, line in enumerate(label.split("\n")):
+            draw.text((4, y + th // 2 - 6 + 12 * k - 6 * label.count("\n")), line, fill="black")
         for t in row:
             pic.paste(t, (x, y))
             x += t.width + gap
     y = (len(rows) + 1) * (th + gap)
     draw.text((4, y + curve_h // 2 - 6), "training loss", fill="black")
-    pic.paste(loss_curve(losses, (curve_h, width - label_w)), (label_w, y))
+    pic.paste(loss_curve(steps, losses, (curve_h, width - label_w)), (label_w, y))
     return pic
 
 
 def run(cfg: DemoConfig) -> dict:
-    """Render base and LoRA, write the picture; returns dict(path, base=distance, lora=distance) (distances None
-    without --clip)."""
+    """Render base and LoRA, write the picture; returns dict(path, base=distance, lora=distance, match={base: {element:
+    colour_match}, lora: ...}) (distances None and match empty without --clip)."""
     import infer
     from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
@@ -137,6 +174,7 @@ def run(cfg: DemoConfig) -> dict:
     h, w = config["resolution"]
     icfg, _ = infer.resolve(infer.InferConfig(model=config["model"], elements=elements, height=h, width=w,
                                               num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
+                                              steps=cfg.steps, guidance_scale=cfg.guidance_scale,
                                               **({"prompt": prompt} if prompt else {})))
     info = detect_model(model_path(icfg.model))
     refs = infer.read_references(icfg, icfg.elements, info)
@@ -148,24 +186,39 @@ def run(cfg: DemoConfig) -> dict:
         out = infer.generate(icfg, pipe, icfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"],
                              region=refs["region"])
         videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
-    clip = read_clip(cfg.clip) if cfg.clip else None
-    result = {k: None if clip is None else block_distance(v, clip) for k, v in videos.items()}
-    losses = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
     from PIL import Image
 
-    label = lambda k: k if result[k] is None else f"{k} ({result[k]:.3f})"  # noqa: E731
-    pic = compose([Image.open(p) for p in elements], [(label(k), v) for k, v in videos.items()], losses,
-                  cfg.frames)
+    images = [Image.open(p) for p in elements]
+    colours = [(Path(p).stem, c) for p, c in zip(elements, map(element_colour, images)) if c is not None]
+    rows, result = [], dict(base=None, lora=None, match={})
+    if cfg.clip:
+        clip = read_clip(cfg.clip)  # (3, F, H, W)
+        n = videos["base"].shape[1]
+        rows.append(("training clip", F.interpolate(clip[:, :n], size=(h, w), mode="bilinear", antialias=True)))
+        for k, v in videos.items():
+            result[k] = block_distance(v, clip)
+            result["match"][k] = {name: colour_match(v, clip, c) for name, c in colours}
+    for k, v in videos.items():
+        label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\ncolour match "
+                                             + ", ".join(f"{m:.2f}" for m in result["match"][k].values()))
+        rows.append((label, v))
+    steps, losses = [], []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        logged = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+        steps, losses = [r["step"] for r in logged], [r["loss"] for r in logged]
+    pic = compose(images, rows, steps, losses, cfg.frames)
     path = Path(cfg.out or run_dir / "demo.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     pic.save(path)
-    if clip is not None:
+    if cfg.clip:
         print(f"distance to {cfg.clip} (mean squared difference of 8x8-pixel block means, [-1, 1] units): "
               f"base {result['base']:.4f}, LoRA {result['lora']:.4f} (lower is closer)")
-    print(f"wrote {path}: elements, base and LoRA frames (seed {cfg.seed}), loss curve")
+        for name, _ in colours:
+            print(f"{name}: its colour where the clip has it (correlation, 1 = same place and size): "
+                  f"base {result['match']['base'][name]:.2f}, LoRA {result['match']['lora'][name]:.2f}")
+    print(f"wrote {path}: elements, " + ("clip, " if cfg.clip else "")
+          + f"base and LoRA frames (seed {cfg.seed}), loss curve")
     return dict(path=path, **result)
 
 

@@ -54,7 +54,7 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 
 # what the built-in models' cache dirs are named after: a dir built by an older a2 (other weights, e.g. the random
 # VAE before invertible_init) is not reused
-TINY_BUILD = 2
+TINY_BUILD = 3
 
 # `--model` names of the built-in tiny models -> tiny_model_dir arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
@@ -94,9 +94,11 @@ def invertible_init(vae):
     is the clip's colours, block-averaged over 8x8 pixels and 4 frames (the latent grid) and upsampled back, so that
     what a transformer learns shows in its videos, while the model stays the real AutoencoderKLWan and code path.
     Residual and attention blocks are identities (their last convs zero); the strided convs average 2x2 pixels
-    and 2 frames; the upsampling ones repeat frames and smooth with a [1 2 1] kernel; the heads' RMS norm + SiLU act
-    as a near-constant scale on channels carrying an offset beside a large constant channel. The 16 latent
-    channels are a fixed orthonormal mix of R, G, B (normalised latents of unit scale), with the VAE's own
+    and 2 frames; the upsampling ones repeat frames, and pixels: the first (latent to 4-pixel cells) as they are, so
+    that an edge between latents stays sharp, the two finer ones smoothed with a [1 2 1] kernel (a ramp of ~6
+    pixels instead of the blocks' steps; smoothing all three blurs a 24-pixel square to a blob); the heads' RMS
+    norm + SiLU act as a near-constant scale on channels carrying an offset beside a large constant channel. The 16
+    latent channels are a fixed orthonormal mix of R, G, B (normalised latents of unit scale), with the VAE's own
     latents_mean/std; the posterior's log-variance is -30 (sample == mode up to e-7)."""
     for p in vae.parameters():
         p.zero_()
@@ -137,11 +139,13 @@ def invertible_init(vae):
     dec.conv_in.bias[rgb] = _COLOUR_OFFSET - (mix.T / (z / 3)) @ (mean / std)
     dec.conv_in.bias[const] = _CONSTANT
     smooth = torch.tensor([1.0, 2.0, 1.0]) / 4
+    upsamplers = [m for m in dec.modules() if type(m).__name__ == "WanResample"]  # coarse to fine
     for m in dec.modules():
         if type(m).__name__ == "WanResidualBlock" and not isinstance(m.conv_shortcut, torch.nn.Identity):
             carry(m.conv_shortcut, taps=[((0, 0, 0), 1.0)])
         if type(m).__name__ == "WanResample":
-            carry(m.resample[1], taps=[((a, b), float(smooth[a] * smooth[b])) for a in range(3) for b in range(3)])
+            carry(m.resample[1], taps=[((1, 1), 1.0)] if m is upsamplers[0] else
+                  [((a, b), float(smooth[a] * smooth[b])) for a in range(3) for b in range(3)])
             if hasattr(m, "time_conv"):  # each latent frame -> two equal frames (channel blocks [:dim], [dim:])
                 for c in range(4):
                     m.time_conv.weight[c, c, 2, 0, 0] = m.time_conv.weight[m.dim + c, c, 2, 0, 0] = 1.0
