@@ -183,7 +183,7 @@ def run(cfg: DemoConfig) -> dict:
     videos = {}
     for name in ("base", "lora"):
         infer.set_lora(pipe, name == "lora")
-        out = infer.generate(icfg, pipe, icfg.prompt, refs["refs"], refs["clip_refs"], refs["repeats"],
+        out = infer.generate(icfg, pipe, icfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"],
                              region=refs["region"])
         videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
     from PIL import Image
