@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import tyro
 from PIL import Image
 
 import a2.public_data as pd_
@@ -431,12 +432,18 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(sha
 
 # the README's kinds on an OpenS2V-5M index, default flags: model, frames (what the clips' 16 frames fill), other flags
 OPENS2V_KINDS = {
-    "prefix": ("tiny", 21, {}),  # A2: its subject / object / background roles
-    "v3": ("tiny-v3", 9, {}),
-    "magref": ("tiny-magref", 9, {}),
-    "incontext": ("tiny-t2v", 9, {"reference_layout": "incontext"}),
-    "phantom": ("tiny-phantom", 9, {}),
+    "prefix": ("tiny", 21, ()),  # A2: its subject / object / background roles
+    "v3": ("tiny-v3", 9, ()),
+    "magref": ("tiny-magref", 9, ()),
+    "incontext": ("tiny-t2v", 9, ("--reference-layout", "incontext")),
+    "phantom": ("tiny-phantom", 9, ()),
 }
+
+
+def validate_index(index, model, frames, flags):
+    """`data.py validate` of an OpenS2V index, with these flags."""
+    return validate(tyro.cli(Validate, args=["--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
+                                             *map(str, SIZE), "--num-frames", str(frames), "--model", model, *flags]))
 # each clip's element set (bucket names) per kind. The clips have 1, 2, 4 and 1 kept masks, the last no background
 # png. The kinds without roles take every kept mask, largest first, up to their maximum; v3 / magref / incontext the
 # background png in the last slot (v3's 4: three masks and the background), Phantom none
@@ -496,9 +503,7 @@ def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(shared_dat
     want = {"v3": [(*_R[:3], "background"), _R], "magref": [(*_R, "background"), _R],
             "incontext": [(*_R, "background"), _R], "phantom": [_R, _R]}
     for kind, sets in want.items():
-        model, frames, kw = OPENS2V_KINDS[kind]
-        ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
-                               model=model, **kw))
+        ds = validate_index(index, *OPENS2V_KINDS[kind])
         assert [b[3] for b in ds.buckets] == sets and not ds.left_out, kind
     capsys.readouterr()
     r = train("--model", "tiny-v3", "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
@@ -524,14 +529,12 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
     assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()
     empty = dict(json.loads(index.read_text().splitlines()[0]), key="no-mask", references=[], elements={})
     index.write_text(index.read_text() + json.dumps(empty) + "\n")
-    for kind, (model, frames, kw) in OPENS2V_KINDS.items():
-        ds = validate(Validate(dataset_type="opens2v", manifest=str(index), resolution=SIZE, num_frames=frames,
-                               model=model, **kw))
+    for kind, (model, frames, flags) in OPENS2V_KINDS.items():
+        ds = validate_index(index, model, frames, flags)
         assert len(ds) == 4 and [p.id for p in ds.left_out] == ["no-mask"], kind
         assert "left out: no-mask: " in capsys.readouterr().out, kind
         assert [b[3] for b in ds.buckets] == OPENS2V_SETS[kind], kind
         assert {min(len(b[3]), 3) for b in ds.buckets} == {1, 2, 3}, kind  # 1, 2 and 3+ references
-        flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(v if isinstance(v, tuple) else [v]))]
         r = train("--model", model, "--dataset-type", "opens2v", "--manifest", str(index), "--resolution",
                   *map(str, SIZE), "--output-dir", str(tmp_path / "runs"), "--run-name", kind, "--max-steps", "4",
                   "--num-frames", str(frames), "--log-every", "1", "--device", "cpu", *flags)
