@@ -335,9 +335,6 @@ def literal_choices(hint) -> tuple:
 
 
 CONDITIONING_CHOICES = {k: literal_choices(h) for k, h in get_type_hints(ConditioningConfig).items()}
-REFERENCE_LAYOUTS = CONDITIONING_CHOICES["reference_layout"]  # where element references enter the transformer
-REFERENCE_TIMESTEPS = CONDITIONING_CHOICES["reference_timestep"]  # incontext: the timestep of the reference tokens
-FRAME_CONDITIONING = CONDITIONING_CHOICES["frame_conditioning"]
 
 
 @dataclass(frozen=True)
