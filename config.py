@@ -260,11 +260,16 @@ def pair_elements(images, specs: tuple[Element, ...]) -> list[tuple[Element, str
 def height_width(height: int | None, width: int | None, resolution: tuple[int, int] | None,
                  default: tuple[int, int]) -> tuple[int, int]:
     """The video size from --height/--width or --resolution H W (train_a2.py's name for it; infer.py and bench.py
-    take both forms): whichever is given, `default` for what is not; the two forms must agree."""
+    take both forms): whichever is given, `default` for what is not; the two forms must agree, and what is given is
+    a positive multiple of 16 (said before the heavy imports)."""
     if resolution is not None:
         if any(v is not None and v != r for v, r in zip((height, width), resolution)):
             raise ConfigError(f"--resolution {resolution[0]} {resolution[1]} and --height {height} --width {width} "
                               "disagree: give one of them")
+    given = [v for v in (resolution or (height, width)) if v is not None]
+    if any(v <= 0 or v % 16 for v in given):  # every model's grid is a multiple of 16; a Wan 2.2 VAE's 32, told later
+        raise ConfigError(f"height and width must be positive multiples of 16, got {'x'.join(map(str, given))}")
+    if resolution is not None:
         return tuple(resolution)
     return (default[0] if height is None else height, default[1] if width is None else width)
 

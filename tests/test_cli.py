@@ -116,6 +116,7 @@ HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script im
 @pytest.mark.parametrize("script, argv, typo, mistake", [
     ("train_a2.py", [], "--modle", ["--data-root", "x", "--resolution", "30", "30"]),  # not multiples of 16
     ("infer.py", [], "--prompt-file", ["--resolution", "32", "48", "--height", "64"]),  # the two forms disagree
+    ("infer.py", [], "--prompt-file", ["--height", "60", "--width", "60"]),  # not multiples of 16
     ("bench.py", [], "--num-frame", ["--layout", "nope"]),
     ("data.py", ["validate"], "--data-roo", ["--data-root", "x", "--resolution", "30", "30"]),
 ])

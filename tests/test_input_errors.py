@@ -14,10 +14,11 @@ from config import run_cli
 from tests.conftest import ROOT
 
 
-def one_line_exit_2(capsys, cfg) -> str:
-    """infer.py's main on cfg, as its __main__ runs it: must exit 2 with one line on stderr and nothing else."""
+def one_line_exit_2(capsys, cfg: dict) -> str:
+    """infer.py's main on InferConfig(**cfg), as its __main__ runs it (a flag's own check, in the config, included):
+    must exit 2 with one line on stderr and nothing else."""
     with pytest.raises(SystemExit) as e:
-        run_cli(infer.main, cfg)
+        run_cli(lambda: infer.main(infer.InferConfig(**cfg)))
     assert e.value.code == 2
     err = capsys.readouterr().err
     lines = [line for line in err.split("\n") if line and not line.startswith("\r")]  # progress bars aside
@@ -38,7 +39,7 @@ def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mi
                text=dict(elements=(str(tmp_path / "notes.png"), *good[1:])),
                size=dict(elements=tuple(good), height=60, width=60),
                frames=dict(elements=tuple(good), num_frames=20))[mistake]
-    err = one_line_exit_2(capsys, infer.InferConfig(model="tiny", device="cpu", out=str(tmp_path / "o.mp4"), **cfg))
+    err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", out=str(tmp_path / "o.mp4"), **cfg))
     assert want in err
     assert not (tmp_path / "o.mp4").exists()
 
@@ -156,7 +157,7 @@ def test_a_lora_on_another_base_is_named_in_one_line(tmp_path, capsys, data_dir,
     cfg = dict(model=loaded_into, lora=(str(lora),), height=32, width=32, num_frames=17, steps=1, decode="none",
                device="cpu", elements=elements(data_dir, loaded_into), out=str(tmp_path / "o.mp4"))
     if says.startswith("error"):
-        assert one_line_exit_2(capsys, infer.InferConfig(**cfg)).startswith(says.format(lora=lora))
+        assert one_line_exit_2(capsys, cfg).startswith(says.format(lora=lora))
         assert infer.main(infer.InferConfig(**cfg, force=True)) == 0
         assert "34 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched), 1 pairs skipped" in \
             capsys.readouterr().out
