@@ -110,7 +110,7 @@ def check_backends(b: BenchConfig) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = WanTransformer3DModel(**cfg)
-        t_lat, h, w = (b.frames - 1) // 4 + 1, b.height // vae_scale(cfg), b.width // vae_scale(cfg)
+        t_lat, h, w = (b.frames - 1) // 4 + 1, b.size[0] // vae_scale(cfg), b.size[1] // vae_scale(cfg)
         x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
         text = torch.randn(1, TEXT_TOKENS, cfg["text_dim"])
         image = torch.randn(1, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
@@ -141,7 +141,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
     from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
     from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
-    size = (b.height, b.width)
+    size = b.size
     cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
                         elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
                         dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
@@ -164,7 +164,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
                 break
     dt = time.perf_counter() - t0
     del loader  # shut the workers down before exit (a worker killed mid-batch at exit aborts noisily)
-    res = dict(data=b.data_root or manifest, shape=f"{b.frames}x{b.height}x{b.width}", num_workers=b.num_workers,
+    res = dict(data=b.data_root or manifest, shape=f"{b.frames}x{b.size[0]}x{b.size[1]}", num_workers=b.num_workers,
                samples_per_s=b.steps / dt, video=shape)
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     return res
@@ -238,7 +238,7 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
     cut = {**cfg, "num_layers": layers or n}
     compile = resolve_compile(b.compile, "cuda")  # as the GPU run resolves it
     budget = b.max_memory_gb or 80.0
-    tokens = b.batch * run.layout.tokens(run.info, b.height, b.width)
+    tokens = b.batch * run.layout.tokens(run.info, *b.size)
     cp = b.context_parallel
     if cp > 1:  # one rank's share: what it plans for and keeps
         from a2.parallel import step_costs
@@ -277,7 +277,7 @@ def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
         got["plan"] = plan
         return cut_plan(plan, n, cut["num_layers"])
 
-    batch, enc = synthetic_batch(run, b.batch, b.height, b.width)
+    batch, enc = synthetic_batch(run, b.batch, *b.size)
 
     def forward(model):  # train_a2.py's step on zero posteriors, as its dry run
         with unset_fake_temporarily():  # the inputs are real (small, latent-sized): the step's draws read values
@@ -374,7 +374,7 @@ def cache_targets(b: BenchConfig, run: Run) -> torch.Tensor | None:
     """--align-refs: the DINOv3 targets a precompute cache would hold, zeros (B, N, rows·cols, --align-dim)."""
     if not b.align_refs:
         return None
-    rows, cols = reference_grid(run, b.height, b.width)
+    rows, cols = reference_grid(run, *b.size)
     return torch.zeros(b.batch, len(run.layout.repeats), rows * cols, b.align_dim)
 
 
@@ -413,7 +413,7 @@ def main(b: BenchConfig) -> dict:
     if b.attention_backend:
         model.set_attention_backend(b.attention_backend)
     trainable(model, layout, b)
-    h, w = b.height, b.width
+    h, w = b.size
     tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
     packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
     target = None
@@ -490,7 +490,7 @@ def main(b: BenchConfig) -> dict:
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    res = dict(preset=b.preset, shape=f"{b.frames}x{b.height}x{b.width}", refs=len(layout.repeats),
+    res = dict(preset=b.preset, shape=f"{b.frames}x{b.size[0]}x{b.size[1]}", refs=len(layout.repeats),
                layout=layout.kind, mode=b.mode, tokens=tokens,
                reference_tokens=layout.tokens(info, h, w) - info.latent_tokens(layout.clip_frames, h, w),
                align_loss=bool(target), align_params=sum(p.numel() for p in align.projectors_of(model).parameters())

@@ -1254,8 +1254,12 @@ class BenchConfig:
     first logged interval) against this step's, as the training loop's overhead over the bare step."""
 
     def __post_init__(self):
-        self.height, self.width = height_width(self.height, self.width, self.resolution, (64, 64))
-        self.resolution = (self.height, self.width)
+        height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width): --resolution or --height/--width, 64 for what is given by neither."""
+        return height_width(self.height, self.width, self.resolution, (64, 64))
 
 
 # ---------------------------------------------------------------- data.py's commands (a2/public_data.py's indexes)
