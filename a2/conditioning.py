@@ -671,7 +671,8 @@ def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame:
     ConditioningConfig, plus what only sampling has. first_frame: Wan 2.2 TI2V-5B's --image (frame conditioning
     first). image_branch: the pipeline has a CLIP image encoder (None: the model dir's, info.image_encoder_dir).
     reference_lora: a Stand-In reference LoRA is loaded, so the references take its layout unless another is asked.
-    seed: MAGREF's canvas placement follows it. Raises ConfigError naming the model and what does not fit."""
+    seed: MAGREF's canvas placement follows it (None: the kind's own sampler's seed, as infer.py samples with no
+    --seed). Raises ConfigError naming the model and what does not fit."""
     if elements and isinstance(elements[0], int):  # frame counts alone: unnamed references, one per count
         elements = tuple(replace(RELEASED_ELEMENTS[i % len(RELEASED_ELEMENTS)], name=f"ref{i}", repeat=r, position=i)
                          for i, r in enumerate(elements))
@@ -687,8 +688,9 @@ def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame:
     why = element_refusal(layout, len(elements))  # any count the kind takes, and no other
     if why:
         raise ConfigError(f"{info.path} ({info.name}): {why}")
-    if seed is not None and kind_sampling(layout.kind, info.name, preset).seeded_placement:
-        layout = replace(layout, placement_seed=seed)
+    own = kind_sampling(layout.kind, info.name, preset)
+    if own.seeded_placement:  # with no seed given, the one the kind's own sampler runs with (infer.py's default)
+        layout = replace(layout, placement_seed=own.seed if seed is None else seed)
     return layout
 
 

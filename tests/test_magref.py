@@ -4,13 +4,17 @@ resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On the real
 
 import random
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
 
+from a2.conditioning import kind_sampling
 from a2.images import magref_canvas
+from a2.tiny import model_path
+from a2.transformer import detect_model
 from config import ConditioningConfig
 
 PHOTOS = ("a2_human.png", "a2_thing.png", "a2_env.png")
@@ -204,6 +208,11 @@ def test_infer_samples_as_magref(shared_data, tmp_path):
     cfg.seed, cfg.save_latents = seed + 1, str(tmp_path / "other.pt")
     assert infer.main(cfg) == 0
     assert (torch.load(tmp_path / "other.pt")["latents"] - want["latents"]).abs().max() > 1e-2
+    # no --seed: the canvas is placed by the kind's own sampler's seed, as the noise is drawn (not in order)
+    info = detect_model(model_path("tiny-magref"))
+    own = kind_sampling("magref", info.name).seed
+    default = infer.resolve(replace(cfg, seed=None))[0]
+    assert infer.read_references(default, default.elements, info)["layout"].placement_seed == own
 
 
 def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
