@@ -76,11 +76,19 @@ def caption_problems(sid: str, text: str, file, where: str, cfg: DatasetConfig) 
     return prompt, []
 
 
-def _decode(path: Path, last: int | None = None):
-    """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
+def open_video(path: Path):
+    """av.open for reading. PyAV before 19 fails on a non-UTF-8 metadata tag (seen in OpenS2V) unless told to
+    ignore it; PyAV 19 (Python 3.12+) dropped that option."""
     import av
 
-    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
+    if int(av.__version__.split(".")[0]) < 19:
+        return av.open(str(path), metadata_errors="ignore")
+    return av.open(str(path))
+
+
+def _decode(path: Path, last: int | None = None):
+    """(index, av.VideoFrame) of the first video stream, up to index `last` (all when None)."""
+    with open_video(path) as c:
         if not c.streams.video:
             raise ValueError("no video stream (an audio-only file?)")
         stream = c.streams.video[0]
@@ -99,9 +107,7 @@ def displayed(frame) -> np.ndarray:
 
 def probe_video(path: Path) -> tuple[int, tuple[int, int]]:
     """(frames the container lists, 0 if it does not; (H, W) as displayed), from the first decoded frame."""
-    import av
-
-    with av.open(str(path), metadata_errors="ignore") as c:  # non-UTF-8 tags (seen in OpenS2V)
+    with open_video(path) as c:
         listed = int(c.streams.video[0].frames) if c.streams.video else 0
     for _, frame in _decode(path, 0):
         turned = round(frame.rotation / 90) % 2

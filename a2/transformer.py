@@ -8,6 +8,7 @@ to the E2V inputs (36 channels, CLIP image tokens) that leaves its output unchan
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -752,7 +753,8 @@ def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 
     policy = {}
     if save_attention:
         policy["context_fn"] = partial(create_selective_checkpoint_contexts, _save_self_attention)
-        policy["respect_saved_tensors_hooks"] = True  # the kept attention goes to host memory too (a2/offload.py)
+        if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:  # torch 2.11 lacks it
+            policy["respect_saved_tensors_hooks"] = True  # the kept attention goes to host memory too (a2/offload.py)
     for i, block in enumerate(model.blocks):
         forward = type(block).forward.__get__(block)  # the class's forward, also when configured before
         block.recomputed = i < n  # (offload_activations moves what these keep to host memory)
