@@ -5,14 +5,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED_DATA = ROOT.parent / "shared" / "data"  # the SkyReels-A2 photos (Skywork licence: not redistributed here)
 MEDIA = ROOT / "tests" / "media"  # the Apache-2.0 real clips, in the repository (tests/media/README.md)
-PHOTOS_MISSING = "needs the SkyReels-A2 photos"
+# the SkyReels-A2 example photos (Skywork licence: not redistributed here), beside the checkout where there is one
+SHARED_DATA = ROOT.parent / "shared" / "data"
+A2_PHOTOS = ("a2_human.png", "a2_thing.png", "a2_env.png")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,13 +30,64 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def a2_photos() -> list[Path]:
+    """The SkyReels-A2 photos found at SHARED_DATA, each file checked: the preprocessing tests (tests/test_pipeline.py)
+    take them beside their drawn images where they are; every other test draws its persons (drawn_person)."""
+    return [p for p in (SHARED_DATA / n for n in A2_PHOTOS) if p.is_file()]
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line at the end: how many tests skipped for want of the SkyReels-A2 photos, and where those come from."""
-    n = sum(PHOTOS_MISSING in str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", []))
-    if n:
-        terminalreporter.write_line(f"{n} tests skipped: they need the SkyReels-A2 photos (a2_human.png, a2_thing.png, "
-                                    f"a2_env.png from the SkyReels-A2 repository's assets/, Skywork community "
-                                    f"licence) at {SHARED_DATA}; see tests/media/README.md")
+    """One line at the end when some SkyReels-A2 photo is missing: the preprocessing tests ran without it."""
+    missing = [n for n in A2_PHOTOS if not (SHARED_DATA / n).is_file()]
+    if missing:
+        terminalreporter.write_line(f"the preprocessing tests ran on drawn images without {', '.join(missing)} (the "
+                                    f"SkyReels-A2 repository's assets/, Skywork community licence) at {SHARED_DATA}; "
+                                    f"see tests/media/README.md")
+
+
+def drawn_person(size: tuple[int, int], seed: int = 0, background: str = "scene") -> Image.Image:
+    """A person drawn where a photo is not the point: a figure (head, torso, arms, legs; colours, place and pose from
+    the seed), 80% of the picture's height, with a photo's fine texture (seeded noise) so that resamplers and codecs
+    have detail to keep. On a scene (sky over ground), on white (a cut-out, as A2's element images are), or on
+    transparency (RGBA: alpha 0 around the figure and random colours under it, which a reader ignoring the alpha
+    would show). size is (h, w); any aspect."""
+    h, w = size
+    rng = np.random.default_rng(seed)
+    if background == "scene":
+        sky, ground = rng.integers(60, 200, (2, 3))
+        y = np.linspace(0, 1, h)[:, None, None]
+        rows = np.where(y < 0.6, sky + (255 - sky) * y / 1.2, ground * (1.3 - y / 2))  # (h, 1, 3)
+        pixels = np.broadcast_to(rows, (h, w, 3)).astype(np.uint8)
+    elif background == "white":
+        pixels = np.full((h, w, 3), 255, np.uint8)
+    elif background == "transparent":
+        pixels = rng.integers(0, 256, (h, w, 3), np.uint8)
+    else:
+        raise ValueError(f"background {background!r}: scene, white or transparent")
+    picture = Image.fromarray(pixels)
+    figure = Image.new("L", (w, h), 0)
+    s, cx = 0.8 * h, w * rng.uniform(0.4, 0.6)  # figure height, its centre line
+    top = (h - s) / 2
+    skin, shirt, trousers = (tuple(int(c) for c in rng.integers(30, 230, 3)) for _ in range(3))
+    lift, arm, leg = rng.uniform(-0.15, 0.15) * s, round(0.06 * s) or 1, round(0.09 * s) or 1  # the arms' pose
+    parts = [("ellipse", (cx - 0.09 * s, top, cx + 0.09 * s, top + 0.2 * s), skin, {}),  # head
+             ("rounded_rectangle", (cx - 0.14 * s, top + 0.21 * s, cx + 0.14 * s, top + 0.58 * s), shirt,
+              dict(radius=0.04 * s)),
+             ("line", (cx - 0.12 * s, top + 0.25 * s, cx - 0.3 * s, top + 0.45 * s + lift), shirt, dict(width=arm)),
+             ("line", (cx + 0.12 * s, top + 0.25 * s, cx + 0.3 * s, top + 0.45 * s - lift), shirt, dict(width=arm)),
+             ("line", (cx - 0.07 * s, top + 0.55 * s, cx - 0.1 * s, top + s), trousers, dict(width=leg)),
+             ("line", (cx + 0.07 * s, top + 0.55 * s, cx + 0.1 * s, top + s), trousers, dict(width=leg))]
+    for target, paint in ((picture, None), (figure, 255)):
+        draw = ImageDraw.Draw(target)
+        for shape, box, colour, kw in parts:
+            getattr(draw, shape)(box, fill=paint or colour, **kw)
+    noise = rng.normal(0, 6, (h, w, 3))
+    if background == "white":  # a cut-out: white stays white around the figure
+        noise *= np.asarray(figure)[..., None] > 0
+    picture = Image.fromarray((np.asarray(picture) + noise).round().clip(0, 255).astype(np.uint8))
+    if background == "transparent":
+        picture.putalpha(figure)
+    return picture
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -68,14 +122,6 @@ def dino_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("dino") / "dinov3"
     DINOv3ViTModel(cfg).save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="session")
-def shared_data():
-    """../shared/data: the SkyReels-A2 photos (and, there too, the clips of tests/media)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"{PHOTOS_MISSING} (Skywork community licence) at {SHARED_DATA}")
-    return SHARED_DATA
 
 
 @pytest.fixture(scope="session")

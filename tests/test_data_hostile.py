@@ -27,7 +27,7 @@ from data import (
     make_synthetic_dataset,
     read_frames,
 )
-from tests.conftest import ROOT
+from tests.conftest import ROOT, drawn_person
 from tests.test_data import copy_of
 
 RED, WHITE = [255, 0, 0], [255, 255, 255]
@@ -442,9 +442,10 @@ def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
 # ---------------------------------------------------------------- real media
 
 
-def test_real_rotated_hiker_and_cut_out(media, shared_data, tmp_path):
+def test_real_rotated_hiker_and_cut_out(media, tmp_path):
     """The hiker clip re-encoded as a phone stores portrait video (landscape pixels + rotation): read back upright,
-    it is the original turned; a cut-out of the real person photo is white where it is transparent."""
+    it is the original turned; a cut-out person (a drawn one, on transparency over random colours) is white where it
+    is transparent and the person where it is opaque."""
     with av.open(str(media / "hiker.mp4")) as c:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])[:9]
     turned = np.ascontiguousarray(np.rot90(frames, k=-1, axes=(1, 2)))  # what the phone saw: portrait
@@ -453,13 +454,13 @@ def test_real_rotated_hiker_and_cut_out(media, shared_data, tmp_path):
     assert got.shape == turned.shape == (9, 720, 480, 3)
     assert np.abs(got.astype(int) - turned).mean() < 4  # H.264 re-encoding error only
     assert np.abs(got.astype(int) - np.rot90(turned, k=2, axes=(1, 2))).mean() > 20  # not upside down
-    person = np.asarray(Image.open(shared_data / "a2_human.png").convert("RGB"))
-    alpha = np.full(person.shape[:2], 255, np.uint8)
-    alpha[:, : person.shape[1] // 2] = 0
-    Image.fromarray(np.dstack([person, alpha])).save(tmp_path / "cut.png")
+    cut = drawn_person((720, 1280), background="transparent")
+    cut.save(tmp_path / "cut.png")
+    person, alpha = np.asarray(cut)[..., :3], np.asarray(cut)[..., 3]
     r = np.asarray(read_image(tmp_path / "cut.png"))
-    assert (r[:, : person.shape[1] // 2] == 255).all() and (r[:, person.shape[1] // 2:] == person[:, person.shape[
-        1] // 2:]).all()
+    assert 0 < (alpha == 255).mean() < 0.5 and ((alpha == 0) | (alpha == 255)).all()
+    assert (r[alpha == 0] == 255).all() and (person[alpha == 0] != 255).any(axis=-1).mean() > 0.9
+    assert (r[alpha == 255] == person[alpha == 255]).all()
 
 
 # ---------------------------------------------------------------- train_a2.py: refused runs, failures mid-run

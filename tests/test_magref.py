@@ -1,6 +1,7 @@
 """MAGREF's reference canvas (a2.images.magref_canvas) against MAGREF's own rule, written out here as its
 magref/subject2video.py (MAGREF-Video/MAGREF e3c71b2) runs it: process_refimg's grid, shuffles and paste, and
-resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On the real photos."""
+resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On drawn persons of the SkyReels-A2 example
+photos' sizes (a landscape, a square and a portrait picture)."""
 
 import random
 import re
@@ -16,8 +17,9 @@ from a2.images import magref_canvas
 from a2.tiny import model_path
 from a2.transformer import detect_model
 from config import ConditioningConfig
+from tests.conftest import drawn_person
 
-PHOTOS = ("a2_human.png", "a2_thing.png", "a2_env.png")
+PHOTOS = ((720, 1280), (1250, 1250), (1920, 1080))  # (h, w): the SkyReels-A2 photos' sizes (human, thing, env)
 MAGREF = ConditioningConfig(reference_layout="magref")
 
 
@@ -80,13 +82,13 @@ def their_latent_mask(mask, factor=8):
 
 
 @pytest.fixture(scope="module")
-def photos(shared_data):
-    return [Image.open(shared_data / p).convert("RGB") for p in PHOTOS]
+def photos():
+    return [drawn_person(size, seed=i, background="white" if i == 1 else "scene") for i, size in enumerate(PHOTOS)]
 
 
 @pytest.mark.parametrize("n,seed", [(1, 0), (2, 1), (3, 2), (3, 7), (5, 3), (8, 4)])
 def test_canvas_is_magrefs(photos, n, seed):
-    """1-8 references (the three photos repeated) at MAGREF's 480x832: the same canvas pixels and mask as MAGREF's
+    """1-8 references (the three pictures repeated) at MAGREF's 480x832: the same canvas pixels and mask as MAGREF's
     rule after random.seed(seed), with random.Random(seed); the latent mask of the spec (max-pool 8) is theirs."""
     images = [photos[i % 3] for i in range(n)]
     random.seed(seed)
@@ -95,7 +97,7 @@ def test_canvas_is_magrefs(photos, n, seed):
     assert canvas.size == (832, 480) and mask.shape == (480, 832) and mask.dtype == torch.bool
     assert np.array_equal(np.asarray(canvas), np.asarray(want_canvas))
     assert np.array_equal(mask.numpy(), want_mask.astype(bool))
-    assert 0 < mask.sum() < mask.numel() or n == 1  # white margins exist unless one photo fills the canvas
+    assert 0 < mask.sum() < mask.numel() or n == 1  # white margins exist unless one picture fills the canvas
     assert (np.asarray(canvas)[~mask.numpy()] == 255).all()  # outside the references: white
     pooled = torch.nn.functional.max_pool2d(mask[None, None].float(), 8)[0, 0]
     assert np.array_equal(pooled.numpy().astype(np.uint8), their_latent_mask(want_mask))
@@ -176,20 +178,22 @@ def their_magref_sample(transformer, vae, clip, clip_mean, clip_std, refs, text,
     return dict(condition=y[None], image=clip_fea, latents=latent[None], video=video[:, :, 4:])
 
 
-def test_infer_samples_as_magref(shared_data, tmp_path):
+def test_infer_samples_as_magref(tmp_path):
     """infer.py on tiny-magref (MAGREF's original-Wan checkpoint layout) with no sampling flag == MAGREF's sampler
     written out: the same condition (mask | canvas latents) and final latents, bit for bit. Everything MAGREF's
     generate() fixes comes from the kind (a2.conditioning.KIND_DEFS["magref"]): its UniPC from sigma 0.999, the
-    shift its dir ships (3), the posterior mean of the canvas, the seed's placement. The references are photos of
-    other aspects than their blocks' and the video's (a 16:9 landscape, a 9:16 portrait in 48x48 blocks of a 48x96
-    video: 48x27 and 27x48 px), read by infer.py and given to theirs as read."""
+    shift its dir ships (3), the posterior mean of the canvas, the seed's placement. The references are pictures of
+    other aspects than their blocks' and the video's (drawn persons: a 16:9 landscape, a 9:16 portrait in 48x48 blocks
+    of a 48x96 video: 48x27 and 27x48 px), read by infer.py and given to theirs as read."""
     import infer
     from a2.images import read_image
     from a2.pipeline import A2Pipeline, encode_prompt
 
     h, w, f, steps, seed = 48, 96, 9, 3, 5
     pipe = A2Pipeline.from_pretrained("tiny-magref")
-    files = [shared_data / "a2_human.png", shared_data / "a2_env.png"]  # 1280x720, 1080x1920
+    files = [tmp_path / "landscape.png", tmp_path / "portrait.png"]  # 1280x720, 1080x1920
+    drawn_person(PHOTOS[0]).save(files[0])
+    drawn_person(PHOTOS[2], seed=2).save(files[1])
     text = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["a person holds a thing"])
     null = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["static, blurred"])
     proc = pipe.image_processor
@@ -311,13 +315,11 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
     assert "failed" not in ds[ds.samples.index(next(x for x in ds.samples if x.id == "000"))]
 
 
-def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(shared_data, tmp_path):
-    """A portrait photo (1080x1920) as the one reference of a 48x96 video: the canvas and its region mask are MAGREF's
-    rule's on the photo as read (fitted to the height, aspect kept: 27x48 px in the middle), the same from the
-    dataset (training) as from load_references (sampling); not the whole canvas, which the photo framed to the
-    video's size first would cover."""
-    import shutil
-
+def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(tmp_path):
+    """A portrait picture (a drawn person, 1080x1920) as the one reference of a 48x96 video: the canvas and its region
+    mask are MAGREF's rule's on the picture as read (fitted to the height, aspect kept: 27x48 px in the middle), the
+    same from the dataset (training) as from load_references (sampling); not the whole canvas, which the picture framed
+    to the video's size first would cover."""
     from a2.conditioning import make_layout
     from a2.images import pil_to_tensor, read_image
     from a2.pipeline import load_references
@@ -326,17 +328,17 @@ def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(sha
 
     subject = A2_ELEMENTS[0]
     d = make_synthetic_dataset(tmp_path / "data", num_samples=1, num_frames=9, size=(48, 96), elements=(subject,))
-    shutil.copy(shared_data / "a2_env.png", d / "000_person.png")
+    drawn_person(PHOTOS[2]).save(d / "000_person.png")
     layout = make_layout("magref", 9, (1,), e2v_type="dual")
     random.seed(0)
-    canvas, mask = their_canvas([read_image(shared_data / "a2_env.png")], 48, 96)
+    canvas, mask = their_canvas([read_image(d / "000_person.png")], 48, 96)
     refs, _, _, region = load_references([(subject, d / "000_person.png")], (48, 96), (64, 64), layout)
     item = E2VDataset([DatasetConfig(str(d), target_resolution=(48, 96), elements=(subject,))], layout.clip_frames,
                       verbose=False, layout=layout)[0]
     assert torch.equal(region[0], torch.from_numpy(mask.astype(bool))) and torch.equal(item["region"], region[0])
     assert torch.equal(refs[0, 0], pil_to_tensor(canvas)) and torch.equal(item["ref_vae"], refs[0])
     cols = region[0].any(0).nonzero()
-    assert region[0].sum() == 27 * 48 and (int(cols.min()), int(cols.max())) == (34, 60)  # the photo, centred
+    assert region[0].sum() == 27 * 48 and (int(cols.min()), int(cols.max())) == (34, 60)  # the picture, centred
 
 
 def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):

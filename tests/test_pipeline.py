@@ -1,5 +1,8 @@
 """prepare_latents: masks, shapes and values against independently built expectations; T2V expansion;
-preprocessing on the real photos."""
+preprocessing on pictures of the SkyReels-A2 photos' sizes (and the photos, where they are beside the checkout); A2's
+own sampling."""
+
+from functools import cache
 
 import numpy as np
 import pytest
@@ -8,8 +11,19 @@ from PIL import Image
 
 from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
 from a2.images import pil_to_tensor, preprocess_image
+from tests.conftest import a2_photos, drawn_person
 
 H, W = 32, 48
+# the SkyReels-A2 photos' sizes (w x h: human, thing, env), drawn; the photos themselves added where they are
+PICTURES = {f"drawn-{w}x{h}": dict(size=(h, w), seed=i) for i, (w, h) in enumerate(((1280, 720), (1250, 1250),
+                                                                                     (1080, 1920)))}
+PICTURES.update({p.name: dict(path=p) for p in a2_photos()})
+
+
+@cache
+def picture(name: str) -> Image.Image:
+    spec = PICTURES[name]
+    return Image.open(spec["path"]).convert("RGB") if "path" in spec else drawn_person(spec["size"], spec["seed"])
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +177,9 @@ def test_expanded_t2v_equals_base(tiny_t2v_dir):
     assert (moved - want).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("name", ["a2_human.png", "a2_thing.png", "a2_env.png"])
-def test_preprocess_modes_on_real_photos(shared_data, name):
-    image = Image.open(shared_data / name).convert("RGB")
+@pytest.mark.parametrize("name", PICTURES)
+def test_preprocess_modes_keep_the_picture(name):
+    image = picture(name)
     h, w = 480, 832
     iw, ih = image.size
     for mode in ("resize", "center_crop", "pad_white", "letterbox"):
@@ -179,8 +193,8 @@ def test_preprocess_modes_on_real_photos(shared_data, name):
     else:  # wider: bars top and bottom
         assert (a[:5] == 255).all() and (b[:5] == 0).all() and (a[-5:] == 255).all()
         inner = a[h // 2]
-    assert inner.std() > 1  # the photo itself, not padding
-    # center_crop adds no border: it is the middle of the photo at the target aspect, resized
+    assert inner.std() > 1  # the picture itself, not padding
+    # center_crop adds no border: it is the middle of the picture at the target aspect, resized
     # (compared at 1/8 size: the two roundings of the crop box may differ by a sub-pixel shift)
     small = (w // 8, h // 8)
     c = np.asarray(preprocess_image(image, "center_crop", (h, w)).resize(small, Image.BOX)).astype(float)
@@ -250,9 +264,9 @@ def synthetic(iw: int, ih: int) -> Image.Image:
 
 
 @pytest.mark.parametrize("size", [(480, 832), (512, 512), (832, 480)])
-def test_preprocess_is_a2s_pad_or_crop_then_resize(shared_data, size):
+def test_preprocess_is_a2s_pad_or_crop_then_resize(size):
     h, w = size
-    images = [Image.open(shared_data / n).convert("RGB") for n in ("a2_human.png", "a2_thing.png", "a2_env.png")]
+    images = [picture(name) for name in PICTURES]
     images += [synthetic(301, 97), synthetic(97, 301), synthetic(416, 240)]  # wider, taller, exactly 480:832
     for image in images:
         for mode in ("pad_white", "center_crop", "letterbox"):
@@ -300,11 +314,13 @@ def a2_named(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n, tmp_path):
+def test_pipeline_equals_a2s_own_sampling(tiny_dir, n, tmp_path):
     """A2Pipeline on A2's inputs == SkyReels-A2's pipeline, written out here step by step (its infer.py
     preprocessing; noise drawn first, then the condition's posterior sampled with the same generator; `(z - mean) *
     (1 / std)`; its per-branch mask; text-only CFG with the same image tokens; UniPC, shift 8), with the same
-    transformer: bit for bit. (A2's own transformer class applies RoPE in float64; diffusers' in float32.)"""
+    transformer: bit for bit. (A2's own transformer class applies RoPE in float64; diffusers' in float32.) The
+    elements are drawn, none square: a person on white wider than the video (padded above and below), an odd-width
+    portrait one (padded left and right, unevenly) and a portrait scene (cropped)."""
     from dataclasses import replace
 
     from diffusers import UniPCMultistepScheduler
@@ -314,7 +330,10 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, shared_data, n, tmp_path):
 
     pipe = A2Pipeline.from_pretrained(a2_named(tiny_dir, tmp_path))  # A2's weights: A2's sampler, by its name
     h, w, f = 32, 48, 21
-    paths = [shared_data / p for p in ("a2_human.png", "a2_thing.png", "a2_env.png")][:n]
+    paths = [tmp_path / f"{name}.png" for name in ("human", "thing", "env")][:n]
+    for i, (path, size, background) in enumerate(zip(paths, ((720, 1280), (1250, 999), (1920, 1080)),
+                                                     ("white", "white", "scene"))):
+        drawn_person(size, seed=i, background=background).save(path)
     g = torch.Generator().manual_seed(42)
     with torch.no_grad():
         latents = torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8, generator=g)

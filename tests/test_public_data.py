@@ -1,8 +1,8 @@
 """Public S2V datasets as published (public_data.py): fixtures in each dataset's exact schema, built here from real
-media (../shared/data) composited under known masks, RLE-encoded with pycocotools. The element images training builds
-must equal the ones built by hand from the decoded frame (the published rule: the mask's tight box, its pixels on
-white), the clip must be the face_cut range of the cropped frames, every filter and bad record is counted or named in
-one line, and a multi-MB part JSON is indexed in bounded memory."""
+media (the hiker clip of tests/media, a drawn person composited under known masks), RLE-encoded with pycocotools. The
+element images training builds must equal the ones built by hand from the decoded frame (the published rule: the
+mask's tight box, its pixels on white), the clip must be the face_cut range of the cropped frames, every filter and bad
+record is counted or named in one line, and a multi-MB part JSON is indexed in bounded memory."""
 
 import json
 import tracemalloc
@@ -22,18 +22,19 @@ from a2.conditioning import KIND_DEFS, index_elements, largest_element_set
 from a2.images import element_tensors, read_image
 from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
 from data import E2VDataset, Validate, read_frames, resize_frames, validate
+from tests.conftest import MEDIA, drawn_person
 
 SIZE = (64, 96)  # training resolution of these tests (multiple of 16)
 
 
-def hiker_frames(shared, n=20):
+def hiker_frames(n=20):
     """The hiker clip's first n frames, halved (120x184): real content, fast to encode and decode."""
-    f = read_frames(shared / "hiker_tiny.mp4", list(range(n)))
+    f = read_frames(MEDIA / "hiker_tiny.mp4", list(range(n)))
     return np.stack([np.asarray(Image.fromarray(x).resize((184, 120))) for x in f])
 
 
-def person(shared):
-    return np.asarray(read_image(shared / "a2_human.png"))
+def person():
+    return np.asarray(drawn_person((720, 1280)))  # composited into the clip: any picture with detail
 
 
 def by_hand(frame: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -46,9 +47,9 @@ def by_hand(frame: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def opens2v(shared_data, tmp_path_factory):
+def opens2v(tmp_path_factory):
     root = tmp_path_factory.mktemp("opens2v")
-    fx = pd_.synthetic_opens2v(root, hiker_frames(shared_data), person(shared_data), num_clips=2)
+    fx = pd_.synthetic_opens2v(root, hiker_frames(), person(), num_clips=2)
     out = root / "index"
     counts = pd_.index_opens2v(pd_.IndexOpenS2V(str(root), str(out)))
     return dict(fx, root=root, out=out, counts=counts)
@@ -215,12 +216,12 @@ def test_multi_mb_part_json_streams_in_bounded_memory(tmp_path):
 # ---------------------------------------------------------------- Phantom-Data
 
 
-def phantom_fixture(shared, root: Path, boxes):
+def phantom_fixture(root: Path, boxes):
     """koala36M_multi_ref_merged_filtered.parquet (vid, video_caption, cross_pair as a JSON string) + clips."""
     import imageio.v3 as iio
 
     (root / "videos").mkdir(parents=True)
-    frames = hiker_frames(shared)
+    frames = hiker_frames()
     iio.imwrite(root / "videos" / "tgt.mp4", frames, fps=8, codec="libx264", plugin="pyav")
     iio.imwrite(root / "videos" / "ref.mp4", frames[::-1].copy(), fps=8, codec="libx264", plugin="pyav")
     pairs = {"a hiker": {"obj_from_tgt_video": [], "refer_result": [
@@ -233,9 +234,9 @@ def phantom_fixture(shared, root: Path, boxes):
     return frames
 
 
-def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(shared_data, tmp_path):
+def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(tmp_path):
     boxes = [[100.0, 50.0, 400.0, 300.0], [500.0, -20.0, 900.0, 200.0]]  # the second overflows the canvas
-    frames = phantom_fixture(shared_data, tmp_path, boxes)
+    frames = phantom_fixture(tmp_path, boxes)
     c = pd_.index_phantom(pd_.IndexPhantom(str(tmp_path), str(tmp_path / "out")))
     assert c["clips kept"] == 1 and c["clips dropped: video not downloaded"] == 1
     assert c["boxes overflowing the 768 canvas (clipped at load)"] == 1
@@ -274,9 +275,9 @@ def tiny_sam(path: Path):
     return path
 
 
-def test_phantom_sam_segmentation_pastes_the_mask_on_white(shared_data, tmp_path):
+def test_phantom_sam_segmentation_pastes_the_mask_on_white(media, tmp_path):
     sam = str(tiny_sam(tmp_path / "sam"))
-    frame = read_frames(shared_data / "hiker_tiny.mp4", [0])[0]
+    frame = read_frames(media / "hiker_tiny.mp4", [0])[0]
     box = (40, 30, 200, 180)
     img = np.asarray(pd_.box_image(frame, box, sam))
     model, processor = pd_.load_sam(sam)
@@ -293,13 +294,13 @@ def test_phantom_sam_segmentation_pastes_the_mask_on_white(shared_data, tmp_path
 # ---------------------------------------------------------------- HuMoSet
 
 
-def test_humoset_reference_photo_is_the_subject_and_the_schema_is_checked(shared_data, tmp_path):
+def test_humoset_reference_photo_is_the_subject_and_the_schema_is_checked(media, tmp_path):
     import shutil
 
     (tmp_path / "video").mkdir()
     (tmp_path / "reference_image").mkdir()
-    shutil.copy(shared_data / "hiker_tiny.mp4", tmp_path / "video" / "h001.mp4")
-    Image.open(shared_data / "a2_human.png").resize((90, 160)).save(tmp_path / "reference_image" / "h001.jpg")
+    shutil.copy(media / "hiker_tiny.mp4", tmp_path / "video" / "h001.mp4")
+    drawn_person((720, 1280)).resize((90, 160)).save(tmp_path / "reference_image" / "h001.jpg")
     pq.write_table(pa.table({"video_name": ["h001.mp4", "h002.mp4"], "caption": ["A hiker.", "Gone."]}),
                    tmp_path / "video_caption.parquet")
     c = pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out")))
@@ -355,11 +356,11 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
 # ---------------------------------------------------------------- references per clip, as the models were trained
 
 
-def varied_opens2v(shared, root: Path) -> dict:
+def varied_opens2v(root: Path) -> dict:
     """Four OpenS2V-5M clips of 1, 2, 4 and 1 kept masks (the last without its background png): the synthetic part
     with the backpack removed from clips 0 and 3, and a hat (small) and a dog (the largest crop of all) added to
     clip 2."""
-    fx = pd_.synthetic_opens2v(root, hiker_frames(shared), person(shared), num_clips=4)
+    fx = pd_.synthetic_opens2v(root, hiker_frames(), person(), num_clips=4)
     records, ann = fx["records"], str(fx["ann"])
     keys = list(records)
     h, w = next(iter(fx["masks"].values())).shape
@@ -381,12 +382,12 @@ def varied_opens2v(shared, root: Path) -> dict:
     return dict(fx, keys=keys)
 
 
-def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(shared_data, tmp_path):
+def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(tmp_path):
     """BindWeave's rule on OpenS2V-5M (get_sora_feature.py: every mask with crop_ratio >= 0.1 and aes >= 4.5 or
     gme >= 0.6 is a reference; a clip whose background png is missing is kept without one), here among the
     subject/object-tagged masks and largest first: the kinds without roles take the first `most`, A2's prefix its
     roles, absent ones absent."""
-    fx = varied_opens2v(shared_data, tmp_path)
+    fx = varied_opens2v(tmp_path)
     out = tmp_path / "index"
     c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
     assert c["clips read"] == c["clips kept"] == 4
@@ -486,14 +487,14 @@ def test_a_clip_of_the_kinds_maximum_of_masks_fills_every_slot_with_or_without_a
         assert classes(pd_.clip_elements(bare, by_hand, most)) == dict(ref0="c0", ref1="c1")
 
 
-def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(shared_data, tmp_path, capsys):
+def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(tmp_path, capsys):
     """Through the index as validate and training read it: the clip of 4 masks with its background png, and the
     same clip without the png. V3 takes 3 masks and the png, and all 4 masks (not 3 with the last slot empty);
     MAGREF and in-context (up to 8) all 4 masks either way, the png added where there is one; Phantom uses no png."""
     from tests.conftest import train
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
-    fx = varied_opens2v(shared_data, root)
+    fx = varied_opens2v(root)
     pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     four = next(x for x in map(json.loads, index.read_text().splitlines()) if x["key"] == fx["keys"][2])
@@ -514,7 +515,7 @@ def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(shared_dat
     assert "[ref0, ref1, ref2, ref3]: 1 samples" in log and "[ref0, ref1, ref2, background]: 1 samples" in log, log
 
 
-def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_path, capsys, dino_dir):
+def test_readme_opens2v_commands_train_every_kind_for_an_epoch(tmp_path, capsys, dino_dir):
     """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
     clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch of every
     clip (none left out), clips of 1, 2 and 3+ references each, the kinds without roles every kept mask up to their
@@ -523,7 +524,7 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(shared_data, tmp_
     from tests.conftest import train
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
-    fx = varied_opens2v(shared_data, root)
+    fx = varied_opens2v(root)
     pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()

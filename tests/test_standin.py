@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from a2 import standin
 from a2.transformer import TEXT_TOKENS, preset_config
 from config import ConditioningConfig, Element
+from tests.conftest import drawn_person
 from tests.their_standin import TheirStandIn, their_sampling
 
 RANK = 8
@@ -329,12 +330,13 @@ def test_lora_file_errors(tmp_path):
 
 
 @torch.no_grad()
-def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
+def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path):
     """A2Pipeline with reference_layout standin on tiny-t2v carrying a Stand-In LoRA file: the first positive pass
     computes the reference tokens, the 5 later passes (CFG's negative ones too) use their kept K/V, and the latents
     equal recomputing the reference in every pass (standin_cache False) within BOUND (the FFN row count, above);
     another reference gives other latents; a second call with another reference does not reuse the first's K/V.
-    The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused."""
+    The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused.
+    The references are two drawn persons, a landscape and a square picture (framed to 512x512 as read)."""
     from a2.conditioning import make_layout
     from a2.pipeline import A2Pipeline, load_references
 
@@ -343,8 +345,10 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
     assert standin.load_lora(pipe.transformer, tmp_path / "standin.ckpt") == RANK
     h, w = 32, 48
     layout = make_layout("standin", 9, (1,), e2v_type="vae")
-    refs = [load_references([(Element("face", ()), shared_data / p)], (h, w), layout=layout)[0]
-            for p in ("a2_human.png", "a2_thing.png")]
+    files = [tmp_path / "person.png", tmp_path / "other.png"]
+    drawn_person((720, 1280)).save(files[0])
+    drawn_person((1250, 1250), seed=1, background="white").save(files[1])
+    refs = [load_references([(Element("face", ()), p)], (h, w), layout=layout)[0] for p in files]
     assert refs[0].shape == (1, 1, 3, 512, 512)
     lengths = []
     pipe.transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
@@ -373,7 +377,7 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path, shared_data):
              progress=False, decode="none")
     with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2 elements"):
         pipe.plan(9, (1, 1))
-    video_sized = load_references([(Element("face", ()), shared_data / "a2_human.png")], (h, w))[0]
+    video_sized = load_references([(Element("face", ()), files[0])], (h, w))[0]
     with pytest.raises(ValueError, match=r"Stand-In's reference is a 512x512 image \(its face crop\) whatever the "
                                          r"video's size, got 32x48"):
         pipe("a face", video_sized, None, layout=pipe.plan(9, (1,), STANDIN), height=h, width=w,
@@ -443,7 +447,7 @@ def record_forwards(*transformers):
 
 @pytest.mark.parametrize("base", ["wan21", "wan22"])
 @torch.no_grad()
-def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
+def test_a2_samples_as_stand_ins_pipeline(base, tmp_path):
     """A2Pipeline (reference_layout standin, Euler with --schedule flowmatch, shift 5, guidance 5: infer.py --preset
     standin) against Stand-In's WanVideoPipeline.__call__ written out (their_standin.their_pipeline), float32 on the
     CPU, on tiny-t2v with a Stand-In file (wan21) and on the tiny Wan 2.2 T2V pair with one file per expert (wan22: the
@@ -454,7 +458,7 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
     FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents. The video is
     32x48 and the reference Stand-In's 512x512 face crop (FaceProcessor's size, 1024 tokens), packed after the video's
     latents in 171 frames of 4x6 latents (the last one zero padded)."""
-    from a2.images import pil_to_tensor, preprocess_image, read_image
+    from a2.images import pil_to_tensor, preprocess_image
     from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
@@ -465,8 +469,9 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, shared_data):
         their_file(source, tmp_path / f"standin{i}.ckpt")
         standin.load_lora(model, tmp_path / f"standin{i}.ckpt")
     h, w, frames, steps, seed = 32, 48, 9, 3 if base == "wan21" else 4, 7
-    # a face crop, framed to their 512x512 as a2 frames it (theirs: white pad to square, INTER_AREA resize)
-    image = preprocess_image(read_image(shared_data / "a2_human.png"), "fit_pad_white", standin.REFERENCE_SIZE)
+    # a face crop (a drawn person, landscape), framed to their 512x512 as a2 frames it (theirs: white pad to square,
+    # INTER_AREA resize)
+    image = preprocess_image(drawn_person((720, 1280)), "fit_pad_white", standin.REFERENCE_SIZE)
     prompt, negative = "a person smiling", "low quality"
     text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
     seen = record_forwards(*experts)

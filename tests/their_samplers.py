@@ -1,7 +1,8 @@
 """Phantom-Wan's and SkyReels-V3 R2V's samplers, written out step by step from their code (read, not imported:
-their repos need CUDA, flash-attn and xfuser), to compare a2's sampler with. /work/notes/phantom_v3_spec.md has the
-file:line of every step. Both drive a diffusers WanTransformer3DModel and a diffusers AutoencoderKLWan; their text
-encoders are fed as their outputs (the 512-token UMT5 states, zero past the prompt), the same tensors a2 gets.
+their repos need CUDA, flash-attn and xfuser), to compare a2's sampler with. Each sampler's docstring names the
+upstream function and the file:lines it writes out, in the files listed below. Both drive a diffusers
+WanTransformer3DModel and a diffusers AutoencoderKLWan; their text encoders are fed as their outputs (the 512-token
+UMT5 states, zero past the prompt), the same tensors a2 gets.
 
 Read: svjack/Phantom @ 51ef427 (2025-04-26; phantom_wan/subject2video.py, generate.py, utils/fm_solvers_unipc.py)
 and SkyworkAI/SkyReels-V3 @ 28c771e (2026-01-30; skyreels_v3/pipelines/reference_to_video_pipeline.py).
