@@ -154,8 +154,12 @@ def unpack(hidden_states: torch.Tensor, in_channels: int) -> tuple[torch.Tensor,
 
 def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
             context: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """WanVACETransformer3DModel.forward (diffusers' transformer_wan_vace.py): the context blocks' hints, then the
-    blocks, each in vace_layers adding its hint x scale; returns the prediction (B, 16, N + T, h, w). Every block
+    """WanVACETransformer3DModel.forward (diffusers' transformer_wan_vace.py): the context blocks' hints first, then
+    the blocks, each in vace_layers adding its hint x scale; returns the prediction (B, 16, N + T, h, w). The context
+    blocks read the patch-embedded input and each other's state, never a block's output: ComfyUI runs each right
+    before its hint is added, the same numbers. That order holds one hint at a time (sampling Wan2.1-VACE-1.3B at
+    480x832, 81 frames, 3 references: 1.4 GiB less), but a LoRA step traced at that size (a2/trace.py, every block
+    recomputed) peaked 1.2 GiB higher in its backward, so training's memory plan keeps the labs' order. Every block
     runs through its own forward (as configure_blocks set it: recomputed, compiled; peft's LoRA in its modules). Under
     context parallel (a2/parallel.py; context_parallel below for the context blocks) the context blocks run on this
     rank's tokens, as the blocks do after the first one's input hook splits the sequence, so each hint is the
@@ -173,15 +177,13 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
     if split is not None:
         split.length = x.shape[1]
         x_c, c, rotary_c = split.shard(x), split.shard(c), tuple(split.shard(r) for r in rotary)
-    hints = []
-    for block in transformer.vace_blocks:
-        hint, c = block(x_c, text, c, proj, rotary_c)
-        hints.append(hint)
-    layers = {layer: i for i, layer in enumerate(transformer.config.vace_layers)}
+    hints = {}
+    for layer, block in zip(transformer.config.vace_layers, transformer.vace_blocks):
+        hints[layer], c = block(x_c, text, c, proj, rotary_c)
     for i, block in enumerate(transformer.blocks):
         x = block(x, text, proj, rotary)
-        if i in layers:
-            x = x + hints[layers[i]] * scale
+        if i in hints:
+            x = x + hints.pop(i) * scale  # each hint freed once added
     shift, scale_out = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
     x = (transformer.norm_out(x.float()) * (1 + scale_out) + shift).type_as(x)
     x = transformer.proj_out(x)  # a context-parallel split is gathered here (its output hook)
