@@ -21,7 +21,7 @@ from a2 import vace
 from a2.conditioning import WAN_NEGATIVE_PROMPT, encode_vae
 from a2.lora import export_lora, read_original
 from a2.parallel import context_parallel
-from a2.tiny import build_tiny, save_tiny
+from a2.tiny import TINY_VACE, build_tiny, save_tiny, tiny_model_dir
 from a2.transformer import (
     UnsupportedModel,
     configure_blocks,
@@ -278,9 +278,10 @@ def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("vace")
-    return {name: save_tiny(root / name, t2v=True, **kw) for name, kw in {
-        "diffusers": dict(vace=True), "fun-diffusers": dict(wan22=True, vace=True),
-        "original": dict(released="vace"), "fun-original": dict(wan22=True, released="vace-fun")}.items()}
+    return {"diffusers": tiny_model_dir(**TINY_VACE["tiny-vace"]),
+            "fun-diffusers": tiny_model_dir(**TINY_VACE["tiny-vace-fun"]),
+            "original": save_tiny(root / "original", t2v=True, released="vace"),
+            "fun-original": save_tiny(root / "fun-original", t2v=True, wan22=True, released="vace-fun")}
 
 
 def test_detection_and_loading_of_every_layout(layouts):
