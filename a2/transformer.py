@@ -523,14 +523,11 @@ def detect_vace_fun(d: Path, components=None) -> ModelInfo:
         raise UnsupportedModel(f"{d}: a Wan 2.2 original-key expert pair without VACE's context blocks (vace_blocks);"
                                " a2 reads Wan 2.2 A14B T2V / I2V in diffusers format (the -Diffusers repos)")
     if configs[0] != configs[1]:
-        raise UnsupportedModel(f"{d}: high_noise_model and low_noise_model have other shapes "
-                               f"({shape_difference(configs[0], configs[1])})")
+        differ = {k: (v, configs[1].get(k)) for k, v in configs[0].items() if v != configs[1].get(k)}
+        raise UnsupportedModel(f"{d}: high_noise_model and low_noise_model have other shapes (high, low: {differ})")
     return ModelInfo(d, "Wan2.2 VACE-Fun A14B", Z_DIM, False, None, None, VACE_FUN_BOUNDARY, native_kind="vace",
                      original_weights=tuple(files), components_dir=t2v_parts(d, d, components))
 
-
-def shape_difference(a: dict, b: dict) -> str:
-    return ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 def is_refalign(checkpoint: Path) -> bool:
