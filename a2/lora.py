@@ -14,7 +14,10 @@ a 16-channel base: such a run loads in a2 (or diffusers after load_expanded) onl
 The second is what ComfyUI's Wan LoRA loader, the Wan repo's key names and diffusers'
 `_convert_non_diffusers_wan_lora_to_diffusers` read. Loading goes through diffusers' own `lora_state_dict`, which
 converts original (`diffusion_model.`) and musubi-tuner (`lora_unet_`) keys itself; a peft `save_pretrained` dir is
-converted here (peft_dir_state_dict).
+converted here (peft_dir_state_dict). VACE's context blocks (`vace_blocks.N`) have original keys too
+(`diffusion_model.vace_blocks.0.self_attn.q.lora_down.weight`): ComfyUI loads them, as every
+`diffusion_model.<module>` of its model (comfy/lora.py model_lora_keys_unet), but diffusers' converter knows no VACE
+key, so a file holding them is converted here (read_original).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from a2.transformer import wan_module_name
+from a2.transformer import diffusers_module_name, wan_module_name
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -35,7 +38,8 @@ COMFY_NAME = "pytorch_lora_weights_comfy.safetensors"  # not *pytorch_lora_weigh
 # _convert_non_diffusers_wan_lora_to_diffusers): a LoRA on any other module (a norm, the patch embedding) has no
 # original-Wan file, so a run targeting one is refused before training (check_lora_export)
 _LORA_BLOCK = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
-               "attn2.to_out.0", "attn2.add_k_proj", "attn2.add_v_proj", "ffn.net.0.proj", "ffn.net.2")
+               "attn2.to_out.0", "attn2.add_k_proj", "attn2.add_v_proj", "ffn.net.0.proj", "ffn.net.2",
+               "proj_in", "proj_out")  # the last two: VACE's context blocks' before_proj / after_proj
 _LORA_TOP = ("proj_out", "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
              "condition_embedder.text_embedder.linear_2", "condition_embedder.time_embedder.linear_1",
              "condition_embedder.time_embedder.linear_2", "condition_embedder.image_embedder.ff.net.0.proj",
@@ -50,7 +54,7 @@ _LOADER = {
 
 def original_module(name: str) -> str:
     """diffusers WanTransformer3DModel module name of a LoRA -> the original Wan (and ComfyUI) one."""
-    m = re.fullmatch(r"blocks\.\d+\.(.+)", name)
+    m = re.fullmatch(r"(?:vace_)?blocks\.\d+\.(.+)", name)
     if (m[1] if m else name) in (_LORA_BLOCK if m else _LORA_TOP):
         return wan_module_name(name)
     raise ValueError(f"LoRA on {name!r}: no original-Wan name that ComfyUI/diffusers loaders map back")
@@ -84,17 +88,32 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """The model's adapter as both export files will hold it: every adapted module has an original-Wan name, and the
-    original-Wan keys read back through diffusers' converter (what infer.py --lora and diffusers do with the _comfy
-    file) give the same tensors. Run before training on the freshly adapted model (a --lora-target that cannot be
-    exported fails before step 1), and on the written file at export. Returns the original-Wan state dict."""
+def read_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Original Wan / ComfyUI LoRA keys -> diffusers keys (`transformer.<module>.lora_A/lora_B.weight`): VACE's context
+    blocks' here (lora_down -> lora_A, no alpha: a2's files fold it), the rest through diffusers' Wan converter."""
     from diffusers.loaders import WanLoraLoaderMixin
 
+    vace = {k: v for k, v in state_dict.items() if k.startswith("diffusion_model.vace_blocks.")}
+    rest = {k: v for k, v in state_dict.items() if k not in vace}
+    out = dict(WanLoraLoaderMixin.lora_state_dict(rest)) if rest else {}
+    for key, value in vace.items():
+        m = re.fullmatch(r"diffusion_model\.(.+)\.lora_(down|up)\.weight", key)
+        if m is None:
+            raise ValueError(f"{key}: not an original-Wan LoRA weight (<module>.lora_down/lora_up.weight)")
+        out[f"transformer.{diffusers_module_name(m[1])}.lora_{'A' if m[2] == 'down' else 'B'}.weight"] = value
+    return out
+
+
+def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The model's adapter as both export files will hold it: every adapted module has an original-Wan name, and the
+    original-Wan keys read back (read_original: diffusers' converter, what infer.py --lora and diffusers do with the
+    _comfy file; VACE's keys a2's) give the same tensors. Run before training on the freshly adapted model (a
+    --lora-target that cannot be exported fails before step 1), and on the written file at export. Returns the
+    original-Wan state dict."""
     sd = adapter_state_dict(model, adapter)
     original = to_original(sd)
     try:
-        back = WanLoraLoaderMixin.lora_state_dict(dict(original))
+        back = read_original(dict(original))
     except Exception as e:  # the converter's own errors say little about which module is the cause
         raise ValueError(f"the original-Wan LoRA keys do not read back ({type(e).__name__}: {e}): adapted modules "
                          f"{sorted({k.rsplit('.lora_', 1)[0] for k in sd})[:6]}...; diffusers' Wan converter (infer.py "
@@ -170,8 +189,13 @@ def base_mismatch(path, meta: dict, config, family: str, kind: str) -> str | Non
 def lora_fit(pipe, path, low_expert: bool = False) -> tuple[dict, list[str]]:
     """The file's LoRA tensors after diffusers' key conversion, and why pairs do not fit the transformer
     (lora_fit_problems): (state dict, problems)."""
-    sd = pipe.lora_state_dict(path)
-    sd = sd[0] if isinstance(sd, tuple) else sd
+    if _key_format(Path(path)) == "original Wan / ComfyUI keys" and _vace_keys(Path(path)):
+        from safetensors.torch import load_file
+
+        sd = read_original(load_file(path))  # diffusers' converter refuses VACE's keys
+    else:
+        sd = pipe.lora_state_dict(path)
+        sd = sd[0] if isinstance(sd, tuple) else sd
     return sd, lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, sd)
 
 
@@ -335,6 +359,16 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
     return (f"LoRA {path} ({fmt}): {2 * pairs} lora_A/lora_B weights, {modules} modules of {target} adapted "
             f"({2 * modules} weights matched)" + (f", {len(misfit)} pairs skipped (--force)" if misfit else "")
             + f", scale {scale:g}")
+
+
+def _vace_keys(path: Path) -> bool:
+    """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return False
+    with safe_open(path, "pt") as fh:
+        return any(k.startswith("diffusion_model.vace_blocks.") for k in fh.keys())
 
 
 def _key_format(path: Path) -> str:

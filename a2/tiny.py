@@ -5,14 +5,15 @@ tokenizer, CLIPVisionModel giving 257 tokens like ViT-H/14, CLIPImageProcessor, 
 diffusers format, so every test and the demo go through the real loading code. Also shaped like
 Wan2.1 T2V (--t2v), the Wan 2.2 A14B expert pairs (--wan22: T2V, or I2V with 36 input channels
 and no image branch) and Wan 2.2 TI2V-5B (--ti2v: the 48-channel Wan 2.2 VAE, patch 2 and residual blocks,
-16x spatial; a transformer with 48 channels in and out; `expand_timesteps`).
+16x spatial; a transformer with 48 channels in and out; `expand_timesteps`) and Wan's VACE (--vace: a
+WanVACETransformer3DModel, the T2V model with VACE's context blocks; with --wan22 the Wan2.2-VACE-Fun-A14B pair).
 
 `random-1.3B` / `random-14B` are real-size model dirs without weights, for measuring the real training loop
 at real shapes with no download: the transformer dir holds Wan2.1-T2V-1.3B's / A2-14B's config and a
 RANDOM_WEIGHTS marker (load_transformer builds random weights on the GPU), and the encoders are tiny ones
 with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their outputs have the real shapes.
 
-    python -m a2.tiny OUT_DIR [--t2v] [--wan22] [--ti2v]
+    python -m a2.tiny OUT_DIR [--t2v] [--wan22] [--ti2v] [--vace]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from a2.transformer import RANDOM_WEIGHTS, local_or_hub, preset_config
+from a2.transformer import RANDOM_WEIGHTS, VACE_FUN_BOUNDARY, local_or_hub, preset_config, transformer_class
 
 TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
 a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
@@ -63,6 +64,10 @@ TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2
                "random-5B": dict(preset="5B", ti2v=True), "tiny-phantom": dict(t2v=True, released="phantom"),
                "tiny-v3": dict(t2v=True, released="v3"), "tiny-magref": dict(released="magref"),
                "tiny-refalign": dict(t2v=True, released="refalign")}
+# tiny_model_dir's arguments of the tiny VACE models (Wan2.1-VACE, the Wan2.2-VACE-Fun pair): names for --model (and
+# its help) once the vace kind is in the kind table
+TINY_VACE = {"tiny-vace": dict(t2v=True, vace=True), "tiny-vace-fun": dict(t2v=True, wan22=True, vace=True)}
+VACE_FLOW_SHIFT = 3.0  # the scheduler_config.json of Wan-AI's Wan2.1-VACE-*-diffusers (Wan's own CLI samples at 16)
 
 # Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
 # dim_mult 1,2,4,4, 2 res blocks) at width 8: the same patching (12 = 3x2x2 channels in and out), residual
@@ -166,21 +171,27 @@ def _head_response(dim: int) -> tuple[float, float]:
 
 
 def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny",
-               ti2v: bool = False) -> dict:
+               ti2v: bool = False, vace: bool = False) -> dict:
     """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
 
     wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
     other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
     branch and no CLIP, as Wan2.2-I2V-A14B.
     ti2v=True: Wan 2.2 TI2V-5B-shaped (tiny_ti2v_vae, 48 channels in and out, no image branch, expand_timesteps).
+    vace=True (with t2v): Wan's VACE, the T2V transformer with VACE's context blocks (preset tiny-vace); with wan22
+    the Wan2.2-VACE-Fun-A14B pair (its boundary), both experts VACE transformers.
     preset `1.3B` / `14B` / `5B`: encoders with that model's widths, and the transformer as a config dict (no
     weights)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
-    tcfg = preset_config("tiny-ti2v" if ti2v and preset == "tiny" else preset, e2v=None if ti2v else not t2v)
+    if vace:
+        tcfg = preset_config("tiny-vace")
+    else:
+        tcfg = preset_config("tiny-ti2v" if ti2v and preset == "tiny" else preset, e2v=None if ti2v else not t2v)
+    model = transformer_class(tcfg)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=tcfg["text_dim"], d_kv=8, d_ff=64, num_layers=1, num_heads=4,
         relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
@@ -191,15 +202,17 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
         vae = tiny_ti2v_vae()
     if wan22:
         tcfg.update(image_dim=None, added_kv_proj_dim=None)
-    transformer = WanTransformer3DModel(**tcfg).eval() if preset == "tiny" else tcfg
+    transformer = model(**tcfg).eval() if preset == "tiny" else tcfg
+    shift = TI2V_FLOW_SHIFT if ti2v else VACE_FLOW_SHIFT if vace else 8.0
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                        num_train_timesteps=1000, flow_shift=TI2V_FLOW_SHIFT if ti2v else 8.0)
+                                        num_train_timesteps=1000, flow_shift=shift)
     parts = dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                  scheduler=scheduler)
     if ti2v:
         parts["expand_timesteps"] = True
     elif wan22:
-        parts.update(transformer_2=WanTransformer3DModel(**tcfg).eval(), boundary_ratio=WAN22_BOUNDARY[t2v])
+        parts.update(transformer_2=model(**tcfg).eval(),
+                     boundary_ratio=VACE_FUN_BOUNDARY if vace else WAN22_BOUNDARY[t2v])
     elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
             **{**TINY_CLIP_VISION, "hidden_size": tcfg["image_dim"]})).eval()
@@ -262,7 +275,13 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     magref: the tiny I2V model as MAGREF-Video/MAGREF ships its DiT: original-Wan keys in diffusion_pytorch_model
       shards + index, Wan's config.json (model_type i2v), a T5/VAE/CLIP .pth beside them (a stand-in file that a2
       must not take for the DiT), and the Wan I2V parts in diffusers format (which the release takes from
-      Wan2.1-I2V-14B-480P-Diffusers)."""
+      Wan2.1-I2V-14B-480P-Diffusers).
+    vace: the tiny VACE model as Wan-AI/Wan2.1-VACE-1.3B ships it: VaceWanModel's original keys in one
+      diffusion_pytorch_model.safetensors, its config.json (vace_layers), the VAE and T5 .pth beside it (stand-ins),
+      and the Wan T2V parts in diffusers format.
+    vace-fun: the tiny VACE pair as alibaba-pai/Wan2.2-VACE-Fun-A14B ships it: high_noise_model/ and low_noise_model/
+      (a2's transformer and transformer_2), each a config.json and diffusion_pytorch_model.safetensors, the VAE .pth
+      beside them (a stand-in), and the Wan T2V parts in diffusers format."""
     import json
 
     from diffusers import WanPipeline
@@ -279,9 +298,19 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
         (out_dir / "transformer" / "config.json").write_text(json.dumps(cfg, indent=2))
         return out_dir
     transformer = parts.pop("transformer")
+    experts = {"high_noise_model": transformer, "low_noise_model": parts.pop("transformer_2", None)}
+    parts.pop("boundary_ratio", None)
     out_dir.mkdir(parents=True)
     for name, part in parts.items():
         part.save_pretrained(out_dir / name)
+    if released.startswith("vace"):
+        for name, model in experts.items() if released == "vace-fun" else [("", transformer)]:
+            (out_dir / name).mkdir(exist_ok=True)
+            (out_dir / name / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
+            save_file({k: v.contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
+                      out_dir / name / "diffusion_pytorch_model.safetensors")
+        torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
+        return out_dir
     sd = {k: v.contiguous() for k, v in diffusers_to_original(transformer.state_dict()).items()}
     wan = dict(original_wan_config(transformer.config), model_type="i2v" if released == "magref" else "t2v")
     (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
@@ -302,20 +331,22 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
 
 
 def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool = False,
-              preset: str = "tiny", ti2v: bool = False, released: str | None = None) -> Path:
-    """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline); for a
-    real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of weights.
-    released="phantom" | "v3": the tiny T2V model in Phantom-Wan's / SkyReels-V3 R2V's layout (save_released)."""
+              preset: str = "tiny", ti2v: bool = False, released: str | None = None, vace: bool = False) -> Path:
+    """Write the tiny model as a diffusers model dir (loadable by WanImageToVideoPipeline/WanPipeline, WanVACEPipeline
+    with vace); for a real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of
+    weights. released="phantom" | "v3" | "vace" | "vace-fun" ...: the tiny model in a released model's own layout
+    (save_released)."""
     import json
 
-    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel, WanVACEPipeline
 
     out_dir = Path(out_dir)
-    parts = build_tiny(seed, t2v, wan22, preset, ti2v)
+    parts = build_tiny(seed, t2v, wan22, preset, ti2v, vace or released in ("vace", "vace-fun"))
     if released:
         return save_released(out_dir, parts, released)
     config = None if preset == "tiny" else parts.pop("transformer")
-    pipe = WanPipeline(**parts) if t2v or ti2v else WanImageToVideoPipeline(**parts)  # 5B: WanPipeline, as its hub dir
+    pipeline = WanVACEPipeline if vace else WanPipeline if t2v or ti2v else WanImageToVideoPipeline
+    pipe = pipeline(**parts)  # 5B: WanPipeline, as its hub dir
     pipe.save_pretrained(out_dir)
     if config is not None:
         with torch.device("meta"):
@@ -329,7 +360,7 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
 
 
 def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False,
-                   released: str | None = None) -> Path:
+                   released: str | None = None, vace: bool = False) -> Path:
     """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
@@ -343,7 +374,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2")) / f"built-{TINY_BUILD}"
     root.mkdir(parents=True, exist_ok=True)
     d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
-                + (released or ("ti2v" if ti2v else "t2v" if t2v else "i2v")))
+                + (released or ("vace" if vace else "ti2v" if ti2v else "t2v" if t2v else "i2v")))
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not d.exists():  # os.replace below: the dir exists only once complete
@@ -352,7 +383,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
             bars = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()  # a built-in model's build is no download: no "Writing model shards"
             try:
-                save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released)
+                save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released, vace=vace)
             finally:
                 if bars:
                     hf_logging.enable_progress_bar()
@@ -371,4 +402,5 @@ def model_path(name) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv, wan22="--wan22" in sys.argv, ti2v="--ti2v" in sys.argv))
+    print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv or "--vace" in sys.argv, wan22="--wan22" in sys.argv,
+                    ti2v="--ti2v" in sys.argv, vace="--vace" in sys.argv))

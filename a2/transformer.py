@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from a2.fake import fake_mode_active
@@ -26,6 +26,7 @@ Z_DIM = 16  # Wan 2.1 VAE latent channels
 TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)
 MASK_CHANNELS = 4  # one mask value per pixel frame of a latent frame (temporal factor 4)
 E2V_IN_CHANNELS = Z_DIM + MASK_CHANNELS + Z_DIM  # noisy latents | mask | condition latents
+VACE_IN_CHANNELS = 96  # VACE's context: inactive (16) | reactive (16) video latents | mask (64: an 8x8 pixel block)
 TEXT_TOKENS = 512  # diffusers' Wan attention splits image from text as shape[1] - 512
 CLIP_TOKENS = 257  # ViT-H/14 at 224: 16*16 patches + CLS
 
@@ -60,7 +61,11 @@ PRESETS: dict[str, dict] = {
 
 def preset_config(name: str, e2v: bool | None = None) -> dict:
     """A preset's config; e2v=True/False forces the E2V (36 ch + image branch) or T2V (16 ch) inputs.
-    `tiny-ti2v` is `tiny` shaped as TI2V-5B (48 channels in and out, no image branch)."""
+    `tiny-ti2v` is `tiny` shaped as TI2V-5B (48 channels in and out, no image branch); `tiny-vace` is tiny T2V with
+    VACE's context blocks (a WanVACETransformer3DModel: a hint after each of its 2 blocks, as Wan2.1-VACE-1.3B has
+    one every 2nd of its 30)."""
+    if name == "tiny-vace":
+        return {**preset_config("tiny", e2v=False), "vace_layers": [0, 1], "vace_in_channels": VACE_IN_CHANNELS}
     if name == "tiny-ti2v":
         return {**PRESETS["tiny"], "in_channels": TI2V_Z_DIM, "out_channels": TI2V_Z_DIM, "image_dim": None,
                 "added_kv_proj_dim": None}
@@ -100,6 +105,11 @@ class UnsupportedModel(InputError):
 # transformer classes whose weights load into WanTransformer3DModel unchanged (A2's own class subclasses it)
 WAN_TRANSFORMER_CLASSES = ("WanTransformer3DModel", "A2Model")
 EXPERTS = {"high": "transformer", "low": "transformer_2"}  # Wan 2.2 A14B: subfolder of each noise-level expert
+# the same experts in a Wan 2.2 original-key dir (Wan-AI's Wan2.2-*-A14B, alibaba-pai's Wan2.2-VACE-Fun-A14B)
+ORIGINAL_EXPERTS = {"transformer": "high_noise_model", "transformer_2": "low_noise_model"}
+# Wan2.2-VACE-Fun-A14B switches to its low-noise expert below timestep 875 (VideoX-Fun's config/wan2.2/
+# wan_civitai_t2v.yaml `boundary: 0.875`, read by its examples/wan2.2_vace_fun/predict_*.py)
+VACE_FUN_BOUNDARY = 0.875
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,7 @@ class ModelInfo:
     """What detect_model read from a model dir's configs."""
 
     path: Path
-    name: str  # SkyReels-A2 | Wan2.1 I2V | Wan2.1 T2V | Wan2.2 T2V A14B | Wan2.2 I2V A14B
+    name: str  # SkyReels-A2 | Wan2.1 I2V | Wan2.1 T2V | Wan2.2 T2V A14B | Wan2.2 I2V A14B | Wan2.1 VACE | ...
     in_channels: int  # 16 (T2V) or 36 (I2V/E2V: noisy | mask | condition)
     image_branch: bool  # the transformer takes CLIP image tokens (image_dim is set)
     image_encoder_dir: Path | None  # a dir with image_encoder/ + image_processor/ (the model's or --image-encoder)
@@ -120,7 +130,7 @@ class ModelInfo:
     expand_timesteps: bool = False  # TI2V-5B: one timestep per token (0 on conditioning frames), model_index's flag
     # ---- the released subject-to-video models (Phantom-Wan, SkyReels-V3 R2V)
     native_kind: str | None = None  # the conditioning layout the weights were trained in: "phantom" | "v3" | "magref"
-    # | "refalign"
+    # | "refalign" | "vace"
     original_weights: tuple[Path, ...] = ()  # original-Wan checkpoint files (Phantom); empty: transformer/ is diffusers
     components_dir: Path | None = None  # where vae/ text_encoder/ tokenizer/ scheduler/ are (None: `path`)
 
@@ -177,6 +187,7 @@ ORIGINAL_BLOCK = {
     "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
     "cross_attn.norm_k_img": "attn2.norm_added_k",
     "norm3": "norm2", "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2", "modulation": "scale_shift_table",
+    "before_proj": "proj_in", "after_proj": "proj_out",  # VACE's context blocks (vace_blocks.N) have these too
 }
 ORIGINAL_TOP = {
     "patch_embedding": "patch_embedding",
@@ -191,13 +202,14 @@ ORIGINAL_TOP = {
     "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
     "head.head": "proj_out", "head.modulation": "scale_shift_table",
     "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # FLF2V's image position embedding
+    "vace_patch_embedding": "vace_patch_embedding",
 }
 HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
 
 
 def _rename(key: str, block: dict, top: dict) -> str:
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
-    prefix, rest, table = (f"blocks.{m[1]}.", m[2], block) if m else ("", key, top)
+    m = re.fullmatch(r"((?:vace_)?blocks\.\d+\.)(.+)", key)  # a transformer block or a VACE context block
+    prefix, rest, table = (m[1], m[2], block) if m else ("", key, top)
     for src, dst in table.items():
         if rest == src or rest.startswith(src + "."):
             return prefix + dst + rest[len(src):]
@@ -292,10 +304,33 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
 
 def original_wan_config(c) -> dict:
     """The Wan config.json (original names) of a T2V WanTransformer3DModel config `c`, as Wan's repos ship one: what
-    original_config reads back the heads (and eps) from, the rest being in the tensors' shapes."""
-    return dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
-                ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
-                num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
+    original_config reads back the heads (and eps) from, the rest being in the tensors' shapes. A VACE config gets
+    VaceWanModel's (Wan2.1 wan/modules/vace_model.py), whose vace_layers say which block each context block hints."""
+    wan = dict(_class_name="WanModel", model_type="t2v", dim=c.num_attention_heads * c.attention_head_dim,
+               ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, in_dim=c.in_channels, out_dim=c.out_channels,
+               num_heads=c.num_attention_heads, num_layers=c.num_layers, text_len=512, eps=c.eps)
+    if "vace_layers" in c:
+        wan.update(_class_name="VaceWanModel", model_type="vace", vace_layers=list(c.vace_layers),
+                   vace_in_dim=c.vace_in_channels)
+    return wan
+
+
+def transformer_class(config) -> type:
+    """The diffusers class of a transformer config: WanVACETransformer3DModel for VACE's (it has vace_layers: the
+    context blocks and their hints), else WanTransformer3DModel."""
+    return WanVACETransformer3DModel if "vace_layers" in config else WanTransformer3DModel
+
+
+def vace_layers(shapes: dict, num_layers: int, wan: dict, where) -> list[int]:
+    """The blocks VACE's context blocks hint, in order: the Wan config.json's vace_layers (VaceWanModel's), else, for
+    a checkpoint without one, ComfyUI's rule (comfy/ldm/wan/model.py VaceWanModel: every num_layers // n-th block for
+    n context blocks; Wan2.1-VACE-1.3B: 0, 2, .., 28; 14B: 0, 5, .., 35)."""
+    n = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("vace_blocks."))
+    layers = list(wan.get("vace_layers") or range(0, num_layers, num_layers // n))
+    if len(layers) != n or 0 not in layers or max(layers) >= num_layers:
+        raise UnsupportedModel(f"{where}: {n} VACE context blocks, but vace_layers {layers} for {num_layers} blocks "
+                               "(one per context block, block 0 among them); use the config.json of this model")
+    return layers
 
 
 def original_config(files: list[Path], config_path: Path | None = None) -> dict:
@@ -316,23 +351,27 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
     wan = _read_json(config_path, config_path.parent) if config_path and config_path.exists() else {}
     heads = wan.get("num_heads", dim // HEAD_DIM)
     image = "img_emb.proj.0.weight" in shapes
+    num_layers = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks."))
     cfg = dict(
         patch_size=patch, num_attention_heads=heads, attention_head_dim=dim // heads, in_channels=in_dim,
         out_channels=shapes["head.head.weight"][0] // math.prod(patch), text_dim=shapes["text_embedding.0.weight"][1],
         freq_dim=shapes["time_embedding.0.weight"][1], ffn_dim=shapes["blocks.0.ffn.0.weight"][0],
-        num_layers=1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("blocks.")),
-        cross_attn_norm="blocks.0.norm3.weight" in shapes, qk_norm="rms_norm_across_heads", eps=wan.get("eps", 1e-6),
+        num_layers=num_layers, cross_attn_norm="blocks.0.norm3.weight" in shapes, qk_norm="rms_norm_across_heads",
+        eps=wan.get("eps", 1e-6),
         image_dim=shapes["img_emb.proj.0.weight"][0] if image else None, added_kv_proj_dim=dim if image else None,
         rope_max_seq_len=1024,
     )
+    if "vace_patch_embedding.weight" in shapes:  # Wan's VACE (VaceWanModel): context blocks beside the blocks
+        cfg.update(vace_layers=vace_layers(shapes, num_layers, wan, where),
+                   vace_in_channels=shapes["vace_patch_embedding.weight"][1])
     said = {"dim": dim, "in_dim": in_dim, "out_dim": cfg["out_channels"], "ffn_dim": cfg["ffn_dim"],
-            "freq_dim": cfg["freq_dim"], "num_layers": cfg["num_layers"]}
+            "freq_dim": cfg["freq_dim"], "num_layers": cfg["num_layers"], "vace_in_dim": cfg.get("vace_in_channels")}
     wrong = {k: (wan[k], v) for k, v in said.items() if k in wan and wan[k] != v}
     if wrong or dim % heads:
         raise UnsupportedModel(f"{where}: {config_path} does not describe these weights (config vs tensors: "
                                f"{wrong or {'num_heads': heads, 'dim': dim}}); use the config.json of this model")
     with torch.device("meta"):
-        expected = diffusers_to_original(WanTransformer3DModel(**cfg).state_dict())
+        expected = diffusers_to_original(transformer_class(cfg)(**cfg).state_dict())
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     bad = [k for k in set(expected) & set(shapes) if tuple(expected[k].shape) != shapes[k]]
     if missing or extra or bad:
@@ -356,7 +395,7 @@ def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.fl
     for prefix in ORIGINAL_PREFIXES:
         if all(k.startswith(prefix) for k in sd):
             sd = {k.removeprefix(prefix): v for k, v in sd.items()}
-    model = WanTransformer3DModel(**config)
+    model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
     model.load_state_dict(original_to_diffusers(sd), strict=True)
     for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=...) keeps them
@@ -444,18 +483,51 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                                f"{cfg['out_channels']}{' and an image branch' if cfg['image_dim'] else ''}; Phantom-"
                                "Wan is a T2V model (16 in, 16 out, no image branch); convert other Wan models with "
                                "diffusers' scripts/convert_wan_to_diffusers.py")
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in COMPONENTS) else None
-    if comp is None:
-        comp = local_or_hub(PHANTOM_COMPONENTS)
-    for c in COMPONENTS:
-        if not (Path(comp) / c).is_dir():
-            raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; Phantom-Wan runs with "
-                                   f"{PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+    comp = t2v_parts(path, d, components)
+    if "vace_layers" in cfg:  # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json)
+        return ModelInfo(path, "Wan2.1 VACE", Z_DIM, False, None, None, None, native_kind="vace",
+                         original_weights=tuple(files), components_dir=comp)
     if is_refalign(files[0]):
         return ModelInfo(path, "RefAlign", Z_DIM, False, None, None, None, native_kind="refalign",
-                         original_weights=tuple(files), components_dir=Path(comp))
+                         original_weights=tuple(files), components_dir=comp)
     return ModelInfo(path, "Phantom-Wan", Z_DIM, False, None, None, None, native_kind="phantom",
-                     original_weights=tuple(files), components_dir=Path(comp))
+                     original_weights=tuple(files), components_dir=comp)
+
+
+def t2v_parts(path: Path, d: Path, components=None) -> Path:
+    """The diffusers Wan T2V parts dir (vae/, text_encoder/, tokenizer/) an original-key T2V checkpoint at `path`
+    (dir `d`) runs with: `components`, else `d` when it holds them, else PHANTOM_COMPONENTS from the Hub (Wan 2.1's
+    VAE and UMT5: those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike)."""
+    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in COMPONENTS) else None
+    comp = Path(comp or local_or_hub(PHANTOM_COMPONENTS))
+    for c in COMPONENTS:
+        if not (comp / c).is_dir():
+            raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; original-Wan T2V checkpoints run "
+                                   f"with {PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+    return comp
+
+
+def detect_vace_fun(d: Path, components=None) -> ModelInfo:
+    """Wan2.2-VACE-Fun-A14B as alibaba-pai ships it: high_noise_model/ and low_noise_model/ (ORIGINAL_EXPERTS), each
+    VaceWanModel's original keys and config.json, a Wan2.2-T2V-A14B pair with VACE context blocks; the Wan 2.1 VAE and
+    UMT5 beside them (Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth: a2 takes their diffusers form, t2v_parts)."""
+    configs, files = [], []
+    for sub in ORIGINAL_EXPERTS.values():
+        found = dit_checkpoints(d / sub)
+        if len(found) != 1:
+            raise UnsupportedModel(f"{d / sub}: {len(found)} original-Wan checkpoints; expected the expert's "
+                                   "diffusion_pytorch_model*.safetensors (with its index when sharded)")
+        configs.append(original_config(found[0], d / sub / "config.json"))
+        files += found[0]
+    if any("vace_layers" not in c for c in configs):
+        raise UnsupportedModel(f"{d}: a Wan 2.2 original-key expert pair without VACE's context blocks (vace_blocks);"
+                               " a2 reads Wan 2.2 A14B T2V / I2V in diffusers format (the -Diffusers repos)")
+    if configs[0] != configs[1]:
+        differ = {k: (v, configs[1].get(k)) for k, v in configs[0].items() if v != configs[1].get(k)}
+        raise UnsupportedModel(f"{d}: high_noise_model and low_noise_model have other shapes (high, low: {differ})")
+    return ModelInfo(d, "Wan2.2 VACE-Fun A14B", Z_DIM, False, None, None, VACE_FUN_BOUNDARY, native_kind="vace",
+                     original_weights=tuple(files), components_dir=t2v_parts(d, d, components))
+
 
 
 def is_refalign(checkpoint: Path) -> bool:
@@ -503,6 +575,9 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
     d = Path(model_dir)
+    if d.is_dir() and not (d / "model_index.json").exists() and all((d / s).is_dir() for s in
+                                                                     ORIGINAL_EXPERTS.values()):
+        return detect_vace_fun(d, components)
     if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and dit_checkpoints(d)):
         return detect_phantom(d, components)
     if not d.is_dir():
@@ -539,12 +614,21 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     for sub in experts:
         cfg = _read_json(d / sub / "config.json", d)
         cls = cfg.get("_class_name")
+        if cls == "WanVACETransformer3DModel":  # Wan2.1-VACE-*-diffusers; a pair: Wan2.2-VACE-Fun-A14B
+            if (cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("image_dim"), cfg.get("vace_in_channels"),
+                    ti2v) != (Z_DIM, Z_DIM, None, VACE_IN_CHANNELS, False):
+                raise UnsupportedModel(f"{d}: {sub} is a VACE transformer with in/out_channels {cfg.get('in_channels')}"
+                                       f"/{cfg.get('out_channels')}, image_dim {cfg.get('image_dim')}, "
+                                       f"vace_in_channels {cfg.get('vace_in_channels')}; Wan's VACE models take "
+                                       f"16/16, none, {VACE_IN_CHANNELS}")
+            configs.append((Z_DIM, False, "vace"))
+            continue
         if cls in V3_CLASSES:
             if (cfg.get("in_channels"), cfg.get("out_channels"), cfg.get("image_dim")) != (Z_DIM, Z_DIM, None) or ti2v:
                 raise UnsupportedModel(f"{d}: {sub} is SkyReels-V3's {cls} with in/out_channels "
                                        f"{cfg.get('in_channels')}/{cfg.get('out_channels')}, image_dim "
                                        f"{cfg.get('image_dim')}; its R2V model takes 16/16 and no image branch")
-            configs.append((Z_DIM, False))
+            configs.append((Z_DIM, False, None))
             continue
         if cls not in WAN_TRANSFORMER_CLASSES:
             raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
@@ -554,7 +638,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
             if (cin, cout, image_dim) != (TI2V_Z_DIM, TI2V_Z_DIM, None) or len(experts) > 1:
                 raise UnsupportedModel(f"{d}: expand_timesteps (TI2V-5B) needs one transformer with in/out_channels "
                                        f"48 and no image branch; {sub} has in {cin}, out {cout}, image_dim {image_dim}")
-            configs.append((cin, False))
+            configs.append((cin, False, None))
             patch = tuple(cfg.get("patch_size") or (1, 2, 2))
             continue
         if cin not in (Z_DIM, E2V_IN_CHANNELS) or cout != Z_DIM:
@@ -562,11 +646,11 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
                                    f"or 36 (I2V/E2V), out 16")
         if image_dim is not None and cin != E2V_IN_CHANNELS:
             raise UnsupportedModel(f"{d}: {sub} has an image branch but {cin} input channels (I2V needs 36)")
-        configs.append((cin, image_dim is not None))
+        configs.append((cin, image_dim is not None, None))
     if len(set(configs)) > 1:
         raise UnsupportedModel(f"{d}: transformer and transformer_2 take different inputs "
-                               f"(in_channels, image branch) {configs[0]} vs {configs[1]}")
-    in_channels, image_branch = configs[0]
+                               f"(in_channels, image branch, VACE) {configs[0]} vs {configs[1]}")
+    in_channels, image_branch, native = configs[0]
 
     enc = Path(image_encoder) if image_encoder else d
     if not ((enc / "image_encoder" / "config.json").exists() and (enc / "image_processor").is_dir()):
@@ -580,6 +664,9 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     enc_dim = _read_json(enc / "image_encoder" / "config.json", enc).get("hidden_size") if enc else None
 
     two = len(experts) == 2
+    if native == "vace":
+        return ModelInfo(d, "Wan2.2 VACE-Fun A14B" if two else "Wan2.1 VACE", in_channels, False, enc, enc_dim,
+                         float(ratio) if two else None, native_kind="vace")
     if ti2v:
         return ModelInfo(d, "Wan2.2 TI2V 5B", in_channels, False, enc, enc_dim, None, z_dim, vae_scale, patch, True)
     if two:
@@ -619,11 +706,14 @@ RANDOM_WEIGHTS = "RANDOM_WEIGHTS"  # marker file of a transformer dir that holds
 
 
 def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, subfolder: str = "transformer"):
-    """WanTransformer3DModel from a diffusers-format model dir (`<dir>/transformer`), a transformer dir, or an
-    original-Wan checkpoint (a Phantom-Wan file or dir: converted by original_to_diffusers).
+    """WanTransformer3DModel (WanVACETransformer3DModel for VACE: transformer_class) from a diffusers-format model dir
+    (`<dir>/transformer`), a transformer dir, or an original-Wan checkpoint (a Phantom-Wan file or dir, a Wan 2.2
+    original expert pair's `subfolder` expert: converted by original_to_diffusers).
     A `random-*` model dir (a2/tiny.py) has a config and no weights: random ones are built, on the GPU when there
     is one (a 14B model in bf16 is 28 GB: built where it runs, not on the host)."""
     model_dir = Path(model_dir)
+    if (model_dir / ORIGINAL_EXPERTS.get(subfolder, subfolder)).is_dir() and not (model_dir / subfolder).is_dir():
+        model_dir = model_dir / ORIGINAL_EXPERTS[subfolder]  # Wan2.2-VACE-Fun: the expert's original-key dir
     if fake_mode_active() and (model_dir / subfolder / "config.json").exists():  # a dry run (a2/trace.py): the
         # architecture at real size on fake tensors, no weights read
         return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, "cpu")
@@ -639,9 +729,11 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, device)
     if (model_dir / subfolder / "config.json").exists():
-        return WanTransformer3DModel.from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
+        cls = transformer_class(WanTransformer3DModel.load_config(model_dir / subfolder))
+        return cls.from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     if (model_dir / "config.json").exists():
-        return WanTransformer3DModel.from_pretrained(model_dir, torch_dtype=dtype)
+        return transformer_class(WanTransformer3DModel.load_config(model_dir)).from_pretrained(model_dir,
+                                                                                              torch_dtype=dtype)
     raise FileNotFoundError(f"{model_dir}: no {subfolder}/config.json or config.json (not a diffusers model dir)")
 
 
@@ -653,10 +745,10 @@ def random_transformer(config: dict, dtype: torch.dtype, device, seed: int = 0) 
     keeps in fp32 (norms, time embedding, scale-shift tables) are fp32."""
     if fake_mode_active():  # a dry run (a2/trace.py): fake tensors take no memory and no time to fill
         with torch.device(device):
-            model = WanTransformer3DModel.from_config(config)
+            model = transformer_class(config).from_config(config)
     else:
         with torch.device("meta"):
-            model = WanTransformer3DModel.from_config(config)
+            model = transformer_class(config).from_config(config)
         model.to_empty(device=device)
     keep = set(model._keep_in_fp32_modules)
     g = torch.Generator(device).manual_seed(seed)
@@ -748,17 +840,19 @@ def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    n = round(checkpoint_fraction * len(model.blocks))
     # no context_fn at all for plain recomputation: dynamo cannot trace checkpoint's default one
     policy = {}
     if save_attention:
         policy["context_fn"] = partial(create_selective_checkpoint_contexts, _save_self_attention)
         if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:  # torch 2.11 lacks it
             policy["respect_saved_tensors_hooks"] = True  # the kept attention goes to host memory too (a2/offload.py)
-    for i, block in enumerate(model.blocks):
+    # VACE's context blocks (vace_blocks, a WanVACETransformer3DModel's) are blocks of the same size: the same share
+    # of them recompute
+    vace = list(getattr(model, "vace_blocks", ()))
+    for i, block in [*enumerate(model.blocks), *enumerate(vace)]:
         forward = type(block).forward.__get__(block)  # the class's forward, also when configured before
-        block.recomputed = i < n  # (offload_activations moves what these keep to host memory)
-        if i < n:
+        block.recomputed = i < round(checkpoint_fraction * len(vace if block in vace else model.blocks))
+        if block.recomputed:  # (offload_activations moves what these keep to host memory)
             forward = partial(checkpoint, forward, use_reentrant=False, **policy)
         block.forward = torch.compile(forward, fullgraph=True) if compile else forward
 
@@ -777,6 +871,9 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
     where = f"{info.path} ({info.name})"
+    if info.native_kind == "vace":  # its layout is a2/vace.py's, not a channel or text-only input
+        raise UnsupportedModel(f"{where}: a VACE model (references in its VACE context); the vace conditioning kind "
+                               "is not in a2's kind table yet, so it cannot be trained or sampled here")
     if not conditioned:
         if info.e2v:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
@@ -806,6 +903,11 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
     return _rename(name, {v: k for k, v in ORIGINAL_BLOCK.items()}, {v: k for k, v in ORIGINAL_TOP.items()})
+
+
+def diffusers_module_name(name: str) -> str:
+    """wan_module_name's inverse: an original Wan module name -> the diffusers one."""
+    return _rename(name, ORIGINAL_BLOCK, ORIGINAL_TOP)
 
 
 def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:

@@ -134,7 +134,8 @@ def _in_channels_20(d):
                r"branch; transformer has in 48, out 48, image_dim 32"),  # 5B-shaped but with Wan I2V's CLIP branch
     (_vae48, r"model: vae is AutoencoderKLWan with z_dim 48; need the Wan 2.1 AutoencoderKLWan, z_dim 16"),
     (_flux, r"model: transformer is a FluxTransformer2DModel, not a Wan transformer"),
-    (_vace, r"model: transformer is a WanVACETransformer3DModel, not a Wan transformer"),
+    (_vace, r"model: transformer is a VACE transformer with in/out_channels 36/16, image_dim 32, vace_in_channels "
+            r"None; Wan's VACE models take 16/16, none, 96"),  # VACE's class on an I2V config (tests/test_vace.py)
     (_no_text_encoder, r"model: component 'text_encoder' is missing"),
     (_no_clip, r"model: the transformer has a CLIP image branch .* pass --image-encoder DIR"),
     (_pair_without_ratio, r"model: transformer_2 is listed but boundary_ratio is None"),

@@ -1,0 +1,330 @@
+"""Wan VACE (a2/vace.py, detection and loading in a2/transformer.py, its LoRA keys in a2/lora.py) against Wan's own
+VACE sampler and ComfyUI's VACE model written out from their code (tests/their_vace.py) and diffusers'
+WanVACEPipeline, on the tiny VACE model (a2/tiny.py: tiny-vace, its Wan2.2-VACE-Fun pair and their original-key
+layouts)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from diffusers import UniPCMultistepScheduler, WanVACEPipeline, WanVACETransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from a2 import vace
+from a2.conditioning import WAN_NEGATIVE_PROMPT, encode_vae
+from a2.lora import export_lora, read_original
+from a2.parallel import context_parallel
+from a2.tiny import TINY_VACE, build_tiny, save_tiny, tiny_model_dir
+from a2.transformer import (
+    UnsupportedModel,
+    configure_blocks,
+    detect_model,
+    diffusers_to_original,
+    load_transformer,
+    original_to_diffusers,
+    preset_config,
+    random_transformer,
+    resolve_e2v_type,
+)
+from tests import their_vace as theirs
+from tests.their_samplers import phantom_sigmas
+
+HEIGHT, WIDTH, FRAMES = 64, 80, 9  # 3 latent frames; the references' odd sizes frame differently in the two samplers
+PROMPT = "a man is holding a teddy bear in the forest"
+
+
+def image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
+
+
+REFERENCES = [image(61, 47, 1), image(50, 75, 2), image(33, 29, 3)]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return build_tiny(t2v=True, vace=True)
+
+
+@pytest.fixture(scope="module")
+def pipe(parts):
+    p = WanVACEPipeline(**parts)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def text(pipe, prompt: str) -> torch.Tensor:
+    return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)[0]
+
+
+def framed(images, size=(HEIGHT, WIDTH)):
+    """The images as Wan frames them, back as PIL at the video's size: both samplers then take them as they are."""
+    return [Image.fromarray(((theirs.wan_reference(i, size)[:, 0].permute(1, 2, 0) * 0.5 + 0.5) * 255).round()
+                            .clamp(0, 255).byte().numpy()) for i in images]
+
+
+# ---------------------------------------------------------------- the two public samplers
+
+
+def test_wans_and_diffusers_samplers_agree_once_every_difference_is_matched(parts, pipe):
+    """Wan's WanVace.generate (written out) and diffusers' WanVACEPipeline end far apart with their own defaults;
+    with the sigma grid, the references' order, their framing, the shift, the negative prompt and the seed matched
+    they agree to float32 rounding, and each difference alone moves the final video latents."""
+    steps = 20
+    args = (parts["transformer"], parts["vae"])
+    cond, null = text(pipe, PROMPT), text(pipe, WAN_NEGATIVE_PROMPT)
+    frames = framed(REFERENCES)
+    wan = theirs.wan_sample(*args, REFERENCES, cond, null, FRAMES, HEIGHT, WIDTH, steps=steps)["video"]
+    wan_framed = theirs.wan_sample(*args, frames, cond, null, FRAMES, HEIGHT, WIDTH, steps=steps)["video"]
+
+    grid = phantom_sigmas(steps)
+
+    def diffusers(refs, shift=theirs.WAN_SHIFT, negative=WAN_NEGATIVE_PROMPT, seed=theirs.VACE_SEED, sigmas=grid):
+        pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=shift)
+        return theirs.diffusers_sample(pipe, refs, PROMPT, negative, FRAMES, HEIGHT, WIDTH, seed, steps,
+                                       sigmas)["video"]
+
+    own = diffusers(REFERENCES, shift=3.0, negative=None, seed=0, sigmas=None)  # its dir's shift, "", another seed
+    matched = diffusers(frames[::-1])  # it puts each reference before the ones before it: reversed in, Wan's order
+    causes = {"sigma grid": diffusers(frames[::-1], sigmas=None), "reference order": diffusers(frames),
+              "shift": diffusers(frames[::-1], shift=3.0), "negative prompt": diffusers(frames[::-1], negative=None),
+              "seed": diffusers(frames[::-1], seed=0)}
+    framing = diffusers(REFERENCES[::-1])  # diffusers resizes each to a multiple of 8 first: 47 px tall -> 40
+    sizes = {k: (v - wan_framed).abs().max().item() for k, v in causes.items()}
+    sizes["framing"] = (framing - wan).abs().max().item()
+    print(f"defaults {(own - wan).abs().max().item():.3g}, matched {(matched - wan_framed).abs().max().item():.2g}, "
+          + ", ".join(f"{k} {v:.2g}" for k, v in sizes.items()))
+    assert (matched - wan_framed).abs().max().item() <= 1e-5
+    assert (own - wan).abs().max().item() > 0.1
+    assert all(v > 1e-4 for v in sizes.values()), sizes
+
+
+def test_a2s_pieces_sample_as_wans_code(parts, pipe):
+    """The sampler the vace kind will run, from a2/vace.py's pieces: VACE's framing, its context (encode), the noise
+    for the reference and video frames, the packed input of the installed forward, text-only guidance, diffusers'
+    UniPC on Wan's grid at shift 16, the reference frames dropped: Wan's sampler's video latents to 1e-5, with and
+    without a masked clip."""
+    steps, transformer, vae = 6, parts["transformer"], parts["vae"]
+    cond, null = text(pipe, PROMPT), text(pipe, WAN_NEGATIVE_PROMPT)
+    g = torch.Generator().manual_seed(5)
+    clip = torch.rand(3, FRAMES, HEIGHT, WIDTH, generator=g) * 2 - 1
+    mask = torch.zeros(1, FRAMES, HEIGHT, WIDTH)
+    mask[..., 16:48, 24:56] = 1  # VACE generates inside the box
+    for video in (None, clip):
+        m = None if video is None else mask
+        want = theirs.wan_sample(transformer, vae, REFERENCES, cond, null, FRAMES, HEIGHT, WIDTH, steps=steps,
+                                 video=video, mask=m)
+        refs = torch.stack([vace.frame(i, (HEIGHT, WIDTH)) for i in REFERENCES])[None]
+        context, _ = vace.encode(lambda x: encode_vae(vae, x, "argmax"), refs, FRAMES,
+                                 None if video is None else video[None], None if m is None else m)
+        assert (context - want["context"]).abs().max().item() <= 1e-6
+        vace.install(transformer, 1.0)
+        scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=theirs.WAN_SHIFT)
+        scheduler.set_timesteps(sigmas=phantom_sigmas(steps))
+        latents = torch.randn(1, 16, *context.shape[2:], generator=torch.Generator().manual_seed(theirs.VACE_SEED))
+        with torch.no_grad():
+            for t in scheduler.timesteps:
+                x = vace.pack(latents, context)
+                v = [transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=e,
+                                 return_dict=False)[0] for e in (cond, null)]
+                latents = scheduler.step(v[1] + theirs.WAN_GUIDE * (v[0] - v[1]), t, latents).prev_sample
+        del transformer.forward  # back to the class's (the module fixture is shared)
+        d = (vace.video_latents(latents, len(REFERENCES)) - want["video"]).abs().max().item()
+        print(f"{'R2V' if video is None else 'masked clip'}: a2 vs Wan's sampler {d:.2g}")
+        assert d <= 1e-5
+
+
+def test_framing_is_each_samplers(pipe):
+    """vace.frame: Wan's prepare_source framing, and diffusers' with multiple=8 (its preprocess_conditions)."""
+    video, _, diffusers_refs = pipe.preprocess_conditions(None, None, REFERENCES, 1, HEIGHT, WIDTH, FRAMES,
+                                                          torch.float32, "cpu")
+    for got, ref in zip(diffusers_refs[0], REFERENCES):
+        assert (vace.frame(ref, (HEIGHT, WIDTH), multiple=8) - got).abs().max().item() <= 1e-6
+        assert torch.equal(vace.frame(ref, (HEIGHT, WIDTH)), theirs.wan_reference(ref, (HEIGHT, WIDTH))[:, 0])
+    assert (vace.frame(REFERENCES[0], (HEIGHT, WIDTH)) - vace.frame(REFERENCES[0], (HEIGHT, WIDTH), 8)).abs().max() \
+        > 0.1  # 47 px tall: Wan scales it to 61 rows, diffusers (40 first) to 57
+
+
+# ---------------------------------------------------------------- the forward: diffusers', recomputed, split, LoRA
+
+
+def _model(seed=1):
+    """The tiny VACE transformer, every matrix random (the context blocks' output projections too, which Wan's code
+    starts at zero): the hints act."""
+    return random_transformer(preset_config("tiny-vace"), torch.float32, "cpu", seed=seed).requires_grad_(True)
+
+
+def _inputs(frames=4, h=6, w=6):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(1, 16, frames, h, w, generator=g), torch.randn(1, 96, frames, h, w, generator=g),
+            torch.tensor([700]), torch.randn(1, 512, 32, generator=g))
+
+
+def test_forward_is_diffusers_and_recomputes(parts):
+    """vace.forward (through the packed input of install) is WanVACETransformer3DModel.forward at scales 1 and 0.5
+    (bit for bit), and with every block and context block recomputed (configure_blocks) it gives the same loss and
+    gradients."""
+    model = _model()
+    x, c, t, text = _inputs()
+    for scale in (1.0, 0.5):
+        want = model(hidden_states=x, timestep=t, encoder_hidden_states=text, control_hidden_states=c,
+                     control_hidden_states_scale=torch.full((2,), scale), return_dict=False)[0]
+        assert torch.equal(vace.forward(model, x, t, text, c, scale), want)
+    vace.install(model, 0.5)
+    got = model(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    assert torch.equal(got, want)
+
+    def grads(m):
+        m.zero_grad()
+        m(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0].square().mean() \
+            .backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    plain = grads(model)
+    configure_blocks(model, 1.0, save_attention=True)
+    assert all(b.recomputed for b in [*model.blocks, *model.vace_blocks])
+    recomputed = grads(model)
+    assert plain.keys() == recomputed.keys() and any(".vace_blocks.0.proj_in" in f".{n}" for n in plain)
+    assert all(torch.allclose(plain[n], recomputed[n], rtol=1e-5, atol=1e-7) for n in plain)
+
+
+def _cp_rank(rank: int, world: int, init: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        x, c, t, text = _inputs(frames=3)  # 27 tokens: padded over 2 ranks
+
+        def run(split: bool):
+            model = _model()
+            vace.install(model)
+            if split:
+                context_parallel(model, dist.group.WORLD)
+                vace.context_parallel(model)
+            out = model(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+            out.square().mean().backward()
+            return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+        out, got = run(True)
+        for g in got.values():
+            dist.all_reduce(g)
+        if rank == 0:
+            want_out, want = run(False)
+            assert (out - want_out).abs().max() <= 1e-6 * max(1.0, want_out.abs().max())
+            for name, g in want.items():
+                assert (got[name] - g).abs().max() <= 1e-5 * g.abs().max().clamp_min(1e-30), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_equals_one_process(tmp_path):
+    """The context blocks under a 2-rank gloo split (their tokens split as the blocks', Ulysses attention): the
+    forward and the summed gradients of every weight, the context blocks' included, are one process's."""
+    mp.start_processes(_cp_rank, args=(2, f"file://{tmp_path}/init"), nprocs=2, start_method="fork")
+
+
+@pytest.mark.parametrize("target", sorted(vace.LORA_TARGETS))
+def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
+    """A LoRA on the blocks, the context blocks or both: the adapted modules are those; its ComfyUI file (original
+    Wan keys) has a key ComfyUI's VACE model maps for every weight (comfy/lora.py's rule, on the names of its
+    VaceWanModel, which are Wan's: checked by diffusers' own single-file converter), loads with no key left, and the
+    patched model's forward, run in ComfyUI's order, is a2's with the adapter within 1e-5; the diffusers file and the
+    ComfyUI file read back (read_original) to the same tensors."""
+    from peft import LoraConfig
+
+    model = _model().requires_grad_(False)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=vace.LORA_TARGETS[target]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(len(name)))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert any(n.startswith("vace_blocks.") for n in adapted) == (target != "base")
+    assert any(n.startswith("blocks.") for n in adapted) == (target != "vace")
+    x, c, t, text = _inputs()
+    vace.install(model)
+    with torch.no_grad():
+        want = model(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    diffusers_file, comfy_file = export_lora(tmp_path, model)
+    comfy = load_file(comfy_file)
+
+    original = diffusers_to_original(base_state)  # the weights as Wan's / ComfyUI's VaceWanModel names them
+    back = convert_wan_transformer_to_diffusers(dict(original))
+    assert back.keys() == base_state.keys() and all(torch.equal(back[k], base_state[k]) for k in back)
+    modules = {k.rsplit(".", 2)[0] for k in comfy}
+    assert modules <= theirs.comfy_lora_keys(original), sorted(modules - theirs.comfy_lora_keys(original))[:4]
+    patched, unloaded = theirs.comfy_patch(original, comfy)
+    assert not unloaded
+    plain = WanVACETransformer3DModel(**preset_config("tiny-vace"))
+    plain.load_state_dict(original_to_diffusers(patched))
+    got = theirs.comfy_forward(plain, x, t, text, c)
+    d = (got - want).abs().max().item()
+    base = theirs.comfy_forward(_model(), x, t, text, c)
+    print(f"{target}: {len(comfy) // 2} LoRA pairs, ComfyUI vs a2 {d:.2g}, LoRA effect {(want - base).abs().max():.3f}")
+    assert d <= 1e-5 and (want - base).abs().max().item() > 0.02
+    assert read_original(comfy).keys() == load_file(diffusers_file).keys()
+    assert all(torch.equal(v, load_file(diffusers_file)[k]) for k, v in read_original(comfy).items())
+
+
+# ---------------------------------------------------------------- detection and loading
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vace")
+    return {"diffusers": tiny_model_dir(**TINY_VACE["tiny-vace"]),
+            "fun-diffusers": tiny_model_dir(**TINY_VACE["tiny-vace-fun"]),
+            "original": save_tiny(root / "original", t2v=True, released="vace"),
+            "fun-original": save_tiny(root / "fun-original", t2v=True, wan22=True, released="vace-fun")}
+
+
+def test_detection_and_loading_of_every_layout(layouts):
+    """Wan2.1-VACE (diffusers dir; Wan-AI's original keys and config.json) and Wan2.2-VACE-Fun A14B (a diffusers
+    pair; alibaba-pai's high_noise_model / low_noise_model dirs) are detected from their weights, load as
+    WanVACETransformer3DModel with the same weights in every layout, and are refused in one line by the plan until
+    the vace kind is in the table (no longer "not a Wan transformer")."""
+    names = {"diffusers": "Wan2.1 VACE", "original": "Wan2.1 VACE", "fun-diffusers": "Wan2.2 VACE-Fun A14B",
+             "fun-original": "Wan2.2 VACE-Fun A14B"}
+    weights = {}
+    for layout, d in layouts.items():
+        info = detect_model(d)
+        assert (info.name, info.native_kind, info.in_channels) == (names[layout], "vace", 16)
+        assert info.boundary_ratio == (0.875 if "fun" in layout else None)
+        assert bool(info.original_weights) == ("original" in layout)
+        for expert in ("high", "low") if info.two_experts else (None,):
+            model = load_transformer(d, torch.float32, info.subfolder(expert))
+            assert isinstance(model, WanVACETransformer3DModel) and model.config.vace_layers == [0, 1]
+            weights[layout, expert] = model.state_dict()
+        with pytest.raises(UnsupportedModel, match="a VACE model .* the vace conditioning kind is not in a2's kind"):
+            resolve_e2v_type(info, "auto", True)
+    for a, b in (("diffusers", "original"), ("fun-diffusers", "fun-original")):
+        for expert in ("high", "low") if "fun" in a else (None,):
+            assert all(torch.equal(v, weights[b, expert][k]) for k, v in weights[a, expert].items())
+    assert not torch.equal(weights["fun-original", "high"]["blocks.0.attn1.to_q.weight"],
+                           weights["fun-original", "low"]["blocks.0.attn1.to_q.weight"])
+
+
+def test_vace_checkpoints_that_do_not_fit_fail_in_one_line(layouts, tmp_path):
+    """A config.json whose vace_layers do not fit the context blocks, and a Wan 2.2 expert pair without them."""
+    import shutil
+
+    d = shutil.copytree(layouts["original"], tmp_path / "bad")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "vace_layers": [0]}))
+    with pytest.raises(UnsupportedModel, match=r"2 VACE context blocks, but vace_layers \[0\]") as e:
+        detect_model(d)
+    assert "\n" not in str(e.value)
+    pair = shutil.copytree(layouts["fun-original"], tmp_path / "pair")
+    f = pair / "low_noise_model" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v for k, v in load_file(f).items() if "vace" not in k}, f)
+    cfg = json.loads((pair / "low_noise_model" / "config.json").read_text())
+    (pair / "low_noise_model" / "config.json").write_text(json.dumps(
+        {k: v for k, v in cfg.items() if "vace" not in k}))
+    with pytest.raises(UnsupportedModel, match="without VACE's context blocks"):
+        detect_model(pair)
