@@ -15,7 +15,12 @@ Element grammar for `--elements` (one string per element, position = order given
 from __future__ import annotations
 
 import codecs
+import contextlib
+import difflib
+import io
+import itertools
 import json
+import re
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -118,12 +123,33 @@ def option_names(cls, prefix: str = "") -> list[str]:
     return names
 
 
-def parse_cli(cls, args=None, **kwargs):
-    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) is one line and
-    an unknown option one line naming the closest known ones (tyro's own answer quotes their whole help), exit 2."""
-    import difflib
+def tyro_error_line(box: str) -> str:
+    """tyro's answer to a bad value (a box: a title, the message wrapped to the terminal, the option's help, a
+    pointer to --help) as one line: the message, after the title where it does not say it already; a config's own
+    check (its __post_init__) without tyro's "Error parsing XConfig:" before it."""
+    rows = [line.strip().strip("│╭╮").strip() for line in box.strip().splitlines()]
+    title = rows[0].strip("─ ") if rows else ""
+    body = " ".join(itertools.takewhile(lambda r: r and r[0] not in "─╰", rows[1:])).rstrip(".")
+    body = re.sub(r"^Error parsing \w+Config: ", "", body)
+    said = title == "Value error" or body.lower().startswith(title.lower().split(" ")[0])
+    return (body if said else f"{title}: {body}") if body else box.strip()
 
-    cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+
+def parse_cli(cls, args=None, **kwargs):
+    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) and a bad value
+    (tyro's box) are one line, an unknown option one line naming the closest known ones (tyro's own answer quotes
+    their whole help), exit 2."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # --help goes to stdout, as it is
+            cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+    except SystemExit as e:
+        if e.code == 2 and said.getvalue().lstrip().startswith("╭"):
+            print(f"error: {tyro_error_line(said.getvalue())}", file=sys.stderr)
+        else:
+            sys.stderr.write(said.getvalue())
+        raise
+    sys.stderr.write(said.getvalue())
     if unknown:
         flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
         known = option_names(type(cfg))
@@ -272,6 +298,20 @@ def height_width(height: int | None, width: int | None, resolution: tuple[int, i
     if resolution is not None:
         return tuple(resolution)
     return (default[0] if height is None else height, default[1] if width is None else width)
+
+
+def check_frames(num_frames: int) -> None:
+    """The frame counts a Wan VAE takes: 4k+1 (its time stride is 4: one latent frame, then one per 4)."""
+    if num_frames < 1 or (num_frames - 1) % 4:
+        raise ConfigError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
+
+
+def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
+    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
+    TI2V-5B: 16 x 2 = 32), F = 4k+1. A ConfigError: one line, exit 2 under run_cli."""
+    if height % multiple or width % multiple or height <= 0 or width <= 0:
+        raise ConfigError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+    check_frames(num_frames)
 
 
 # ---------------------------------------------------------------- dataset configs
@@ -946,6 +986,7 @@ class TrainConfig:
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
+    check_size(*cfg.resolution, cfg.num_frames)
     if cfg.dataset_config:
         cfgs = load_dataset_config(cfg.dataset_config)
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
@@ -956,7 +997,6 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         return with_eval_manifest(cfg, cfgs)
     if not cfg.data_root and not cfg.manifest:
         raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
-    _hw(list(cfg.resolution), "--resolution")
     if cfg.dataset_type == "t2v" and cfg.elements:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
@@ -1134,6 +1174,8 @@ class InferConfig:
     def __post_init__(self):
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
         height_width(self.height, self.width, self.resolution, (0, 0))  # --resolution and --height/--width agree
+        if self.num_frames is not None:
+            check_frames(self.num_frames)
 
 
 # ---------------------------------------------------------------- benchmark (bench.py)
@@ -1255,6 +1297,7 @@ class BenchConfig:
 
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
+        check_frames(self.frames)
 
     @property
     def size(self) -> tuple[int, int]:

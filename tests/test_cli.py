@@ -110,17 +110,21 @@ def test_resolution_is_one_name_across_clis():
 HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script imports after parsing its flags
 
 
-@pytest.mark.parametrize("script, argv, typo, mistake", [
-    ("train_a2.py", [], "--modle", ["--data-root", "x", "--resolution", "30", "30"]),  # not multiples of 16
-    ("infer.py", [], "--prompt-file", ["--resolution", "32", "48", "--height", "64"]),  # the two forms disagree
-    ("infer.py", [], "--prompt-file", ["--height", "60", "--width", "60"]),  # not multiples of 16
-    ("bench.py", [], "--num-frame", ["--layout", "nope"]),
-    ("data.py", ["validate"], "--data-roo", ["--data-root", "x", "--resolution", "30", "30"]),
+@pytest.mark.parametrize("script, argv, typo, mistakes", [
+    ("train_a2.py", [], "--modle", [["--data-root", "x", "--resolution", "30", "30"],  # not multiples of 16
+                                    ["--data-root", "x", "--num-frames", "32"],  # not 4k+1
+                                    ["--data-root", "x", "--lr", "abc"]]),  # not a number (tyro's own answer)
+    ("infer.py", [], "--prompt-file", [["--resolution", "32", "48", "--height", "64"],  # the two forms disagree
+                                       ["--height", "60", "--width", "60"], ["--num-frames", "32"]]),
+    ("bench.py", [], "--num-frame", [["--layout", "nope"], ["--num-frames", "32"]]),
+    ("data.py", ["validate"], "--data-roo", [["--data-root", "x", "--resolution", "30", "30"],
+                                             ["--data-root", "x", "--num-frames", "32"]]),
 ])
-def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, argv, typo, mistake):
-    """--help, a flag typo (one line naming the closest flag) and a config error exit before torch, diffusers or a2
-    are imported (python -X importtime lists every module a run imports): seconds, not the heavy imports' ~9 s."""
-    for args, code in ((argv + ["--help"], 0), (argv + [typo, "x"], 2), (argv + mistake, 2)):
+def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, argv, typo, mistakes):
+    """--help, a flag typo (one line naming the closest flag) and a config error (one line: a value the model cannot
+    take, a value of the wrong type, a choice that is none of the choices) exit before torch, diffusers or a2 are
+    imported (python -X importtime lists every module a run imports): seconds, not the heavy imports' ~9 s."""
+    for args, code in ((argv + ["--help"], 0), (argv + [typo, "x"], 2), *((argv + m, 2) for m in mistakes)):
         r = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *args], capture_output=True,
                            text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120)
         timings = [ln for ln in r.stderr.splitlines() if ln.startswith("import time:")]
@@ -131,6 +135,8 @@ def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, 
             assert len(said) == 1 and said[0].startswith(f"error: unknown option {typo} (did you mean --"), said
         elif code == 0:
             assert "usage:" in r.stdout and "--help" in r.stdout
+        else:
+            assert len(said) == 1 and said[0].startswith("error: ") and "│" not in said[0], (args, said)
 
 
 def broken_lines(text: str, columns: int) -> list[str]:
