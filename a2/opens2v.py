@@ -41,6 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from config import InputError, MissingInput
+
 DOMAINS = ("Open-Domain", "Human-Domain", "Single-Domain")
 
 # merge_result.py v1.1: the weights of the normalised metrics; Human-Domain has no NexusScore
@@ -90,7 +92,7 @@ def domain_of(path) -> str:
     for domain in DOMAINS:
         if name.startswith(domain):
             return domain
-    raise ValueError(f"{path}: not an OpenS2V-Eval set name (expected one of "
+    raise InputError(f"{path}: not an OpenS2V-Eval set name (expected one of "
                      f"{', '.join(d + '_Eval.json' for d in DOMAINS)})")
 
 
@@ -99,19 +101,21 @@ def read_eval_set(path) -> dict[str, dict]:
     Images/), class_label}}. Returns {id: dict(prompt, images (absolute Paths), class_label)}; errors name the
     sample."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"{path}: no such OpenS2V-Eval set (e.g. OpenS2V-Eval/Open-Domain_Eval.json)")
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read an OpenS2V-Eval set ({e})") from e
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise InputError(f"{path}: cannot read an OpenS2V-Eval set ({e})") from e
     if not isinstance(data, dict) or not data:
-        raise ValueError(f"{path}: expected {{sample id: {{prompt, img_paths, ...}}}}, got {type(data).__name__}")
+        raise InputError(f"{path}: expected {{sample id: {{prompt, img_paths, ...}}}}, got {type(data).__name__}")
     samples = {}
     for sid, row in data.items():
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{path}: sample {sid}: no 'prompt'")
+            raise InputError(f"{path}: sample {sid}: no 'prompt'")
         paths = row.get("img_paths")
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise ValueError(f"{path}: sample {sid}: 'img_paths' must be a list of paths, got {paths!r}")
+            raise InputError(f"{path}: sample {sid}: 'img_paths' must be a list of paths, got {paths!r}")
         samples[sid] = dict(prompt=row["prompt"].strip(), images=[path.parent / p for p in paths],
                             img_paths=paths, class_label=row.get("class_label", []))
     return samples
@@ -134,9 +138,9 @@ def read_video(path) -> np.ndarray:
             reader.close()
     except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
         last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        raise ValueError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
+        raise InputError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
     if not frames:
-        raise ValueError(f"{path}: no frames")
+        raise InputError(f"{path}: no frames")
     return np.stack(frames)
 
 
@@ -281,12 +285,12 @@ class FaceSim:
             from insightface.app import FaceAnalysis
             from insightface.utils import face_align
         except ImportError as e:
-            raise ValueError(f"cur_score needs insightface and onnxruntime (pip install insightface onnxruntime): "
+            raise InputError(f"cur_score needs insightface and onnxruntime (pip install insightface onnxruntime): "
                              f"{e}") from e
         model_dir = Path(model_dir)
         weights = model_dir / "glint360k_curricular_face_r101_backbone.bin"
         if not weights.is_file() or not (model_dir / "face_extractor").is_dir():
-            raise ValueError(f"{model_dir}: expected face_extractor/ and {weights.name} (OpenS2V-Weight's layout)")
+            raise InputError(f"{model_dir}: expected face_extractor/ and {weights.name} (OpenS2V-Weight's layout)")
         providers = ["CUDAExecutionProvider"] if str(device).startswith("cuda") else ["CPUExecutionProvider"]
         app = FaceAnalysis(root=str(model_dir / "face_extractor"), providers=providers)
         app.prepare(ctx_id=0, det_size=(320, 320))
@@ -464,7 +468,7 @@ def merge_dir(json_dir) -> dict[str, dict]:
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
+            raise InputError(f"{path}: not valid JSON ({e})") from e
         for vid, record in data.items():
             row = merged.setdefault(vid, {})
             if stem in NATURAL_FILES:
@@ -522,7 +526,7 @@ def merge_result(json_dir, domain: str) -> dict:
     True and `missing`; `label` says which TotalScore it is."""
     metrics = normalised_metrics(merge_dir(json_dir))
     if not metrics:
-        raise ValueError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
+        raise InputError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
     total, missing = total_score(metrics, domain)
     out = dict(total_score=total, **{m: metrics[m] for m in WEIGHTS[domain] if m in metrics})
     if missing:
@@ -543,7 +547,7 @@ def read_leaderboard(path) -> list[dict]:
                 metrics = {m: float(r[c].rstrip("%")) / 100 for m, c in COLUMNS.items() if c in r}
                 total = float(r[TOTAL_COLUMN].rstrip("%"))
             except (KeyError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: not a leaderboard row ({e})") from e
+                raise InputError(f"{path}:{n}: not a leaderboard row ({e})") from e
             name = r["Model"].split("](")[0].lstrip("[")
             rows.append(dict(model=name, venue=r.get("Venue", ""), total=total, metrics=metrics))
     return rows
@@ -589,7 +593,7 @@ class Scorers:
 def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
     """The encoders of the dirs given; gme in gme_dtype (theirs: float16)."""
     if bool(aes_clip) != bool(aes_mlp):
-        raise ValueError("aes_score needs both --aes-clip (CLIP ViT-L/14 dir) and --aes-mlp (aesthetic-model.pth)")
+        raise InputError("aes_score needs both --aes-clip (CLIP ViT-L/14 dir) and --aes-mlp (aesthetic-model.pth)")
     s = Scorers()
     if aes_clip:
         s.aes = Aesthetics.load(aes_clip, aes_mlp, device)
@@ -631,7 +635,7 @@ def load_image(path) -> np.ndarray:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
     except OSError as e:
-        raise ValueError(f"{path}: cannot read the reference image ({e})") from e
+        raise InputError(f"{path}: cannot read the reference image ({e})") from e
 
 
 def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> list[str]:
@@ -642,7 +646,7 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
     json_dir.mkdir(parents=True, exist_ok=True)
     videos = sorted(p for p in video_dir.glob("*.mp4") if p.stem in samples)
     if not videos:
-        raise ValueError(f"{video_dir}: no <sample id>.mp4 of the set (e.g. {next(iter(samples))}.mp4)")
+        raise InputError(f"{video_dir}: no <sample id>.mp4 of the set (e.g. {next(iter(samples))}.mp4)")
     todo = {stem: on for stem, on in (("motion_amplitude", scorers.motion), ("aesthetic_score", scorers.aes),
                                       (PROXY_FILE, scorers.aes), ("facesim", scorers.face),
                                       ("gmescore", scorers.gme))
@@ -713,7 +717,7 @@ def main(argv=None) -> int:
         domain = domain_of(args.eval_set)
         samples = read_eval_set(args.eval_set)
         if not Path(args.videos).is_dir():
-            raise ValueError(f"--videos {args.videos}: not a directory")
+            raise InputError(f"--videos {args.videos}: not a directory")
         json_dir = Path(args.json_dir or Path(args.videos) / "opens2v_json")
         board = Path(args.leaderboard) if args.leaderboard else (
             Path(__file__).resolve().parent.parent / "tests" / "media" / "opens2v_eval"
