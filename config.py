@@ -126,37 +126,49 @@ def option_names(cls, prefix: str = "") -> list[str]:
 def tyro_error_line(box: str) -> str:
     """tyro's answer to a bad value (a box: a title, the message wrapped to the terminal, the option's help, a
     pointer to --help) as one line: the message, after the title where it does not say it already; a config's own
-    check (its __post_init__) without tyro's "Error parsing XConfig:" before it."""
-    rows = [line.strip().strip("│╭╮").strip() for line in box.strip().splitlines()]
-    title = rows[0].strip("─ ") if rows else ""
-    body = " ".join(itertools.takewhile(lambda r: r and r[0] not in "─╰", rows[1:])).rstrip(".")
+    check (its __post_init__) without tyro's "Error parsing XConfig:" before it; required options by name alone."""
+    rule = lambda r: not r.strip("─-") or r[0] == "╰"  # noqa: E731  (a rule: UTF-8 boxes, or ASCII's dashes)
+    rows = [line.strip().strip("│╭╮|").strip() for line in box.strip().splitlines()]
+    title = rows[0].strip("─- ") if rows else ""
+    body = " ".join(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:]))).rstrip(".")
     body = re.sub(r"^Error parsing \w+Config: ", "", body)
-    said = title == "Value error" or body.lower().startswith(title.lower().split(" ")[0])
+    if title == "Required options":  # "Missing from PROG: --flag METAVAR its help (required) ..."
+        body = "missing " + ", ".join(dict.fromkeys(re.findall(r"(--[\w.-]+) [A-Z]", body)))
+    said = title in ("Value error", "Required options") or body.lower().startswith(title.lower().split(" ")[0])
     return (body if said else f"{title}: {body}") if body else box.strip()
+
+
+def unknown_line(unknown: list[str], known: list[str]) -> str:
+    """The one line for arguments no option takes: the flags, each with the closest known ones."""
+    flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
+    close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
+    what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
+    return f"{what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
 
 
 def parse_cli(cls, args=None, **kwargs):
     """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) and a bad value
     (tyro's box) are one line, an unknown option one line naming the closest known ones (tyro's own answer quotes
-    their whole help), exit 2."""
+    their whole help; a required option missing beside it is said after it), exit 2."""
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # --help goes to stdout, as it is
             cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
     except SystemExit as e:
-        if e.code == 2 and said.getvalue().lstrip().startswith("╭"):
-            print(f"error: {tyro_error_line(said.getvalue())}", file=sys.stderr)
+        if e.code == 2 and said.getvalue().strip() and not said.getvalue().startswith("error: "):  # tyro's box
+            line = tyro_error_line(said.getvalue())
+            if is_dataclass(cls) and line.startswith("missing "):  # a typo of a required option is told as one
+                known = option_names(cls)
+                typos = [a for a in (sys.argv[1:] if args is None else args) if a.startswith("--") and not {
+                    a.partition("=")[0], a.partition("=")[0].replace("no-", "", 1)} & set(known)]  # --no-flag: --flag
+                line = f"{unknown_line(typos, known)}; {line}; --help lists the options" if typos else line
+            print(f"error: {line}", file=sys.stderr)
         else:
             sys.stderr.write(said.getvalue())
         raise
     sys.stderr.write(said.getvalue())
     if unknown:
-        flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
-        known = option_names(type(cfg))
-        close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
-        what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
-        print(f"error: {what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
-              + "; --help lists the options", file=sys.stderr)
+        print(f"error: {unknown_line(unknown, option_names(type(cfg)))}; --help lists the options", file=sys.stderr)
         sys.exit(2)
     return cfg
 
@@ -661,6 +673,44 @@ class EvalConfig:
     """The model of gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
     motion_fb: bool = False
     """Scores motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
+
+
+@dataclass
+class OpenS2VConfig:
+    """Score a dir of <sample id>.mp4 with OpenS2V-Eval v1.1's metrics (those a2 computes; their own scripts' files
+    in the same dir are merged too) and their TotalScore: python3 -m a2.opens2v."""
+
+    videos: str
+    """The dir of <sample id>.mp4 (infer.py --eval-set's, or any model's)."""
+    eval_set: str
+    """An OpenS2V-Eval set as downloaded, e.g. OpenS2V-Eval/Open-Domain_Eval.json (beside its Images/)."""
+    json_dir: str | None = None
+    """Where the per-metric JSON files go, in their format (default: VIDEOS/opens2v_json)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(motion_fb=True))
+    """The encoders of OpenS2V-Eval's metrics, under the names train_a2.py and infer.py give them: --eval.aes-clip +
+    --eval.aes-mlp (aes_score, and a2's subject proxy), --eval.facesim (cur_score), --eval.gme (gme_score);
+    --eval.motion-fb is on (--eval.no-motion-fb skips it). a2's own metrics (--eval.clip-image, --eval.dino, ...) are
+    infer.py --eval-set's."""
+    gme_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """gme-Qwen2-VL's dtype: float16 as theirs; float32 on a CPU."""
+    leaderboard: str | None = None
+    """The published results_<domain>.csv the run is ranked among (default: the v1.1 tables shipped in
+    a2/opens2v_leaderboard/)."""
+    device: str = "auto"
+    """Where the encoders run: cuda, cpu, ... (auto: CUDA when there is one)."""
+    redo: bool = False
+    """Recomputes a2's metric files for every video (default: each file scores the videos it does not hold yet)."""
+
+    def __post_init__(self):
+        own = [f"--eval.{f.name.replace('_', '-')}" for f in fields(EvalConfig) if f.name in OWN_METRICS
+               and getattr(self.eval, f.name) != getattr(EvalConfig(), f.name)]
+        if own:
+            raise ConfigError(f"{', '.join(own)}: a2's own metrics, which infer.py --eval-set scores; OpenS2V-Eval's "
+                              "are --eval.aes-clip / --eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb")
+
+
+# EvalConfig's fields of a2's own metrics (a2/evaluate.py), not OpenS2V-Eval's
+OWN_METRICS = ("clip_image", "clip_text", "dino", "face", "faces", "max_frames")
 
 
 # ---------------------------------------------------------------- training (train_a2.py)
