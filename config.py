@@ -130,10 +130,11 @@ def tyro_error_line(box: str) -> str:
     rule = lambda r: not r.strip("─-") or r[0] == "╰"  # noqa: E731  (a rule: UTF-8 boxes, or ASCII's dashes)
     rows = [line.strip().strip("│╭╮|").strip() for line in box.strip().splitlines()]
     title = rows[0].strip("─- ") if rows else ""
-    body = " ".join(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:]))).rstrip(".")
-    body = re.sub(r"^Error parsing \w+Config: ", "", body)
-    if title == "Required options":  # "Missing from PROG: --flag METAVAR its help (required) ..."
-        body = "missing " + ", ".join(dict.fromkeys(re.findall(r"(--[\w.-]+) [A-Z]", body)))
+    rows = list(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:])))
+    body = re.sub(r"^Error parsing \w+Config: ", "", " ".join(rows).rstrip("."))
+    if title == "Required options":  # "Missing from PROG:", then "--flag METAVAR" or a positional's "METAVAR" rows
+        body = "missing " + ", ".join(dict.fromkeys(r.split()[0] for r in rows if r.startswith("--")
+                                                    or re.fullmatch(r"[A-Z][A-Z_]*", r)))
     said = title in ("Value error", "Required options") or body.lower().startswith(title.lower().split(" ")[0])
     return (body if said else f"{title}: {body}") if body else box.strip()
 
@@ -711,6 +712,35 @@ class OpenS2VConfig:
 
 # EvalConfig's fields of a2's own metrics (a2/evaluate.py), not OpenS2V-Eval's
 OWN_METRICS = ("clip_image", "clip_text", "dino", "face", "faces", "max_frames")
+
+
+@dataclass
+class DemoConfig:
+    """Render a run's LoRA and its base model from the same elements and seed; write the picture (demo.py)."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """The training run's dir (holds pytorch_lora_weights.safetensors, config.json, run.json and metrics.jsonl)."""
+    elements: tuple[str, ...] = ()
+    """The element images to render with (the run's --val-elements when left out)."""
+    clip: str | None = None
+    """A training clip (video file) the videos are measured against."""
+    prompt: str | None = None
+    """The prompt (the clip's caption file beside it when left out, else infer.py's default)."""
+    seed: int = 42
+    """The seed of both videos' noise."""
+    steps: int | None = None
+    """Denoising steps (infer.py's default when left out)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance scale (infer.py's default when left out)."""
+    frames: int = 4
+    """Frames shown per video, evenly spaced."""
+    out: str | None = None
+    """The PNG to write (RUN_DIR/demo.png when left out)."""
+
+    def __post_init__(self):
+        for flag, v in (("--frames", self.frames), ("--steps", self.steps)):
+            if v is not None and v < 1:
+                raise ConfigError(f"{flag} {v}: at least 1")
 
 
 # ---------------------------------------------------------------- training (train_a2.py)

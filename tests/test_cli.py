@@ -119,6 +119,7 @@ HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script im
     ("bench.py", [], "--num-frame", [["--layout", "nope"], ["--num-frames", "32"]]),
     ("data.py", ["validate"], "--data-roo", [["--data-root", "x", "--resolution", "30", "30"],
                                              ["--data-root", "x", "--num-frames", "32"]]),
+    ("demo.py", ["runs/x"], "--clp", [["--frames", "0"]]),
     ("-m a2.opens2v", [], "--vidoes", [["--videos", "x"],  # --eval-set missing
                                        ["--videos", "x", "--eval-set", "y", "--eval.dino", "z"]]),  # not theirs
 ])
