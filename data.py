@@ -513,11 +513,12 @@ class E2VDataset(torch.utils.data.Dataset):
         most = KIND_DEFS[layout.kind].references[1] if layout else 0  # the element images one sample takes
         samples, loose = scan(cfgs, num_frames, frame_sampling, why, most)
         problems = loose + [p for s in samples for p in s.problems]
-        errors = [p for p in problems if not p.warning]
-        if errors and not skip_bad_samples:
-            raise DatasetError(f"{len(errors)} problem(s) in the dataset:\n  " + "\n  ".join(
-                ("warning: " if p.warning else "") + str(p) for p in problems)
-                               + "\n(--skip-bad-samples drops these samples instead)")
+        errors, warnings = [p for p in problems if not p.warning], [p for p in problems if p.warning]
+        if errors and not skip_bad_samples:  # the problems counted, then the warnings (samples kept) after them
+            raise DatasetError(f"{len(errors)} problem(s) in the dataset"
+                               + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
+                               + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
+                               + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]
         # what the run's kind cannot take, named and left out before step 1: the element set (a2.conditioning.Kind

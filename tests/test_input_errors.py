@@ -345,16 +345,24 @@ def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):
     assert Image.open(out / "step0000002_predicted_latents_f0.png").size == (32, 32)
 
 
-def test_a_short_clip_is_named_in_the_users_terms(data_dir, capsys):
+def test_a_short_clip_is_named_in_the_users_terms_and_a_warning_is_no_problem(data_dir, tmp_path, capsys):
     """--num-frames 33 with A2's three references: a 17-frame clip is refused naming the clip's frames, the frames
-    a clip needs, and why (the references take 12 of the 33)."""
+    a clip needs, and why (the references take 12 of the 33). An element image of no clip is a warning (the samples
+    are kept): said after the problems, not counted among them."""
+    import shutil
+
     import data
 
+    d = tmp_path / "d"
+    shutil.copytree(data_dir, d)
+    shutil.copy(d / "000_person.png", d / "zzz_person.png")
     with pytest.raises(SystemExit):
-        data._cli(["validate", "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "33"])
-    err = capsys.readouterr().err
-    assert ("000.mp4: 17 frames, shorter than the smallest bucket (21): --num-frames 33 less the 12 frames the "
-            "references take") in err, err
+        data._cli(["validate", "--data-root", str(d), "--resolution", "32", "32", "--num-frames", "33"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "error: 4 problem(s) in the dataset, and 1 warning(s):" and len(lines) == 7, lines
+    assert lines[1] == (f"  000: {d / '000.mp4'}: 17 frames, shorter than the smallest bucket (21): --num-frames 33 "
+                        "less the 12 frames the references take")
+    assert lines[5] == f"  warning: -: {d / 'zzz_person.png'}: no video 'zzz' for this element image"
 
 
 def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
