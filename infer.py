@@ -466,7 +466,7 @@ def main(cfg: InferConfig) -> int:
         if cfg.eval_set:
             means = write_metrics(Path(cfg.out_dir), scores)
             print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
-                  + format_table(means))
+                  + format_table(means, notes=evaluators.notes))
         return 0
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
                    region=refs["region"])

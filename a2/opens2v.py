@@ -38,7 +38,7 @@ import csv
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -605,18 +605,37 @@ def format_table(run: dict, domain: str, published: list[dict], name: str = "thi
 # ---------------------------------------------------------------- scoring a directory
 
 
+TINY_LAYERS = 6  # a metric's encoder of fewer transformer layers is a2's tiny random one: no real one is this small
+
+
+def tiny_encoder_note(model, metrics: str, where) -> str | None:
+    """A line saying that `metrics` come from a tiny random encoder (fewer than TINY_LAYERS transformer layers in
+    every tower of the transformers `model`: a built-in tiny model's, a test's), so their values are noise (pure
+    noise scores a CLIP-I of 0.97 on the tiny model's); None for a real-size model, or one that is no transformers
+    model (a face model's export)."""
+    config = getattr(model, "config", None)
+    towers = (config, getattr(config, "vision_config", None), getattr(config, "text_config", None))
+    layers = [n for n in (getattr(c, "num_hidden_layers", None) for c in towers) if isinstance(n, int)]
+    if not layers or max(layers) >= TINY_LAYERS:
+        return None
+    return (f"note: {metrics} come from a {max(layers)}-layer encoder ({where}), a tiny random one (a built-in "
+            f"model's or a test's): their values are noise, not {metrics}; give a real encoder's dir for them")
+
+
 @dataclass
 class Scorers:
-    """The encoders given (None: that metric is skipped). motion_fb needs none."""
+    """The encoders given (None: that metric is skipped). motion_fb needs none. notes: tiny_encoder_note's lines."""
 
     aes: Aesthetics | None = None
     face: FaceSim | None = None
     gme: Gme | None = None
     motion: bool = True
+    notes: list[str] = field(default_factory=list)
 
 
 def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
-    """The encoders of the dirs given; gme in gme_dtype (theirs: float16)."""
+    """The encoders of the dirs given; gme in gme_dtype (theirs: float16); notes: which of them are tiny random ones
+    (said beside their scores)."""
     if bool(aes_clip) != bool(aes_mlp):
         raise InputError("aes_score needs both --eval.aes-clip (CLIP ViT-L/14 dir) and --eval.aes-mlp "
                          "(aesthetic-model.pth)")
@@ -632,6 +651,8 @@ def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu",
                if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
+    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", aes_clip),
+                           s.gme and tiny_encoder_note(s.gme.model, "gme_score", gme)) if n]
     return s
 
 
@@ -745,7 +766,7 @@ def main(cfg) -> int:
     result = merge_result(json_dir, domain, ids, len(samples))
     out = videos / f"opens2v_{domain}.json"
     out.write_text(json.dumps(result, indent=4))
-    print(f"wrote {out}\n" + format_table(result, domain, published))
+    print(f"wrote {out}\n" + format_table(result, domain, published) + "".join(f"\n{n}" for n in scorers.notes))
     proxy = [r[PROXY_KEY] for r in merge_dir(json_dir, ids).values() if PROXY_KEY in r]
     if proxy:
         print(f"{PROXY_KEY} (a2's proxy, not NexusScore; not in any TotalScore): {np.mean(proxy):.4f}")
