@@ -131,7 +131,7 @@ def tyro_error_line(box: str) -> str:
     rows = [line.strip().strip("│╭╮|").strip() for line in box.strip().splitlines()]
     title = rows[0].strip("─- ") if rows else ""
     rows = list(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:])))
-    body = re.sub(r"^Error parsing \w+Config: ", "", " ".join(rows).rstrip("."))
+    body = re.sub(r"^Error parsing [A-Z]\w*: ", "", " ".join(rows).rstrip("."))  # a config class: its own check
     if title == "Required options":  # "Missing from PROG:", then "--flag METAVAR" or a positional's "METAVAR" rows
         body = "missing " + ", ".join(dict.fromkeys(r.split()[0] for r in rows if r.startswith("--")
                                                     or re.fullmatch(r"[A-Z][A-Z_]*", r)))
@@ -1378,6 +1378,8 @@ class BenchConfig:
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
         check_frames(self.frames)
+        if self.compare_run and not (Path(self.compare_run) / "metrics.jsonl").is_file():
+            raise ConfigError(f"--compare-run {self.compare_run}: no metrics.jsonl there (a train_a2.py run dir)")
 
     @property
     def size(self) -> tuple[int, int]:
@@ -1399,9 +1401,17 @@ class MakeSample:
     num_frames: int = 33
     """The frames per clip."""
     height: int = 64
-    """The frame height in pixels."""
+    """The frame height in pixels (even: H.264's 4:2:0)."""
     width: int = 64
-    """The frame width in pixels."""
+    """The frame width in pixels (even: H.264's 4:2:0)."""
+
+    def __post_init__(self):
+        if self.num_samples < 1 or self.num_frames < 1:
+            raise ConfigError(f"--num-samples {self.num_samples} --num-frames {self.num_frames}: each at least 1")
+        if self.height < 2 or self.width < 2 or self.height % 2 or self.width % 2:
+            raise ConfigError(f"--height {self.height} --width {self.width}: even numbers of pixels (H.264's 4:2:0)")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"{self.out}: a file, not a dir to write the dataset into")
 
 
 @dataclass

@@ -57,6 +57,7 @@ from config import (  # noqa: F401 (data.py's commands, configs of the indexes b
     IndexOpenS2V,
     IndexPhantom,
     InputError,
+    MissingInput,
     run_cli,
 )
 
@@ -834,9 +835,14 @@ def export_elements(a: ExportElements) -> dict:
     from config import A2_ELEMENTS
 
     path, out = Path(a.manifest), Path(a.out)
+    if not path.is_file():
+        raise MissingInput(f"--manifest {path}: no such index (`data.py index` writes OUT/index.jsonl)")
     with open(path) as f:
-        first = json.loads(next(f, "{}") or "{}")
-    if first.get("dataset") not in PUBLIC_TYPES:
+        try:
+            first = json.loads(next(f, "{}") or "{}")
+        except ValueError:  # not UTF-8, not JSON
+            first = {}
+    if not isinstance(first, dict) or first.get("dataset") not in PUBLIC_TYPES:
         raise InputError(f"{path}: not an index of `data.py index` (first line has no dataset of {PUBLIC_TYPES})")
     cfg = DatasetConfig(str(path.parent), dataset_type=first["dataset"], manifest=str(path), elements=A2_ELEMENTS,
                         cross_video=a.cross_video)

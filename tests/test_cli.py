@@ -116,7 +116,8 @@ HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script im
                                     ["--data-root", "x", "--lr", "abc"]]),  # not a number (tyro's own answer)
     ("infer.py", [], "--prompt-file", [["--resolution", "32", "48", "--height", "64"],  # the two forms disagree
                                        ["--height", "60", "--width", "60"], ["--num-frames", "32"]]),
-    ("bench.py", [], "--num-frame", [["--layout", "nope"], ["--num-frames", "32"]]),
+    ("bench.py", [], "--num-frame", [["--layout", "nope"], ["--num-frames", "32"], ["--compare-run", "no-run"]]),
+    ("data.py", ["make-sample", "out"], "--num-sample", [["--num-frames", "0"], ["--height", "31"]]),
     ("data.py", ["validate"], "--data-roo", [["--data-root", "x", "--resolution", "30", "30"],
                                              ["--data-root", "x", "--num-frames", "32"]]),
     ("demo.py", ["runs/x"], "--clp", [["--frames", "0"]]),

@@ -365,6 +365,17 @@ def test_a_short_clip_is_named_in_the_users_terms_and_a_warning_is_no_problem(da
     assert lines[5] == f"  warning: -: {d / 'zzz_person.png'}: no video 'zzz' for this element image"
 
 
+def test_export_elements_of_no_index_is_one_line_exit_2(tmp_path, capsys):
+    import data
+
+    (tmp_path / "notes.txt").write_text("not an index\n")
+    for manifest, says in ((tmp_path / "none.jsonl", "no such index"), (tmp_path / "notes.txt", "not an index")):
+        with pytest.raises(SystemExit) as e:
+            data._cli(["export-elements", "--manifest", str(manifest), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and says in err, err
+
+
 def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
     """--model's help (infer.py and train_a2.py, as --help prints it) names every built-in model and no other; the
     built-in model's banner says what it renders and why (v3-distilled: 121 frames, 8 steps)."""
