@@ -85,6 +85,8 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     elif steps is None and mode is not None:
         source["steps"] = f"--preset {cfg.preset}"
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
     return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
                    device=device), source
 

@@ -90,13 +90,16 @@ def test_an_eval_set_with_a_bad_row_is_one_line_exit_2(tmp_path, capsys, monkeyp
     assert want.replace("{root}", str(root)) in err, err
 
 
-def test_a_missing_lora_or_compare_file_is_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir):
+def test_a_missing_file_or_gpu_is_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir):
     monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
     good = (str(data_dir / "000_person.png"),)
     for flag in ("lora", "compare"):
         value = (str(tmp_path / "x"),) if flag == "lora" else str(tmp_path / "x")
         err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=good, **{flag: value}))
         assert err == f"error: --{flag} {tmp_path / 'x'}: no such file or dir"
+    if not torch.cuda.is_available():  # --device cuda where there is none (it was CUDA's own traceback)
+        err = one_line_exit_2(capsys, dict(model="tiny", device="cuda", elements=good))
+        assert err == "error: --device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)"
 
 
 def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
