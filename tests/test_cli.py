@@ -170,3 +170,14 @@ def test_help_reads_as_paragraphs(capsys, monkeypatch):
         assert len(text.splitlines()) > 50 and broken_lines(text, 250) == [], (cls.__name__, broken_lines(text, 250))
     # the check sees a help broken at its source lines (the default tyro rendering of such a docstring)
     assert broken_lines("│ --x INT  First line of the x flag\n│          and (continues) here │\n╰──", 250) != []
+
+
+def test_the_tiny_model_builder_answers_help_and_a_wrong_argument_before_torch(tmp_path):
+    """python -m a2.tiny --help prints its usage, exit 0 (it built a model dir named "--help"); an argument it does not
+    take: the usage, exit 2; both before torch is imported."""
+    for args, code in ((["--help"], 0), (["out", "--nope"], 2)):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "a2.tiny", *args], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+        heavy = [ln for ln in r.stderr.splitlines() if ln.startswith("import time:") and "torch" in ln]
+        assert r.returncode == code and "python -m a2.tiny OUT_DIR" in r.stdout and heavy == [], r.stderr[-500:]
+    assert not (ROOT / "--help").exists() and not (ROOT / "out").exists()
