@@ -524,6 +524,16 @@ def _hw(v, where: str) -> tuple[int, int]:
     return (v[0], v[1])
 
 
+def _typed(d: dict, key: str, kind, default, where: str):
+    """d[key] (`default` when absent), or a ConfigError naming the key when it is not a `kind` (a type or a tuple of
+    them; a bool is no number)."""
+    v = d.get(key, default)
+    if not isinstance(v, kind) or isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
+        raise ConfigError(f"{where}.{key}: expected {names}, got {v!r}")
+    return v
+
+
 def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
     """Both forms of the design documents: flat (vae_repeat, position, clip_process) and nested (vae: {...})."""
     _check_keys(d, {"name", "suffixes", "required", "vae_repeat", "position", "clip_process", "vae_preprocess",
@@ -531,10 +541,12 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
     for k in ("name", "suffixes"):
         if k not in d:
             raise ConfigError(f"{where}: missing key '{k}'")
-    suffixes = d["suffixes"]
-    if isinstance(suffixes, str):
-        suffixes = [suffixes]
-    kw = dict(name=d["name"], suffixes=tuple(suffixes), required=bool(d.get("required", False)),
+    suffixes = _typed(d, "suffixes", (str, list), None, where)
+    suffixes = [suffixes] if isinstance(suffixes, str) else suffixes
+    if not suffixes or not all(isinstance(x, str) for x in suffixes):
+        raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
+    kw = dict(name=_typed(d, "name", str, None, where), suffixes=tuple(suffixes),
+              required=_typed(d, "required", bool, False, where),
               repeat=d.get("vae_repeat", 1), position=d.get("position", i),
               vae_preprocess=d.get("vae_preprocess", defaults[0]), clip_preprocess=d.get("clip_process", defaults[1]))
     if "vae" in d:
@@ -559,6 +571,10 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                     "clip_resolution", "vae_combine", "manifest", *_EXTRACTION_KEYS}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
+    for key, kind in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
+                      ("elements", list), ("frame_buckets", list)):
+        if key in d:
+            _typed(d, key, kind, None, where)
     if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
         raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
                           f"{d['dataset_type']!r}")
