@@ -353,6 +353,11 @@ def main(cfg: InferConfig) -> int:
                        ("--compare", cfg.compare)):
         if path and not Path(path).exists():
             raise MissingInput(f"{flag} {path}: no such file or dir")
+    for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
+        dirs = () if not path else (Path(path), *Path(path).parents) if flag == "--out-dir" else Path(path).parents
+        file = next((d for d in dirs if d.is_file()), None)  # found now, not once the video is rendered
+        if file is not None:
+            raise InputError(f"{flag} {path}: {file} is a file, not a dir to write into")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
                                                and model_path(cfg.image_encoder), cfg.components))
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)

@@ -97,6 +97,11 @@ def test_a_missing_file_or_gpu_is_one_line_before_any_weights_load(tmp_path, cap
         value = (str(tmp_path / "x"),) if flag == "lora" else str(tmp_path / "x")
         err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=good, **{flag: value}))
         assert err == f"error: --{flag} {tmp_path / 'x'}: no such file or dir"
+    (tmp_path / "file").write_text("")
+    for flag, value in (("save_latents", "file/x.pt"), ("out", "file/x/v.mp4")):  # was a traceback after rendering
+        err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=good, **{flag: str(tmp_path / value)}))
+        assert err == f"error: --{flag.replace('_', '-')} {tmp_path / value}: {tmp_path / 'file'} is a file, not a " \
+                      "dir to write into"
     if not torch.cuda.is_available():  # --device cuda where there is none (it was CUDA's own traceback)
         err = one_line_exit_2(capsys, dict(model="tiny", device="cuda", elements=good))
         assert err == "error: --device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)"
