@@ -158,10 +158,10 @@ def parse_cli(cls, args=None, **kwargs):
     except SystemExit as e:
         if e.code == 2 and said.getvalue().strip() and not said.getvalue().startswith("error: "):  # tyro's box
             line = tyro_error_line(said.getvalue())
-            if is_dataclass(cls) and line.startswith("missing "):  # a typo of a required option is told as one
+            if is_dataclass(cls) and line.startswith("missing "):  # a typo of a required option: said first
                 known = option_names(cls)
-                typos = [a for a in (sys.argv[1:] if args is None else args) if a.startswith("--") and not {
-                    a.partition("=")[0], a.partition("=")[0].replace("no-", "", 1)} & set(known)]  # --no-flag: --flag
+                flags = [a.partition("=")[0] for a in (sys.argv[1:] if args is None else args) if a.startswith("--")]
+                typos = [f for f in flags if f not in known and f.replace("no-", "", 1) not in known]  # --no-flag
                 line = f"{unknown_line(typos, known)}; {line}; --help lists the options" if typos else line
             print(f"error: {line}", file=sys.stderr)
         else:
