@@ -524,12 +524,13 @@ def _hw(v, where: str) -> tuple[int, int]:
     return (v[0], v[1])
 
 
-def _typed(d: dict, key: str, kind, default, where: str):
-    """d[key] (`default` when absent), or a ConfigError naming the key when it is not a `kind` (a type or a tuple of
-    them; a bool is no number)."""
+def _typed(d: dict, key: str, expected, default, where: str):
+    """d[key] (`default` when absent), or a ConfigError naming the key when it is not of the `expected` type (a type
+    or a tuple of them; a bool is no number)."""
     v = d.get(key, default)
-    if not isinstance(v, kind) or isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
+        names = " or ".join(t.__name__ for t in types)
         raise ConfigError(f"{where}.{key}: expected {names}, got {v!r}")
     return v
 
@@ -571,10 +572,10 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                     "clip_resolution", "vae_combine", "manifest", *_EXTRACTION_KEYS}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
-    for key, kind in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
-                      ("elements", list), ("frame_buckets", list)):
+    for key, expected in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
+                          ("elements", list), ("frame_buckets", list)):
         if key in d:
-            _typed(d, key, kind, None, where)
+            _typed(d, key, expected, None, where)
     if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
         raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
                           f"{d['dataset_type']!r}")
