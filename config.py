@@ -15,7 +15,12 @@ Element grammar for `--elements` (one string per element, position = order given
 from __future__ import annotations
 
 import codecs
+import contextlib
+import difflib
+import io
+import itertools
 import json
+import re
 import signal
 import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
@@ -118,19 +123,53 @@ def option_names(cls, prefix: str = "") -> list[str]:
     return names
 
 
-def parse_cli(cls, args=None, **kwargs):
-    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) is one line and
-    an unknown option one line naming the closest known ones (tyro's own answer quotes their whole help), exit 2."""
-    import difflib
+def tyro_error_line(box: str) -> str:
+    """tyro's answer to a bad value (a box: a title, the message wrapped to the terminal, the option's help, a
+    pointer to --help) as one line: the message, after the title where it does not say it already; a config's own
+    check (its __post_init__) without tyro's "Error parsing XConfig:" before it; required options by name alone."""
+    rule = lambda r: not r.strip("─-") or r[0] == "╰"  # noqa: E731  (a rule: UTF-8 boxes, or ASCII's dashes)
+    rows = [line.strip().strip("│╭╮|").strip() for line in box.strip().splitlines()]
+    title = rows[0].strip("─- ") if rows else ""
+    rows = list(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:])))
+    body = re.sub(r"^Error parsing [A-Z]\w*: ", "", " ".join(rows).rstrip("."))  # a config class: its own check
+    if title == "Required options":  # "Missing from PROG:", then "--flag METAVAR" or a positional's "METAVAR" rows
+        body = "missing " + ", ".join(dict.fromkeys(r.split()[0] for r in rows if r.startswith("--")
+                                                    or re.fullmatch(r"[A-Z][A-Z_]*", r)))
+    said = title in ("Value error", "Required options") or body.lower().startswith(title.lower().split(" ")[0])
+    return (body if said else f"{title}: {body}") if body else box.strip()
 
-    cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+
+def unknown_line(unknown: list[str], known: list[str]) -> str:
+    """The one line for arguments no option takes: the flags, each with the closest known ones."""
+    flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
+    close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
+    what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
+    return f"{what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+
+
+def parse_cli(cls, args=None, **kwargs):
+    """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) and a bad value
+    (tyro's box) are one line, an unknown option one line naming the closest known ones (tyro's own answer quotes
+    their whole help; a required option missing beside it is said after it), exit 2."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # --help goes to stdout, as it is
+            cfg, unknown = run_cli(lambda: tyro.cli(cls, args=args, return_unknown_args=True, **kwargs))
+    except SystemExit as e:
+        if e.code == 2 and said.getvalue().strip() and not said.getvalue().startswith("error: "):  # tyro's box
+            line = tyro_error_line(said.getvalue())
+            if is_dataclass(cls) and line.startswith("missing "):  # a typo of a required option: said first
+                known = option_names(cls)
+                flags = [a.partition("=")[0] for a in (sys.argv[1:] if args is None else args) if a.startswith("--")]
+                typos = [f for f in flags if f not in known and f.replace("no-", "", 1) not in known]  # --no-flag
+                line = f"{unknown_line(typos, known)}; {line}; --help lists the options" if typos else line
+            print(f"error: {line}", file=sys.stderr)
+        else:
+            sys.stderr.write(said.getvalue())
+        raise
+    sys.stderr.write(said.getvalue())
     if unknown:
-        flags = [a.partition("=")[0] for a in unknown if a.startswith("-")]
-        known = option_names(type(cfg))
-        close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
-        what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
-        print(f"error: {what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
-              + "; --help lists the options", file=sys.stderr)
+        print(f"error: {unknown_line(unknown, option_names(type(cfg)))}; --help lists the options", file=sys.stderr)
         sys.exit(2)
     return cfg
 
@@ -272,6 +311,20 @@ def height_width(height: int | None, width: int | None, resolution: tuple[int, i
     if resolution is not None:
         return tuple(resolution)
     return (default[0] if height is None else height, default[1] if width is None else width)
+
+
+def check_frames(num_frames: int) -> None:
+    """The frame counts a Wan VAE takes: 4k+1 (its time stride is 4: one latent frame, then one per 4)."""
+    if num_frames < 1 or (num_frames - 1) % 4:
+        raise ConfigError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
+
+
+def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
+    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
+    TI2V-5B: 16 x 2 = 32), F = 4k+1. A ConfigError: one line, exit 2 under run_cli."""
+    if height % multiple or width % multiple or height <= 0 or width <= 0:
+        raise ConfigError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+    check_frames(num_frames)
 
 
 # ---------------------------------------------------------------- dataset configs
@@ -471,6 +524,17 @@ def _hw(v, where: str) -> tuple[int, int]:
     return (v[0], v[1])
 
 
+def _typed(d: dict, key: str, expected, default, where: str):
+    """d[key] (`default` when absent), or a ConfigError naming the key when it is not of the `expected` type (a type
+    or a tuple of them; a bool is no number)."""
+    v = d.get(key, default)
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{where}.{key}: expected {names}, got {v!r}")
+    return v
+
+
 def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
     """Both forms of the design documents: flat (vae_repeat, position, clip_process) and nested (vae: {...})."""
     _check_keys(d, {"name", "suffixes", "required", "vae_repeat", "position", "clip_process", "vae_preprocess",
@@ -478,10 +542,12 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
     for k in ("name", "suffixes"):
         if k not in d:
             raise ConfigError(f"{where}: missing key '{k}'")
-    suffixes = d["suffixes"]
-    if isinstance(suffixes, str):
-        suffixes = [suffixes]
-    kw = dict(name=d["name"], suffixes=tuple(suffixes), required=bool(d.get("required", False)),
+    suffixes = _typed(d, "suffixes", (str, list), None, where)
+    suffixes = [suffixes] if isinstance(suffixes, str) else suffixes
+    if not suffixes or not all(isinstance(x, str) for x in suffixes):
+        raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
+    kw = dict(name=_typed(d, "name", str, None, where), suffixes=tuple(suffixes),
+              required=_typed(d, "required", bool, False, where),
               repeat=d.get("vae_repeat", 1), position=d.get("position", i),
               vae_preprocess=d.get("vae_preprocess", defaults[0]), clip_preprocess=d.get("clip_process", defaults[1]))
     if "vae" in d:
@@ -506,6 +572,10 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                     "clip_resolution", "vae_combine", "manifest", *_EXTRACTION_KEYS}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
+    for key, expected in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
+                          ("elements", list), ("frame_buckets", list)):
+        if key in d:
+            _typed(d, key, expected, None, where)
     if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
         raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
                           f"{d['dataset_type']!r}")
@@ -621,6 +691,73 @@ class EvalConfig:
     """The model of gme_score: a gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)."""
     motion_fb: bool = False
     """Scores motion_fb: OpenCV Farneback flow over all frames, as OpenS2V-Eval's MotionAmplitude."""
+
+
+@dataclass
+class OpenS2VConfig:
+    """Score a dir of <sample id>.mp4 with OpenS2V-Eval v1.1's metrics (those a2 computes; their own scripts' files
+    in the same dir are merged too) and their TotalScore: python3 -m a2.opens2v."""
+
+    videos: str
+    """The dir of <sample id>.mp4 (infer.py --eval-set's, or any model's)."""
+    eval_set: str
+    """An OpenS2V-Eval set as downloaded, e.g. OpenS2V-Eval/Open-Domain_Eval.json (beside its Images/)."""
+    json_dir: str | None = None
+    """Where the per-metric JSON files go, in their format (default: VIDEOS/opens2v_json)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(motion_fb=True))
+    """The encoders of OpenS2V-Eval's metrics, under the names train_a2.py and infer.py give them: --eval.aes-clip +
+    --eval.aes-mlp (aes_score, and a2's subject proxy), --eval.facesim (cur_score), --eval.gme (gme_score);
+    --eval.motion-fb is on (--eval.no-motion-fb skips it). a2's own metrics (--eval.clip-image, --eval.dino, ...) are
+    infer.py --eval-set's."""
+    gme_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """gme-Qwen2-VL's dtype: float16 as theirs; float32 on a CPU."""
+    leaderboard: str | None = None
+    """The published results_<domain>.csv the run is ranked among (default: the v1.1 tables shipped in
+    a2/opens2v_leaderboard/)."""
+    device: str = "auto"
+    """Where the encoders run: cuda, cpu, ... (auto: CUDA when there is one)."""
+    redo: bool = False
+    """Recomputes a2's metric files for every video (default: each file scores the videos it does not hold yet)."""
+
+    def __post_init__(self):
+        own = [f"--eval.{f.name.replace('_', '-')}" for f in fields(EvalConfig) if f.name in OWN_METRICS
+               and getattr(self.eval, f.name) != getattr(EvalConfig(), f.name)]
+        if own:
+            raise ConfigError(f"{', '.join(own)}: a2's own metrics, which infer.py --eval-set scores; OpenS2V-Eval's "
+                              "are --eval.aes-clip / --eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb")
+
+
+# EvalConfig's fields of a2's own metrics (a2/evaluate.py), not OpenS2V-Eval's
+OWN_METRICS = ("clip_image", "clip_text", "dino", "face", "faces", "max_frames")
+
+
+@dataclass
+class DemoConfig:
+    """Render a run's LoRA and its base model from the same elements and seed; write the picture (demo.py)."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """The training run's dir (holds pytorch_lora_weights.safetensors, config.json, run.json and metrics.jsonl)."""
+    elements: tuple[str, ...] = ()
+    """The element images to render with (the run's --val-elements when left out)."""
+    clip: str | None = None
+    """A training clip (video file) the videos are measured against."""
+    prompt: str | None = None
+    """The prompt (the clip's caption file beside it when left out, else infer.py's default)."""
+    seed: int = 42
+    """The seed of both videos' noise."""
+    steps: int | None = None
+    """Denoising steps (infer.py's default when left out)."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance scale (infer.py's default when left out)."""
+    frames: int = 4
+    """Frames shown per video, evenly spaced."""
+    out: str | None = None
+    """The PNG to write (RUN_DIR/demo.png when left out)."""
+
+    def __post_init__(self):
+        for flag, v in (("--frames", self.frames), ("--steps", self.steps)):
+            if v is not None and v < 1:
+                raise ConfigError(f"{flag} {v}: at least 1")
 
 
 # ---------------------------------------------------------------- training (train_a2.py)
@@ -946,6 +1083,7 @@ class TrainConfig:
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
+    check_size(*cfg.resolution, cfg.num_frames)
     if cfg.dataset_config:
         cfgs = load_dataset_config(cfg.dataset_config)
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
@@ -956,7 +1094,6 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
         return with_eval_manifest(cfg, cfgs)
     if not cfg.data_root and not cfg.manifest:
         raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
-    _hw(list(cfg.resolution), "--resolution")
     if cfg.dataset_type == "t2v" and cfg.elements:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
@@ -1134,6 +1271,8 @@ class InferConfig:
     def __post_init__(self):
         self.lora = (self.lora,) if isinstance(self.lora, str) else tuple(self.lora or ())  # lora="x" from Python
         height_width(self.height, self.width, self.resolution, (0, 0))  # --resolution and --height/--width agree
+        if self.num_frames is not None:
+            check_frames(self.num_frames)
 
 
 # ---------------------------------------------------------------- benchmark (bench.py)
@@ -1255,6 +1394,9 @@ class BenchConfig:
 
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
+        check_frames(self.frames)
+        if self.compare_run and not (Path(self.compare_run) / "metrics.jsonl").is_file():
+            raise ConfigError(f"--compare-run {self.compare_run}: no metrics.jsonl there (a train_a2.py run dir)")
 
     @property
     def size(self) -> tuple[int, int]:
@@ -1276,9 +1418,17 @@ class MakeSample:
     num_frames: int = 33
     """The frames per clip."""
     height: int = 64
-    """The frame height in pixels."""
+    """The frame height in pixels (even: H.264's 4:2:0)."""
     width: int = 64
-    """The frame width in pixels."""
+    """The frame width in pixels (even: H.264's 4:2:0)."""
+
+    def __post_init__(self):
+        if self.num_samples < 1 or self.num_frames < 1:
+            raise ConfigError(f"--num-samples {self.num_samples} --num-frames {self.num_frames}: each at least 1")
+        if self.height < 2 or self.width < 2 or self.height % 2 or self.width % 2:
+            raise ConfigError(f"--height {self.height} --width {self.width}: even numbers of pixels (H.264's 4:2:0)")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"{self.out}: a file, not a dir to write the dataset into")
 
 
 @dataclass

@@ -50,6 +50,7 @@ from PIL import Image
 
 from a2.conditioning import (
     KIND_DEFS,
+    canvas_refusal,
     clip_frames,
     element_layout,
     element_refusal,
@@ -366,7 +367,7 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
                                       f"required element '{e.name}' missing", s.where))
     for name, img in s.elements.items():
         try:
-            w, h = read_image(img).size
+            w, h = s.sizes[name] = read_image(img).size
             if min(w, h) < MIN_REFERENCE_SIDE:
                 s.problems.append(Problem(s.id, img, f"element '{name}' is {w}x{h} pixels: too small to be a "
                                                      f"reference (under {MIN_REFERENCE_SIDE} on a side)", s.where))
@@ -512,17 +513,22 @@ class E2VDataset(torch.utils.data.Dataset):
         most = KIND_DEFS[layout.kind].references[1] if layout else 0  # the element images one sample takes
         samples, loose = scan(cfgs, num_frames, frame_sampling, why, most)
         problems = loose + [p for s in samples for p in s.problems]
-        errors = [p for p in problems if not p.warning]
-        if errors and not skip_bad_samples:
-            raise DatasetError(f"{len(errors)} problem(s) in the dataset:\n  " + "\n  ".join(
-                ("warning: " if p.warning else "") + str(p) for p in problems)
-                               + "\n(--skip-bad-samples drops these samples instead)")
+        errors, warnings = [p for p in problems if not p.warning], [p for p in problems if p.warning]
+        if errors and not skip_bad_samples:  # the problems counted, then the warnings (samples kept) after them
+            raise DatasetError(f"{len(errors)} problem(s) in the dataset"
+                               + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
+                               + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
+                               + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
-        # the element sets the run's kind cannot take (a2.conditioning.Kind.references): named, left out before step 1
-        refusals = [layout and element_refusal(layout, len(s.elements)) for s in self.samples]
-        self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
-        self.samples = [s for s, why in zip(self.samples, refusals) if not why]
         self.buckets = [self.bucket_of(s) for s in self.samples]
+        # what the run's kind cannot take, named and left out before step 1: the element set (a2.conditioning.Kind
+        # .references), and images MAGREF's canvas cannot hold at the bucket's size
+        refusals = [layout and (element_refusal(layout, len(s.elements)) or self.canvas_refusal(s, b))
+                    for s, b in zip(self.samples, self.buckets)]
+        self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
+        keep = [not why for why in refusals]
+        self.samples = [s for s, k in zip(self.samples, keep) if k]
+        self.buckets = [b for b, k in zip(self.buckets, keep) if k]
         if verbose:
             print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
         if not self.samples:
@@ -532,7 +538,7 @@ class E2VDataset(torch.utils.data.Dataset):
         """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
         lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
                  + (f"; skipped {skipped} bad sample(s)" if skipped else "")
-                 + (f"; left out {len(self.left_out)} whose element set the kind cannot take" if self.left_out else "")]
+                 + (f"; left out {len(self.left_out)} the kind cannot take" if self.left_out else "")]
         lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
         lines += [f"  left out: {p}" for p in self.left_out]
         for di, c in enumerate(self.cfgs):
@@ -560,6 +566,14 @@ class E2VDataset(torch.utils.data.Dataset):
             lines.append(f"  trained: {len(self.samples) - untrained} of {len(self.samples)} samples ({untrained} "
                          "in buckets that never fill a global batch: add data, or lower the global batch)")
         return lines
+
+    def canvas_refusal(self, s: Sample, bucket: tuple) -> str | None:
+        """canvas_refusal of the sample's element images (their sizes as the scan read them) at its bucket's size, in
+        the order __getitem__ hands them to reference_pixels."""
+        _, h, w, names = bucket
+        if not all(n in s.sizes for n in names):  # a size not known: its load says what is wrong
+            return None
+        return canvas_refusal(self.layout, [s.sizes[n] for n in names], (h, w), [str(s.elements[n]) for n in names])
 
     def bucket_of(self, s: Sample) -> tuple:
         """(frames, H, W, element names): what every sample of a batch shares."""

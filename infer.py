@@ -39,7 +39,6 @@ from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, mod
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
-    check_size,
     load_first_frame,
     load_references,
     save_video,
@@ -54,6 +53,7 @@ from config import (
     InputError,
     MissingInput,
     as_input_error,
+    check_size,
     height_width,
     pair_elements,
     parse_elements,
@@ -85,6 +85,8 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     elif steps is None and mode is not None:
         source["steps"] = f"--preset {cfg.preset}"
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
     return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
                    device=device), source
 
@@ -137,32 +139,40 @@ def read_rows(path: str) -> list[dict]:
     """A prompt list or eval set: one prompt per line, or (.jsonl) a JSON object per line with `prompt` (or
     `caption` / `text`) and optionally `elements`, `seed`, `faces` (--eval-set); blank lines skipped. Returns dicts
     with `prompt`, `line`, the seed and faces found and `images` (element images as --elements takes them, paths
-    resolved against the file's dir)."""
+    resolved against the file's dir). A mistake is an InputError naming the line."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"{path}: no such file")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line}
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            raise InputError(f"{where}: not valid JSON ({e})") from e
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: expected a JSON object, got {line.strip()[:60]}")
+            raise InputError(f"{where}: expected a JSON object, got {line.strip()[:60]}")
         prompt = row.get("prompt") or row.get("caption") or row.get("text")
-        if not prompt:
-            raise ValueError(f"{path}:{n}: no 'prompt' (or 'caption' / 'text') field")
-        out = dict(prompt=prompt.strip(), line=f"{path}:{n}", **{k: row[k] for k in ("seed", "faces") if k in row})
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError(f"{where}: no 'prompt' (or 'caption' / 'text') text")
+        if not isinstance(row.get("seed", 0), int) or isinstance(row.get("seed"), bool):
+            raise InputError(f"{where}: 'seed' must be an integer, got {row['seed']!r}")
+        faces = row.get("faces", [])
+        if not isinstance(faces, list) or not all(isinstance(f, str) for f in faces):
+            raise InputError(f"{where}: 'faces' must be a list of element names, got {faces!r}")
+        out = dict(prompt=prompt.strip(), line=where, **{k: row[k] for k in ("seed", "faces") if k in row})
         elements = row.get("elements")
-        if isinstance(elements, dict):
+        if isinstance(elements, dict) and all(isinstance(p, str) for p in elements.values()):
             out["images"] = [f"{name}={path.parent / p}" for name, p in elements.items()]
-        elif isinstance(elements, list):
+        elif isinstance(elements, list) and all(isinstance(p, str) for p in elements):
             out["images"] = [str(path.parent / p) for p in elements]
         elif elements is not None:
-            raise ValueError(f"{path}:{n}: 'elements' must be {{name: path}} or [path, ...], got {elements!r}")
+            raise InputError(f"{where}: 'elements' must be {{name: path}} or [path, ...], got {elements!r}")
         rows.append(out)
     if not rows:
-        raise ValueError(f"{path}: no prompts")
+        raise InputError(f"{path}: no prompts")
     return rows
 
 
@@ -267,14 +277,19 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
     for sid, sample in read_eval_set(cfg.eval_set).items():
         where = f"{cfg.eval_set}: sample {sid}"
         images = [str(p) for p in sample["images"]]
-        try:
-            for path in images:
+        for path in images:
+            if not Path(path).is_file():
+                raise MissingInput(f"{where}: {path}: reference image not found")
+            try:
                 with Image.open(path) as im:
                     im.verify()
+            except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... for damaged files
+                raise InputError(f"{where}: {path}: not a readable image ({type(e).__name__}: {e})") from e
+        try:
             items = pair_elements(images, specs)
             layout = check_layout(cfg, info, tuple(e for e, _ in items), False)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{where}: {e}") from e
+        except ValueError as e:
+            raise InputError(f"{where}: {e}") from e
         rows.append(dict(id=sid, prompt=sample["prompt"], line=where, images=images, layout=layout,
                          elements={e.name: None for e, _ in items}))
     return rows
@@ -302,7 +317,7 @@ def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], inf
     if partial.is_dir() and not any(partial.iterdir()):
         partial.rmdir()
     print(f"score them: python3 -m a2.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
-          "--aes-clip/--aes-mlp, --face, --gme; README 'OpenS2V-Eval')")
+          "--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme; README 'OpenS2V-Eval')")
 
 
 def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
@@ -332,10 +347,20 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
 def main(cfg: InferConfig) -> int:
     cfg, source = resolve(cfg)
     # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
-    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames)
+    check_size(cfg.height, cfg.width, cfg.num_frames)
+    for flag, path in (*(("--lora", p) for p in cfg.lora), ("--lora-high", cfg.lora_high), ("--lora-low", cfg.lora_low),
+                       ("--transformer", cfg.transformer), ("--transformer-2", cfg.transformer_2),
+                       ("--compare", cfg.compare)):
+        if path and not Path(path).exists():
+            raise MissingInput(f"{flag} {path}: no such file or dir")
+    for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
+        dirs = () if not path else (Path(path), *Path(path).parents) if flag == "--out-dir" else Path(path).parents
+        file = next((d for d in dirs if d.is_file()), None)  # found now, not once the video is rendered
+        if file is not None:
+            raise InputError(f"{flag} {path}: {file} is a file, not a dir to write into")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
                                                and model_path(cfg.image_encoder), cfg.components))
-    as_input_error(check_size, cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
+    check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
     first_frame = as_input_error(read_first_frame, cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
         raise InputError("--image renders one video; it takes no --prompts-file / --eval-set")
@@ -407,9 +432,9 @@ def main(cfg: InferConfig) -> int:
     if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
         steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
         print(size_banner(cfg, steps, source))
-    if rows is None and lay is not None and lay.num_frames > lay.clip_frames:  # the references lead the sequence
-        print(f"video: {lay.clip_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
-              f"references take {lay.num_frames - lay.clip_frames}")
+    if rows is None and lay is not None and lay.num_frames > lay.video_frames:  # the references lead the sequence
+        print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
+              f"references take {lay.num_frames - lay.video_frames}")
     adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
@@ -448,7 +473,7 @@ def main(cfg: InferConfig) -> int:
         if cfg.eval_set:
             means = write_metrics(Path(cfg.out_dir), scores)
             print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
-                  + format_table(means))
+                  + format_table(means, notes=evaluators.notes))
         return 0
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
                    region=refs["region"])

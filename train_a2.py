@@ -87,7 +87,6 @@ from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_seg
 from a2.parallel import context_parallel, data_parallel, grad_scale
 from a2.pipeline import (
     A2Pipeline,
-    check_size,
     decode_vae,
     encode_prompt,
     image_tokens,
@@ -133,6 +132,7 @@ from config import (
     ConfigError,
     Element,
     TrainConfig,
+    check_size,
     dataset_configs,
     exit_on_signal,
     pair_elements,

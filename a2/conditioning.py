@@ -60,7 +60,14 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
 from a2 import standin
-from a2.images import MAGREF_GRIDS, element_tensors, magref_canvas, pil_to_tensor, preprocess_image
+from a2.images import (
+    MAGREF_GRIDS,
+    element_tensors,
+    magref_canvas,
+    magref_places,
+    pil_to_tensor,
+    preprocess_image,
+)
 from a2.transformer import resolve_e2v_type
 from config import (
     RELEASED_ELEMENTS,
@@ -364,6 +371,13 @@ class Layout:
     # 512x512 whatever the video's (make_layout sets it); None: the element images take the video's size
 
     @property
+    def video_frames(self) -> int:
+        """Pixel frames of the video the sampler writes (A2Pipeline's decode drop_refs): the sequence less 4 per
+        leading reference latent (prefix: its clip; magref: 4 fewer than its clip, the canvas's latent frame decoded
+        to 4 frames and dropped, as MAGREF's sampler drops them)."""
+        return self.num_frames - VAE_T * (self.ref_latents if self.kind in CHANNEL_KINDS else 0)
+
+    @property
     def appended(self) -> bool:
         """The reference latents follow the video's on the time axis (their guidance has a reference-free branch)."""
         return self.kind in APPENDED_KINDS
@@ -550,6 +564,20 @@ def element_refusal(layout: Layout, n: int) -> str | None:
         return None
     lo, hi = d.references
     return f"the {layout.kind} kind takes {lo} to {hi} element image(s) a sample, this one has {n}"
+
+
+def canvas_refusal(layout: Layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
+    """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
+    height) sizes, in position order (a2.images.magref_places: a reference under a token once placed), else None;
+    None for the other kinds, which frame each image to the video's size. `names` (the files) say which."""
+    if layout.kind != "magref":
+        return None
+    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
+    try:
+        magref_places(sizes, size, rng, names)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def clip_frames(num_frames: int, elements, vae) -> int:

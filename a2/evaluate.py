@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from a2.images import tensor_to_uint8
+from a2.opens2v import Scorers, load_scorers, tiny_encoder_note, video_metrics
 
 
 class Embedder:
@@ -78,7 +79,8 @@ class Evaluators:
     clip_t: Embedder | None = None
     tokenizer: object = None
     device: str | torch.device = "cpu"
-    opens2v: object = None  # a2.opens2v.Scorers: OpenS2V-Eval's metrics under their names
+    opens2v: Scorers | None = None  # OpenS2V-Eval's metrics under their names
+    notes: list[str] = field(default_factory=list)  # the metrics that come from tiny random encoders (said with them)
 
 
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
@@ -129,10 +131,15 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
                              f"{type(ev.clip_t.model).__name__}")
         ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
-        from a2.opens2v import load_scorers
-
         ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
         ev.opens2v.motion = cfg.motion_fb
+    clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
+    encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir), (ev.dino, "DINO-I and temporal_dino", cfg.dino),
+                (ev.face, "face_sim", cfg.face), (ev.clip_t, "CLIP-T", cfg.clip_text))
+    ev.notes = [n for enc, metrics, where in encoders if enc is not None and (n := tiny_encoder_note(
+        enc.model, metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
+    for note in ev.notes:
+        print(f"evaluate: {note}")
     for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
                           (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
                           (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
@@ -234,8 +241,6 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
     refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
     per_video = {"motion": motion_magnitude(frames, device=ev.device)}
     if ev.opens2v is not None:  # their metrics sample the whole video themselves
-        from a2.opens2v import video_metrics
-
         face_refs = [refs[i] for i, n in enumerate(elements) if n in faces] if elements else []
         per_video.update(video_metrics(every_frame, prompt, ev.opens2v, face_refs))
     per_element = {name: {} for name in elements}
@@ -298,9 +303,10 @@ def mean_rows(rows: list[dict], by=("model", "element"), label: dict | None = No
     return out
 
 
-def format_table(means: list[dict], models=("base", "lora")) -> str:
+def format_table(means: list[dict], models=("base", "lora"), notes=()) -> str:
     """Mean rows (mean_rows by model and element) as a text table: metric, one column per model, and the delta
-    of the last model over the first when there are two."""
+    of the last model over the first when there are two; then the `notes` (Evaluators.notes: the metrics of tiny
+    random encoders)."""
     models = [m for m in models if any(r["model"] == m for r in means)]
     values: dict[str, dict[str, float]] = {}
     for r in means:
@@ -314,4 +320,4 @@ def format_table(means: list[dict], models=("base", "lora")) -> str:
         v = [by_model.get(m, math.nan) for m in models]
         delta = f"{v[1] - v[0]:>+10.4f}" if len(models) == 2 else ""
         lines.append(f"{name:<{width}}" + "".join(f"{x:>10.4f}" for x in v) + delta)
-    return "\n".join(lines)
+    return "\n".join(lines + list(notes))

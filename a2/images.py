@@ -76,19 +76,17 @@ def magref_fit(image_size: tuple[int, int], block: tuple[int, int]) -> tuple[int
     return (w, int(w / ratio)) if ratio > w / h else (int(h * ratio), h)
 
 
-def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
-                  min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
-    """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), and the
-    region mask (H, W) bool that is True where a reference's pixels are (False on the white around them).
-
-    The canvas is cut into the smallest grid of MAGREF_GRIDS with a block per reference (the last row and column
-    take the remainder of the integer division); each reference is resized (PIL Lanczos, aspect kept, sides
-    truncated to whole pixels) to fit its block and centred in it. rng: a random.Random that shuffles the reference
-    order, then the blocks, as MAGREF does (random.Random(s) places as MAGREF does after random.seed(s)); None
-    keeps reference i in block i. Images are RGB (read_image composites transparency on white). Raises a one-line
-    ValueError for no references, more than the largest grid holds, or a reference thinner than min_side pixels
-    once placed (names, default "reference <i>", say which)."""
-    n = len(images)
+def magref_places(sizes: list[tuple[int, int]], size: tuple[int, int], rng=None, names: list[str] | None = None,
+                  min_side: int = MAGREF_MIN_SIDE) -> list[tuple[int, int, int, int, int]]:
+    """Where MAGREF's canvas of size=(height, width) puts references of these (width, height) sizes: (reference
+    index, left, top, width, height) per reference. The canvas is cut into the smallest grid of MAGREF_GRIDS with a
+    block per reference (the last row and column take the remainder of the integer division); each reference is
+    fitted to its block (aspect kept, sides truncated to whole pixels) and centred in it. rng: a random.Random that
+    shuffles the reference order, then the blocks, as MAGREF does (random.Random(s) places as MAGREF does after
+    random.seed(s)); None keeps reference i in block i. Raises a one-line ValueError for no references, more than the
+    largest grid holds, or a reference thinner than min_side pixels once placed (names, default "reference <i>", say
+    which): what training checks of a clip before step 1, from its images' sizes alone."""
+    n = len(sizes)
     names = names or [f"reference {i}" for i in range(n)]
     height, width = size
     if not 0 < n <= max(MAGREF_GRIDS):
@@ -99,18 +97,30 @@ def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, na
     if rng is not None:
         rng.shuffle(order)
         rng.shuffle(blocks)
-    canvas = Image.new("RGB", (width, height), (255, 255, 255))
-    mask = torch.zeros(height, width, dtype=torch.bool)
+    places = []
     for i, (x0, y0, x1, y1) in zip(order, blocks):
-        image = images[i].convert("RGB")
         w, h = x1 - x0, y1 - y0
-        nw, nh = magref_fit(image.size, (w, h))
+        nw, nh = magref_fit(sizes[i], (w, h))
         if min(nw, nh) < min_side:
-            raise ValueError(f"{names[i]}: a {image.width}x{image.height} reference is {nw}x{nh} px in its {w}x{h} "
+            raise ValueError(f"{names[i]}: a {sizes[i][0]}x{sizes[i][1]} reference is {nw}x{nh} px in its {w}x{h} "
                              f"block of MAGREF's {width}x{height} canvas ({n} references), under {min_side} px: "
                              "crop it nearer the block's aspect or pass fewer references")
-        left, top = x0 + (w - nw) // 2, y0 + (h - nh) // 2
-        canvas.paste(image.resize((nw, nh), Image.LANCZOS), (left, top))
+        places.append((i, x0 + (w - nw) // 2, y0 + (h - nh) // 2, nw, nh))
+    return places
+
+
+def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
+                  min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
+    """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), placed by
+    magref_places (its ValueErrors too) and resized there with PIL's Lanczos, and the region mask (H, W) bool that is
+    True where a reference's pixels are (False on the white around them). Images are RGB (read_image composites
+    transparency on white)."""
+    images = [image.convert("RGB") for image in images]
+    height, width = size
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    mask = torch.zeros(height, width, dtype=torch.bool)
+    for i, left, top, nw, nh in magref_places([image.size for image in images], size, rng, names, min_side):
+        canvas.paste(images[i].resize((nw, nh), Image.LANCZOS), (left, top))
         mask[top:top + nh, left:left + nw] = True
     return canvas, mask
 

@@ -1,7 +1,7 @@
 """OpenS2V-Eval v1.1: the field's subject-to-video benchmark, scored as its own scripts score it.
 
     python3 -m a2.opens2v --videos outputs/opens2v --eval-set OpenS2V-Eval/Open-Domain_Eval.json \
-        --aes-clip /models/clip-vit-large-patch14 --aes-mlp /models/OpenS2V-Weight/aesthetic-model.pth
+        --eval.aes-clip /models/clip-vit-large-patch14 --eval.aes-mlp /models/OpenS2V-Weight/aesthetic-model.pth
 
 OpenS2V-Eval (OpenS2V-Nexus, Apache-2.0) has 180 subject-text pairs in three sets (Open-, Human-, Single-Domain), a
 video per sample id (`<id>.mp4`), a script per metric writing one JSON file of per-video scores, and a merge
@@ -20,26 +20,33 @@ franciszzj/OpenS2V-Nexus, eval/), never copied:
   references. It is printed beside the table and never enters a TotalScore;
 - MotionSmoothness (Q-Align) and NaturalScore (a hosted judge) and NexusScore come from their own scripts run on the
   same video dir (`motion_smoothness.json`, `naturalscore_{1,2,3}.json`, `nexusscore.json`): merged when present;
-- the merge and the TotalScore of merge_result.py, and a partial TotalScore over the metrics present (their weights
-  renormalised to sum to 1, labelled with what is missing), printed next to the published leaderboard rows (whose
-  partial TotalScore over the same metrics is computed from their columns, so the comparison is like for like).
+- the merge and the TotalScore of merge_result.py, ranked among the published leaderboard rows when it covers every
+  metric of the domain on every video of the set; otherwise a partial TotalScore (the weights of the metrics present
+  renormalised to sum to 1), labelled with how many metrics and videos it covers and never placed among them.
 
 Encoders load from local dirs only; a metric whose encoder is not given is skipped with one message.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before torch loads
+    from config import OpenS2VConfig, parse_cli
+
+    CLI_CONFIG = parse_cli(OpenS2VConfig, prog="python3 -m a2.opens2v")
+
 import csv
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from config import InputError, MissingInput, run_cli
 
 DOMAINS = ("Open-Domain", "Human-Domain", "Single-Domain")
 
@@ -73,6 +80,8 @@ COLUMNS = dict(aes_score="Aesthetics↑", motion_smoothness="MotionSmoothness↑
                facesim_cur="FaceSim↑", gme_score="GmeScore↑", nexus_score="NexusScore↑",
                natural_score="NaturalScore↑")
 TOTAL_COLUMN = "TotalScore↑"
+# the published v1.1 tables (leaderboard/file_v1.1/results_<domain>.csv, Apache-2.0; README.md there)
+LEADERBOARDS = Path(__file__).resolve().parent / "opens2v_leaderboard"
 
 FACE_IDS = ("singlehuman", "singleface", "faceobj", "humanobj")  # the sample ids get_facesim.py scores
 FACE_DIRS = ("/man/", "/woman/", "/crop_woman/", "/crop_man/")  # its reference: the first image in one of these
@@ -90,7 +99,7 @@ def domain_of(path) -> str:
     for domain in DOMAINS:
         if name.startswith(domain):
             return domain
-    raise ValueError(f"{path}: not an OpenS2V-Eval set name (expected one of "
+    raise InputError(f"{path}: not an OpenS2V-Eval set name (expected one of "
                      f"{', '.join(d + '_Eval.json' for d in DOMAINS)})")
 
 
@@ -99,19 +108,21 @@ def read_eval_set(path) -> dict[str, dict]:
     Images/), class_label}}. Returns {id: dict(prompt, images (absolute Paths), class_label)}; errors name the
     sample."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"{path}: no such OpenS2V-Eval set (e.g. OpenS2V-Eval/Open-Domain_Eval.json)")
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read an OpenS2V-Eval set ({e})") from e
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise InputError(f"{path}: cannot read an OpenS2V-Eval set ({e})") from e
     if not isinstance(data, dict) or not data:
-        raise ValueError(f"{path}: expected {{sample id: {{prompt, img_paths, ...}}}}, got {type(data).__name__}")
+        raise InputError(f"{path}: expected {{sample id: {{prompt, img_paths, ...}}}}, got {type(data).__name__}")
     samples = {}
     for sid, row in data.items():
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{path}: sample {sid}: no 'prompt'")
+            raise InputError(f"{path}: sample {sid}: no 'prompt'")
         paths = row.get("img_paths")
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise ValueError(f"{path}: sample {sid}: 'img_paths' must be a list of paths, got {paths!r}")
+            raise InputError(f"{path}: sample {sid}: 'img_paths' must be a list of paths, got {paths!r}")
         samples[sid] = dict(prompt=row["prompt"].strip(), images=[path.parent / p for p in paths],
                             img_paths=paths, class_label=row.get("class_label", []))
     return samples
@@ -134,9 +145,9 @@ def read_video(path) -> np.ndarray:
             reader.close()
     except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
         last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-        raise ValueError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
+        raise InputError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
     if not frames:
-        raise ValueError(f"{path}: no frames")
+        raise InputError(f"{path}: no frames")
     return np.stack(frames)
 
 
@@ -281,12 +292,12 @@ class FaceSim:
             from insightface.app import FaceAnalysis
             from insightface.utils import face_align
         except ImportError as e:
-            raise ValueError(f"cur_score needs insightface and onnxruntime (pip install insightface onnxruntime): "
+            raise InputError(f"cur_score needs insightface and onnxruntime (pip install insightface onnxruntime): "
                              f"{e}") from e
         model_dir = Path(model_dir)
         weights = model_dir / "glint360k_curricular_face_r101_backbone.bin"
         if not weights.is_file() or not (model_dir / "face_extractor").is_dir():
-            raise ValueError(f"{model_dir}: expected face_extractor/ and {weights.name} (OpenS2V-Weight's layout)")
+            raise InputError(f"{model_dir}: expected face_extractor/ and {weights.name} (OpenS2V-Weight's layout)")
         providers = ["CUDAExecutionProvider"] if str(device).startswith("cuda") else ["CPUExecutionProvider"]
         app = FaceAnalysis(root=str(model_dir / "face_extractor"), providers=providers)
         app.prepare(ctx_id=0, det_size=(320, 320))
@@ -451,21 +462,30 @@ def subject_clip_i_proxy(aes: Aesthetics, references: list[np.ndarray], frames: 
 # ---------------------------------------------------------------- merge and TotalScore
 
 
-def merge_dir(json_dir) -> dict[str, dict]:
+def read_scores(path: Path) -> dict:
+    """One per-metric JSON file: {video id: record}."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected {{video id: score}}, got {type(data).__name__}")
+    return data
+
+
+def merge_dir(json_dir, ids=None) -> dict[str, dict]:
     """merge_result.py's merge_scores_files: every per-metric JSON file of the dir, {video id: {merged metric:
-    value}} (natural_score the mean of the naturalscore_* judges present). Files that are no metric of theirs or ours
-    are ignored."""
+    value}} (natural_score the mean of the naturalscore_* judges present); `ids`: only these videos (None: all).
+    Files that are no metric of theirs or ours are ignored."""
     merged: dict[str, dict] = {}
     json_dir = Path(json_dir)
     for stem in (*FILES, *NATURAL_FILES, PROXY_FILE):
         path = json_dir / f"{stem}.json"
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-        for vid, record in data.items():
+        for vid, record in read_scores(path).items():
+            if ids is not None and vid not in ids:
+                continue
             row = merged.setdefault(vid, {})
             if stem in NATURAL_FILES:
                 row.setdefault("_natural", []).append(float(record))
@@ -509,25 +529,40 @@ def total_score(metrics: dict[str, float], domain: str) -> tuple[float, list[str
     return sum(w * metrics[m] for m, w in present.items()) / norm, missing
 
 
-def score_label(domain: str, missing: list[str]) -> str:
-    if not missing:
+def score_label(domain: str, missing: list[str], videos: dict[str, int] | None = None,
+                set_size: int | None = None) -> str:
+    """What a TotalScore covers: "TotalScore" (every metric of the domain on every video of the set), else a
+    partial TotalScore saying how many metrics (their weights renormalised) and videos it covers: no leaderboard
+    row. videos: {metric: the videos that have it}; set_size: the set's videos (None: not known)."""
+    weights = WEIGHTS[domain]
+    counts = sorted(set((videos or {}).values()))
+    if not missing and (set_size is None or counts == [set_size]):
         return "TotalScore"
-    kept = sum(w for m, w in WEIGHTS[domain].items() if m not in missing)
-    return (f"partial TotalScore (missing {', '.join(COLUMNS[m].rstrip('↑') for m in missing)}; the other weights "
-            f"renormalised from {kept:.2f} to 1)")
-
-
-def merge_result(json_dir, domain: str) -> dict:
-    """merge_result.py's output ({total_score, <normalised metrics>}) plus, when metrics are missing, `partial`
-    True and `missing`; `label` says which TotalScore it is."""
-    metrics = normalised_metrics(merge_dir(json_dir))
-    if not metrics:
-        raise ValueError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
-    total, missing = total_score(metrics, domain)
-    out = dict(total_score=total, **{m: metrics[m] for m in WEIGHTS[domain] if m in metrics})
+    kept = sum(w for m, w in weights.items() if m not in missing)
+    covers = f"{len(weights) - len(missing)} of {len(weights)} metrics"
     if missing:
+        covers += (f" (missing {', '.join(COLUMNS[m].rstrip('↑') for m in missing)}; the other weights renormalised "
+                   f"from {kept:.2f} to 1)")
+    if counts and set_size is not None:  # per metric: one count, or the fewest to the most
+        covers += f", {counts[0]}{'' if len(counts) == 1 else f' to {counts[-1]}'} of {set_size} videos"
+    return f"partial TotalScore over {covers}: not comparable with the leaderboard's"
+
+
+def merge_result(json_dir, domain: str, ids=None, set_size: int | None = None) -> dict:
+    """merge_result.py's output ({total_score, <normalised metrics>}) over the videos `ids` (None: every video the
+    files score) plus `videos` ({metric: the videos that have it}) and, when it covers fewer metrics than the domain
+    weighs or fewer videos than the set's `set_size`, `partial` True and `missing` (metrics); `label` says which
+    TotalScore it is (score_label)."""
+    merged = merge_dir(json_dir, ids)
+    metrics = normalised_metrics(merged)
+    if not metrics:
+        raise InputError(f"{json_dir}: no metric of any video (no encoder given, motion off, none of their JSON files)")
+    total, missing = total_score(metrics, domain)
+    videos = {m: sum(m in row for row in merged.values()) for m in WEIGHTS[domain] if m in metrics}
+    out = dict(total_score=total, **{m: metrics[m] for m in WEIGHTS[domain] if m in metrics}, videos=videos)
+    out["label"] = score_label(domain, missing, videos, set_size)
+    if out["label"] != "TotalScore":
         out.update(partial=True, missing=missing)
-    out["label"] = score_label(domain, missing)
     return out
 
 
@@ -536,6 +571,8 @@ def merge_result(json_dir, domain: str) -> dict:
 
 def read_leaderboard(path) -> list[dict]:
     """A published results_<domain>.csv: [{model, venue, total (percent), metrics {merged metric: fraction}}]."""
+    if not Path(path).is_file():
+        raise MissingInput(f"--leaderboard {path}: no such file")
     rows = []
     with open(path, newline="", encoding="utf-8") as f:
         for n, r in enumerate(csv.DictReader(f), 2):
@@ -543,53 +580,65 @@ def read_leaderboard(path) -> list[dict]:
                 metrics = {m: float(r[c].rstrip("%")) / 100 for m, c in COLUMNS.items() if c in r}
                 total = float(r[TOTAL_COLUMN].rstrip("%"))
             except (KeyError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: not a leaderboard row ({e})") from e
+                raise InputError(f"{path}:{n}: not a leaderboard row ({e})") from e
             name = r["Model"].split("](")[0].lstrip("[")
             rows.append(dict(model=name, venue=r.get("Venue", ""), total=total, metrics=metrics))
     return rows
 
 
 def format_table(run: dict, domain: str, published: list[dict], name: str = "this run") -> str:
-    """The run's metrics and (partial) TotalScore (percent, 2 decimals) above the published rows, sorted by the same
-    TotalScore; a published row's partial TotalScore is computed from its columns over the run's metrics."""
-    metrics = [m for m in WEIGHTS[domain]]
-    missing = run.get("missing", [])
-    label = "TotalScore" if not missing else "Partial"
-    head = f"{'model':<28} {label:>10} " + " ".join(f"{COLUMNS[m].rstrip('↑')[:12]:>12}" for m in metrics)
-    lines = [run["label"], head, "-" * len(head)]
+    """A complete run's TotalScore and metrics (percent, 2 decimals) ranked among the published rows; a partial run's
+    own line alone under its label (a partial TotalScore is no leaderboard row)."""
+    metrics = list(WEIGHTS[domain])
+    head = f"{'model':<28} {'TotalScore':>10} " + " ".join(f"{COLUMNS[m].rstrip('↑')[:12]:>12}" for m in metrics)
 
     def line(model, total, values, extra=""):
         cells = " ".join(f"{'-' if m not in values else f'{100 * values[m]:.2f}':>12}" for m in metrics)
         return f"{model[:28]:<28} {total:>10.2f} {cells}{extra}"
 
     rows = [(run["total_score"] * 100, line(name, run["total_score"] * 100, run, "  <-"))]
-    for p in published:
-        kept = {m: v for m, v in p["metrics"].items() if m not in missing}
-        total = total_score(kept, domain)[0] * 100 if missing else p["total"]
-        rows.append((total, line(p["model"], total, p["metrics"])))
-    lines += [r for _, r in sorted(rows, key=lambda x: -x[0])]
-    if missing:
-        lines.append("(published rows: their partial TotalScore over the same metrics, from their columns)")
-    return "\n".join(lines)
+    if not run.get("partial"):
+        rows += [(p["total"], line(p["model"], p["total"], p["metrics"])) for p in published]
+    return "\n".join([run["label"], head, "-" * len(head)] + [r for _, r in sorted(rows, key=lambda x: -x[0])])
 
 
 # ---------------------------------------------------------------- scoring a directory
 
 
+TINY_LAYERS = 6  # a metric's encoder of fewer transformer layers is a2's tiny random one: no real one is this small
+
+
+def tiny_encoder_note(model, metrics: str, where) -> str | None:
+    """A line saying that `metrics` come from a tiny random encoder (fewer than TINY_LAYERS transformer layers in
+    every tower of the transformers `model`: a built-in tiny model's, a test's), so their values are noise (pure
+    noise scores a CLIP-I of 0.97 on the tiny model's); None for a real-size model, or one that is no transformers
+    model (a face model's export)."""
+    config = getattr(model, "config", None)
+    towers = (config, getattr(config, "vision_config", None), getattr(config, "text_config", None))
+    layers = [n for n in (getattr(c, "num_hidden_layers", None) for c in towers) if isinstance(n, int)]
+    if not layers or max(layers) >= TINY_LAYERS:
+        return None
+    return (f"note: {metrics} come from a {max(layers)}-layer encoder ({where}), a tiny random one (a built-in "
+            f"model's or a test's): their values are noise, not {metrics}; give a real encoder's dir for them")
+
+
 @dataclass
 class Scorers:
-    """The encoders given (None: that metric is skipped). motion_fb needs none."""
+    """The encoders given (None: that metric is skipped). motion_fb needs none. notes: tiny_encoder_note's lines."""
 
     aes: Aesthetics | None = None
     face: FaceSim | None = None
     gme: Gme | None = None
     motion: bool = True
+    notes: list[str] = field(default_factory=list)
 
 
 def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
-    """The encoders of the dirs given; gme in gme_dtype (theirs: float16)."""
+    """The encoders of the dirs given; gme in gme_dtype (theirs: float16); notes: which of them are tiny random ones
+    (said beside their scores)."""
     if bool(aes_clip) != bool(aes_mlp):
-        raise ValueError("aes_score needs both --aes-clip (CLIP ViT-L/14 dir) and --aes-mlp (aesthetic-model.pth)")
+        raise InputError("aes_score needs both --eval.aes-clip (CLIP ViT-L/14 dir) and --eval.aes-mlp "
+                         "(aesthetic-model.pth)")
     s = Scorers()
     if aes_clip:
         s.aes = Aesthetics.load(aes_clip, aes_mlp, device)
@@ -602,6 +651,8 @@ def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu",
                if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
+    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", aes_clip),
+                           s.gme and tiny_encoder_note(s.gme.model, "gme_score", gme)) if n]
     return s
 
 
@@ -631,27 +682,32 @@ def load_image(path) -> np.ndarray:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
     except OSError as e:
-        raise ValueError(f"{path}: cannot read the reference image ({e})") from e
+        raise InputError(f"{path}: cannot read the reference image ({e})") from e
 
 
 def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> list[str]:
     """Each metric a2 computes, over the `<id>.mp4` of `video_dir` that are samples of the set, into json_dir in
-    their file format. A metric file already there is kept (as their scripts do: delete it, or redo=True, to
-    recompute). Returns the files written."""
+    their file format. A metric file already there keeps its videos' scores and gets those of the videos it does not
+    hold yet (a render resumed since); redo=True recomputes every video. A face sample in which no face is found has
+    no cur_score (their format) and is tried again the next time. Returns the files written."""
     video_dir, json_dir = Path(video_dir), Path(json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
     videos = sorted(p for p in video_dir.glob("*.mp4") if p.stem in samples)
     if not videos:
-        raise ValueError(f"{video_dir}: no <sample id>.mp4 of the set (e.g. {next(iter(samples))}.mp4)")
-    todo = {stem: on for stem, on in (("motion_amplitude", scorers.motion), ("aesthetic_score", scorers.aes),
-                                      (PROXY_FILE, scorers.aes), ("facesim", scorers.face),
-                                      ("gmescore", scorers.gme))
-            if on and (redo or not (json_dir / f"{stem}.json").is_file())}
-    results: dict[str, dict] = {stem: {} for stem in todo}
+        raise InputError(f"{video_dir}: no <sample id>.mp4 of the set (e.g. {next(iter(samples))}.mp4)")
+    on = [stem for stem, enabled in (("motion_amplitude", scorers.motion), ("aesthetic_score", scorers.aes),
+                                     (PROXY_FILE, scorers.aes), ("facesim", scorers.face), ("gmescore", scorers.gme))
+          if enabled]
+    results = {stem: {} if redo or not (json_dir / f"{stem}.json").is_file() else read_scores(json_dir / f"{stem}.json")
+               for stem in on}
+    kept = {stem: len(r) for stem, r in results.items() if r}
+    changed = set()
     for i, path in enumerate(videos, 1):
-        if not todo:
-            break
         sid, sample = path.stem, samples[path.stem]
+        face = sid.startswith(FACE_IDS) and face_reference(sample)
+        todo = [stem for stem in on if sid not in results[stem] and (stem != "facesim" or face)]
+        if not todo:
+            continue
         frames = read_video(path)
         some = sample_frames(frames, METRIC_FRAMES)
         if "motion_amplitude" in todo:
@@ -661,19 +717,21 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
         if PROXY_FILE in todo:
             refs = [load_image(p) for p in sample["images"]]
             results[PROXY_FILE][sid] = {PROXY_KEY: subject_clip_i_proxy(scorers.aes, refs, some)}
-        if "facesim" in todo and sid.startswith(FACE_IDS) and (ref := face_reference(sample)) is not None:
-            found = scorers.face(load_image(ref), some)
-            if found is not None:
-                results["facesim"][sid] = found
+        if "facesim" in todo and (found := scorers.face(load_image(face), some)) is not None:
+            results["facesim"][sid] = found
         if "gmescore" in todo:
             results["gmescore"][sid] = dict(gme_score=scorers.gme(sample["prompt"], some))
-        print(f"[{i}/{len(videos)}] {sid}: " + ", ".join(f"{k}={v:.4f}" for r in results.values()
-                                                          for k, v in r.get(sid, {}).items()), flush=True)
+        changed.update(todo)
+        print(f"[{i}/{len(videos)}] {sid}: " + ", ".join(f"{k}={v:.4f}" for stem in todo
+                                                          for k, v in results[stem].get(sid, {}).items()), flush=True)
+    if kept:
+        print(f"kept the scores already in {json_dir} (" + ", ".join(f"{stem}.json: {n} video(s)" for stem, n in
+                                                                    kept.items()) + "; --redo recomputes them)")
     written = []
-    for stem, data in results.items():
+    for stem in sorted(changed):
         out = json_dir / f"{stem}.json"
         tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=4))
+        tmp.write_text(json.dumps(results[stem], indent=4))
         tmp.replace(out)
         written.append(str(out))
     return written
@@ -688,60 +746,35 @@ its README gives), run on the same dirs; their JSON files land next to a2's and 
   python get_naturalscore.py --input_video_folder {videos} --output_json_folder {json_dir} --api_key <key>"""
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python3 -m a2.opens2v", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--videos", required=True, help="dir of <sample id>.mp4 (infer.py --eval-set's, or anyone's)")
-    p.add_argument("--eval-set", required=True, help="an OpenS2V-Eval set as downloaded, e.g. "
-                   "OpenS2V-Eval/Open-Domain_Eval.json (beside its Images/)")
-    p.add_argument("--json-dir", help="where the per-metric JSON files go (default: <videos>/opens2v_json)")
-    p.add_argument("--aes-clip", help="CLIP ViT-L/14 dir (openai/clip-vit-large-patch14) for aes_score")
-    p.add_argument("--aes-mlp", help="the LAION aesthetic MLP (OpenS2V-Weight/aesthetic-model.pth)")
-    p.add_argument("--face", help="OpenS2V-Weight dir: face_extractor/ + glint360k_curricular_face_r101_backbone.bin")
-    p.add_argument("--gme", help="gme-Qwen2-VL dir (Alibaba-NLP/gme-Qwen2-VL-7B-Instruct)")
-    p.add_argument("--gme-dtype", default="float16", choices=("float16", "bfloat16", "float32"),
-                   help="their float16; float32 on a CPU")
-    p.add_argument("--leaderboard", help="the published results_<domain>.csv (default: the v1.1 CSVs shipped in "
-                   "tests/media/opens2v_eval/)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-motion", action="store_true", help="skip motion_fb")
-    p.add_argument("--redo", action="store_true", help="recompute a2's metric files that already exist")
-    args = p.parse_args(argv)
-    try:
-        domain = domain_of(args.eval_set)
-        samples = read_eval_set(args.eval_set)
-        if not Path(args.videos).is_dir():
-            raise ValueError(f"--videos {args.videos}: not a directory")
-        json_dir = Path(args.json_dir or Path(args.videos) / "opens2v_json")
-        board = Path(args.leaderboard) if args.leaderboard else (
-            Path(__file__).resolve().parent.parent / "tests" / "media" / "opens2v_eval"
-            / f"leaderboard_results_{domain}.csv")
-        published = read_leaderboard(board) if board.is_file() else []
-        scorers = load_scorers(args.aes_clip, args.aes_mlp, args.face, args.gme, args.device,
-                               getattr(torch, args.gme_dtype))
-        scorers.motion = not args.no_motion
-        score_videos(args.videos, samples, json_dir, scorers, args.redo)
-        result = merge_result(json_dir, domain)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    n = len([p for p in Path(args.videos).glob("*.mp4") if p.stem in samples])
-    if n < len(samples):
-        print(f"note: {n} of the set's {len(samples)} videos are in {args.videos}; the means cover those")
-    out = Path(args.videos) / f"opens2v_{domain}.json"
+def main(cfg) -> int:
+    """`python3 -m a2.opens2v` on a config.OpenS2VConfig: score, merge, print the table. An input mistake is an
+    InputError (one line, exit 2 under run_cli)."""
+    domain = domain_of(cfg.eval_set)
+    samples = read_eval_set(cfg.eval_set)
+    videos = Path(cfg.videos)
+    if not videos.is_dir():
+        raise MissingInput(f"--videos {cfg.videos}: not a directory")
+    board = Path(cfg.leaderboard) if cfg.leaderboard else LEADERBOARDS / f"results_{domain}.csv"
+    published = read_leaderboard(board)
+    json_dir = Path(cfg.json_dir or videos / "opens2v_json")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    e = cfg.eval
+    scorers = load_scorers(e.aes_clip, e.aes_mlp, e.facesim, e.gme, device, getattr(torch, cfg.gme_dtype))
+    scorers.motion = e.motion_fb
+    score_videos(videos, samples, json_dir, scorers, cfg.redo)
+    ids = {p.stem for p in videos.glob("*.mp4") if p.stem in samples}  # the means cover the videos there
+    result = merge_result(json_dir, domain, ids, len(samples))
+    out = videos / f"opens2v_{domain}.json"
     out.write_text(json.dumps(result, indent=4))
-    print(f"wrote {out}\n" + format_table(result, domain, published))
-    merged = merge_dir(json_dir)
-    proxy = [r[PROXY_KEY] for r in merged.values() if PROXY_KEY in r]
+    print(f"wrote {out}\n" + format_table(result, domain, published) + "".join(f"\n{n}" for n in scorers.notes))
+    proxy = [r[PROXY_KEY] for r in merge_dir(json_dir, ids).values() if PROXY_KEY in r]
     if proxy:
         print(f"{PROXY_KEY} (a2's proxy, not NexusScore; not in any TotalScore): {np.mean(proxy):.4f}")
     if result.get("missing"):
-        print(THEIR_SCRIPTS.format(videos=args.videos, json_dir=json_dir, set=args.eval_set,
-                                   root=Path(args.eval_set).parent))
+        print(THEIR_SCRIPTS.format(videos=cfg.videos, json_dir=json_dir, set=cfg.eval_set,
+                                   root=Path(cfg.eval_set).parent))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, CLI_CONFIG))  # bad input: its one line, exit 2

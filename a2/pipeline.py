@@ -35,7 +35,7 @@ from a2.conditioning import (
 )
 from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
 from a2.transformer import TEXT_TOKENS, expert_for_timestep
-from config import ConditioningConfig
+from config import ConditioningConfig, check_size
 
 # ---------------------------------------------------------------- element images
 
@@ -390,15 +390,6 @@ class A2Pipeline(WanLoraLoaderMixin):
         elif decode != "none":
             raise ValueError(f"unknown decode mode {decode!r}")
         return dict(video=video, latents=latents, condition=cond.tensor, num_ref_latents=num_ref)
-
-
-def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
-    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
-    TI2V-5B: 16 x 2 = 32), F = 4k+1."""
-    if height % multiple or width % multiple or height <= 0 or width <= 0:
-        raise ValueError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
-    if num_frames < 1 or (num_frames - 1) % VAE_T:
-        raise ValueError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
 
 
 def save_video(path, video: torch.Tensor, fps: int = 15, references: torch.Tensor | None = None) -> Path:

@@ -57,6 +57,7 @@ from config import (  # noqa: F401 (data.py's commands, configs of the indexes b
     IndexOpenS2V,
     IndexPhantom,
     InputError,
+    MissingInput,
     run_cli,
 )
 
@@ -189,6 +190,27 @@ def element_image(ref: dict, sam_dir: str | None = None, frames: dict | None = N
     if min(image.size) < 1:
         raise ValueError("the element image is empty")
     return image
+
+
+def element_size(ref: dict, frame_size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The (width, height) element_image makes of an index entry, without making it: a mask's tight box (from the RLE,
+    no decoding), an image file's size, a box's extent in the frame of (H, W) `frame_size` (None: unknown). None
+    where it cannot tell (the load then says why)."""
+    from pycocotools import mask as mask_util
+
+    try:
+        if "mask" in ref:
+            w, h = (int(v) for v in mask_util.toBbox(rle_of(ref["mask"]))[2:])
+        elif "image" in ref:
+            w, h = read_image(ref["image"]).size
+        elif "box" in ref and frame_size is not None:
+            x0, y0, x1, y1 = canvas_box(ref["box"], frame_size, ref.get("canvas", PHANTOM_CANVAS))
+            w, h = x1 - x0, y1 - y0
+        else:
+            return None
+    except (ValueError, KeyError):
+        return None
+    return (w, h) if w > 0 and h > 0 else None
 
 
 def ref_file(ref: dict) -> Path:
@@ -348,6 +370,10 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
             size = (ey - sy, ex - sx)
         s.num_frames = s.num_frames or max(0, (listed or sum(1 for _ in read_frames_iter(s.video))) - s.start)
         s.size = tuple(int(v) for v in size)
+        frame = s.size if s.crop is None else None  # a box is in the whole frame of the clip's own video
+        sizes = {name: element_size(ref, frame if ref.get("video") == str(s.video) else None)
+                 for name, ref in s.refs.items()}
+        s.sizes = {name: wh for name, wh in sizes.items() if wh is not None}
     except Exception as ex:  # PyAV raises many types for damaged files
         s.problems.append(Problem(s.id, s.video, f"unreadable video ({type(ex).__name__}: {ex})", s.where))
         return s
@@ -809,9 +835,14 @@ def export_elements(a: ExportElements) -> dict:
     from config import A2_ELEMENTS
 
     path, out = Path(a.manifest), Path(a.out)
+    if not path.is_file():
+        raise MissingInput(f"--manifest {path}: no such index (`data.py index` writes OUT/index.jsonl)")
     with open(path) as f:
-        first = json.loads(next(f, "{}") or "{}")
-    if first.get("dataset") not in PUBLIC_TYPES:
+        try:
+            first = json.loads(next(f, "{}") or "{}")
+        except ValueError:  # not UTF-8, not JSON
+            first = {}
+    if not isinstance(first, dict) or first.get("dataset") not in PUBLIC_TYPES:
         raise InputError(f"{path}: not an index of `data.py index` (first line has no dataset of {PUBLIC_TYPES})")
     cfg = DatasetConfig(str(path.parent), dataset_type=first["dataset"], manifest=str(path), elements=A2_ELEMENTS,
                         cross_video=a.cross_video)

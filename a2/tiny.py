@@ -21,6 +21,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+if __name__ == "__main__" and (len(sys.argv) < 2 or sys.argv[1].startswith("-")
+                               or not set(sys.argv[2:]) <= {"--t2v", "--wan22", "--ti2v", "--vace"}):
+    print(__doc__)  # --help, or arguments it does not take: before torch loads (never a dir named "--help")
+    sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+
 import torch
 
 from a2.transformer import RANDOM_WEIGHTS, VACE_FUN_BOUNDARY, local_or_hub, preset_config, transformer_class
@@ -400,7 +405,5 @@ def model_path(name) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
     print(save_tiny(sys.argv[1], t2v="--t2v" in sys.argv or "--vace" in sys.argv, wan22="--wan22" in sys.argv,
                     ti2v="--ti2v" in sys.argv, vace="--vace" in sys.argv))

@@ -87,6 +87,14 @@ def test_design_document_config_loads(tmp_path):
      r"processors.vae.combine: 'during' is not one of \('before', 'after'\)"),
     ({"elements": [{"name": "a", "suffixes": ["x"]}, {"name": "a", "suffixes": ["y"], "position": 1}]},
      "names must be unique"),
+    # a value of the wrong type: named, not a TypeError from deep inside
+    ({"data_root": 5}, r"datasets\[0\].data_root: expected str, got 5"),
+    ({"weight": "x"}, r"datasets\[0\].weight: expected int or float, got 'x'"),
+    ({"elements": "x"}, r"datasets\[0\].elements: expected list, got 'x'"),
+    ({"elements": [{"name": "a", "suffixes": 5}]}, r"elements\[0\].suffixes: expected str or list, got 5"),
+    ({"elements": [{"name": "a", "suffixes": [5]}]}, r"elements\[0\].suffixes: expected a file suffix or a list"),
+    ({"elements": [{"name": "a", "suffixes": "_a.png", "required": "yes"}]},
+     r"elements\[0\].required: expected bool, got 'yes'"),
 ])
 def test_bad_json_values_name_key_and_file(tmp_path, patch, message):
     f = tmp_path / "bad.json"

@@ -1,10 +1,15 @@
 """The demo shows what training did: the built-in tiny model's VAE gives back what it encodes, the synthetic data's
 square and disc survive it, and a short LoRA run on one synthetic clip renders measurably closer to that clip than the
-base model does (a2/demo.py's picture and measures)."""
+base model does (demo.py's picture and measures); its input mistakes are one line before any weights load."""
 
+import json
+
+import pytest
 import torch
 from PIL import Image
 
+from config import DemoConfig, run_cli
+from demo import block_distance, colour_match, element_colour, read_clip, run
 from tests.conftest import args, train
 
 
@@ -15,7 +20,6 @@ def test_tiny_vae_keeps_the_square_and_the_disc(tiny_dir):
     where a grey frame scores 0.17)."""
     from diffusers import AutoencoderKLWan
 
-    from a2.demo import block_distance, colour_match, element_colour, read_clip
     from data import make_synthetic_dataset
 
     vae = AutoencoderKLWan.from_pretrained(tiny_dir / "vae").eval()
@@ -39,8 +43,6 @@ def test_tiny_vae_keeps_the_square_and_the_disc(tiny_dir):
 
 def test_colour_match_tells_place_and_absence():
     """colour_match is 1 for the clip itself, ~0 where the colour is absent, and low when the shape is elsewhere."""
-    from a2.demo import colour_match
-
     clip = torch.full((3, 4, 32, 32), 0.8)
     red = torch.tensor([0.9, -0.8, -0.8])
     clip[:, :, 4:14, 4:14] = red.view(3, 1, 1, 1)
@@ -58,7 +60,6 @@ def test_lora_video_is_closer_to_the_training_clip_than_the_base(tmp_path):
     training seeds 0 and 8 x sampling seeds 42-44 measured distance 0.066-0.086 against the base's 0.34-0.37, and
     colour match 0.64-0.81 (square), 0.37-0.60 (disc) against the base's -0.12-0.06 (without --sigma-sampling shifted,
     120 steps at lr 2e-3: as low as 0.05 and -0.06, which a CPU's rounding alone can tip)."""
-    from a2.demo import DemoConfig, run
     from config import LORA_TARGETS
     from data import make_synthetic_dataset
 
@@ -72,3 +73,36 @@ def test_lora_video_is_closer_to_the_training_clip_than_the_base(tmp_path):
     for name in ("000_person", "000_object"):  # the square's, the disc's colour where the clip has it
         assert out["match"]["lora"][name] > out["match"]["base"][name] + 0.25, out  # measured +0.83, +0.64
     assert Image.open(out["path"]).size[0] > 200
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("no run dir", "{d}/none: no such run dir"),
+    ("no run.json", "{d}/run: no run.json; not a train_a2.py run dir"),
+    ("no LoRA", "{d}/run/pytorch_lora_weights.safetensors: no LoRA in the run dir"),
+    ("no elements", "{d}/run trained the prefix kind on element images and names no --val-elements: give the "
+                    "images to render with, --elements IMAGE"),
+    ("missing element", "{d}/none.png: element 'subject' image not found"),
+    ("missing clip", "--clip {d}/none.mp4: no such video"),
+    ("clip not a video", "--clip {d}/run/config.json: not a readable video"),
+])
+def test_the_demos_input_mistakes_are_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir,
+                                                                        mistake, says):
+    """As `python3 demo.py` runs (run_cli): a run dir that is not one, a LoRA not there, a run on element images
+    with none given (it spoke of T2V training), an element image or a clip that is not there: one line, exit 2."""
+    import demo
+
+    monkeypatch.setattr(demo.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(model="tiny", resolution=[32, 32], num_frames=17, val_elements=[])))
+    if mistake != "no run.json":
+        (d / "run.json").write_text(json.dumps(dict(layout=dict(kind="prefix"))))
+    if mistake != "no LoRA":
+        (d / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    els = () if mistake == "no elements" else (str(tmp_path / "none.png"),) if mistake == "missing element" else (
+        str(data_dir / "000_person.png"),)
+    clip = {"missing clip": str(tmp_path / "none.mp4"), "clip not a video": str(d / "config.json")}.get(mistake)
+    with pytest.raises(SystemExit) as e:
+        run_cli(run, DemoConfig(str(tmp_path / "none" if mistake == "no run dir" else d), elements=els, clip=clip))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says.replace("{d}", str(tmp_path)) in err, err

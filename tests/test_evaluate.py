@@ -6,6 +6,7 @@ import csv
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
+from a2.opens2v import tiny_encoder_note
 from a2.pipeline import load_references
 from config import Element, EvalConfig
 
@@ -239,6 +241,14 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     assert line.split()[1:] == [f"{base_mean['clip_t']:.4f}", f"{lora_mean['clip_t']:.4f}",
                                 f"{lora_mean['clip_t'] - base_mean['clip_t']:+.4f}"]
     assert "delta" in printed and "subject/clip_i_mean" in printed and "skipping face similarity" in printed
+    # tiny random encoders (the tiny model's CLIP, these DINO and CLIP): said beside the table, and when loaded
+    notes = [s for s in printed.splitlines() if s.startswith("note: ")]
+    assert [n.split(" come from a 2-layer encoder")[0] for n in notes] == [
+        "note: CLIP-I and temporal_clip", "note: DINO-I and temporal_dino", "note: CLIP-T"], notes
+    assert printed.rstrip().endswith(notes[-1]) and printed.count("evaluate: note: ") == 3
+    real = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(num_hidden_layers=32),
+                                                  text_config=SimpleNamespace(num_hidden_layers=24)))
+    assert tiny_encoder_note(real, "CLIP-T", "x") is None and tiny_encoder_note(torch.nn.Linear(2, 2), "f", "x") is None
     assert sorted(p.name for p in out.glob("*.mp4")) == sorted({r["file"] for r in jsonl[:12]})
     # a bad row is named before any model loads
     eval_set.write_text(json.dumps(dict(prompt="x", elements={"subject": "img/none.png"})) + "\n")

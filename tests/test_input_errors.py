@@ -1,16 +1,21 @@
 """infer.py, data.py and bench.py as a newcomer meets them: each input mistake ends in one line (exit 2), a signal in
 one line with what is kept (exit 128 + the signal), and a precompute says it resumes."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import infer
-from config import run_cli
+from a2.conditioning import index_elements
+from config import Validate, dataset_configs, run_cli
 from tests.conftest import ROOT
 
 
@@ -42,6 +47,64 @@ def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mi
     err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", out=str(tmp_path / "o.mp4"), **cfg))
     assert want in err
     assert not (tmp_path / "o.mp4").exists()
+
+
+@pytest.mark.parametrize("mistake, want", [
+    ("no prompt", "Open-Domain_Eval.json: sample singleobj_1: no 'prompt'"),
+    ("missing image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/none.jpg: reference image not found"),
+    ("corrupt image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/notes.jpg: not a readable image"),
+    ("too many images", "Open-Domain_Eval.json: sample singleobj_1: 4 element images but only 3 element specs"),
+    ("paths not a list", "Open-Domain_Eval.json: sample singleobj_1: 'img_paths' must be a list of paths"),
+    ("not a set", "Open-Domain_Eval.json: expected {sample id: {prompt, img_paths, ...}}, got list"),
+    ("not JSON", "Open-Domain_Eval.json: cannot read an OpenS2V-Eval set (Expecting property name"),
+    ("jsonl prompt not text", "eval.jsonl:2: no 'prompt' (or 'caption' / 'text') text"),
+    ("jsonl seed not a number", "eval.jsonl:2: 'seed' must be an integer, got 'one'"),
+    ("jsonl element not a path", "eval.jsonl:2: 'elements' must be {name: path} or [path, ...], got [1]"),
+    ("jsonl missing", "eval.jsonl: no such file"),
+])
+def test_an_eval_set_with_a_bad_row_is_one_line_exit_2(tmp_path, capsys, monkeypatch, mistake, want):
+    """infer.py --eval-set on an OpenS2V-Eval set as downloaded (a JSON object of samples beside Images/) or a2's
+    .jsonl, one row wrong: one line naming the file and the sample or line, exit 2, before any weights load."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    root = tmp_path / "OpenS2V-Eval"
+    (root / "Images").mkdir(parents=True)
+    Image.new("RGB", (40, 30), "red").save(root / "Images" / "a.jpg")
+    (root / "Images" / "notes.jpg").write_text("not a picture\n")
+    good = dict(img_paths=["Images/a.jpg"], prompt="a red thing")
+    sample = dict(good)
+    sample.update({"no prompt": dict(prompt=""), "missing image": dict(img_paths=["Images/none.jpg"]),
+                   "corrupt image": dict(img_paths=["Images/notes.jpg"]), "too many images": dict(
+                       img_paths=["Images/a.jpg"] * 4), "paths not a list": dict(img_paths="Images/a.jpg")}.get(
+        mistake, {}))
+    eval_set = root / "Open-Domain_Eval.json"
+    eval_set.write_text("{" if mistake == "not JSON" else json.dumps(
+        [sample] if mistake == "not a set" else {"singleface_1": good,
+                                                  "singleobj_1": sample}))
+    if mistake.startswith("jsonl"):
+        eval_set = tmp_path / "eval.jsonl"
+        row = {"prompt text": {"prompt": 5}, "seed": {"prompt": "a", "seed": "one"}, "element": {
+            "prompt": "a", "elements": [1]}}.get(mistake.split(" ")[1], {})
+        if mistake != "jsonl missing":
+            eval_set.write_text('{"prompt": "fine"}\n' + json.dumps(row) + "\n")
+    err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", eval_set=str(eval_set), out_dir=str(tmp_path)))
+    assert want.replace("{root}", str(root)) in err, err
+
+
+def test_a_missing_file_or_gpu_is_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir):
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    good = (str(data_dir / "000_person.png"),)
+    for flag in ("lora", "compare"):
+        value = (str(tmp_path / "x"),) if flag == "lora" else str(tmp_path / "x")
+        err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=good, **{flag: value}))
+        assert err == f"error: --{flag} {tmp_path / 'x'}: no such file or dir"
+    (tmp_path / "file").write_text("")
+    for flag, value in (("save_latents", "file/x.pt"), ("out", "file/x/v.mp4")):  # was a traceback after rendering
+        err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=good, **{flag: str(tmp_path / value)}))
+        assert err == f"error: --{flag.replace('_', '-')} {tmp_path / value}: {tmp_path / 'file'} is a file, not a " \
+                      "dir to write into"
+    if not torch.cuda.is_available():  # --device cuda where there is none (it was CUDA's own traceback)
+        err = one_line_exit_2(capsys, dict(model="tiny", device="cuda", elements=good))
+        assert err == "error: --device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)"
 
 
 def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
@@ -290,16 +353,35 @@ def test_visualisation_of_every_dataset_runs_end_to_end(tmp_path, data_dir):
     assert Image.open(out / "step0000002_predicted_latents_f0.png").size == (32, 32)
 
 
-def test_a_short_clip_is_named_in_the_users_terms(data_dir, capsys):
+def test_a_short_clip_is_named_in_the_users_terms_and_a_warning_is_no_problem(data_dir, tmp_path, capsys):
     """--num-frames 33 with A2's three references: a 17-frame clip is refused naming the clip's frames, the frames
-    a clip needs, and why (the references take 12 of the 33)."""
+    a clip needs, and why (the references take 12 of the 33). An element image of no clip is a warning (the samples
+    are kept): said after the problems, not counted among them."""
+    import shutil
+
     import data
 
+    d = tmp_path / "d"
+    shutil.copytree(data_dir, d)
+    shutil.copy(d / "000_person.png", d / "zzz_person.png")
     with pytest.raises(SystemExit):
-        data._cli(["validate", "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "33"])
-    err = capsys.readouterr().err
-    assert ("000.mp4: 17 frames, shorter than the smallest bucket (21): --num-frames 33 less the 12 frames the "
-            "references take") in err, err
+        data._cli(["validate", "--data-root", str(d), "--resolution", "32", "32", "--num-frames", "33"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "error: 4 problem(s) in the dataset, and 1 warning(s):" and len(lines) == 7, lines
+    assert lines[1] == (f"  000: {d / '000.mp4'}: 17 frames, shorter than the smallest bucket (21): --num-frames 33 "
+                        "less the 12 frames the references take")
+    assert lines[5] == f"  warning: -: {d / 'zzz_person.png'}: no video 'zzz' for this element image"
+
+
+def test_export_elements_of_no_index_is_one_line_exit_2(tmp_path, capsys):
+    import data
+
+    (tmp_path / "notes.txt").write_text("not an index\n")
+    for manifest, says in ((tmp_path / "none.jsonl", "no such index"), (tmp_path / "notes.txt", "not an index")):
+        with pytest.raises(SystemExit) as e:
+            data._cli(["export-elements", "--manifest", str(manifest), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and says in err, err
 
 
 def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
@@ -354,15 +436,18 @@ def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_d
     assert re.search(r"step 1: eval loss \d+\.\d{4} \(\d+\.\d s\)", out), out
 
 
-def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir):
-    """A2's layout: --num-frames is the whole sequence, references first: the plan and the written video say the
-    video's frames and what the references took."""
-    els = tuple(str(data_dir / f"000_{n}.png") for n in ("person", "object", "background"))
-    assert infer.main(infer.InferConfig(model="tiny", elements=els, height=32, width=32, num_frames=17, steps=1,
+@pytest.mark.parametrize("model, frames, refs", [("tiny", 5, 12), ("tiny-magref", 13, 4)])
+def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir, model, frames, refs):
+    """--num-frames is the whole sequence, references first: the plan and the written video say the same number of
+    video frames and what the references took (A2: 3 reference latents, 12 frames; MAGREF: its canvas's latent
+    frame, decoded to 4 frames and dropped as MAGREF's sampler drops them)."""
+    els = elements(data_dir, model)
+    assert infer.main(infer.InferConfig(model=model, elements=els, height=32, width=32, num_frames=17, steps=1,
                                         device="cpu", out=str(tmp_path / "v.mp4"))) == 0
     out = capsys.readouterr().out
-    assert "video: 5 frames: --num-frames 17 is the whole sequence, of which the references take 12" in out
-    assert f"wrote {tmp_path / 'v.mp4'} (5 frames, 32x32; --num-frames 17 less the 12 the references take)" in out
+    assert f"video: {frames} frames: --num-frames 17 is the whole sequence, of which the references take {refs}" in out
+    assert (f"wrote {tmp_path / 'v.mp4'} ({frames} frames, 32x32; --num-frames 17 less the {refs} the references "
+            "take)") in out
 
 
 def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
@@ -391,3 +476,44 @@ def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
         run_cli(bench.bench_loader, bench.BenchConfig(data_root=str(tmp_path / "none")))
     assert e.value.code == 2
     assert capsys.readouterr().err == f"error: datasets[0]: data_root {tmp_path / 'none'} is not a directory\n"
+
+
+def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_trained(tmp_path, media, capsys):
+    """An OpenS2V-5M-shaped index (a2/public_data.py's synthetic part, on tests/media's hiker clip) read by MAGREF at
+    64x64: a clip's 168x112 background is 22x14 px in its 22x64 block of a 3-reference canvas, under a token (16 px).
+    The sizes the scan reads are the images the loader makes; `data.py validate` names the clip (left out) and
+    training leaves it out before step 1 (it stopped the run at the step that drew it); the clip without the
+    background (2 references, 32x64 blocks) trains."""
+    import a2.public_data as pd_
+    import data
+    from tests.conftest import train
+
+    f = data.read_frames(media / "hiker_tiny.mp4", list(range(20)))
+    frames = np.stack([np.asarray(Image.fromarray(x).resize((184, 120))) for x in f])
+    person = np.zeros((60, 30, 3), np.uint8)
+    person[..., 0], person[10:50, 5:25, 2] = 200, 180
+    pd_.synthetic_opens2v(tmp_path, frames, person, num_clips=2)
+    pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(tmp_path / "index")))
+    index = tmp_path / "index" / "index.jsonl"
+    lines = [json.loads(x) for x in index.read_text().splitlines()]
+    del lines[1]["elements"]["background"]
+    index.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = replace(dataset_configs(Validate(dataset_type="opens2v", manifest=str(index)))[0],
+                  elements=index_elements("magref"))
+    for s in pd_.list_index(index, cfg, 0, [], most=8):
+        pd_.check_public_sample(s, cfg, 9, "uniform")
+        _, images = pd_.load_sample(s, [], list(s.refs))
+        assert s.sizes == {name: image.size for name, image in images.items()}
+    flags = ["--dataset-type", "opens2v", "--manifest", str(index), "--model", "tiny-magref", "--resolution", "64",
+             "64", "--num-frames", "9"]
+    data._cli(["validate", *flags])
+    out = capsys.readouterr().out
+    background = tmp_path / "Background" / "total_part1" / f"{lines[0]['key']}.png"
+    assert (f"left out: {lines[0]['key']}: {lines[0]['video']} (index.jsonl line 1): {background}: a 168x112 "
+            "reference is 22x14 px in its 22x64 block of MAGREF's 64x64 canvas (3 references), under 16 px") in out
+    assert "bucket 8 frames 64x64 [ref0, ref1]: 1 samples" in out and out.count("left out:") == 1
+    train(*flags, "--num-workers", "0", "--output-dir", str(tmp_path / "runs"), "--run-name", "magref",
+          "--max-steps", "2", "--log-every", "1")
+    out = capsys.readouterr().out
+    logged = [json.loads(x) for x in (tmp_path / "runs" / "magref" / "metrics.jsonl").read_text().splitlines()]
+    assert out.count("left out:") == 1 and [r["step"] for r in logged if "loss" in r] == [1, 2], out

@@ -68,8 +68,8 @@ def test_the_v11_merge_output_total_is_its_metrics_under_the_v11_weights():
 
 @pytest.mark.parametrize("domain", opens2v.DOMAINS)
 def test_total_score_reproduces_every_published_leaderboard_row(domain):
-    rows = opens2v.read_leaderboard(MEDIA / f"leaderboard_results_{domain}.csv")
-    with open(MEDIA / f"leaderboard_results_{domain}.csv", encoding="utf-8") as f:
+    rows = opens2v.read_leaderboard(opens2v.LEADERBOARDS / f"results_{domain}.csv")
+    with open(opens2v.LEADERBOARDS / f"results_{domain}.csv", encoding="utf-8") as f:
         assert len(rows) == len(list(csv.DictReader(f))) >= 10
     for row in rows:
         total, missing = opens2v.total_score(row["metrics"], domain)
@@ -108,49 +108,90 @@ def test_read_eval_sets_as_downloaded():
         opens2v.domain_of("eval.json")
 
 
+def command(*argv) -> int:
+    """`python3 -m a2.opens2v ARGV` as its __main__ runs it (parse_cli, run_cli): its exit status."""
+    from config import OpenS2VConfig, parse_cli, run_cli
+
+    try:
+        return run_cli(opens2v.main, parse_cli(OpenS2VConfig, args=list(argv)))
+    except SystemExit as e:
+        return e.code
+
+
 def test_the_command_scores_the_demo_videos_motion_fb_to_every_digit_of_their_json(tmp_path, demo_json_dir, capsys):
-    """The command on a dir of their two demo videos and their other metric files: a2 writes motion_amplitude.json
-    (motion_fb 0.35025984048843384 and 0.038793787360191345, equal to the last digit), merges, prints the table."""
+    """The command on a dir of their demo videos and their other metric files: a2 writes motion_amplitude.json
+    (motion_fb 0.35025984048843384 and 0.038793787360191345, equal to the last digit), merges and labels the
+    TotalScore with what it covers: 2 of the set's 180 videos is a partial TotalScore, never a leaderboard row. A
+    video added since (a render resumed) is scored; the videos scored before are kept."""
     videos = tmp_path / "videos"
     videos.mkdir()
-    for vid in ("faceobj_14", "singleface_3"):
-        shutil.copy(MEDIA / f"{vid}.mp4", videos)
+    shutil.copy(MEDIA / "faceobj_14.mp4", videos)
     json_dir = videos / "opens2v_json"
     shutil.copytree(demo_json_dir, json_dir)
     (json_dir / "motion_amplitude.json").unlink()  # a2 computes it: must give their file back
-    assert opens2v.main(["--videos", str(videos), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 0
+    assert command("--videos", str(videos), "--eval-set", SET) == 0
+    assert "[1/1] faceobj_14: motion_fb=0.3503" in capsys.readouterr().out
+    shutil.copy(MEDIA / "singleface_3.mp4", videos)  # rendered since
+    assert command("--videos", str(videos), "--eval-set", SET) == 0
     out = capsys.readouterr().out
+    assert "[2/2] singleface_3: motion_fb=0.0388" in out and "faceobj_14: motion_fb" not in out
+    assert "motion_amplitude.json: 1 video(s)" in out
     assert json.loads((json_dir / "motion_amplitude.json").read_text()) == {
         k: {"motion_fb": v["motion_fb"]} for k, v in their("motion_amplitude").items()}
-    assert "[1/2] faceobj_14: motion_fb=0.3503" in out
     result = json.loads((videos / "opens2v_Open-Domain.json").read_text())
-    assert result["total_score"] == pytest.approx(0.5959962472265614, rel=1e-12) and result["label"] == "TotalScore"
-    assert "59.60" in out and "Phantom-14B" in out and "SkyReels-A2-P14B" in out and "not computed" in out
-    # without NexusScore and NaturalScore: a partial TotalScore, the published rows' partial beside it
+    assert result["total_score"] == pytest.approx(0.5959962472265614, rel=1e-12) and result["partial"]
+    assert result["label"] == "partial TotalScore over 7 of 7 metrics, 1 to 2 of 180 videos: not comparable with the " \
+                              "leaderboard's" and result["videos"]["aes_score"] == 2
+    assert "59.60" in out and "Phantom-14B" not in out and "not computed" in out
+    # without NexusScore and NaturalScore: the metrics it covers and the weights renormalised
     for name in ("nexusscore", "naturalscore_1", "naturalscore_2", "naturalscore_3"):
         (json_dir / f"{name}.json").unlink()
-    assert opens2v.main(["--videos", str(videos), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 0
+    assert command("--videos", str(videos), "--eval-set", SET) == 0
     out = capsys.readouterr().out
-    assert "partial TotalScore (missing NexusScore, NaturalScore" in out and "get_nexusscore.py" in out
-    phantom = next(r for r in opens2v.read_leaderboard(MEDIA / "leaderboard_results_Open-Domain.csv")
-                   if r["model"] == "Phantom-14B")
-    partial = opens2v.total_score({k: v for k, v in phantom["metrics"].items()
-                                   if k not in ("nexus_score", "natural_score")}, "Open-Domain")[0]
-    assert f"{100 * partial:.2f}" in next(line for line in out.splitlines() if line.startswith("Phantom-14B"))
-    # input mistakes: one line, exit 2
-    assert opens2v.main(["--videos", str(videos), "--eval-set", str(tmp_path / "x.json")]) == 2
-    assert opens2v.main(["--videos", str(tmp_path / "none"), "--eval-set",
-                         str(MEDIA / "Open-Domain_Eval.json")]) == 2
-    assert "not a directory" in capsys.readouterr().err
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "singleobj_1.mp4").write_bytes(b"not a video")
-    assert opens2v.main(["--videos", str(broken), "--eval-set", str(MEDIA / "Open-Domain_Eval.json")]) == 2
+    assert "partial TotalScore over 5 of 7 metrics (missing NexusScore, NaturalScore; the other weights renormalised " \
+           "from 0.56 to 1), 1 to 2 of 180 videos" in out and "get_nexusscore.py" in out and "Phantom-14B" not in out
+
+
+SET = str(MEDIA / "Open-Domain_Eval.json")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--videos", "{tmp}/broken", "--eval-set", "{tmp}/x.json"], "{tmp}/x.json: not an OpenS2V-Eval set name"),
+    (["--videos", "{tmp}/none", "--eval-set", SET], "--videos {tmp}/none: not a directory"),
+    (["--videos", "{tmp}/broken", "--eval-set", SET], "{tmp}/broken/singleobj_1.mp4: cannot decode the video"),
+    (["--videos", "{tmp}/broken", "--eval-set", SET, "--eval.no-motion-fb"],
+     "{tmp}/broken/opens2v_json: no metric of any video"),
+    (["--videos", "{tmp}/broken", "--eval-set", SET, "--eval.dino", "x"],
+     "--eval.dino: a2's own metrics, which infer.py --eval-set scores"),
+    (["--videos", "{tmp}/broken", "--eval-set", SET, "--leaderboard", "{tmp}/none.csv"],
+     "--leaderboard {tmp}/none.csv: no such file"),
+])
+def test_the_commands_input_mistakes_are_one_line_exit_2(tmp_path, capsys, argv, says):
+    """As `python3 -m a2.opens2v` runs: an input mistake is one line, exit 2 (a video that does not decode, nothing
+    to score: said, not a table of nan)."""
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "singleobj_1.mp4").write_bytes(b"not a video")
+    assert command(*[a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "singleobj_1.mp4: cannot decode the video" in err
-    assert opens2v.main(["--videos", str(broken), "--eval-set", str(MEDIA / "Open-Domain_Eval.json"),
-                         "--no-motion"]) == 2  # nothing to score: said, not a table of nan
-    assert "no metric of any video" in capsys.readouterr().err
+    assert "\n" not in err and says.replace("{tmp}", str(tmp_path)) in err, err
+
+
+def test_a_complete_total_score_is_ranked_among_the_published_rows_and_a_partial_one_never():
+    """Every metric of the domain on every video of the set: the run's row among the published ones, by TotalScore.
+    A partial one (a metric or a video missing): its own row alone, under a label that says so."""
+    published = opens2v.read_leaderboard(opens2v.LEADERBOARDS / "results_Open-Domain.csv")
+    kling = their("leaderboard_model_name_Open-Domain")  # the v1.1 merge output of a published row
+    videos = {m: 180 for m in opens2v.WEIGHTS["Open-Domain"]}
+    run = dict(kling, videos=videos, label=opens2v.score_label("Open-Domain", [], videos, 180))
+    lines = opens2v.format_table(run, "Open-Domain", published, name="this run").splitlines()
+    assert lines[0] == "TotalScore" and len(lines) == 3 + 1 + len(published)
+    mine = next(i for i, ln in enumerate(lines) if ln.startswith("this run"))
+    totals = [float(ln.split()[-9 if "<-" in ln else -8]) for ln in lines[3:]]
+    assert totals == sorted(totals, reverse=True) and f"{100 * kling['total_score']:.2f}" in lines[mine]
+    run["videos"] = dict(videos, aes_score=179)
+    run.update(label=opens2v.score_label("Open-Domain", [], run["videos"], 180), partial=True)
+    lines = opens2v.format_table(run, "Open-Domain", published).splitlines()
+    assert lines[0].startswith("partial TotalScore over 7 of 7 metrics, 179 to 180 of 180 videos") and len(lines) == 4
 
 
 # ---------------------------------------------------------------- the encoders on tiny stand-ins
@@ -353,8 +394,4 @@ def test_infer_renders_an_opens2v_set_by_sample_id_and_resumes(tiny_dir, tmp_pat
     printed = capsys.readouterr().out
     assert "[1/2] singleface_1: kept" in printed and "[2/2] humanobj_2: wrote" in printed
     assert (out / "singleface_1.mp4").stat().st_mtime_ns == before
-    # a missing reference image is named with its sample before any model loads
-    samples["singleobj_3"] = dict(img_paths=["Images/none.jpg"], prompt="x")
-    eval_set.write_text(json.dumps(samples))
-    with pytest.raises(ValueError, match=r"Open-Domain_Eval.json: sample singleobj_3: .*none.jpg"):
-        infer.main(tyro.cli(infer.InferConfig, args=argv))
+    # a bad row: tests/test_input_errors.py (one line naming the sample, exit 2, before any weights load)

@@ -1,7 +1,7 @@
 """What a training run did, in one picture: the element images, frames of the training clip, of the base model's video
 and of the LoRA's (same prompt, seed and elements), and the loss curve; plus how far each video is from the clip.
 
-    python -m a2.demo runs/demo --elements sample_data/000_person.png sample_data/000_object.png \
+    python3 demo.py runs/demo --elements sample_data/000_person.png sample_data/000_object.png \
         sample_data/000_background.png --clip sample_data/000.mp4 --out runs/demo/demo.png
 
 Two measures against the clip: the distance, the mean squared pixel difference in [-1, 1] units after averaging
@@ -13,39 +13,29 @@ shape is where and as large as in the clip; ~0: it is not there).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
+    from config import DemoConfig, parse_cli
+
+    CLI_CONFIG = parse_cli(DemoConfig)
+
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+import imageio.v3 as iio
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
+from PIL import Image, ImageDraw
 
-
-@dataclass
-class DemoConfig:
-    """Render a run's LoRA and its base model from the same elements and seed; write the picture."""
-
-    run_dir: tyro.conf.Positional[str]
-    """The training run's dir (holds pytorch_lora_weights.safetensors, config.json and metrics.jsonl)."""
-    elements: tuple[str, ...] = ()
-    """The element images to render with (the run's --val-elements when left out)."""
-    clip: str | None = None
-    """A training clip (video file) the videos are measured against."""
-    prompt: str | None = None
-    """The prompt (the clip's caption file beside it when left out, else infer.py's default)."""
-    seed: int = 42
-    """The seed of both videos' noise."""
-    steps: int | None = None
-    """Denoising steps (infer.py's default when left out)."""
-    guidance_scale: float | None = None
-    """Classifier-free guidance scale (infer.py's default when left out)."""
-    frames: int = 4
-    """Frames shown per video, evenly spaced."""
-    out: str | None = None
-    """The PNG to write (RUN_DIR/demo.png when left out)."""
+import infer
+from a2.conditioning import KIND_DEFS
+from a2.images import read_image
+from a2.lora import load_lora
+from a2.pipeline import A2Pipeline
+from a2.tiny import model_path
+from a2.transformer import detect_model
+from config import DemoConfig, InputError, MissingInput, as_input_error, run_cli
 
 
 def block_distance(video: torch.Tensor, clip: torch.Tensor, block: int = 8) -> float:
@@ -86,8 +76,6 @@ def colour_match(video: torch.Tensor, clip: torch.Tensor, colour: torch.Tensor, 
 
 def read_clip(path: str | Path) -> torch.Tensor:
     """A video file as (3, F, H, W) in [-1, 1]."""
-    import imageio.v3 as iio
-
     frames = iio.imread(path, plugin="pyav")  # (F, H, W, 3) uint8
     return torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1
 
@@ -95,8 +83,6 @@ def read_clip(path: str | Path) -> torch.Tensor:
 def loss_curve(steps: list[int], losses: list[float], size: tuple[int, int]):
     """A PIL image of the logged losses (train_a2.py logs one every --log-every steps) and their running mean (10
     points, fewer on a short log), with their range and steps written on it."""
-    from PIL import Image, ImageDraw
-
     h, w = size
     img = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(img)
@@ -124,8 +110,6 @@ def loss_curve(steps: list[int], losses: list[float], size: tuple[int, int]):
 def compose(elements: list, rows: list[tuple[str, torch.Tensor]], steps: list[int], losses: list[float], frames: int,
             scale: int = 2):
     """The picture: a row of element images, a row of frames per (label, (3, F, H, W) video), the loss curve."""
-    from PIL import Image, ImageDraw
-
     def tile(x: torch.Tensor):  # (3, H, W) in [-1, 1]
         arr = ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
         im = Image.fromarray(arr)
@@ -153,21 +137,35 @@ def compose(elements: list, rows: list[tuple[str, torch.Tensor]], steps: list[in
     return pic
 
 
+def read_run(run_dir: Path) -> tuple[dict, dict]:
+    """A training run dir's config.json and run.json (what it derived: the kind it trained), or an InputError."""
+    if not run_dir.is_dir():
+        raise MissingInput(f"{run_dir}: no such run dir (train_a2.py --output-dir / --run-name)")
+    out = []
+    for name in ("config.json", "run.json"):
+        try:
+            out.append(json.loads((run_dir / name).read_text()))
+        except FileNotFoundError as e:
+            raise MissingInput(f"{run_dir}: no {name}; not a train_a2.py run dir") from e
+        except ValueError as e:
+            raise InputError(f"{run_dir / name}: not valid JSON ({e})") from e
+    return out[0], out[1]
+
+
 def run(cfg: DemoConfig) -> dict:
     """Render base and LoRA, write the picture; returns dict(path, base=distance, lora=distance, match={base: {element:
-    colour_match}, lora: ...}) (distances None and match empty without --clip)."""
-    import infer
-    from a2.lora import load_lora
-    from a2.pipeline import A2Pipeline
-    from a2.tiny import model_path
-    from a2.transformer import detect_model
-
+    colour_match}, lora: ...}) (distances None and match empty without --clip). Every input is read, and each
+    mistake is an InputError, before any weights load."""
     run_dir = Path(cfg.run_dir)
-    config = json.loads((run_dir / "config.json").read_text())
+    config, derived = read_run(run_dir)
     lora = run_dir / "pytorch_lora_weights.safetensors"
     if not lora.is_file():
-        raise FileNotFoundError(f"{lora}: no LoRA in the run dir (the run has not finished, or is not a LoRA run)")
+        raise MissingInput(f"{lora}: no LoRA in the run dir (the run has not finished, or is not a LoRA run)")
     elements = cfg.elements or tuple(config.get("val_elements") or ())
+    kind = derived["layout"]["kind"]
+    if not elements and KIND_DEFS[kind].references[1]:
+        raise InputError(f"{run_dir} trained the {kind} kind on element images and names no --val-elements: give the "
+                         "images to render with, --elements IMAGE ... (e.g. a training clip's)")
     prompt = cfg.prompt
     if prompt is None and cfg.clip and Path(cfg.clip).with_suffix(".txt").is_file():
         prompt = Path(cfg.clip).with_suffix(".txt").read_text().strip()
@@ -176,8 +174,17 @@ def run(cfg: DemoConfig) -> dict:
                                               num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
                                               steps=cfg.steps, guidance_scale=cfg.guidance_scale,
                                               **({"prompt": prompt} if prompt else {})))
-    info = detect_model(model_path(icfg.model))
-    refs = infer.read_references(icfg, icfg.elements, info)
+    info = as_input_error(detect_model, model_path(icfg.model))
+    refs = as_input_error(infer.read_references, icfg, icfg.elements, info)
+    images = [as_input_error(read_image, p) for p in elements]
+    clip = None
+    if cfg.clip:
+        if not Path(cfg.clip).is_file():
+            raise MissingInput(f"--clip {cfg.clip}: no such video")
+        try:
+            clip = read_clip(cfg.clip)  # (3, F, H, W)
+        except Exception as e:  # PyAV and imageio raise many types for a file that is no video
+            raise InputError(f"--clip {cfg.clip}: not a readable video ({type(e).__name__}: {e})") from e
     pipe = A2Pipeline.from_pretrained(icfg.model, device="cpu")
     print(load_lora(pipe, str(lora)))
     videos = {}
@@ -186,13 +193,9 @@ def run(cfg: DemoConfig) -> dict:
         out = infer.generate(icfg, pipe, icfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"],
                              region=refs["region"])
         videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
-    from PIL import Image
-
-    images = [Image.open(p) for p in elements]
     colours = [(Path(p).stem, c) for p, c in zip(elements, map(element_colour, images)) if c is not None]
     rows, result = [], dict(base=None, lora=None, match={})
-    if cfg.clip:
-        clip = read_clip(cfg.clip)  # (3, F, H, W)
+    if clip is not None:
         n = videos["base"].shape[1]
         rows.append(("training clip", F.interpolate(clip[:, :n], size=(h, w), mode="bilinear", antialias=True)))
         for k, v in videos.items():
@@ -223,6 +226,4 @@ def run(cfg: DemoConfig) -> dict:
 
 
 if __name__ == "__main__":
-    from config import run_cli
-
-    sys.exit(run_cli(lambda c: run(c) and 0, tyro.cli(DemoConfig)))
+    sys.exit(run_cli(lambda c: run(c) and 0, CLI_CONFIG))  # bad input: its one line, exit 2
