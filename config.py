@@ -384,6 +384,20 @@ def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
     return c
 
 
+def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
+    """The conditioning kind (a2/conditioning.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
+    ask for, with element images or without: the one place they decide it (a released model's weights choose their
+    own instead: a2.conditioning.plan). A --reference-layout other than channel names its kind; frame conditioning
+    gives a TI2V-5B clean leading frames and any other model Wan I2V's frames in place; else A2's channel prefix
+    with elements, text-to-video without. (A TI2V-5B's first frame may come beside in-context references when
+    sampling.)"""
+    if elements and c.reference_layout != "channel":
+        return c.reference_layout
+    if c.frame_conditioning != "full":
+        return "clean" if ti2v else "inplace"
+    return "prefix" if elements else "t2v"
+
+
 def literal_choices(hint) -> tuple:
     """The values a Literal type allows (None too where it is optional); () for any other type."""
     if get_origin(hint) is Literal:

@@ -138,7 +138,7 @@ def aligned_kinds() -> list[str]:
     """The kinds whose references are tokens of the sequence (Layout.reference_tokens)."""
     from a2.conditioning import KIND_DEFS
 
-    return [k for k, d in KIND_DEFS.items() if d.axis in ("time", "tokens")]
+    return [k for k, d in KIND_DEFS.items() if d.reference_tokens]
 
 
 def reference_tokens(hidden: torch.Tensor, starts, tokens: int) -> torch.Tensor:

@@ -74,6 +74,7 @@ from config import (
     ConditioningConfig,
     ConfigError,
     VaeProcessorConfig,
+    kind_of,
 )
 
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
@@ -150,14 +151,26 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Kind:
-    """One conditioning kind: everything that differs between kinds as data. What is truly particular (MAGREF's
-    canvas, Stand-In's packing, the clean frames) stays an `if kind ==` in the functions below."""
+    """One conditioning kind: everything that differs between kinds as data, read by the functions below. What is
+    truly particular (A2's reference mini-video, MAGREF's canvas, Stand-In's packing, the clean frames) stays an
+    `if kind ==` in them."""
 
     name: str
     axis: str  # where the condition enters: none | channel (mask | condition, 36 channels) | time (after x_t) |
     # tokens (Stand-In's packed reference) | frames (clean leading latent frames)
     references: tuple[int, int] = (0, 0)  # (fewest, most) element images one sample takes; (0, 0): none
     frame_conditioning: tuple[str, ...] = ("full",)  # the --frame-conditioning modes it takes (plan refuses others)
+    native: bool = False  # a released model's own layout: its weights choose it (ModelInfo.native_kind), no flag
+    leading: bool = False  # the references are the sequence's first latent frames (x0 starts with them; the sampler
+    # decodes and drops them): A2's prefix, MAGREF's canvas
+    one_frame: bool = False  # each reference one 1-frame clip, whatever its element's repeat (the labs encode so)
+    slots: int = 0  # the reference latents fill exactly this many slots, zeros after the references (V3); 0: one each
+    encode_mean: bool = False  # the references' posterior mean whatever the sample mode (the lab's encode)
+    noise_with_references: bool = False  # the sampler's noise is drawn for the video and reference frames (Phantom)
+    clip: bool = False  # the step feeds CLIP image tokens where the model has the image branch
+    text_to_video_only: bool = False  # the reference tokens skip the text cross-attention (RefAlign's blocks)
+    reference_size: tuple[int, int] | None = None  # the reference image's (height, width) whatever the video's
+    sequence: str = ""  # what the sequence holds besides the clip, for Layout.describe ({} fields: Layout.describe)
     sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
     modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
     # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
@@ -176,6 +189,13 @@ class Kind:
         """One sample of this kind can hold n element images."""
         return self.references[0] <= n <= self.references[1]
 
+    @property
+    def reference_tokens(self) -> bool:
+        """The references are tokens of the transformer's sequence after the video's (appended latent frames, or
+        Stand-In's reference tokens): what --align-loss aligns (a2/align.py), what the reference-free guidance pass
+        and reference dropout zero."""
+        return self.axis in ("time", "tokens")
+
 
 INPLACE_MODES = ("first", "first_and_last", "index", "prefix", "random")
 MOST_ELEMENTS = 8  # incontext: each element its own latents; a2 takes as many as MAGREF's canvas
@@ -186,37 +206,49 @@ _V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", gu
 KIND_DEFS = {k.name: k for k in (
     Kind("t2v", "none"),
     # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
-    Kind("prefix", "channel", (1, MOST_ELEMENTS), roles=True, background=True),
-    Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax")),
+    Kind("prefix", "channel", (1, MOST_ELEMENTS), leading=True, clip=True, roles=True, background=True,
+         sequence="{ref_latents} reference latents + "),
+    Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax"),
+         sequence="(conditioned on frames: {frame_conditioning}) "),
     # a2's own: A2's elements (a background among them) as tokens after the clip; + TI2V's first frame
-    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix"), background=True),
-    Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax")),
+    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix"),
+         background=True,
+         sequence="(then {ref_latents} clean reference latents, timestep {reference_timestep}) "),
+    Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax"),
+         sequence="({clean_frames} clean leading frames at timestep 0) "),
     # Phantom-Data's references are the clip's subjects, no background (BindWeave's OpenS2V loader, of the same
     # family, loads the background png and never adds it); SkyReels-V3 R2V's and MAGREF's references include scenes
-    Kind("phantom", "time", (1, 4), sampling=_PHANTOM),
-    Kind("v3", "time", (1, V3_SLOTS), sampling=_V3, background=True, modes=(("v3-distilled", replace(
-        _V3, steps=8, guidance_scale=1.0, guidance_scale_img=None, num_frames=121)),)),
+    Kind("phantom", "time", (1, 4), native=True, one_frame=True, encode_mean=True, noise_with_references=True,
+         sampling=_PHANTOM,
+         sequence="(then {ref_latents} reference latents, posterior means, Phantom-Wan's layout) "),
+    Kind("v3", "time", (1, V3_SLOTS), native=True, one_frame=True, slots=V3_SLOTS, sampling=_V3, background=True,
+         modes=(("v3-distilled", replace(_V3, steps=8, guidance_scale=1.0, guidance_scale_img=None,
+                                         num_frames=121)),),
+         sequence=f"(then {{references}} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) "),
     # MAGREF's generate(): Wan's FlowUniPC from sigma 0.999 at the shift its dir ships, WanVAE.encode's mean
-    Kind("magref", "channel", (1, 8), background=True, cache_fields=(("version", 3),), sampling=Sampling(
-        schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seeded_placement=True)),
-    # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
+    Kind("magref", "channel", (1, 8), leading=True, clip=True, background=True,
+         cache_fields=(("version", 3),), sampling=Sampling(
+             schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16,
+             seeded_placement=True),
+         sequence="a canvas of {references} references as frame 0, then "),
     # RefAlign's pipeline (DiffSynth's wan_video_new3 + its example script): Euler on DiffSynth's linspace(1, 0),
     # shift 5, 50 steps, U + 5 (I - U) + 7.5 (C - I), Wan's negative prompt, seed 0, CPU noise for the video frames
-    Kind("refalign", "time", (1, 3), sampling=Sampling(
-        scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
-        guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seed=0, noise_on_cpu=True,
-        timestep_in_dtype=True), original_export="refalign_model.safetensors"),
-    Kind("standin", "tokens", (1, 1), sampling=Sampling(
-        scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
-        negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True), roles=True,
-        cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE))),
+    Kind("refalign", "time", (1, 3), native=True, one_frame=True, encode_mean=True, text_to_video_only=True,
+         sampling=Sampling(
+             scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
+             guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seed=0, noise_on_cpu=True,
+             timestep_in_dtype=True), original_export="refalign_model.safetensors",
+         sequence="(then {ref_latents} clean reference latents, posterior means, no text cross-attention: "
+                  "RefAlign's layout) "),
+    # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
+    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True,
+         reference_size=standin.REFERENCE_SIZE, sampling=Sampling(
+             scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
+             negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True), roles=True,
+         cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE)),
+         sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
 )}
 KINDS = tuple(KIND_DEFS)
-CHANNEL_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "channel")  # 36-channel models
-APPENDED_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.axis == "time")  # references after the video's latents
-REFERENCE_KINDS = tuple(k for k, d in KIND_DEFS.items() if d.references[1])  # made from element images
-NATIVE_KINDS = ("phantom", "v3", "refalign")  # the released models' own layouts, chosen by their weights
-# (ModelInfo.native_kind)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
 # (A2, the prefix kind's own, samples it)
 MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax"), "Wan2.2 I2V A14B": dict(encode_mode="argmax"),
@@ -371,16 +403,21 @@ class Layout:
     # 512x512 whatever the video's (make_layout sets it); None: the element images take the video's size
 
     @property
+    def definition(self) -> Kind:
+        """The kind's definition (KIND_DEFS): what every property below reads."""
+        return KIND_DEFS[self.kind]
+
+    @property
     def video_frames(self) -> int:
         """Pixel frames of the video the sampler writes (A2Pipeline's decode drop_refs): the sequence less 4 per
         leading reference latent (prefix: its clip; magref: 4 fewer than its clip, the canvas's latent frame decoded
         to 4 frames and dropped, as MAGREF's sampler drops them)."""
-        return self.num_frames - VAE_T * (self.ref_latents if self.kind in CHANNEL_KINDS else 0)
+        return self.num_frames - VAE_T * (self.ref_latents if self.definition.leading else 0)
 
     @property
     def appended(self) -> bool:
         """The reference latents follow the video's on the time axis (their guidance has a reference-free branch)."""
-        return self.kind in APPENDED_KINDS
+        return self.definition.axis == "time"
 
     @property
     def cacheable(self) -> bool:
@@ -391,18 +428,17 @@ class Layout:
     @property
     def channel(self) -> bool:
         """The condition enters on the channel axis (mask | condition latents: a 36-channel model's input)."""
-        return self.kind in CHANNEL_KINDS
+        return self.definition.axis == "channel"
 
     @property
     def reference_tokens(self) -> bool:
-        """The references are tokens of the transformer's sequence, after the video's (appended latent frames, or
-        Stand-In's reference tokens): what --align-loss aligns (a2/align.py)."""
-        return KIND_DEFS[self.kind].axis in ("time", "tokens")
+        """The references are tokens of the transformer's sequence (Kind.reference_tokens)."""
+        return self.definition.reference_tokens
 
     @property
     def original_export(self) -> str:
         """The file a full fine-tune of the kind's original-key weights is also exported as (Kind.original_export)."""
-        return KIND_DEFS[self.kind].original_export
+        return self.definition.original_export
 
     @property
     def takes_region(self) -> bool:
@@ -412,18 +448,18 @@ class Layout:
     @property
     def takes_references(self) -> bool:
         """The kind is given element references (training reads them from the data, sampling from the call)."""
-        return self.kind in REFERENCE_KINDS
+        return self.definition.references[1] > 0
 
     @property
     def reference_images(self) -> int:
         """Images in the kind's references (B, N, 3, H, W) (reference_pixels): magref's one canvas, else one per
         element."""
-        return 1 if self.kind == "magref" else len(self.repeats)
+        return 1 if self.takes_region else len(self.repeats)
 
     @property
     def latent_frames(self) -> int:
         """Latent frames of hidden_states: the sequence's, plus the appended references (incontext, phantom, v3)."""
-        return num_latent_frames(self.num_frames) + (self.ref_latents if self.kind in APPENDED_KINDS else 0)
+        return num_latent_frames(self.num_frames) + (self.ref_latents if self.appended else 0)
 
     @property
     def model_frames(self) -> int:
@@ -449,73 +485,53 @@ class Layout:
     def images(self) -> str:
         """What a sampling call of this run is given as images: "elements" (references, or for inplace the frames it
         conditions on, given as leading references), "first_frame" (TI2V-5B's image-to-video) or "none" (text)."""
-        return {"t2v": "none", "clean": "first_frame"}.get(self.kind, "elements")
+        return {"none": "none", "frames": "first_frame"}.get(self.definition.axis, "elements")
 
     def describe(self) -> str:
-        seq = {"prefix": f"{self.ref_latents} reference latents + ",
-               "incontext": f"(then {self.ref_latents} clean reference latents, timestep {self.reference_timestep}) ",
-               "inplace": f"(conditioned on frames: {self.frame_conditioning}) ",
-               "clean": f"({self.clean_frames} clean leading frames at timestep 0) ",
-               "phantom": f"(then {self.ref_latents} reference latents, posterior means, Phantom-Wan's layout) ",
-               "v3": f"(then {len(self.repeats)} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) ",
-               "refalign": f"(then {self.ref_latents} clean reference latents, posterior means, no text "
-                           "cross-attention: RefAlign's layout) ",
-               "magref": f"a canvas of {len(self.repeats)} references as frame 0, then ",
-               "standin": f"(then Stand-In's reference tokens of a {'x'.join(map(str, self.reference_size or ()))} "
-                          "image: time -1, t 0, self-only attention) "}.get(self.kind, "")
+        seq = self.definition.sequence.format(
+            ref_latents=self.ref_latents, references=len(self.repeats), reference_timestep=self.reference_timestep,
+            frame_conditioning=self.frame_conditioning, clean_frames=self.clean_frames,
+            size="x".join(map(str, self.reference_size or ())))
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
-                                       if self.kind != "t2v" else "")
+                                       if self.definition.axis != "none" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
                 + f" | sequence: {seq}a {self.clip_frames}-frame clip")
 
 
-def kind_of(vae, elements, ti2v: bool = False) -> str:
-    """The kind processors.vae and the elements ask for (a TI2V-5B conditions on frames its own way; its first frame
-    may come beside in-context references when sampling)."""
-    if elements and vae.reference_layout in ("incontext", "magref", "standin"):
-        return vae.reference_layout
-    if vae.frame_conditioning != "full":
-        return "clean" if ti2v else "inplace"
-    return "prefix" if elements else "t2v"
-
-
 def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     """A Layout from its settings, with the frames and latents its kind derives (plan checks them against a model
-    first). Raises ValueError when the references leave no frame to generate."""
+    first). Raises ValueError when the references leave no frame to generate or more than the kind's slots."""
     if kind not in KINDS:
         raise ValueError(f"unknown conditioning kind {kind!r}; choose one of {KINDS}")
-    repeats = tuple(repeats)
+    d, repeats = KIND_DEFS[kind], tuple(repeats)
     if min(repeats, default=1) < 1:
         raise ValueError(f"element repeats must be >= 1, got {repeats}")
-    if kind in REFERENCE_KINDS and not repeats:
+    if d.references[1] and not repeats:
         raise ValueError(f"the {kind} kind takes element references; none given")
+    if d.slots and len(repeats) > d.slots:
+        raise ValueError(f"the {kind} kind holds at most {d.slots} reference(s) (its slots), got {len(repeats)}: "
+                         f"keep at most {d.slots}")
+    if d.reference_size:
+        settings.setdefault("reference_size", d.reference_size)
     clip, l_ref = num_frames, 0
-    if kind == "prefix":
+    if d.one_frame:  # each reference one frame, as the labs encode it: element repeats do not apply
+        repeats = (1,) * len(repeats)
+        l_ref = d.slots or len(repeats)
+    elif d.axis == "time":  # each element alone, one latent per 1-4 frames, after the clip
+        l_ref = num_ref_latents(repeats, "after")
+    if kind == "prefix":  # A2's elements are a mini-video of repeated frames at the start of the sequence
         l_ref = num_ref_latents(repeats, settings.get("combine", "before"))
         clip = VAE_T * (num_latent_frames(num_frames) - l_ref - 1) + 1
         if clip < 1 or sum(repeats) >= num_frames:
             raise ValueError(f"{len(repeats)} elements fill {sum(repeats)} frames ({l_ref} latents, repeats "
                              f"{repeats}); num_frames={num_frames} leaves no frame to generate")
-    elif kind == "incontext":  # each element alone, one latent per 1-4 frames, after the clip
-        l_ref = num_ref_latents(repeats, "after")
-    elif kind in NATIVE_KINDS:  # each reference one frame, as both labs encode it: element repeats do not apply
-        if kind == "v3" and len(repeats) > V3_SLOTS:
-            raise ValueError(f"the v3 kind holds at most {V3_SLOTS} references (SkyReels-V3's slots), got "
-                             f"{len(repeats)}: pass at most {V3_SLOTS}")
-        repeats = (1,) * len(repeats)
-        l_ref = V3_SLOTS if kind == "v3" else len(repeats)
-    elif kind == "standin":
-        if len(repeats) != 1:
-            raise ValueError(f"Stand-In takes one reference image, got {len(repeats)} elements")
-        l_ref = 1
-        settings.setdefault("reference_size", standin.REFERENCE_SIZE)
-    elif kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
+    if kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
             raise ValueError(f"the magref canvas is frame 0 of the sequence: num_frames={num_frames} leaves no "
                              "latent frame to generate (use 4k+1 >= 5)")
-    if kind == "clean" and not settings.get("clean_frames"):
-        raise ValueError("the clean kind takes clean_frames >= 1 (4k+1 leading frames)")
+    if d.axis == "frames" and not settings.get("clean_frames"):
+        raise ValueError(f"the {kind} kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
 
 
@@ -585,7 +601,7 @@ def clip_frames(num_frames: int, elements, vae) -> int:
     reference latents leave of it in the prefix kind (A2 at 81 frames: 69), all of it otherwise. train_a2.py and
     `data.py validate` both read clips of this length."""
     kind = kind_of(vae, elements)
-    if kind not in ("prefix", "magref"):
+    if not KIND_DEFS[kind].leading:
         return num_frames
     try:
         return make_layout(kind, num_frames, [e.repeat for e in elements], combine=vae.combine).clip_frames
@@ -598,21 +614,22 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
-    if info.native_kind == "magref" and kind == "prefix":
-        kind = "magref"  # MAGREF's weights take its canvas layout
-    if info.native_kind in NATIVE_KINDS:  # a released S2V model takes its own layout and nothing else
-        kind = native_kind_of(info, kind, vae, elements, e2v_type)
+    if info.native_kind and KIND_DEFS[info.native_kind].native:  # a released S2V model: its layout and no other
+        check_native_flags(info, vae, elements, e2v_type)
         try:
-            return make_layout(kind, num_frames, [e.repeat for e in elements], e2v_type="vae")
+            return make_layout(info.native_kind, num_frames, [e.repeat for e in elements], e2v_type="vae")
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    if not vae.concatenate_mask and kind in CHANNEL_KINDS:
+    if info.native_kind and kind == "prefix":  # MAGREF's weights take its canvas where the flags ask for A2's default
+        kind = info.native_kind
+    d = KIND_DEFS[kind]
+    if not vae.concatenate_mask and d.axis == "channel":
         raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
                           + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
                           + f"; the {kind} kind always concatenates the mask: set it true")
-    if info.ti2v and kind == "prefix":
+    if info.ti2v and d.axis == "channel":
         raise ConfigError(f"{where} takes the latents alone: element references go in context "
-                          "(--reference-layout incontext), not in A2's channel prefix layout")
+                          f"(--reference-layout incontext), not in the {kind} kind's channels")
     clean, prefix_frames = 0, vae.prefix_frames
     if info.ti2v and vae.frame_conditioning != "full":
         if vae.frame_conditioning not in ("first", "prefix"):
@@ -623,38 +640,37 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
             raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
                               f"clip's {num_frames} frames")
         clean = n
-    if vae.frame_conditioning not in KIND_DEFS[kind].frame_conditioning:  # else another kind would train silently
-        raise ConfigError(f"{where}: the {kind} kind takes no --frame-conditioning {vae.frame_conditioning}: drop it")
-    if kind == "magref" and not info.e2v:
-        raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
-                          "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
-    if kind == "magref":
-        check_canvas([e.name for e in elements])
-    if kind == "inplace" and vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
+    elif vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
         raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
-    if kind == "standin" and (info.e2v or info.ti2v or info.native_kind):
-        raise ConfigError(f"{where}: reference_layout standin is Stand-In's, a LoRA on Wan T2V (Wan2.1-T2V-14B, a "
-                          "Wan2.2-T2V-A14B expert); use a Wan T2V model")
-    if kind in ("incontext", "standin"):  # the references are tokens of the sequence: the model's own input layer
+    if vae.frame_conditioning not in d.frame_conditioning:  # else another kind would train silently
+        raise ConfigError(f"{where}: the {kind} kind takes no --frame-conditioning {vae.frame_conditioning}: drop it")
+    if kind == "magref":  # MAGREF's canvas is a Wan I2V first frame
+        if not info.e2v:
+            raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
+                              "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
+        check_canvas([e.name for e in elements])
+    if d.axis == "tokens" and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
+        raise ConfigError(f"{where}: reference_layout {vae.reference_layout} is Stand-In's, a LoRA on Wan T2V "
+                          "(Wan2.1-T2V-14B, a Wan2.2-T2V-A14B expert); use a Wan T2V model")
+    if d.reference_tokens:  # the references are tokens of the sequence: the model's own input layer
         if info.e2v:
             raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
-                              "reference_layout incontext is for T2V models; use reference_layout channel")
+                              f"reference_layout {vae.reference_layout} is for T2V models; use reference_layout "
+                              "channel")
         if e2v_type in ("dual", "clip"):
-            raise ConfigError(f"{where} has no CLIP image branch: reference_layout incontext uses the VAE path only "
-                              f"(--e2v-type vae or auto), not {e2v_type}")
+            raise ConfigError(f"{where} has no CLIP image branch: reference_layout {vae.reference_layout} uses the "
+                              f"VAE path only (--e2v-type vae or auto), not {e2v_type}")
         e2v_type = "vae"
     else:
-        e2v_type = resolve_e2v_type(info, e2v_type, kind != "t2v")  # UnsupportedModel: the model cannot take it
-    expand = kind in CHANNEL_KINDS and not info.e2v
+        e2v_type = resolve_e2v_type(info, e2v_type, d.axis != "none")  # UnsupportedModel: the model cannot take it
+    expand = d.axis == "channel" and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:
-        return make_layout(kind, num_frames, [e.repeat for e in elements] if kind in REFERENCE_KINDS else (),
+        return make_layout(kind, num_frames, [e.repeat for e in elements] if d.references[1] else (),
                            combine=vae.combine, frame_conditioning=vae.frame_conditioning,
                            frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
                            reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
-                           use_clip=kind in ("prefix", "magref") and e2v_type != "vae" and image_branch,
-                           expand=expand,
-                           per_token=info.ti2v)
+                           use_clip=d.clip and e2v_type != "vae" and image_branch, expand=expand, per_token=info.ti2v)
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
 
@@ -668,27 +684,23 @@ def check_canvas(names: list[str]) -> None:
                           f"grid), got {n}: keep at most {most}")
 
 
-def native_kind_of(info, kind: str, vae, elements, e2v_type: str) -> str:
-    """The released model's own kind (info.native_kind), or a ConfigError naming the model dir, the kind and the fix
-    when the flags ask for another layout. `kind`: what kind_of derived from the flags (prefix: elements, defaults)."""
+def check_native_flags(info, vae, elements, e2v_type: str) -> None:
+    """A ConfigError naming the model dir and the fix when the flags ask a released model (info.native_kind, a
+    Kind.native) for another layout than its own, or give it no references."""
     native, where = info.native_kind, f"{info.path} ({info.name})"
-    if kind == "t2v":
+    if not elements:
         raise ConfigError(f"{where} takes element references in its {native} layout: give element images "
                           "(a dataset with elements); text-to-video training needs a Wan T2V model")
-    if kind != "prefix":
-        flag = ("--reference-layout incontext" if kind == "incontext"
-                else f"--frame-conditioning {vae.frame_conditioning}")
-        raise ConfigError(f"{where} takes its own {native} layout, not {flag} (kind {kind}): drop {flag}")
+    asked = (f"--reference-layout {vae.reference_layout}" if vae.reference_layout != "channel"
+             else f"--frame-conditioning {vae.frame_conditioning}" if vae.frame_conditioning != "full" else None)
+    if asked:
+        raise ConfigError(f"{where} takes its own {native} layout, not {asked}: drop {asked}")
     if vae.reference_timestep != "shared":
         raise ConfigError(f"{where}: the {native} layout gives the references the sample's timestep: drop "
                           f"--reference-timestep {vae.reference_timestep}")
     if e2v_type in ("dual", "clip"):
         raise ConfigError(f"{where} has no CLIP image branch: its {native} layout uses the VAE path only "
                           f"(--e2v-type vae or auto), not {e2v_type}")
-    if native == "v3" and len(elements) > V3_SLOTS:
-        raise ConfigError(f"{where}: the v3 kind holds at most {V3_SLOTS} references (SkyReels-V3's slots); the "
-                          f"dataset has {len(elements)} elements: keep at most {V3_SLOTS}")
-    return native
 
 
 def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame: bool = False,
@@ -756,17 +768,20 @@ class Conditioning:
     per_token: bool = False  # the model takes one timestep per token (TI2V-5B)
 
     @property
+    def definition(self) -> Kind:
+        return KIND_DEFS[self.kind]
+
+    @property
     def num_ref_latents(self) -> int:
-        """Leading latent frames of the sequence that hold references (prefix), else 0."""
-        return self.ref_latents.shape[2] if self.kind in ("prefix", "magref") else 0
+        """Leading latent frames of the sequence that hold references (prefix, magref), else 0."""
+        return self.ref_latents.shape[2] if self.definition.leading else 0
 
     @property
     def tensor(self) -> torch.Tensor | None:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
-        if self.kind in APPENDED_KINDS + ("standin",):
+        if self.definition.reference_tokens:
             return self.ref_latents
-        return {"prefix": self.condition, "inplace": self.condition, "magref": self.condition,
-                "clean": self.clean}.get(self.kind)
+        return {"channel": self.condition, "frames": self.clean}.get(self.definition.axis)
 
 
 def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
@@ -802,7 +817,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       `ref_latents` (B, C, 1, *layout.reference_grid).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
-    kind = layout.kind
+    kind, d = layout.kind, layout.definition
     cond = Conditioning(kind, image=image, reference_timestep=layout.reference_timestep, per_token=layout.per_token)
     if layout.clean_frames:
         n = layout.clean_frames
@@ -810,35 +825,31 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
             raise ValueError(f"clean leading frames are 4k+1 frames of the video: {n} of "
                              f"{None if video is None else video.shape[2]}")
         cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
-    if kind in ("t2v", "clean"):
+    if d.axis in ("none", "frames"):
         return cond
-    if kind in REFERENCE_KINDS:
+    if layout.takes_references:
         if references is None:
             raise ValueError(f"the {kind} kind takes references (element images), not video frames")
         b, n, _, h, w = references.shape
         if layout.reference_images != n:  # magref: the one canvas reference_pixels makes of all the elements
             raise ValueError(f"the {kind} kind takes {layout.reference_images} reference image(s) for the element "
                              f"repeats {layout.repeats}, got {n}")
-        if kind != "magref":
+        if not layout.takes_region:
             frames = [references[:, i, :, None].expand(-1, -1, k, -1, -1) for i, k in enumerate(layout.repeats)]
-    if kind == "standin":  # one frame (whatever the element's repeat), its posterior mean (Stand-In's encode_ip_image)
-        if (h, w) != layout.reference_size:
-            raise ValueError(f"Stand-In's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} image "
-                             f"(its face crop) whatever the video's size, got {h}x{w}: frame it with "
-                             "reference_framing (load_references(..., layout) of the standin layout)")
-        cond.ref_latents = encode_vae(vae, references[:, 0, :, None], "argmax")
-        if cond.ref_latents.shape[-2:] != layout.reference_grid:
-            raise ValueError(f"Stand-In's {h}x{w} reference encodes to {tuple(cond.ref_latents.shape[-2:])} latents, "
-                             f"not {layout.reference_grid}: a VAE of another stride than Wan 2.1's (Stand-In's bases)")
-        return cond
-    if kind in APPENDED_KINDS:
-        mode = "argmax" if kind in ("phantom", "refalign") else sample_mode  # the mode of a Gaussian is its mean
+    if layout.reference_size and (h, w) != layout.reference_size:
+        raise ValueError(f"the {kind} kind's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} "
+                         f"image (Stand-In's face crop) whatever the video's size, got {h}x{w}: frame it with "
+                         f"reference_framing (load_references(..., layout) of the {kind} layout)")
+    if d.reference_tokens:  # each reference encoded alone
+        mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
         latents = [encode_vae(vae, x, mode, generator) for x in frames]  # (B, C, 1 per 1-4 frames, h, w) each
-        if kind == "v3":
-            latents += [latents[0].new_zeros(latents[0].shape)] * (V3_SLOTS - n)
+        latents += [latents[0].new_zeros(latents[0].shape)] * (d.slots - n if d.slots else 0)  # V3's empty slots
         cond.ref_latents = torch.cat(latents, dim=2)
+        if layout.reference_grid and cond.ref_latents.shape[-2:] != layout.reference_grid:
+            raise ValueError(f"the {kind} kind's {h}x{w} reference encodes to {tuple(cond.ref_latents.shape[-2:])} "
+                             f"latents, not {layout.reference_grid}: a VAE of another stride than Wan 2.1's")
         return cond
-    if kind == "magref":
+    if layout.takes_region:  # MAGREF's canvas
         if region is None or region.shape != (b, h, w):
             raise ValueError(f"the magref kind takes its canvas' pixel region mask (B, H, W) = {(b, h, w)} beside the "
                              f"canvas (reference_pixels), got {None if region is None else tuple(region.shape)}")
@@ -856,7 +867,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
             cond.condition = torch.zeros_like(cond.condition)
         return cond
     t = num_latent_frames(layout.num_frames)
-    flags = torch.zeros(video.shape[0] if kind == "inplace" else b, layout.num_frames)
+    flags = torch.zeros((video if references is None else references).shape[0], layout.num_frames)
     if kind == "prefix":
         r = sum(layout.repeats)
         if layout.combine == "before":
@@ -898,7 +909,7 @@ def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, i
     Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
     clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
     these are what the metrics compare the video with)."""
-    if layout is None or layout.kind != "magref":
+    if layout is None or not layout.takes_region:
         kind = None if layout is None else layout.kind
         pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
                  for image, e in zip(images, elements)]
@@ -916,9 +927,10 @@ def reference_framing(kind: str | None, element, size: tuple[int, int]):
     (load_references) alike: Stand-In's reference as its FaceProcessor crop, fit_pad_white at 512x512 (a2/standin.py:
     REFERENCE_PREPROCESS, REFERENCE_SIZE) whatever the video's size and the element's vae_preprocess; any other the
     element as it is, at the video's `size`."""
-    if kind != "standin":
+    size_of_kind = None if kind is None else KIND_DEFS[kind].reference_size
+    if size_of_kind is None:
         return element, size
-    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), standin.REFERENCE_SIZE
+    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), size_of_kind
 
 
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
@@ -930,13 +942,13 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
     if layout.takes_references:
         cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator,
                                region=region)
-        if layout.kind == "magref":  # the canvas is the sequence's frame 0, as the sampler makes it
+        if layout.takes_region:  # MAGREF's canvas is the sequence's frame 0, as the sampler makes it
             video = torch.cat([cond.canvas[:, :, None].to(video.device, video.dtype), video], dim=2)
         x0 = encode_vae(vae, video, sample_mode, generator)
         return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
     x0 = encode_vae(vae, video, sample_mode, generator)
     idx = ()
-    if layout.kind == "inplace":
+    if layout.frame_conditioning != "full":  # the clip's own frames (clean: its leading ones, encoded above)
         idx = conditioning_frame_indices(layout.frame_conditioning, layout.clip_frames, layout.frame_index,
                                          layout.prefix_frames, generator[0] if generator else None)
     return x0, prepare_latents(vae, layout, video=video, cond_frame_indices=idx, sample_mode=sample_mode,
@@ -952,9 +964,9 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
     reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention).
     Others: nothing."""
-    if layout.kind == "refalign":
+    if layout.definition.text_to_video_only:
         video_only_cross_attention(transformer, layout.ref_latents)
-    if layout.kind != "standin":
+    if layout.definition.axis != "tokens":
         return
     if not standin.installed(transformer):
         standin.install(transformer, rank or standin.RANK)
@@ -985,7 +997,7 @@ def video_only_cross_attention(transformer, ref_latents: int) -> None:
 def kind_weights(transformer, layout: Layout) -> list:
     """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
     reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
-    if layout.kind != "standin":
+    if layout.definition.axis != "tokens":
         return []
     return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
 
@@ -997,10 +1009,10 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     frame given beside in-context references stays, it is not a reference). A prefix run's reference latents stay in
     x0."""
     k = keep.view(-1, 1, 1, 1, 1)
-    return replace(cond, keep=keep if cond.kind == "clean" else cond.keep,
+    return replace(cond, keep=keep if cond.definition.axis == "frames" else cond.keep,
                    condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
                    ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype)
-                   if cond.kind in APPENDED_KINDS + ("standin",) else cond.ref_latents,
+                   if cond.definition.reference_tokens else cond.ref_latents,
                    image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
 
 
@@ -1028,11 +1040,12 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         clean_tokens[: n // p_t] = 1
         noisy = 1 - keep[:, None] * clean_tokens.flatten()[None]  # diffusers' mask[0][0][:, ::2, ::2], per sample
         timestep = noisy * timestep.reshape(-1, 1)
-    if cond.kind in CHANNEL_KINDS:
+    axis = cond.definition.axis
+    if axis == "channel":
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
-    if cond.kind == "standin":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
+    if axis == "tokens":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
         return standin.pack_reference(x, cond.ref_latents), timestep
-    if cond.kind not in APPENDED_KINDS:
+    if axis != "time":
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
     x = torch.cat([x, refs], dim=2)
@@ -1052,7 +1065,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
     """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped
     (Stand-In's forward returns the video's alone)."""
-    if cond.kind not in APPENDED_KINDS:
+    if cond.definition.axis != "time":
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 
@@ -1069,7 +1082,7 @@ def initial_latents(layout: Layout, shape: tuple[int, ...], generator=None, devi
     """The sampler's starting noise for the video latents, shape (B, C, T, h, w), float32. Phantom-Wan draws it for
     T + L_ref frames (the reference slots last) and its solver steps the slots too, but replaces them in every input:
     the solver is elementwise, so sampling the first T frames alone gives the same video latents bit for bit."""
-    extra = layout.ref_latents if layout.kind == "phantom" else 0
+    extra = layout.ref_latents if layout.definition.noise_with_references else 0
     b, c, t, h, w = shape
     return randn_tensor((b, c, t + extra, h, w), generator=generator, device=device, dtype=torch.float32)[:, :, :t]
 

@@ -375,11 +375,11 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path):
                                          r"\(1,\), got 2"):
         pipe("a face", torch.cat(refs, 1), None, layout=pipe.plan(9, (1,)), height=h, width=w, num_inference_steps=1,
              progress=False, decode="none")
-    with pytest.raises(ValueError, match="Stand-In takes one reference image, got 2 elements"):
+    with pytest.raises(ValueError, match=r"the standin kind holds at most 1 reference\(s\) \(its slots\), got 2"):
         pipe.plan(9, (1, 1))
     video_sized = load_references([(Element("face", ()), files[0])], (h, w))[0]
-    with pytest.raises(ValueError, match=r"Stand-In's reference is a 512x512 image \(its face crop\) whatever the "
-                                         r"video's size, got 32x48"):
+    with pytest.raises(ValueError, match=r"the standin kind's reference is a 512x512 image \(Stand-In's face crop\) "
+                                         r"whatever the video's size, got 32x48"):
         pipe("a face", video_sized, None, layout=pipe.plan(9, (1,), STANDIN), height=h, width=w,
              num_inference_steps=1, progress=False, decode="none")
 
