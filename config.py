@@ -219,10 +219,12 @@ A2_ELEMENTS: tuple[Element, ...] = (
 )
 
 
-# Phantom-Wan's and SkyReels-V3 R2V's references (infer.py's default on those models): one frame each, framed as both
-# labs frame them (Lanczos fit, white pad), no CLIP path
+# The released S2V models' references (Phantom-Wan, SkyReels-V3 R2V, RefAlign, MAGREF: their kinds' element specs,
+# a2.conditioning.kind_elements): one frame each, framed as their labs frame one (Lanczos fit, white pad), no CLIP
+# path; ref0..ref2 also read A2's subject / object / background files, so one dataset dir trains every kind
 RELEASED_ELEMENTS: tuple[Element, ...] = tuple(
-    Element(f"ref{i}", (f"_ref{i}.png",), False, 1, i, "fit_pad_white", "pad_white", False) for i in range(8))
+    Element(f"ref{i}", (f"_ref{i}.png",) + (A2_ELEMENTS[i].suffixes if i < len(A2_ELEMENTS) else ()), False, 1, i,
+            "fit_pad_white", "pad_white", False) for i in range(8))
 
 
 def check_element(e: Element, where: str) -> Element:
@@ -990,8 +992,9 @@ class TrainConfig:
     """The blocks whose output reference tokens are aligned (RefAlign: the first nine)."""
     align_weight: float = 1.0
     """The weight of the alignment loss added to the flow-matching loss."""
-    align_gate_floor: float = 0.1
-    """The floor of the alignment loss's timestep gate, floor + (1 - floor) (t/1000)^power (RefAlign: 0.1 and 3)."""
+    align_gate_floor: float = 0.0
+    """The floor of the alignment loss's timestep gate, floor + (1 - floor) (t/1000)^power (RefAlign: 0 and 3, its
+    gate_from_timestep(t, 0, 1000, beta=3.0) in diffsynth/pipelines/wan_video_new6.py)."""
     align_gate_power: float = 3.0
     """The power of the timestep gate (see --align-gate-floor)."""
     timestep_buckets: int = 0
@@ -1080,12 +1083,13 @@ class TrainConfig:
     run (--frame-conditioning first), one image: the first frame (as infer.py --image)."""
     val_prompt: str = "A man is holding a teddy bear in the forest."
     """The prompt of the validation videos."""
-    val_steps: int = 30
-    """The sampler steps of a validation video."""
-    val_guidance_scale: float = 5.0
-    """The classifier-free guidance scale of the validation videos."""
+    val_steps: int | None = None
+    """The sampler steps of a validation video (default: the kind's own, as infer.py's; a validation video is the one
+    infer.py makes from the exported weights, the same prompt and elements and no sampling flag)."""
+    val_guidance_scale: float | None = None
+    """The classifier-free guidance scale of the validation videos (default: the kind's own, as infer.py's)."""
     val_flow_shift: float | None = None
-    """The sampler shift of the validation videos (default: the model dir's scheduler config)."""
+    """The sampler shift of the validation videos (default: the kind's own, as infer.py's)."""
     val_metrics: bool = True
     """Scores each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its step:
     motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face similarity with
@@ -1178,19 +1182,23 @@ class InferConfig:
     """The first frame of a Wan 2.2 TI2V-5B image-to-video, resized to --height x --width with Lanczos (as diffusers'
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
-    """The element specs (train_a2.py's --elements grammar). Default: SkyReels-A2's subject/object/background; on
-    Phantom-Wan and SkyReels-V3 R2V, ref0, ref1, ... framed as they frame references (one frame each, fit_pad_white)."""
+    """The element specs (train_a2.py's --elements grammar). Default: the kind's, as train_a2.py takes them
+    (a2.conditioning.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
+    SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
+    fit_pad_white)."""
     preset: Literal["v3-distilled"] | None = None
     """Samples as another of the lab's own entry points for its model (a2.conditioning.Kind.modes). v3-distilled:
     SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset
-    every flag left out is the model's own sampler's (its kind's Sampling): Phantom-Wan 50 steps, guidance 7.5 / 5,
-    Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, an empty negative prompt, 24 fps; MAGREF its UniPC from
-    sigma 0.999 and its seed's canvas placement; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift 5,
-    20 steps, seed 0, the noise on the CPU, 25 fps; and the references' VAE encode as each lab's."""
+    every flag left out is the model's own sampler's (its kind's Sampling, README "What each kind samples with"):
+    SkyReels-A2 shift 8, 15 fps; Phantom-Wan guidance 7.5 / 5, Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 /
+    5, an empty negative prompt, 24 fps; MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too), its negative
+    prompt, 15 fps; RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on linspace(1,
+    0), shift 5, 20 steps, seed 0, the noise on the CPU, 25 fps; and the references' VAE encode as each lab's."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """The text prompt of the video."""
     negative_prompt: str | None = None
-    """The negative prompt of classifier-free guidance (default: the model's own sampler's; A2's English one)."""
+    """The negative prompt of classifier-free guidance (default: the model's own sampler's: A2's English one, Wan's
+    Chinese one, MAGREF's, V3's empty one)."""
     height: int | None = None
     """The video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
     width: int | None = None
@@ -1201,21 +1209,24 @@ class InferConfig:
     """The pixel frames (4k+1) generated in all, reference frames included (default 81, A2's, of which 12 are
     references; a built-in tiny model: 33; --preset v3-distilled: 121)."""
     steps: int | None = None
-    """The sampler's denoising steps (default: the model's own sampler's, 50; a built-in tiny model: 10; a --preset's
-    own)."""
+    """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20; a built-in tiny
+    model: 10; a --preset's own)."""
     guidance_scale: float | None = None
-    """The classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5)."""
+    """The classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5; the
+    reference-guided kinds 7.5)."""
     guidance_scale_img: float | None = None
-    """The reference guidance of the in-context kinds, as Phantom-Wan and SkyReels-V3 sample (a third forward with zero
-    references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same as 1)."""
+    """The reference guidance of the in-context kinds, as Phantom-Wan, SkyReels-V3 and RefAlign sample (a third forward
+    with zero references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same
+    video as 1, one forward fewer)."""
     guidance_scale_2: float | None = None
     """The CFG scale of a Wan 2.2 A14B pair's low-noise expert, as diffusers' Wan pipelines (default:
     --guidance-scale)."""
     seed: int | None = None
     """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the model's
-    own sampler's, 42; Stand-In 0)."""
+    own sampler's, 42; MAGREF 3407; Stand-In and RefAlign 0)."""
     flow_shift: float | None = None
-    """The sampler's sigma shift. Default: the model dir's scheduler config (SkyReels-A2 ships 8, Wan2.1 T2V 3)."""
+    """The sampler's sigma shift. Default: the model's own sampler's (SkyReels-A2 8, Phantom-Wan / V3 / RefAlign /
+    Stand-In 5, MAGREF 3, as their scripts fix it); a Wan base model's, the one its dir's scheduler config ships."""
     scheduler: Literal["unipc", "euler"] | None = None
     """The sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
     schedule: Literal["model", "flowmatch"] = "model"
@@ -1254,7 +1265,8 @@ class InferConfig:
     out: str = "outputs/a2.mp4"
     """The output mp4 path."""
     fps: int | None = None
-    """The frames per second of the written mp4 (default: the model's own, 15 for A2)."""
+    """The frames per second of the written mp4 (default: the model's own: A2 and MAGREF 15, Phantom-Wan and RefAlign
+    16, V3 24, Stand-In 25)."""
     side_by_side: bool = True
     """Shows the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None

@@ -52,9 +52,10 @@ from a2.conditioning import (
     KIND_DEFS,
     canvas_refusal,
     clip_frames,
+    element_kind,
     element_layout,
     element_refusal,
-    index_elements,
+    kind_elements,
     largest_element_set,
     reference_pixels,
 )
@@ -406,14 +407,19 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
     return s
 
 
-def kind_datasets(cfgs: list[DatasetConfig], kind: str, given: bool) -> list[DatasetConfig]:
-    """The datasets as the run's kind reads them: on public-dataset indexes, with no elements given (--elements or a
-    dataset config), a kind without roles takes every kept mask of a clip, largest first, up to its maximum (and the
-    background png where it uses one: index_elements), not A2's three roles. Otherwise `cfgs` unchanged."""
-    d = KIND_DEFS[kind]
-    if given or d.roles or not d.references[1] or any(c.dataset_type not in PUBLIC_TYPES for c in cfgs):
-        return cfgs
-    return [replace(c, elements=index_elements(kind)) for c in cfgs]
+def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
+    """The datasets as the model's kind (a2.conditioning.element_kind; info: its ModelInfo) reads them, and the element
+    set a run plans for. With no elements given (--elements or a dataset config), each dataset of element images
+    takes the specs its kind takes when sampling too (a2.conditioning.kind_elements: SkyReels-A2's roles, a released
+    model's references framed as its lab's; on a public-dataset index a kind without roles takes every kept mask of a
+    clip, largest first, up to its maximum, and the background png where it uses one: index_elements), and the run
+    plans the largest set one sample holds (largest_element_set). Given elements: `cfgs` and theirs unchanged."""
+    if given:
+        return cfgs, cfgs[0].elements
+    kind = element_kind(info, cfgs[0].vae)
+    cfgs = [replace(c, elements=kind_elements(kind, c.dataset_type in PUBLIC_TYPES)) if c.elements else c
+            for c in cfgs]
+    return cfgs, largest_element_set(kind, cfgs[0].elements)
 
 
 def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
@@ -1063,31 +1069,29 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    layout = training_layout(a, cfgs)
-    if layout is not None:  # the kind's own elements on a public index, planned again with them
-        kinds = kind_datasets(cfgs, layout.kind, bool(a.elements or a.dataset_config))
-        if kinds is not cfgs:
-            cfgs, layout = kinds, training_layout(a, kinds, largest_element_set(layout.kind, kinds[0].elements))
+    cfgs, layout = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
                       layout=layout)
 
 
-def training_layout(a: Validate, cfgs, elements=None):
-    """The Layout train_a2.py plans with these flags (clip length, how element images become references). It depends
-    on the model (Phantom-Wan, SkyReels-V3 and MAGREF weights take their own layouts), so when --model is on this
-    machine (a built-in model, a dir or a file) it is planned as training plans it; a Hub id is not downloaded for
-    this: None, and the clip length is the elements' rule (said)."""
+def training_layout(a: Validate, cfgs):
+    """The datasets and the Layout train_a2.py plans with these flags (clip length, the element specs the model's kind
+    takes, how element images become references). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and
+    MAGREF weights take their own layouts and references), so when --model is on this machine (a built-in model, a dir
+    or a file) they are planned as training plans them; a Hub id is not downloaded for this: the datasets as the flags
+    give them, no layout (None), and the clip length is the elements' rule (said)."""
     from a2.conditioning import plan
     from a2.tiny import TINY_MODELS, model_path
     from a2.transformer import detect_model
 
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        return plan(info, elements or cfgs[0].elements, cfgs[0].vae, a.num_frames, a.e2v_type)
+        cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
+        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type)
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
-    return None
+    return cfgs, None
 
 
 def _cli(argv: list[str]):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from a2 import standin
-from a2.conditioning import KIND_DEFS, kind_sampling, sampling_plan, schedule_sigmas
+from a2.conditioning import KIND_DEFS, element_kind, kind_elements, kind_sampling, sampling_plan
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.parallel import context_parallel, sampling_group
@@ -47,7 +47,6 @@ from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
 from config import (
     A2_ELEMENTS,
-    RELEASED_ELEMENTS,
     ConfigError,
     InferConfig,
     InputError,
@@ -67,7 +66,7 @@ TINY_SIZE, TINY_FRAMES, TINY_STEPS = (64, 64), 33, 10
 def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     """A copy of cfg with the defaults that depend on the model and the preset filled in: the size, the frames and
     (a built-in tiny model) the steps; --device auto. Returns it and, for the banner, where each of size / frames /
-    steps came from when the flags left it out. The sampler's other defaults are the kind's (own_sampling)."""
+    steps came from when the flags left it out. The sampler's other defaults are the kind's, which A2Pipeline fills."""
     tiny = cfg.model in TINY_MODELS and not cfg.model.startswith("random-")
     mode = next((s for k in KIND_DEFS.values() for n, s in k.modes if n == cfg.preset), None)
     given_size = cfg.resolution is not None or (cfg.height is not None and cfg.width is not None)
@@ -80,7 +79,7 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     if num_frames is None:
         num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode is not None else
                                         (TINY_FRAMES, "tiny model's default") if tiny else (81, "default"))
-    if steps is None and tiny and mode is None:  # a preset's steps are its own (own_sampling)
+    if steps is None and tiny and mode is None:  # a preset's steps are its own (A2Pipeline fills them)
         steps, source["steps"] = TINY_STEPS, "tiny model's default"
     elif steps is None and mode is not None:
         source["steps"] = f"--preset {cfg.preset}"
@@ -89,19 +88,6 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
         raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
     return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
                    device=device), source
-
-
-OWN = ("negative_prompt", "guidance_scale", "guidance_scale_img", "steps", "fps", "seed")  # Sampling's names
-
-
-def own_sampling(cfg: InferConfig, info, layout):
-    """The flags left out (None) set to what `layout`'s kind samples with on this model, or the lab's --preset entry
-    point (a2.conditioning.kind_sampling): the one place infer.py's defaults come from. Returns that Sampling."""
-    own = kind_sampling(layout.kind, info.name, cfg.preset)
-    for name in OWN:
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, getattr(own, name))
-    return own
 
 
 def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> str:
@@ -179,18 +165,23 @@ def read_rows(path: str) -> list[dict]:
 def read_references(cfg: InferConfig, images, info=None, first_frame: bool = False, seed: int | None = None) -> dict:
     """Element images (`path` or `name=path`) paired with the element specs, the layout they are sampled in
     (check_layout) and the images loaded as it takes them (errors name the file): dict(refs, clip_refs, repeats,
-    region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Default specs: A2's, or a
-    released S2V model's (info.native_kind) RELEASED_ELEMENTS. Without `info` no layout: each element framed."""
-    default = RELEASED_ELEMENTS if info is not None and info.native_kind else A2_ELEMENTS
-    items = pair_elements(images, parse_elements(cfg.element_specs) if cfg.element_specs else default)
+    region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Without `info` no layout: each
+    element framed as A2's specs frame it."""
+    items = pair_elements(images, element_specs(cfg, info))
     layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame, seed)
-    if layout is not None:
-        own_sampling(cfg, info, layout)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
     refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, region=region, layout=layout,
                 elements=named_references(items, clip_refs), specs=tuple(e for e, _ in items))
+
+
+def element_specs(cfg: InferConfig, info) -> tuple:
+    """--element-specs, else the specs the model's kind takes, as training takes them (a2.conditioning:
+    kind_elements)."""
+    if cfg.element_specs:
+        return parse_elements(cfg.element_specs)
+    return A2_ELEMENTS if info is None else kind_elements(element_kind(info, cfg.conditioning))
 
 
 def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | None = None):
@@ -208,16 +199,15 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
 
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, layout, seed=None,
              first_frame=None, region=None) -> dict:
-    """One video in `layout` (check_layout's, the one plan), every setting the flags leave out its kind's own."""
-    own = kind_sampling(layout.kind, pipe.model, cfg.preset)
-    device = "cpu" if own.noise_on_cpu else cfg.device  # Stand-In's rand_device
-    generator = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
-    sigmas = None if cfg.schedule == "model" else schedule_sigmas(cfg.schedule, cfg.steps)
+    """One video in `layout` (check_layout's, the one plan) with the sampling flags the user set: A2Pipeline fills
+    every one left out (None) with the kind's own. seed: the row's (else --seed)."""
     return pipe(prompt, refs, clip_refs, layout=layout, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
                 height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps, guidance_scale=cfg.guidance_scale,
-                guidance_scale_2=cfg.guidance_scale_2, scheduler=cfg.scheduler, flow_shift=cfg.flow_shift,
-                sample_mode=cfg.conditioning.vae_sample_mode, generator=generator, decode=cfg.decode,
-                guidance_scale_img=cfg.guidance_scale_img, sigmas=sigmas, region=region)
+                guidance_scale_2=cfg.guidance_scale_2, guidance_scale_img=cfg.guidance_scale_img,
+                scheduler=cfg.scheduler, schedule=None if cfg.schedule == "model" else cfg.schedule,
+                flow_shift=cfg.flow_shift, sample_mode=cfg.conditioning.vae_sample_mode,
+                seed=cfg.seed if seed is None else seed, fps=cfg.fps, preset=cfg.preset, decode=cfg.decode,
+                region=region)
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -242,15 +232,16 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
         halves = []
         for model in models:
             set_lora(pipe, model == "lora")
-            video = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["layout"], seed,
-                             region=row["region"])["video"][0]
+            out = generate(cfg, pipe, row["prompt"], refs, row["clip_refs"], row["layout"], seed, region=row["region"])
+            video, seed = out["video"][0], out["sampling"].seed  # the seed it sampled with (the kind's: none given)
             halves.append(video)
             if evaluators is not None:
                 result = evaluate_video(video, row["elements"], row["prompt"], evaluators,
                                         row.get("faces", cfg.eval.faces), cfg.eval.max_frames)
                 scores += metric_rows(result, index=i, file=name, prompt=row["prompt"], seed=seed, model=model)
         side = refs[0] if (cfg.side_by_side and refs is not None) else None
-        paths.append(save_video(out_dir / name, torch.cat(halves, dim=-1), cfg.fps, side))  # (3, F, H, W*models)
+        video = torch.cat(halves, dim=-1)  # (3, F, H, W * models)
+        paths.append(save_video(out_dir / name, video, out["sampling"].fps, side))
         lora = None if not cfg.lora else cfg.lora[0] if len(cfg.lora) == 1 else list(cfg.lora)
         index.append(dict(file=name, prompt=row["prompt"], seed=seed, lora=lora, lora_scale=cfg.lora_scale))
         print(f"wrote {paths[-1]}" + (" (left: base, right: LoRA)" if len(models) == 2 else ""))
@@ -271,8 +262,7 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
 
     from a2.opens2v import read_eval_set
 
-    specs = parse_elements(cfg.element_specs) if cfg.element_specs else (
-        RELEASED_ELEMENTS if info.native_kind else A2_ELEMENTS)
+    specs = element_specs(cfg, info)
     rows = []
     for sid, sample in read_eval_set(cfg.eval_set).items():
         where = f"{cfg.eval_set}: sample {sid}"
@@ -310,9 +300,9 @@ def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], inf
             refs = read_references(cfg, row["images"], info)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"{row['line']}: {e}") from e
-        video = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["layout"],
-                         region=refs["region"])["video"][0]
-        save_video(partial / path.name, video, cfg.fps).replace(path)
+        out = generate(cfg, pipe, row["prompt"], refs["refs"], refs["clip_refs"], refs["layout"],
+                       region=refs["region"])
+        save_video(partial / path.name, out["video"][0], out["sampling"].fps).replace(path)
         print(f"[{i}/{len(rows)}] {row['id']}: wrote {path}", flush=True)
     if partial.is_dir() and not any(partial.iterdir()):
         partial.rmdir()
@@ -481,7 +471,7 @@ def main(cfg: InferConfig) -> int:
         return 0
     if out["video"] is not None:
         side = refs["refs"][0] if (cfg.side_by_side and refs["refs"] is not None) else None
-        path = save_video(cfg.out, out["video"][0], cfg.fps, side)
+        path = save_video(cfg.out, out["video"][0], out["sampling"].fps, side)
         n = out["video"].shape[2]
         print(f"wrote {path} ({n} frames, {cfg.height}x{cfg.width}"
               + (f"; --num-frames {cfg.num_frames} less the {cfg.num_frames - n} the references take" if n <

@@ -59,7 +59,6 @@ from a2.conditioning import (
     encode,
     kind_sampling,
     kind_weights,
-    largest_element_set,
     loss_start,
     model_flow_shift,
     model_input,
@@ -248,14 +247,11 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.swap_blocks < 0:
         raise ConfigError(f"--swap-blocks {cfg.swap_blocks}: a number of blocks, >= 0")
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
-    elements = ds_cfgs[0].elements
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
+    ds_cfgs, elements = kind_datasets(ds_cfgs, info, bool(cfg.elements or cfg.dataset_config))  # none given: the
+    # element specs its kind samples with too
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)  # the kind, checked
-    kinds = kind_datasets(ds_cfgs, layout.kind, bool(cfg.elements or cfg.dataset_config))
-    if kinds is not ds_cfgs:  # a public index read by a kind without roles: its own references
-        elements = largest_element_set(layout.kind, kinds[0].elements)
-        layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
                           "builds its condition from pixels each step (random frames): train it without a cache")
@@ -272,8 +268,9 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                                      f"{len(cfg.val_elements)}")
                 load_first_frame(cfg.val_elements[0], cfg.resolution)
             else:
-                load_references(pair_elements(cfg.val_elements, elements), cfg.resolution, (cfg.clip_size,) * 2,
-                                layout)
+                items = pair_elements(cfg.val_elements, elements)
+                load_references(items, cfg.resolution, (cfg.clip_size,) * 2,
+                                validation_layout(layout, tuple(e.repeat for e, _ in items)))
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
@@ -789,15 +786,15 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     if not run.validates or (rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
         return None
     h, w = cfg.resolution
-    refs = clips = region = None
-    repeats: tuple[int, ...] = ()
-    first_frame = None
+    refs = clips = region = first_frame = None
+    items = []
     if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
-        first_frame, items = load_first_frame(cfg.val_elements[0], (h, w)), []
-    else:
-        items = pair_elements(cfg.val_elements, run.elements) if cfg.val_elements else []
+        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
+    elif cfg.val_elements:
+        items = pair_elements(cfg.val_elements, run.elements)
+    layout = validation_layout(run.layout, tuple(e.repeat for e, _ in items))  # any element set the kind takes
     if items:
-        refs, clips, repeats, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), run.layout)
+        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
     transformer.eval()
     experts = {}
     high = transformer
@@ -811,17 +808,15 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
                       **experts, expand_timesteps=run.info.ti2v, model=run.info.name, info=run.info,
                       flow_shift=model_flow_shift(run.info.parts_dir))
-    layout = validation_layout(element_layout(run.layout, repeats), repeats)  # the elements given: any set it takes
-    with amp:
+    with amp:  # the flags the user set; A2Pipeline fills the rest with the kind's own, as for infer.py
         out = pipe(cfg.val_prompt, refs, clips, layout=layout, height=h, width=w, num_inference_steps=cfg.val_steps,
                    guidance_scale=cfg.val_guidance_scale, flow_shift=cfg.val_flow_shift, first_frame=first_frame,
-                   region=region, sample_mode=run.encode_mode,
-                   generator=torch.Generator(device).manual_seed(cfg.seed), progress=False)
+                   region=region, sample_mode=run.encode_mode, progress=False)
     transformer.train()
     if "other" in frozen:
         frozen["other"].to("cpu")
     if rank == 0:
-        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], 15,
+        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], out["sampling"].fps,
                           None if refs is None else refs[0])
         log(f"validation video: {path}")
     if evaluators is None or rank != 0:
@@ -1246,7 +1241,7 @@ def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
-    ds_cfgs = kind_datasets(ds_cfgs, run.layout.kind, bool(cfg.elements or cfg.dataset_config))  # as planned
+    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements or cfg.dataset_config))[0]  # as planned
     check_extra_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg, run)

@@ -9,7 +9,8 @@ the same reference image on the same token grid:
     neg   = mean over token pairs of different references of relu(cos(P(h_i), f_j))   (0 with one reference)
     align = gate(t) · mean over the blocks of (pos + neg),  gate(t) = floor + (1 - floor) · (t / 1000)^power
 
-RefAlign's gate (its gate_from_timestep(t, 0, 1000, beta=3)) is 0.1 + 0.9 (t/1000)^3: floor 0.1, power 3. A sample
+RefAlign's gate (its training_loss's gate_from_timestep(t, 0, 1000, beta=3.0), whose min_val is 0: diffsynth/
+pipelines/wan_video_new6.py, the pipeline its train.py imports) is (t/1000)^3: floor 0, power 3. A sample
 whose references were dropped contributes 0 (RefAlign multiplies its loss by 0). The targets are the last layer's
 patch tokens before the final norm (RefAlign reads hidden_states[-1]), CLS and register tokens dropped.
 
@@ -198,8 +199,8 @@ def dino_targets(target, images: torch.Tensor, grid: tuple[int, int]) -> torch.T
 # ---------------------------------------------------------------- the loss
 
 
-def gate(sigmas: torch.Tensor, floor: float = 0.1, power: float = 3.0) -> torch.Tensor:
-    """(B,) -> (B,): floor + (1 - floor) · (t/1000)^power at t = 1000·sigma (RefAlign: 0.1 + 0.9 (t/1000)^3)."""
+def gate(sigmas: torch.Tensor, floor: float = 0.0, power: float = 3.0) -> torch.Tensor:
+    """(B,) -> (B,): floor + (1 - floor) · (t/1000)^power at t = 1000·sigma (RefAlign: (t/1000)^3)."""
     return floor + (1 - floor) * sigmas.float() ** power
 
 
@@ -216,7 +217,7 @@ def block_loss(features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return pos + neg
 
 
-def align_loss(features: dict, targets: torch.Tensor, sigmas: torch.Tensor, kept: torch.Tensor, floor: float = 0.1,
+def align_loss(features: dict, targets: torch.Tensor, sigmas: torch.Tensor, kept: torch.Tensor, floor: float = 0.0,
                power: float = 3.0) -> torch.Tensor:
     """The batch's alignment loss (a scalar): mean over samples of kept · gate(sigma) · mean over blocks of block_loss.
     features: {block: (B, N, L, D)} (capture's); kept (B,): 1 where the sample kept its references."""

@@ -70,6 +70,7 @@ from a2.images import (
 )
 from a2.transformer import resolve_e2v_type
 from config import (
+    A2_ELEMENTS,
     RELEASED_ELEMENTS,
     ConditioningConfig,
     ConfigError,
@@ -106,6 +107,7 @@ WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，�
                        "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，"  # noqa: RUF001
                        "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
                        "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
+MAGREF_NEGATIVE_PROMPT = "镜头晃动，" + WAN_NEGATIVE_PROMPT  # noqa: RUF001 (magref/configs/magref_14B.py: "camera shake, ")
 SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
 def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
     """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
@@ -125,15 +127,16 @@ def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
 
 
-
-
 @dataclass(frozen=True)
 class Sampling:
-    """How a kind's own code samples: what A2Pipeline and infer.py use for every setting the caller leaves out."""
+    """How a kind's own code samples: what A2Pipeline uses for every setting its caller leaves out (None), the one
+    place those are filled (infer.py, a run's validation and the OpenS2V renderer pass only what their user set). The
+    values and the lab's file each is read from: README, "What each kind samples with"."""
 
     scheduler: str = "unipc"  # unipc | euler (make_scheduler)
     schedule: str = "diffusers"  # the unshifted sigmas (schedule_sigmas)
-    flow_shift: float | None = None  # None: the shift the model dir ships (model_flow_shift)
+    flow_shift: float | None = None  # None: the shift the model dir ships (model_flow_shift), a diffusers Wan
+    # pipeline's; a lab whose script fixes it, its own
     encode_mode: str = "sample"  # the references' / condition's VAE encode: a posterior sample or its mean (argmax),
     # in training too (its encode is its sampling's)
     steps: int = 50
@@ -143,7 +146,7 @@ class Sampling:
     num_frames: int | None = None  # None: the caller's (81 pixel frames)
     fps: int = 15
     seed: int = 42
-    noise_on_cpu: bool = False  # the noise drawn with a CPU generator whatever the device (Stand-In's rand_device)
+    noise_on_cpu: bool = False  # the noise drawn with a CPU generator whatever the device (DiffSynth's rand_device)
     timestep_in_dtype: bool = False  # the DiT gets the timestep cast to the compute dtype and back, as DiffSynth's
     # pipelines cast it (bf16: 937.5 becomes 936; float32: unchanged)
     seeded_placement: bool = False  # MAGREF: the seed shuffles the canvas (Layout.placement_seed = the seed)
@@ -173,6 +176,9 @@ class Kind:
     sequence: str = ""  # what the sequence holds besides the clip, for Layout.describe ({} fields: Layout.describe)
     sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
     modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
+    # the element specs it takes when none are given (--elements, --element-specs, a dataset config), in training and
+    # sampling alike (kind_elements): SkyReels-A2's roles, or a released model's references framed as its lab's
+    elements: tuple = A2_ELEMENTS
     # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
     # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
@@ -199,59 +205,73 @@ class Kind:
 
 INPLACE_MODES = ("first", "first_and_last", "index", "prefix", "random")
 MOST_ELEMENTS = 8  # incontext: each element its own latents; a2 takes as many as MAGREF's canvas
+# Each lab's entry point as a user runs it, its file named beside the value (README: "What each kind samples with").
+# SkyReels-A2 infer.py: UniPC flow_shift 8, 50 steps, CFG 5, its English negative prompt, seed 42, the posterior sample
+# after the noise (the generator on the device), 15 fps
+_A2 = Sampling(flow_shift=8.0)
+# Phantom-Wan generate.py (--sample_steps 50, --sample_shift 5, --sample_guide_scale_text 7.5 / _img 5) and
+# configs/shared_config.py (Wan's negative prompt, 16 fps); its FlowUniPC from 0.999, the references' posterior mean
 _PHANTOM = Sampling(schedule="phantom", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
                     guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16)
+# SkyReels-V3's WanSkyReelsA2WanT2VPipeline.__call__ defaults (50 steps, 7.5 / 5, its UniPC shift 5 on diffusers
+# 0.34); its generate_video.py samples the distilled mode (8 steps, guidance 1, 5 s at 24 fps)
 _V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", guidance_scale=7.5,
                guidance_scale_img=5.0, negative_prompt="", fps=24)
 KIND_DEFS = {k.name: k for k in (
-    Kind("t2v", "none"),
+    Kind("t2v", "none", elements=()),
     # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
-    Kind("prefix", "channel", (1, MOST_ELEMENTS), leading=True, clip=True, roles=True, background=True,
+    Kind("prefix", "channel", (1, MOST_ELEMENTS), leading=True, clip=True, sampling=_A2, roles=True, background=True,
          sequence="{ref_latents} reference latents + "),
     Kind("inplace", "channel", frame_conditioning=INPLACE_MODES, sampling=Sampling(encode_mode="argmax"),
-         sequence="(conditioned on frames: {frame_conditioning}) "),
+         elements=(), sequence="(conditioned on frames: {frame_conditioning}) "),
     # a2's own: A2's elements (a background among them) as tokens after the clip; + TI2V's first frame
-    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix"),
-         background=True,
+    Kind("incontext", "time", (1, MOST_ELEMENTS), frame_conditioning=("full", "first", "prefix"), background=True,
          sequence="(then {ref_latents} clean reference latents, timestep {reference_timestep}) "),
     Kind("clean", "frames", frame_conditioning=("first", "prefix"), sampling=Sampling(encode_mode="argmax"),
-         sequence="({clean_frames} clean leading frames at timestep 0) "),
+         elements=(), sequence="({clean_frames} clean leading frames at timestep 0) "),
     # Phantom-Data's references are the clip's subjects, no background (BindWeave's OpenS2V loader, of the same
     # family, loads the background png and never adds it); SkyReels-V3 R2V's and MAGREF's references include scenes
     Kind("phantom", "time", (1, 4), native=True, one_frame=True, encode_mean=True, noise_with_references=True,
-         sampling=_PHANTOM,
+         sampling=_PHANTOM, elements=RELEASED_ELEMENTS[:4],
          sequence="(then {ref_latents} reference latents, posterior means, Phantom-Wan's layout) "),
     Kind("v3", "time", (1, V3_SLOTS), native=True, one_frame=True, slots=V3_SLOTS, sampling=_V3, background=True,
+         elements=RELEASED_ELEMENTS[:V3_SLOTS],
          modes=(("v3-distilled", replace(_V3, steps=8, guidance_scale=1.0, guidance_scale_img=None,
                                          num_frames=121)),),
          sequence=f"(then {{references}} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) "),
-    # MAGREF's generate(): Wan's FlowUniPC from sigma 0.999 at the shift its dir ships, WanVAE.encode's mean
-    Kind("magref", "channel", (1, 8), leading=True, clip=True, background=True,
-         cache_fields=(("version", 3),), sampling=Sampling(
-             schedule="phantom", encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT, fps=16,
-             seeded_placement=True),
+    # MAGREF generate.py (--sample_steps 40, --sample_shift 3, --sample_guide_scale 5, --base_seed 3407, --frame_num
+    # 81) and configs (magref_14B.py: "镜头晃动，" + Wan's negative prompt; shared_config.py: 15 fps): Wan's FlowUniPC
+    # from sigma 0.999, WanVAE.encode's mean, the canvas placed by the seed
+    Kind("magref", "channel", (1, 8), leading=True, clip=True, background=True, cache_fields=(("version", 3),),
+         elements=RELEASED_ELEMENTS[:8], sampling=Sampling(
+             schedule="phantom", flow_shift=3.0, encode_mode="argmax", steps=40,
+             negative_prompt=MAGREF_NEGATIVE_PROMPT, fps=15, seed=3407, seeded_placement=True),
          sequence="a canvas of {references} references as frame 0, then "),
-    # RefAlign's pipeline (DiffSynth's wan_video_new3 + its example script): Euler on DiffSynth's linspace(1, 0),
-    # shift 5, 50 steps, U + 5 (I - U) + 7.5 (C - I), Wan's negative prompt, seed 0, CPU noise for the video frames
+    # RefAlign's example script (examples/wanvideo/model_inference/Wan2.1-T2V-1.3B_subject.py: seed 0, cfg_scale 5,
+    # Wan's negative prompt, 16 fps) and its pipeline (diffsynth/pipelines/wan_video_new3.py: 50 steps, shift 5, CPU
+    # noise for the video frames, the 7.5 of U + 5 (I - U) + 7.5 (C - I) hard-coded): DiffSynth's Euler, linspace(1, 0)
     Kind("refalign", "time", (1, 3), native=True, one_frame=True, encode_mean=True, text_to_video_only=True,
-         sampling=Sampling(
+         elements=RELEASED_ELEMENTS[:3], sampling=Sampling(
              scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
              guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16, seed=0, noise_on_cpu=True,
              timestep_in_dtype=True), original_export="refalign_model.safetensors",
          sequence="(then {ref_latents} clean reference latents, posterior means, no text cross-attention: "
                   "RefAlign's layout) "),
-    # Stand-In's infer.py: DiffSynth's Euler on linspace(1, 0), shift 5, 20 steps, seed 0, CPU noise
-    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True,
-         reference_size=standin.REFERENCE_SIZE, sampling=Sampling(
+    # Stand-In infer.py (--num_inference_steps 20, --seed 0, Wan's negative prompt, --fps 25) and its DiffSynth
+    # pipeline (pipelines/wan_video.py: FlowMatchScheduler shift 5 on linspace(1, 0), cfg_scale 5, rand_device cpu,
+    # the timestep in the compute dtype)
+    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=standin.REFERENCE_SIZE,
+         elements=A2_ELEMENTS[:1], sampling=Sampling(
              scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
-             negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True), roles=True,
-         cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE)),
+             negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True, timestep_in_dtype=True),
+         roles=True, cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE)),
          sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
 )}
 KINDS = tuple(KIND_DEFS)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
-# (A2, the prefix kind's own, samples it)
-MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax"), "Wan2.2 I2V A14B": dict(encode_mode="argmax"),
+# and the shift the dir ships (A2, the prefix kind's own, samples the posterior at its hard-coded 8)
+MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax", flow_shift=None),
+                  "Wan2.2 I2V A14B": dict(encode_mode="argmax", flow_shift=None),
                   "Wan2.2 TI2V 5B": dict(encode_mode="argmax")}
 
 
@@ -266,6 +286,23 @@ def kind_sampling(kind: str, model: str | None = None, mode: str | None = None) 
                              + (f" or as {', '.join(modes)}" if modes else "") + "; drop --preset")
         return modes[mode]
     return replace(d.sampling, **MODEL_SAMPLING.get(model, {}))
+
+
+def element_kind(info, vae) -> str:
+    """The kind whose element images a run or a sampling call on model `info` with conditioning flags `vae`
+    (VaeProcessorConfig / ConditioningConfig) takes: a released model's own, else the one --reference-layout asks for
+    (frame conditioning aside: it takes frames of the clip, and plan says so)."""
+    return info.native_kind or kind_of(replace(vae, frame_conditioning="full"), True, info.ti2v)
+
+
+def kind_elements(kind: str, public: bool = False) -> tuple:
+    """The element specs a `kind` takes when none are given (--elements, --element-specs, a dataset config), read
+    alike by train_a2.py, data.py validate, a run's validation and infer.py, so training and sampling frame the same
+    images the same way: Kind.elements (SkyReels-A2's roles; a released model's references, each one frame framed as
+    its lab frames one, A2's files read at the first three positions; Stand-In's one subject). On a public dataset's
+    index a kind without roles reads a clip's kept masks as positional references (index_elements)."""
+    d = KIND_DEFS[kind]
+    return index_elements(kind) if public and not d.roles and d.references[1] else d.elements
 
 
 # ---------------------------------------------------------------- VAE latents
@@ -735,15 +772,19 @@ def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame:
 
 
 def validation_layout(layout: Layout, repeats=()) -> Layout:
-    """The layout a run's validation video is sampled with: the run's own, except that an inplace run samples from
-    its images as leading references of `repeats` frames (Wan I2V's first frame: one reference of one frame builds
-    the same mask | condition) and a clean run from one first frame."""
+    """The layout a run's validation video is sampled with for element images of `repeats` frames: the run's own for
+    that element set (element_layout), except that an inplace run samples from its images as leading references (Wan
+    I2V's first frame: one reference of one frame builds the same mask | condition) and a clean run from one first
+    frame. It is sampled as infer.py samples it with no --seed: MAGREF's canvas placed by the kind's own seed, from
+    which the noise is drawn."""
+    layout = element_layout(layout, repeats)
     if layout.kind == "inplace":
         return make_layout("prefix", layout.num_frames, repeats, combine=layout.combine, e2v_type=layout.e2v_type,
                            image_branch=layout.image_branch, expand=layout.expand, per_token=layout.per_token)
     if layout.kind == "clean":
         return replace(layout, clean_frames=1)
-    return layout
+    own = KIND_DEFS[layout.kind].sampling
+    return replace(layout, placement_seed=own.seed) if own.seeded_placement else layout
 
 
 # ---------------------------------------------------------------- the encoded conditioning

@@ -5,6 +5,7 @@ with training, and so is how element images become references (reference_pixels)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -272,15 +273,19 @@ class A2Pipeline(WanLoraLoaderMixin):
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         guidance_scale_2: float | None = None,
+        guidance_scale_img: float | None = None,
         scheduler: str | None = None,
+        schedule: str | None = None,
+        sigmas=None,
         flow_shift: float | None = None,
         sample_mode: str | None = None,
+        seed: int | None = None,
         generator: torch.Generator | None = None,
+        fps: int | None = None,
+        preset: str | None = None,
         decode: str = "drop_refs",
         progress: bool = True,
-        guidance_scale_img: float | None = None,
         first_frame: torch.Tensor | None = None,
-        sigmas=None,
         region: torch.Tensor | None = None,
     ) -> dict:
         """Generate one video.
@@ -293,19 +298,26 @@ class A2Pipeline(WanLoraLoaderMixin):
         layout: the conditioning kind and its shapes (a2/conditioning.py), planned once: infer.py's and training's
         plan, or `self.plan(...)` for a library caller. `first_frame` (1, 3, H, W) is a TI2V-5B image-to-video call's
         first frame (its clean latent replaces the first latent frame at timestep 0).
+
+        Every sampling setting left out (None) is the kind's own sampler's on this model (a2.conditioning.Sampling,
+        kind_sampling; `preset`: another of the lab's entry points, infer.py --preset): this is the one place they are
+        filled, so infer.py, a run's validation and a library call sample alike. negative_prompt, num_inference_steps,
+        guidance_scale, guidance_scale_img, scheduler (unipc | euler), schedule (the unshifted sigmas,
+        a2.conditioning.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
+        without its own: the model dir's, `self.flow_shift`), sample_mode (the VAE encode: sample | argmax), seed (the
+        noise generator's, on the CPU or the device as the kind draws it; `generator` instead: a library caller's own),
+        fps (returned for the writer). Returns them as `sampling`.
         decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
         "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
-        flow_shift: the sampler's sigma shift; None = the one the model dir ships (`self.flow_shift`).
-        sigmas: the unshifted schedule (an ndarray of num_inference_steps values) instead of diffusers' own, e.g. a
-        released model's (Wan's FlowUniPCMultistepScheduler starts at 0.999, diffusers' UniPC at 1 - 1e-6).
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
-        guidance_scale_img (incontext, phantom, v3): reference guidance as Phantom-Wan and SkyReels-V3 R2V sample,
-        three forwards a step: u + s_img·(r − u) + s·(c − r) with u = (no references, negative prompt),
+        guidance_scale_img (incontext, phantom, v3, refalign): reference guidance as Phantom-Wan and SkyReels-V3 R2V
+        sample, three forwards a step: u + s_img·(r − u) + s·(c − r) with u = (no references, negative prompt),
         r = (references, negative prompt), c = (references, prompt), s = guidance_scale (Phantom: s 7.5, s_img 5).
-        None: text CFG only, the references in both branches (the same as s_img = 1, one forward fewer).
-        Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (Conditioning.tensor: the
-        channel condition, the in-context reference latents, or the clean leading latents), num_ref_latents)."""
+        None (a kind without it): text CFG only, the references in both branches (the same as s_img = 1, one forward
+        fewer). Returns dict(video (1, 3, F', H, W) in [-1, 1] or None, latents, condition (Conditioning.tensor: the
+        channel condition, the in-context reference latents, or the clean leading latents), num_ref_latents, sampling
+        (the Sampling it used))."""
         transformer = self.transformer  # the only one, or the high-noise expert of a Wan 2.2 pair
         s = vae_scale(self.vae)
         if num_frames not in (None, layout.num_frames):
@@ -322,29 +334,34 @@ class A2Pipeline(WanLoraLoaderMixin):
                 prepare_model(model, layout)
         if guidance_scale_img is not None and not layout.appended:
             raise ValueError("guidance_scale_img (reference guidance) is for reference_layout incontext and the "
-                             "Phantom-Wan / SkyReels-V3 R2V models")
+                             "Phantom-Wan / SkyReels-V3 R2V / RefAlign models")
         if self.boundary_ratio is None and guidance_scale_2 is not None:
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
-        # what the call leaves out, the kind's own sampler gives (on this model: a2.conditioning.kind_sampling)
-        own = kind_sampling(layout.kind, self.model)
-        scheduler = scheduler or own.scheduler
-        sample_mode = sample_mode or own.encode_mode
-        negative_prompt = own.negative_prompt if negative_prompt is None else negative_prompt
-        num_inference_steps = num_inference_steps or own.steps
-        guidance_scale = own.guidance_scale if guidance_scale is None else guidance_scale
-        flow_shift = flow_shift if flow_shift is not None else own.flow_shift or self.flow_shift
-        sched = make_scheduler(scheduler, flow_shift)
+        given = dict(scheduler=scheduler, schedule=schedule, flow_shift=flow_shift, encode_mode=sample_mode,
+                     steps=num_inference_steps, guidance_scale=guidance_scale, guidance_scale_img=guidance_scale_img,
+                     negative_prompt=negative_prompt, seed=seed, fps=fps)
+        own = replace(kind_sampling(layout.kind, self.model, preset), **{k: v for k, v in given.items()
+                                                                         if v is not None})
+        own = replace(own, flow_shift=self.flow_shift if own.flow_shift is None else own.flow_shift,
+                      seed=None if generator is not None else own.seed)
+        if generator is None:  # the noise on the CPU where the lab draws it there (DiffSynth's rand_device)
+            generator = torch.Generator("cpu" if own.noise_on_cpu else device).manual_seed(own.seed)
+        if own.seeded_placement and own.seed is not None and layout.placement_seed not in (None, own.seed):
+            raise ValueError(f"the canvas was placed by seed {layout.placement_seed} (the layout's) and the noise "
+                             f"would be drawn from seed {own.seed}: plan the layout with seed={own.seed}")
+        sched = make_scheduler(own.scheduler, own.flow_shift)
         if sigmas is None:
-            sigmas = schedule_sigmas(own.schedule, num_inference_steps)
+            sigmas = schedule_sigmas(own.schedule, own.steps)
         if sigmas is None:
-            sched.set_timesteps(num_inference_steps, device=device)
+            sched.set_timesteps(own.steps, device=device)
         else:  # the released model's own schedule (shifted by the scheduler)
             sched.set_timesteps(sigmas=sigmas, device=device)
+        sample_mode, guidance_scale, guidance_scale_img = own.encode_mode, own.guidance_scale, own.guidance_scale_img
 
         prompt_embeds = encode_prompt(self.tokenizer, self.text_encoder, [prompt]).to(dtype)
         negative_embeds = None
         if guidance_scale > 1.0 or guidance_scale_img is not None:
-            negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [negative_prompt]).to(dtype)
+            negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [own.negative_prompt]).to(dtype)
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
         latents = initial_latents(layout, shape, generator, device)
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
@@ -389,7 +406,7 @@ class A2Pipeline(WanLoraLoaderMixin):
             video = decode_vae(self.vae, latents)
         elif decode != "none":
             raise ValueError(f"unknown decode mode {decode!r}")
-        return dict(video=video, latents=latents, condition=cond.tensor, num_ref_latents=num_ref)
+        return dict(video=video, latents=latents, condition=cond.tensor, num_ref_latents=num_ref, sampling=own)
 
 
 def save_video(path, video: torch.Tensor, fps: int = 15, references: torch.Tensor | None = None) -> Path:

@@ -40,7 +40,7 @@ def align_flags(dino_dir, *blocks):
 
 def test_loss_equals_a_hand_computation():
     """pos = mean relu(1 - cos) at the same position, neg = mean relu(cos) over pairs of different references
-    (student of one, target of the other), per block, averaged over blocks, gated by 0.1 + 0.9 sigma^3, 0 for a
+    (student of one, target of the other), per block, averaged over blocks, gated by sigma^3 (RefAlign's), 0 for a
     sample whose references were dropped; computed here with Python floats, token by token."""
     g = torch.Generator().manual_seed(0)
     b, n, tokens, d = 2, 3, 4, 5
@@ -60,18 +60,54 @@ def test_loss_equals_a_hand_computation():
         neg = sum(max(0.0, cos(f[a, i], t[c, j])) for a, c, i, j in pairs) / len(pairs)
         return pos + neg
 
-    want = sum((0.1 + 0.9 * float(sigmas[s]) ** 3) * sum(hand(feats[k][s], targets[s]) for k in feats) / len(feats)
+    want = sum(float(sigmas[s]) ** 3 * sum(hand(feats[k][s], targets[s]) for k in feats) / len(feats)
                for s in range(b)) / b
     got = align.align_loss(feats, targets, sigmas, kept)
     assert abs(got.item() - want) <= 1e-6 * abs(want), (got.item(), want)
     # a dropped sample counts 0; one reference has no negatives
     one = align.align_loss(feats, targets, sigmas, torch.tensor([1.0, 0.0]))
-    assert abs(one.item() - (0.1 + 0.9 * 0.8 ** 3) * sum(hand(feats[k][0], targets[0]) for k in feats) / 4) < 1e-6
+    assert abs(one.item() - 0.8 ** 3 * sum(hand(feats[k][0], targets[0]) for k in feats) / 4) < 1e-6
     single = align.block_loss(feats[0][:, :1], targets[:, :1])[0].item()
     pos = sum(max(0.0, 1 - cos(feats[0][0, 0, i], targets[0, 0, i])) for i in range(tokens)) / tokens
     assert abs(single - pos) < 1e-6
-    # the gate's flags: RefAlign's 0.1 + 0.9 (t/1000)^3, or a plain (t/1000)^3
-    assert torch.allclose(align.gate(torch.tensor([0.5]), 0.0, 3.0), torch.tensor([0.125]))
+    # the gate's flags: RefAlign's (t/1000)^3, or with a floor
+    assert torch.allclose(align.gate(torch.tensor([0.5])), torch.tensor([0.125]))
+    assert torch.allclose(align.gate(torch.tensor([0.5]), 0.1, 3.0), torch.tensor([0.1 + 0.9 * 0.125]))
+
+
+def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
+    """A training step on a RefAlign checkpoint with --align-loss and no other alignment flag (its gate, projectors
+    and targets at train_a2.py's defaults; --align-blocks 0 1: the tiny model has two blocks): the alignment term it
+    adds equals RefAlign's training loss on the same projected reference tokens and targets (tests/their_refalign.py:
+    training_align_loss, from diffsynth/pipelines/wan_video_new6.py, whose training_loss gates it with
+    gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
+    import tyro
+
+    import train_a2
+    from config import TrainConfig, dataset_configs
+    from data import E2VDataset, collate, kind_datasets
+    from tests.their_refalign import training_align_loss
+
+    cfg = tyro.cli(TrainConfig, args=args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
+                                          *align_flags(dino_dir), "--text-dropout", "0", model="tiny-refalign"))
+    device = torch.device("cpu")
+    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
+    model, _ = train_a2.build_transformer(cfg, run, 0)
+    ds = E2VDataset(kind_datasets(dataset_configs(cfg), run.info, False)[0], num_frames=9, verbose=False,
+                    layout=run.layout)
+    seen = []
+    ours = align.align_loss
+    monkeypatch.setattr(align, "align_loss", lambda *a: seen.append((a, ours(*a))) or seen[-1][1])
+    for step in range(2):  # two steps: two sigmas
+        inputs = train_a2.model_inputs(collate([ds[step]]), step, 0, cfg, run, enc, 0, device)
+        with torch.no_grad():
+            train_a2.forward_loss(model, inputs, cfg, run, train_a2.nullcontext(), torch.float32)
+    assert len(seen) == 2
+    for (features, targets, sigmas, kept, *_), got in seen:
+        assert kept.item() == 1 and targets.shape[1] == 3  # the three references, kept
+        want = training_align_loss({k: f[0] for k, f in features.items()}, targets[0], sigmas * 1000)
+        assert abs(got.item() - want.item()) <= 1e-4 * abs(want.item()), (got.item(), want.item(), sigmas)
 
 
 def test_dino_targets_are_the_last_layer_patch_tokens_on_the_dit_grid(dino_dir):

@@ -9,11 +9,12 @@ import pytest
 import torch
 import tyro
 
+import infer
 import train_a2
 from a2.conditioning import validation_layout
 from a2.pipeline import A2Pipeline, load_references
-from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs
-from data import E2VDataset, collate
+from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, pair_elements
+from data import E2VDataset, collate, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train
 
 # kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
@@ -60,11 +61,14 @@ def setup(data_dir, name, *flags, n=None):
     model, extra = KINDS[name]
     if n is not None:
         extra = count_flags(name, n)
-    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
+    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)[0]])
+    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements))[0]  # as train_a2.main reads the data
+    ds = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
+    batch = collate([ds[0]])
+    batch["files"] = [str(p) for p in ds.samples[0].elements.values()]  # the images as a user names them, in order
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
     return cfg, run, enc, batch
 
@@ -76,8 +80,11 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
     training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
     it: forward hooks on the one transformer, every kind, each VAE-encoding as its kind does on its model (no mode
     given on either side: the same mode in both), with its own elements and with the fewest and the most it takes
-    (n). Where that mode draws from the posterior (A2's, in-context, V3) the draws come from each side's own
-    generator, so the tensors are compared with the posterior mean on both."""
+    (n). Both sides take their element specs from their CLI's defaults: training the kind's (train_a2.py with no
+    --elements, or the --elements given), sampling infer.py's for the same files named in order (its --element-specs
+    the same --elements, else none): the same images framed alike. Where that mode draws from the posterior (A2's,
+    in-context, V3) the draws come from each side's own generator, so the tensors are compared with the posterior
+    mean on both."""
     from a2 import conditioning
 
     modes = []
@@ -96,8 +103,10 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
                       expand_timesteps=run.info.ti2v, model=run.info.name)
     refs = clips = region = None
     repeats, first_frame = (), None
-    if run.layout.takes_references:
-        files = [(e, data_dir / f"{batch['ids'][0]}{e.suffixes[0]}") for e in run.elements]
+    if run.layout.takes_references:  # infer.py's specs for the sample's files (a user's --elements on both sides)
+        specs = infer.element_specs(infer.InferConfig(element_specs=cfg.elements, conditioning=cfg.conditioning),
+                                    run.info)
+        files = pair_elements(batch["files"], specs)
         refs, clips, repeats, region = load_references(files, (h, w), (cfg.clip_size, cfg.clip_size), run.layout)
         assert n is None or len(repeats) == len(run.layout.repeats) == n  # both sides: n references
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
@@ -140,13 +149,64 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
     if kind in ("prefix", "inplace"):
         assert x.shape[1] == 36 and x[:, 16:20].abs().max() == (0 if name == "prefix-clip" else 1)
     if kind in ("incontext", "phantom", "v3"):
-        assert x.shape[2] == t + run.layout.ref_latents == t + (4 if kind == "v3" else n or 3)
-    if kind == "standin":  # Stand-In's 512x512 reference (64x64 latents) packed in 4x4-latent frames: 256 of them
+        assert x.shape[2] == t + (4 if kind == "v3" else n or 3)  # the sample's 3 (n), V3's 4 slots
+    if kind == "standin":  # Stand-In's 512x512 reference (64x64 latents) packed in 4x8-latent frames: 128 of them
         from a2.standin import unpack_reference
 
-        assert x.shape[2] == t + 256 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
+        assert x.shape[2] == t + 128 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == (n or 3) * 257
+
+
+# kind -> (model, the flags train_a2.py and infer.py both take, element images): what validation and infer.py sample
+VALIDATION = {
+    "t2v": ("tiny-t2v", [], 0),
+    "prefix": ("tiny", ["--num-frames", "21"], 3),  # the sequence: A2's three elements' 9 frames and the clip
+    "incontext": ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"], 2),
+    "clean": ("tiny-ti2v", ["--frame-conditioning", "first", "--num-frames", "9"], 1),  # the image: the first frame
+    "phantom": ("tiny-phantom", [], 2),
+    "v3": ("tiny-v3", [], 2),
+    "refalign": ("tiny-refalign", [], 2),
+    "magref": ("tiny-magref", [], 2),
+    "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9"], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(VALIDATION))
+def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
+    """A run's validation video is the video infer.py makes from the same weights, prompt (both CLIs' default) and
+    element images, each on its CLI's defaults (no sampling flag, no element specs; the size, frames and 2 steps
+    given to both alike): the same tensor, bit for bit, written at the kind's own fps. Both fill what their user
+    left out in one place, A2Pipeline (the kind's guidance, reference guidance, negative prompt, seed, noise
+    device, schedule), and frame the images with the specs the kind takes (a2.conditioning.kind_elements)."""
+    from contextlib import nullcontext
+
+    from a2.conditioning import kind_sampling
+
+    model, extra, n = VALIDATION[name]
+    sample = sorted(data_dir.glob("*.mp4"))[0].stem
+    images = [str(data_dir / f"{sample}{x}") for x in SUFFIXES[:n]]
+    shared = ["--model", model, "--resolution", "32", "64", "--device", "cpu", *(extra or ["--num-frames", "9"])]
+    written = {}
+
+    def save(key):
+        return lambda path, video, fps=15, references=None: written.setdefault(key, (video, fps)) and path
+
+    monkeypatch.setattr(train_a2, "save_video", save("validation"))
+    monkeypatch.setattr(infer, "save_video", save("infer"))
+    cfg = tyro.cli(TrainConfig, args=[*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
+                                      *(["--val-elements", *images] if n else ["--dataset-type", "t2v"])])
+    device = torch.device("cpu")
+    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
+    transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
+    train_a2.validate(1, cfg, run, transformer, enc, tmp_path, {}, 0, device, nullcontext())
+    given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
+    assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
+                                                        *given])) == 0
+    (video, fps), (want, want_fps) = written["validation"], written["infer"]
+    assert fps == want_fps == kind_sampling(run.layout.kind, run.info.name).fps
+    assert video.shape == want.shape and torch.equal(video, want)
 
 
 @pytest.mark.parametrize("name,extra", [

@@ -116,7 +116,7 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
     assert (given.height, given.width, given.num_frames, given.steps, source) == (32, 48, 17, 2, {})
     for model in ("random-1.3B", "/models/SkyReels-A2"):
         real, source = parsed("--model", model)
-        # the steps: the model's own sampler's, known once the model is read (infer.own_sampling)
+        # the steps: the model's own sampler's, filled by A2Pipeline
         assert (real.height, real.width, real.num_frames, real.steps) == (480, 832, 81, None)
         assert source == dict(size="default", frames="default")
     for cls in (infer.InferConfig, TrainConfig):

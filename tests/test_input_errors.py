@@ -407,10 +407,15 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
 
 def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch):
     """--preset v3-distilled on the built-in tiny-v3: the banner names the frames and steps the preset sets, and
-    those are the ones rendered (the latents' frames, the steps the pipeline is asked for)."""
-    asked = []
-    generate = infer.generate
-    monkeypatch.setattr(infer, "generate", lambda cfg, *a, **k: asked.append(cfg.steps) or generate(cfg, *a, **k))
+    those are the ones rendered (the latents' frames, the steps the pipeline samples)."""
+    asked, generate = [], infer.generate
+
+    def recorded(*a, **k):
+        out = generate(*a, **k)
+        asked.append(out["sampling"].steps)
+        return out
+
+    monkeypatch.setattr(infer, "generate", recorded)
     out = tmp_path / "v3.pt"
     assert infer.main(infer.InferConfig(model="tiny-v3", preset="v3-distilled", resolution=(32, 32), decode="none",
                                         elements=elements(data_dir, "tiny-v3")[:1], save_latents=str(out))) == 0

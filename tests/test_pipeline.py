@@ -313,28 +313,42 @@ def a2_named(model_dir, tmp_path):
     return d
 
 
+# SkyReels-A2's infer.py (SkyworkAI/SkyReels-A2 7c14e2e), which takes no flag: its negative prompt (:19), seed (:24),
+# UniPC at flow_shift 8 (:47), guidance 5 (:84), 50 steps (:87)
+A2_NEGATIVE = ("Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, "
+               "static, overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra "
+               "fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, "
+               "still picture, messy background, three legs, many people in the background, walking backwards")
+A2_SEED, A2_SHIFT, A2_GUIDE, A2_STEPS = 42, 8, 5.0, 50
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_pipeline_equals_a2s_own_sampling(tiny_dir, n, tmp_path):
-    """A2Pipeline on A2's inputs == SkyReels-A2's pipeline, written out here step by step (its infer.py
-    preprocessing; noise drawn first, then the condition's posterior sampled with the same generator; `(z - mean) *
-    (1 / std)`; its per-branch mask; text-only CFG with the same image tokens; UniPC, shift 8), with the same
-    transformer: bit for bit. (A2's own transformer class applies RoPE in float64; diffusers' in float32.) The
-    elements are drawn, none square: a person on white wider than the video (padded above and below), an odd-width
-    portrait one (padded left and right, unevenly) and a portrait scene (cropped)."""
-    from dataclasses import replace
+    """infer.py on an A2 dir (A2's names; its scheduler config shipping shift 3, which A2's infer.py overrides) with
+    only its images, prompt, size and frames == SkyReels-A2's infer.py + pipeline, written out here step by step at
+    its hard-coded settings (its preprocessing; noise drawn first, then the condition's posterior sampled with the
+    same generator; `(z - mean) * (1 / std)`; its per-branch mask; text-only CFG 5 with the same image tokens and
+    its English negative prompt; UniPC at shift 8, 50 steps, seed 42), with the same transformer: bit for bit. (A2's
+    own transformer class applies RoPE in float64; diffusers' in float32.) The elements are drawn, none square: a
+    person on white wider than the video (padded above and below), an odd-width portrait one (padded left and right,
+    unevenly) and a portrait scene (cropped)."""
+    import json
 
     from diffusers import UniPCMultistepScheduler
 
-    from a2.pipeline import A2Pipeline, encode_prompt, load_references
-    from config import A2_ELEMENTS
+    import infer
+    from a2.pipeline import A2Pipeline, encode_prompt
 
-    pipe = A2Pipeline.from_pretrained(a2_named(tiny_dir, tmp_path))  # A2's weights: A2's sampler, by its name
-    h, w, f = 32, 48, 21
+    model = a2_named(tiny_dir, tmp_path)
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "flow_shift": 3.0}))
+    pipe = A2Pipeline.from_pretrained(model)  # A2's weights: A2's sampler, by its name
+    h, w, f, prompt = 32, 48, 21, "a man in the forest"
     paths = [tmp_path / f"{name}.png" for name in ("human", "thing", "env")][:n]
     for i, (path, size, background) in enumerate(zip(paths, ((720, 1280), (1250, 999), (1920, 1080)),
                                                      ("white", "white", "scene"))):
         drawn_person(size, seed=i, background=background).save(path)
-    g = torch.Generator().manual_seed(42)
+    g = torch.Generator().manual_seed(A2_SEED)
     with torch.no_grad():
         latents = torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8, generator=g)
         vae, clip = [], []
@@ -352,23 +366,20 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, n, tmp_path):
         flags[:3 + sum(repeats)] = 1
         mask = flags.view(-1, 4).T[None, :, :, None, None].expand(1, 4, -1, h // 8, w // 8)
         condition = torch.cat([mask, z], 1)
-        text = encode_prompt(pipe.tokenizer, pipe.text_encoder, ["a man in the forest", "bad"])
+        text = encode_prompt(pipe.tokenizer, pipe.text_encoder, [prompt, A2_NEGATIVE])
         image_tokens = torch.cat([pipe.image_encoder(**pipe.image_processor(images=c, return_tensors="pt"),
                                                      output_hidden_states=True).hidden_states[-2] for c in clip], 1)
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8)
-        sched.set_timesteps(3)
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=A2_SHIFT)
+        sched.set_timesteps(A2_STEPS)
         for t in sched.timesteps:
             x = torch.cat([latents, condition], 1)
             cond, uncond = (pipe.transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=e[None],
                                              encoder_hidden_states_image=image_tokens, return_dict=False)[0]
                             for e in text)
-            latents = sched.step(uncond + 5.0 * (cond - uncond), t, latents, return_dict=False)[0]
-
-        elements = [A2_ELEMENTS[0], replace(A2_ELEMENTS[1], repeat=4)] if n == 2 else A2_ELEMENTS
-        refs, clips, reps, _ = load_references(list(zip(elements, paths)), (h, w), (512, 512))
-        assert reps == repeats
-        out = pipe("a man in the forest", refs, clips, layout=pipe.plan(f, reps), negative_prompt="bad", height=h,
-                   width=w, num_inference_steps=3, generator=torch.Generator().manual_seed(42), decode="none",
-                   progress=False)
+            latents = sched.step(uncond + A2_GUIDE * (cond - uncond), t, latents, return_dict=False)[0]
+    assert infer.main(infer.InferConfig(model=str(model), elements=tuple(map(str, paths)), prompt=prompt, height=h,
+                                        width=w, num_frames=f, device="cpu", decode="none",
+                                        save_latents=str(tmp_path / "a2.pt"))) == 0
+    out = torch.load(tmp_path / "a2.pt")
     assert torch.equal(out["condition"], condition)
     assert torch.equal(out["latents"], latents)

@@ -410,51 +410,63 @@ def reference_files(tmp_path, sizes):
     return images, items
 
 
-def record_forwards(transformer):
-    seen = []
-    handle = transformer.register_forward_pre_hook(
+def record_forwards(transformer, seen: list):
+    """Each forward's (hidden_states, timestep, encoder_hidden_states) appended to `seen`; returns the hook's handle."""
+    return transformer.register_forward_pre_hook(
         lambda m, a, kw: seen.append({k: kw[k] for k in ("hidden_states", "timestep", "encoder_hidden_states")}),
         with_kwargs=True)
-    return seen, handle
 
 
 @pytest.mark.parametrize("kind", ["phantom", "v3", "v3-cfg"])
-def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_path):
-    """A2Pipeline on the tiny released-layout models (their dirs, from_pretrained: its kind, shift 5 and UniPC
-    schedule chosen by the weights) against their samplers written out (tests/their_samplers.py), float32 on the CPU:
-    the reference latents, the initial noise, every forward's input (hidden states with the reference slots, int64
-    timestep, text) and the final video latents are equal bit for bit. Both are fed the same text-encoder outputs
-    (a2's encode_prompt on the tiny UMT5). Phantom: three passes at its default scales 7.5 / 5, the noise for T + L
-    frames; V3: the distilled preset's single pass at 8 steps, and three passes (v3-cfg)."""
-    from a2.conditioning import kind_sampling
-    from a2.pipeline import A2Pipeline, encode_prompt, load_references
+def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_path, monkeypatch):
+    """infer.py on the tiny released-layout models (their dirs by path: a model as released, not the built-in name's
+    smoke-test defaults) with only the flags their scripts take, against their samplers written out
+    (tests/their_samplers.py) at their scripts' defaults, float32 on the CPU: the reference latents, the initial
+    noise, every forward's input (hidden states with the reference slots, int64 timestep, text) and the final video
+    latents are equal bit for bit. Both are fed the same text-encoder outputs (a2's encode_prompt on the tiny UMT5).
+    Phantom (generate.py: its prompt, references, size, frames and --base_seed, whose default is random): three passes
+    at 7.5 / 5, 50 steps, Wan's negative prompt, the noise for T + L frames; V3 (generate_video.py: prompt,
+    references, size, frames; seed 42): its distilled entry point (--preset v3-distilled: 8 steps, one pass, empty
+    negative prompt), and its pipeline class's own defaults (v3-cfg: 50 steps, three passes at 7.5 / 5)."""
+    import infer
+    from a2.pipeline import A2Pipeline, encode_prompt
 
-    pipe = A2Pipeline.from_pretrained(phantom_dir if kind == "phantom" else v3_dir)
-    own = kind_sampling(pipe.info.native_kind)  # what the call below leaves out: the kind's own sampler
-    assert (pipe.info.native_kind, own.flow_shift, own.schedule) == (
-        ("phantom", 5.0, "phantom") if kind == "phantom" else ("v3", 5.0, "diffusers034"))
+    model = phantom_dir if kind == "phantom" else v3_dir
     images, items = reference_files(tmp_path, [(301, 97), (97, 301), (96, 64)])
-    refs, _, repeats, _ = load_references(items, (32, 48))
-    prompt, negative = "a hiker on a mountain", "low quality"
-    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
-    frames, steps = 9, 3 if kind == "phantom" else 8
-    scales = dict(phantom=(7.5, 5.0), v3=(1.0, None), **{"v3-cfg": (5.0, 2.0)})[kind]
+    prompt, frames, seed = "a hiker on a mountain", 9, 3 if kind == "phantom" else theirs.V3_SEED
+    seen, call = [], A2Pipeline.__call__
 
-    seen, handle = record_forwards(pipe.transformer)
-    ours = pipe(prompt, refs, None, layout=pipe.plan(frames, repeats), negative_prompt=negative, height=32, width=48,
-                num_inference_steps=steps, guidance_scale=scales[0], guidance_scale_img=scales[1],
-                generator=torch.Generator().manual_seed(3), decode="none", progress=False)
-    a2_calls, seen[:] = list(seen), []
-    kw = dict(num_frames=frames, height=32, width=48, steps=steps, seed=3)
+    def recorded(self, *a, **kw):  # every forward's inputs, through infer.py's own pipeline
+        handle = record_forwards(self.transformer, seen)
+        try:
+            return call(self, *a, **kw)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(A2Pipeline, "__call__", recorded)
+    cfg = infer.InferConfig(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt, height=32,
+                            width=48, num_frames=frames, seed=3 if kind == "phantom" else None, device="cpu",
+                            decode="none", save_latents=str(tmp_path / "a2.pt"),
+                            preset="v3-distilled" if kind == "v3" else None)
+    assert infer.main(cfg) == 0
+    ours, a2_calls, seen[:] = torch.load(tmp_path / "a2.pt"), list(seen), []
+    pipe = A2Pipeline.from_pretrained(model)
+    negative = theirs.WAN_NEGATIVE if kind == "phantom" else ""
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
+    handle = record_forwards(pipe.transformer, seen)
+    kw = dict(num_frames=frames, height=32, width=48, seed=seed)
     if kind == "phantom":
-        them = theirs.phantom_sample(pipe.transformer, pipe.vae, images, text, null, **kw)
-        video = them["video"]
+        them = theirs.phantom_sample(pipe.transformer, pipe.vae, images, text, null, steps=theirs.PHANTOM_STEPS,
+                                     shift=theirs.PHANTOM_SHIFT, **kw)
+        video, steps, passes = them["video"], theirs.PHANTOM_STEPS, 3
+    elif kind == "v3":
+        them = theirs.v3_sample(pipe.transformer, pipe.vae, images, text, null, steps=theirs.V3_DISTILLED_STEPS, **kw)
+        video, steps, passes = them["latents"], theirs.V3_DISTILLED_STEPS, 1
     else:
-        them = theirs.v3_sample(pipe.transformer, pipe.vae, images, text, null, guidance=scales[0],
-                                guidance_img=scales[1] or 1.0, **kw)
-        video = them["latents"]
+        them = theirs.v3_sample(pipe.transformer, pipe.vae, images, text, null, steps=theirs.V3_STEPS,
+                                guidance=theirs.V3_GUIDE, guidance_img=theirs.V3_GUIDE_IMG, **kw)
+        video, steps, passes = them["latents"], theirs.V3_STEPS, 3
     handle.remove()
-    passes = 1 if kind == "v3" else 3
     assert len(a2_calls) == len(seen) == passes * steps
     assert torch.equal(ours["condition"], them["condition"])  # the reference latents (V3: with its zero slots)
     t = (frames - 1) // 4 + 1
@@ -617,14 +629,14 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
 
 
 def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
-    """infer.py's flags left out are the kind's own sampler's (Phantom's 7.5 / 5 and Wan's negative prompt, V3's
-    empty one), a --preset is one of the lab's own entry points (V3's distilled one) and no other model takes it;
-    a2's fit_pad_white framing is both labs' (odd pads too), and it is an element preprocess mode the configs
-    accept."""
+    """What infer.py leaves out is the kind's own sampler's (Phantom's 7.5 / 5 and Wan's negative prompt as its
+    configs/shared_config.py has it, V3's empty one), filled by A2Pipeline: infer.py passes only the flags given; a
+    --preset is one of the lab's own entry points (V3's distilled one) and no other model takes it; a2's
+    fit_pad_white framing is both labs' (odd pads too), and it is an element preprocess mode the configs accept."""
     import numpy as np
 
     import infer
-    from a2.conditioning import WAN_NEGATIVE_PROMPT
+    from a2.conditioning import kind_sampling
     from a2.images import preprocess_image
     from a2.transformer import detect_model
     from config import RELEASED_ELEMENTS, parse_elements
@@ -632,17 +644,22 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     def own(model, **flags):
         cfg = infer.resolve(infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags))[0]
         info = detect_model(model)
-        infer.own_sampling(cfg, info, infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False))
-        return cfg
+        layout = infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False)
+        return cfg, layout, kind_sampling(layout.kind, info.name, cfg.preset)
 
-    d = own(v3_dir, preset="v3-distilled")
+    _, _, d = own(v3_dir, preset="v3-distilled")
     assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (8, 1.0, None, 24, "")
     assert infer.resolve(infer.InferConfig(preset="v3-distilled"))[0].num_frames == 121
-    v = own(v3_dir)
+    _, _, v = own(v3_dir)
     assert (v.steps, v.guidance_scale, v.guidance_scale_img, v.fps) == (50, 7.5, 5.0, 24)
-    p = own(phantom_dir, steps=3, fps=30)
-    assert (p.steps, p.fps, p.guidance_scale, p.guidance_scale_img, p.seed) == (3, 30, 7.5, 5.0, 42)
-    assert p.negative_prompt == WAN_NEGATIVE_PROMPT
+    cfg, layout, p = own(phantom_dir, steps=3, fps=30)
+    assert (p.steps, p.guidance_scale, p.guidance_scale_img, p.seed, p.fps) == (50, 7.5, 5.0, 42, 16)
+    assert p.negative_prompt == theirs.WAN_NEGATIVE
+    asked = {}
+    infer.generate(cfg, lambda *a, **kw: asked.update(kw), "a prompt", None, None, layout)
+    assert (asked["num_inference_steps"], asked["fps"]) == (3, 30)  # given: passed; the rest left to the pipeline
+    assert all(asked[k] is None for k in ("guidance_scale", "guidance_scale_img", "negative_prompt", "seed",
+                                          "scheduler", "schedule", "flow_shift", "sample_mode"))
     with pytest.raises(ValueError, match="--preset v3-distilled: the phantom kind samples in its own way"):
         own(phantom_dir, preset="v3-distilled")
     nine = infer.resolve(infer.InferConfig(num_frames=9))[0]

@@ -446,51 +446,68 @@ def record_forwards(*transformers):
 
 
 @pytest.mark.parametrize("base", ["wan21", "wan22"])
-@torch.no_grad()
-def test_a2_samples_as_stand_ins_pipeline(base, tmp_path):
-    """A2Pipeline (reference_layout standin, Euler with --schedule flowmatch, shift 5, guidance 5: infer.py --preset
-    standin) against Stand-In's WanVideoPipeline.__call__ written out (their_standin.their_pipeline), float32 on the
-    CPU, on tiny-t2v with a Stand-In file (wan21) and on the tiny Wan 2.2 T2V pair with one file per expert (wan22: the
-    low-noise expert from timestep 875 down, its cache filled by its first positive pass): the reference latent, the
-    initial noise, every forward's inputs (noisy latents, the packed reference, float32 timestep, text) and the final
-    latents are equal bit for bit, their forward computed with the joint FFN and diffusers' rounding (test_forward_
-    is_stand_ins: the only differences); with Stand-In's own arithmetic within BOUND. Their schedule is not diffusers'
-    FlowMatchEuler default (which ends near sigma 0.005): the same sampler on it gives other latents. The video is
-    32x48 and the reference Stand-In's 512x512 face crop (FaceProcessor's size, 1024 tokens), packed after the video's
-    latents in 171 frames of 4x6 latents (the last one zero padded)."""
-    from a2.images import pil_to_tensor, preprocess_image
+def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, monkeypatch):
+    """infer.py with a Stand-In file (--lora; on Wan 2.2 one per expert, --lora-high / --lora-low) and only the flags
+    Stand-In's infer.py takes (the image, the prompt, --num_inference_steps; its --seed 0 and Wan's negative prompt
+    left to the defaults; the size and frames, which its pipeline fixes at 480x832, 81) against Stand-In's
+    WanVideoPipeline.__call__ written out (their_standin.their_pipeline) at its defaults, float32 on the CPU, on
+    tiny-t2v (wan21) and on the tiny Wan 2.2 T2V pair (wan22: the low-noise expert from timestep 875 down, its cache
+    filled by its first positive pass): the reference latent, the initial noise, every forward's inputs (noisy
+    latents, the packed reference, the timestep, text) and the final latents are equal bit for bit, their forward
+    computed with the joint FFN and diffusers' rounding (test_forward_is_stand_ins: the only differences); with
+    Stand-In's own arithmetic within BOUND. Their schedule is not diffusers' FlowMatchEuler default (which ends near
+    sigma 0.005): the same sampler on it gives other latents. The video is 32x48 and the reference Stand-In's 512x512
+    face crop (FaceProcessor's size, 1024 tokens), packed after the video's latents in 171 frames of 4x6 latents (the
+    last one zero padded)."""
+    import infer
+    from a2.conditioning import WAN_NEGATIVE_PROMPT
+    from a2.images import pil_to_tensor, preprocess_image, read_image
     from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
+    from a2.tiny import model_path
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
-    pipe = A2Pipeline.from_pretrained("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")
+    model = model_path("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")
+    pipe = A2Pipeline.from_pretrained(model)
     experts = [pipe.transformer] + ([pipe.transformer_2] if base == "wan22" else [])
     sources = [tiny_t2v(seed=2 * i) for i in range(len(experts))]
-    for i, (model, source) in enumerate(zip(experts, sources)):
-        their_file(source, tmp_path / f"standin{i}.ckpt")
-        standin.load_lora(model, tmp_path / f"standin{i}.ckpt")
-    h, w, frames, steps, seed = 32, 48, 9, 3 if base == "wan21" else 4, 7
-    # a face crop (a drawn person, landscape), framed to their 512x512 as a2 frames it (theirs: white pad to square,
-    # INTER_AREA resize)
-    image = preprocess_image(drawn_person((720, 1280)), "fit_pad_white", standin.REFERENCE_SIZE)
-    prompt, negative = "a person smiling", "low quality"
-    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, negative))
-    seen = record_forwards(*experts)
-    lengths = []  # the tokens self-attention sees: with the reference's (computed) or the video's alone (cached)
-    for model in experts:
-        model.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
-                                                        with_kwargs=True)
+    files = []
+    for i, (expert, source) in enumerate(zip(experts, sources)):
+        files.append(str(tmp_path / f"standin{i}.ckpt"))
+        their_file(source, files[-1])
+        standin.load_lora(expert, files[-1])
+    h, w, frames, steps = 32, 48, 9, 3 if base == "wan21" else 4
+    photo = tmp_path / "person.png"  # a face crop (a drawn person, landscape)
+    drawn_person((720, 1280)).save(photo)
+    # a face crop, framed to their 512x512 as a2 frames it (theirs: white pad to square, INTER_AREA resize)
+    image = preprocess_image(read_image(photo), "fit_pad_white", standin.REFERENCE_SIZE)
+    prompt = "a person smiling"
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, WAN_NEGATIVE_PROMPT))
+    seen, lengths, call = [], [], A2Pipeline.__call__  # the tokens self-attention sees: with the reference's
+    # (computed) or the video's alone (cached)
 
-    def sample(sigmas=None):  # the kind (the file's), Euler, shift 5 and the schedule: the defaults of its file
-        return pipe(prompt, pil_to_tensor(image)[None, None], None, layout=pipe.plan(frames, (1,)),
-                    negative_prompt=negative, height=h, width=w, num_inference_steps=steps, guidance_scale=5.0,
-                    sigmas=sigmas, generator=torch.Generator().manual_seed(seed), decode="none", progress=False)
+    def recorded(self, *a, **kw):  # every forward's inputs, through infer.py's own pipeline
+        models = [m for m in (self.transformer, self.transformer_2) if m is not None]
+        handles = [m.register_forward_pre_hook(lambda m, a, kw, i=i: seen.append(dict(kw, expert=i)),
+                                               with_kwargs=True) for i, m in enumerate(models)]
+        handles += [m.blocks[0].attn1.register_forward_pre_hook(lambda m, a, kw: lengths.append(a[0].shape[1]),
+                                                                with_kwargs=True) for m in models]
+        try:
+            return call(self, *a, **kw)
+        finally:
+            for handle in handles:
+                handle.remove()
 
-    ours = sample()
-    calls, computed = list(seen), [n > 3 * (h // 16) * (w // 16) for n in lengths]
-    loras = [their_loras(model) for model in experts]
-    kw = dict(num_frames=frames, height=h, width=w, steps=steps, seed=seed)
-    them = their_pipeline([TheirStandIn(m, lo, wan_numerics=False, joint_ffn=True) for m, lo in zip(experts, loras)],
-                          pipe.vae, image, text, null, **kw)
+    monkeypatch.setattr(A2Pipeline, "__call__", recorded)
+    loras = dict(lora=(files[0],)) if base == "wan21" else dict(lora_high=files[0], lora_low=files[1])
+    assert infer.main(infer.InferConfig(model=str(model), elements=(str(photo),), prompt=prompt, height=h, width=w,
+                                        num_frames=frames, steps=steps, device="cpu", decode="none",
+                                        save_latents=str(tmp_path / "a2.pt"), **loras)) == 0
+    ours, calls = torch.load(tmp_path / "a2.pt"), list(seen)
+    computed = [n > 3 * (h // 16) * (w // 16) for n in lengths]
+    with torch.no_grad():
+        kw = dict(num_frames=frames, height=h, width=w, steps=steps)  # their seed: its default, 0
+        their = [TheirStandIn(m, their_loras(m), wan_numerics=False, joint_ffn=True) for m in experts]
+        them = their_pipeline(their, pipe.vae, image, text, null, **kw)
     assert ours["condition"].shape == (1, 16, 1, 64, 64) and torch.equal(ours["condition"], them["condition"])
     unpacked = [standin.unpack_reference(c["hidden_states"], (64, 64)) for c in calls]
     assert calls[0]["hidden_states"].shape[2] == 3 + 171 and torch.equal(unpacked[0][0], them["initial"])
@@ -510,11 +527,14 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path):
     sigmas, _ = flow_match_sigmas(steps)
     assert torch.equal(torch.from_numpy(schedule_sigmas("flowmatch", steps)), torch.linspace(1.0, 0.0, steps + 1)[:-1])
     assert sigmas[0] == 1.0 and sigmas[-1] > 0  # the last step goes from sigmas[-1] to 0
-    own = their_pipeline([TheirStandIn(m, lo, wan_numerics=True) for m, lo in zip(experts, loras)], pipe.vae, image,
-                         text, null, **kw)
-    assert 0 < (ours["latents"] - own["latents"]).abs().max() <= BOUND
-    diffusers_euler = np.linspace(1.0, 1 / 1000, steps)  # FlowMatchEulerDiscreteScheduler's own, ending near 0.005
-    assert (ours["latents"] - sample(diffusers_euler)["latents"]).abs().max() > 100 * BOUND
+    with torch.no_grad():
+        own = their_pipeline([TheirStandIn(m, their_loras(m), wan_numerics=True) for m in experts], pipe.vae, image,
+                             text, null, **kw)
+        assert 0 < (ours["latents"] - own["latents"]).abs().max() <= BOUND
+        diffusers_euler = np.linspace(1.0, 1 / 1000, steps)  # FlowMatchEulerDiscreteScheduler's own, near 0.005
+        other = call(pipe, prompt, pil_to_tensor(image)[None, None], None, layout=pipe.plan(frames, (1,)), height=h,
+                     width=w, num_inference_steps=steps, sigmas=diffusers_euler, decode="none", progress=False)
+    assert (ours["latents"] - other["latents"]).abs().max() > 100 * BOUND
 
 
 # ---------------------------------------------------------------- Wan 2.2 A14B experts; base vs LoRA rows

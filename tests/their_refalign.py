@@ -6,7 +6,10 @@ AutoencoderKLWan; the text encoder is fed as its outputs (the 512-token UMT5 sta
 Read: gudaochangsheng/RefAlign @ 6f91526 (2026-05): examples/wanvideo/model_inference/Wan2.1-T2V-1.3B_subject.py
 (framing, seed 0, cfg_scale 5, Wan's negative prompt), diffsynth/pipelines/wan_video_new3.py (__call__ :771-948,
 WanVideoUnit_Subject :1192-1252, model_fn_wan_video :2297-2720, generate_noise :188), diffsynth/models/
-wan_video_dit.py (DiTBlock.forward with cond_size :603-630), diffsynth/schedulers/flow_match.py.
+wan_video_dit.py (DiTBlock.forward with cond_size :603-630), diffsynth/schedulers/flow_match.py; and its training
+loss's alignment term from diffsynth/pipelines/wan_video_new6.py, the pipeline its examples/wanvideo/model_training/
+train.py imports (gate_from_timestep :273-293, WanVideoPipeline.training_loss :501-523,
+cosine_margin_pos_inter_subject_neg_flat :1928-1981, the per-block loop of model_fn_wan_video :2645-2697).
 """
 
 from __future__ import annotations
@@ -91,3 +94,37 @@ def refalign_sample(tr, vae, refs, text: torch.Tensor, text_null: torch.Tensor, 
         after = sigmas[i + 1] if i + 1 < len(sigmas) else 0.0
         latents = latents + pred * (after - sigmas[i])
     return dict(condition=subject, initial=initial, latents=latents)
+
+
+# ---------------------------------------------------------------- its training loss's alignment term
+
+
+def gate_from_timestep(t, t_first, t_last, beta=1.0, descending=True, min_val=0.0, max_val=1.0):
+    """wan_video_new6.py:273-293, as written (training_loss calls it as (timestep, 0, 1000, beta=3.0))."""
+    eps = 1e-8
+    x = (t - t_last) / (t_first - t_last + eps) if descending else (t - t_first) / (t_last - t_first + eps)
+    x = x.clamp(0, 1)
+    return min_val + (max_val - min_val) * (1.0 - x).pow(beta)
+
+
+def pos_neg(student: torch.Tensor, teacher: torch.Tensor, tokens_per_subject: int) -> torch.Tensor:
+    """cosine_margin_pos_inter_subject_neg_flat (:1928-1981) at its defaults (pos_margin 0, neg_margin 1, neg_weight 1):
+    (N, C) students and teachers of N / tokens_per_subject references -> total = pos + neg."""
+    n = student.shape[0]
+    s, t = torch.nn.functional.normalize(student, dim=-1), torch.nn.functional.normalize(teacher, dim=-1)
+    pos = torch.relu(1.0 - (s * t).sum(-1)).mean()
+    if n // tokens_per_subject <= 1:
+        return pos
+    block = torch.arange(n) // tokens_per_subject
+    mask = block.view(n, 1).ne(block.view(1, n))
+    mask.fill_diagonal_(False)
+    return pos + torch.relu(1.0 - (1.0 - s @ t.t())[mask]).mean()
+
+
+def training_align_loss(features: dict, targets: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    """training_loss's align_loss1 for one sample (their batch is 1): per aligned block (model_fn_wan_video's loop over
+    blocks 0..8: block.input_mlp on the block's reference tokens, `rearrange(x_ip, 'b l c -> (b l) c')`) the pos + neg
+    against the DINOv3 targets, the mean over the blocks, times gate_from_timestep(timestep, 0, 1000, beta=3.0).
+    features: {block: (N, L, D)} projected reference tokens, targets (N, L, D), timestep: the sample's (1,)."""
+    per_block = [pos_neg(f.flatten(0, 1), targets.flatten(0, 1), f.shape[1]) for _, f in sorted(features.items())]
+    return gate_from_timestep(timestep, 0, 1000, beta=3.0) * torch.stack(per_block).mean()

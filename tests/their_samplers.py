@@ -15,7 +15,15 @@ import torch
 from PIL import Image, ImageOps
 
 PHANTOM_GUIDE_IMG, PHANTOM_GUIDE_TEXT = 5.0, 7.5  # generate.py --sample_guide_scale_img / _text defaults
+PHANTOM_STEPS, PHANTOM_SHIFT = 50, 5.0  # generate.py _validate_args: --sample_steps, --sample_shift for s2v
+# phantom_wan/configs/shared_config.py:19 sample_neg_prompt (subject2video.py:213: the negative prompt it samples with)
+WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"  # noqa: RUF001
+                "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的"  # noqa: RUF001
+                "肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
 V3_MAX_REFS = 4  # MAX_ALLOWED_REF_IMG_LENGTH
+V3_SEED = 42  # generate_video.py --seed
+V3_STEPS, V3_GUIDE, V3_GUIDE_IMG = 50, 7.5, 5.0  # WanSkyReelsA2WanT2VPipeline.__call__'s defaults (:400-402)
+V3_DISTILLED_STEPS = 8  # ReferenceToVideoPipeline.generate_video (:782-787): guidance 1 (one pass), negative ""
 
 
 def fit_pad_white(image: Image.Image, width: int, height: int) -> Image.Image:
