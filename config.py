@@ -784,9 +784,38 @@ LORA_TARGETS = (
 )
 
 
+# The recipe a run takes for every field of it left out, by model. A real model's is the one its users expect:
+# SkyReels-A2-14B's LoRA at 480x832, 81 frames. A built-in tiny model trains at its own size (infer.py samples it
+# there too) with what learns on its random weights in minutes (README's main job: colour match and distance in
+# demo.png): its blocks add their outputs through gates of ~0.1 and its output head is random, so the LoRA takes a
+# larger alpha and the head (proj_out); its sampler spends most of its steps at high noise (its scheduler's shift is
+# 8, A2's), where the shapes are placed, so training draws its sigmas the same way; a rate ten times a real model's.
+RECIPES = {
+    "model": dict(resolution=(480, 832), num_frames=81, lora_alpha=32.0, lora_target=LORA_TARGETS,
+                  sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None),
+    "tiny": dict(resolution=(64, 64), num_frames=33, lora_alpha=320.0, lora_target=LORA_TARGETS + r"|proj_out",
+                 sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
+}  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
+
+
+def is_tiny(model: str) -> bool:
+    """A built-in tiny model (a2/tiny.py: tiny, tiny-t2v, ...), not a real-size random one (random-14B)."""
+    return model == "tiny" or model.startswith("tiny-")
+
+
+def with_recipe(cfg):
+    """(cfg with the fields left out (None) filled from its model's recipe (RECIPES), what was filled): a copy, the
+    config as given stays. train_a2.py prints what was filled; the run dir's run.json and checkpoints hold the copy."""
+    recipe = RECIPES["tiny" if is_tiny(cfg.model) else "model"]
+    filled = {k: v for k, v in recipe.items() if getattr(cfg, k) is None}
+    return replace(cfg, **filled), filled
+
+
 @dataclass
 class TrainConfig:
-    """E2V training on Wan / SkyReels-A2. Defaults are a LoRA recipe for A2-14B at 480x832, 81 frames."""
+    """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
+    sampling and learning rate left out are the model's recipe (RECIPES): A2-14B's at 480x832, 81 frames, or a
+    built-in tiny model's own."""
 
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
@@ -819,13 +848,14 @@ class TrainConfig:
     """What trains. lora: a LoRA adapter on the frozen transformer; full: all transformer weights."""
     lora_rank: int = 32
     """The LoRA rank r (the columns of the down matrix)."""
-    lora_alpha: float = 32.0
-    """The LoRA alpha: the update is scaled by alpha / rank."""
+    lora_alpha: float | None = None
+    """The LoRA alpha: the update is scaled by alpha / rank. Left out: the model's recipe (RECIPES)."""
     lora_dropout: float = 0.0
     """The dropout probability on the LoRA input."""
-    lora_target: str = LORA_TARGETS
+    lora_target: str | None = None
     """The modules that get a LoRA, as a regex over module names (peft's full match): self- and cross-attention q/k/v/o,
-    the image K/V projections and the FFN."""
+    the image K/V projections and the FFN (LORA_TARGETS), and a tiny model's output head too.
+    Left out: the model's recipe (RECIPES)."""
     fp8_base: bool = False
     """Stores the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales, dequantized per
     layer in the forward (a2/fp8.py); LoRA only. It halves their bytes against bf16 (A2-14B: 15 GiB less). Norms,
@@ -918,10 +948,11 @@ class TrainConfig:
     elements: tuple[str, ...] = ()
     """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see config.parse_elements). Empty:
     SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
-    resolution: tuple[int, int] = (480, 832)
-    """The training (height, width) in pixels, multiples of 16."""
-    num_frames: int = 81
-    """The pixel frames (4k+1) of the whole sequence, reference frames included."""
+    resolution: tuple[int, int] | None = None
+    """The training (height, width) in pixels, multiples of 16. Left out: the model's recipe (RECIPES)."""
+    num_frames: int | None = None
+    """The pixel frames (4k+1) of the whole sequence, reference frames included.
+    Left out: the model's recipe (RECIPES)."""
     clip_size: int = 512
     """The square size that the CLIP-path element images are brought to (A2: 512, pad_white)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
@@ -956,15 +987,17 @@ class TrainConfig:
 
     # objective
 
-    sigma_sampling: Literal["logit_normal", "uniform", "shifted"] = "logit_normal"
+    sigma_sampling: Literal["logit_normal", "uniform", "shifted"] | None = None
     """How the training sigma is drawn. logit_normal(0, 1): SD3's default, which puts the steps where flow matching
-    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule."""
+    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule.
+    Left out: the model's recipe (RECIPES)."""
     logit_mean: float = 0.0
     """The mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
     logit_std: float = 1.0
     """The standard deviation of that normal (--sigma-sampling logit_normal)."""
-    sigma_shift: float = 5.0
-    """The shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise)."""
+    sigma_shift: float | None = None
+    """The shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise).
+    Left out: the model's recipe (RECIPES)."""
     loss_weighting: Literal["none", "cosmap"] = "none"
     """The per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
     loss_on_references: bool = True
@@ -1005,15 +1038,16 @@ class TrainConfig:
 
     # optimisation
 
-    lr: float = 1e-4
-    """The AdamW peak learning rate (after warmup)."""
+    lr: float | None = None
+    """The AdamW peak learning rate (after warmup). Left out: the model's recipe (RECIPES)."""
     weight_decay: float = 0.0
     """The AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
     adam_eps: float = 1e-8
     """The AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions), which
     Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
-    warmup_steps: int = 100
-    """The optimizer steps of linear learning-rate warmup, from lr / warmup_steps to lr."""
+    warmup_steps: int | None = None
+    """The optimizer steps of linear learning-rate warmup, from lr / warmup_steps to lr.
+    Left out: the model's recipe (RECIPES)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """The learning rate after warmup: constant, or cosine decay to 0 at --max-steps."""
     max_grad_norm: float = 1.0
@@ -1084,8 +1118,9 @@ class TrainConfig:
     val_prompt: str = "A man is holding a teddy bear in the forest."
     """The prompt of the validation videos."""
     val_steps: int | None = None
-    """The sampler steps of a validation video (default: the kind's own, as infer.py's; a validation video is the one
-    infer.py makes from the exported weights, the same prompt and elements and no sampling flag)."""
+    """The sampler steps of a validation video (default: the kind's own, a tiny model's 10 (RECIPES), as infer.py's; a
+    validation video is the one infer.py makes from the exported weights, the same prompt and elements and no sampling
+    flag)."""
     val_guidance_scale: float | None = None
     """The classifier-free guidance scale of the validation videos (default: the kind's own, as infer.py's)."""
     val_flow_shift: float | None = None
@@ -1101,6 +1136,7 @@ class TrainConfig:
 
 def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run: the JSON file if given, else one dataset from the flags."""
+    cfg = with_recipe(cfg)[0]
     check_size(*cfg.resolution, cfg.num_frames)
     if cfg.dataset_config:
         cfgs = load_dataset_config(cfg.dataset_config)

@@ -87,6 +87,7 @@ from config import (
     parse_cli,
     read_text,
     run_cli,
+    with_recipe,
 )
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
@@ -1105,7 +1106,7 @@ def run_command(a) -> None:
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):
-        run_cli(validate, a)
+        run_cli(validate, with_recipe(a)[0])
     else:
         public_data.run(a)
 

@@ -47,6 +47,7 @@ from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
 from config import (
     A2_ELEMENTS,
+    RECIPES,
     ConfigError,
     InferConfig,
     InputError,
@@ -54,23 +55,22 @@ from config import (
     as_input_error,
     check_size,
     height_width,
+    is_tiny,
     pair_elements,
     parse_elements,
     run_cli,
 )
-
-# a built-in tiny model is a smoke test: at a real model's 480x832, 81 frames, 50 steps it takes ~30 min on a CPU
-TINY_SIZE, TINY_FRAMES, TINY_STEPS = (64, 64), 33, 10
 
 
 def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     """A copy of cfg with the defaults that depend on the model and the preset filled in: the size, the frames and
     (a built-in tiny model) the steps; --device auto. Returns it and, for the banner, where each of size / frames /
     steps came from when the flags left it out. The sampler's other defaults are the kind's, which A2Pipeline fills."""
-    tiny = cfg.model in TINY_MODELS and not cfg.model.startswith("random-")
+    tiny = is_tiny(cfg.model)  # a smoke test: at a real model's 480x832, 81 frames, 50 steps ~30 min on a CPU
+    recipe = RECIPES["tiny" if tiny else "model"]  # the size and frames training takes on the model (config.py)
     mode = next((s for k in KIND_DEFS.values() for n, s in k.modes if n == cfg.preset), None)
     given_size = cfg.resolution is not None or (cfg.height is not None and cfg.width is not None)
-    size = TINY_SIZE if tiny else (480, 832)
+    size = recipe["resolution"]
     height, width = height_width(cfg.height, cfg.width, cfg.resolution, size)
     source = {}
     if not given_size:
@@ -78,9 +78,10 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     num_frames, steps = cfg.num_frames, cfg.steps
     if num_frames is None:
         num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode is not None else
-                                        (TINY_FRAMES, "tiny model's default") if tiny else (81, "default"))
+                                        (recipe["num_frames"], "tiny model's default") if tiny else
+                                        (recipe["num_frames"], "default"))
     if steps is None and tiny and mode is None:  # a preset's steps are its own (A2Pipeline fills them)
-        steps, source["steps"] = TINY_STEPS, "tiny model's default"
+        steps, source["steps"] = recipe["val_steps"], "tiny model's default"
     elif steps is None and mode is not None:
         source["steps"] = f"--preset {cfg.preset}"
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device

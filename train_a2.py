@@ -134,9 +134,11 @@ from config import (
     check_size,
     dataset_configs,
     exit_on_signal,
+    is_tiny,
     pair_elements,
     resolve_compile,
     run_cli,
+    with_recipe,
 )
 from data import (
     BucketBatchSampler,
@@ -1228,6 +1230,7 @@ def optimizer_step(opt, params, guard, step_loss, step: int, cfg: TrainConfig, w
 
 
 def main(cfg: TrainConfig) -> dict:
+    cfg, recipe = with_recipe(cfg)  # what the flags left out, from the model's recipe (config.RECIPES), said below
     # ---------------------------------------------------------------- distributed setup
     if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
         # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
@@ -1263,6 +1266,9 @@ def main(cfg: TrainConfig) -> dict:
             + ", ".join(clips[:8]) + (f" and {len(clips) - 8} more" if len(clips) > 8 else ""))
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
+    if recipe:
+        log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for what the flags left out: "
+            + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
     point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,
                                                           named=cfg.run_name is not None)
