@@ -178,15 +178,14 @@ def bench_opens2v(b: BenchConfig) -> dict:
     from PIL import Image
 
     from a2 import public_data
-    from a2.images import read_image
     from data import read_frames
 
-    root, shared = Path(b.opens2v), Path(__file__).resolve().parent.parent / "shared" / "data"
+    root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
     part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
     if not part.is_file():
-        hiker = read_frames(shared / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
+        hiker = read_frames(media / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
         frames = np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in hiker])  # OpenS2V is 720p
-        fx = public_data.synthetic_opens2v(root, frames, np.asarray(read_image(shared / "a2_human.png")))
+        fx = public_data.synthetic_opens2v(root, frames, np.ascontiguousarray(hiker[0, :, ::-1]))  # any picture
         rec = next(iter(fx["records"].values()))
         bg = next((root / "Background" / "total_part1").glob("*.png"))
         keys = [f"clip{i:06d}_part1_step6" for i in range(b.clips)]

@@ -433,7 +433,7 @@ class ClipProcessorConfig:
 
 @dataclass(frozen=True)
 class VisualizationConfig:
-    """Training-time dumps of latents and decoded frames (the design documents' `visualization` block)."""
+    """Training-time dumps of latents and decoded frames (a dataset file's `visualization` block, docs/dataset.md)."""
 
     enabled: bool = False
     """Writes visualisations during training."""
@@ -442,7 +442,12 @@ class VisualizationConfig:
     frequency: int = 100
     """Writes them every this many steps."""
     processors: tuple = ()
-    """What to write: dicts {type: latent_save | vae_decode, data: [tensor names], frames: [indices]}."""
+    """What to write: dicts {type: latent_save | vae_decode, data: [VISUALIZED names], frames: [indices]}."""
+
+
+# the tensors of a training step a visualization processor can write (train_a2.forward_loss's viz)
+VISUALIZED = ("input_latents", "noisy_latents", "conditioned_latents", "predicted_latents", "reference_images")
+VISUALIZE_FORMATS = {"latent_save": "pt", "vae_decode": "png"}  # what each processor type writes
 
 
 @dataclass(frozen=True)
@@ -552,7 +557,8 @@ def _typed(d: dict, key: str, expected, default, where: str):
 
 
 def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
-    """Both forms of the design documents: flat (vae_repeat, position, clip_process) and nested (vae: {...})."""
+    """An element in either form (docs/dataset.md): flat (vae_repeat, position, vae_preprocess, clip_process) or nested
+    (vae: {repeat, position, preprocess}, clip: {preprocess} or false); a key given in both forms must agree."""
     _check_keys(d, {"name", "suffixes", "required", "vae_repeat", "position", "clip_process", "vae_preprocess",
                     "vae", "clip"}, where)
     for k in ("name", "suffixes"):
@@ -562,52 +568,92 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
     suffixes = [suffixes] if isinstance(suffixes, str) else suffixes
     if not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
+    vae, clip = d.get("vae", {}), d.get("clip", {})
+    _check_keys(vae, {"repeat", "position", "preprocess"}, f"{where}.vae")
+    if clip is not False:
+        _check_keys(clip, {"preprocess"}, f"{where}.clip")
     kw = dict(name=_typed(d, "name", str, None, where), suffixes=tuple(suffixes),
-              required=_typed(d, "required", bool, False, where),
-              repeat=d.get("vae_repeat", 1), position=d.get("position", i),
-              vae_preprocess=d.get("vae_preprocess", defaults[0]), clip_preprocess=d.get("clip_process", defaults[1]))
-    if "vae" in d:
-        _check_keys(d["vae"], {"repeat", "position", "preprocess"}, f"{where}.vae")
-        kw.update(repeat=d["vae"].get("repeat", kw["repeat"]), position=d["vae"].get("position", kw["position"]),
-                  vae_preprocess=d["vae"].get("preprocess", kw["vae_preprocess"]))
-    if "clip" in d:
-        if d["clip"] is False:
-            kw["clip"] = False
-        else:
-            _check_keys(d["clip"], {"preprocess"}, f"{where}.clip")
-            kw["clip_preprocess"] = d["clip"].get("preprocess", kw["clip_preprocess"])
+              required=_typed(d, "required", bool, False, where), clip=clip is not False,
+              repeat=_one_of(where, {"vae_repeat": d.get("vae_repeat"), "vae.repeat": vae.get("repeat")}, 1),
+              position=_one_of(where, {"position": d.get("position"), "vae.position": vae.get("position")}, i),
+              vae_preprocess=_one_of(where, {"vae_preprocess": d.get("vae_preprocess"),
+                                             "vae.preprocess": vae.get("preprocess")}, defaults[0]),
+              clip_preprocess=_one_of(where, {"clip_process": d.get("clip_process"),
+                                              "clip.preprocess": (clip or {}).get("preprocess")}, defaults[1]))
     for k in ("repeat", "position"):
-        if not isinstance(kw[k], int):
+        if not isinstance(kw[k], int) or isinstance(kw[k], bool):
             raise ConfigError(f"{where}: {k} must be an integer, got {kw[k]!r}")
     return Element(**kw)
 
 
+def _one_of(where: str, forms: dict, default):
+    """The value of a setting a dataset may give under two keys (a flat key and its processors form, an element's flat
+    key and its nested one): the one given, or `default`; both given and different is a ConfigError naming both."""
+    given = {k: v for k, v in forms.items() if v is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ConfigError(f"{where}: " + " and ".join(f"{k} {v!r}" for k, v in given.items())
+                          + " disagree: give one of them")
+    return next(iter(given.values()), default)
+
+
+def _visualization_from_json(vis: dict, where: str) -> VisualizationConfig:
+    _check_keys(vis, {f.name for f in fields(VisualizationConfig)}, where)
+    for key, expected in (("enabled", bool), ("output_dir", str), ("frequency", int), ("processors", list)):
+        if key in vis:
+            _typed(vis, key, expected, None, where)
+    if vis.get("frequency", 1) < 1:
+        raise ConfigError(f"{where}.frequency: every N steps, N >= 1, got {vis['frequency']}")
+    for i, proc in enumerate(vis.get("processors", [])):
+        at = f"{where}.processors[{i}]"
+        _check_keys(proc, {"type", "data", "frames", "format"}, at)
+        if proc.get("type") not in VISUALIZE_FORMATS:
+            raise ConfigError(f"{at}.type: expected one of {tuple(VISUALIZE_FORMATS)}, got {proc.get('type')!r}")
+        if proc.get("format", VISUALIZE_FORMATS[proc["type"]]) != VISUALIZE_FORMATS[proc["type"]]:
+            raise ConfigError(f"{at}.format: {proc['type']} writes {VISUALIZE_FORMATS[proc['type']]}, got "
+                              f"{proc['format']!r}")
+        unknown = [x for x in _typed(proc, "data", list, [], at) if x not in VISUALIZED]
+        if unknown:
+            raise ConfigError(f"{at}.data: {unknown} not among {VISUALIZED}")
+        if not all(isinstance(f, int) and not isinstance(f, bool) for f in _typed(proc, "frames", list, [], at)):
+            raise ConfigError(f"{at}.frames: expected a list of frame indices, got {proc['frames']!r}")
+    return VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))})
+
+
 def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
+    """One entry of a dataset file's "datasets" (or "eval") list: every key is docs/dataset.md's."""
     _check_keys(d, {"data_root", "dataset_type", "weight", "target_resolution", "auto_frame_buckets", "frame_buckets",
                     "reshape_mode", "remove_common_llm_caption_prefixes", "elements", "processors", "visualization",
-                    "clip_resolution", "vae_combine", "manifest", *_EXTRACTION_KEYS}, where)
+                    "clip_resolution", "vae_combine", "manifest", "sam", "cross_video", *_EXTRACTION_KEYS}, where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
     for key, expected in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
-                          ("elements", list), ("frame_buckets", list)):
+                          ("elements", list), ("frame_buckets", list), ("auto_frame_buckets", bool),
+                          ("remove_common_llm_caption_prefixes", bool), ("sam", (str, type(None))),
+                          ("cross_video", bool)):
         if key in d:
             _typed(d, key, expected, None, where)
     if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
         raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
                           f"{d['dataset_type']!r}")
-    res = _hw(d.get("target_resolution", [480, 832]), f"{where}.target_resolution")
     procs = d.get("processors", {})
     _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
     pv, pc = procs.get("vae", {}), procs.get("clip", {})
     _check_keys(pv, {f.name for f in fields(VaeProcessorConfig)}, f"{where}.processors.vae")
     _check_keys(pc, {f.name for f in fields(ClipProcessorConfig)}, f"{where}.processors.clip")
+    res = _hw(_one_of(where, {"target_resolution": d.get("target_resolution"),
+                              "processors.vae.resolution": pv.get("resolution")}, [480, 832]),
+              f"{where}.target_resolution")
+    combine = _one_of(where, {"vae_combine": d.get("vae_combine"), "processors.vae.combine": pv.get("combine")},
+                      ConditioningConfig.combine)
     vae = check_conditioning(VaeProcessorConfig(
-        resolution=_hw(pv.get("resolution", list(res)), f"{where}.processors.vae.resolution"),
-        default_preprocess=pv.get("default_preprocess", "resize"),
-        **{**({"combine": d["vae_combine"]} if "vae_combine" in d else {}),
-           **{f.name: pv[f.name] for f in fields(ConditioningConfig) if f.name in pv}}), f"{where}.processors.vae")
+        resolution=res, default_preprocess=pv.get("default_preprocess", "resize"),
+        **{f.name: pv[f.name] for f in fields(ConditioningConfig) if f.name in pv and f.name != "combine"},
+        combine=combine),
+        f"{where}.processors.vae")
     clip = ClipProcessorConfig(
-        resolution=_hw(pc.get("resolution", d.get("clip_resolution", [512, 512])), f"{where}.processors.clip"),
+        resolution=_hw(_one_of(where, {"clip_resolution": d.get("clip_resolution"),
+                                       "processors.clip.resolution": pc.get("resolution")}, [512, 512]),
+                       f"{where}.processors.clip.resolution"),
         default_preprocess=pc.get("default_preprocess", "pad_white"))
     for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
         if m not in PREPROCESS_MODES:
@@ -624,26 +670,29 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     buckets = tuple(d.get("frame_buckets", ()))
     if any((not isinstance(f, int)) or f < 1 or (f - 1) % 4 for f in buckets):
         raise ConfigError(f"{where}.frame_buckets: every bucket must be 4k+1, got {list(buckets)}")
-    vis = d.get("visualization", {})
-    _check_keys(vis, {f.name for f in fields(VisualizationConfig)}, f"{where}.visualization")
+    # auto_frame_buckets also buckets by aspect: a list of frame buckets does not switch that on behind the user
+    if buckets and not d.get("auto_frame_buckets", False):
+        raise ConfigError(f"{where}.frame_buckets: the buckets of auto_frame_buckets (frame and aspect buckets), "
+                          "which is off: add \"auto_frame_buckets\": true, or drop frame_buckets")
     root = Path(d["data_root"])
-    # "bicubic"/"bilinear" in the design documents name the filter, not the framing; they mean a plain resize
+    # "bicubic"/"bilinear" name a filter, not a framing: a plain resize
     reshape = d.get("reshape_mode", "center_crop")
     cfg = DatasetConfig(
         data_root=str(root if root.is_absolute() else base / root), dataset_type=d.get("dataset_type", "e2v"),
-        weight=float(d.get("weight", 1.0)), target_resolution=vae.resolution if "processors" in d else res,
-        auto_frame_buckets=bool(d.get("auto_frame_buckets", False)), frame_buckets=buckets,
+        weight=float(d.get("weight", 1.0)), target_resolution=res,
+        auto_frame_buckets=d.get("auto_frame_buckets", False), frame_buckets=buckets,
         reshape_mode="resize" if reshape in ("bicubic", "bilinear") else reshape,
-        remove_common_llm_caption_prefixes=bool(d.get("remove_common_llm_caption_prefixes", True)),
+        remove_common_llm_caption_prefixes=d.get("remove_common_llm_caption_prefixes", True),
         elements=elements, vae=vae, clip=clip,
-        visualization=VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))}),
-        manifest=d.get("manifest"), source=where, **{k: d[k] for k in _EXTRACTION_KEYS if k in d})
+        visualization=_visualization_from_json(d.get("visualization", {}), f"{where}.visualization"),
+        manifest=d.get("manifest"), source=where, sam=d.get("sam"), cross_video=d.get("cross_video", False),
+        **{k: d[k] for k in _EXTRACTION_KEYS if k in d})
     return check_extraction(cfg, where)
 
 
 def load_dataset_config(path) -> list[DatasetConfig]:
-    """The JSON dataset config of the design documents: {"datasets": [{...}, ...]}, and optionally
-    "eval": [{...}, ...], held-out datasets in the same format (never trained on; scored by the eval loss)."""
+    """A JSON dataset config (docs/dataset.md): {"datasets": [{...}, ...]}, and optionally "eval": [{...}, ...],
+    held-out datasets in the same format (never trained on; scored by the eval loss)."""
     path = Path(path)
     try:
         raw = json.loads(read_text(path))
@@ -928,8 +977,10 @@ class TrainConfig:
     data_root: str | None = None
     """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
     dataset_config: str | None = None
-    """A JSON dataset config (the design documents' format); it overrides --data-root, --elements, --resolution and the
-    frames."""
+    """A JSON dataset config (docs/dataset.md): one or more datasets, their weights, elements, processors and eval sets.
+    It replaces --data-root, --manifest, --dataset-type, --elements, --sam, --cross-video and the frame-extraction flags
+    (not read beside it); a conditioning flag that disagrees with its processors.vae is an error. --num-frames is read,
+    and --resolution and --clip-size still size the validation videos and the memory plan: give the file's sizes."""
     manifest: str | None = None
     """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
     train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
@@ -938,7 +989,7 @@ class TrainConfig:
     """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
     training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
     OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
-    element images are built from their masks, boxes or photos (public_data.py; README: Public datasets)."""
+    element images are built from their masks, boxes or photos (public_data.py; docs/public-datasets.md)."""
     sam: str | None = None
     """With --dataset-type phantom or humoset: a local transformers SAM dir (SamModel) that segments the box and photo
     references onto white; without it, Phantom-Data's references are box crops."""
@@ -1417,7 +1468,7 @@ class BenchConfig:
     """The DataLoader worker processes of --data-root and --opens2v."""
     opens2v: str | None = None
     """Times the OpenS2V-5M indexing and loading instead of the transformer: builds a synthetic OpenS2V-5M layout in
-    this dir (../shared/data's hiker.mp4 looped to 81 frames at 1280x720 with a2_human.png composited under a known
+    this dir (tests/media/hiker.mp4 looped to 81 frames at 1280x720, its first frame mirrored composited under a known
     mask, --clips records in one part JSON of the published schema), times `data.py index opens2v` on it (clips/s, MB/s
     of JSON), then the loader on 8 of its clips at frames x height x width (samples/s, element images built from the RLE
     masks on the fly)."""

@@ -308,7 +308,7 @@ def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], inf
     if partial.is_dir() and not any(partial.iterdir()):
         partial.rmdir()
     print(f"score them: python3 -m a2.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
-          "--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme; README 'OpenS2V-Eval')")
+          "--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme; docs/evaluation.md)")
 
 
 def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:

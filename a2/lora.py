@@ -289,7 +289,7 @@ def load_expanded(base, lora):
 
 def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
-    .save_pretrained` writes, design document 004) -> diffusers keys with peft's scaling folded into lora_B."""
+    .save_pretrained` writes) -> diffusers keys with peft's scaling folded into lora_B."""
     import json
     import math
 

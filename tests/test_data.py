@@ -95,6 +95,27 @@ def test_design_document_config_loads(tmp_path):
     ({"elements": [{"name": "a", "suffixes": [5]}]}, r"elements\[0\].suffixes: expected a file suffix or a list"),
     ({"elements": [{"name": "a", "suffixes": "_a.png", "required": "yes"}]},
      r"elements\[0\].required: expected bool, got 'yes'"),
+    ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": True}]}, r"repeat must be an integer, got True"),
+    ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": 1, "vae": {"repeat": 4}}]},
+     r"elements\[0\]: vae_repeat 1 and vae.repeat 4 disagree: give one of them"),
+    ({"auto_frame_buckets": "yes"}, r"datasets\[0\].auto_frame_buckets: expected bool, got 'yes'"),
+    # a setting that would be dropped, or that two keys give differently: refused, not silently resolved
+    ({"frame_buckets": [17, 33]}, r"frame_buckets: the buckets of auto_frame_buckets .*which is off: add "
+                                  r"\"auto_frame_buckets\": true, or drop frame_buckets"),
+    ({"target_resolution": [480, 832], "processors": {"vae": {"resolution": [320, 576]}}},
+     r"target_resolution \[480, 832\] and processors.vae.resolution \[320, 576\] disagree: give one of them"),
+    ({"vae_combine": "after", "processors": {"vae": {"combine": "before"}}},
+     r"vae_combine 'after' and processors.vae.combine 'before' disagree"),
+    ({"clip_resolution": [448, 448], "processors": {"clip": {"resolution": [512, 512]}}},
+     r"clip_resolution .* disagree"),
+    # a visualization block that would fail (or write nothing) at its first step
+    ({"visualization": {"enabled": True, "frequency": 0}}, r"visualization.frequency: every N steps, N >= 1, got 0"),
+    ({"visualization": {"processors": [{"data": ["input_latents"]}]}},
+     r"visualization.processors\[0\].type: expected one of \('latent_save', 'vae_decode'\), got None"),
+    ({"visualization": {"processors": [{"type": "vae_decode", "data": ["latents"]}]}},
+     r"processors\[0\].data: \['latents'\] not among \('input_latents', "),
+    ({"visualization": {"processors": [{"type": "latent_save", "format": "png"}]}},
+     r"processors\[0\].format: latent_save writes pt, got 'png'"),
 ])
 def test_bad_json_values_name_key_and_file(tmp_path, patch, message):
     f = tmp_path / "bad.json"
@@ -102,6 +123,21 @@ def test_bad_json_values_name_key_and_file(tmp_path, patch, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_dataset_config(f)
     assert "bad.json" in str(e.value)
+
+
+def test_flat_and_nested_forms_that_agree_and_the_public_dataset_keys(tmp_path):
+    """The first design's flat keys (clip_resolution, vae_combine, target_resolution) beside their processors form
+    load when they agree; frame_buckets with auto_frame_buckets on; sam and cross_video are --sam and --cross-video."""
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"datasets": [{
+        "data_root": "x", "dataset_type": "opens2v", "manifest": "i.jsonl", "sam": "/sam", "cross_video": True,
+        "target_resolution": [320, 576], "clip_resolution": [448, 448], "vae_combine": "after",
+        "auto_frame_buckets": True, "frame_buckets": [17, 33],
+        "processors": {"vae": {"resolution": [320, 576], "combine": "after"}, "clip": {"resolution": [448, 448]}}}]}))
+    (ds,) = load_dataset_config(f)
+    assert ds.target_resolution == ds.vae.resolution == (320, 576) and ds.clip.resolution == (448, 448)
+    assert ds.vae.combine == "after" and ds.frame_buckets == (17, 33) and ds.auto_frame_buckets
+    assert ds.sam == "/sam" and ds.cross_video
 
 
 def test_bad_cli_element_specs():

@@ -111,7 +111,7 @@ def test_original_keys_cover_the_modules_outside_the_blocks(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("extra", [{}, {"alpha_pattern": {"proj_out": 2}, "use_rslora": True}])
 def test_peft_save_pretrained_dir_loads(tiny_dir, tmp_path, extra):
-    """Design document 004 trains with get_peft_model(transformer, LoraConfig(...)) and saves with save_pretrained:
+    """The peft workflow trains with get_peft_model(transformer, LoraConfig(...)) and saves with save_pretrained:
     a dir of adapter_config.json + adapter_model.safetensors (keys base_model.model.*, alpha in the config)."""
     from peft import LoraConfig, get_peft_model
 

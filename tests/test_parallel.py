@@ -143,7 +143,7 @@ STEPS = ["--lr", "1e-2", "--adam-eps", "1e-4", "--eval-split", "1", "--eval-quan
 
 
 def _nodes(argv, tmp_path, nnodes=2, nproc=2):
-    """torchrun on `nnodes` "nodes" of this machine, as the README's multi-node command: a c10d rendezvous on
+    """torchrun on `nnodes` "nodes" of this machine, as docs/multinode.md's commands: a c10d rendezvous on
     loopback, each node with its own A2_CACHE (its own disk: the built-in tiny model is built on each)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -516,7 +516,7 @@ def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(tmp_path, 
 
 
 def test_readme_opens2v_commands_train_every_kind_for_an_epoch(tmp_path, capsys, dino_dir):
-    """The README's public-dataset commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
+    """docs/public-datasets.md's commands (index -> validate -> train, default flags) on an OpenS2V-5M tree whose
     clips have 1, 2 and 4 kept masks, one without its background png: every kind trains one full epoch of every
     clip (none left out), clips of 1, 2 and 3+ references each, the kinds without roles every kept mask up to their
     maximum; the index report names the clip without a background. A line no kind can take (no mask, no background:
