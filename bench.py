@@ -67,6 +67,7 @@ from config import (
     TrainConfig,
     resolve_compile,
     run_cli,
+    with_recipe,
 )
 from train_a2 import Run, forward_loss, model_inputs, synthetic_batch, zero_batch
 
@@ -332,7 +333,8 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n))
     run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
               encode_mode=kind_sampling(kind).encode_mode)
-    train_cfg = TrainConfig(micro_batch=b.batch, lora_rank=b.lora_rank, align_loss=b.align_loss and b.align_refs > 0)
+    train_cfg = with_recipe(TrainConfig(model=b.preset, micro_batch=b.batch, lora_rank=b.lora_rank,
+                                        align_loss=b.align_loss and b.align_refs > 0))[0]
     return run, train_cfg, cfg
 
 
