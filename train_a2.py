@@ -1267,7 +1267,7 @@ def main(cfg: TrainConfig) -> dict:
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
     log(describe(run))
     if recipe:
-        log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for what the flags left out: "
+        log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for the flags not given: "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
     point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,

@@ -10,7 +10,7 @@ import torch
 import train_a2
 from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
 from a2.pipeline import A2Pipeline
-from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, load_dataset_config
+from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, load_dataset_config, with_recipe
 from data import E2VDataset, collate
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
@@ -179,7 +179,7 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
                                                   "processors": {"vae": vae}}]}))
     (ds,) = load_dataset_config(cfg_file)
     assert (ds.vae.reference_layout, ds.vae.reference_timestep) == ("incontext", "zero")
-    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu")
+    cfg = with_recipe(TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu"))[0]
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
     assert (run.layout.kind, run.layout.clip_frames, run.layout.ref_latents) == ("incontext", 9, 1)
     for bad, message, els in (({"reference_layout": "time"}, "reference_layout: 'time' is not one of", elements),

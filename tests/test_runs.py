@@ -34,13 +34,13 @@ from a2.runs import (
     record_start,
     truncate_metrics,
 )
-from config import TrainConfig
+from config import TrainConfig, with_recipe
 from tests.conftest import ROOT
 
 
 def config(**kw) -> dict:
     """A TrainConfig as a dict, as it reads back from JSON."""
-    return json.loads(json.dumps(asdict(TrainConfig(**kw))))
+    return json.loads(json.dumps(asdict(with_recipe(TrainConfig(**kw))[0])))
 
 
 def make_ckpt(run_dir, step, cfg=None, world=1, sharded=False, keep_last=100):
@@ -163,7 +163,7 @@ def test_plan_resume(tmp_path):
 
 @pytest.mark.parametrize("change, error", [
     (dict(lora_rank=16), "trained with --lora-rank 8, this run has 16"),
-    (dict(lora_alpha=4.0), "--lora-alpha 32.0, this run has 4.0"),
+    (dict(lora_alpha=4.0), "--lora-alpha 320.0, this run has 4.0"),  # the tiny recipe's
     (dict(lora_target="x"), "--lora-target"),
     (dict(model="/models/other"), "trained with --model tiny, this run has /models/other"),
     (dict(training_type="full"), "--training-type lora, this run has full"),
