@@ -149,6 +149,15 @@ def args(data_dir, out, run, *extra, model="tiny", device="cpu"):
             "--warmup-steps", "2", "--lr", "1e-3", "--ckpt-every", "1000", "--device", device, *extra]
 
 
+def train_config(argv):
+    """A TrainConfig as train_a2.main takes it: the flags parsed, the model's recipe filled (config.with_recipe)."""
+    import tyro
+
+    from config import TrainConfig, with_recipe
+
+    return with_recipe(tyro.cli(TrainConfig, args=list(argv)))[0]
+
+
 def train(*argv):
     import tyro
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from a2 import align
 from config import ConfigError
-from tests.conftest import args, launch, losses, max_diff, params, train
+from tests.conftest import args, launch, losses, max_diff, params, train, train_config
 
 FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
        "background=_background.png:vae=fit_pad_white")
@@ -81,14 +81,13 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     adds equals RefAlign's training loss on the same projected reference tokens and targets (tests/their_refalign.py:
     training_align_loss, from diffsynth/pipelines/wan_video_new6.py, whose training_loss gates it with
     gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
-    import tyro
 
     import train_a2
-    from config import TrainConfig, dataset_configs
+    from config import dataset_configs
     from data import E2VDataset, collate, kind_datasets
     from tests.their_refalign import training_align_loss
 
-    cfg = tyro.cli(TrainConfig, args=args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
+    cfg = train_config(args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
                                           *align_flags(dino_dir), "--text-dropout", "0", model="tiny-refalign"))
     device = torch.device("cpu")
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
@@ -187,13 +186,12 @@ def test_weight_zero_trains_bit_identically_and_the_loss_matters(data_dir, tmp_p
 def test_the_loss_reaches_only_the_chosen_blocks_and_projectors(data_dir, dino_dir):
     """The alignment loss of block 0 alone: gradients in block 0, the patch embedding and time/text embedders before
     it, and its projector; none in block 1 nor the output head (the model's later weights are the flow loss's)."""
-    import tyro
 
     import train_a2
-    from config import TrainConfig, dataset_configs
+    from config import dataset_configs
     from data import E2VDataset, collate
 
-    cfg = tyro.cli(TrainConfig, args=phantom(data_dir, data_dir.parent / "unused", "g",
+    cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "g",
                                              "--training-type", "full", *align_flags(dino_dir, "0"),
                                              "--no-gradient-checkpointing", "--text-dropout", "0"))
     device = torch.device("cpu")
@@ -296,12 +294,11 @@ def test_refusals_in_one_line(data_dir, tmp_path, dino_dir):
 def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     """Augmentation draws from the sample's own stream (the same images at the same (seed, step, sample), others at
     another step), leaves the other draws (noise, sigma) unchanged, fills with white, and the VAE sees its result."""
-    import tyro
 
     import train_a2
     from a2.augment import _affine, _perspective, augment_references
     from a2.flow import sample_generator
-    from config import TrainConfig, dataset_configs
+    from config import dataset_configs
     from data import E2VDataset, collate
 
     white = torch.ones(3, 16, 24)
@@ -317,7 +314,7 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, refs)
     assert a.shape == refs.shape and a.min() >= -1 and a.max() <= 1
 
-    cfg = tyro.cli(TrainConfig, args=phantom(data_dir, data_dir.parent / "unused", "x"))
+    cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "x"))
     device = torch.device("cpu")
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)

@@ -15,7 +15,7 @@ from a2.conditioning import validation_layout
 from a2.pipeline import A2Pipeline, load_references
 from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, pair_elements
 from data import E2VDataset, collate, kind_datasets
-from tests.conftest import args, losses, max_diff, params, train
+from tests.conftest import args, losses, max_diff, params, train, train_config
 
 # kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
 KINDS = {
@@ -85,7 +85,7 @@ def setup(data_dir, name, *flags, n=None, tmp_path=None):
         extra = count_flags(name, n)
     if name == "vace-mask":
         data_dir = masked_clips(data_dir, tmp_path)
-    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
+    cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
@@ -226,7 +226,7 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
 
     monkeypatch.setattr(train_a2, "save_video", save("validation"))
     monkeypatch.setattr(infer, "save_video", save("infer"))
-    cfg = tyro.cli(TrainConfig, args=[*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
+    cfg = train_config([*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
                                       *(["--val-elements", *images] if n else ["--dataset-type", "t2v"])])
     device = torch.device("cpu")
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
-import tyro
 
 import train_a2
 from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
 from a2.pipeline import A2Pipeline
 from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, load_dataset_config
 from data import E2VDataset, collate
-from tests.conftest import args, losses, max_diff, params, train
+from tests.conftest import args, losses, max_diff, params, train, train_config
 
 INCONTEXT = ["--reference-layout", "incontext", "--num-frames", "9"]  # 9 video frames (3 latents) + 3 references
 
@@ -29,7 +28,7 @@ def hand_encoded(vae, image: torch.Tensor, frames: int) -> torch.Tensor:
 
 def setup(data_dir, *extra, model="tiny-t2v"):  # noqa: F811
     """cfg, Run, Encoders and a one-sample batch, as train_a2.main builds them (CPU)."""
-    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
+    cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
                                       "--device", "cpu", *INCONTEXT, *extra])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))

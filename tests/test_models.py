@@ -169,10 +169,10 @@ def test_unsupported_pairs_and_paths(wan22_i2v_dir, tiny_dir, tmp_path):
 def test_expert_sigma_is_the_truncated_distribution(sampling):
     """Each expert's sigmas stay in its range and follow the configured distribution restricted to it: the same
     as rejection sampling from the unrestricted sampler (two-sample Kolmogorov-Smirnov)."""
-    from config import TrainConfig
+    from config import TrainConfig, with_recipe
     from train_a2 import sample_generator, sample_sigma
 
-    cfg = TrainConfig(sigma_sampling=sampling)
+    cfg = with_recipe(TrainConfig(sigma_sampling=sampling))[0]
     b, n = 0.875, 3000
     g = torch.Generator().manual_seed(1)
     free = np.array([sample_sigma(cfg, g) for _ in range(40 * n)])  # the unrestricted sampler

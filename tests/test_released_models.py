@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from a2.transformer import UnsupportedModel, detect_model, diffusers_to_original, original_to_diffusers
 from tests import their_samplers as theirs
+from tests.conftest import train_config
 
 
 @pytest.fixture(scope="module")
@@ -584,11 +585,10 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     """Full fine-tuning of the V3 model in its layout -> infer.py --transformer, of Phantom's -> its original-Wan
     checkpoint as well; reference dropout zeroes every slot
     (both papers' unconditional: the references' latents all zero, the video's untouched)."""
-    import tyro
 
     import infer
     import train_a2
-    from config import TrainConfig, dataset_configs
+    from config import dataset_configs
     from data import E2VDataset, collate
     from tests.conftest import args, train
 
@@ -615,7 +615,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     assert any(not torch.equal(want[k], v) for k, v in load_transformer(phantom_dir).state_dict().items())
 
     for model in (phantom_dir, v3_dir):
-        cfg = tyro.cli(TrainConfig, args=["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
+        cfg = train_config(["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
                                           "32", "--num-frames", "9", "--device", "cpu", "--elements", *FIT])
         run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
         batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])

@@ -10,8 +10,9 @@ import tyro
 import train_a2
 from a2.flow import flow_loss, noisy_latents
 from a2.transformer import preset_config
-from config import TrainConfig, dataset_configs
+from config import TrainConfig, dataset_configs, with_recipe
 from data import E2VDataset, collate
+from tests.conftest import train_config
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def data_dir(tmp_path_factory):
 
 def setup(data_dir, *extra, model="tiny"):
     """cfg, Run, Encoders and one collated batch, as main() builds them (CPU)."""
-    cfg = tyro.cli(TrainConfig, args=["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
+    cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
                                       "--num-frames", "21", "--device", "cpu", *extra])
     ds_cfgs = dataset_configs(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
@@ -64,7 +65,7 @@ def test_run_derives_a2s_layout(data_dir):
     assert run.global_batch == 1 and run.compute_dtype == torch.float32 and run.sigma_range == (0.0, 1.0)
     with pytest.raises(AttributeError):  # frozen: derived once, never written back
         run.layout.clip_frames = 5
-    cfg81 = TrainConfig(data_root=str(data_dir), num_frames=81, device="cpu")
+    cfg81 = with_recipe(TrainConfig(data_root=str(data_dir), num_frames=81, device="cpu"))[0]
     run81 = train_a2.plan_run(cfg81, 1, dataset_configs(cfg81), torch.device("cpu"))
     assert run81.layout.clip_frames == 69  # A2: 81 -> 69
 
