@@ -30,6 +30,12 @@ A run's layout has one `kind`:
              unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
              to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
              are computed once and reused.
+  vace       Wan VACE as released (its weights: Wan2.1-VACE, Wan2.2-VACE-Fun): each reference alone as a 1-frame clip,
+             framed by VACE's own arithmetic, its posterior mean; the N reference latents before the clip's T frames
+             (on top of --num-frames), in the noised sequence (x0 = cat([references, VAE(clip)])) and in VACE's
+             context (a2/vace.py: encode; a control video or masked clip with its mask, or R2V's zeros), which rides
+             beside x_t on the channel axis for the forward prepare_model installs (the context blocks' hints at the
+             layout's context_scale); guidance keeps it in both branches; the sampler drops the references.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 

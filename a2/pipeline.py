@@ -164,7 +164,9 @@ def load_encoders(model_dir: Path, image_encoder_dir: Path | None, dtype: torch.
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-    vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
+    # the vae/ dir itself: from_pretrained(dir, subfolder=) takes a diffusion_pytorch_model.safetensors in the dir
+    # first, and Wan-AI's Wan2.1-VACE release keeps its DiT under that name, beside which its parts may be put
+    vae = AutoencoderKLWan.from_pretrained(Path(model_dir) / "vae", torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
     text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
     image_encoder = image_processor = None

@@ -23,7 +23,7 @@ from a2 import vace
 from a2.conditioning import WAN_NEGATIVE_PROMPT, plan
 from a2.images import read_image
 from a2.lora import export_lora, read_original
-from a2.parallel import context_parallel
+from a2.parallel import UlyssesAttnProcessor, context_parallel
 from a2.tiny import TINY_MODELS, build_tiny, model_path, save_tiny, tiny_model_dir
 from a2.transformer import (
     UnsupportedModel,
@@ -62,6 +62,7 @@ def pipe(parts):
     return p
 
 
+@torch.no_grad()  # as the pipelines encode it (UMT5's outputs with autograd on differ from them by 5e-7)
 def text(pipe, prompt: str) -> torch.Tensor:
     return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)[0]
 
@@ -231,10 +232,10 @@ def _cp_rank(rank: int, world: int, init: str):
 
         def run(split: bool):
             model = _model()
-            vace.install(model)
             if split:
                 context_parallel(model, dist.group.WORLD)
-                vace.context_parallel(model)
+            vace.install(model)  # the kind's prepare_model: it splits the context blocks of a split transformer
+            assert isinstance(model.vace_blocks[1].attn1.processor, UlyssesAttnProcessor) == split
             out = model(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0]
             out.square().mean().backward()
             return out.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -357,3 +358,113 @@ def test_vace_checkpoints_that_do_not_fit_fail_in_one_line(layouts, tmp_path):
         {k: v for k, v in cfg.items() if "vace" not in k}))
     with pytest.raises(UnsupportedModel, match="without VACE's context blocks"):
         detect_model(pair)
+
+
+# ---------------------------------------------------------------- the kind's sampler on the VACE-Fun pair, training
+
+
+def test_the_vace_fun_pair_samples_with_videox_funs_sampler_and_both_experts(sources, tmp_path, monkeypatch):
+    """infer.py on the tiny Wan2.2-VACE-Fun pair with no sampling flag samples as VideoX-Fun's predict_s2v.py: its
+    FlowMatch Euler at shift 12 (config/wan2.2/wan_civitai_t2v.yaml), seed 43, Wan's negative prompt, guidance 5, 16
+    fps; the high-noise expert at sigma >= 0.875, the low-noise one below, as its pipeline switches them."""
+    from a2.pipeline import A2Pipeline
+
+    calls, seen = {"high": 0, "low": 0}, {}
+    call = A2Pipeline.__call__
+
+    def spy(self, *a, **k):
+        for name, model in (("high", self.transformer), ("low", self.transformer_2)):
+            model.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        seen["out"] = call(self, *a, **k)
+        return seen["out"]
+
+    monkeypatch.setattr(A2Pipeline, "__call__", spy)
+    d = sources[0]
+    assert infer.main(tyro.cli(infer.InferConfig, args=[
+        "--model", "tiny-vace-fun", "--resolution", str(HEIGHT), str(WIDTH), "--num-frames", str(FRAMES),
+        "--elements", str(d / "ref0.png"), "--out", str(tmp_path / "v.mp4")])) == 0
+    s = seen["out"]["sampling"]
+    assert (s.scheduler, s.schedule, s.flow_shift, s.seed, s.guidance_scale, s.fps, s.steps) == \
+        ("euler", "diffusers", 12.0, 43, 5.0, 16, 10)
+    assert s.negative_prompt == WAN_NEGATIVE_PROMPT and calls["high"] > 0 and calls["low"] > 0
+    assert (tmp_path / "v.mp4").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def vace_run_data(tmp_path_factory):
+    from data import make_synthetic_dataset
+
+    return make_synthetic_dataset(tmp_path_factory.mktemp("vace_data") / "e2v", num_samples=2, num_frames=9,
+                                  size=(32, 32))
+
+
+def test_training_adapts_the_context_blocks_by_default_and_exports_what_loads(vace_run_data, tmp_path):
+    """A LoRA run on tiny-vace adapts VACE's context blocks alone by default, the transformer blocks alone with
+    --vace-lora-target base; its files load back through infer.py's loader (diffusers and ComfyUI keys); a full
+    fine-tune of Wan-AI's original-key release exports a VACE transformer dir and the same weights in its original
+    keys, which a2 reads back as Wan2.1 VACE."""
+    from safetensors import safe_open
+
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+    from tests.conftest import args, train
+
+    base = ["--num-frames", "9", "--max-steps", "1", "--text-dropout", "0"]
+    for blocks, want in ((None, "vace_blocks."), ("base", "blocks.")):
+        flags = base + ([] if blocks is None else ["--vace-lora-target", blocks])
+        run = train(*args(vace_run_data, tmp_path, f"lora-{blocks}", *flags, model="tiny-vace"))["run_dir"]
+        with safe_open(run / "pytorch_lora_weights.safetensors", "pt") as f:
+            modules = {k.removeprefix("transformer.").split(".lora_")[0] for k in f.keys()}
+        assert modules and all(m.startswith(want) for m in modules), sorted(modules)[:3]
+        for file in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfy.safetensors"):
+            said = load_lora(A2Pipeline.from_pretrained("tiny-vace"), str(run / file))
+            assert f"{len(modules)} modules of transformer adapted ({2 * len(modules)} weights matched)" in said, said
+    released = save_tiny(tmp_path / "Wan2.1-VACE", t2v=True, released="vace")  # Wan-AI's original keys
+    run = train(*args(vace_run_data, tmp_path, "full", *base, "--training-type", "full", model=released))["run_dir"]
+    trained = WanVACETransformer3DModel.from_pretrained(run / "transformer")  # the run's transformer/
+    original = run / "transformer_original"
+    assert (original / "diffusion_pytorch_model.safetensors").is_file()
+    info = detect_model(original, None, released)  # (its Wan parts: the release's)
+    assert (info.name, info.native_kind) == ("Wan2.1 VACE", "vace")
+    back = load_transformer(original, torch.float32).state_dict()
+    assert all(torch.equal(v, back[k]) for k, v in trained.state_dict().items())
+
+
+def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_data, tmp_path, monkeypatch):
+    """A control video or mask for a model without context blocks, a mask without its video, --vace-scale off VACE,
+    --vace-lora-target off VACE, reference dropout on VACE (its guidance keeps the references), a preset VACE does not
+    have: each a ConfigError / InputError of one line, before a transformer is loaded."""
+    import train_a2
+    from config import InputError, dataset_configs
+    from tests.conftest import train_config
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded before the mistake was said")
+
+    monkeypatch.setattr(infer, "load_transformer", no_weights)
+    monkeypatch.setattr(train_a2, "load_transformer", no_weights)
+    d = sources[0]
+    ref, video, mask = str(d / "ref0.png"), str(d / "control.npz"), str(d / "mask.png")
+    sample = ["--resolution", str(HEIGHT), str(WIDTH), "--num-frames", str(FRAMES), "--out", str(tmp_path / "v.mp4")]
+    for flags, said in (
+            (["--model", "tiny-phantom", "--elements", ref, "--control-video", video],
+             "--control-video / --mask condition a VACE model; the phantom kind takes none"),
+            (["--model", "tiny-vace", "--elements", ref, "--mask", mask],
+             "--mask .*: it says where in --control-video"),
+            (["--model", "tiny-vace", "--elements", ref, "--control-video", str(d / "none.npz")], "no such file"),
+            (["--model", "tiny-phantom", "--elements", ref, "--vace-scale", "0.5"],
+             "--vace-scale 0.5 scales the hints of VACE's context blocks; .* is no VACE model"),
+            (["--model", "tiny-phantom", "--elements", ref, "--preset", "diffusers"],
+             "--preset diffusers: the phantom kind samples in its own way")):
+        with pytest.raises(InputError, match=said) as e:
+            infer.main(tyro.cli(infer.InferConfig, args=[*flags, *sample]))
+        assert "\n" not in str(e.value)
+    run = ["--data-root", str(vace_run_data), "--resolution", "32", "32", "--num-frames", "9", "--device", "cpu"]
+    for flags, said in ((["--model", "tiny-phantom", "--vace-lora-target", "base"],
+                         "--vace-lora-target base: the phantom kind's model has no VACE context blocks"),
+                        (["--model", "tiny-vace", "--reference-dropout", "0.1"],
+                         "--reference-dropout: VACE samples with its references in both guidance branches")):
+        cfg = train_config([*flags, *run])
+        with pytest.raises(InputError, match=said) as e:
+            train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        assert "\n" not in str(e.value)
