@@ -198,7 +198,8 @@ class Kind:
     # sampling alike (kind_elements): SkyReels-A2's roles, or a released model's references framed as its lab's
     elements: tuple = A2_ELEMENTS
     # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
-    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
+    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size; vace 4,
+    # VACE's framing and its context's encodes (a masked clip's mask file is hashed with the clip's files)
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
     # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
     # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
@@ -293,6 +294,7 @@ KIND_DEFS = {k.name: k for k in (
     Kind("vace", "context", (1, 4), native=True, leading=True, extends=True, one_frame=True, encode_mean=True,
          framing=vace.frame, sampling=_VACE, modes=(("diffusers", _VACE_DIFFUSERS),), elements=RELEASED_ELEMENTS[:4],
          original_export="diffusion_pytorch_model.safetensors",  # Wan-AI's Wan2.1-VACE file, beside its config.json
+         cache_fields=(("version", 4),),
          sequence="{ref_latents} reference latents (VACE's context, scale {context_scale:g}) + "),
     Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=standin.REFERENCE_SIZE,
          elements=A2_ELEMENTS[:1], sampling=Sampling(
@@ -1053,7 +1055,7 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
     clip outside it (None: R2V, the references alone)."""
     if layout.takes_references:
         control = None
-        if layout.definition.axis == "context" and region is not None:  # VACE's masked clip: the clip outside its
+        if layout.context_blocks and region is not None:  # VACE's masked clip: the clip outside its
             control = video * (region[:, None] <= 0.5).to(video)  # mask (B, F, H, W), zeros inside, as VideoX-Fun's
         cond = prepare_latents(vae, layout, references=references, video=control, sample_mode=sample_mode,
                                generator=generator, region=region)
@@ -1083,7 +1085,7 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     (a2/vace.py: install). Others: nothing."""
     if layout.definition.text_to_video_only:
         video_only_cross_attention(transformer, layout.ref_latents)
-    if layout.definition.axis == "context":
+    if layout.context_blocks:
         vace.install(transformer, layout.context_scale)
     if layout.definition.axis != "tokens":
         return
