@@ -123,20 +123,19 @@ def encode(encode_vae: Callable[[torch.Tensor], torch.Tensor], references: torch
     refs = torch.cat([encode_vae(references[:, i, :, None]) for i in range(n)], dim=2) if n else None
     if video is None and mask is not None:
         raise ValueError("VACE's mask says where in its video to generate: give the video with it")
-    if video is not None and mask is None:
-        mask = video.new_ones(b, *video.shape[2:])
     if video is None:
-        mask = references.new_ones(b, num_frames, height, width)
         inactive = reactive = encode_vae(references.new_zeros(b, 3, num_frames, height, width))
     else:
-        if video.shape[2] != num_frames or mask.shape[1:] != (num_frames, height, width):
-            raise ValueError(f"VACE's video {tuple(video.shape)} and mask {tuple(mask.shape)}: {num_frames} frames of "
-                             f"{height}x{width} (the references' size) expected")
-        m = (mask > 0.5).to(video.dtype)[:, None]  # (B, 1, F, H, W)
+        if video.shape[2] != num_frames or mask is not None and mask.shape[1:] != (num_frames, height, width):
+            raise ValueError(f"VACE's video {tuple(video.shape)} and mask {None if mask is None else tuple(mask.shape)}"
+                             f": {num_frames} frames of {height}x{width} (the references' size) expected")
+        m = 1.0 if mask is None else (mask > 0.5).to(video)[:, None]  # (B, 1, F, H, W) (pixels from a cache: meta)
         inactive, reactive = encode_vae(video * (1 - m)), encode_vae(video * m)
+    if mask is None:  # on the latents' device: the pixels may be a precompute cache's meta tensors
+        mask = inactive.new_ones(b, num_frames, height, width)
     if refs is None:
         refs = inactive.new_zeros(b, LATENT_CHANNELS, 0, *inactive.shape[-2:])
-    return context(inactive, reactive, refs, context_mask((mask > 0.5).float(), n)), refs
+    return context(inactive, reactive, refs, context_mask((mask > 0.5).to(inactive), n)), refs
 
 
 # ---------------------------------------------------------------- the transformer
