@@ -34,7 +34,8 @@ import tyro
 # how an image is framed to a size (fit_pad_white: Phantom-Wan's and SkyReels-V3's references)
 PREPROCESS_MODES = ("resize", "center_crop", "pad_white", "letterbox", "fit_pad_white")
 # a2/conditioning.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
-KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "standin")
+KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",
+              "standin")
 
 
 def _on_off(args: list[str]) -> bool:
@@ -363,6 +364,9 @@ class ConditioningConfig:
     concatenate_mask: bool = True
     """Whether the 4-channel mask goes between the noisy and the condition latents (the 36-channel input). The
     channel kinds need it (off is refused, with the reason); the others have no mask to concatenate."""
+    vace_scale: float = 1.0
+    """The conditioning scale of a VACE model's context blocks: each hint is added to its block's output times this
+    (Wan's context_scale, diffusers' conditioning_scale; 1 as both sample by default), in training and sampling."""
     vae_sample_mode: Annotated[Literal["sample", "argmax"] | None, tyro.conf.arg(aliases=("--sample-mode",))] = None
     """How the references and the condition are VAE-encoded: a posterior sample (from the sample's generator) or the
     posterior mode (argmax). Left out, each kind encodes as its lab samples: A2 and SkyReels-V3 sample; diffusers' Wan
@@ -378,6 +382,8 @@ def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
     for key in ("frame_index", "prefix_frames"):
         if not isinstance(getattr(c, key), int) or isinstance(getattr(c, key), bool):
             raise ConfigError(f"{where}.{key}: expected an integer, got {getattr(c, key)!r}")
+    if not isinstance(c.vace_scale, int | float) or isinstance(c.vace_scale, bool):
+        raise ConfigError(f"{where}.vace_scale: expected a number, got {c.vace_scale!r}")
     if not isinstance(c.concatenate_mask, bool):
         raise ConfigError(f"{where}.concatenate_mask: expected true or false, got {c.concatenate_mask!r}")
     if c.reference_layout != "channel" and c.frame_conditioning != "full":  # the element layouts take no frames
@@ -870,10 +876,12 @@ class TrainConfig:
 
     model: str = "tiny"
     """The model to train: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each trained in
-    its own layout, as V3); a Hugging Face Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache;
+    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
+    RefAlign's named so; each trained in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
+    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache;
     HF_HUB_OFFLINE is respected); a built-in offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v,
-    tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign; or a real-size model with random
+    tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (its
+    expert pair); or a real-size model with random
     weights built on the GPU, for speed and memory at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B),
     random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
@@ -905,6 +913,12 @@ class TrainConfig:
     """The modules that get a LoRA, as a regex over module names (peft's full match): self- and cross-attention q/k/v/o,
     the image K/V projections and the FFN (LORA_TARGETS), and a tiny model's output head too.
     Left out: the model's recipe (RECIPES)."""
+    vace_lora_target: Literal["vace", "base", "both"] | None = None
+    """On a VACE model (Wan2.1-VACE, Wan2.2-VACE-Fun), the blocks whose --lora-target modules get the LoRA: vace, its
+    context blocks; base, the transformer blocks; both. Left out: vace, for subject fidelity: the references reach
+    the model through the context blocks alone, so that is where it learns them, while the base's text-to-video stays
+    as it was; it is also what the labs train (VideoX-Fun's VACE-Fun --trainable_modules vace, DiffSynth-Studio's VACE
+    LoRAs --lora_base_model vace, VACE's paper on a frozen base)."""
     fp8_base: bool = False
     """Stores the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales, dequantized per
     layer in the forward (a2/fp8.py); LoRA only. It halves their bytes against bf16 (A2-14B: 15 GiB less). Norms,
@@ -1244,10 +1258,12 @@ class InferConfig:
 
     model: str = "tiny"
     """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each sampled in
-    its own layout, as V3); a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE is respected);
-    a built-in offline tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3,
-    tiny-magref, tiny-refalign (sampled by default at 64x64, 33 frames, 10 steps); or a real-size model with random
+    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
+    RefAlign's named so; each sampled in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
+    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE is
+    respected); a built-in offline tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v,
+    tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (sampled by default at 64x64, 33
+    frames, 10 steps); or a real-size model with random
     weights built on the GPU: random-1.3B, random-14B, random-5B. A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir that replaces the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
@@ -1265,6 +1281,13 @@ class InferConfig:
     elements: tuple[str, ...] = ()
     """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
     subject=me.png). Leave it empty for a T2V model (text only)."""
+    control_video: str | None = None
+    """A VACE model's video to condition on beside the references (a pose, depth or masked clip, Wan's src_video): its
+    first --num-frames frames (a video file, or a .npz of uint8 `frames`), centre-cropped to the size and resized.
+    Without it (and --mask) VACE samples from the references alone (R2V)."""
+    mask: str | None = None
+    """The mask of --control-video, white where VACE generates (Wan's src_mask, read from its first channel): a video
+    of its frames, or one image for all of them. Without it the whole control video is to transform."""
     image: str | None = None
     """The first frame of a Wan 2.2 TI2V-5B image-to-video, resized to --height x --width with Lanczos (as diffusers'
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
@@ -1273,14 +1296,18 @@ class InferConfig:
     (a2.conditioning.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
-    preset: Literal["v3-distilled"] | None = None
+    preset: Literal["v3-distilled", "diffusers"] | None = None
     """Samples as another of the lab's own entry points for its model (a2.conditioning.Kind.modes). v3-distilled:
-    SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). Without a preset
-    every flag left out is the model's own sampler's (its kind's Sampling, README "What each kind samples with"):
-    SkyReels-A2 shift 8, 15 fps; Phantom-Wan guidance 7.5 / 5, Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 /
-    5, an empty negative prompt, 24 fps; MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too), its negative
-    prompt, 15 fps; RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on linspace(1,
-    0), shift 5, 20 steps, seed 0, the noise on the CPU, 25 fps; and the references' VAE encode as each lab's."""
+    SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). diffusers
+    (VACE): diffusers' WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the
+    references resized to multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out
+    is the model's own sampler's (its kind's Sampling, README "What each kind samples with"): SkyReels-A2 shift 8, 15
+    fps; Phantom-Wan guidance 7.5 / 5, Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, an empty negative
+    prompt, 24 fps; MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too), its negative prompt, 15 fps;
+    RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift 5, 20
+    steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999, shift 16, Wan's negative
+    prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12, seed 43); and the
+    references' VAE encode as each lab's."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """The text prompt of the video."""
     negative_prompt: str | None = None
@@ -1325,10 +1352,10 @@ class InferConfig:
     flags it trained with."""
     clip_size: int = 512
     """The square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
-    decode: Literal["drop_refs", "video_only", "all", "none"] = "drop_refs"
-    """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2); video_only: the video
-    latents alone; all: every frame, the references' included; none: no decode, the latents only (e.g. for
-    --save-latents)."""
+    decode: Literal["drop_refs", "video_only", "all", "none"] | None = None
+    """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2, MAGREF); video_only: the
+    video latents alone (VACE); all: every frame, the references' included; none: no decode, the latents only (e.g.
+    for --save-latents). Default: the kind's own sampler's."""
     lora: tuple[str, ...] = ()
     """The LoRA files or dirs to load (several compose): diffusers keys (train_a2.py's
     pytorch_lora_weights.safetensors), original Wan / ComfyUI keys (`diffusion_model.`, e.g.

@@ -91,6 +91,8 @@ from config import (
 )
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+# a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
+MASK_SUFFIX = "_vace_mask.png"
 MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
 
@@ -274,7 +276,8 @@ def _visible_files(root: Path) -> dict[str, list[Path]]:
     return files
 
 
-def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> list[Sample]:
+def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem], masks: bool = False) -> list[Sample]:
+    """The samples of a folder dataset; masks: each one's clip mask too (MASK_SUFFIX: a VACE run's)."""
     files = _visible_files(root)
     videos: dict[str, list[Path]] = {}
     for name, paths in files.items():
@@ -294,6 +297,9 @@ def _list_dir(root: Path, cfg: DatasetConfig, di: int, loose: list[Problem]) -> 
             if matches:
                 s.elements[e.name] = matches[0]
                 used.update(matches)
+        if masks and (stem + MASK_SUFFIX).lower() in files:
+            s.mask = files[(stem + MASK_SUFFIX).lower()][0]
+            used.add(s.mask)
         caption = files.get(stem + ".txt", [root / f"{s.id}.txt"])[0]
         used.add(caption)
         try:
@@ -377,6 +383,11 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
             what = (f"a dangling symlink (to {os.readlink(img)})" if img.is_symlink() and not img.exists() else
                     "not found" if not img.exists() else str(ex))
             s.problems.append(Problem(s.id, img, f"element '{name}' is {what}", s.where))
+    if s.mask is not None:
+        try:
+            read_image(s.mask)
+        except ValueError as ex:
+            s.problems.append(Problem(s.id, s.mask, f"the clip's mask is {ex}", s.where))
     try:
         if s.video.suffix.lower() == ".npz":  # the header: every check of the array but its values
             shape, _ = npz_frames_header(s.video)
@@ -424,9 +435,10 @@ def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[Da
 
 
 def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
-         short_why: str = "", most: int = 0) -> tuple[list[Sample], list[Problem]]:
+         short_why: str = "", most: int = 0, masks: bool = False) -> tuple[list[Sample], list[Problem]]:
     """Every sample of every dataset, checked (Sample.problems), and the problems that belong to no sample. `most`:
-    the kind's maximum of element images a sample (0: any), which a public index's clip fills up to."""
+    the kind's maximum of element images a sample (0: any), which a public index's clip fills up to. masks: a
+    folder's clips take their masks (a VACE run's, MASK_SUFFIX)."""
     samples, problems = [], []
     for di, cfg in enumerate(cfgs):
         root = Path(cfg.data_root)
@@ -447,7 +459,8 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
                                    "OUT/index.jsonl (written by `data.py index`)")
             found, check = public_data.list_index(manifest, cfg, di, problems, most), public_data.check_public_sample
         else:
-            found = _list_manifest(manifest, cfg, di, problems) if manifest else _list_dir(root, cfg, di, problems)
+            found = (_list_manifest(manifest, cfg, di, problems) if manifest
+                     else _list_dir(root, cfg, di, problems, masks))
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
         why = dict(short_why=short_why) if check is check_sample else {}
@@ -515,10 +528,11 @@ class E2VDataset(torch.utils.data.Dataset):
         self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
-        refs = 0 if layout is None else layout.num_frames - layout.clip_frames  # pixel frames the references take
+        # pixel frames the references take of --num-frames (VACE's come on top of it)
+        refs = 0 if layout is None or layout.definition.extends else layout.num_frames - layout.clip_frames
         why = f": --num-frames {layout.num_frames} less the {refs} frames the references take" if refs > 0 else ""
         most = KIND_DEFS[layout.kind].references[1] if layout else 0  # the element images one sample takes
-        samples, loose = scan(cfgs, num_frames, frame_sampling, why, most)
+        samples, loose = scan(cfgs, num_frames, frame_sampling, why, most, bool(layout and layout.context_blocks))
         problems = loose + [p for s in samples for p in s.problems]
         errors, warnings = [p for p in problems if not p.warning], [p for p in problems if p.warning]
         if errors and not skip_bad_samples:  # the problems counted, then the warnings (samples kept) after them
@@ -593,14 +607,14 @@ class E2VDataset(torch.utils.data.Dataset):
             m = self.size_multiple
             h, w = (max(m, round((area * best) ** 0.5 / m) * m), max(m, round((area / best) ** 0.5 / m) * m))
         names = tuple(e.name for e in cfg.elements if e.name in s.elements)
-        return (frames, h, w, names)
+        return (frames, h, w, names + (("clip mask",) if s.mask else ()))  # a masked clip's context is another
 
     def stamp(self, index: int) -> str:
         """What the sample's files are now (each one's size and modification time): LoadFailures reads a dropped
         sample again on resume once they change (the bad file was replaced)."""
         s = self.samples[index]
         out = []
-        for f in (s.video, *s.elements.values()):
+        for f in (s.video, *s.elements.values(), *([s.mask] if s.mask else [])):
             try:
                 st = os.stat(f)
                 out.append(f"{st.st_size}:{st.st_mtime_ns}")
@@ -650,6 +664,10 @@ class E2VDataset(torch.utils.data.Dataset):
             vae, clip, region = reference_pixels(self.layout, [images[e.name] for e in elements], elements, (h, w),
                                                  tuple(cfg.clip.resolution), files)
             video = resize_frames(raw, cfg.reshape_mode, (h, w))  # (3, F, H, W)
+            if s.mask is not None:  # VACE's: framed as the clip, 1 where it generates (a2.conditioning.encode)
+                file = s.mask
+                mask = np.repeat(np.asarray(read_image(s.mask))[None], len(raw), axis=0)
+                region = (resize_frames(mask, cfg.reshape_mode, (h, w))[0] > 0).float()  # (F, H, W)
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
@@ -920,6 +938,7 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
                clip_frames=clip_frames, dtype=dtype,
                frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
                samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
+                        + ([stat(s.mask)] if s.mask else [])
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -29,12 +29,14 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from a2 import standin
 from a2.conditioning import KIND_DEFS, element_kind, kind_elements, kind_sampling, sampling_plan
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
+from a2.images import read_image
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
@@ -198,17 +200,50 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
                          seed=cfg.seed if seed is None else seed)
 
 
+def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """--control-video (1, 3, F, H, W) in [-1, 1] and --mask (1, F, H, W) in [0, 1] (its first channel, as Wan's
+    prepare_source reads it) as a VACE layout takes them: the first F = clip_frames frames of each (a mask may be one
+    image, for every frame), centre-cropped to the size and resized (data.resize_frames). (None, None) without them;
+    a mistake is a ValueError naming the flag and file."""
+    from data import IMAGE_EXTS, read_clip, resize_frames
+
+    if cfg.control_video is None and cfg.mask is None:
+        return None, None
+    if layout is None or not layout.context_blocks:
+        raise ValueError(f"--control-video / --mask condition a VACE model; the {layout and layout.kind} kind takes "
+                         "none: drop them")
+    if cfg.control_video is None:
+        raise ValueError(f"--mask {cfg.mask}: it says where in --control-video VACE generates: give the video too")
+    frames, size = layout.clip_frames, (cfg.height, cfg.width)
+
+    def read(flag, path):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+        if flag == "--mask" and path.suffix.lower() in IMAGE_EXTS:
+            return np.repeat(np.asarray(read_image(path))[None], frames, axis=0)
+        try:
+            return read_clip(path, list(range(frames)))
+        except Exception as e:  # PyAV, numpy and zip raise many types
+            raise ValueError(f"{flag} {path}: its first {frames} frames are not readable ({e})") from e
+
+    video = resize_frames(read("--control-video", cfg.control_video), "center_crop", size)[None]
+    mask = None if cfg.mask is None else resize_frames(read("--mask", cfg.mask), "center_crop", size)[:1] * 0.5 + 0.5
+    return video, mask
+
+
 def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, layout, seed=None,
-             first_frame=None, region=None) -> dict:
+             first_frame=None, region=None, control=(None, None)) -> dict:
     """One video in `layout` (check_layout's, the one plan) with the sampling flags the user set: A2Pipeline fills
-    every one left out (None) with the kind's own. seed: the row's (else --seed)."""
+    every one left out (None) with the kind's own. seed: the row's (else --seed). control: VACE's (control video,
+    mask) (read_control)."""
     return pipe(prompt, refs, clip_refs, layout=layout, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
                 height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps, guidance_scale=cfg.guidance_scale,
                 guidance_scale_2=cfg.guidance_scale_2, guidance_scale_img=cfg.guidance_scale_img,
                 scheduler=cfg.scheduler, schedule=None if cfg.schedule == "model" else cfg.schedule,
                 flow_shift=cfg.flow_shift, sample_mode=cfg.conditioning.vae_sample_mode,
                 seed=cfg.seed if seed is None else seed, fps=cfg.fps, preset=cfg.preset, decode=cfg.decode,
-                region=region)
+                region=region, control_video=control[0], mask=control[1])
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -371,9 +406,9 @@ def main(cfg: InferConfig) -> int:
         if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
             raise InputError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
                              "--lora-high / --lora-low)")
-        if cfg.save_latents or cfg.compare or cfg.decode == "none":
-            raise InputError("--prompts-file / --eval-set write videos: they take no --save-latents / --compare / "
-                             "--decode none")
+        if cfg.save_latents or cfg.compare or cfg.decode == "none" or cfg.control_video or cfg.mask:
+            raise InputError("--prompts-file / --eval-set write videos from their rows' elements: they take no "
+                             "--save-latents / --compare / --decode none / --control-video / --mask")
         if opens2v_set(cfg):
             rows = read_opens2v_set(cfg, info)
         else:
@@ -389,6 +424,7 @@ def main(cfg: InferConfig) -> int:
         layouts = [row["layout"] for row in rows]
     else:
         refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
+        control = as_input_error(read_control, cfg, refs["layout"])
         items = list(refs["elements"])
         layouts = [refs["layout"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
@@ -423,7 +459,7 @@ def main(cfg: InferConfig) -> int:
     if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
         steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
         print(size_banner(cfg, steps, source))
-    if rows is None and lay is not None and lay.num_frames > lay.video_frames:  # the references lead the sequence
+    if rows is None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are of its frames
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.video_frames}")
     adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
@@ -467,7 +503,7 @@ def main(cfg: InferConfig) -> int:
                   + format_table(means, notes=evaluators.notes))
         return 0
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
-                   region=refs["region"])
+                   region=refs["region"], control=control)
     if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
         return 0
     if out["video"] is not None:

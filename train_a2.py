@@ -59,6 +59,7 @@ from a2.conditioning import (
     encode,
     kind_sampling,
     kind_weights,
+    lora_target,
     loss_start,
     model_flow_shift,
     model_input,
@@ -126,6 +127,7 @@ from a2.transformer import (
     is_expansion_weight,
     load_transformer,
     save_wan_checkpoint,
+    transformer_class,
 )
 from config import (
     ConfigError,
@@ -291,6 +293,12 @@ def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
         raise ConfigError(f"--text-dropout {cfg.text_dropout}, --reference-dropout {cfg.reference_dropout}, "
                           f"--joint-dropout {cfg.joint_dropout}: probabilities in [0, 1], summing to at most 1 with "
                           "--joint-dropout (exclusive cases of one draw)")
+    if cfg.vace_lora_target and not layout.context_blocks:
+        raise ConfigError(f"--vace-lora-target {cfg.vace_lora_target}: the {layout.kind} kind's model has no VACE "
+                          "context blocks; drop it")
+    if cfg.reference_dropout and layout.context_blocks:
+        raise ConfigError("--reference-dropout: VACE samples with its references in both guidance branches (it drops "
+                          "the text alone), so no sample trains without them; drop it")
     if cfg.reference_augment and not layout.takes_references:
         raise ConfigError(f"--reference-augment: the {layout.kind} kind takes no reference images")
     if cfg.reference_augment and cfg.cache_dir:
@@ -441,6 +449,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
         # an expansion's image K/V train in full (below), no LoRA on them
         keep_kv = run.layout.use_clip and not run.layout.expand
         target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
+        target = lora_target(run.layout, target, cfg.vace_lora_target)  # VACE: its context blocks, by default
         own = kind_weights(transformer, run.layout)  # Stand-In: its reference LoRA is the adapter
         for p in own:
             p.requires_grad_(True)
@@ -606,12 +615,10 @@ def meta_replica(transformer):
     """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
     other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
     Returns (meta model, what shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
-    from diffusers import WanTransformer3DModel
-
     config = [dict(transformer.config) if RANK == 0 else None]
     dist.broadcast_object_list(config, src=0)
     with torch.device("meta"):
-        replica = WanTransformer3DModel.from_config(config[0])
+        replica = transformer_class(config[0]).from_config(config[0])  # VACE's: its context blocks too
     source = None
     if RANK == 0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
         source = transformer.state_dict(), dict(transformer.named_buffers())
@@ -626,7 +633,7 @@ def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
     and RoPE tables, which FSDP would cast to bf16 (a timestep of 937.5 becomes 936), stay fp32 as under DDP."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for block in model.blocks:
+    for block in [*model.blocks, *getattr(model, "vace_blocks", ())]:  # VACE's context blocks are blocks too
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # `model` becomes the sharded module itself
     model.to_empty(device=device)
@@ -990,10 +997,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
         with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
             return export_lora(run_dir, bare, cfg.expert, tag, metadata)[0]
     if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
-        from diffusers import WanTransformer3DModel
-
         with torch.device("meta"):
-            model = WanTransformer3DModel.from_config(model.config)
+            model = transformer_class(model.config).from_config(model.config)
         model.load_state_dict(full_state, assign=True)
     out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
     with align.without_projectors(model) as model:  # the alignment loss's projectors are no part of the model

@@ -30,6 +30,12 @@ A run's layout has one `kind`:
              unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
              to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
              are computed once and reused.
+  vace       Wan VACE as released (its weights: Wan2.1-VACE, Wan2.2-VACE-Fun): each reference alone as a 1-frame clip,
+             framed by VACE's own arithmetic, its posterior mean; the N reference latents before the clip's T frames
+             (on top of --num-frames), in the noised sequence (x0 = cat([references, VAE(clip)])) and in VACE's
+             context (a2/vace.py: encode; a control video or masked clip with its mask, or R2V's zeros), which rides
+             beside x_t on the channel axis for the forward prepare_model installs (the context blocks' hints at the
+             layout's context_scale); guidance keeps it in both branches; the sampler drops the references.
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,7 +66,7 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
-from a2 import standin
+from a2 import standin, vace
 from a2.images import (
     MAGREF_GRIDS,
     element_tensors,
@@ -150,6 +157,12 @@ class Sampling:
     timestep_in_dtype: bool = False  # the DiT gets the timestep cast to the compute dtype and back, as DiffSynth's
     # pipelines cast it (bf16: 937.5 becomes 936; float32: unchanged)
     seeded_placement: bool = False  # MAGREF: the seed shuffles the canvas (Layout.placement_seed = the seed)
+    decode: str = "drop_refs"  # leading references: decoded with the video and their frames dropped (A2, MAGREF),
+    # or dropped before the decode (video_only: Wan's VACE and diffusers' decode the video latents alone)
+    reference_multiple: int | None = None  # the references first resized to sides a multiple of this (Lanczos), as
+    # diffusers' WanVACEPipeline frames them (vace.frame); None: the lab's framing alone
+    reversed_references: bool = False  # the references placed in reverse order (diffusers' VACE puts each before the
+    # ones before it)
 
 
 @dataclass(frozen=True)
@@ -160,12 +173,15 @@ class Kind:
 
     name: str
     axis: str  # where the condition enters: none | channel (mask | condition, 36 channels) | time (after x_t) |
-    # tokens (Stand-In's packed reference) | frames (clean leading latent frames)
+    # tokens (Stand-In's packed reference) | frames (clean leading latent frames) | context (VACE's context beside
+    # x_t, read by its context blocks: a2/vace.py)
     references: tuple[int, int] = (0, 0)  # (fewest, most) element images one sample takes; (0, 0): none
     frame_conditioning: tuple[str, ...] = ("full",)  # the --frame-conditioning modes it takes (plan refuses others)
     native: bool = False  # a released model's own layout: its weights choose it (ModelInfo.native_kind), no flag
     leading: bool = False  # the references are the sequence's first latent frames (x0 starts with them; the sampler
-    # decodes and drops them): A2's prefix, MAGREF's canvas
+    # drops them): A2's prefix, MAGREF's canvas, VACE's references
+    extends: bool = False  # the leading references' latent frames come on top of the clip's: --num-frames counts the
+    # clip alone (VACE); else they are frames of it (A2's 81 frames: 12 of references, a 69-frame clip)
     one_frame: bool = False  # each reference one 1-frame clip, whatever its element's repeat (the labs encode so)
     slots: int = 0  # the reference latents fill exactly this many slots, zeros after the references (V3); 0: one each
     encode_mean: bool = False  # the references' posterior mean whatever the sample mode (the lab's encode)
@@ -173,6 +189,8 @@ class Kind:
     clip: bool = False  # the step feeds CLIP image tokens where the model has the image branch
     text_to_video_only: bool = False  # the reference tokens skip the text cross-attention (RefAlign's blocks)
     reference_size: tuple[int, int] | None = None  # the reference image's (height, width) whatever the video's
+    framing: Callable | None = None  # frames a reference image itself, (image, (H, W), multiple) -> (3, H, W) in
+    # [-1, 1], whatever its element's vae_preprocess: the lab's arithmetic (VACE's bilinear fit on white, vace.frame)
     sequence: str = ""  # what the sequence holds besides the clip, for Layout.describe ({} fields: Layout.describe)
     sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
     modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
@@ -180,7 +198,8 @@ class Kind:
     # sampling alike (kind_elements): SkyReels-A2's roles, or a released model's references framed as its lab's
     elements: tuple = A2_ELEMENTS
     # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
-    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size
+    # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size; vace 4,
+    # VACE's framing and its context's encodes (a masked clip's mask file is hashed with the clip's files)
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
     # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
     # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
@@ -217,6 +236,16 @@ _PHANTOM = Sampling(schedule="phantom", flow_shift=5.0, encode_mode="argmax", gu
 # 0.34); its generate_video.py samples the distilled mode (8 steps, guidance 1, 5 s at 24 fps)
 _V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", guidance_scale=7.5,
                guidance_scale_img=5.0, negative_prompt="", fps=24)
+# Wan's VACE code: Wan2.1 generate.py (--sample_shift 16 :76-81, --sample_steps 50, --sample_guide_scale 5 :242) and
+# wan/vace.py (its config's negative prompt :353, FlowUniPC from sigma 0.999, WanVAE.encode's mean, the reference
+# latents dropped before the decode :280-293), shared_config.py (16 fps); ali-vilab/VACE vace_wan_inference.py
+# --base_seed 2025 (:158-162; Wan's own -1 draws a random one). diffusers 0.42's WanVACEPipeline: its dir's
+# scheduler (shift 3), UniPC from sigma 1 - 1e-6, no negative prompt, the references resized to multiples of 8
+# (Lanczos) and placed reversed (:569-578), the video latents decoded (a random seed: a2 keeps VACE's 2025)
+_VACE = Sampling(schedule="phantom", flow_shift=16.0, encode_mode="argmax", negative_prompt=WAN_NEGATIVE_PROMPT,
+                 fps=16, seed=2025, decode="video_only")
+_VACE_DIFFUSERS = replace(_VACE, schedule="diffusers", flow_shift=None, negative_prompt="", reference_multiple=8,
+                          reversed_references=True)
 KIND_DEFS = {k.name: k for k in (
     Kind("t2v", "none", elements=()),
     # SkyReels-A2: any non-empty set of its elements (roles kept: a `required` one must be there), posterior samples
@@ -260,6 +289,13 @@ KIND_DEFS = {k.name: k for k in (
     # Stand-In infer.py (--num_inference_steps 20, --seed 0, Wan's negative prompt, --fps 25) and its DiffSynth
     # pipeline (pipelines/wan_video.py: FlowMatchScheduler shift 5 on linspace(1, 0), cfg_scale 5, rand_device cpu,
     # the timestep in the compute dtype)
+    # Wan's VACE code (_VACE); diffusers' WanVACEPipeline as --preset diffusers. Up to 4 references, as VideoX-Fun
+    # trains VACE-Fun (0-4 a clip; a2 takes 1-4: with none it is Wan's text-to-video)
+    Kind("vace", "context", (1, 4), native=True, leading=True, extends=True, one_frame=True, encode_mean=True,
+         framing=vace.frame, sampling=_VACE, modes=(("diffusers", _VACE_DIFFUSERS),), elements=RELEASED_ELEMENTS[:4],
+         original_export="diffusion_pytorch_model.safetensors",  # Wan-AI's Wan2.1-VACE file, beside its config.json
+         cache_fields=(("version", 4),),
+         sequence="{ref_latents} reference latents (VACE's context, scale {context_scale:g}) + "),
     Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=standin.REFERENCE_SIZE,
          elements=A2_ELEMENTS[:1], sampling=Sampling(
              scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
@@ -270,7 +306,10 @@ KIND_DEFS = {k.name: k for k in (
 KINDS = tuple(KIND_DEFS)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
 # and the shift the dir ships (A2, the prefix kind's own, samples the posterior at its hard-coded 8)
-MODEL_SAMPLING = {"Wan2.1 I2V": dict(encode_mode="argmax", flow_shift=None),
+# VideoX-Fun's examples/wan2.2_vace_fun/predict_s2v.py samples Wan2.2-VACE-Fun A14B with FlowMatch Euler at shift 12
+# (config/wan2.2/wan_civitai_t2v.yaml), 50 steps, guidance 5, Wan's negative prompt, seed 43, 16 fps
+MODEL_SAMPLING = {"Wan2.2 VACE-Fun A14B": dict(scheduler="euler", schedule="diffusers", flow_shift=12.0, seed=43),
+                  "Wan2.1 I2V": dict(encode_mode="argmax", flow_shift=None),
                   "Wan2.2 I2V A14B": dict(encode_mode="argmax", flow_shift=None),
                   "Wan2.2 TI2V 5B": dict(encode_mode="argmax")}
 
@@ -419,10 +458,12 @@ def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefi
 class Layout:
     """What the kind means for one run (plan) or one sampling call (sampling_plan), computed once."""
 
-    kind: str  # t2v | prefix | inplace | incontext | clean | phantom | v3 (module docstring)
-    num_frames: int  # pixel frames of the sequence the VAE encodes (prefix: references + clip; else the clip)
+    kind: str  # a KIND_DEFS name (module docstring)
+    num_frames: int  # pixel frames of the latent sequence (leading kinds: references + clip, 4·(L_ref + T) - 3;
+    # else the clip)
     clip_frames: int  # pixel frames of the video clip: prefix 4·(T - L_ref - 1) + 1 (A2 at 81 frames: 69)
-    ref_latents: int = 0  # latent frames of the references: before the clip (prefix), appended after it (incontext)
+    ref_latents: int = 0  # latent frames of the references: before the clip (prefix, magref, vace), appended after it
+    # (incontext, phantom, v3, refalign)
     repeats: tuple[int, ...] = ()  # pixel frames each element fills, in position order
     combine: str = "before"  # prefix: the element frames VAE-encoded at once (A2) or each alone (after)
     frame_conditioning: str = "full"  # inplace: which frames of the clip condition (clean: first | prefix)
@@ -438,6 +479,9 @@ class Layout:
     placement_seed: int | None = None  # magref: random.Random(seed) shuffles the canvas as MAGREF; None: in order
     reference_size: tuple[int, int] | None = None  # standin: (height, width) px of the reference image, Stand-In's
     # 512x512 whatever the video's (make_layout sets it); None: the element images take the video's size
+    context_scale: float = 1.0  # vace: the conditioning scale of the context blocks' hints (--vace-scale)
+    reference_multiple: int | None = None  # vace, diffusers' framing: Sampling.reference_multiple (sampling_plan)
+    reversed_references: bool = False  # vace, diffusers' order: Sampling.reversed_references (sampling_plan)
 
     @property
     def definition(self) -> Kind:
@@ -481,6 +525,12 @@ class Layout:
     def takes_region(self) -> bool:
         """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
         return self.kind == "magref"
+
+    @property
+    def context_blocks(self) -> bool:
+        """The kind conditions through the model's context blocks (VACE): beside its references it takes a video to
+        condition on and its mask, and a LoRA may adapt those blocks (lora_target)."""
+        return self.definition.axis == "context"
 
     @property
     def takes_references(self) -> bool:
@@ -528,7 +578,7 @@ class Layout:
         seq = self.definition.sequence.format(
             ref_latents=self.ref_latents, references=len(self.repeats), reference_timestep=self.reference_timestep,
             frame_conditioning=self.frame_conditioning, clean_frames=self.clean_frames,
-            size="x".join(map(str, self.reference_size or ())))
+            size="x".join(map(str, self.reference_size or ())), context_scale=self.context_scale)
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
                                        if self.definition.axis != "none" else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
@@ -562,6 +612,8 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if clip < 1 or sum(repeats) >= num_frames:
             raise ValueError(f"{len(repeats)} elements fill {sum(repeats)} frames ({l_ref} latents, repeats "
                              f"{repeats}); num_frames={num_frames} leaves no frame to generate")
+    if d.extends:  # the references' latent frames before the clip's, which is all of num_frames (VACE)
+        num_frames = VAE_T * (l_ref + num_latent_frames(clip) - 1) + 1
     if kind == "magref":  # the canvas is pixel frame 0 (latent 0), the clip the frames after it
         clip, l_ref = num_frames - 1, 1
         if clip < VAE_T:
@@ -583,7 +635,7 @@ def element_layout(layout: Layout, repeats) -> Layout:
     why = element_refusal(layout, len(repeats))
     if why:
         raise ValueError(why)
-    num_frames = layout.num_frames
+    num_frames = layout.clip_frames if layout.definition.extends else layout.num_frames
     if layout.kind == "prefix":
         num_frames = VAE_T * (num_latent_frames(layout.clip_frames) + num_ref_latents(repeats, layout.combine) - 1) + 1
     derived = ("kind", "num_frames", "clip_frames", "ref_latents", "repeats")
@@ -651,10 +703,14 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
+    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].axis == "context"):
+        raise ConfigError(f"--vace-scale {vae.vace_scale:g} scales the hints of VACE's context blocks; {where} is no "
+                          "VACE model: drop it")
     if info.native_kind and KIND_DEFS[info.native_kind].native:  # a released S2V model: its layout and no other
         check_native_flags(info, vae, elements, e2v_type)
         try:
-            return make_layout(info.native_kind, num_frames, [e.repeat for e in elements], e2v_type="vae")
+            return make_layout(info.native_kind, num_frames, [e.repeat for e in elements], e2v_type="vae",
+                               context_scale=vae.vace_scale)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
     if info.native_kind and kind == "prefix":  # MAGREF's weights take its canvas where the flags ask for A2's default
@@ -768,7 +824,7 @@ def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame:
     own = kind_sampling(layout.kind, info.name, preset)
     if own.seeded_placement:  # with no seed given, the one the kind's own sampler runs with (infer.py's default)
         layout = replace(layout, placement_seed=own.seed if seed is None else seed)
-    return layout
+    return replace(layout, reference_multiple=own.reference_multiple, reversed_references=own.reversed_references)
 
 
 def validation_layout(layout: Layout, repeats=()) -> Layout:
@@ -795,7 +851,8 @@ class Conditioning:
     """The encoded condition of a batch, as prepare_latents builds it and model_input reads it."""
 
     kind: str
-    condition: torch.Tensor | None = None  # prefix / inplace: (B, 4 + C, T, h, w) mask | condition latents
+    condition: torch.Tensor | None = None  # prefix / inplace: (B, 4 + C, T, h, w) mask | condition latents; vace:
+    # (B, 96, L_ref + T, h, w) its context
     ref_latents: torch.Tensor | None = None  # prefix: (B, C, L_ref, h, w), the start of x0; incontext, phantom, v3:
     # the clean latents appended after the video latents (v3: 4 slots, zeros after the references)
     clean: torch.Tensor | None = None  # clean: (B, C, T_c, h, w) the leading frames' latents
@@ -822,7 +879,7 @@ class Conditioning:
         """The condition as a tensor to save beside sampled latents (infer.py --save-latents)."""
         if self.definition.reference_tokens:
             return self.ref_latents
-        return {"channel": self.condition, "frames": self.clean}.get(self.definition.axis)
+        return {"channel": self.condition, "context": self.condition, "frames": self.clean}.get(self.definition.axis)
 
 
 def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = None, video: torch.Tensor | None = None,
@@ -853,6 +910,10 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       max-pooled to the latent grid (a latent cell is 1 if any of its pixels is a reference's), later frames 0.
       From a precompute cache the canvas is a meta tensor (the VAE encodes replay its posteriors, the CLIP tokens
       are cached) and `region` the cached one.
+    vace: each reference (B, N, 3, H, W) alone as a 1-frame clip, in position order (reversed where the layout says:
+      diffusers'), `ref_latents` (B, C, N, h, w), and VACE's context (a2/vace.py: encode) as `condition` (B, 96, N + T,
+      h, w): with `video` (B, 3, F, H, W) and its mask `region` (B, F, H, W), 1 where VACE generates (a control video,
+      a masked clip), else R2V's (video zeros, mask ones). Posterior means whatever sample_mode (Wan's encode).
     standin: the one reference (B, 1, 3, *layout.reference_size), Stand-In's 512x512 whatever the video's size
       (reference_framing), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's encode_ip_image):
       `ref_latents` (B, C, 1, *layout.reference_grid).
@@ -881,8 +942,13 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
         raise ValueError(f"the {kind} kind's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} "
                          f"image (Stand-In's face crop) whatever the video's size, got {h}x{w}: frame it with "
                          f"reference_framing (load_references(..., layout) of the {kind} layout)")
+    mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
+    if d.axis == "context":  # VACE: its context of the references and the video (a2/vace.py), all posterior means
+        refs = references.flip(1) if layout.reversed_references else references  # diffusers' order
+        cond.condition, cond.ref_latents = vace.encode(lambda x: encode_vae(vae, x, mode), refs, layout.clip_frames,
+                                                       video, region)
+        return cond
     if d.reference_tokens:  # each reference encoded alone
-        mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
         latents = [encode_vae(vae, x, mode, generator) for x in frames]  # (B, C, 1 per 1-4 frames, h, w) each
         latents += [latents[0].new_zeros(latents[0].shape)] * (d.slots - n if d.slots else 0)  # V3's empty slots
         cond.ref_latents = torch.cat(latents, dim=2)
@@ -947,6 +1013,8 @@ def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, i
       and region where their pixels are on it. A reference thinner than a token once placed is a one-line
       ValueError naming it (`names`, e.g. the files).
     standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
+    vace: each image framed by VACE's own arithmetic (Kind.framing: a2/vace.py frame; diffusers' with the layout's
+      reference_multiple), whatever its element's vae_preprocess.
     Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
     clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
     these are what the metrics compare the video with)."""
@@ -954,7 +1022,10 @@ def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, i
         kind = None if layout is None else layout.kind
         pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
                  for image, e in zip(images, elements)]
-        return (torch.stack([v for v, _ in pairs]) if pairs else torch.zeros(0, 3, *size),
+        framing = None if layout is None else layout.definition.framing
+        vae = [framing(image, size, layout.reference_multiple) for image in images] if framing else [
+            v for v, _ in pairs]
+        return (torch.stack(vae) if pairs else torch.zeros(0, 3, *size),
                 torch.stack([c for _, c in pairs]) if pairs else torch.zeros(0, 3, *clip_size), None)
     rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
     canvas, region = magref_canvas(list(images), size, rng, names)
@@ -978,15 +1049,21 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
            region: torch.Tensor | None = None):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
     (a recording PosteriorCache, --precompute, and a replaying one, training from the cache, see the same calls as
-    the live VAE): the references first, then the clip (prefix, incontext); the clip first, then its conditioning
-    frames (inplace, clean). region: magref's pixel region mask (B, H, W) beside its canvas (prepare_latents)."""
+    the live VAE): the references first, then the clip (prefix, incontext; vace: its context, then the clip); the clip
+    first, then its conditioning frames (inplace, clean). region: magref's pixel region mask (B, H, W) beside its
+    canvas (prepare_latents); vace's mask (B, F, H, W) of a masked clip, 1 where VACE generates: the context holds the
+    clip outside it (None: R2V, the references alone)."""
     if layout.takes_references:
-        cond = prepare_latents(vae, layout, references=references, sample_mode=sample_mode, generator=generator,
-                               region=region)
+        control = None
+        if layout.context_blocks and region is not None:  # VACE's masked clip: the clip outside its
+            control = video * (region[:, None] <= 0.5).to(video)  # mask (B, F, H, W), zeros inside, as VideoX-Fun's
+        cond = prepare_latents(vae, layout, references=references, video=control, sample_mode=sample_mode,
+                               generator=generator, region=region)
         if layout.takes_region:  # MAGREF's canvas is the sequence's frame 0, as the sampler makes it
             video = torch.cat([cond.canvas[:, :, None].to(video.device, video.dtype), video], dim=2)
         x0 = encode_vae(vae, video, sample_mode, generator)
-        return (torch.cat([cond.ref_latents, x0], dim=2) if layout.kind == "prefix" else x0), cond
+        leading = layout.definition.leading and not layout.takes_region  # encoded apart from the clip (not magref's)
+        return (torch.cat([cond.ref_latents, x0], dim=2) if leading else x0), cond
     x0 = encode_vae(vae, video, sample_mode, generator)
     idx = ()
     if layout.frame_conditioning != "full":  # the clip's own frames (clean: its leading ones, encoded above)
@@ -1003,10 +1080,13 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
     """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
     Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
     e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
-    reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention).
-    Others: nothing."""
+    reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention). vace:
+    the forward that reads VACE's context packed beside x_t and adds its blocks' hints at the layout's context_scale
+    (a2/vace.py: install). Others: nothing."""
     if layout.definition.text_to_video_only:
         video_only_cross_attention(transformer, layout.ref_latents)
+    if layout.context_blocks:
+        vace.install(transformer, layout.context_scale)
     if layout.definition.axis != "tokens":
         return
     if not standin.installed(transformer):
@@ -1035,6 +1115,12 @@ def video_only_cross_attention(transformer, ref_latents: int) -> None:
     transformer.video_only_hook = transformer.register_forward_pre_hook(count, with_kwargs=True)
 
 
+def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
+    """The modules a run's LoRA adapts: `target` (--lora-target), on VACE's model narrowed to its context blocks, its
+    transformer blocks or both (`blocks`: --vace-lora-target, None: the context blocks; a2/vace.py: lora_target)."""
+    return vace.lora_target(target, blocks or "vace") if layout.context_blocks else target
+
+
 def kind_weights(transformer, layout: Layout) -> list:
     """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
     reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
@@ -1048,10 +1134,11 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     zeroed (A2), the appended references zeroed (Phantom's and V3's unconditional: every slot zero), the clean frames
     of the clean kind left noisy (a TI2V-5B sample then trains as text-to-video; model_input reads keep; a first
     frame given beside in-context references stays, it is not a reference). A prefix run's reference latents stay in
-    x0."""
+    x0. VACE's context stays: its guidance drops the text alone (both branches see the references)."""
     k = keep.view(-1, 1, 1, 1, 1)
     return replace(cond, keep=keep if cond.definition.axis == "frames" else cond.keep,
-                   condition=None if cond.condition is None else cond.condition * k.to(cond.condition.dtype),
+                   condition=cond.condition * k.to(cond.condition.dtype) if cond.definition.axis == "channel"
+                   else cond.condition,
                    ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype)
                    if cond.definition.reference_tokens else cond.ref_latents,
                    image=None if cond.image is None else cond.image * keep[:, None, None].to(cond.image.dtype))
@@ -1064,7 +1151,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     Clean frames or a per-token model (TI2V-5B, diffusers' expand_timesteps): x_t's first T_c latent frames replaced
     by the clean ones where keep is 1, and one timestep per token (B, T·h·w / (p_t·p_h·p_w)), frame-major as the patch
     grid: 0 on the clean frames' tokens, else the sample's.
-    prefix / inplace: cat([x_t, mask | condition], dim=1). standin: the reference latent packed after x_t in whole
+    prefix / inplace: cat([x_t, mask | condition], dim=1). vace: cat([x_t, VACE's context], dim=1), the context over
+    the reference and video frames (a2/vace.py: pack). standin: the reference latent packed after x_t in whole
     frames of its grid (a2/standin.py: pack_reference). incontext: cat([x_t, references], dim=2), the reference
     tokens at the sample's timestep (shared; from a per-token timestep its largest value, the noisy tokens') or at 0
     (zero); a (B,) timestep stays (B,) when shared, else the result is per token over (T + L_ref) frames."""
@@ -1086,6 +1174,8 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
     if axis == "tokens":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
         return standin.pack_reference(x, cond.ref_latents), timestep
+    if axis == "context":  # and VACE's (a2/vace.py: install)
+        return vace.pack(x, cond.condition), timestep
     if axis != "time":
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
@@ -1112,9 +1202,10 @@ def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
 
 
 def loss_start(cond: Conditioning, on_references: bool = False) -> int:
-    """The first latent frame of the prediction the loss covers: after a prefix run's references (unless
-    --loss-on-references), after the clean leading frames (they are given), else 0."""
-    if cond.kind == "prefix" and not on_references:
+    """The first latent frame of the prediction the loss covers: after the leading references (with
+    --loss-on-references False; by default the loss covers them, as VideoX-Fun trains VACE), after the clean leading
+    frames (they are given), else 0."""
+    if not on_references and cond.num_ref_latents:
         return cond.num_ref_latents
     return 0 if cond.clean is None else cond.clean.shape[2]
 

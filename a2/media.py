@@ -147,6 +147,7 @@ class Sample:
     video: Path
     prompt: str  # the caption as trained (decoded, boilerplate removed)
     elements: dict[str, Path] = field(default_factory=dict)  # element name -> image
+    mask: Path | None = None  # a VACE run's masked clip: <id>_vace_mask.png, white where VACE generates (data.py)
     sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # element name -> its image's (width, height)
     num_frames: int = 0
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed

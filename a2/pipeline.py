@@ -164,7 +164,9 @@ def load_encoders(model_dir: Path, image_encoder_dir: Path | None, dtype: torch.
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-    vae = AutoencoderKLWan.from_pretrained(model_dir, subfolder="vae", torch_dtype=torch.float32)
+    # the vae/ dir itself: from_pretrained(dir, subfolder=) takes a diffusion_pytorch_model.safetensors in the dir
+    # first, and Wan-AI's Wan2.1-VACE release keeps its DiT under that name, beside which its parts may be put
+    vae = AutoencoderKLWan.from_pretrained(Path(model_dir) / "vae", torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
     text_encoder = UMT5EncoderModel.from_pretrained(model_dir, subfolder="text_encoder", torch_dtype=dtype)
     image_encoder = image_processor = None
@@ -283,10 +285,12 @@ class A2Pipeline(WanLoraLoaderMixin):
         generator: torch.Generator | None = None,
         fps: int | None = None,
         preset: str | None = None,
-        decode: str = "drop_refs",
+        decode: str | None = None,
         progress: bool = True,
         first_frame: torch.Tensor | None = None,
         region: torch.Tensor | None = None,
+        control_video: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> dict:
         """Generate one video.
 
@@ -297,7 +301,9 @@ class A2Pipeline(WanLoraLoaderMixin):
         first, then the posterior is sampled with the same generator (A2's order, needed for bit-parity).
         layout: the conditioning kind and its shapes (a2/conditioning.py), planned once: infer.py's and training's
         plan, or `self.plan(...)` for a library caller. `first_frame` (1, 3, H, W) is a TI2V-5B image-to-video call's
-        first frame (its clean latent replaces the first latent frame at timestep 0).
+        first frame (its clean latent replaces the first latent frame at timestep 0). VACE (layout kind vace):
+        `control_video` (1, 3, F, H, W) in [-1, 1], F the layout's clip_frames, and its `mask` (1, F, H, W), 1 where
+        VACE generates (none: all of it); neither: R2V, the references alone (a2/vace.py: encode).
 
         Every sampling setting left out (None) is the kind's own sampler's on this model (a2.conditioning.Sampling,
         kind_sampling; `preset`: another of the lab's entry points, infer.py --preset): this is the one place they are
@@ -306,9 +312,9 @@ class A2Pipeline(WanLoraLoaderMixin):
         a2.conditioning.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
         without its own: the model dir's, `self.flow_shift`), sample_mode (the VAE encode: sample | argmax), seed (the
         noise generator's, on the CPU or the device as the kind draws it; `generator` instead: a library caller's own),
-        fps (returned for the writer). Returns them as `sampling`.
-        decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2);
-        "video_only" decodes the video latents alone; "all" keeps everything; "none" skips the VAE.
+        fps (returned for the writer), decode. Returns them as `sampling`.
+        decode: "drop_refs" decodes all latents and drops the 4·L_ref reference frames (A2, MAGREF);
+        "video_only" decodes the video latents alone (VACE); "all" keeps everything; "none" skips the VAE.
         Wan 2.2 pair: each step runs `transformer` when its timestep >= boundary_ratio * num_train_timesteps,
         else `transformer_2` with guidance_scale_2 (default: guidance_scale), exactly as diffusers' Wan pipelines.
         guidance_scale_img (incontext, phantom, v3, refalign): reference guidance as Phantom-Wan and SkyReels-V3 R2V
@@ -329,6 +335,8 @@ class A2Pipeline(WanLoraLoaderMixin):
                 layout.clean_frames):
             raise ValueError(f"the {layout.kind} layout takes " + ("reference images" if layout.takes_references
                              else "no reference images") + (" and a first frame" if layout.clean_frames else ""))
+        if (control_video is not None or mask is not None) and layout.definition.axis != "context":
+            raise ValueError(f"a control video and its mask are VACE's; the {layout.kind} layout takes none")
         for model in (transformer, self.transformer_2):
             if model is not None:
                 prepare_model(model, layout)
@@ -339,7 +347,7 @@ class A2Pipeline(WanLoraLoaderMixin):
             raise ValueError("guidance_scale_2 is for the low-noise expert of a Wan 2.2 A14B pair")
         given = dict(scheduler=scheduler, schedule=schedule, flow_shift=flow_shift, encode_mode=sample_mode,
                      steps=num_inference_steps, guidance_scale=guidance_scale, guidance_scale_img=guidance_scale_img,
-                     negative_prompt=negative_prompt, seed=seed, fps=fps)
+                     negative_prompt=negative_prompt, seed=seed, fps=fps, decode=decode)
         own = replace(kind_sampling(layout.kind, self.model, preset), **{k: v for k, v in given.items()
                                                                          if v is not None})
         own = replace(own, flow_shift=self.flow_shift if own.flow_shift is None else own.flow_shift,
@@ -364,9 +372,11 @@ class A2Pipeline(WanLoraLoaderMixin):
             negative_embeds = encode_prompt(self.tokenizer, self.text_encoder, [own.negative_prompt]).to(dtype)
         shape = (1, transformer.config.out_channels, num_latent_frames(num_frames), height // s, width // s)
         latents = initial_latents(layout, shape, generator, device)
+        video = first_frame[:, :, None] if first_frame is not None else control_video
+        region = mask if mask is not None else region  # VACE's mask, or MAGREF's canvas region
         cond = prepare_latents(  # after the noise, as A2 and diffusers draw
             self.vae, layout, references=None if references is None else references.to(device),
-            video=None if first_frame is None else first_frame.to(device)[:, :, None], sample_mode=sample_mode,
+            video=None if video is None else video.to(device), sample_mode=sample_mode,
             generator=generator, region=None if region is None else region.to(device))
         if transformer.config.image_dim is not None:  # from the element images, or the canvas they make (magref)
             cond.image = image_tokens(self.image_encoder, self.image_processor, cond, clip_references).to(dtype)
@@ -396,7 +406,7 @@ class A2Pipeline(WanLoraLoaderMixin):
             latents = sched.step(noise_pred.float(), t, latents, return_dict=False)[0]
         latents = restore(latents, cond)
 
-        num_ref = cond.num_ref_latents
+        num_ref, decode = cond.num_ref_latents, own.decode
         video = None
         if decode == "drop_refs":
             video = decode_vae(self.vae, latents)[:, :, VAE_T * num_ref:]

@@ -68,10 +68,8 @@ TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
                "random-5B": dict(preset="5B", ti2v=True), "tiny-phantom": dict(t2v=True, released="phantom"),
                "tiny-v3": dict(t2v=True, released="v3"), "tiny-magref": dict(released="magref"),
-               "tiny-refalign": dict(t2v=True, released="refalign")}
-# tiny_model_dir's arguments of the tiny VACE models (Wan2.1-VACE, the Wan2.2-VACE-Fun pair): names for --model (and
-# its help) once the vace kind is in the kind table
-TINY_VACE = {"tiny-vace": dict(t2v=True, vace=True), "tiny-vace-fun": dict(t2v=True, wan22=True, vace=True)}
+               "tiny-refalign": dict(t2v=True, released="refalign"), "tiny-vace": dict(t2v=True, vace=True),
+               "tiny-vace-fun": dict(t2v=True, wan22=True, vace=True)}
 VACE_FLOW_SHIFT = 3.0  # the scheduler_config.json of Wan-AI's Wan2.1-VACE-*-diffusers (Wan's own CLI samples at 16)
 
 # Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,

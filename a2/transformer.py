@@ -871,9 +871,6 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
     where = f"{info.path} ({info.name})"
-    if info.native_kind == "vace":  # its layout is a2/vace.py's, not a channel or text-only input
-        raise UnsupportedModel(f"{where}: a VACE model (references in its VACE context); the vace conditioning kind "
-                               "is not in a2's kind table yet, so it cannot be trained or sampled here")
     if not conditioned:
         if info.e2v:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "

@@ -18,9 +18,12 @@ context through their own patch embedding and add a hint, times a conditioning s
 Every VAE encode is the posterior mean (Wan's WanVAE.encode returns mu; diffusers' pipeline takes argmax). The noised
 sequence holds N + T latent frames, noise for the references' too; the context blocks run on the patch-embedded
 noised sequence (block 0 adds its input projection of the context to it) and the sampler keeps the last T frames
-(video_latents). Classifier-free guidance drops the text alone: both branches see the same context. Training
+(wan/vace.py:280-293). Classifier-free guidance drops the text alone: both branches see the same context. Training
 (VideoX-Fun's scripts/wan2.2_vace_fun/train.py, the lab's trainer of VACE-Fun) diffuses x0 = cat([reference latents,
-clip latents]) and the loss covers every frame, the references' too.
+clip latents]) and the loss covers every frame, the references' too; a masked clip's context holds the clip outside
+the mask (its pixels inside zeroed, so the reactive part is VAE(zeros)).
+
+The vace kind of a2/conditioning.py (its Kind row) reads these pieces: its framing, encode, pack and install.
 
 a2 keeps the transformer's (hidden_states, timestep) interface, as for Stand-In: the context rides after x_t on the
 channel axis (pack), and the forward `install` puts on the transformer reads it back (unpack) and runs `forward`,
@@ -45,16 +48,18 @@ MASK_CHANNELS = VAE_STRIDE[1] * VAE_STRIDE[2]  # 64: one per pixel of a latent c
 LATENT_CHANNELS = 16
 CONTEXT_CHANNELS = 2 * LATENT_CHANNELS + MASK_CHANNELS  # 96, the models' vace_in_dim
 
-# LoRA on the transformer blocks, on VACE's context blocks or on both (peft's full match over module names): the
-# attention and FFN projections, a2's LoRA set (config.LORA_TARGETS, whose `.*blocks` would match both)
-_PROJECTIONS = r"\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
-LORA_TARGETS = {"base": rf"blocks\.\d+{_PROJECTIONS}", "vace": rf"vace_blocks\.\d+{_PROJECTIONS}",
-                "both": rf"(vace_)?blocks\.\d+{_PROJECTIONS}"}
-# the lab's own: VideoX-Fun trains VACE-Fun with `--trainable_modules "vace"` (scripts/wan2.2_vace_fun/train.sh) and
-# DiffSynth-Studio its VACE LoRAs with `--lora_base_model "vace"`; VACE's paper tunes the context blocks on a frozen
-# base. The references reach the model through the context blocks alone, so their fidelity is learnt there, and the
-# base's text-to-video prior stays as it was.
-LORA_TARGET = "vace"
+# The blocks a LoRA adapts: the transformer blocks, VACE's context blocks or both. The lab's own is the context
+# blocks: VideoX-Fun trains VACE-Fun with `--trainable_modules "vace"` (scripts/wan2.2_vace_fun/train.sh) and
+# DiffSynth-Studio its VACE LoRAs with `--lora_base_model "vace"`; VACE's paper tunes them on a frozen base. The
+# references reach the model through the context blocks alone, so their fidelity is learnt there, and the base's
+# text-to-video prior stays as it was.
+LORA_BLOCKS = {"vace": r"vace_blocks\.", "base": r"blocks\.", "both": r"(vace_)?blocks\."}
+
+
+def lora_target(target: str, blocks: str = "vace") -> str:
+    """`target`, a regex over module names (peft's full match, e.g. config.LORA_TARGETS, whose `.*blocks` matches
+    both kinds of block), narrowed to the modules of the `blocks` LORA_BLOCKS names."""
+    return rf"(?={LORA_BLOCKS[blocks]})(?:{target})"
 
 
 # ---------------------------------------------------------------- the context
@@ -110,31 +115,27 @@ def encode(encode_vae: Callable[[torch.Tensor], torch.Tensor], references: torch
     """VACE's context of a batch and its reference latents: (context (B, 96, N + T, h, w), references (B, 16, N, h,
     w)). encode_vae: pixels (B, 3, F, H, W) in [-1, 1] -> normalised posterior means (a2.conditioning.encode_vae with
     "argmax"). references: (B, N, 3, H, W), framed to the video's size (frame). video (B, 3, F, H, W) and mask
-    (B, F, H, W), 1 where VACE generates: the clip to condition on (a masked clip, a control video); None: R2V (video
-    zeros, mask ones). The VAE calls, in this order: each reference alone; then R2V's one VAE(zeros) frames (its
-    inactive and reactive parts are the same pixels), or the video's inactive and reactive parts."""
+    (B, F, H, W), 1 where VACE generates: the clip to condition on (a masked clip, a control video; a video without a
+    mask is all to generate, as Wan's prepare_source sets it); None: R2V (video zeros, mask ones). The VAE calls, in
+    this order: each reference alone; then R2V's one VAE(zeros) frames (its inactive and reactive parts are the same
+    pixels), or the video's inactive and reactive parts."""
     b, n, _, height, width = references.shape
     refs = torch.cat([encode_vae(references[:, i, :, None]) for i in range(n)], dim=2) if n else None
-    if (video is None) != (mask is None):
-        raise ValueError("VACE takes a video with its mask (1 where it generates), or neither (R2V)")
+    if video is None and mask is not None:
+        raise ValueError("VACE's mask says where in its video to generate: give the video with it")
     if video is None:
-        mask = references.new_ones(b, num_frames, height, width)
         inactive = reactive = encode_vae(references.new_zeros(b, 3, num_frames, height, width))
     else:
-        if video.shape[2] != num_frames or mask.shape[1:] != (num_frames, height, width):
-            raise ValueError(f"VACE's video {tuple(video.shape)} and mask {tuple(mask.shape)}: {num_frames} frames of "
-                             f"{height}x{width} (the references' size) expected")
-        m = (mask > 0.5).to(video.dtype)[:, None]  # (B, 1, F, H, W)
+        if video.shape[2] != num_frames or mask is not None and mask.shape[1:] != (num_frames, height, width):
+            raise ValueError(f"VACE's video {tuple(video.shape)} and mask {None if mask is None else tuple(mask.shape)}"
+                             f": {num_frames} frames of {height}x{width} (the references' size) expected")
+        m = 1.0 if mask is None else (mask > 0.5).to(video)[:, None]  # (B, 1, F, H, W) (pixels from a cache: meta)
         inactive, reactive = encode_vae(video * (1 - m)), encode_vae(video * m)
+    if mask is None:  # on the latents' device: the pixels may be a precompute cache's meta tensors
+        mask = inactive.new_ones(b, num_frames, height, width)
     if refs is None:
         refs = inactive.new_zeros(b, LATENT_CHANNELS, 0, *inactive.shape[-2:])
-    return context(inactive, reactive, refs, context_mask((mask > 0.5).float(), n)), refs
-
-
-def video_latents(latents: torch.Tensor, num_references: int) -> torch.Tensor:
-    """What the sampler keeps: the last T latent frames (the N reference frames before them dropped, as Wan's
-    decode_latent, wan/vace.py:280-293, and diffusers' pipeline do)."""
-    return latents[:, :, num_references:]
+    return context(inactive, reactive, refs, context_mask((mask > 0.5).to(inactive), n)), refs
 
 
 # ---------------------------------------------------------------- the transformer
@@ -193,11 +194,15 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
 
 def install(transformer, scale: float = 1.0) -> None:
     """Make `transformer(hidden_states=pack(x_t, context), timestep, encoder_hidden_states)` VACE's forward with the
-    conditioning scale `scale` (a later call only sets the scale)."""
+    conditioning scale `scale` (a later call sets the scale, and splits the context blocks once a2.parallel's
+    context_parallel has split the transformer: the kind's prepare_model runs before every forward)."""
     if not hasattr(transformer, "vace_blocks"):
         raise ValueError(f"a {type(transformer).__name__} has no VACE context blocks: VACE's layout needs a VACE "
                          "model (Wan2.1-VACE, Wan2.2-VACE-Fun)")
     transformer.vace_scale = scale
+    if getattr(transformer, "context_parallel", None) is not None and not isinstance(
+            transformer.vace_blocks[0].attn1.processor, UlyssesAttnProcessor):
+        context_parallel(transformer)
     if "forward" in vars(transformer):
         return
 
@@ -214,7 +219,7 @@ def install(transformer, scale: float = 1.0) -> None:
 
 def context_parallel(transformer) -> None:
     """Ulysses self-attention in the context blocks, on the split a2.parallel.context_parallel put on the transformer
-    (call it after that): their tokens are split as the blocks' are (forward)."""
+    (install calls it after that): their tokens are split as the blocks' are (forward)."""
     split = transformer.context_parallel
     for block in transformer.vace_blocks:
         backend = block.attn1.processor._attention_backend

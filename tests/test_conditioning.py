@@ -38,6 +38,10 @@ KINDS = {
     # Stand-In: one element's latent packed after the video's, read as reference tokens by its forward
     "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9", "--elements",
                              "subject=_person.png"]),
+    # VACE: the references' latent frames before the clip's, its context packed beside them; R2V, and a clip whose
+    # mask (<id>_vace_mask.png) the sampler is given with the clip outside it as its control video
+    "vace": ("tiny-vace", ["--num-frames", "9"]),
+    "vace-mask": ("tiny-vace", ["--num-frames", "9"]),
 }
 
 
@@ -45,7 +49,8 @@ KINDS = {
 # data's three; MAGREF's 2x4 canvas of eight needs 64x128 (each block a token wide at least)
 SUFFIXES = ("_person.png", "_object.png", "_background.png")
 COUNTS = [("prefix", 1), ("prefix", 8), ("incontext-shared", 1), ("incontext-shared", 8), ("phantom", 1),
-          ("phantom", 4), ("v3", 1), ("v3", 4), ("refalign", 1), ("refalign", 3), ("magref", 1), ("magref", 8)]
+          ("phantom", 4), ("v3", 1), ("v3", 4), ("refalign", 1), ("refalign", 3), ("magref", 1), ("magref", 8),
+          ("vace", 1), ("vace", 4)]
 
 
 def count_flags(name, n):
@@ -57,10 +62,29 @@ def count_flags(name, n):
     return [*extra, *size, "--elements", *(f"ref{i}={SUFFIXES[i % 3]}:repeat=1" for i in range(n))]
 
 
-def setup(data_dir, name, *flags, n=None):
+def masked_clips(data_dir, tmp_path, ids=("000",)):
+    """A copy of the dataset whose clips `ids` have a VACE mask (white where VACE generates: a box)."""
+    import shutil
+
+    from PIL import Image
+
+    from data import MASK_SUFFIX
+
+    d = tmp_path / "masked"
+    shutil.copytree(data_dir, d)
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 4:20] = 255
+    for i in ids:
+        Image.fromarray(mask).save(d / f"{i}{MASK_SUFFIX}")
+    return d
+
+
+def setup(data_dir, name, *flags, n=None, tmp_path=None):
     model, extra = KINDS[name]
     if n is not None:
         extra = count_flags(name, n)
+    if name == "vace-mask":
+        data_dir = masked_clips(data_dir, tmp_path)
     cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
     ds_cfgs = dataset_configs(cfg)
@@ -75,7 +99,7 @@ def setup(data_dir, name, *flags, n=None):
 
 @pytest.mark.parametrize("name,n", [(k, None) for k in KINDS] + COUNTS,
                          ids=list(KINDS) + [f"{k}-{n}refs" for k, n in COUNTS])
-def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
+def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, tmp_path):
     """At the sampler's first step (sigma 1) with the same noise and the same element images (or first frame), the
     training step gives the transformer exactly the hidden states, timestep, text and image tokens A2Pipeline gives
     it: forward hooks on the one transformer, every kind, each VAE-encoding as its kind does on its model (no mode
@@ -90,7 +114,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
     modes = []
     encode_vae = conditioning.encode_vae
     monkeypatch.setattr(conditioning, "encode_vae", lambda *a, **k: modes.append(a[2]) or encode_vae(*a, **k))
-    cfg, run, enc, batch = setup(data_dir, name, n=n)
+    cfg, run, enc, batch = setup(data_dir, name, n=n, tmp_path=tmp_path)
     h, w = cfg.resolution
     kind = run.layout.kind
     assert kind == name.split("-")[0]
@@ -113,6 +137,10 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
         refs, repeats = batch["video"][:, None, :, 0], (1,)
     elif kind == "clean":
         first_frame = batch["video"][:, :, 0]
+    control = mask = None
+    if batch.get("region") is not None and kind == "vace":  # the masked clip: its clip outside the mask, and the mask
+        mask = batch["region"]
+        control = batch["video"] * (1 - mask[:, None])
     layout = validation_layout(run.layout, repeats)  # as validate() samples the run
 
     def sample(mode=None):
@@ -120,7 +148,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
         pipe(batch["prompts"][0], refs, clips, layout=layout, height=h, width=w, num_inference_steps=1,
              guidance_scale=1.0, scheduler="euler", sigmas=np.ones(1), sample_mode=mode,
              generator=torch.Generator().manual_seed(1), decode="none", progress=False, first_frame=first_frame,
-             region=region)
+             region=region, control_video=control, mask=mask)
         return seen[0]
 
     sampled = sample()
@@ -128,7 +156,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
     train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
     assert set(sampling_modes) <= set(modes) == {run.encode_mode}  # the kind's one encode mode, on both sides
     if run.encode_mode == "sample":
-        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax", n=n)
+        cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax", n=n, tmp_path=tmp_path)
         sampled = sample("argmax")
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 
@@ -156,6 +184,9 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch):
         assert x.shape[2] == t + 128 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
     if name == "prefix":
         assert trained["encoder_hidden_states_image"].shape[1] == (n or 3) * 257
+    if kind == "vace":  # x_t | VACE's 96-channel context, over the references' latent frames and then the clip's
+        assert x.shape[1:3] == (16 + 96, t) and t == (n or 3) + 3
+        assert (mask is not None) == (name == "vace-mask")
 
 
 # kind -> (model, the flags train_a2.py and infer.py both take, element images): what validation and infer.py sample
@@ -169,6 +200,7 @@ VALIDATION = {
     "refalign": ("tiny-refalign", [], 2),
     "magref": ("tiny-magref", [], 2),
     "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9"], 1),
+    "vace": ("tiny-vace", [], 2),
 }
 
 
@@ -221,17 +253,21 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     # MAGREF: the canvas' encodes, its CLIP tokens and its latent region mask cached; two elements side by side
     ("magref", ["--reference-layout", "magref", "--num-frames", "9", "--elements", "subject=_person.png:repeat=1",
                 "object=_object.png:repeat=1"]),
+    ("vace-mask", ["--num-frames", "9", "--max-steps", "4"]),  # VACE: its context's encodes, R2V and masked clips
 ])
 def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path, name, extra):
     """Every kind the prefix and incontext cache tests (test_cache.py, test_incontext.py) do not cover: the VAE
     calls a precompute records are the ones the step replays, with the run's own frame conditioning (5 prefix frames
     too: the cache once encoded 1 while the mask marked 5)."""
     model = {"prefix": "tiny", "inplace": "tiny", "clean": "tiny-ti2v", "t2v": "tiny-t2v", "phantom": "tiny-phantom",
-             "v3": "tiny-v3", "standin": "tiny-t2v", "magref": "tiny-magref"}[name.split("-")[0]]
+             "v3": "tiny-v3", "standin": "tiny-t2v", "magref": "tiny-magref", "vace": "tiny-vace"}[name.split("-")[0]]
     cache = tmp_path / "cache"
     if name == "prefix-mixed":
         data_dir = mixed_elements(data_dir, tmp_path)
-    steps = ["--max-steps", "2", "--text-dropout", "0.5", "--reference-dropout", "0.5", *extra]
+    if name == "vace-mask":  # two of the four clips masked: two buckets, one of each context
+        data_dir = masked_clips(data_dir, tmp_path, ids=("000", "002"))
+    dropout = [] if name == "vace-mask" else ["--reference-dropout", "0.5"]  # (VACE's guidance keeps its references)
+    steps = ["--max-steps", "2", "--text-dropout", "0.5", *dropout, *extra]
     live = train(*args(data_dir, tmp_path, "live", *steps, model=model))
     train(*args(data_dir, tmp_path, "pre", "--cache-dir", str(cache), "--precompute", *extra, model=model))
     cached = train(*args(data_dir, tmp_path, "cached", "--cache-dir", str(cache), *steps, model=model))

@@ -100,36 +100,39 @@ def test_fsdp_resume_equals_uninterrupted(runs, data_dir, tmp_path):
                         {s: o2[k][s] for s in ("exp_avg", "exp_avg_sq")}) <= 1e-6
 
 
-def _replica_rank(rank: int, init_file: str, out: str) -> None:
+def _replica_rank(rank: int, init_file: str, out: str, preset: str) -> None:
     """One of two gloo ranks: only rank 0 has a transformer; both end with sharded copies of it."""
     import torch.distributed as dist
-    from diffusers import WanTransformer3DModel
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
 
     import train_a2
-    from a2.transformer import preset_config
+    from a2.transformer import preset_config, transformer_class
 
     train_a2.RANK = rank
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     model = None
     if rank == 0:
         torch.manual_seed(0)
-        model = WanTransformer3DModel(**preset_config("tiny"))
+        model = transformer_class(preset_config(preset))(**preset_config(preset))
         torch.save(model.state_dict() | dict(model.named_buffers()), f"{out}/want.pt")
     replica, source = train_a2.meta_replica(model)
     assert all(p.is_meta for p in replica.parameters()) and (source is None) == (rank != 0)
     train_a2.shard_from_rank0(replica, source, torch.device("cpu"), torch.float32)
+    assert all(isinstance(b, FSDPModule) for b in [*replica.blocks, *getattr(replica, "vace_blocks", ())])
     full = get_model_state_dict(replica, options=StateDictOptions(full_state_dict=True))  # a collective
     torch.save(full | dict(replica.named_buffers()), f"{out}/got{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_fsdp_weights_come_from_rank0(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-vace"])
+def test_fsdp_weights_come_from_rank0(tmp_path, preset):
     """--fsdp reads the weights on rank 0 only: the other ranks build the model on the meta device and receive
-    their shards, and the RoPE tables (buffers outside the state dict), from rank 0."""
+    their shards, and the RoPE tables (buffers outside the state dict), from rank 0; each block is sharded alone,
+    VACE's context blocks too."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_replica_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    mp.spawn(_replica_rank, args=(str(tmp_path / "init"), str(tmp_path), preset), nprocs=2)
     want = torch.load(tmp_path / "want.pt")
     assert {"rope.freqs_cos", "rope.freqs_sin"} <= want.keys()
     for rank in (0, 1):

@@ -438,6 +438,7 @@ OPENS2V_KINDS = {
     "magref": ("tiny-magref", 9, ()),
     "incontext": ("tiny-t2v", 9, ("--reference-layout", "incontext")),
     "phantom": ("tiny-phantom", 9, ()),
+    "vace": ("tiny-vace", 9, ()),
 }
 
 
@@ -457,6 +458,7 @@ OPENS2V_SETS = {
     "magref": [(*_R[:1], "background"), (*_R[:2], "background"), (*_R, "background"), _R[:1]],
 }
 OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
+OPENS2V_SETS["vace"] = OPENS2V_SETS["phantom"]  # up to 4 references, no background (as VideoX-Fun's subjects)
 
 
 @pytest.mark.parametrize("kind", [k for k, d in KIND_DEFS.items() if d.references[1] and not d.roles])

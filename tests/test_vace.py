@@ -12,16 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import tyro
 from diffusers import UniPCMultistepScheduler, WanVACEPipeline, WanVACETransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+import infer
 from a2 import vace
-from a2.conditioning import WAN_NEGATIVE_PROMPT, encode_vae
+from a2.conditioning import WAN_NEGATIVE_PROMPT, plan
+from a2.images import read_image
 from a2.lora import export_lora, read_original
-from a2.parallel import context_parallel
-from a2.tiny import TINY_VACE, build_tiny, save_tiny, tiny_model_dir
+from a2.parallel import UlyssesAttnProcessor, context_parallel
+from a2.tiny import TINY_MODELS, build_tiny, model_path, save_tiny, tiny_model_dir
 from a2.transformer import (
     UnsupportedModel,
     configure_blocks,
@@ -31,8 +34,8 @@ from a2.transformer import (
     original_to_diffusers,
     preset_config,
     random_transformer,
-    resolve_e2v_type,
 )
+from config import LORA_TARGETS, RELEASED_ELEMENTS, VaeProcessorConfig
 from tests import their_vace as theirs
 from tests.their_samplers import phantom_sigmas
 
@@ -59,6 +62,7 @@ def pipe(parts):
     return p
 
 
+@torch.no_grad()  # as the pipelines encode it (UMT5's outputs with autograd on differ from them by 5e-7)
 def text(pipe, prompt: str) -> torch.Tensor:
     return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)[0]
 
@@ -105,39 +109,65 @@ def test_wans_and_diffusers_samplers_agree_once_every_difference_is_matched(part
     assert all(v > 1e-4 for v in sizes.values()), sizes
 
 
-def test_a2s_pieces_sample_as_wans_code(parts, pipe):
-    """The sampler the vace kind will run, from a2/vace.py's pieces: VACE's framing, its context (encode), the noise
-    for the reference and video frames, the packed input of the installed forward, text-only guidance, diffusers'
-    UniPC on Wan's grid at shift 16, the reference frames dropped: Wan's sampler's video latents to 1e-5, with and
-    without a masked clip."""
-    steps, transformer, vae = 6, parts["transformer"], parts["vae"]
-    cond, null = text(pipe, PROMPT), text(pipe, WAN_NEGATIVE_PROMPT)
-    g = torch.Generator().manual_seed(5)
-    clip = torch.rand(3, FRAMES, HEIGHT, WIDTH, generator=g) * 2 - 1
-    mask = torch.zeros(1, FRAMES, HEIGHT, WIDTH)
-    mask[..., 16:48, 24:56] = 1  # VACE generates inside the box
-    for video in (None, clip):
-        m = None if video is None else mask
-        want = theirs.wan_sample(transformer, vae, REFERENCES, cond, null, FRAMES, HEIGHT, WIDTH, steps=steps,
-                                 video=video, mask=m)
-        refs = torch.stack([vace.frame(i, (HEIGHT, WIDTH)) for i in REFERENCES])[None]
-        context, _ = vace.encode(lambda x: encode_vae(vae, x, "argmax"), refs, FRAMES,
-                                 None if video is None else video[None], None if m is None else m)
-        assert (context - want["context"]).abs().max().item() <= 1e-6
-        vace.install(transformer, 1.0)
-        scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=theirs.WAN_SHIFT)
-        scheduler.set_timesteps(sigmas=phantom_sigmas(steps))
-        latents = torch.randn(1, 16, *context.shape[2:], generator=torch.Generator().manual_seed(theirs.VACE_SEED))
-        with torch.no_grad():
-            for t in scheduler.timesteps:
-                x = vace.pack(latents, context)
-                v = [transformer(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=e,
-                                 return_dict=False)[0] for e in (cond, null)]
-                latents = scheduler.step(v[1] + theirs.WAN_GUIDE * (v[0] - v[1]), t, latents).prev_sample
-        del transformer.forward  # back to the class's (the module fixture is shared)
-        d = (vace.video_latents(latents, len(REFERENCES)) - want["video"]).abs().max().item()
-        print(f"{'R2V' if video is None else 'masked clip'}: a2 vs Wan's sampler {d:.2g}")
-        assert d <= 1e-5
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """What a user hands infer.py: the reference images as files, a control video (uint8 frames, .npz) and its mask
+    (a png, white where VACE generates)."""
+    d = tmp_path_factory.mktemp("vace_sources")
+    for i, r in enumerate(REFERENCES):
+        r.save(d / f"ref{i}.png")
+    frames = (np.random.default_rng(5).random((FRAMES, HEIGHT, WIDTH, 3)) * 255).astype(np.uint8)
+    np.savez(d / "control.npz", frames=frames)
+    mask = np.zeros((HEIGHT, WIDTH), np.uint8)
+    mask[16:48, 24:56] = 255  # VACE generates inside the box
+    Image.fromarray(mask).save(d / "mask.png")
+    return d, frames, mask
+
+
+@pytest.fixture(scope="module")
+def tiny_vace():
+    """The built-in tiny-vace model dir (a2/tiny.py) as diffusers' WanVACEPipeline loads it."""
+    p = WanVACEPipeline.from_pretrained(model_path("tiny-vace"))
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["r2v", "control"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("sampler", ["wan", "diffusers"])
+def test_infer_samples_as_wans_vace_code_and_as_diffusers_with_its_preset(sources, tiny_vace, tmp_path, sampler, n,
+                                                                          control):
+    """`infer.py --model tiny-vace` as a user runs it, no sampling flag (the size and frames given, the tiny model's
+    10 steps), ends within 1e-5 of Wan's VACE code (WanVace.generate written out: shift 16, its grid from 0.999,
+    Wan's negative prompt, seed 2025, its framing, references in order) in the final latents, references' frames
+    included; with --preset diffusers, of diffusers' WanVACEPipeline as its users call it (the dir's shift, its grid,
+    no negative prompt, its Lanczos multiple-of-8 framing and reversed order, 50 steps; a random seed there, 2025
+    handed to it). 1 and 3 references, R2V and with a control video and its mask (both samplers given the frames and
+    mask infer.py read: its own loader is not theirs)."""
+    d, frames, mask = sources
+    files = [str(d / f"ref{i}.png") for i in range(n)]
+    flags = ["--model", "tiny-vace", "--resolution", str(HEIGHT), str(WIDTH), "--num-frames", str(FRAMES),
+             "--elements", *files, "--save-latents", str(tmp_path / "a2.pt"), "--decode", "none",
+             "--out", str(tmp_path / "v.mp4")]
+    flags += ["--control-video", str(d / "control.npz"), "--mask", str(d / "mask.png")] if control else []
+    flags += ["--preset", "diffusers"] if sampler == "diffusers" else []
+    assert infer.main(tyro.cli(infer.InferConfig, args=flags)) == 0
+    got = torch.load(tmp_path / "a2.pt", weights_only=True)["latents"]
+    images = [read_image(f) for f in files]
+    video = torch.from_numpy(frames).permute(3, 0, 1, 2).float().mul(2 / 255).sub(1) if control else None
+    m = torch.from_numpy(mask > 127).float().expand(1, FRAMES, -1, -1) if control else None
+    if sampler == "wan":
+        want = theirs.wan_sample(tiny_vace.transformer, tiny_vace.vae, images,
+                                 text(tiny_vace, infer.InferConfig.prompt), text(tiny_vace, WAN_NEGATIVE_PROMPT),
+                                 FRAMES, HEIGHT, WIDTH, steps=10, video=video, mask=m)["latents"]
+    else:
+        pil = (lambda x: [Image.fromarray(f) for f in x]) if control else (lambda x: None)
+        want = theirs.diffusers_sample(tiny_vace, images, infer.InferConfig.prompt, None, FRAMES, HEIGHT, WIDTH,
+                                       theirs.VACE_SEED, video=pil(frames),
+                                       mask=pil(np.repeat(mask[None, ..., None], 3, -1).repeat(FRAMES, 0)))["latents"]
+    d = (got - want).abs().max().item()
+    print(f"{sampler}, {n} reference(s), {'control video' if control else 'R2V'}: infer.py vs theirs {d:.2g}")
+    assert got.shape == want.shape and d <= 1e-5
 
 
 def test_framing_is_each_samplers(pipe):
@@ -202,10 +232,10 @@ def _cp_rank(rank: int, world: int, init: str):
 
         def run(split: bool):
             model = _model()
-            vace.install(model)
             if split:
                 context_parallel(model, dist.group.WORLD)
-                vace.context_parallel(model)
+            vace.install(model)  # the kind's prepare_model: it splits the context blocks of a split transformer
+            assert isinstance(model.vace_blocks[1].attn1.processor, UlyssesAttnProcessor) == split
             out = model(hidden_states=vace.pack(x, c), timestep=t, encoder_hidden_states=text, return_dict=False)[0]
             out.square().mean().backward()
             return out.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -228,7 +258,7 @@ def test_context_parallel_equals_one_process(tmp_path):
     mp.start_processes(_cp_rank, args=(2, f"file://{tmp_path}/init"), nprocs=2, start_method="fork")
 
 
-@pytest.mark.parametrize("target", sorted(vace.LORA_TARGETS))
+@pytest.mark.parametrize("target", sorted(vace.LORA_BLOCKS))
 def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
     """A LoRA on the blocks, the context blocks or both: the adapted modules are those; its ComfyUI file (original
     Wan keys) has a key ComfyUI's VACE model maps for every weight (comfy/lora.py's rule, on the names of its
@@ -239,7 +269,7 @@ def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
 
     model = _model().requires_grad_(False)
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=vace.LORA_TARGETS[target]))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=vace.lora_target(LORA_TARGETS, target)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -278,8 +308,8 @@ def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("vace")
-    return {"diffusers": tiny_model_dir(**TINY_VACE["tiny-vace"]),
-            "fun-diffusers": tiny_model_dir(**TINY_VACE["tiny-vace-fun"]),
+    return {"diffusers": tiny_model_dir(**TINY_MODELS["tiny-vace"]),
+            "fun-diffusers": tiny_model_dir(**TINY_MODELS["tiny-vace-fun"]),
             "original": save_tiny(root / "original", t2v=True, released="vace"),
             "fun-original": save_tiny(root / "fun-original", t2v=True, wan22=True, released="vace-fun")}
 
@@ -287,8 +317,8 @@ def layouts(tmp_path_factory):
 def test_detection_and_loading_of_every_layout(layouts):
     """Wan2.1-VACE (diffusers dir; Wan-AI's original keys and config.json) and Wan2.2-VACE-Fun A14B (a diffusers
     pair; alibaba-pai's high_noise_model / low_noise_model dirs) are detected from their weights, load as
-    WanVACETransformer3DModel with the same weights in every layout, and are refused in one line by the plan until
-    the vace kind is in the table (no longer "not a Wan transformer")."""
+    WanVACETransformer3DModel with the same weights in every layout, and plan the vace kind, the references' latent
+    frames before the clip's."""
     names = {"diffusers": "Wan2.1 VACE", "original": "Wan2.1 VACE", "fun-diffusers": "Wan2.2 VACE-Fun A14B",
              "fun-original": "Wan2.2 VACE-Fun A14B"}
     weights = {}
@@ -301,8 +331,8 @@ def test_detection_and_loading_of_every_layout(layouts):
             model = load_transformer(d, torch.float32, info.subfolder(expert))
             assert isinstance(model, WanVACETransformer3DModel) and model.config.vace_layers == [0, 1]
             weights[layout, expert] = model.state_dict()
-        with pytest.raises(UnsupportedModel, match="a VACE model .* the vace conditioning kind is not in a2's kind"):
-            resolve_e2v_type(info, "auto", True)
+        layout = plan(info, RELEASED_ELEMENTS[:2], VaeProcessorConfig(), 9)  # its weights choose the kind
+        assert (layout.kind, layout.ref_latents, layout.clip_frames, layout.num_frames) == ("vace", 2, 9, 17)
     for a, b in (("diffusers", "original"), ("fun-diffusers", "fun-original")):
         for expert in ("high", "low") if "fun" in a else (None,):
             assert all(torch.equal(v, weights[b, expert][k]) for k, v in weights[a, expert].items())
@@ -328,3 +358,113 @@ def test_vace_checkpoints_that_do_not_fit_fail_in_one_line(layouts, tmp_path):
         {k: v for k, v in cfg.items() if "vace" not in k}))
     with pytest.raises(UnsupportedModel, match="without VACE's context blocks"):
         detect_model(pair)
+
+
+# ---------------------------------------------------------------- the kind's sampler on the VACE-Fun pair, training
+
+
+def test_the_vace_fun_pair_samples_with_videox_funs_sampler_and_both_experts(sources, tmp_path, monkeypatch):
+    """infer.py on the tiny Wan2.2-VACE-Fun pair with no sampling flag samples as VideoX-Fun's predict_s2v.py: its
+    FlowMatch Euler at shift 12 (config/wan2.2/wan_civitai_t2v.yaml), seed 43, Wan's negative prompt, guidance 5, 16
+    fps; the high-noise expert at sigma >= 0.875, the low-noise one below, as its pipeline switches them."""
+    from a2.pipeline import A2Pipeline
+
+    calls, seen = {"high": 0, "low": 0}, {}
+    call = A2Pipeline.__call__
+
+    def spy(self, *a, **k):
+        for name, model in (("high", self.transformer), ("low", self.transformer_2)):
+            model.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        seen["out"] = call(self, *a, **k)
+        return seen["out"]
+
+    monkeypatch.setattr(A2Pipeline, "__call__", spy)
+    d = sources[0]
+    assert infer.main(tyro.cli(infer.InferConfig, args=[
+        "--model", "tiny-vace-fun", "--resolution", str(HEIGHT), str(WIDTH), "--num-frames", str(FRAMES),
+        "--elements", str(d / "ref0.png"), "--out", str(tmp_path / "v.mp4")])) == 0
+    s = seen["out"]["sampling"]
+    assert (s.scheduler, s.schedule, s.flow_shift, s.seed, s.guidance_scale, s.fps, s.steps) == \
+        ("euler", "diffusers", 12.0, 43, 5.0, 16, 10)
+    assert s.negative_prompt == WAN_NEGATIVE_PROMPT and calls["high"] > 0 and calls["low"] > 0
+    assert (tmp_path / "v.mp4").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def vace_run_data(tmp_path_factory):
+    from data import make_synthetic_dataset
+
+    return make_synthetic_dataset(tmp_path_factory.mktemp("vace_data") / "e2v", num_samples=2, num_frames=9,
+                                  size=(32, 32))
+
+
+def test_training_adapts_the_context_blocks_by_default_and_exports_what_loads(vace_run_data, tmp_path):
+    """A LoRA run on tiny-vace adapts VACE's context blocks alone by default, the transformer blocks alone with
+    --vace-lora-target base; its files load back through infer.py's loader (diffusers and ComfyUI keys); a full
+    fine-tune of Wan-AI's original-key release exports a VACE transformer dir and the same weights in its original
+    keys, which a2 reads back as Wan2.1 VACE."""
+    from safetensors import safe_open
+
+    from a2.lora import load_lora
+    from a2.pipeline import A2Pipeline
+    from tests.conftest import args, train
+
+    base = ["--num-frames", "9", "--max-steps", "1", "--text-dropout", "0"]
+    for blocks, want in ((None, "vace_blocks."), ("base", "blocks.")):
+        flags = base + ([] if blocks is None else ["--vace-lora-target", blocks])
+        run = train(*args(vace_run_data, tmp_path, f"lora-{blocks}", *flags, model="tiny-vace"))["run_dir"]
+        with safe_open(run / "pytorch_lora_weights.safetensors", "pt") as f:
+            modules = {k.removeprefix("transformer.").split(".lora_")[0] for k in f.keys()}
+        assert modules and all(m.startswith(want) for m in modules), sorted(modules)[:3]
+        for file in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfy.safetensors"):
+            said = load_lora(A2Pipeline.from_pretrained("tiny-vace"), str(run / file))
+            assert f"{len(modules)} modules of transformer adapted ({2 * len(modules)} weights matched)" in said, said
+    released = save_tiny(tmp_path / "Wan2.1-VACE", t2v=True, released="vace")  # Wan-AI's original keys
+    run = train(*args(vace_run_data, tmp_path, "full", *base, "--training-type", "full", model=released))["run_dir"]
+    trained = WanVACETransformer3DModel.from_pretrained(run / "transformer")  # the run's transformer/
+    original = run / "transformer_original"
+    assert (original / "diffusion_pytorch_model.safetensors").is_file()
+    info = detect_model(original, None, released)  # (its Wan parts: the release's)
+    assert (info.name, info.native_kind) == ("Wan2.1 VACE", "vace")
+    back = load_transformer(original, torch.float32).state_dict()
+    assert all(torch.equal(v, back[k]) for k, v in trained.state_dict().items())
+
+
+def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_data, tmp_path, monkeypatch):
+    """A control video or mask for a model without context blocks, a mask without its video, --vace-scale off VACE,
+    --vace-lora-target off VACE, reference dropout on VACE (its guidance keeps the references), a preset VACE does not
+    have: each a ConfigError / InputError of one line, before a transformer is loaded."""
+    import train_a2
+    from config import InputError, dataset_configs
+    from tests.conftest import train_config
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded before the mistake was said")
+
+    monkeypatch.setattr(infer, "load_transformer", no_weights)
+    monkeypatch.setattr(train_a2, "load_transformer", no_weights)
+    d = sources[0]
+    ref, video, mask = str(d / "ref0.png"), str(d / "control.npz"), str(d / "mask.png")
+    sample = ["--resolution", str(HEIGHT), str(WIDTH), "--num-frames", str(FRAMES), "--out", str(tmp_path / "v.mp4")]
+    for flags, said in (
+            (["--model", "tiny-phantom", "--elements", ref, "--control-video", video],
+             "--control-video / --mask condition a VACE model; the phantom kind takes none"),
+            (["--model", "tiny-vace", "--elements", ref, "--mask", mask],
+             "--mask .*: it says where in --control-video"),
+            (["--model", "tiny-vace", "--elements", ref, "--control-video", str(d / "none.npz")], "no such file"),
+            (["--model", "tiny-phantom", "--elements", ref, "--vace-scale", "0.5"],
+             "--vace-scale 0.5 scales the hints of VACE's context blocks; .* is no VACE model"),
+            (["--model", "tiny-phantom", "--elements", ref, "--preset", "diffusers"],
+             "--preset diffusers: the phantom kind samples in its own way")):
+        with pytest.raises(InputError, match=said) as e:
+            infer.main(tyro.cli(infer.InferConfig, args=[*flags, *sample]))
+        assert "\n" not in str(e.value)
+    run = ["--data-root", str(vace_run_data), "--resolution", "32", "32", "--num-frames", "9", "--device", "cpu"]
+    for flags, said in ((["--model", "tiny-phantom", "--vace-lora-target", "base"],
+                         "--vace-lora-target base: the phantom kind's model has no VACE context blocks"),
+                        (["--model", "tiny-vace", "--reference-dropout", "0.1"],
+                         "--reference-dropout: VACE samples with its references in both guidance branches")):
+        cfg = train_config([*flags, *run])
+        with pytest.raises(InputError, match=said) as e:
+            train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        assert "\n" not in str(e.value)
