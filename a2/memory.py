@@ -101,7 +101,7 @@ PHASES = ("forward", "forward end", "backward", "recompute", "step")
 
 def use_expandable_segments() -> None:
     """The CUDA allocator setting long video sequences need: without it the 14B step at 81x480x832 fails with
-    10 GB reserved but unused (fragmentation). Only the environment variable, read when CUDA initialises, sets it;
+    10 GiB reserved but unused (fragmentation). Only the environment variable, read when CUDA initialises, sets it;
     call this before anything touches CUDA. A user's own PYTORCH_CUDA_ALLOC_CONF is kept."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 

@@ -22,15 +22,20 @@ device 0 has a primary context, which fails its device-count check (GraphTask::s
 itself (LiveBytes) is checked on fake CPU tensors (tests/test_trace.py).
 
 What the count cannot see: the allocator's fragmentation and rounding beyond 512 bytes (expandable segments keep it
-small; without them the 14B step lost 10 GB to it), cuBLAS/cuDNN workspaces (tens to hundreds of MB), torch.compile's
+small; without them the 14B step lost 10 GiB to it), cuBLAS/cuDNN workspaces (tens to hundreds of MB), torch.compile's
 buffers (a compiled block's graph plans its own buffers: measured smaller than eager, see a2/memory.py), NCCL
-buffers, the CUDA context (~0.5 GB, outside memory_allocated). a2/memory.py's margin (8% + 1 GB) is for these.
+buffers, the CUDA context (~0.5 GiB, outside memory_allocated). a2/memory.py's margin (8% + 1 GiB) is for these.
 
 Categories of the device bytes at the peak: weights (frozen weights resident on the device, and casts of weights),
 state (trainable weights, their gradients, the optimizer's moments), kept (what the forward keeps for backward:
 made in the forward and alive when it ends, or brought back from host memory), transient (the rest: a block's
 working tensors, the recomputation and the gradients flowing back), swapped (swapped blocks' weights fetched from
-host memory).
+host memory). The peak is kept per phase (forward, backward through the head and the blocks not recomputed,
+recompute: the recomputed blocks' backward, step) and at the forward's end, the phases of a2/memory.py's rule.
+
+FSDP2 runs as on a GPU of N ranks in this one process, on torch's fake process group (collectives make tensors of
+their shapes, nothing is sent): a DTensor counts as its local shard, what FSDP gathers is of category weights, and
+its in-place storage resizes (a gathered weight freed after use, allocated again before the next) are counted.
 """
 
 from __future__ import annotations
