@@ -17,9 +17,10 @@ A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (reco
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
 checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
-The step is train_a2.py's (model_inputs + forward_loss: the kind's conditioning, its loss, --align-refs' alignment
-loss) on the batch a precompute cache of the run would hold (train_a2.py synthetic_batch, zero posteriors and
-tokens): --layout any kind of a2/conditioning.py, laid out from its definition (bench_run).
+The step is train_a2.py's (a2/step.py: model_inputs + forward_loss, the kind's conditioning, its loss, --align-refs'
+alignment loss, then optimizer_step: clipping, AdamW, --ema-decay's EMA) on the batch a precompute cache of the run
+would hold (a2/trace.py synthetic_batch, zero posteriors and tokens): --layout any kind of a2/conditioning.py, planned
+by its plan as train_a2.py plans a run (bench_run); the model made trainable by a2/lora.py make_trainable.
 --layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas a frame of --frames.
 --layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
 layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
@@ -41,15 +42,19 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
     CLI_CONFIG = parse_cli(BenchConfig)
 
 import json
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from a2 import align
-from a2.conditioning import KIND_DEFS, kind_sampling, kind_weights, make_layout, prepare_model
-from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
+from a2.conditioning import KIND_DEFS, NATIVE_KINDS, kind_sampling, plan
+from a2.lora import make_trainable
+from a2.memory import apply_plan, context_tokens, memory_plan, step_shape, use_expandable_segments
+from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from a2.transformer import (
     CLIP_TOKENS,
     TEXT_TOKENS,
@@ -57,19 +62,19 @@ from a2.transformer import (
     ModelInfo,
     preset_config,
     random_transformer,
-    resolve_e2v_type,
 )
 from config import (
-    LORA_TARGETS,
+    CONDITIONING_CHOICES,
     BenchConfig,
     ConfigError,
     Element,
+    MemoryConfig,
     TrainConfig,
+    VaeProcessorConfig,
     resolve_compile,
     run_cli,
     with_recipe,
 )
-from train_a2 import Run, forward_loss, model_inputs, synthetic_batch, zero_batch
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -222,89 +227,84 @@ def loop_overhead(run_dir: str, bench_s: float) -> dict:
     return dict(train_s_per_step=s, loop_overhead=s / bench_s - 1)
 
 
-def dry_run(b: BenchConfig, layers: int | None = None) -> dict:
-    """bench.py --dry-run (BenchConfig.dry_run): the plan of the whole model at the real token count, traced
-    (a2/trace.py) on the model with `layers` blocks (default all; fewer: the plan's per-block choices carried over,
-    a2/memory.py cut_plan, and the estimate the cut plan's, since the rule is per block). b.compile as the GPU run
-    resolves it (None: on, as on CUDA): the plan is the compiled step's and the traced (eager) peak is also given in
-    the compiled accounting (a2/trace.py compiled_peak). Returns the plan, the traced plan, the tracer, the traced
-    model's estimates (GPU, pinned host), the compiled accounting (or None) and whether it fits the card."""
-    from a2.memory import cut_plan, model_bytes, plan_memory, step_estimate
-    from a2.trace import compiled_peak, report
-    from a2.trace import dry_run as trace_dry_run
-
+def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True, log=print) -> dict:
+    """bench.py --dry-run (MemoryConfig.dry_run): a2/trace.py's dry run of bench's step, the one train_a2.py --dry-run
+    runs. layers: the model cut to this many blocks, planned as the whole (a2/memory.py cut_plan: the rule is per
+    block; a quick check). trace False: the plan alone."""
     run, train_cfg, cfg = bench_run(b)
-    n = cfg["num_layers"]
-    cut = {**cfg, "num_layers": layers or n}
-    compile = resolve_compile(b.compile, "cuda")  # as the GPU run resolves it
-    budget = b.max_memory_gb or 80.0
-    tokens = b.batch * run.layout.tokens(run.info, *b.size)
-    cp = b.context_parallel
-    if cp > 1:  # one rank's share: what it plans for and keeps
-        from a2.parallel import step_costs
+    cut = {**cfg, "num_layers": layers or cfg["num_layers"]}
 
-        costs = step_costs(cfg, tokens // b.batch, context_tokens(run.layout), cp)
-        tokens = b.batch * costs["tokens"]
-        print(f"context parallel {cp}: {tokens} tokens per rank; per rank forward attention cores "
-              f"{b.batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
-              f"{b.batch * costs['all_to_all_forward'] / 2**20:.0f} MiB forward + "
-              f"{b.batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
-              "recomputed block)")
-    full = b.mode == "full"
-    got = {}
-
-    def build():
-        model = random_transformer(cut, torch.float32 if full else torch.bfloat16, "cpu")
-        trainable(model, run.layout, b)
+    def build(run):
+        model = random_transformer(cut, torch.float32 if b.mode == "full" else torch.bfloat16, "cpu")
+        make_trainable(model, run.layout, b.mode, b.lora_rank, b.lora_rank)
         if train_cfg.align_loss:  # the projectors (the target model runs beside the step, not in the trace)
             align.install(model, b.align_dim, [i for i in b.align_blocks if i < cut["num_layers"]])
-        if cp > 1:
-            from a2.parallel import context_parallel
+        return model.train()
 
-            context_parallel(model, None, cp)
-        model.train()
-        return model
+    return dry_run(train_cfg, run, build, config=cfg if layers else None, align_dim=b.align_dim, log=log, trace=trace)
 
-    def plan_for(model):
-        got["bytes"] = model_bytes(model, full, False)  # the traced model's, for its estimate
-        if b.memory == "manual":
-            plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None,
-                              None, "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
-        else:  # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
-            plan = plan_memory(cfg, tokens, budget * 2**30, model_bytes(model, full, False, layers=n), float("inf"),
-                               fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks,
-                               compile=compile)
-        got["plan"] = plan
-        return cut_plan(plan, n, cut["num_layers"])
 
-    batch, enc = synthetic_batch(run, b.batch, *b.size)
+A2, V3 = dict(preset="14B", refs=3, frames=81), dict(preset="14B", layout="v3", refs=4, frames=121)
+P480, P720 = dict(height=480, width=832), dict(height=720, width=1280)
+# docs/memory.md's memory table (bench.py --memory-table): (model and shape, BenchConfig fields, GPUs, card GiB); the
+# GPUs of a row are one context-parallel group or, with fsdp, the ranks its weights are sharded over
+MEMORY_GRID = (
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480), 1, 80),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480), 1, 48),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480), 1, 24),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480), 1, 141),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480, fsdp=True), 2, 24),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480, fsdp=True), 4, 24),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480, fsdp=True, context_parallel=2), 2, 24),
+    ("A2-14B LoRA, 3 refs, 81x480x832", dict(A2, **P480, fsdp=True, context_parallel=4), 4, 24),
+    ("A2-14B LoRA, 3 refs, 81x720x1280", dict(A2, **P720), 1, 80),
+    ("A2-14B LoRA, 3 refs, 81x720x1280", dict(A2, **P720, context_parallel=2), 2, 80),
+    ("A2-14B LoRA, 3 refs, 81x720x1280", dict(A2, **P720, context_parallel=4), 4, 80),
+    ("A2-14B LoRA, 3 refs, 81x720x1280", dict(A2, **P720, context_parallel=8), 8, 80),
+    ("A2-14B LoRA, 3 refs, 81x720x1280", dict(A2, **P720, context_parallel=8), 8, 24),
+    ("A2-14B full, 3 refs, 81x480x832", dict(A2, **P480, mode="full", fsdp=True), 8, 80),
+    ("A2-14B full, 3 refs, 81x720x1280", dict(A2, **P720, mode="full", fsdp=True, context_parallel=8), 8, 80),
+    ("SkyReels-V3 LoRA, 4 refs, 121x480x832", dict(V3, **P480), 1, 80),
+    ("SkyReels-V3 LoRA, 4 refs, 121x480x832", dict(V3, **P480, context_parallel=2), 2, 48),
+    ("SkyReels-V3 LoRA, 4 refs, 121x720x1280", dict(V3, **P720, context_parallel=4), 4, 141),
+    ("SkyReels-V3 LoRA, 4 refs, 121x720x1280", dict(V3, **P720, context_parallel=8), 8, 80),
+    ("SkyReels-V3 full, 4 refs, 121x720x1280", dict(V3, **P720, mode="full", fsdp=True, context_parallel=8), 8, 80),
+)
 
-    def forward(model):  # train_a2.py's step on zero posteriors, as its dry run
-        with unset_fake_temporarily():  # the inputs are real (small, latent-sized): the step's draws read values
-            zeros, zeros_enc = zero_batch(batch, enc, run, model.config, cache_targets(b, run))
-            inputs = model_inputs(zeros, 0, 0, train_cfg, run, zeros_enc, 0, torch.device("cpu"))
-        return forward_loss(model, inputs, train_cfg, run, torch.autocast("cpu", dtype=torch.bfloat16),
-                            torch.bfloat16)[0]
 
-    tracer, traced = trace_dry_run(build, plan_for, forward)
-    k = round(traced.checkpoint_fraction * cut["num_layers"])
-    estimate, host = (x / 2**30 for x in step_estimate(cut, tokens, got["bytes"], k, traced.save_attention,
-                                                        traced.offload, traced.fp8, traced.swap_blocks, compile))
-    compiled = compiled_peak(tracer, cut, tokens, cut["num_layers"] - k) / 2**30 if compile else None
-    print(f"memory: {got['plan']}" + (f"\n  traced with {cut['num_layers']} blocks: {traced.swap_blocks} swapped, "
-                                      f"~{estimate:.2f} GiB estimated" if layers else ""))
-    lines, fits = report(tracer, traced, budget, estimate, compiled)
-    print("\n".join(lines))
-    return dict(plan=got["plan"], traced_plan=traced, tracer=tracer, estimate_gb=estimate, host_gb=host,
-                compiled_gb=compiled, fits=fits)
+def memory_table(b: BenchConfig, traced: dict[int, float] | None = None) -> list[str]:
+    """bench.py --memory-table: docs/memory.md's memory table, MEMORY_GRID planned by the rule (a2/memory.py, compiled
+    blocks as on CUDA; the plan made on the model cut to 3 blocks, which plans as the whole: the rule is per block)
+    and, with --dry-run, each plan traced at full size (a2/trace.py: its compiled accounting and exit status; minutes
+    a row on a CPU). traced: the dry-run column to print as given, by row (what the README holds: a test checks the
+    rest of the table against the rule without tracing)."""
+    lines = ["| model, shape | GPUs x GiB | tokens per rank | plan (`--memory auto`, compiled) | rule, GiB | "
+             "dry run, GiB | rule - dry run |", "|---|---|---|---|---|---|---|"]
+    for i, (name, fields, gpus, card) in enumerate(MEMORY_GRID):
+        row = replace(b, **fields, memory=MemoryConfig(max_memory_gb=card, dry_run_ranks=gpus, dry_run=True))
+        how = ("FSDP, " if row.fsdp else "") + (f"CP {row.context_parallel}" if row.context_parallel > 1 else "")
+        r = bench_dry_run(row, layers=3, trace=False, log=lambda *_: None)
+        plan, shape = r["plan"], r["shape"]
+        got = (traced or {}).get(i)
+        if b.memory.dry_run and got is None:  # (its report on stderr, the table on stdout)
+            print(f"row {i + 1}: {name} on {gpus} x {card} GiB {how}", file=sys.stderr)
+            full = bench_dry_run(row, log=lambda *a: print(*a, file=sys.stderr))
+            got = full["compiled_gb"] if full["compiled_gb"] is not None else full["peak_gb"]
+        fits = "DOES NOT FIT" not in plan.why
+        lines.append(f"| {name} | {gpus} x {card}{' (' + how.rstrip(', ') + ')' if how else ''} | {shape.tokens:,} | "
+                     f"{str(plan).split(':')[0] if fits else 'does not fit'} | {plan.estimate_gb:.2f} | "
+                     + (f"{got:.2f} | {plan.estimate_gb / got - 1:+.1%} |" if got is not None else "| |"))
+    return lines
 
 
 def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     """The run bench's step trains: the kind --layout names (default: A2's prefix kind with --refs elements, T2V
-    with none; --align-refs N: Phantom's N appended references), laid out from its definition at --frames, on a
-    random model of the preset shaped for it (36 channels where the kind conditions on channels); its ModelInfo read
-    from the preset, not a dir. Returns (Run, train_a2.py's TrainConfig of the step, the transformer config).
-    A shape or count the kind cannot take is a ConfigError (one line, exit 2 under run_cli)."""
+    with none; --align-refs N: Phantom's N appended references), planned by a2/conditioning.py's plan as train_a2.py
+    plans a run, from the flags that ask for the kind (its reference layout, its first --frame-conditioning mode, the
+    released model's own layout) on a random model of the preset shaped for it (36 channels where the kind
+    conditions on channels), its ModelInfo read from the preset, not a dir. Returns (Run, train_a2.py's TrainConfig
+    of the step, the transformer config). A shape or count the kind cannot take is a ConfigError (one line, exit 2
+    under run_cli)."""
     kind = b.layout if b.layout != "default" else "phantom" if b.align_refs else "prefix" if b.refs else "t2v"
     d = KIND_DEFS[kind]
     lo, hi = d.references
@@ -320,63 +320,30 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
                      cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
                      vae_scale=vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
-                     expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM)
-    # the kind's first --frame-conditioning mode; a2/conditioning.py plan's reference paths for such a model
-    e2v_type = resolve_e2v_type(info, "auto", d.axis != "none") if d.axis in ("none", "channel") else "vae"
+                     expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM,
+                     native_kind=kind if kind in NATIVE_KINDS else None)
+    layouts = CONDITIONING_CHOICES["reference_layout"]
+    vae = VaeProcessorConfig(resolution=b.size, reference_layout=kind if kind in layouts else "channel",
+                             frame_conditioning=d.frame_conditioning[0])
+    elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n if hi else 0))
     try:
-        layout = make_layout(kind, b.frames, (1,) * n, frame_conditioning=d.frame_conditioning[0],
-                             clean_frames=int(d.axis == "frames"), e2v_type=e2v_type, image_branch=info.image_branch,
-                             use_clip=n > 0 and d.axis == "channel" and e2v_type != "vae" and info.image_branch,
-                             per_token=info.ti2v)
+        layout = plan(info, elements, vae, b.frames)
     except ValueError as e:
         raise ConfigError(f"bench.py --layout {kind} --frames {b.frames}: {e}") from None
-    elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n))
     run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
               encode_mode=kind_sampling(kind).encode_mode)
-    train_cfg = with_recipe(TrainConfig(model=b.preset, micro_batch=b.batch, lora_rank=b.lora_rank,
-                                        align_loss=b.align_loss and b.align_refs > 0))[0]
+    train_cfg = with_recipe(TrainConfig(model=b.preset, micro_batch=b.batch, training_type=b.mode,
+                                        lora_rank=b.lora_rank, lora_alpha=b.lora_rank,
+                                        align_loss=b.align_loss and b.align_refs > 0, resolution=b.size,
+                                        num_frames=b.frames, memory=b.memory, context_parallel=b.context_parallel,
+                                        fsdp=b.fsdp, ema_decay=b.ema_decay))[0]
     return run, train_cfg, cfg
-
-
-def trainable(model, layout, b: BenchConfig) -> None:
-    """What train_a2.py trains of `model`: the kind's own modules (Stand-In's reference LoRA, rank --lora-rank) and,
-    with --mode lora, its own LoRA or else a peft LoRA on the frozen weights (the image K/V adapted only where the
-    step feeds CLIP tokens), trainable weights in fp32."""
-    prepare_model(model, layout, b.lora_rank)
-    if b.mode != "lora":
-        return
-    from peft import LoraConfig
-
-    model.requires_grad_(False)
-    own = kind_weights(model, layout)
-    for p in own:
-        p.requires_grad_(True)
-    if not own:
-        target = LORA_TARGETS if layout.use_clip else LORA_TARGETS.replace("|add_k_proj|add_v_proj", "")
-        model.add_adapter(LoraConfig(r=b.lora_rank, lora_alpha=b.lora_rank, target_modules=target))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-
-
-def context_tokens(layout) -> int:
-    """Cross-attention keys of one sample: the 512 text tokens and 257 CLIP tokens per image where the step feeds
-    them."""
-    return TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
 
 
 def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
     """The references' token grid (rows, cols) at h x w pixels: DINOv3's targets are resized to it (a2/align.py)."""
     s, patch = run.info.vae_scale, run.info.patch_size
     return align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)[2]
-
-
-def cache_targets(b: BenchConfig, run: Run) -> torch.Tensor | None:
-    """--align-refs: the DINOv3 targets a precompute cache would hold, zeros (B, N, rows·cols, --align-dim)."""
-    if not b.align_refs:
-        return None
-    rows, cols = reference_grid(run, *b.size)
-    return torch.zeros(b.batch, len(run.layout.repeats), rows * cols, b.align_dim)
 
 
 def align_target(b: BenchConfig, cfg: dict, model, device, dtype):
@@ -401,9 +368,9 @@ def main(b: BenchConfig) -> dict:
     cuda = b.device == "cuda" or b.device == "auto" and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, b.dtype if b.dtype != "auto" else "bfloat16" if cuda else "float32")
-    if b.context_parallel > 1:
-        raise SystemExit("bench.py --context-parallel N goes with --dry-run (one rank's plan and trace); time a CP "
-                         "step with train_a2.py --context-parallel N under torchrun")
+    if b.context_parallel > 1 or b.fsdp:
+        raise SystemExit("bench.py --context-parallel N and --fsdp go with --dry-run (one rank's plan and trace); time "
+                         "them with train_a2.py under torchrun")
     run, train_cfg, cfg = bench_run(b)
     layout, info = run.layout, run.info
     if device.type == "cuda":
@@ -411,40 +378,36 @@ def main(b: BenchConfig) -> dict:
     # built in place on the device: LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
     # would not fit), full fine-tuning in fp32 (master weights, bf16 autocast)
     model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
-    if b.attention_backend:
-        model.set_attention_backend(b.attention_backend)
-    trainable(model, layout, b)
+    if b.memory.attention_backend:
+        model.set_attention_backend(b.memory.attention_backend)
+    make_trainable(model, layout, b.mode, b.lora_rank, b.lora_rank)
     h, w = b.size
     tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
     packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
     target = None
     if b.align_refs and b.align_loss:  # before the plan: it counts the projectors and the resident target model
         target = align_target(b, cfg, model, device, dtype)
-    compile = resolve_compile(b.compile, device.type)
+    compile = resolve_compile(b.memory.compile, device.type)
     print(f"{layout.describe()} | blocks {'compiled' if compile else 'eager'}")
-    forced = dict(fp8=b.fp8_base, offload=b.offload_activations, swap_blocks=b.swap_blocks, compile=compile)
-    if b.memory == "auto" and device.type == "cuda":
-        plan = plan_for_model(model, b.batch * (tokens + packed), b.max_memory_gb, b.mode == "full", False, device,
-                              **forced)
-    else:
-        plan = MemoryPlan(b.checkpoint_fraction if b.gradient_checkpointing else 0.0, b.save_attention, None, None,
-                          "the flags", b.offload_activations, b.swap_blocks, b.fp8_base)
+    plan = memory_plan(b.memory, model, step_shape(layout, info, b.size, b.batch, 1), b.mode == "full", False,
+                       device, compile, ema=b.ema_decay > 0)
     print(f"memory: {plan}")
-    for line in apply_plan(model, plan, device, compile, b.fp8_matmul):
+    for line in apply_plan(model, plan, device, compile, b.memory.fp8_matmul):
         print(line)
     fraction, save = plan.checkpoint_fraction, plan.save_attention
-    if device.type == "cuda" and b.max_memory_gb:  # a smaller card: the allocator may not go past it from here on
+    if device.type == "cuda" and b.memory.max_memory_gb:  # a smaller card: the allocator may not go past it now
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, b.max_memory_gb * 2**30 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, b.memory.max_memory_gb * 2**30 / total), device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    opt, guard = make_optimizer(train_cfg, params, device)  # the trainer's AdamW, its guard and (--ema-decay) EMA
 
     context = context_tokens(layout)
     # train_a2.py's step on the batch a precompute cache of this run would hold (zero posteriors, text, CLIP tokens)
     batch, enc = synthetic_batch(run, b.batch, h, w)
     # the cache's DINOv3 targets (zeros); with the loss, replaced each step by the target model's
-    batch, enc = zero_batch(batch, enc, run, model.config, cache_targets(b, run), device)
+    batch, enc = zero_batch(batch, enc, run, model.config,
+                            align_zeros(run, b.batch, h, w, b.align_dim) if b.align_refs else None, device)
     if device.type == "cuda":  # pinned once, as train_a2.py's loader hands a batch over: model_inputs' copies queue
         batch = {k: [p.pin_memory() for p in v] if k == "posteriors" else
                  v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -452,15 +415,15 @@ def main(b: BenchConfig) -> dict:
     ref_images = torch.rand(b.batch, len(layout.repeats), 3, h, w, device=device) * 2 - 1
     steps = iter(range(b.warmup + b.steps))
 
-    def step():
-        inputs = model_inputs(batch, next(steps), 0, train_cfg, run, enc, 0, device)
+    def step():  # train_a2.py's: model_inputs, forward_loss, backward, optimizer_step
+        n = next(steps)
+        inputs = model_inputs(batch, n, 0, train_cfg, run, enc, 0, device)
         if target:  # the targets from the pixels each step, as train_a2.py without a cache
             with torch.no_grad():
                 inputs["align_targets"] = align.dino_targets(target, ref_images, reference_grid(run, h, w))
         loss = forward_loss(model, inputs, train_cfg, run, amp, dtype)[0]
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, guard, loss.detach(), n, train_cfg, 1)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(b.warmup):
@@ -500,10 +463,11 @@ def main(b: BenchConfig) -> dict:
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                host_gb=host_rss() / 2**30, host_step_gb=(host_rss() - rss0) / 2**30, plan=str(plan),
+               estimate_gb=plan.estimate_gb,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
-    res.update(backend=b.attention_backend or "default", compile=compile, checkpointing=fraction,
+    res.update(backend=b.memory.attention_backend or "default", compile=compile, checkpointing=fraction,
                save_attention=save and fraction > 0, offload=plan.offload, swap_blocks=plan.swap_blocks, fp8=plan.fp8,
-               memory_cap_gb=b.max_memory_gb if device.type == "cuda" else None)
+               ema=b.ema_decay, memory_cap_gb=b.memory.max_memory_gb if device.type == "cuda" else None)
     if b.compare_run:
         res.update(loop_overhead(b.compare_run, dt))
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
@@ -515,7 +479,10 @@ def main(b: BenchConfig) -> dict:
 
 if __name__ == "__main__":
     b = CLI_CONFIG
-    if b.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
-        raise SystemExit(0 if run_cli(dry_run, b)["fits"] else 3)
+    if b.memory_table:
+        print("\n".join(memory_table(b)))
+        raise SystemExit(0)
+    if b.memory.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
+        raise SystemExit(0 if run_cli(bench_dry_run, b)["fits"] else 3)
     run_cli(check_backends if b.check_backends else bench_opens2v if b.opens2v else bench_loader if b.data_root else
             main, b)

@@ -114,8 +114,9 @@ def option_names(cls, prefix: str = "") -> list[str]:
     names = []
     hints = get_type_hints(cls, include_extras=True)
     for f in fields(cls):
-        hint, name = hints[f.name], prefix + f.name.replace("_", "-")
+        hint = hints[f.name]
         inner, marks = (get_args(hint)[0], get_args(hint)[1:]) if get_origin(hint) is Annotated else (hint, ())
+        name = prefix + next((m.name for m in marks if getattr(m, "name", None)), f.name).replace("_", "-")
         if is_dataclass(inner):  # a section: --section.field, or --field under OmitArgPrefixes
             names += option_names(inner, prefix if tyro.conf.OmitArgPrefixes in marks else name + ".")
             continue
@@ -866,6 +867,67 @@ def with_recipe(cfg):
     return replace(cfg, **filled), filled
 
 
+@dataclass(frozen=True)
+class MemoryConfig:
+    """How a training step fits on its GPU: the memory plan and the flags that force or replace its pieces, shared by
+    train_a2.py and bench.py (their flags keep these names)."""
+
+    mode: Annotated[Literal["auto", "manual"], tyro.conf.arg(name="memory")] = "auto"
+    """How the step's memory is planned. auto (CUDA): one rule (a2/memory.py) plans it from the model, the shape and the
+    free GPU and host memory before the weights move to the GPU, and prints the plan and why: the fewest recomputed
+    blocks that fit, keeping their self-attention; then every block recomputed with what it keeps offloaded to host
+    memory; then (LoRA) fp8 frozen weights; then the fewest blocks swapped to host memory. --gradient-checkpointing,
+    --checkpoint-fraction and --save-attention are then ignored, and --fp8-base, --offload-activations and --swap-blocks
+    force their piece on. manual, and on the CPU: all those flags as given."""
+    max_memory_gb: float | None = None
+    """Makes --memory auto plan for this many GiB per GPU instead of the free memory (e.g. 24 to plan for a smaller
+    card); bench.py also caps the CUDA allocator there for its timed steps (a smaller card, emulated)."""
+    dry_run: bool = False
+    """Tells you before you rent whether a step fits: on any machine (no GPU, no weights read, no data loaded) it builds
+    the transformer at real size on fake tensors, plans and applies its memory as on a GPU with --max-memory-gb (default
+    80), traces two eager training steps' live bytes (a2/trace.py) and prints the device peak by category beside the
+    plan's estimate, in GiB; with --fsdp or --context-parallel, of one rank. It exits 0 if the step fits, 3 if not."""
+    dry_run_ranks: int | None = None
+    """With --dry-run: the run's GPUs (torchrun's world size) it plans one rank of; --fsdp shards over them. Default:
+    --context-parallel (one context-parallel group)."""
+    compile: OnOffAuto = None
+    """Compiles each transformer block with torch.compile (recomputed blocks together with their checkpoint); --compile
+    False runs eager. Default: on with CUDA, the fastest setting that fits (A2-14B LoRA on an H100: 12.09 s/step
+    compiled vs 15.31 eager, 55.2 vs 59.5 GiB peak; 1.3B full FT 3.16 -> 2.40 s/step), off on the CPU. The memory plan
+    is made for the setting used (printed at start). It costs ~1 min up front and a recompile per new input shape
+    (bucket); the recompile limit is raised to the run's shapes so that no block falls back to eager."""
+    attention_backend: str | None = None
+    """The diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
+    SDPA's own choice, which on an H100 ran as fast as _native_cudnn and 1.3x faster than _native_flash (bench.py)."""
+    gradient_checkpointing: bool = True
+    """With --memory manual: recomputes blocks in the backward (see --checkpoint-fraction)."""
+    checkpoint_fraction: float = 1.0
+    """With --memory manual: the fraction of transformer blocks recomputed in the backward (lower: faster, more
+    memory)."""
+    save_attention: bool = False
+    """With --memory manual: selective checkpointing, where recomputed blocks keep their self-attention outputs (about
+    half the forward FLOPs at 81x480x832) and redo only the rest (a2.transformer.configure_blocks). It costs tokens x
+    dim bf16 per block (A2-14B at 81x480x832: 0.31 GiB, ~12.5 GiB for 40 blocks)."""
+    offload_activations: bool = False
+    """Moves what the recomputed blocks keep for the backward (their inputs; with --save-attention the attention
+    outputs) to pinned host memory in the forward, and brings it back one block ahead in the backward, on a side CUDA
+    stream (a2/offload.py). It costs host RAM of that size and two copies of it per step; the results are unchanged. Not
+    with --fsdp."""
+    swap_blocks: int = 0
+    """Keeps the frozen weights of the last N blocks in pinned host memory and copies them to the GPU one block ahead of
+    use, in the forward and the backward (a2/offload.py); LoRA only, not with --training-type full or --fsdp. It frees
+    their bytes on the GPU (A2-14B: 0.65 GiB a block in bf16) for two host->GPU copies of them per step."""
+    fp8_base: bool = False
+    """Stores the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales, dequantized per
+    layer in the forward (a2/fp8.py); LoRA only, not with --fsdp. It halves their bytes against bf16 (A2-14B: 15 GiB
+    less). Norms, embeddings, the output head and the LoRA stay as they are, and the exported LoRA loads on the bf16
+    model. Gradients differ from the bf16 model's by ~3% (e4m3 rounding, tests/test_fp8.py)."""
+    fp8_matmul: bool = False
+    """Multiplies the forward's linears fp8 x fp8 (torch._scaled_mm, the input quantized per token) instead of
+    dequantizing to bf16, with --fp8-base on CUDA compute capability 9.0+ (H100); the backward stays bf16. It is off by
+    default: not yet measured faster."""
+
+
 @dataclass
 class TrainConfig:
     """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
@@ -919,21 +981,14 @@ class TrainConfig:
     the model through the context blocks alone, so that is where it learns them, while the base's text-to-video stays
     as it was; it is also what the labs train (VideoX-Fun's VACE-Fun --trainable_modules vace, DiffSynth-Studio's VACE
     LoRAs --lora_base_model vace, VACE's paper on a frozen base)."""
-    fp8_base: bool = False
-    """Stores the frozen linear weights of the blocks as float8 e4m3 with per-output-channel scales, dequantized per
-    layer in the forward (a2/fp8.py); LoRA only. It halves their bytes against bf16 (A2-14B: 15 GiB less). Norms,
-    embeddings, the output head and the LoRA stay as they are, and the exported LoRA loads on the bf16 model. Gradients
-    differ from the bf16 model's by ~3% (e4m3 rounding, tests/test_fp8.py)."""
-    fp8_matmul: bool = False
-    """Multiplies the forward's linears fp8 x fp8 (torch._scaled_mm, the input quantized per token) instead of
-    dequantizing to bf16, with --fp8-base on CUDA compute capability 9.0+ (H100); the backward stays bf16. It is off by
-    default: not yet measured faster."""
     fsdp: bool = False
-    """Shards the weights, gradients and optimizer state over the ranks (FSDP2 fully_shard per transformer block, then
-    the root; bf16 compute / fp32 reduce on CUDA) instead of DDP, for models that do not fit one GPU; full fine-tuning
-    only. Only rank 0 reads the weights (the others build the model on the meta device and receive their shards), so
-    host RAM holds one full copy, not one per rank. Checkpoints are sharded (torch.distributed.checkpoint, loadable at
-    another world size); the final transformer dir is gathered on rank 0."""
+    """Shards the transformer over the ranks (FSDP2 fully_shard per block, then the root; bf16 compute / fp32 reduce on
+    CUDA) instead of DDP, for a model one GPU cannot hold: each rank keeps 1/N of the weights and gathers a block at a
+    time. Full fine-tuning shards the gradients and optimizer state too; a LoRA shards the frozen base (its adapter
+    trains, checkpoints and exports as under DDP). Only rank 0 reads the weights (the others build the model on the
+    meta device and receive their shards), so host RAM holds one full copy, not one per rank. Checkpoints are sharded
+    (torch.distributed.checkpoint, loadable at another world size; a LoRA's hold the adapter alone); the export is
+    gathered on rank 0."""
     context_parallel: int = 1
     """Splits each sample's tokens over this many ranks (Ulysses context parallel, a2/parallel.py): torchrun's world is
     data-parallel ranks x this. Consecutive ranks form a group (one node), train the same samples with the same noise
@@ -941,51 +996,11 @@ class TrainConfig:
     12). It works with DDP or --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train. auto: CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
-    memory: Literal["auto", "manual"] = "auto"
-    """How the step's memory is planned. auto (CUDA): one rule (a2/memory.py) plans it from the model, the shape and the
-    free GPU and host memory before the weights move to the GPU, and prints the plan and why: the fewest recomputed
-    blocks that fit, keeping their self-attention; then every block recomputed with what it keeps offloaded to host
-    memory; then (LoRA) fp8 frozen weights; then the fewest blocks swapped to host memory. --gradient-checkpointing,
-    --checkpoint-fraction and --save-attention are then ignored, and --fp8-base, --offload-activations and --swap-blocks
-    force their piece on. manual, and on the CPU: all those flags as given."""
-    max_memory_gb: float | None = None
-    """Makes --memory auto plan for this many GB per GPU instead of the free memory (e.g. 24 to plan for a smaller
-    card)."""
-    dry_run: bool = False
-    """Tells you before you rent whether a run fits: on any machine (no GPU, no weights read, no data loaded) it builds
-    the transformer at real size on fake tensors, plans and applies its memory as on a GPU with --max-memory-gb (default
-    80), traces two eager training steps' live bytes (a2/trace.py) and prints the device peak by category beside the
-    plan's estimate. It exits 0 if the run fits, 3 if not."""
-    gradient_checkpointing: bool = True
-    """With --memory manual: recomputes blocks in the backward (see --checkpoint-fraction)."""
-    checkpoint_fraction: float = 1.0
-    """With --memory manual: the fraction of transformer blocks recomputed in the backward (lower: faster, more
-    memory)."""
-    save_attention: bool = False
-    """With --memory manual: selective checkpointing, where recomputed blocks keep their self-attention outputs (about
-    half the forward FLOPs at 81x480x832) and redo only the rest (a2.transformer.configure_blocks). It costs tokens x
-    dim bf16 per block (A2-14B at 81x480x832: 0.34 GB, ~13 GB for 40 blocks)."""
-    attention_backend: str | None = None
-    """The diffusers attention backend (native, _native_cudnn, _native_flash, flash, _flash_3, ...). Default: PyTorch
-    SDPA's own choice, which on an H100 ran as fast as _native_cudnn and 1.3x faster than _native_flash (bench.py)."""
-    compile: OnOffAuto = None
-    """Compiles each transformer block with torch.compile (recomputed blocks together with their checkpoint); --compile
-    False runs eager. Default: on with CUDA, the fastest setting that fits (A2-14B LoRA on an H100: 12.09 s/step
-    compiled vs 15.31 eager, 55.2 vs 59.5 GB peak; 1.3B full FT 3.16 -> 2.40 s/step), off on the CPU. The memory plan is
-    made for the setting used (printed at start). It costs ~1 min up front and a recompile per new input shape (bucket);
-    the recompile limit is raised to the run's shapes so that no block falls back to eager."""
+    memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
+    """How the step fits on each GPU (a2/memory.py): the plan, recomputation, offload, fp8, block swap, compilation,
+    the dry run."""
     mixed_precision: Literal["bf16", "no"] = "bf16"
     """Computes in bf16 autocast on CUDA (fp32 master weights); ignored on the CPU."""
-    offload_activations: bool = False
-    """Moves what the recomputed blocks keep for the backward (their inputs; with --save-attention the attention
-    outputs) to pinned host memory in the forward, and brings it back one block ahead in the backward, on a side CUDA
-    stream (a2/offload.py). It costs host RAM of that size and two copies of it per step; the results are unchanged. Not
-    with --fsdp."""
-    swap_blocks: int = 0
-    """Keeps the frozen weights of the last N blocks in pinned host memory and copies them to the GPU one block ahead of
-    use, in the forward and the backward (a2/offload.py); LoRA only, not with --training-type full or --fsdp. It frees
-    their bytes on the GPU (A2-14B: 0.65 GB a block in bf16) for two host->GPU copies of them per step."""
-
     # data
 
     data_root: str | None = None
@@ -1451,34 +1466,11 @@ class BenchConfig:
     """The samples per forward (train_a2.py: --micro-batch)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to run. auto: the GPU when there is one, else the CPU."""
-    memory: Literal["auto", "manual"] = "auto"
-    """How recomputation is chosen. auto (CUDA): planned by train_a2.py's rule (a2/memory.py), so the figures are the
-    defaults'; manual, and on the CPU: the three flags below."""
-    max_memory_gb: float | None = None
-    """Emulates a smaller card: --memory auto plans for this many GB instead of the free memory, and the CUDA allocator
-    is capped there for the timed steps (torch.cuda.set_per_process_memory_fraction)."""
-    gradient_checkpointing: bool = False
-    """Recomputes transformer blocks in the backward (--checkpoint-fraction of them)."""
-    checkpoint_fraction: float = 1.0
-    """The fraction of blocks recomputed with --gradient-checkpointing (a2.transformer.configure_blocks)."""
-    save_attention: bool = False
-    """Selective checkpointing: recomputed blocks keep their self-attention outputs."""
-    offload_activations: bool = False
-    """Moves what recomputed blocks keep for the backward to pinned host memory (a2/offload.py); forced on under
-    --memory auto."""
-    swap_blocks: int = 0
-    """Keeps this many blocks' frozen weights in pinned host memory (a2/offload.py); LoRA only, a minimum under --memory
-    auto."""
-    fp8_base: bool = False
-    """Stores the frozen block linears as float8 e4m3 with per-channel scales (a2/fp8.py); LoRA only, forced on under
-    --memory auto."""
-    fp8_matmul: bool = False
-    """Multiplies the forward's matmuls fp8 x fp8 (torch._scaled_mm), with fp8 base weights on an H100."""
-    compile: OnOffAuto = None
-    """Compiles the transformer blocks with torch.compile (regional compilation); --compile False: eager. Default: on
-    with CUDA, off on the CPU (as train_a2.py)."""
-    attention_backend: str | None = None
-    """The diffusers attention backend (e.g. native, _native_cudnn, _native_flash, flash, _flash_3)."""
+    memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
+    """How the step fits (train_a2.py's section, the same flags): --memory auto plans it on CUDA as train_a2.py does, so
+    the figures are the defaults'; --memory manual, and the CPU, take the flags."""
+    ema_decay: float = 0.0
+    """Times the step with train_a2.py's EMA of the trained weights at this decay (--ema-decay; 0: none)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it). auto: bfloat16 on a GPU, float32
     on the CPU."""
@@ -1507,15 +1499,14 @@ class BenchConfig:
     right?)."""
     peak_tflops: float | None = None
     """The device's peak dense TFLOP/s for MFU (default: looked up from the GPU name; none on the CPU)."""
-    dry_run: bool = False
-    """Checks the memory instead of timing: builds the model at real size on fake tensors (no GPU, no weights), plans
-    and applies its memory as on a GPU, traces two eager training steps' live bytes (a2/trace.py) and prints the device
-    peak by category beside the plan's estimate. It exits 0 if the step fits --max-memory-gb (default 80), 3 if not."""
     context_parallel: int = 1
     """With --dry-run: plans and traces one rank of a context-parallel group of N (a2/parallel.py, emulated in one
     process), at its share of the tokens (the whole sequence for heads / N in self-attention), with the rank's attention
     FLOPs and all-to-all bytes per block. The timed step is one process: time context parallel under torchrun with
     train_a2.py --context-parallel N."""
+    fsdp: bool = False
+    """With --dry-run: the transformer sharded over --dry-run-ranks ranks (FSDP2, one rank traced in one process, its
+    collectives on a fake process group), as train_a2.py --fsdp shards it."""
     align_refs: int = 0
     """The reference latent frames appended after the video (Phantom's layout: their tokens are in the sequence); 0:
     none (see the module docstring)."""
@@ -1528,6 +1519,10 @@ class BenchConfig:
     align_blocks: tuple[int, ...] = tuple(range(9))
     """The blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, and the list is
     clipped)."""
+    memory_table: bool = False
+    """Prints docs/memory.md's memory table instead of timing: the rule's plan for each row of bench.py's MEMORY_GRID
+    (A2-14B and SkyReels-V3, LoRA and full, 480p and 720p, context parallel 1-8, FSDP, 24-141 GiB cards); with
+    --dry-run also each plan traced at full size (minutes a row)."""
     compare_run: str | None = None
     """A train_a2.py run dir at the same shape and settings: also prints its median s/step (metrics.jsonl, after the
     first logged interval) against this step's, as the training loop's overhead over the bare step."""

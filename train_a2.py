@@ -31,60 +31,41 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
-from a2.augment import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
     Layout,
     PosteriorCache,
-    drop,
     element_layout,
     encode,
     kind_sampling,
-    kind_weights,
     lora_target,
-    loss_start,
     model_flow_shift,
-    model_input,
-    num_latent_frames,
     plan,
-    prepare_model,
     vae_scale,
     validation_layout,
-    video_prediction,
 )
-from a2.ema import ema_decay, ema_load_template, ema_weights, update_ema
+from a2.ema import ema_load_template, ema_weights
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
-from a2.flow import (  # noqa: F401 (tests import flow_loss, noisy_latents, sample_generator, sample_sigma here)
-    flow_loss,
-    noisy_latents,
-    sample_generator,
-    sample_sigma,
-    sigma_cdf,
-    sigma_quantile,
-    timestep_bucket,
+from a2.flow import sigma_cdf, sigma_quantile
+from a2.lora import base_metadata, make_trainable, model_family
+from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
+from a2.parallel import (
+    context_parallel,
+    data_parallel,
+    gathered,
+    grad_scale,
+    meta_replica,
+    setup_distributed,
+    shard_from_rank0,
 )
-from a2.fp8 import scaled_mm_supported
-from a2.lora import base_metadata, check_lora_export, model_family
-from a2.memory import MemoryPlan, apply_plan, plan_for_model, use_expandable_segments
-from a2.parallel import context_parallel, data_parallel, grad_scale
 from a2.pipeline import (
     A2Pipeline,
     decode_vae,
@@ -113,25 +94,28 @@ from a2.runs import (
     save_checkpoint,
     sharded_has_ema,
 )
+from a2.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
+    Encoders,
+    Run,
+    forward_loss,
+    make_optimizer,
+    model_inputs,
+    optimizer_step,
+)
 from a2.tiny import TINY_MODELS, model_path
+from a2.trace import dry_run
 from a2.transformer import (
-    CLIP_TOKENS,
     EXPERTS,
-    TEXT_TOKENS,
-    ModelInfo,
     allow_recompiles,
     detect_model,
     expand_to_e2v,
     expert_sigma_range,
     is_e2v,
-    is_expansion_weight,
     load_transformer,
     save_wan_checkpoint,
-    transformer_class,
 )
 from config import (
     ConfigError,
-    Element,
     TrainConfig,
     check_size,
     dataset_configs,
@@ -201,32 +185,6 @@ def on_rank0(fn, *args, **kwargs):
 # ---------------------------------------------------------------- the run: what a config derives
 
 
-@dataclass(frozen=True)
-class Run:
-    """What a run derives from its config and model dir, computed once by plan_run, printed at start and saved
-    as run.json beside config.json. Never written back into the config."""
-
-    world: int
-    global_batch: int  # micro_batch x grad_accum x world
-    layout: Layout  # the conditioning kind and what it derives (a2/conditioning.py: plan)
-    elements: tuple[Element, ...]
-    info: ModelInfo  # what detect_model read from the model dir
-    subfolder: str  # the transformer trained: transformer, or a Wan 2.2 expert's transformer_2
-    compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
-    sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
-    cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
-    compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
-    val_elements: bool = False  # --val-elements given
-    val_every: int = 0  # --val-every
-    encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
-
-    @property
-    def validates(self) -> bool:
-        """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
-        --val-every)."""
-        return self.val_elements or self.layout.images == "none" and self.val_every > 0
-
-
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     """All derived settings and every check that needs no data or weights: a bad config fails here, before any
     loading. The precompute cache, which hashes the data, is added by with_cache once the dataset is scanned."""
@@ -234,22 +192,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
-    if cfg.fp8_base and cfg.training_type != "lora":
-        raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
-    if cfg.fp8_matmul and not cfg.fp8_base and (cfg.memory == "manual" or device.type != "cuda"):  # else: if planned
-        raise ConfigError("--fp8-matmul multiplies by the fp8 base weights: add --fp8-base")
-    if cfg.fp8_matmul and not scaled_mm_supported(device):
-        raise ConfigError(f"--fp8-matmul needs a CUDA GPU of compute capability 9.0+ (H100), not {device}: drop it "
-                          "(--fp8-base alone computes in bf16)")
-    if cfg.fsdp and cfg.training_type != "full":
-        raise ConfigError("--fsdp shards full fine-tuning (--training-type full); LoRA trains a few weights "
-                          "of a frozen model: drop --fsdp (DDP)")
-    if cfg.swap_blocks and cfg.training_type != "lora":  # full fine-tuning trains every weight
-        raise ConfigError(f"--swap-blocks swaps frozen weights: LoRA only, not --training-type {cfg.training_type}")
-    if cfg.offload_activations and cfg.fsdp:  # its hooks are set up on the unsharded model only
-        raise ConfigError("--offload-activations is not tried with --fsdp: drop one of them")
-    if cfg.swap_blocks < 0:
-        raise ConfigError(f"--swap-blocks {cfg.swap_blocks}: a number of blocks, >= 0")
+    check_flags(cfg.memory, cfg.training_type, cfg.fsdp, device)
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
@@ -282,7 +225,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.compile, device.type), bool(cfg.val_elements), cfg.val_every,
+               resolve_compile(cfg.memory.compile, device.type), bool(cfg.val_elements), cfg.val_every,
                vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
@@ -387,21 +330,6 @@ class RankMicroBatches:
 # ---------------------------------------------------------------- models
 
 
-@dataclass
-class Encoders:
-    """The frozen encoders of a run (None where not loaded: training from the precompute cache) and what the step
-    needs of them: the latents' normalisation and the empty prompt of text dropout."""
-
-    vae: object = None
-    tokenizer: object = None
-    text_encoder: object = None
-    image_encoder: object = None
-    image_processor: object = None
-    latents_config: dict | None = None
-    empty_text: torch.Tensor | None = None  # (1, 512, D)
-    align_target: tuple | None = None  # --align-loss: the DINOv3 model and its normalisation (a2/align.py)
-
-
 def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encoders:
     enc = Encoders()
     if needed:
@@ -424,327 +352,44 @@ def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encod
 
 
 def build_transformer(cfg: TrainConfig, run: Run, rank: int):
-    """The transformer to train: loaded, expanded (a T2V base), LoRA-adapted or full (fp32 master weights); a LoRA's
-    frozen weights load in the compute dtype (norms and time embedding stay fp32, as diffusers loads them).
-    --fsdp: rank 0 alone reads the weights; every rank gets a meta-device replica, and rank 0 also the weights to
-    broadcast once it is sharded (shard_from_rank0). Returns (transformer, rank 0's weights or None)."""
+    """The transformer to train: loaded (a LoRA's frozen weights in the compute dtype; norms and time embedding stay
+    fp32, as diffusers loads them), expanded (a T2V base), made trainable (make_trainable). --fsdp: rank 0 alone
+    reads the weights; every rank gets a meta-device replica made trainable alike, and rank 0 also the weights to
+    broadcast once it is sharded (a2/parallel.py shard_from_rank0). Returns (transformer, rank 0's weights or
+    None)."""
     torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = None
     if rank == 0 or not cfg.fsdp:
-        frozen = cfg.training_type == "lora"  # (a LoRA's expansion weights are made fp32 below)
+        frozen = cfg.training_type == "lora"  # (a LoRA's expansion weights are made fp32 by make_trainable)
         transformer = load_transformer(run.info.path, run.compute_dtype if frozen else torch.float32, run.subfolder)
         if run.layout.expand:
             log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
             transformer = expand_to_e2v(transformer, image_dim=run.info.image_encoder_dim if run.layout.image_branch
                                         else None, seed=cfg.seed)
-    source = None
-    if cfg.fsdp:
-        transformer, source = meta_replica(transformer)
-    assert is_e2v(transformer) or not run.layout.channel
-    prepare_model(transformer, run.layout, cfg.lora_rank)  # Stand-In: its processors and reference LoRA
-    if cfg.training_type == "lora":
-        from peft import LoraConfig
+        assert is_e2v(transformer) or not run.layout.channel
+        prepare_trainable(transformer, cfg, run)
+    if not cfg.fsdp:
+        return transformer, None
+    return meta_replica(transformer, lambda model: prepare_trainable(model, cfg, run))
 
-        transformer.requires_grad_(False)
-        # an expansion's image K/V train in full (below), no LoRA on them
-        keep_kv = run.layout.use_clip and not run.layout.expand
-        target = cfg.lora_target if keep_kv else cfg.lora_target.replace("|add_k_proj|add_v_proj", "")
-        target = lora_target(run.layout, target, cfg.vace_lora_target)  # VACE: its context blocks, by default
-        own = kind_weights(transformer, run.layout)  # Stand-In: its reference LoRA is the adapter
-        for p in own:
-            p.requires_grad_(True)
-        if not own:
-            transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                               lora_dropout=cfg.lora_dropout, target_modules=target,
-                                               init_lora_weights=True))
-            try:  # export writes original-Wan keys too: a target with none fails now, not after training
-                check_lora_export(transformer)
-            except ValueError as e:
-                raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
-        if run.layout.expand:  # the weights the expansion created have nothing to adapt: they train in full and ship
-            for name, p in transformer.named_parameters():  # beside the adapter (a2/lora.py: e2v_weights)
-                if is_expansion_weight(name) and ".lora_" not in name:
-                    p.requires_grad_(True)
-        for p in transformer.parameters():  # LoRA (and expansion) weights train in fp32
-            if p.requires_grad:
-                p.data = p.data.float()
-    if cfg.align_loss:  # trainable fp32 submodule: optimised, reduced, checkpointed, planned; never exported
+
+def prepare_trainable(transformer, cfg: TrainConfig, run: Run):
+    """What the run trains of `transformer`, in place (a2/lora.py make_trainable; --align-loss: its projectors, a
+    trainable fp32 submodule: optimised, reduced, checkpointed, planned, never exported), in training mode."""
+    try:
+        make_trainable(transformer, run.layout, cfg.training_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                       lora_target(run.layout, cfg.lora_target, cfg.vace_lora_target))  # VACE: its context blocks
+    except ValueError as e:  # a --lora-target with no original-Wan name
+        raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
+    if cfg.align_loss:
         try:
             align.install(transformer, align.target_dim(cfg.align_model), cfg.align_blocks, seed=cfg.seed)
         except ValueError as e:  # a block the model lacks
             raise ConfigError(str(e)) from None
-    transformer.train()
-    return transformer, source
-
-
-def memory_plan(cfg: TrainConfig, run: Run, transformer, device) -> MemoryPlan:
-    """How the step fits (a2/memory.py), decided before the transformer's weights move to the GPU: --memory auto on
-    CUDA plans recomputation, activation offload, fp8 frozen weights and swapped blocks from the model, the shape and
-    the memory (the flags --fp8-base, --offload-activations, --swap-blocks force their piece on); --memory manual and
-    the CPU take the flags."""
-    if cfg.memory == "manual" or device.type != "cuda":
-        return MemoryPlan(cfg.checkpoint_fraction if cfg.gradient_checkpointing else 0.0, cfg.save_attention, None,
-                          None, "the flags", cfg.offload_activations, cfg.swap_blocks, cfg.fp8_base)
-    h, w = cfg.resolution
-    tokens = cfg.micro_batch * run.layout.tokens(run.info, h, w)  # incontext, standin: with the refs
-    tokens = -(-tokens // cfg.context_parallel)  # a rank's share of a context-parallel split (a2/parallel.py)
-    plan = plan_for_model(transformer, tokens, cfg.max_memory_gb, cfg.training_type == "full", cfg.fsdp, device,
-                          ema=cfg.ema_decay > 0, fp8=cfg.fp8_base, offload=cfg.offload_activations,
-                          swap_blocks=cfg.swap_blocks, compile=run.compile)
-    return replace(plan, why=f"--memory auto: {plan.why}")
-
-
-def dry_run(cfg: TrainConfig, run: Run) -> dict:
-    """--dry-run (TrainConfig.dry_run): the step's memory at real size without a GPU or weights (a2/trace.py),
-    planned by the rule for a --max-memory-gb card (80 by default). Exits 3 when the traced peak does not fit."""
-    from a2.memory import model_bytes, plan_memory
-    from a2.trace import compiled_peak, report
-    from a2.trace import dry_run as trace_step
-
-    layout = run.layout  # the largest element set: the configured one (data buckets hold it or a subset)
-    if cfg.fsdp:
-        raise ConfigError("--dry-run traces one process's step: drop --fsdp")
-    # as on CUDA: bf16 with --mixed-precision bf16, the blocks compiled unless --compile False
-    run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.compile, "cuda"))
-    h, w = cfg.resolution
-    b = cfg.micro_batch
-    budget = cfg.max_memory_gb or 80.0
-    full = cfg.training_type == "full"
-    tokens = -(-b * layout.tokens(run.info, h, w) // cfg.context_parallel)  # one rank's share under CP
-    config = {}
-    log(f"dry run: the step of the run's largest element set, {len(layout.repeats)} element(s)")
-
-    def plan_for(model):
-        config.update(model.config)
-        if cfg.memory == "manual":
-            return memory_plan(cfg, run, model, torch.device("cpu"))
-        # the host is the GPU machine's, not this one's: what the plan pins is printed (report)
-        m = model_bytes(model, full, False, ema=cfg.ema_decay > 0)
-        plan = plan_memory(dict(model.config), tokens, budget * 2**30, m, float("inf"), fp8=cfg.fp8_base,
-                           offload=cfg.offload_activations, swap_blocks=cfg.swap_blocks, compile=run.compile)
-        return replace(plan, why=f"--memory auto: {plan.why}")
-
-    batch, enc = synthetic_batch(run, b, h, w)
-
-    def forward(model):  # the training step itself (model_inputs + forward_loss), on zero posteriors
-        # the inputs are real (small, latent-sized) tensors: the step's per-sample draws read values
-        with unset_fake_temporarily():
-            zeros, zeros_enc = zero_batch(batch, enc, run, model.config, align_zeros(cfg, run, b, h, w))
-            inputs = model_inputs(zeros, 0, 0, cfg, run, zeros_enc, 0, torch.device("cpu"))
-        amp = torch.autocast("cpu", dtype=torch.bfloat16)
-        return forward_loss(model, inputs, cfg, run, amp, torch.bfloat16)[0]
-
-    def build():  # --context-parallel N: one rank of the group, emulated in this process (a2/parallel.py)
-        model = build_transformer(cfg, run, 0)[0]
-        if cfg.context_parallel > 1:
-            context_parallel(model, None, cfg.context_parallel)
-        return model
-
-    tracer, plan = trace_step(build, plan_for, forward)
-    log(f"memory: {plan}")
-    full_blocks = config["num_layers"] - round(plan.checkpoint_fraction * config["num_layers"])
-    compiled = compiled_peak(tracer, config, tokens, full_blocks) / 2**30 if run.compile else None
-    lines, fits = report(tracer, plan, budget, compiled_gb=compiled)
-    log("\n".join(lines))
-    if not fits:
-        sys.exit(3)
-    return dict(peak_gb=tracer.peak.total / 2**30, estimate_gb=plan.estimate_gb, host_gb=tracer.host_peak / 2**30,
-                compiled_gb=compiled)
-
-
-def align_zeros(cfg: TrainConfig, run: Run, b: int, h: int, w: int) -> torch.Tensor | None:
-    """--align-loss: zero DINOv3 targets (B, N, L, D) of the run's references, as its precompute cache holds them."""
-    if not cfg.align_loss:
-        return None
-    patch, s = run.info.patch_size, run.info.vae_scale
-    starts, tokens, _ = align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)
-    return torch.zeros(b, len(starts), tokens, align.target_dim(cfg.align_model))
-
-
-class PosteriorShapes:
-    """A VAE stand-in that hands out a posterior of the right shape for each encode, on the meta device (no data):
-    what a precompute cache of the run would hold, for a synthetic batch."""
-
-    def __init__(self, info):
-        self.config = SimpleNamespace(latents_mean=[0.0] * info.z_dim, latents_std=[1.0] * info.z_dim,
-                                      scale_factor_spatial=info.vae_scale)
-        self.z_dim, self.shapes = info.z_dim, []
-
-    def parameters(self):
-        return iter([torch.empty(0, device="meta")])
-
-    def encode(self, pixels: torch.Tensor):
-        b, _, f, h, w = pixels.shape
-        s = self.config.scale_factor_spatial
-        params = torch.zeros(b, 2 * self.z_dim, num_latent_frames(f), h // s, w // s, device="meta")
-        self.shapes.append(tuple(params.shape))
-        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
-
-
-def synthetic_batch(run: Run, b: int, h: int, w: int) -> tuple[dict, Encoders]:
-    """A cached batch of the run's layout (its largest element set) as model_inputs reads it, and the Encoders of a
-    run trained from the cache: the posteriors' shapes (the kind's VAE calls, traced on meta tensors), no data. The
-    dry run fills them with zeros (fake tensors)."""
-    layout = run.layout
-    vae = PosteriorShapes(run.info)
-    video = torch.empty(b, 3, layout.clip_frames, h, w, device="meta")
-    size = layout.reference_size or (h, w)
-    refs = torch.empty(b, layout.reference_images, 3, *size, device="meta") if layout.takes_references else None
-    region = torch.ones(b, h, w, dtype=torch.bool) if layout.takes_region else None
-    encode(vae, layout, video, refs, None, "argmax", region)
-    batch = dict(indices=list(range(b)), posteriors=vae.shapes, video_shape=tuple(video.shape),
-                 ref_shape=None if refs is None else tuple(refs.shape), region=region, repeats=layout.repeats,
-                 element_names=tuple(e.name for e in run.elements) if layout.takes_references else ())
-    return batch, Encoders(latents_config=vars(vae.config))
-
-
-def zero_batch(batch: dict, enc: Encoders, run: Run, config, align_targets: torch.Tensor | None = None,
-               device="cpu") -> tuple[dict, Encoders]:
-    """synthetic_batch's shapes as zero tensors (the dry run's and bench.py's step): the posteriors, the text and
-    CLIP tokens a precompute cache would hold for a transformer of `config`, `align_targets` as its DINOv3 targets
-    (--align-loss), and the empty prompt of text dropout on `device`."""
-    b = len(batch["indices"])
-    zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]], align=align_targets,
-                 text=torch.zeros(b, TEXT_TOKENS, config.text_dim),  # (B, 512, D)
-                 clip=torch.zeros(b, CLIP_TOKENS * run.layout.reference_images, config.image_dim or 1)
-                 if run.layout.use_clip else None)  # (B, 257·N, D)
-    return zeros, replace(enc, empty_text=torch.zeros(1, TEXT_TOKENS, config.text_dim, device=device))
-
-
-def meta_replica(transformer):
-    """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the
-    other ranks pass None and read no weights: host RAM holds one full fp32 copy, not one per rank: 14B = 57 GB).
-    Returns (meta model, what shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
-    config = [dict(transformer.config) if RANK == 0 else None]
-    dist.broadcast_object_list(config, src=0)
-    with torch.device("meta"):
-        replica = transformer_class(config[0]).from_config(config[0])  # VACE's: its context blocks too
-    source = None
-    if RANK == 0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
-        source = transformer.state_dict(), dict(transformer.named_buffers())
-    return replica, source
-
-
-def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
-    """FSDP2: shard meta_replica's model (each block, then the root: embeddings, head; compute in param_dtype,
-    gradients reduced in fp32), materialise it on `device` and fill it from rank 0's `source`: each weight is
-    broadcast once and every rank keeps its own shard; unsharded buffers are copied whole.
-    Inputs are not cast (cast_forward_inputs=False): bf16 autocast does the casting as under DDP, and the timestep
-    and RoPE tables, which FSDP would cast to bf16 (a timestep of 937.5 becomes 936), stay fp32 as under DDP."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for block in [*model.blocks, *getattr(model, "vace_blocks", ())]:  # VACE's context blocks are blocks too
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # `model` becomes the sharded module itself
-    model.to_empty(device=device)
-    set_model_state_dict(model, source[0] if RANK == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    with torch.no_grad():
-        for name, buf in model.named_buffers():  # to_empty left them uninitialised (not in a state dict)
-            if RANK == 0:
-                buf.copy_(source[1][name])
-            dist.broadcast(buf, src=0)
+    return transformer.train()
 
 
 # ---------------------------------------------------------------- one step: model inputs, loss
-
-
-def h2d(x: torch.Tensor, device) -> torch.Tensor:
-    """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
-    .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""
-    if device.type != "cuda":
-        return x
-    return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
-
-
-def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device) -> dict:
-    """Everything the transformer and the loss take for this rank's j-th micro-batch of `step`: x0, noise, sigma,
-    the Conditioning (a2/conditioning.py), text tokens, with text and reference dropout applied. Each sample draws
-    from its own generator (a2/flow.py: sample_generator): sigma, dropout, noise, then the VAE posteriors, as A2's
-    inference orders its draws."""
-    cached = "posteriors" in batch
-    b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
-    ks = [(j * run.world + rank) * cfg.micro_batch + i for i in range(b)]
-    key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
-    gens = [sample_generator(cfg.seed, key, k) for k in ks]
-    drop_text = [torch.rand((), generator=g).item() for g in gens]
-    drop_refs = [torch.rand((), generator=g).item() for g in gens]
-    drop_text, drop_refs = dropouts(cfg, drop_text, drop_refs)
-    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
-                                                                                   cfg.timestep_buckets))
-                               for g, k in zip(gens, ks)]), device)  # (B,)
-    layout = element_layout(run.layout, batch["repeats"])  # the batch's element set (its bucket's)
-    with torch.no_grad():
-        s = run.info.vae_scale
-        noise = h2d(torch.stack([torch.randn(run.info.z_dim, num_latent_frames(layout.num_frames), height // s,
-                                             width // s, generator=g) for g in gens]), device)
-        # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
-        vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
-        video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
-        refs = None
-        if layout.takes_references:
-            refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
-            if cfg.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
-                refs = augment_references(refs, [sample_generator(cfg.seed, key, k, stream=AUGMENT_STREAM)
-                                                 for k in ks])
-            refs = refs if cached else h2d(refs, device)
-        region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
-        x0, cond = encode(vae, layout, video, refs, gens, run.encode_mode,
-                          None if region is None else h2d(region, device))
-        text = (h2d(batch["text"], device) if cached
-                else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
-        text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
-        if layout.use_clip:
-            cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
-                          image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
-        cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
-        targets = None
-        if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
-            patch = run.info.patch_size
-            _, _, grid = align.reference_spans(layout, (height // s // patch[1], width // s // patch[2]), patch)
-            targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
-    return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
-                tokens=b * layout.tokens(run.info, height, width),
-                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
-                references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
-
-
-def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
-    """Which samples drop their prompt and their references, from each sample's two uniform draws: independently
-    (--joint-dropout 0: u_text < --text-dropout, u_refs < --reference-dropout), or as exclusive cases of u_text alone
-    (RefAlign's): [0, p_text) the prompt, then p_refs the references, then p_joint both."""
-    if not cfg.joint_dropout:
-        return [u < cfg.text_dropout for u in u_text], [u < cfg.reference_dropout for u in u_refs]
-    t, r, j = cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout
-    return [u < t or t + r <= u < t + r + j for u in u_text], [t <= u < t + r + j for u in u_text]
-
-
-def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
-    """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
-    x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
-    x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
-    patch_size = getattr(model, "module", model).config.patch_size
-    x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
-    layout = inputs["layout"]  # the batch's element set (model_inputs')
-    prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
-    spans = None
-    if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens
-        spans = align.reference_spans(layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
-                                      patch_size)[:2]
-    with amp, (align.capture(model, spans) if spans else nullcontext()) as features:
-        pred = model(hidden_states=x_in.to(dtype), timestep=timestep, encoder_hidden_states=inputs["text"].to(dtype),
-                     encoder_hidden_states_image=None if cond.image is None else cond.image.to(dtype),
-                     return_dict=False)[0]
-    pred = video_prediction(pred, cond)
-    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, loss_start(cond, cfg.loss_on_references))
-    if spans:
-        loss = loss + cfg.align_weight * align.align_loss(features, inputs["align_targets"], sigmas,
-                                                          inputs["references_kept"], cfg.align_gate_floor,
-                                                          cfg.align_gate_power)
-    s = sigmas.view(-1, 1, 1, 1, 1)
-    viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
-               reference_images=inputs["reference_images"])
-    return loss, viz
 
 
 # ---------------------------------------------------------------- precompute, validation, visualisation
@@ -974,12 +619,12 @@ def checkpoint(run_dir: Path, step: int, transformer, opt, cfg: TrainConfig, fai
     return save() if cfg.fsdp else on_rank0(save)
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | None = None, tag: str = "",
-                   metadata: dict | None = None, original_keys: str | None = None) -> Path:
+def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metadata: dict | None = None,
+                   original_keys: str | None = None) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), see a2/lora.py;
-    full fine-tune -> a save_pretrained transformer dir (--fsdp: of `full_state`, the gathered weights), and the same
-    weights as one bf16 file in original Wan keys, transformer_comfy.safetensors (ComfyUI, Wan's code).
+    full fine-tune -> a save_pretrained transformer dir, and the same weights as one bf16 file in original Wan keys,
+    transformer_comfy.safetensors (ComfyUI, Wan's code). `model`: unsharded (--fsdp: a2/parallel.py gathered's).
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
@@ -996,10 +641,6 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
                                        (f"_{cfg.expert}" if cfg.expert else "") + tag, metadata)
         with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
             return export_lora(run_dir, bare, cfg.expert, tag, metadata)[0]
-    if full_state is not None:  # a plain (unsharded) model around the gathered weights, no copy
-        with torch.device("meta"):
-            model = transformer_class(model.config).from_config(model.config)
-        model.load_state_dict(full_state, assign=True)
     out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
     with align.without_projectors(model) as model:  # the alignment loss's projectors are no part of the model
         model.save_pretrained(out)
@@ -1021,14 +662,21 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, full_state: dict | No
     return out
 
 
-def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, rank: int,
+def export_ema(run_dir: Path, transformer, opt, params, cfg: TrainConfig, run: Run, rank: int,
                metadata: dict | None = None) -> Path | None:
     """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
     pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
     with ema_weights(opt, params):
-        full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-            if cfg.fsdp else None
-        return export_weights(run_dir, transformer, cfg, full, tag="_ema", metadata=metadata) if rank == 0 else None
+        model = unsharded(transformer, cfg, run)
+        return export_weights(run_dir, model, cfg, tag="_ema", metadata=metadata) if rank == 0 else None
+
+
+def unsharded(transformer, cfg: TrainConfig, run: Run):
+    """The transformer to export: itself, or --fsdp on rank 0 a plain model of the gathered trained weights (a LoRA's
+    adapter alone), None on the other ranks (a collective on every rank)."""
+    if not cfg.fsdp:
+        return transformer
+    return gathered(transformer, lambda model: prepare_trainable(model, cfg, run), cfg.training_type == "lora")
 
 
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
@@ -1039,31 +687,6 @@ def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point
         lock.acquire()
     record_start(run_dir, asdict(cfg), point, run.world)
     (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
-
-
-def setup_distributed(cfg: TrainConfig):
-    """(world, rank, local_rank, device, ctrl): the process group (NCCL on CUDA, gloo on the CPU; a one-rank group
-    for --fsdp in one process) and ctrl, the CPU group the stop flag is agreed through each step, so that it never
-    waits for the GPU."""
-    global RANK
-    use_expandable_segments()  # before CUDA initialises
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    RANK = rank
-    use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    elif cfg.fsdp:  # one process: FSDP still needs a (one-rank) process group
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
-    if use_cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return world, rank, local_rank, device, ctrl
 
 
 def lock_existing(run_dir: Path, lock: RunLock) -> None:
@@ -1085,14 +708,17 @@ def place_transformer(cfg: TrainConfig, run: Run, rank: int, device, shapes: int
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
-    plan = memory_plan(cfg, run, transformer, device)
+    # decided before the weights move to the GPU (a2/memory.py), for a rank's share of the tokens
+    plan = memory_plan(cfg.memory, transformer, step_shape(run.layout, run.info, cfg.resolution, cfg.micro_batch,
+                                                            cfg.context_parallel),
+                       cfg.training_type == "full", cfg.fsdp, device, run.compile, ema=cfg.ema_decay > 0)
     log(f"memory: {plan}")
     if run.compile:
         allow_recompiles(shapes)
-    for line in apply_plan(transformer, plan, device, run.compile, cfg.fp8_matmul):  # fp8, swap, to(device), blocks
-        log(line)
-    if cfg.attention_backend:
-        transformer.set_attention_backend(cfg.attention_backend)
+    for line in apply_plan(transformer, plan, device, run.compile, cfg.memory.fp8_matmul):  # fp8, swap, to(device),
+        log(line)  # blocks
+    if cfg.memory.attention_backend:
+        transformer.set_attention_backend(cfg.memory.attention_backend)
     return transformer
 
 
@@ -1170,16 +796,13 @@ def export(run_dir: Path, model, transformer, opt, params, cfg: TrainConfig, run
     checkpoint (Phantom-Wan, RefAlign) also in those keys."""
     original_keys = run.layout.original_export if run.info.original_weights else None
     metadata = base_metadata(transformer.config, model_family(run.info), run.layout.kind, cfg.model)
-    out, full_state = {}, None
-    if cfg.fsdp:  # rank 0 gets the full weights on CPU, the others {}
-        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out, trained = {}, unsharded(transformer, cfg, run)
     if rank == 0:
-        out["weights"] = export_weights(run_dir, transformer, cfg, full_state, original_keys=original_keys,
-                                        metadata=metadata)
+        out["weights"] = export_weights(run_dir, trained, cfg, original_keys=original_keys, metadata=metadata)
         log(f"exported {out['weights']}")
-    del full_state
+    del trained
     if cfg.ema_decay:
-        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, rank, metadata)
+        out["ema_weights"] = export_ema(run_dir, transformer, opt, params, cfg, run, rank, metadata)
         log(f"exported the EMA weights {out['ema_weights']}")
     return out
 
@@ -1204,10 +827,7 @@ def optimizer_and_resume(cfg: TrainConfig, params, transformer, dataset, point, 
     """AdamW over the trainable weights, its non-finite guard and the run's load-failure bookkeeping, restored from
     the checkpoint when resuming (what changed in the dataset since, said by path). Returns (opt, guard, failures,
     start_step)."""
-    # fused: a non-finite step is skipped through its found_inf (NonFiniteSteps), on the device
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
-                            fused=True)
-    guard = NonFiniteSteps(opt, device)
+    opt, guard = make_optimizer(cfg, params, device)
     failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
                             dataset.stamp)
     if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
@@ -1221,28 +841,19 @@ def optimizer_and_resume(cfg: TrainConfig, params, transformer, dataset, point, 
     return opt, guard, failures, state["step"]
 
 
-def optimizer_step(opt, params, guard, step_loss, step: int, cfg: TrainConfig, world: int):
-    """Clip, step (skipped on the device when the loss or the norm is not finite) and update the EMA. Returns the
-    gradient norm before clipping."""
-    if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
-        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-    guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
-    opt.step()
-    if cfg.ema_decay:
-        update_ema(opt, params, ema_decay(cfg.ema_decay, step))
-    return grad_norm
-
-
 def main(cfg: TrainConfig) -> dict:
     cfg, recipe = with_recipe(cfg)  # what the flags left out, from the model's recipe (config.RECIPES), said below
     # ---------------------------------------------------------------- distributed setup
     if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
         # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
         model_path(cfg.model)
-    world, rank, local_rank, device, ctrl = setup_distributed(cfg)
+    global RANK
+    use_expandable_segments()  # before CUDA initialises
+    world, RANK, local_rank, device, ctrl = setup_distributed(cfg.device, cfg.fsdp and not cfg.memory.dry_run)
+    rank = RANK
     # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
-    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.dry_run else cfg.context_parallel, device.type)
+    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.memory.dry_run else cfg.context_parallel,
+                                                device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
 
@@ -1251,8 +862,11 @@ def main(cfg: TrainConfig) -> dict:
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements or cfg.dataset_config))[0]  # as planned
     check_extra_options(cfg)
-    if cfg.dry_run:
-        return dry_run(cfg, run)
+    if cfg.memory.dry_run:  # one rank's step traced at real size (a2/trace.py); the harness shards with --fsdp
+        result = dry_run(cfg, run, lambda run: build_transformer(replace(cfg, fsdp=False), run, 0)[0], log=log)
+        if not result["fits"]:
+            sys.exit(3)
+        return result
     run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lock_existing, run_dir, lock)

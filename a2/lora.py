@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from a2.transformer import diffusers_module_name, wan_module_name
+from a2.conditioning import kind_weights, prepare_model
+from a2.transformer import diffusers_module_name, expand_to_e2v, is_e2v, is_expansion_weight, wan_module_name
+from config import LORA_TARGETS, InputError
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -58,6 +60,39 @@ def original_module(name: str) -> str:
     if (m[1] if m else name) in (_LORA_BLOCK if m else _LORA_TOP):
         return wan_module_name(name)
     raise ValueError(f"LoRA on {name!r}: no original-Wan name that ComfyUI/diffusers loaders map back")
+
+
+def make_trainable(transformer, layout, training_type: str, rank: int, alpha: float, dropout: float = 0.0,
+                   target: str = LORA_TARGETS) -> None:
+    """What a run trains of `transformer` (train_a2.py and bench.py alike), in place. The kind's own modules
+    (Stand-In's processors and reference LoRA of `rank`), then full fine-tuning: every weight, as it is (fp32 master
+    weights); a LoRA: the frozen base with the kind's own LoRA, else a peft LoRA (rank, alpha, dropout) on the
+    modules `target` matches, the image K/V only where the step feeds CLIP tokens and an expansion does not create
+    them, checked exportable before any step (ValueError naming the cause); the weights an expansion creates train
+    in full beside it (they have nothing to adapt and ship in e2v_weights); trainable weights in fp32."""
+    from peft import LoraConfig
+
+    prepare_model(transformer, layout, rank)
+    if training_type != "lora":
+        return
+    transformer.requires_grad_(False)
+    own = kind_weights(transformer, layout)  # Stand-In: its reference LoRA is the adapter
+    for p in own:
+        p.requires_grad_(True)
+    if not own:
+        keep_kv = layout.use_clip and not layout.expand  # an expansion's image K/V train in full (below)
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
+                                           target_modules=target if keep_kv else
+                                           target.replace("|add_k_proj|add_v_proj", "")))
+        if transformer.device.type != "meta":  # (a replica of a model checked so: FSDP's, a2/parallel.py)
+            check_lora_export(transformer)  # export writes original-Wan keys too: a target with none fails now
+    if layout.expand:
+        for name, p in transformer.named_parameters():
+            if is_expansion_weight(name) and ".lora_" not in name:
+                p.requires_grad_(True)
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
 
 
 def adapter_state_dict(model, adapter: str = "default") -> dict[str, torch.Tensor]:
@@ -269,8 +304,6 @@ def load_expanded(base, lora):
     the file holds one. The LoRA itself is loaded afterwards (load_lora), as on any E2V model."""
     from safetensors.torch import load_file
 
-    from a2.transformer import expand_to_e2v, is_e2v, is_expansion_weight
-
     path = expansion_file(lora)
     if not path.is_file():
         return None
@@ -327,8 +360,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
     A file whose pairs do not all fit the transformer (trained on another base: a module it lacks, other widths) is
     refused in one line; force=True loads the pairs that fit. diffusers only warns when no key matched the model,
     so that is an error here."""
-    from config import InputError
-
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")

@@ -1,34 +1,51 @@
-"""GPU memory of a training step: an estimate of its peak, and the `--memory auto` rule built on it.
+"""GPU memory of a training step on one rank: the estimate of its peak, and the `--memory auto` rule built on it.
 
-The step's peak, on one rank, is the larger of the forward's end and the recomputed blocks' backward:
-    weights    what never leaves the GPU (weights outside the blocks, trainable weights, encoders left loaded,
-               the allocator's share), plus each block's frozen weights: all n blocks in their dtype, or, with
-               `fp8`, their linear weights as float8 with one fp32 scale per row (a2/fp8.py), or, with
-               `swap_blocks` s, n - s blocks resident and up to three (at most s) swapped blocks on the device at
-               once (the one in use, the one being fetched, the one just released; a2/offload.py)
-  + state      AdamW's two moments of the trainable weights (8 bytes each), and in the backward their fp32
-               gradients (4 more; set to None after each step, so none in the forward); for full fine-tuning
-               without FSDP, in the forward, autocast's bf16 copies of the weights (they live through it);
-  + saved      what the forward keeps for backward, per block, with L tokens, model dim d, FFN dim f, h heads:
-                 recomputed block:            its input, 2·L·d bytes (bf16)
-                 + with save_attention:       the self-attention output and log-sum-exp, 2·L·d + 4·L·h
-                 block not recomputed:        all its activations, L·(A·d + B·f) bytes (eager: 1.8x); in the
-                                              backward of the recomputed blocks, freed already
-               with `offload`, recomputed blocks' saved tensors go to pinned host memory as soon as they are made
-               and come back one block ahead of their backward: two blocks' worth stays on the GPU;
-  + transient  forward: the working set beyond what blocks keep, 4·L·f (an FFN hidden before and after GELU);
-               backward: one block's activations and their gradients while it is recomputed and back-propagated,
-               2·L·(A·d + B·f) (eager LoRA: + 2·L·(12d + 0.4f), peft's fp32 LoRA inputs); plus (FSDP) two
-               unsharded bf16 blocks (the current one and the prefetched one).
-A and B are per-token byte counts of a Wan block under bf16 autocast, measured on an H100 (bench.py, see the
-README's speed section): the FFN keeps its input and two f-wide tensors, the attention its projections, norms
-and RoPE'd queries/keys. Host (pinned) memory: the swapped blocks' weights and the offloaded activations.
+The step's memory falls into the categories a dry run's trace counts (a2/trace.py), in five phases; the peak is the
+largest phase (`step_memory`). With n blocks of which the first k are recomputed, L tokens on this rank (Lf in the
+whole sequence: context parallel splits it), model dim d, FFN dim f, h heads of width e, Lc cross-attention keys
+(512 text + 257 per CLIP image), T trainable weights on this rank (fp32):
+    weights    frozen weights on the GPU: those outside the blocks and what else is allocated (encoders), and each
+               block's: all n in their dtype, or with `fp8` their linear weights as float8 + one fp32 scale per row
+               (a2/fp8.py), or with `swap_blocks` s, n - s resident (a2/offload.py); under FSDP a rank's shards and
+               the block gathered in use (as the trace shows it: a GPU also holds the next block's prefetched
+               gather, within the margin), a LoRA's forward also the weights outside the blocks and one more block
+               (its frozen weights' gathers are freed late)
+    swapped    swapped blocks fetched to the GPU: two (at most s) at once, the one in use and the next
+    state      T·(4 weights + 8 AdamW moments [+ 4 EMA]) always; in the forward autocast's bf16 copies of the
+               trainable weights (2·T: they live through it; not under FSDP, whose gathered weights are bf16 already);
+               in the backward the fp32 gradients of the blocks done so far (4·T per block / n)
+    kept       what the forward keeps for backward: per recomputed block its input, 2·L·d (with `save_attention`
+               also the self-attention output and log-sum-exp, 2·L·d + 4·L·h; with `offload` two blocks' worth stay,
+               the rest is in pinned host memory); per block not recomputed all its activations (`full_block`);
+               outside the blocks RoPE's tables and the context (8·L·e + 2·Lc·d; full fine-tuning 8·Lc·d); at the
+               forward's end the head's (norm_out's fp32 input, 4·L·d; full fine-tuning 10·L·d) and the gathered
+               output
+    transient  the working set: in the forward a block's (`FORWARD`, the FFN hidden and peft's fp32 LoRA inputs;
+               context parallel: + Lf·d, its exchange), or the whole sequence before the first block splits it
+               (Lf·(2.6·d + 8·e));
+               in the backward through blocks not recomputed one block's backward (`BACKWARD`); in the backward of
+               the recomputed blocks one block's recomputation and backward (`recompute_transient`); full fine-tuning
+               under FSDP also a block's fp32 gradients as they are reduce-scattered
+The phases: forward (at the last block; under context parallel also the first), forward's end, backward (through the
+head and the blocks not recomputed: everything kept is still there), recompute (the recomputed blocks' backward, the
+blocks not recomputed freed, at its first block or at its last where full fine-tuning's gradients outgrow what the
+blocks keep), step (the optimizer's, with every gradient).
+
+What a block keeps and holds depends on eager or compiled execution, and on how the trained weights compute
+(ModelBytes.precision: peft's LoRA in fp32, a LoRA under FSDP in bf16, full fine-tuning). Eager, the per-token
+coefficients below are fitted to dry-run traces (a2/trace.py) of A2-14B and Wan 1.3B, LoRA and full, with and without
+CLIP, at 32,760 and 75,600 tokens and context parallel 2-8 (each fitted case within 2% of its trace; a LoRA under FSDP
+on A2-14B alone). Compiled, a block not recomputed keeps L·(24d + 4f) and a recomputed block's backward holds
+2·L·(24d + 4f) (H100, bench.py: a compiled block's graph plans its buffers); the forward's working set and the
+backward through blocks not recomputed are taken as eager's (not measured compiled). A dry run traces eager and gives
+the compiled accounting by the same substitution (`compiled_full_keep` and `recompute_transient`, a2/trace.py
+compiled_peak): the rule and the trace compute the same terms. docs/memory.md's table holds both, at full size.
 
 The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the first that fits the budget:
   1. recompute the fewest blocks that fit, each keeping its self-attention (`save_attention`: half a block's
      forward FLOPs at 32k tokens for 2·L·d bytes); 0 blocks when everything fits. Exact; costs recomputation.
   2. recompute every block keeping attention, and offload what they keep to host memory (`offload`). Exact;
-     costs PCIe copies (A2-14B at 720p: 1.5 GB per block each way, ~0.1 s at 25 GB/s against ~0.6 s of block
+     costs PCIe copies (A2-14B at 720p: 1.4 GiB per block each way, ~0.1 s at 25 GB/s against ~0.6 s of block
      compute), overlapped with compute on a side stream.
   3. (if the host cannot hold the offloaded activations) recompute every block without saving attention, then
      also offloaded.
@@ -37,11 +54,14 @@ The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the 
   5. LoRA: fp8 and the fewest swapped blocks that fit (`swap_blocks`): their weights are fetched from host
      memory before each use in forward and backward, overlapped with compute. Exact relative to rung 4. (Rungs 4-5
      again without saved attention when the host cannot hold the attention outputs.)
+  Under FSDP only rungs 1 and 3 without offload (offload, fp8 and swap are not combined with sharding).
   fp8 comes before swapping because it costs no transfer and makes each swapped block half the bytes; a user
   who wants bf16 weights with swapping sets the flags with `--memory manual`. If nothing fits: "DOES NOT FIT",
   before the first step (the estimate, the budget, what to change). The budget is the free GPU memory (or
   `--max-memory-gb`, to plan for a smaller card) less a margin for the allocator's fragmentation and
-  cuBLAS/cuDNN workspaces; the host budget is the host's available memory less a margin.
+  cuBLAS/cuDNN workspaces (what a dry run's trace cannot see: 8% + 1 GiB), and 1% more for the rule's own error
+  against the trace, so that the plan it picks passes its dry run; the host budget is the host's available memory
+  less a margin. Figures are GiB (2^30).
 """
 
 from __future__ import annotations
@@ -50,34 +70,38 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from a2.fp8 import quantize_base_weights
-from a2.offload import apply_offload
-from a2.transformer import configure_blocks
+import torch
 
-ACT_PER_TOKEN_D = 24.0  # A: bytes per token per model dim of a block's activations (bf16 autocast)
-ACT_PER_TOKEN_F = 4.0  # B: bytes per token per FFN dim
-# eager LoRA blocks' transient is larger than a compiled block's (whose graph plans its buffers, what A and B were
-# measured on): peft casts each LoRA input to fp32 and keeps it for the LoRA weights' gradients, 2·L·(12d + 0.4f)
-# more, fitted to dry-run traces (a2/trace.py) of A2-14B (14.94 GiB) and Wan 1.3B (5.76 GiB) at 81x480x832, every
-# block recomputed keeping attention; eager full fine-tuning's traced transient is the compiled term's (4.48 GiB vs
-# 4.44 for Wan 1.3B)
-EAGER_LORA_PER_TOKEN_D = 12.0
-EAGER_LORA_PER_TOKEN_F = 0.4
-# the forward's working set beyond what blocks keep: about one FFN hidden before and after its GELU (bf16, 2·L·f
-# each); the peak of a step whose blocks are not all recomputed falls at the forward's end (1.3B full fine-tuning's
-# trace: 0.95 GiB at 32,760 tokens, 4·L·f = 1.09)
-FORWARD_PER_TOKEN_F = 4.0
-EAGER_FULL_KEPT = 1.8
-HEAD_PER_TOKEN_D = 4.0  # the output norm's fp32 input, kept for backward once per step (not per block)
+from a2.fp8 import quantize_base_weights, scaled_mm_supported
+from a2.offload import apply_offload
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks
+from config import ConfigError, MemoryConfig
+
+GB = 2**30  # a GiB: every figure the rule and the dry run print
+COMPILED_D, COMPILED_F = 24.0, 4.0  # a compiled block not recomputed keeps L·(24d + 4f) bytes (H100, bench.py)
+# eager, per token per model dim and per FFN dim (fitted to dry-run traces, module docstring):
+# by how the trained weights compute (ModelBytes.precision): "lora" peft's LoRA in fp32, "lora bf16" the same under
+# FSDP (its weights gathered in bf16; fitted on A2-14B alone, what is not fitted taken as full fine-tuning's), "full"
+FULL_BLOCK = {"lora": (50.0, 4.08), "lora bf16": (47.2, 4.0), "full": (60.0, 4.0)}  # what a block not recomputed keeps
+RECOMPUTE = {"lora": (63.9, 10.08), "lora bf16": (63.7, 4.0), "full": (72.2, 4.0)}  # a recomputed block's backward
+FORWARD = {"lora": ((13.5, 6.4), (7.5, 8.4)), "lora bf16": ((19.6, 0.3), (11.5, 3.3)),  # the forward's working set at
+           "full": ((19.6, 0.3), (11.5, 3.3))}  # the last block (not recomputed, recomputed)
+BACKWARD = {"lora": (0.0, 3.95), "lora bf16": (9.9, 0.0), "full": (9.9, 0.0)}  # through a block not recomputed
+CLIP_D = 4.3  # eager, per token per model dim, with CLIP tokens: the image cross-attention's output and its LoRA
+CONTEXT_D = 12.0  # per context key per model dim, each block not recomputed and recomputed: cross-attention's K/V
+UNSPLIT_D = 2.6  # per token of the whole sequence per model dim: what context parallel holds before the split
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
 MARGIN_GB = 1.0
+SLACK = 0.01  # of the budget, that the rule leaves for its own error against the dry run's trace (within 1% there)
 HOST_MARGIN = 0.8  # of the host's available memory that pinned buffers may take
-GB = 2**30
+OUT_CHANNELS = 64  # the output projection's width per token (16 latent channels x a 1x2x2 patch), fp32 gathered
+CATEGORIES = ("weights", "state", "kept", "transient", "swapped")
+PHASES = ("forward", "forward end", "backward", "recompute", "step")
 
 
 def use_expandable_segments() -> None:
     """The CUDA allocator setting long video sequences need: without it the 14B step at 81x480x832 fails with
-    10 GB reserved but unused (fragmentation). Only the environment variable, read when CUDA initialises, sets it;
+    10 GiB reserved but unused (fragmentation). Only the environment variable, read when CUDA initialises, sets it;
     call this before anything touches CUDA. A user's own PYTORCH_CUDA_ALLOC_CONF is kept."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -86,31 +110,74 @@ def use_expandable_segments() -> None:
 class ModelBytes:
     """What the rule needs of the transformer on one rank (`model_bytes` reads it from a model)."""
 
-    fixed: float  # bytes that stay on the GPU whatever the plan: weights outside the blocks, trainable weights,
-    #               and what else is allocated (encoders)
-    block: float  # one block's frozen weights in their dtypes (the mean over blocks)
+    fixed: float  # frozen bytes that stay on the GPU whatever the plan: weights outside the blocks and what else is
+    #               allocated (encoders); a rank's shards under FSDP
+    block: float  # one block's frozen weights in their dtypes (the mean over blocks; a rank's shard under FSDP)
     block_fp8: float  # the same with its frozen linear weights in float8 + fp32 row scales
-    trainable: int  # trainable weights (fp32 gradients and AdamW moments: 12 bytes each)
-    full_weights: int = 0  # weights autocast copies to bf16 (full fine-tuning without FSDP), else 0
-    fsdp_block: float = 0.0  # one block's unsharded bf16 weights under FSDP, else 0
+    trainable: int  # trainable weights on this rank (fp32: 4 bytes, their AdamW moments 8, gradients 4)
+    ema: bool = False  # --ema-decay: a copy of the trainable weights (4 bytes each)
     lora: bool = True  # frozen base weights: fp8 and block swapping are allowed
+    fsdp_block: float = 0.0  # one block's weights gathered in the compute dtype under FSDP, else 0
+    fsdp_root: float = 0.0  # the weights outside the blocks gathered under FSDP (through the forward), else 0
 
     @property
     def frozen_blocks(self) -> bool:
         return self.block > 0
+
+    @property
+    def precision(self) -> str:
+        """How the trained weights compute, which sets what an eager step holds: "lora", peft's LoRA in fp32 (each
+        LoRA input cast to fp32 and kept); "lora bf16", under FSDP, its weights gathered in the compute dtype; or
+        "full"."""
+        return "full" if not self.lora else "lora bf16" if self.fsdp_block else "lora"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the rule needs of one micro-batch's step besides the model."""
+
+    tokens: int  # on this rank (context parallel: its share), all samples of the micro-batch
+    sequence: int = 0  # of the whole sequence (context parallel: every rank's); 0: `tokens`
+    context: int = 512  # cross-attention keys per sample: 512 text tokens and 257 per CLIP image
+    clip: bool = False  # the step feeds CLIP image tokens (the image cross-attention runs)
+
+    @property
+    def whole(self) -> int:
+        return self.sequence or self.tokens
+
+
+def context_tokens(layout) -> int:
+    """Cross-attention keys of one sample: the 512 text tokens and 257 CLIP tokens per image where the step feeds
+    them."""
+    return TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
+
+
+def step_shape(layout, info, resolution: tuple[int, int], micro_batch: int, context_parallel: int) -> StepShape:
+    """The step a rank runs: the micro-batch's tokens of a run's layout (its largest element set; in-context and
+    Stand-In references counted), its share under context parallel (each sample split, the last rank padded), and
+    the cross-attention context."""
+    whole = layout.tokens(info, *resolution)
+    return StepShape(micro_batch * -(-whole // context_parallel), micro_batch * whole, context_tokens(layout),
+                     layout.use_clip)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     checkpoint_fraction: float  # of the blocks, recomputed in backward (the first ones)
     save_attention: bool  # recomputed blocks keep their self-attention outputs
-    estimate_gb: float | None  # the step's estimated GPU peak (None: set by the flags, not planned)
-    budget_gb: float | None
+    estimate_gb: float | None  # the step's estimated GPU peak, GiB (None: set by the flags, not planned)
+    budget_gb: float | None  # GiB
     why: str
     offload: bool = False  # recomputed blocks' saved tensors live in pinned host memory between forward and backward
     swap_blocks: int = 0  # blocks whose frozen weights live in pinned host memory
     fp8: bool = False  # frozen linear weights stored as float8
-    host_gb: float = 0.0  # pinned host memory the plan takes
+    host_gb: float = 0.0  # pinned host memory the plan takes, GiB
+
+    @classmethod
+    def manual(cls, c: MemoryConfig) -> MemoryPlan:
+        """The plan the flags set (--memory manual, and the CPU)."""
+        return cls(c.checkpoint_fraction if c.gradient_checkpointing else 0.0, c.save_attention, None, None,
+                   "the flags", c.offload_activations, c.swap_blocks, c.fp8_base)
 
     def __str__(self) -> str:
         extra = [s for s, on in (("fp8 frozen weights", self.fp8), (f"{self.swap_blocks} blocks swapped to host",
@@ -118,60 +185,117 @@ class MemoryPlan:
         return (f"recompute {self.checkpoint_fraction:.0%} of the blocks"
                 + (" keeping self-attention" if self.save_attention and self.checkpoint_fraction else "")
                 + "".join(", " + s for s in extra)
-                + (f": ~{self.estimate_gb:.1f} GB of {self.budget_gb:.1f} GB" if self.budget_gb else "")
-                + (f", {self.host_gb:.1f} GB pinned host memory" if self.host_gb else "") + f" ({self.why})")
+                + (f": ~{self.estimate_gb:.2f} GiB of {self.budget_gb:.2f} GiB" if self.budget_gb else "")
+                + (f", {self.host_gb:.2f} GiB pinned host memory" if self.host_gb else "") + f" ({self.why})")
 
 
-def block_bytes(config: dict, tokens: int) -> dict[str, float]:
-    """Bytes one block keeps for backward with `tokens` tokens (all samples of a micro-batch): recomputed
-    (`ckpt`), recomputed keeping self-attention (`save`), not recomputed (`full`)."""
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    ckpt = 2.0 * tokens * d
-    return dict(ckpt=ckpt, save=ckpt + 2.0 * tokens * d + 4.0 * tokens * config["num_attention_heads"],
-                full=tokens * (ACT_PER_TOKEN_D * d + ACT_PER_TOKEN_F * config["ffn_dim"]))
+def _dims(config: dict) -> tuple[int, int, int, int]:
+    """(model dim, FFN dim, heads, head dim)."""
+    return (config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"],
+            config["num_attention_heads"], config["attention_head_dim"])
+
+
+def recomputed_keep(config: dict, tokens: int, save_attention: bool) -> float:
+    """Bytes one recomputed block keeps for backward: its input (bf16), with save_attention also the self-attention
+    output (bf16) and log-sum-exp (fp32)."""
+    d, _, h, _ = _dims(config)
+    return 2.0 * tokens * d + (2.0 * tokens * d + 4.0 * tokens * h if save_attention else 0.0)
+
+
+def compiled_full_keep(config: dict, tokens: int) -> float:
+    """Bytes a compiled block that is not recomputed keeps for backward (H100)."""
+    d, f, _, _ = _dims(config)
+    return tokens * (COMPILED_D * d + COMPILED_F * f)
+
+
+def full_keep(config: dict, s: StepShape, precision: str, compile: bool) -> float:
+    """Bytes a block that is not recomputed keeps for backward, compiled or eager (module docstring); precision:
+    ModelBytes.precision."""
+    if compile:
+        return compiled_full_keep(config, s.tokens)
+    d, f, _, _ = _dims(config)
+    a, b = FULL_BLOCK[precision]
+    return s.tokens * (a * d + b * f + CLIP_D * d * s.clip) + CONTEXT_D * s.context * d
+
+
+def recompute_transient(config: dict, s: StepShape, precision: str, save_attention: bool, compile: bool) -> float:
+    """Bytes one recomputed block holds while it is recomputed and back-propagated (its recomputed activations and
+    their gradients; without save_attention also the recomputed attention output), compiled or eager; precision:
+    ModelBytes.precision."""
+    d, f, _, _ = _dims(config)
+    unsaved = 0.0 if save_attention else 2.0 * s.tokens * d
+    if compile:
+        return 2 * compiled_full_keep(config, s.tokens) + unsaved
+    a, b = RECOMPUTE[precision]
+    return s.tokens * (a * d + b * f + CLIP_D * d * s.clip) + CONTEXT_D * s.context * d + unsaved
 
 
 def pinned_bytes(config: dict, tokens: int, save_attention: bool) -> float:
     """Pinned host bytes one offloaded block takes: its input (and attention output, log-sum-exp), each rounded up
     to a power of two by torch's pinned allocator (a2/offload.py)."""
-    d, h = config["num_attention_heads"] * config["attention_head_dim"], config["num_attention_heads"]
+    d, _, h, _ = _dims(config)
     sizes = [2.0 * tokens * d] + ([2.0 * tokens * d, 4.0 * tokens * h] if save_attention else [])
     return sum(2.0 ** math.ceil(math.log2(s)) for s in sizes)
 
 
-def step_estimate(config: dict, tokens: int, m: ModelBytes, checkpointed: int, save_attention: bool,
+def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,
+                offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
+                compile: bool = False) -> dict[str, dict[str, float]]:
+    """The step's GPU bytes at each phase's peak, by category (module docstring): {phase: {category: bytes}}."""
+    d, f, _, e = _dims(config)
+    n, k, L, T = config["num_layers"], checkpointed, s.tokens, m.trainable
+    lora, p = m.lora, m.precision
+    per_block = m.block_fp8 if fp8 else m.block
+    weights = m.fixed + (n - swap_blocks) * per_block
+    swapped = min(2, swap_blocks) * per_block
+    amp = 0.0 if m.fsdp_block else 2.0 * T  # autocast's bf16 copies of the trainable weights
+    state = (12.0 + 4.0 * m.ema) * T
+    rec = recomputed_keep(config, L, save_attention)
+    outside = 8.0 * L * e + (2.0 if lora else 8.0) * s.context * d
+    kept = outside + (min(2, k) if offload else k) * rec + (n - k) * full_keep(config, s, p, compile)
+    if p == "lora" and not k and not compile:  # an eager first block keeps no fp32 copy of its input
+        kept -= 4.0 * L * d
+    head = (4.0 if lora else 10.0) * L * d + 4.0 * s.whole * OUT_CHANNELS
+    a, b = FORWARD[p][k == n]
+    forward = L * (a * d + b * f) + (s.whole * d if s.whole > L else 0.0)  # (context parallel: what its exchange holds)
+    unsplit = s.whole * (UNSPLIT_D * d + 8.0 * e) if s.whole > L else 0.0
+    a, b = BACKWARD[p]
+    gathered = weights + m.fsdp_block + ((m.fsdp_root + m.fsdp_block) if lora else 0.0)  # (FSDP, frozen
+    phases = {  # weights: more gathers in the forward)
+        "forward": dict(state=state + amp, kept=kept, transient=forward, weights=gathered),
+        # autocast's cache is cleared as the forward returns; the copies the blocks not recomputed saved remain
+        "forward end": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=0.0),
+        "backward": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=L * (a * d + b * f),
+                         weights=weights + m.fsdp_block),
+        "step": dict(state=state + 4.0 * T, kept=0.0, transient=0.0)}
+    if unsplit > kept - outside:  # at the first block, the whole sequence not yet split, rather than the last
+        phases["forward"] = dict(phases["forward"], kept=outside, transient=forward + unsplit)
+    if k:  # at the last recomputed block's backward, or at the first's with the gradients of all the others
+        first = (state + 4.0 * T * (n - k) / n, (min(2, k) if offload else k) * rec)
+        last = (state + 4.0 * T * (n - 1) / n, min(2 if offload else 1, k) * rec)
+        grads, held = max(first, last, key=sum)
+        phases["recompute"] = dict(state=grads + amp / n, kept=outside + held,  # + the recomputation's autocast copies
+                                   transient=recompute_transient(config, s, p, save_attention, compile)
+                                   + (0.0 if lora else 2 * m.fsdp_block),  # FSDP: fp32 gradients reduce-scattered
+                                   weights=weights + m.fsdp_block)
+    return {p: dict(dict(weights=weights, swapped=swapped), **c) for p, c in phases.items()}
+
+
+def step_estimate(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,
                   offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
                   compile: bool = False) -> tuple[float, float]:
-    """(GPU peak, pinned host bytes) of the step under a plan (module docstring); compile: the blocks are compiled
-    (their transient is smaller than eager LoRA blocks', and what a block not recomputed keeps is less). The peak
-    is the larger of two: the forward's end (everything the blocks keep, the optimizer's moments but no gradients
-    yet, autocast's weight copies, the forward's working set) and the recomputed blocks' backward (what they keep,
-    the gradients, one block's recomputation and backward). In between, the backward through blocks not
-    recomputed frees what they kept as it makes their gradients (the dry-run traces)."""
-    b = block_bytes(config, tokens)
-    n = config["num_layers"]
-    per_block = m.block_fp8 if fp8 else m.block
-    weights = m.fixed + (n - swap_blocks + min(3, swap_blocks)) * per_block
-    kept = (min(2, checkpointed) if offload else checkpointed) * b["save" if save_attention else "ckpt"]
-    full = (n - checkpointed) * b["full"] * (1.0 if compile else EAGER_FULL_KEPT)
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    transient = 2 * b["full"]
-    if not compile and m.lora:
-        transient += 2.0 * tokens * (EAGER_LORA_PER_TOKEN_D * d + EAGER_LORA_PER_TOKEN_F * config["ffn_dim"])
-    head = HEAD_PER_TOKEN_D * tokens * d
-    forward = (weights + 8.0 * m.trainable + 2.0 * m.full_weights + kept + full + head
-               + FORWARD_PER_TOKEN_F * tokens * config["ffn_dim"])
-    backward = weights + 12.0 * m.trainable + kept + head + transient if checkpointed else 0.0
-    forward, backward = forward + 2 * m.fsdp_block, backward + 2 * m.fsdp_block  # FSDP: this block, the next one
-    # offloaded tensors take torch's pinned caching allocator's blocks: each rounded up to a power of two
-    host = swap_blocks * per_block + (checkpointed * pinned_bytes(config, tokens, save_attention) if offload else 0)
-    return max(forward, backward), host
+    """(GPU peak, pinned host bytes) of the step under a plan: the largest phase of step_memory; offloaded tensors
+    take torch's pinned caching allocator's blocks (each rounded up to a power of two), swapped weights their bytes."""
+    phases = step_memory(config, s, m, checkpointed, save_attention, offload, fp8, swap_blocks, compile)
+    host = (swap_blocks * (m.block_fp8 if fp8 else m.block)
+            + (checkpointed * pinned_bytes(config, s.tokens, save_attention) if offload else 0))
+    return max(sum(c.values()) for c in phases.values()), host
 
 
 def ladder(n: int, lora: bool, offload: bool = True):
     """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks). offload:
-    activation offload may be used (not under FSDP, where it is not tried). The plans without saved attention come
-    after those with it: they cost an attention core more per block, but take half the host memory offloaded."""
+    activation offload, fp8 and swapping may be used (not under FSDP). The plans without saved attention come after
+    those with it: they cost an attention core more per block, but take half the host memory offloaded."""
     yield from ((k, True, False, False, 0) for k in range(n + 1))
     if offload:
         yield n, True, True, False, 0
@@ -183,19 +307,19 @@ def ladder(n: int, lora: bool, offload: bool = True):
             yield from ((n, save, True, True, s) for s in range(n + 1))
 
 
-def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_budget: float = float("inf"),
+def plan_memory(config: dict, s: StepShape, budget: float, m: ModelBytes, host_budget: float = float("inf"),
                 fp8: bool = False, offload: bool = False, swap_blocks: int = 0, compile: bool = False) -> MemoryPlan:
     """The `--memory auto` rule (module docstring). budget: bytes the step may use on this GPU (resident
     included); host_budget: pinned host bytes it may take; fp8, offload, swap_blocks: pieces the user forces on
     (flags), which every plan then has."""
     n = config["num_layers"]
-    usable = budget * (1 - MARGIN) - MARGIN_GB * GB
+    usable = budget * (1 - MARGIN - SLACK) - MARGIN_GB * GB
     host_usable = host_budget * HOST_MARGIN
     lean = None  # the plan with the smallest estimate, said when none fits
     for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks, offload=not m.fsdp_block):
         off, f8, swap = off or offload, f8 or fp8, max(swap, swap_blocks)
         k = n if off else k  # offload applies to recomputed blocks
-        gpu, host = step_estimate(config, tokens, m, k, save, off, f8, swap, compile)
+        gpu, host = step_estimate(config, s, m, k, save, off, f8, swap, compile)
         if host > host_usable:
             continue
         if lean is None or gpu < lean[5]:
@@ -212,7 +336,7 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
                 why += "; forced by the flags: " + ", ".join(
                     s for s, on in (("fp8", fp8), ("offload", offload), (f"{swap_blocks} swapped", swap_blocks)) if on)
             if not compile:  # compiled blocks need less: say when that plan would be cheaper (the user's choice)
-                c = plan_memory(config, tokens, budget, m, host_budget, fp8, offload, swap_blocks, compile=True)
+                c = plan_memory(config, s, budget, m, host_budget, fp8, offload, swap_blocks, compile=True)
                 if "DOES NOT FIT" not in c.why and (c.offload, c.fp8, c.swap_blocks, c.checkpoint_fraction) < (
                         off, f8, swap, k / n):
                     why += f"; with --compile: {str(c).split(':')[0]}"
@@ -222,7 +346,7 @@ def plan_memory(config: dict, tokens: int, budget: float, m: ModelBytes, host_bu
     k, save, off, f8, swap, gpu, host = lean
     return MemoryPlan(k / n, save, gpu / GB, budget / GB,
                       "DOES NOT FIT: the leanest plan; lower the resolution or frames, train a LoRA, or shard with "
-                      "--fsdp over more GPUs", off, swap, f8, host / GB)
+                      "--fsdp (and --context-parallel) over more GPUs", off, swap, f8, host / GB)
 
 
 def cut_plan(plan: MemoryPlan, n: int, layers: int) -> MemoryPlan:
@@ -240,13 +364,12 @@ def fp8_bytes(weight) -> float:
 
 
 def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int | None = None,
-                ema: bool = False) -> ModelBytes:
-    """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not). other: bytes allocated on
-    the GPU besides the transformer (encoders); layers: the bytes of the same model with this many blocks, each
-    like the mean of its own (a dry run's model cut to a few blocks, planned as the whole); ema: --ema-decay keeps a
-    copy of the trainable weights in their dtype (a2/ema.py), resident like them."""
-    import torch
-
+                ema: bool = False, compute_dtype: torch.dtype = torch.bfloat16) -> ModelBytes:
+    """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not: a rank's shards of FSDP2's
+    DTensors). other: bytes allocated on the GPU besides the transformer (encoders); layers: the bytes of the same
+    model with this many blocks, each like the mean of its own (a dry run's model cut to a few blocks, planned as
+    the whole); ema: --ema-decay keeps a copy of the trainable weights (a2/ema.py); compute_dtype: what FSDP gathers
+    each block in."""
     def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
         return p.to_local() if hasattr(p, "to_local") else p
 
@@ -257,14 +380,9 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int |
     n = len(model.blocks)
     scale = (layers or n) / n  # of what is in the blocks
     in_blocks = {id(t) for b in model.blocks for t in [*b.parameters(), *b.buffers()]}
-
-    def count(tensors, size):  # size of `tensors`, those in the blocks scaled to `layers` blocks
-        return sum(size(t) * (scale if id(t) in in_blocks else 1.0) for t in tensors)
-
     trainable = [p for p in model.parameters() if p.requires_grad]
-    fixed = other + count(trainable, nbytes) * (2 if ema else 1)
-    fixed += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
-                 and not t.requires_grad)
+    fixed = other + sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
+                        and not t.requires_grad)
     block = block_fp8 = 0.0
     for b in model.blocks:
         frozen = {id(t): t for t in [*b.parameters(), *b.buffers()] if not t.requires_grad}
@@ -273,11 +391,12 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int |
                   and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
         block_fp8 += sum(nbytes(t) for i, t in frozen.items() if i not in linear)
         block_fp8 += sum(fp8_bytes(local(t)) for t in linear.values())
+    size = compute_dtype.itemsize if fsdp else 0
     return ModelBytes(fixed=fixed, block=block / n, block_fp8=block_fp8 / n,
-                      trainable=round(count(trainable, lambda p: local(p).numel())),
-                      full_weights=round(count(model.parameters(), torch.Tensor.numel)) if full and not fsdp else 0,
-                      fsdp_block=2.0 * sum(p.numel() for p in model.blocks[0].parameters()) if fsdp else 0.0,
-                      lora=not full)
+                      trainable=round(sum(local(p).numel() * (scale if id(p) in in_blocks else 1.0)
+                                          for p in trainable)),
+                      ema=ema, lora=not full, fsdp_block=size * sum(p.numel() for p in model.blocks[0].parameters()),
+                      fsdp_root=size * sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
 
 
 def host_available() -> float:
@@ -289,22 +408,51 @@ def host_available() -> float:
         return float("inf")
 
 
-def plan_for_model(model, tokens: int, max_memory_gb: float | None, full: bool, fsdp: bool, device,
-                   ema: bool = False, **forced) -> MemoryPlan:  # forced: plan_memory's fp8, offload, swap_blocks,
-    #                                                              compile
-    """plan_memory for a transformer before its weights move to the GPU (or already there, or sharded): the
-    transformer's bytes are counted from its tensors, everything else allocated on the device is resident; the
-    budget is what this process holds plus the device's free memory, or max_memory_gb. forced: plan_memory's."""
-    import torch
+def check_flags(c: MemoryConfig, training_type: str, fsdp: bool, device) -> None:
+    """The memory flags against the run (a ConfigError, one line, before anything loads)."""
+    lora = training_type == "lora"
+    if c.fp8_base and not lora:
+        raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
+    if c.fp8_matmul and not c.fp8_base and (c.mode == "manual" or device.type != "cuda"):  # else: if planned
+        raise ConfigError("--fp8-matmul multiplies by the fp8 base weights: add --fp8-base")
+    if c.fp8_matmul and not scaled_mm_supported(device):
+        raise ConfigError(f"--fp8-matmul needs a CUDA GPU of compute capability 9.0+ (H100), not {device}: drop it "
+                          "(--fp8-base alone computes in bf16)")
+    if c.swap_blocks and not lora:  # full fine-tuning trains every weight
+        raise ConfigError(f"--swap-blocks swaps frozen weights: LoRA only, not --training-type {training_type}")
+    if c.swap_blocks < 0:
+        raise ConfigError(f"--swap-blocks {c.swap_blocks}: a number of blocks, >= 0")
+    forced = [f for f, on in (("--offload-activations", c.offload_activations), ("--swap-blocks", c.swap_blocks),
+                              ("--fp8-base", c.fp8_base)) if on]
+    if fsdp and forced:  # their hooks and fp8 weights are set up on the unsharded model only
+        raise ConfigError(f"{' '.join(forced)} is not combined with --fsdp: drop one of them")
 
-    torch.cuda.synchronize(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
-    on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
-    other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
-    budget = max_memory_gb * GB if max_memory_gb else free + torch.cuda.memory_reserved(device)
-    return plan_memory(dict(model.config), tokens, budget, model_bytes(model, full, fsdp, other, ema=ema),
-                       host_available(), **forced)
+
+def memory_plan(c: MemoryConfig, model, shape: StepShape, full: bool, fsdp: bool, device, compile: bool,
+                ema: bool = False, dry_run: bool = False, layers: int | None = None) -> MemoryPlan:
+    """How the step fits (module docstring), decided before the transformer's weights move to the GPU (or once
+    sharded): --memory auto on CUDA, and in a dry run, plans it from the model, the shape and the memory (the flags
+    --fp8-base, --offload-activations, --swap-blocks force their piece on); --memory manual and the CPU take the
+    flags. The budget: --max-memory-gb, else this process's reserved plus the device's free memory (a dry run: 80
+    GiB); the host's available memory (a dry run: the GPU machine's, unknown, so unlimited: it prints what the plan
+    pins). layers: the model has this many blocks, planned as the whole (a dry run's cut model)."""
+    if c.mode == "manual" or device.type != "cuda" and not dry_run:
+        return MemoryPlan.manual(c)
+    config = dict(model.config) if layers is None else dict(model.config, num_layers=layers)
+    if dry_run:
+        other, budget, host = 0.0, (c.max_memory_gb or 80.0) * GB, float("inf")
+    else:
+        torch.cuda.synchronize(device)
+        free, _ = torch.cuda.mem_get_info(device)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+        on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
+        other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
+        budget = c.max_memory_gb * GB if c.max_memory_gb else free + torch.cuda.memory_reserved(device)
+        host = host_available()
+    m = model_bytes(model, full, fsdp, other, layers=layers, ema=ema)
+    plan = plan_memory(config, shape, budget, m, host, fp8=c.fp8_base, offload=c.offload_activations,
+                       swap_blocks=c.swap_blocks, compile=compile)
+    return replace(plan, why=f"--memory auto: {plan.why}")
 
 
 def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmul: bool = False) -> list[str]:
@@ -316,11 +464,11 @@ def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmu
     lines = []
     if plan.fp8:
         saved = quantize_base_weights(model, scaled_mm=fp8_matmul)
-        lines.append(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / GB:.2f} GB saved")
+        lines.append(f"fp8 base weights: the blocks' frozen linears stored as float8 e4m3, {saved / GB:.2f} GiB saved")
     swapped = apply_offload(model, plan.offload, plan.swap_blocks, device)
     if swapped:
         lines.append(f"block swap: the last {plan.swap_blocks} blocks' frozen weights in pinned host memory "
-                     f"({swapped / GB:.2f} GB), fetched one block ahead in forward and backward")
+                     f"({swapped / GB:.2f} GiB), fetched one block ahead in forward and backward")
     model.to(device)
     configure_blocks(model, plan.checkpoint_fraction, plan.save_attention, compile)
     lines.append(f"blocks: {plan.checkpoint_fraction:.0%} recomputed"

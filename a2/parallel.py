@@ -21,10 +21,18 @@ what it lacks:
 Gradients: every rank of a group computes the same loss on the gathered output; each parameter's gradient on a rank
 holds its local tokens' part, and the group's sum is the one-process gradient. DDP and FSDP2 average over all ranks
 (data-parallel x CP), so the loss a rank backpropagates is multiplied by the CP size (grad_scale).
+
+Also here: the process group of a run, and FSDP2 (train_a2.py --fsdp). fully_shard wraps each block, then the root; a
+rank keeps 1/N of every weight, frozen or trained, and gathers a block's in the compute dtype when it runs it. Full
+fine-tuning shards the gradients and AdamW's moments with it; a LoRA's frozen base is sharded the same way, its
+adapter trains as DTensor shards (reduce-scattered gradients), and its checkpoints and export hold the adapter alone.
+Only rank 0 reads the weights: the other ranks build the model on the meta device and receive their shards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +40,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import SeqAllToAllDim, dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from a2.standin import StandInAttnProcessor, VideoOnlyCrossAttnProcessor, rotate
+from a2.transformer import transformer_class
 from config import ConfigError
 
 
@@ -198,7 +210,9 @@ def _split_inputs(split: SequenceSplit, first: bool):
             values["temb"] = split.shard(temb)
         if cos.shape[1] == split.length:
             values["rotary_emb"] = (split.shard(cos), split.shard(sin))  # (1, chunk, 1, head_dim)
-        return (), values
+        # the hidden states stay positional: non-reentrant checkpointing saves positional inputs through the
+        # saved-tensor hooks (activation offload moves them to host memory, a2/offload.py), keyword inputs not
+        return (values.pop("hidden_states"),), values
     return hook
 
 
@@ -251,8 +265,6 @@ def data_parallel(world: int, rank: int, cp: int, device_type: str) -> tuple[int
     The mesh ("dp", "cp"): rank = dp_rank * cp + cp_rank, so a CP group is consecutive ranks (one node, where the
     all-to-all is fast). DDP and FSDP2 keep the whole world (FSDP2 shards over the flattened dp x cp ranks, as
     torchtitan)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if cp < 1 or world % cp:
         raise ConfigError(f"--context-parallel {cp}: torchrun's world size {world} must be a multiple of it")
     if cp == 1:
@@ -287,3 +299,102 @@ def sampling_group(device: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" is then this rank's GPU
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank()
+
+
+def setup_distributed(device: str, fsdp: bool):
+    """(world, rank, local_rank, device, ctrl) of a training run: the process group (NCCL on CUDA, gloo on the CPU;
+    a one-rank group for --fsdp in one process) and ctrl, the CPU group the stop flag is agreed through each step, so
+    that it never waits for the GPU. device: auto | cuda | cpu."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = device == "cuda" or device == "auto" and torch.cuda.is_available()
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
+    where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    elif fsdp:  # one process: FSDP still needs a (one-rank) process group
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ctrl = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+    if use_cuda:
+        torch.cuda.set_device(where)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return world, rank, local_rank, where, ctrl
+
+
+def meta_replica(transformer, prepare):
+    """--fsdp: the same architecture on the meta device on every rank, from rank 0's loaded transformer (the other
+    ranks pass None and read no weights: host RAM holds one full copy, not one per rank: 14B = 57 GB in fp32), made
+    trainable by prepare(model) as rank 0's was (its LoRA, the kind's modules). Returns (meta model, what
+    shard_from_rank0 broadcasts: rank 0's weights and buffers, None elsewhere)."""
+    rank0 = dist.get_rank() == 0
+    config = [dict(transformer.config) if rank0 else None]
+    dist.broadcast_object_list(config, src=0)
+    with torch.device("meta"):
+        replica = transformer_class(config[0]).from_config(config[0])  # VACE's: its context blocks too
+    prepare(replica)
+    source = None
+    if rank0:  # the state dict (persistent) and the buffers it omits (RoPE tables), both rank 0's tensors
+        source = transformer.state_dict(), dict(transformer.named_buffers())
+    return replica, source
+
+
+def shard(model, mesh, param_dtype: torch.dtype) -> None:
+    """FSDP2 over `mesh`: each block, then the root (embeddings, head; `model` becomes the sharded module itself);
+    compute in param_dtype, gradients reduced in fp32, each block's gather prefetching the next block's (two blocks
+    gathered at a time, what a2/memory.py plans, CUDA streams or not). Inputs are not cast (cast_forward_inputs=False):
+    bf16 autocast does the casting as under DDP, and the timestep and RoPE tables, which FSDP would cast to bf16 (a
+    timestep of 937.5 becomes 936), stay fp32 as under DDP."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    blocks = [*model.blocks, *getattr(model, "vace_blocks", ())]  # VACE's context blocks are blocks too
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for i, block in enumerate(blocks):  # each block gathers the next one's weights: two at a time, as planned
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 1):i])
+
+
+def shard_from_rank0(model, source, device, param_dtype: torch.dtype) -> None:
+    """FSDP2: shard meta_replica's model, materialise it on `device` and fill it from rank 0's `source`: each weight
+    is broadcast once and every rank keeps its own shard; unsharded buffers are copied whole."""
+    shard(model, init_device_mesh(device.type, (dist.get_world_size(),)), param_dtype)
+    model.to_empty(device=device)
+    rank0 = dist.get_rank() == 0
+    set_model_state_dict(model, source[0] if rank0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # to_empty left them uninitialised (not in a state dict)
+            if rank0:
+                buf.copy_(source[1][name])
+            dist.broadcast(buf, src=0)
+
+
+def gathered(model, prepare, lora: bool):
+    """--fsdp at export: on rank 0 a plain (unsharded) model holding the trained weights gathered to its host, on the
+    other ranks None (a collective: every rank calls it). A LoRA gathers its adapter alone (and what else trains),
+    into a meta-device shell made trainable by prepare(model) as the run's was; full fine-tuning every weight."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=lora))
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        shell = transformer_class(model.config).from_config(model.config)
+    prepare(shell)
+    shell.load_state_dict(state, assign=True, strict=not lora)
+    return shell
+
+
+@contextlib.contextmanager
+def emulated_ranks(ranks: int):
+    """A dry run's process group of `ranks` in this one process (torch's fake backend: collectives return tensors
+    of the right shapes, nothing is sent) and its device mesh, so that FSDP2 shards a model as on `ranks` GPUs and
+    one rank's step is traced (a2/trace.py). Yields the mesh; the group is destroyed after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield init_device_mesh("cpu", (ranks,))
+    finally:
+        dist.destroy_process_group()

@@ -290,7 +290,7 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
     import torch.distributed.checkpoint as dcp
     from safetensors import SafetensorError
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"{_CKPT_PREFIX}{step:07d}", run_dir / f".tmp-{_CKPT_PREFIX}{step:07d}"
@@ -310,7 +310,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
             tmp.mkdir(parents=True)
         if fsdp:
             dist.barrier()  # the temp dir is there, with nothing stale in it, before any rank writes
-            model_sd, optim_sd = get_state_dict(model, opt)
+            trained = StateDictOptions(ignore_frozen_params=True)  # a LoRA's: the adapter alone
+            model_sd, optim_sd = get_state_dict(model, opt, options=trained)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "sharded")
             dist.barrier()  # every rank's shards are on disk
             if _rank() != 0:
@@ -338,7 +339,7 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     load_failures)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
@@ -346,14 +347,16 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
         if not (ckpt / "sharded").is_dir():
             raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
         _sharded_reader(ckpt).read_metadata()  # refused here, in one line, if it holds code (dcp wraps its errors)
-        model_sd, optim_sd = get_state_dict(model, opt)
+        trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
+        model_sd, optim_sd = get_state_dict(model, opt, options=trained)
         sharded = {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(sharded, storage_reader=_sharded_reader(ckpt), planner=_tensors_only_planner())  # any world size
         except dcp.api.CheckpointException as e:  # a BaseException, its cause in .failures: {rank: (error, trace)}
             cause = next(iter(e.failures.values()))[0]
             raise ValueError(f"{ckpt}: sharded checkpoint unreadable ({_one_line(cause)})") from None
-        set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
+        set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"],
+                       options=trained)
     else:
         if not (ckpt / "trainable.safetensors").exists():
             raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")

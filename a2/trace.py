@@ -22,15 +22,20 @@ device 0 has a primary context, which fails its device-count check (GraphTask::s
 itself (LiveBytes) is checked on fake CPU tensors (tests/test_trace.py).
 
 What the count cannot see: the allocator's fragmentation and rounding beyond 512 bytes (expandable segments keep it
-small; without them the 14B step lost 10 GB to it), cuBLAS/cuDNN workspaces (tens to hundreds of MB), torch.compile's
+small; without them the 14B step lost 10 GiB to it), cuBLAS/cuDNN workspaces (tens to hundreds of MB), torch.compile's
 buffers (a compiled block's graph plans its own buffers: measured smaller than eager, see a2/memory.py), NCCL
-buffers, the CUDA context (~0.5 GB, outside memory_allocated). a2/memory.py's margin (8% + 1 GB) is for these.
+buffers, the CUDA context (~0.5 GiB, outside memory_allocated). a2/memory.py's margin (8% + 1 GiB) is for these.
 
 Categories of the device bytes at the peak: weights (frozen weights resident on the device, and casts of weights),
 state (trainable weights, their gradients, the optimizer's moments), kept (what the forward keeps for backward:
 made in the forward and alive when it ends, or brought back from host memory), transient (the rest: a block's
 working tensors, the recomputation and the gradients flowing back), swapped (swapped blocks' weights fetched from
-host memory).
+host memory). The peak is kept per phase (forward, backward through the head and the blocks not recomputed,
+recompute: the recomputed blocks' backward, step) and at the forward's end, the phases of a2/memory.py's rule.
+
+FSDP2 runs as on a GPU of N ranks in this one process, on torch's fake process group (collectives make tensors of
+their shapes, nothing is sent): a DTensor counts as its local shard, what FSDP gathers is of category weights, and
+its in-place storage resizes (a gathered weight freed after use, allocated again before the next) are counted.
 """
 
 from __future__ import annotations
@@ -38,20 +43,46 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from a2 import align
+from a2.conditioning import encode, num_latent_frames
 from a2.fake import _HOST
-from a2.memory import HOST_MARGIN, MARGIN, MARGIN_GB, apply_plan, block_bytes
+from a2.memory import (
+    CATEGORIES,
+    GB,
+    HOST_MARGIN,
+    MARGIN,
+    MARGIN_GB,
+    PHASES,
+    StepShape,
+    apply_plan,
+    compiled_full_keep,
+    cut_plan,
+    full_keep,
+    memory_plan,
+    model_bytes,
+    recompute_transient,
+    step_estimate,
+    step_memory,
+    step_shape,
+)
+from a2.parallel import context_parallel, emulated_ranks, shard, step_costs
+from a2.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS
+from config import ConfigError, TrainConfig, resolve_compile
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
-GB = 2**30
-CATEGORIES = ("weights", "state", "kept", "transient", "swapped")
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -147,6 +178,40 @@ def fake_tensors():
         yield mode
 
 
+@contextlib.contextmanager
+def fsdp_gathers(tracer):
+    """FSDP2's weight gathers as the tracer counts them: what its unshard allocates (the all-gather buffer, the
+    gathered weights) is of category `weights`, and its in-place storage resizes (a gathered weight freed after use,
+    allocated again before the next) are counted (LiveBytes.resized)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    group = _fsdp_param_group.FSDPParamGroup
+
+    def resize(fn):
+        def run(t):
+            fn(t)
+            tracer.resized(t)
+        return run
+
+    def gathering(fn):
+        def run(*args, **kwargs):
+            outer, tracer.gathering = tracer.gathering, "weights"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracer.gathering = outer
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for module in (_fsdp_param, _fsdp_param_group):
+            for name in ("alloc_storage", "free_storage"):
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, resize(getattr(module, name))))
+        for name in ("unshard", "wait_for_unshard"):
+            stack.enter_context(mock.patch.object(group, name, gathering(getattr(group, name))))
+        yield
+
+
 @dataclass(eq=False)
 class _Storage:
     nbytes: int
@@ -156,6 +221,7 @@ class _Storage:
     tag: str | None = None  # weights | state | swapped | kept | host (the copies of a2/offload.py)
     alive: bool = True
     full_block: bool = False  # made in the forward of a block that is not recomputed
+    block: int | None = None  # the block whose forward made it (None: outside the blocks)
 
 
 @dataclass
@@ -209,8 +275,12 @@ class LiveBytes(TorchDispatchMode):
         self.dynamic: set[_Storage] = set()  # device storages made in the step, alive
         self.phase = "setup"
         self.peak = Peak()
+        self.peaks: dict[str, Peak] = {}  # the device peak of each phase (forward, backward, recompute, step)
+        self.forward_end = Peak()  # the device bytes when the forward has returned the loss
         self.host_peak = 0  # pinned host bytes, the most at once
         self.in_full_block = False  # the forward of a block that is not recomputed is running (the driver's hooks)
+        self.block: int | None = None  # the block whose forward is running (the driver's hooks)
+        self.gathering: str | None = None  # FSDP2 gathers weights: what it allocates is of this category
 
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -219,7 +289,8 @@ class LiveBytes(TorchDispatchMode):
         if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and args:
             source = args[-1] if func is torch.ops.aten.copy_.default else args[0]
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)  # a DTensor's memory is its local tensor's (FSDP2's shard)
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
                 self.track(t, source, func.__name__)
         return out
 
@@ -244,7 +315,9 @@ class LiveBytes(TorchDispatchMode):
                 tag = "swapped" if origin.phase == "setup" else "kept"
             elif origin is not None and origin.phase == "setup":  # a cast of a weight (autocast's, fp8's) is of
                 tag = origin.tag  # its category
-        info = _Storage(nbytes, where, self.phase, op, tag, full_block=self.in_full_block and self.phase == "forward")
+            tag = self.gathering or tag
+        info = _Storage(nbytes, where, self.phase, op, tag, full_block=self.in_full_block and self.phase == "forward",
+                        block=self.block)
         self.storages[st] = info
         weakref.finalize(st, self._free, info)
         self.live[where] += nbytes
@@ -257,11 +330,48 @@ class LiveBytes(TorchDispatchMode):
             self.static["weights"] += nbytes
             return info
         self.dynamic.add(info)
-        if self.live["device"] > self.peak.total:
-            self.peak = Peak(self.live["device"], self.phase, dict(self.static), list(self.dynamic))
+        self._grown()
         return info
 
+    def _grown(self) -> None:
+        if self.live["device"] > self.peaks.get(self.phase, self.peak).total or self.phase not in self.peaks:
+            self.peaks[self.phase] = Peak(self.live["device"], self.phase, dict(self.static), list(self.dynamic))
+            if self.live["device"] > self.peak.total:
+                self.peak = self.peaks[self.phase]
+
+    def keep_only(self, tensors) -> None:
+        """Of the device storages made so far, only these tensors' count from now on (what fully_shard leaves
+        referenced of the weights it sharded, on fake tensors: a real run shards a meta-device replica)."""
+        keep = {id(info) for t in tensors if (info := self.storages.get(t.untyped_storage())) is not None}
+        for info in list(self.storages.values()):
+            if info.where == "device" and info.phase == "setup" and id(info) not in keep:
+                self._free(info)
+
+    def resized(self, t: torch.Tensor) -> None:
+        """t's storage was resized in place (FSDP2 frees a gathered weight's storage after use and allocates it
+        again before the next; no op is dispatched for it): it counts as a storage of its new size from now on (the
+        old record stays as it was in the peaks taken before)."""
+        old = self.track(t)
+        if old is None or not old.alive:
+            return
+        st = t.untyped_storage()
+        nbytes = -(-st.nbytes() // self.round) * self.round
+        if nbytes == old.nbytes:
+            return
+        self._free(old)
+        new = replace(old, nbytes=nbytes)
+        self.storages[st] = new
+        weakref.finalize(st, self._free, new)
+        self.live[new.where] += nbytes
+        if new.where == "device" and new.phase == "setup":
+            self.static[new.tag] += nbytes
+        elif new.where == "device":
+            self.dynamic.add(new)
+            self._grown()
+
     def _free(self, info: _Storage) -> None:
+        if not info.alive:
+            return
         info.alive = False
         self.live[info.where] -= info.nbytes
         if info.where == "device":
@@ -272,8 +382,10 @@ class LiveBytes(TorchDispatchMode):
 
     # ------------------------------------------------------------------ what the driver tells
     def mark(self, tensors, tag: str) -> None:
-        """These tensors' storages are of category `tag` (the trainable weights, gradients, optimizer state)."""
+        """These tensors' storages are of category `tag` (the trainable weights, gradients, optimizer state; FSDP2's
+        DTensors: this rank's shards)."""
         for t in tensors:
+            t = getattr(t, "_local_tensor", t)
             if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 info = self.storages.get(t.untyped_storage())
                 if info is None or info.tag == tag or info.where != "device":
@@ -283,11 +395,21 @@ class LiveBytes(TorchDispatchMode):
                     self.static[tag] += info.nbytes
                 info.tag = tag
 
+    def enter_block(self, block: int | None, full: bool) -> None:
+        """The forward of `block` starts (None: it ended); full: it is not recomputed."""
+        self.block, self.in_full_block = block, full
+
+    def phases(self) -> dict[str, Peak]:
+        """The device peak of each phase of the step and the bytes at the forward's end (a2/memory.py's PHASES)."""
+        return {p: self.forward_end if p == "forward end" else self.peaks[p] for p in PHASES
+                if p in self.peaks or p == "forward end"}
+
     def forward_done(self) -> None:
         """The forward has returned the loss: what it made and still holds is kept for backward."""
         for s in self.dynamic:
             if s.phase == "forward" and s.tag is None:
                 s.tag = "kept"
+        self.forward_end = Peak(self.live["device"], "forward end", dict(self.static), list(self.dynamic))
         self.phase = "backward"
 
     def host_bytes(self) -> int:
@@ -296,87 +418,233 @@ class LiveBytes(TorchDispatchMode):
 
 
 def step_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors of category `state`: trainable weights, their gradients, the optimizer's state."""
+    """The tensors of category `state`: trainable weights, their gradients, the optimizer's state (EMA included)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return params + [p.grad for p in params if p.grad is not None] + [
         t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-def trace_steps(tracer: LiveBytes, model: torch.nn.Module, opt: torch.optim.Optimizer, forward, steps: int = 2,
-                max_grad_norm: float = 1.0) -> None:
+def trace_steps(tracer: LiveBytes, model: torch.nn.Module, forward, cfg: TrainConfig, steps: int = 2) -> None:
     """`steps` training steps as train_a2.py's loop runs them, under `tracer`: forward() returns the loss, then
-    backward, gradient clipping, the optimizer step, gradients set to None. Two steps: the optimizer's state exists
-    from the first step's end, so the second step is the steady state."""
+    backward and the trainer's optimizer_step (clipping, the non-finite guard, AdamW, the EMA with --ema-decay),
+    gradients set to None. Two steps: the optimizer's state exists from the first step's end, so the second step is
+    the steady state."""
     params = [p for p in model.parameters() if p.requires_grad]
+    opt, guard = make_optimizer(cfg, params, torch.device("cpu"))
     tracer.mark(params, "state")
-    for _ in range(steps):
+    for step in range(steps):
         tracer.phase = "forward"
         loss = forward()
         tracer.forward_done()
         loss.backward()
-        del loss
         tracer.mark([p.grad for p in params], "state")
         tracer.phase = "step"
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
+        optimizer_step(opt, params, guard, loss.detach(), step, cfg, 1)
+        del loss
         opt.zero_grad(set_to_none=True)
         tracer.mark(step_state(model, opt), "state")
 
 
-def dry_run(build, plan_for, forward, steps: int = 2) -> tuple[LiveBytes, object]:
-    """A training step at real size without a GPU or weights: build() makes the transformer (its trainable weights
-    set) on fake tensors, plan_for(model) decides its memory plan (a2/memory.py), which is applied as a real run
-    applies it (fp8, swap, offload, recomputation; eager, the device emulated on the CPU), then `steps` training
-    steps (trace_steps: AdamW, clipping) run under LiveBytes, forward(model) returning the loss under
-    torch.autocast("cpu", bfloat16). Returns (the tracer, the plan)."""
+# ---------------------------------------------------------------- a synthetic batch: what a precompute cache holds
 
+
+class PosteriorShapes:
+    """A VAE stand-in that hands out a posterior of the right shape for each encode, on the meta device (no data):
+    what a precompute cache of the run would hold, for a synthetic batch."""
+
+    def __init__(self, info):
+        self.config = SimpleNamespace(latents_mean=[0.0] * info.z_dim, latents_std=[1.0] * info.z_dim,
+                                      scale_factor_spatial=info.vae_scale)
+        self.z_dim, self.shapes = info.z_dim, []
+
+    def parameters(self):
+        return iter([torch.empty(0, device="meta")])
+
+    def encode(self, pixels: torch.Tensor):
+        b, _, f, h, w = pixels.shape
+        s = self.config.scale_factor_spatial
+        params = torch.zeros(b, 2 * self.z_dim, num_latent_frames(f), h // s, w // s, device="meta")
+        self.shapes.append(tuple(params.shape))
+        return SimpleNamespace(latent_dist=DiagonalGaussianDistribution(params))
+
+
+def synthetic_batch(run: Run, b: int, h: int, w: int) -> tuple[dict, Encoders]:
+    """A cached batch of the run's layout (its largest element set) as model_inputs reads it, and the Encoders of a
+    run trained from the cache: the posteriors' shapes (the kind's VAE calls, traced on meta tensors), no data. The
+    dry run and bench.py fill them with zeros (zero_batch)."""
+    layout = run.layout
+    vae = PosteriorShapes(run.info)
+    video = torch.empty(b, 3, layout.clip_frames, h, w, device="meta")
+    size = layout.reference_size or (h, w)
+    refs = torch.empty(b, layout.reference_images, 3, *size, device="meta") if layout.takes_references else None
+    region = torch.ones(b, h, w, dtype=torch.bool) if layout.takes_region else None
+    encode(vae, layout, video, refs, None, "argmax", region)
+    batch = dict(indices=list(range(b)), posteriors=vae.shapes, video_shape=tuple(video.shape),
+                 ref_shape=None if refs is None else tuple(refs.shape), region=region, repeats=layout.repeats,
+                 element_names=tuple(e.name for e in run.elements) if layout.takes_references else ())
+    return batch, Encoders(latents_config=vars(vae.config))
+
+
+def zero_batch(batch: dict, enc: Encoders, run: Run, config, align_targets: torch.Tensor | None = None,
+               device="cpu") -> tuple[dict, Encoders]:
+    """synthetic_batch's shapes as zero tensors (the dry run's and bench.py's step): the posteriors, the text and
+    CLIP tokens a precompute cache would hold for a transformer of `config`, `align_targets` as its DINOv3 targets
+    (--align-loss), and the empty prompt of text dropout on `device`."""
+    b = len(batch["indices"])
+    zeros = dict(batch, posteriors=[torch.zeros(shape) for shape in batch["posteriors"]], align=align_targets,
+                 text=torch.zeros(b, TEXT_TOKENS, config.text_dim),  # (B, 512, D)
+                 clip=torch.zeros(b, CLIP_TOKENS * run.layout.reference_images, config.image_dim or 1)
+                 if run.layout.use_clip else None)  # (B, 257·N, D)
+    return zeros, replace(enc, empty_text=torch.zeros(1, TEXT_TOKENS, config.text_dim, device=device))
+
+
+def align_zeros(run: Run, b: int, h: int, w: int, dim: int) -> torch.Tensor:
+    """--align-loss: zero DINOv3 targets (B, N, L, dim) of the run's references, as its precompute cache holds them."""
+    patch, s = run.info.patch_size, run.info.vae_scale
+    starts, tokens, _ = align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)
+    return torch.zeros(b, len(starts), tokens, dim)
+
+
+# ---------------------------------------------------------------- the dry run
+
+
+def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align_dim: int | None = None,
+            log=print, trace: bool = True) -> dict:
+    """--dry-run of train_a2.py and bench.py: one rank's training step at real size without a GPU, weights or data.
+    build(run) makes the transformer to train (its trainable weights set) on fake tensors, for `run` as on CUDA
+    (bf16 frozen weights); config: the whole model's config when build cuts it to fewer blocks (bench.py's tests:
+    the plan is the whole model's, traced on the cut model with its per-block choices, a2/memory.py cut_plan),
+    else the model's own. As on CUDA with the run's flags:
+    bf16, the blocks compiled unless --compile False; --context-parallel N emulates one rank of its group (its share
+    of the tokens, a2/parallel.py); --fsdp shards over --dry-run-ranks ranks on a fake process group. The plan
+    (a2/memory.py memory_plan, for a --max-memory-gb card, default 80) is applied as a real run applies it (fp8,
+    swap, offload, recomputation; eager, the device emulated on the CPU), then two training steps (model_inputs +
+    forward_loss on a synthetic batch of zero posteriors, backward, optimizer_step) run under LiveBytes. Prints the
+    traced peak by category beside the rule's terms, the compiled accounting (compiled_peak) with compiled blocks,
+    and whether it fits. Returns the plan, the traced plan, the tracer, the estimates (GiB) and `fits`; trace False:
+    the plan alone (built, split and sharded as for the trace, nothing run: bench.py --memory-table)."""
+    run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.memory.compile, "cuda"))
+    cp, ranks = cfg.context_parallel, cfg.memory.dry_run_ranks or cfg.context_parallel
+    if ranks % cp:
+        raise ConfigError(f"--dry-run-ranks {ranks}: a multiple of --context-parallel {cp}")
+    if not cfg.fsdp and ranks != cp:
+        raise ConfigError(f"--dry-run-ranks {ranks}: without --fsdp a rank's step does not depend on the ranks beside "
+                          "its context-parallel group; drop it")
+    shape, (h, w) = step_shape(run.layout, run.info, cfg.resolution, cfg.micro_batch, cp), cfg.resolution
+    full, cpu = cfg.training_type == "full", torch.device("cpu")
+    log(f"dry run: the step of the run's largest element set, {len(run.layout.repeats)} element(s), "
+        f"{shape.tokens:,} tokens per rank" + (f" (of {shape.whole:,}: context parallel {cp})" if cp > 1 else "")
+        + (f", FSDP over {ranks} ranks" if cfg.fsdp else ""))
+    batch, enc = synthetic_batch(run, cfg.micro_batch, h, w)
+    targets = None
+    if cfg.align_loss:
+        targets = align_zeros(run, cfg.micro_batch, h, w, align_dim or align.target_dim(cfg.align_model))
     tracer = LiveBytes("cpu", emulate_cuda=True)
-    with fake_tensors(), emulated_cuda("cpu"), tracer:
-        model = build()
-        plan = plan_for(model)
-        apply_plan(model, plan, torch.device("cpu"))
-        for block in model.blocks:  # what blocks not recomputed keep: the compiled accounting replaces it
-            if not block.recomputed:
-                block.register_forward_pre_hook(lambda *_: setattr(tracer, "in_full_block", True))
-                block.register_forward_hook(lambda *_: setattr(tracer, "in_full_block", False))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-        trace_steps(tracer, model, opt, lambda: forward(model), steps)
-    return tracer, plan
+    with (emulated_ranks(ranks) if cfg.fsdp else contextlib.nullcontext()) as mesh, fake_tensors(), \
+            emulated_cuda("cpu"), fsdp_gathers(tracer), tracer:
+        model = build(run)
+        whole = dict(config or model.config)
+        n, cut = whole["num_layers"], len(model.blocks)
+        if cp > 1:  # one rank of the group, emulated in this process (a2/parallel.py)
+            context_parallel(model, None, cp)
+        if cfg.fsdp:
+            shard(model, mesh, torch.bfloat16)
+            tracer.keep_only([getattr(t, "_local_tensor", t) for t in [*model.parameters(), *model.buffers()]])
+        plan = memory_plan(cfg.memory, model, shape, full, cfg.fsdp, cpu, run.compile, ema=cfg.ema_decay > 0,
+                           dry_run=True, layers=n if cut != n else None)
+        if not trace:
+            return dict(plan=plan, shape=shape)
+        traced = cut_plan(plan, n, cut)
+        m = model_bytes(model, full, cfg.fsdp, ema=cfg.ema_decay > 0)  # the traced (cut) model's, before fp8
+        apply_plan(model, traced, cpu)
+        k = round(traced.checkpoint_fraction * cut)
+        watch_blocks(tracer, model, k)
+        forward = partial(_step_loss, model, batch, enc, cfg, run, targets)
+        trace_steps(tracer, model, forward, cfg)
+    config_cut = dict(whole, num_layers=cut)
+    precision, save = m.precision, traced.save_attention
+    rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c)
+            for c in {False, run.compile}}
+    compiled = compiled_peak(tracer, config_cut, shape, precision, save) / GB if run.compile else None
+    if cp > 1:
+        costs = step_costs(whole, shape.whole // cfg.micro_batch, shape.context, cp)
+        log(f"context parallel {cp}: {shape.tokens:,} tokens per rank; per rank forward attention cores "
+            f"{cfg.micro_batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
+            f"{cfg.micro_batch * costs['all_to_all_forward'] / 2**20:.0f} MiB forward + "
+            f"{cfg.micro_batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
+            "recomputed block)")
+    log(f"memory: {plan}" + (f"\n  traced with {cut} of its {n} blocks: {traced}" if cut != n else ""))
+    lines, fits = report(tracer, rule, traced, cfg.memory.max_memory_gb or 80.0, compiled)
+    log("\n".join(lines))
+    estimate = {c: max(sum(v.values()) for v in r.values()) / GB for c, r in rule.items()}
+    host = step_estimate(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks)[1]
+    return dict(plan=plan, traced_plan=traced, tracer=tracer, rule=rule[False], peak_gb=tracer.peak.total / GB,
+                estimate_gb=estimate[run.compile], eager_estimate_gb=estimate[False], compiled_gb=compiled,
+                host_gb=host / GB, fits=fits, shape=shape)
 
 
-def compiled_peak(tracer: LiveBytes, config: dict, tokens: int, full_blocks: int) -> int:
+def _step_loss(model, batch, enc, cfg: TrainConfig, run: Run, targets):
+    """The training step's loss (model_inputs + forward_loss) on synthetic_batch's shapes filled with zeros."""
+    with unset_fake_temporarily():  # the inputs are real (small, latent-sized): the step's draws read values
+        zeros, zeros_enc = zero_batch(batch, enc, run, model.config, targets)
+        inputs = model_inputs(zeros, 0, 0, cfg, run, zeros_enc, 0, torch.device("cpu"))
+    return forward_loss(model, inputs, cfg, run, torch.autocast("cpu", dtype=torch.bfloat16), torch.bfloat16)[0]
+
+
+def watch_blocks(tracer: LiveBytes, model, recomputed: int) -> None:
+    """Hooks that tell the tracer which block's forward runs (what blocks not recomputed keep is what the compiled
+    accounting replaces) and when the backward reaches the recomputed blocks (the phase "recompute": the gradient of
+    the last recomputed block's output is made)."""
+    for i, block in enumerate(model.blocks):
+        full = i >= recomputed
+        block.register_forward_pre_hook(lambda *_, i=i, full=full: tracer.enter_block(i, full))
+        block.register_forward_hook(lambda *_: tracer.enter_block(None, False))
+    if recomputed:
+        def to_recompute(module, args, out):
+            if out.requires_grad:
+                out.register_hook(lambda grad: setattr(tracer, "phase", "recompute"))
+        model.blocks[recomputed - 1].register_forward_hook(to_recompute)
+
+
+def compiled_peak(tracer: LiveBytes, config: dict, shape: StepShape, precision: str, save_attention: bool) -> int:
     """The compiled accounting of an eager trace (a compiled block's graph cannot be traced on fake tensors here):
-    the traced peak with what the `full_blocks` blocks not recomputed keep replaced by a compiled block's keep,
-    L·(24d + 4f) each, and, when the peak is in the backward, the eager transient at the peak replaced by a compiled
-    block's recomputation and backward, 2·L·(24d + 4f) (a2/memory.py block_bytes). Those compiled terms are the H100
-    measurement (bench.py), not a trace. A forward peak keeps its eager working set (a compiled forward's, fused,
-    is taken to be no larger; not measured)."""
+    each phase's traced peak with what compiled blocks hold differently from eager ones replaced by a2/memory.py's
+    compiled terms, the rule's own: what blocks not recomputed keep, scaled to a compiled block's keep
+    (compiled_full_keep over full_keep), and in the recomputed blocks' backward an eager block's recomputation
+    and backward replaced by a compiled block's (recompute_transient, both), as the rule substitutes them. Those
+    compiled terms are the H100 measurement (bench.py), not a trace; the forward's working set and the backward
+    through blocks not recomputed stay the eager trace's (not measured compiled). The largest phase."""
+    scale = compiled_full_keep(config, shape.tokens) / full_keep(config, shape, precision, compile=False)
+    peaks = []
+    for phase, peak in tracer.phases().items():
+        total = peak.total - (1 - scale) * peak.kept_by_full_blocks()
+        if phase == "recompute":
+            total += (recompute_transient(config, shape, precision, save_attention, True)
+                      - recompute_transient(config, shape, precision, save_attention, False))
+        peaks.append(total)
+    return round(max(peaks))
 
-    full = block_bytes(config, tokens)["full"]
-    peak = tracer.peak.total - tracer.peak.kept_by_full_blocks() + full_blocks * full
-    if tracer.peak.phase == "backward":
-        peak += 2 * full - tracer.peak.by_category()["transient"]
-    return round(peak)
 
-
-def report(tracer: LiveBytes, plan, budget_gb: float, estimate_gb: float | None = None,
-           compiled_gb: float | None = None) -> tuple[list[str], bool]:
-    """What a dry run prints: the traced device peak by category beside the plan's estimate (or `estimate_gb`), the
-    pinned host memory, and whether it fits `budget_gb` with a2/memory.py's margin for what the trace cannot see
-    (module docstring): the traced peak, or with compiled blocks (`compiled_gb`: compiled_peak) that accounting.
-    Returns (lines, fits)."""
-
-    cats = tracer.peak.by_category()
+def report(tracer: LiveBytes, rule: dict, plan, budget_gb: float, compiled_gb: float | None = None
+           ) -> tuple[list[str], bool]:
+    """What a dry run prints, GiB: the traced device peak by category beside the rule's terms at the same phase
+    (rule: {compile: step_memory}), the compiled accounting where blocks are compiled, the pinned host memory, and
+    whether the step fits `budget_gb` with a2/memory.py's margin for what the trace cannot see (module docstring):
+    the traced peak, or with compiled blocks the compiled accounting. Returns (lines, fits)."""
     usable = budget_gb * (1 - MARGIN) - MARGIN_GB
-    peak = tracer.peak.total / GB
-    fits = (peak if compiled_gb is None else compiled_gb) <= usable
-    estimate_gb = plan.estimate_gb if estimate_gb is None else estimate_gb
-    est = "" if estimate_gb is None else f" (plan's estimate {estimate_gb:.2f} GiB)"
-    lines = [f"dry run: peak device memory {peak:.2f} GiB in the {tracer.peak.phase}{est}, eager",
-             "  " + ", ".join(f"{c} {cats[c] / GB:.2f}" for c in CATEGORIES) + " GiB"]
+    peak, phase = tracer.peak.total / GB, tracer.peak.phase
+    eager = rule[False].get(phase, max(rule[False].values(), key=lambda c: sum(c.values())))
+    traced = tracer.peak.by_category()
+    lines = [f"dry run: peak device memory {peak:.2f} GiB in the {phase}, eager; the rule's estimate "
+             f"{max(sum(c.values()) for c in rule[False].values()) / GB:.2f} GiB",
+             "  traced: " + ", ".join(f"{c} {traced[c] / GB:.2f}" for c in CATEGORIES),
+             "  rule:   " + ", ".join(f"{c} {eager[c] / GB:.2f}" for c in CATEGORIES)]
+    fits = peak <= usable
     if compiled_gb is not None:
-        lines.append(f"  compiled blocks: {compiled_gb:.2f} GiB (the eager transient and unrecomputed blocks' keep "
-                     "replaced by a compiled block's, measured on an H100, not traced)")
+        fits = compiled_gb <= usable
+        lines.append(f"  compiled blocks: {compiled_gb:.2f} GiB, the rule's estimate "
+                     f"{max(sum(c.values()) for c in rule[True].values()) / GB:.2f} GiB (the trace with what "
+                     "compiled blocks keep and hold in their backward replaced by the H100 measurement, a2/memory.py)")
     lines += [f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f}): the GPU machine "
               f"needs {tracer.host_peak / GB / HOST_MARGIN:.1f} GiB of available RAM for it",
               f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "

@@ -8,6 +8,9 @@
 #   bash scripts/gpu_check.sh table13      # Wan 1.3B full fine-tuning, 81x480x832: bench.py and train_a2.py
 #   bash scripts/gpu_check.sh reach        # the memory targets (README), eager and compiled,
 #                                          # each dry run (traced on fake tensors) printed before its measured step
+#   bash scripts/gpu_check.sh peak         # (< 8 min on an H100) the compiled step's real peak for two plans of the
+#                                          # rule (a2/memory.py) against its estimate: A2-14B LoRA 81x480x832 on
+#                                          # 80 GB, Wan 1.3B full fine-tuning 81x480x832 on a 40 GB cap
 #
 # Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. Results go to
 # $OUT (or out/gpu_check): bench.jsonl (one JSON row per measurement) and the runs' metrics.jsonl.
@@ -54,6 +57,18 @@ case "${1:-gpu}" in
     row wan13-full --preset 1.3B --refs 0 --mode full --frames 81 --height 480 --width 832 --steps 4 "${FAST[@]}" -- \
       --model random-1.3B --dataset-type t2v --data-root /tmp/t2v480 --resolution 480 832 --num-frames 81 \
       --training-type full --max-steps 12 "${FAST[@]}" ;;
+  peak)  # bench.py's peak_mem_gb (torch.cuda.max_memory_allocated, GiB) against the plan's estimate_gb
+    rm -f "$OUT/peak.jsonl"
+    for args in "--preset 14B --refs 3 --mode lora" "--preset 1.3B --refs 0 --mode full --max-memory-gb 40"; do
+      # shellcheck disable=SC2086
+      timeout 240 python3 bench.py $args --frames 81 --height 480 --width 832 --steps 2 --warmup 2 \
+        --attention-backend _native_cudnn --out "$OUT/peak.jsonl" 2>&1 | tail -2
+    done
+    python3 -c "
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    print(f\"{r['preset']} {r['mode']}: measured peak {r['peak_mem_gb']:.2f} GiB, rule {r['estimate_gb']:.2f} GiB \"
+          f\"({r['estimate_gb'] / r['peak_mem_gb'] - 1:+.1%}); {r['plan']}\")" "$OUT/peak.jsonl" | tee "$OUT/peak.txt" ;;
   reach)  # --max-memory-gb also caps the allocator there (set_per_process_memory_fraction): a smaller card
     both() {  # the dry run's traced peak (eager, on fake tensors), then the measured one (peak_mem_gb), same flags
       python3 bench.py "$@" --dry-run 2>&1 | grep -v Warning | tail -5 | tee -a "$OUT/dryrun.log"

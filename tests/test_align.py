@@ -331,13 +331,13 @@ def test_joint_dropout_is_refaligns_three_exclusive_cases():
     after; 0: the two draws decide independently as before."""
     from types import SimpleNamespace
 
-    import train_a2
+    from a2.step import dropouts
 
     cfg = SimpleNamespace(text_dropout=0.1, reference_dropout=0.1, joint_dropout=0.1)
     u = [0.05, 0.15, 0.25, 0.35]
-    assert train_a2.dropouts(cfg, u, [0.0] * 4) == ([True, False, True, False], [False, True, True, False])
+    assert dropouts(cfg, u, [0.0] * 4) == ([True, False, True, False], [False, True, True, False])
     cfg.joint_dropout = 0.0
-    assert train_a2.dropouts(cfg, u, [0.05, 0.5, 0.05, 0.5]) == ([True, False, False, False],
+    assert dropouts(cfg, u, [0.05, 0.5, 0.05, 0.5]) == ([True, False, False, False],
                                                                 [True, False, True, False])
 
 

@@ -8,10 +8,10 @@ import torch
 
 import bench
 from a2.conditioning import KINDS, V3_SLOTS
+from a2.step import forward_loss, optimizer_step
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main
-from config import run_cli
-from train_a2 import forward_loss
+from config import MemoryConfig, run_cli
 
 
 def test_flops_match_the_stated_real_shapes():
@@ -27,7 +27,7 @@ def test_flops_match_the_stated_real_shapes():
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_bench_runs_on_cpu(mode):
     r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode=mode, steps=1, warmup=1,
-                         dtype="float32", device="cpu", gradient_checkpointing=True, save_attention=mode == "lora",
+                         dtype="float32", device="cpu", memory=MemoryConfig(save_attention=mode == "lora"),
                          peak_tflops=1.0))
     assert r["hfu"] > r["mfu"] > 0  # the recomputed forward is hardware work on top of the model FLOPs
     assert r["tokens"] == 3 * 2 * 2 and r["s_per_step"] > 0 and r["tflops"] > 0
@@ -37,8 +37,8 @@ def test_bench_runs_each_memory_piece_on_cpu():
     """bench.py with offload, block swap and fp8 (the flags, as --memory manual): the plan is reported with host
     memory, and the step is timed (that they change no result is tests/test_offload.py's and test_fp8.py's)."""
     r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode="lora", steps=1, warmup=1,
-                         dtype="float32", device="cpu", gradient_checkpointing=True, save_attention=True,
-                         offload_activations=True, swap_blocks=1, fp8_base=True, peak_tflops=1.0))
+                         dtype="float32", device="cpu", peak_tflops=1.0, memory=MemoryConfig(
+                             save_attention=True, offload_activations=True, swap_blocks=1, fp8_base=True)))
     assert (r["offload"], r["swap_blocks"], r["fp8"]) == (True, 1, True)
     assert "1 blocks swapped to host" in r["plan"] and r["host_gb"] > 0 and r["s_per_step"] > 0
 
@@ -59,25 +59,32 @@ def test_bench_runs_every_kind(kind):
     """bench.py --layout KIND trains the kind's own step (its tokens, its references) for each kind a2 has."""
     assert set(KIND_TOKENS) == set(KINDS)
     r = main(BenchConfig(preset="tiny-ti2v" if kind == "clean" else "tiny", frames=9, height=32, width=32, refs=2,
-                         layout=kind, steps=1, warmup=0, dtype="float32", device="cpu", compile=False))
+                         layout=kind, steps=1, warmup=0, dtype="float32", device="cpu"))
     assert r["layout"] == kind and (r["tokens"], r["reference_tokens"]) == KIND_TOKENS[kind]
     assert r["s_per_step"] > 0 and r["forward_pflop"] > 0
 
 
-def test_bench_times_train_a2s_loss(monkeypatch):
-    """The timed step is train_a2.py's forward_loss on model_inputs' batch: a change to the loss reaches bench, the
-    alignment loss (--align-refs) included."""
-    seen = []
+def test_bench_times_train_a2s_step(monkeypatch):
+    """The timed step is the trainer's (a2/step.py): forward_loss on model_inputs' batch, a change to the loss
+    reaches bench, the alignment loss (--align-refs) included; and its optimizer_step, which keeps --ema-decay's
+    EMA."""
+    seen, updates = [], []
 
     def changed_loss(model, inputs, cfg, run, amp, dtype):
         loss, viz = forward_loss(model, inputs, cfg, run, amp, dtype)
         seen.append((run.layout.kind, cfg.align_loss, inputs["align_targets"], tuple(inputs["x0"].shape), loss))
         return 2 * loss, viz
 
+    def recorded_step(opt, params, guard, step_loss, step, cfg, world):
+        out = optimizer_step(opt, params, guard, step_loss, step, cfg, world)
+        updates.append((step, cfg.ema_decay, all("ema" in opt.state[p] for p in params)))
+        return out
+
     monkeypatch.setattr(bench, "forward_loss", changed_loss)
+    monkeypatch.setattr(bench, "optimizer_step", recorded_step)
     main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, steps=2, warmup=1, dtype="float32",
-                     device="cpu", compile=False))
-    assert len(seen) == 3  # warmup + timed steps
+                     device="cpu", ema_decay=0.9))
+    assert len(seen) == 3 and updates == [(0, 0.9, True), (1, 0.9, True), (2, 0.9, True)]  # warmup + timed steps
     kind, aligned, targets, x0, loss = seen[-1]
     assert (kind, aligned, x0) == ("phantom", True, (1, 16, 3, 4, 4))  # the video's 3 latents (then 2 references)
     assert targets.shape[:2] == (1, 2) and targets.abs().sum() > 0  # the target model's, not the cache's zeros
@@ -102,8 +109,8 @@ def test_bench_dry_run_traces_each_kinds_step():
     """bench.py --dry-run traces the same step as the timed one: Stand-In's 1024 reference tokens beside the video's
     make its traced step larger than T2V's at the same shape; MAGREF's and TI2V's (clean) steps trace too."""
     def traced(layout, preset="tiny"):
-        r = bench.dry_run(BenchConfig(preset=preset, frames=9, height=32, width=32, refs=2, layout=layout,
-                                      compile=False))
+        r = bench.bench_dry_run(BenchConfig(preset=preset, frames=9, height=32, width=32, refs=2, layout=layout,
+                                            memory=MemoryConfig(compile=False)))
         assert r["fits"]
         return r["tracer"].peak.total
 

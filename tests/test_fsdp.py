@@ -1,6 +1,7 @@
-"""--fsdp (FSDP2 full fine-tuning) on CPU/gloo, 2 ranks with gradient accumulation: the same update as DDP
-(params, loss, clipped grad norm), sharded checkpoint -> resume == uninterrupted, LoRA refused. Compared weights
-are full tensors: the exported transformer (gathered on rank 0) and the sharded checkpoint converted to one file."""
+"""--fsdp (FSDP2) on CPU/gloo. Full fine-tuning, 2 ranks with gradient accumulation: the same update as DDP (params,
+loss, clipped grad norm), sharded checkpoint -> resume == uninterrupted. A LoRA with its frozen base sharded over 2 and
+4 ranks == one process, resumed, exported and loaded by infer.py. Compared weights are full tensors: the export
+(gathered on rank 0) and the sharded checkpoint converted to one file."""
 
 import json
 import shutil
@@ -106,19 +107,18 @@ def _replica_rank(rank: int, init_file: str, out: str, preset: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    import train_a2
+    from a2.parallel import meta_replica, shard_from_rank0
     from a2.transformer import preset_config, transformer_class
 
-    train_a2.RANK = rank
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     model = None
     if rank == 0:
         torch.manual_seed(0)
         model = transformer_class(preset_config(preset))(**preset_config(preset))
         torch.save(model.state_dict() | dict(model.named_buffers()), f"{out}/want.pt")
-    replica, source = train_a2.meta_replica(model)
+    replica, source = meta_replica(model, lambda m: m)
     assert all(p.is_meta for p in replica.parameters()) and (source is None) == (rank != 0)
-    train_a2.shard_from_rank0(replica, source, torch.device("cpu"), torch.float32)
+    shard_from_rank0(replica, source, torch.device("cpu"), torch.float32)
     assert all(isinstance(b, FSDPModule) for b in [*replica.blocks, *getattr(replica, "vace_blocks", ())])
     full = get_model_state_dict(replica, options=StateDictOptions(full_state_dict=True))  # a collective
     torch.save(full | dict(replica.named_buffers()), f"{out}/got{rank}.pt")
@@ -153,10 +153,82 @@ def test_fsdp_compile_follows_eager(runs, data_dir, tmp_path):
             assert sorted(got) == [1, 2] and max(abs(got[s] - want[s]) for s in got) <= tol, (run, key, got, want)
 
 
-def test_fsdp_refuses_lora(data_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"--fsdp shards full fine-tuning \(--training-type full\)"):
-        train(*args(data_dir, tmp_path, "lora", "--fsdp"))
-    assert not (tmp_path / "lora").exists()  # refused before the run dir
+# LoRA, global batch 4, 4 steps, checkpoints at 2 and 4; adam-eps: see TrainConfig.adam_eps
+LORA = ["--lr", "1e-2", "--adam-eps", "1e-4", "--ckpt-every", "2", "--max-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(data_dir, tmp_path_factory):
+    """A LoRA's global batch of 4 in one process (accumulation 4) and with --fsdp on 2 (accumulation 2) and 4 gloo
+    ranks, launched together."""
+    out = tmp_path_factory.mktemp("lora")
+    procs = dict(one=launch(args(data_dir, out, "one", *LORA, "--grad-accum", "4")),
+                 fsdp2=launch(args(data_dir, out, "fsdp2", *LORA, "--fsdp", "--grad-accum", "2"), nproc=2),
+                 fsdp4=launch(args(data_dir, out, "fsdp4", *LORA, "--fsdp"), nproc=4))
+    return out, {k: finish(p) for k, p in procs.items()}
+
+
+def adapter(run_dir):
+    return load_file(run_dir / "pytorch_lora_weights.safetensors")
+
+
+def test_fsdp_lora_equals_one_process(lora_runs):
+    """--fsdp shards a LoRA's frozen base over 2 and 4 ranks (each holds 1/N of every weight) and trains its adapter as
+    one process does: the same losses (1e-6) and exported adapter (1e-5); each sharded checkpoint holds the adapter
+    and its optimizer state alone, one file per rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out, logs = lora_runs
+    for run, ranks in (("fsdp2", 2), ("fsdp4", 4)):
+        assert "(lora, FSDP2)" in logs[run] and f"micro 1 x accum {4 // ranks} x world {ranks}" in logs[run]
+        got, want = metrics(out / run, "loss"), metrics(out / "one", "loss")
+        assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in want) <= 1e-6, (run, got, want)
+        diff = max_diff(adapter(out / run), adapter(out / "one"))
+        print(f"LoRA --fsdp on {ranks} ranks vs one process after 4 steps: max |adapter diff| {diff:.3g}")
+        assert diff <= 1e-5
+        sharded = out / run / "ckpt-0000004" / "sharded"
+        assert len(list(sharded.glob("*.distcp"))) == ranks
+        keys = [k for k in FileSystemReader(str(sharded)).read_metadata().state_dict_metadata if k.startswith("model.")]
+        assert keys and all(".lora_" in k for k in keys), keys[:4]  # the frozen base is not written
+    trained = adapter(out / "one")
+    assert max(v.abs().max() for k, v in trained.items() if ".lora_B." in k) > 1e-3  # (lora_B starts at zero)
+
+
+def test_fsdp_lora_resumes(lora_runs, data_dir, tmp_path):
+    """The 2-rank run's step-2 checkpoint, put in a fresh run dir, resumes with --fsdp on 2 ranks to step 4: the
+    uninterrupted run's losses and adapter."""
+    out, _ = lora_runs
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copytree(out / "fsdp2" / "ckpt-0000002", cut / "ckpt-0000002")
+    log = finish(launch(args(data_dir, tmp_path, "cut", *LORA, "--fsdp", "--grad-accum", "2", "--resume", "auto"),
+                        nproc=2))
+    assert f"resumed from {cut / 'ckpt-0000002'} at step 2" in log
+    want, got = losses(out / "fsdp2"), losses(cut)
+    assert sorted(got) == [3, 4] and max(abs(want[s] - got[s]) for s in got) <= 1e-6, (want, got)
+    assert max_diff(adapter(cut), adapter(out / "fsdp2")) <= 1e-6
+
+
+def test_fsdp_lora_loads_in_infer(lora_runs, data_dir, tmp_path):
+    """The LoRA exported by the 4-rank --fsdp run loads in infer.py as the one-process run's does: the same latents
+    (its weights equal to 1e-5), and not the base model's."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out, _ = lora_runs
+    common = ["--model", "tiny", "--height", "32", "--width", "32", "--num-frames", "21", "--steps", "2", "--device",
+              "cpu", "--prompt", "a person", "--seed", "1", "--elements",
+              *(str(data_dir / f"000_{e}.png") for e in ("person", "object", "background"))]
+    latents = {}
+    for name, lora in (("one", ["--lora", str(out / "one")]), ("fsdp4", ["--lora", str(out / "fsdp4")]),
+                       ("base", [])):
+        subprocess.run([sys.executable, str(ROOT / "infer.py"), *common, *lora, "--out", str(tmp_path / f"{name}.mp4"),
+                        "--save-latents", str(tmp_path / f"{name}.pt")], check=True, capture_output=True)
+        latents[name] = torch.load(tmp_path / f"{name}.pt")["latents"]
+    assert (latents["fsdp4"] - latents["one"]).abs().max() <= 1e-4 * latents["one"].abs().max()
+    assert (latents["base"] - latents["one"]).abs().max() > 1e-3 * latents["one"].abs().max()
 
 
 def test_fsdp_on_mixed_element_sets_equals_one_process(tmp_path):

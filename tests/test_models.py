@@ -169,8 +169,8 @@ def test_unsupported_pairs_and_paths(wan22_i2v_dir, tiny_dir, tmp_path):
 def test_expert_sigma_is_the_truncated_distribution(sampling):
     """Each expert's sigmas stay in its range and follow the configured distribution restricted to it: the same
     as rejection sampling from the unrestricted sampler (two-sample Kolmogorov-Smirnov)."""
+    from a2.flow import sample_generator, sample_sigma
     from config import TrainConfig, with_recipe
-    from train_a2 import sample_generator, sample_sigma
 
     cfg = with_recipe(TrainConfig(sigma_sampling=sampling))[0]
     b, n = 0.875, 3000

@@ -306,7 +306,7 @@ def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypa
     full = ("--training-type", "full")
     for flags, refused in ((("--swap-blocks", "1"), "--swap-blocks swaps frozen weights: LoRA only"),
                            (("--swap-blocks", "1", "--fsdp"), "--swap-blocks swaps frozen weights: LoRA only"),
-                           (("--offload-activations", "--fsdp"), "--offload-activations is not tried with --fsdp")):
+                           (("--offload-activations", "--fsdp"), "--offload-activations is not combined with --fsdp")):
         with pytest.raises(ConfigError, match=refused):
             train(*args(data_dir, tmp_path, "r", *full, *flags))
         if torch.distributed.is_initialized():  # --fsdp's one-rank group, made before the config is checked

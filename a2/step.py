@@ -1,0 +1,193 @@
+"""One training step: the inputs of a micro-batch (every draw keyed by seed, step and sample), its loss, and the
+optimizer's update. What train_a2.py's loop, its eval loss, both dry runs (a2/trace.py) and bench.py run, so that
+what is measured is what trains."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from a2 import align
+from a2.augment import AUGMENT_STREAM, augment_references
+from a2.conditioning import (
+    Layout,
+    PosteriorCache,
+    drop,
+    element_layout,
+    encode,
+    loss_start,
+    model_input,
+    num_latent_frames,
+    prepare_model,
+    video_prediction,
+)
+from a2.ema import ema_decay, update_ema
+from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, timestep_bucket
+from a2.pipeline import encode_prompt, image_tokens
+from a2.runs import NonFiniteSteps
+from a2.transformer import ModelInfo
+from config import Element, TrainConfig
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a run derives from its config and model dir, computed once by plan_run, printed at start and saved
+    as run.json beside config.json. Never written back into the config."""
+
+    world: int
+    global_batch: int  # micro_batch x grad_accum x world
+    layout: Layout  # the conditioning kind and what it derives (a2/conditioning.py: plan)
+    elements: tuple[Element, ...]
+    info: ModelInfo  # what detect_model read from the model dir
+    subfolder: str  # the transformer trained: transformer, or a Wan 2.2 expert's transformer_2
+    compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
+    sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
+    cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
+    compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
+    val_elements: bool = False  # --val-elements given
+    val_every: int = 0  # --val-every
+    encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
+
+    @property
+    def validates(self) -> bool:
+        """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
+        --val-every)."""
+        return self.val_elements or self.layout.images == "none" and self.val_every > 0
+
+
+@dataclass
+class Encoders:
+    """The frozen encoders of a run (None where not loaded: training from the precompute cache) and what the step
+    needs of them: the latents' normalisation and the empty prompt of text dropout."""
+
+    vae: object = None
+    tokenizer: object = None
+    text_encoder: object = None
+    image_encoder: object = None
+    image_processor: object = None
+    latents_config: dict | None = None
+    empty_text: torch.Tensor | None = None  # (1, 512, D)
+    align_target: tuple | None = None  # --align-loss: the DINOv3 model and its normalisation (a2/align.py)
+
+
+def h2d(x: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
+    .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""
+    if device.type != "cuda":
+        return x
+    return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+
+
+def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device) -> dict:
+    """Everything the transformer and the loss take for this rank's j-th micro-batch of `step`: x0, noise, sigma,
+    the Conditioning (a2/conditioning.py), text tokens, with text and reference dropout applied. Each sample draws
+    from its own generator (a2/flow.py: sample_generator): sigma, dropout, noise, then the VAE posteriors, as A2's
+    inference orders its draws."""
+    cached = "posteriors" in batch
+    b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
+    ks = [(j * run.world + rank) * cfg.micro_batch + i for i in range(b)]
+    key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
+    gens = [sample_generator(cfg.seed, key, k) for k in ks]
+    drop_text = [torch.rand((), generator=g).item() for g in gens]
+    drop_refs = [torch.rand((), generator=g).item() for g in gens]
+    drop_text, drop_refs = dropouts(cfg, drop_text, drop_refs)
+    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
+                                                                                   cfg.timestep_buckets))
+                               for g, k in zip(gens, ks)]), device)  # (B,)
+    layout = element_layout(run.layout, batch["repeats"])  # the batch's element set (its bucket's)
+    with torch.no_grad():
+        s = run.info.vae_scale
+        noise = h2d(torch.stack([torch.randn(run.info.z_dim, num_latent_frames(layout.num_frames), height // s,
+                                             width // s, generator=g) for g in gens]), device)
+        # from the cache the pixels are meta tensors: shapes for prepare_latents, no memory, never read
+        vae = PosteriorCache(enc.latents_config, [h2d(p, device) for p in batch["posteriors"]]) if cached else enc.vae
+        video = torch.empty(batch["video_shape"], device="meta") if cached else h2d(batch["video"], device)
+        refs = None
+        if layout.takes_references:
+            refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
+            if cfg.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
+                refs = augment_references(refs, [sample_generator(cfg.seed, key, k, stream=AUGMENT_STREAM)
+                                                 for k in ks])
+            refs = refs if cached else h2d(refs, device)
+        region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
+        x0, cond = encode(vae, layout, video, refs, gens, run.encode_mode,
+                          None if region is None else h2d(region, device))
+        text = (h2d(batch["text"], device) if cached
+                else encode_prompt(enc.tokenizer, enc.text_encoder, batch["prompts"]))  # (B, 512, D)
+        text = torch.where(h2d(torch.tensor(drop_text), device)[:, None, None], enc.empty_text, text)
+        if layout.use_clip:
+            cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
+                          image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
+        cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+        targets = None
+        if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
+            patch = run.info.patch_size
+            _, _, grid = align.reference_spans(layout, (height // s // patch[1], width // s // patch[2]), patch)
+            targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
+    return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
+                tokens=b * layout.tokens(run.info, height, width),
+                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
+                references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+
+
+def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
+    """Which samples drop their prompt and their references, from each sample's two uniform draws: independently
+    (--joint-dropout 0: u_text < --text-dropout, u_refs < --reference-dropout), or as exclusive cases of u_text alone
+    (RefAlign's): [0, p_text) the prompt, then p_refs the references, then p_joint both."""
+    if not cfg.joint_dropout:
+        return [u < cfg.text_dropout for u in u_text], [u < cfg.reference_dropout for u in u_refs]
+    t, r, j = cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout
+    return [u < t or t + r <= u < t + r + j for u in u_text], [t <= u < t + r + j for u in u_text]
+
+
+def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
+    """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
+    x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
+    x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
+    patch_size = getattr(model, "module", model).config.patch_size
+    x_in, timestep = model_input(x_t, cond, sigmas * 1000, patch_size)  # as the sampler builds it
+    layout = inputs["layout"]  # the batch's element set (model_inputs')
+    prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
+    spans = None
+    if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens
+        spans = align.reference_spans(layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
+                                      patch_size)[:2]
+    with amp, (align.capture(model, spans) if spans else nullcontext()) as features:
+        pred = model(hidden_states=x_in.to(dtype), timestep=timestep, encoder_hidden_states=inputs["text"].to(dtype),
+                     encoder_hidden_states_image=None if cond.image is None else cond.image.to(dtype),
+                     return_dict=False)[0]
+    pred = video_prediction(pred, cond)
+    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, loss_start(cond, cfg.loss_on_references))
+    if spans:
+        loss = loss + cfg.align_weight * align.align_loss(features, inputs["align_targets"], sigmas,
+                                                          inputs["references_kept"], cfg.align_gate_floor,
+                                                          cfg.align_gate_power)
+    s = sigmas.view(-1, 1, 1, 1, 1)
+    viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
+               reference_images=inputs["reference_images"])
+    return loss, viz
+
+
+def make_optimizer(cfg: TrainConfig, params, device) -> tuple[torch.optim.Optimizer, NonFiniteSteps]:
+    """AdamW over the trainable weights and its non-finite guard (fused: a non-finite step is skipped through its
+    found_inf, on the device)."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
+                            fused=True)
+    return opt, NonFiniteSteps(opt, device)
+
+
+def optimizer_step(opt, params, guard, step_loss, step: int, cfg: TrainConfig, world: int):
+    """Clip, step (skipped on the device when the loss or the norm is not finite) and update the EMA. Returns the
+    gradient norm before clipping."""
+    if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
+        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
+    opt.step()
+    if cfg.ema_decay:
+        update_ema(opt, params, ema_decay(cfg.ema_decay, step))
+    return grad_norm
