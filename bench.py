@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from a2 import align
-from a2.conditioning import KIND_DEFS, NATIVE_KINDS, kind_sampling, plan
+from a2.conditioning import KIND_DEFS, kind_sampling, plan
 from a2.lora import make_trainable
 from a2.memory import apply_plan, context_tokens, memory_plan, step_shape, use_expandable_segments
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
@@ -309,9 +309,9 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
     d = KIND_DEFS[kind]
     lo, hi = d.references
     n = min(max(b.align_refs or b.refs, lo), hi)  # --refs within what one sample of the kind holds
-    if b.align_refs and (n != b.align_refs or d.axis not in ("time", "tokens")):
+    if b.align_refs and (n != b.align_refs or not d.reference_tokens):
         raise ConfigError(f"bench.py --align-refs {b.align_refs}: the {kind} kind holds {lo} to {hi} references"
-               + ("" if d.axis in ("time", "tokens") else ", none of them tokens of the sequence")
+               + ("" if d.reference_tokens else ", none of them tokens of the sequence")
                + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
     try:
         cfg = preset_config(b.preset, e2v=d.axis == "channel")
@@ -321,7 +321,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
                      cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
                      vae_scale=vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
                      expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM,
-                     native_kind=kind if kind in NATIVE_KINDS else None)
+                     native_kind=kind if d.native else None)
     layouts = CONDITIONING_CHOICES["reference_layout"]
     vae = VaeProcessorConfig(resolution=b.size, reference_layout=kind if kind in layouts else "channel",
                              frame_conditioning=d.frame_conditioning[0])
