@@ -1,7 +1,7 @@
 """E2V data: scan and validate a dataset, load clips and element images, bucket and shard batches.
 
 A sample id links `<id>.mp4` (or .webm/.mov/.mkv), `<id>.txt` (the prompt) and element images `<id><suffix>`
-(config.Element); names match case-insensitively, and hidden files (macOS `._*` included) are no part of a dataset.
+(a2.elements.Element); names match case-insensitively, and hidden files (macOS `._*` included) are no part of a dataset.
 Also read: a manifest (CSV or JSONL with `video` and `caption` columns, plus optional `id` and element-name columns)
 and the T2V workflow's `train.jsonl` of `.npz` clips (uint8 frames (F, H, W, 3) under key `frames`, prompt under
 `prompt`). Files are read as they mean: EXIF orientation, video rotation metadata, transparency on white.
@@ -18,7 +18,8 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import DataCommand, Validate, dataset_configs, exit_on_signal, parse_cli, run_cli
+    from a2.cli import exit_on_signal, parse_cli, run_cli
+    from config import DataCommand, Validate, dataset_configs
 
     exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
@@ -48,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
 from a2.conditioning import (
     KIND_DEFS,
     canvas_refusal,
@@ -59,6 +61,8 @@ from a2.conditioning import (
     largest_element_set,
     reference_pixels,
 )
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.elements import A2_ELEMENTS, Element
 from a2.images import read_image
 from a2.media import (
     VIDEO_EXTS,
@@ -74,21 +78,7 @@ from a2.media import (
     read_frames,
 )
 from a2.transformer import TEXT_TOKENS
-from config import (
-    A2_ELEMENTS,
-    PUBLIC_TYPES,
-    DataCommand,
-    DatasetConfig,
-    Element,
-    MakeSample,
-    Validate,
-    dataset_configs,
-    exit_on_signal,
-    parse_cli,
-    read_text,
-    run_cli,
-    with_recipe,
-)
+from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)

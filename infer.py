@@ -16,7 +16,8 @@ and compare a LoRA with its base model over a prompt list.
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import InferConfig, exit_on_signal, parse_cli
+    from a2.cli import exit_on_signal, parse_cli
+    from config import InferConfig
 
     exit_on_signal("the videos written so far are kept; the same command renders again")
     CLI_CONFIG = parse_cli(InferConfig)
@@ -34,7 +35,10 @@ import torch
 import torch.distributed as dist
 
 from a2 import standin
+from a2.cli import ConfigError, InputError, MissingInput, as_input_error, run_cli
 from a2.conditioning import KIND_DEFS, element_kind, kind_elements, kind_sampling, sampling_plan
+from a2.dataset_config import check_size, height_width
+from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.images import read_image
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
@@ -47,21 +51,7 @@ from a2.pipeline import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
-from config import (
-    A2_ELEMENTS,
-    RECIPES,
-    ConfigError,
-    InferConfig,
-    InputError,
-    MissingInput,
-    as_input_error,
-    check_size,
-    height_width,
-    is_tiny,
-    pair_elements,
-    parse_elements,
-    run_cli,
-)
+from config import RECIPES, InferConfig, is_tiny
 
 
 def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:

@@ -40,8 +40,9 @@ A run's layout has one `kind`:
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
   plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
-                       From config.ConditioningConfig (flags and processors.vae alike); sampling_plan is the same
-                       plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it is given.
+                       From a2.dataset_config.ConditioningConfig (flags and processors.vae alike); sampling_plan is
+                       the same plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it
+                       is given.
   reference_pixels     the element images as the kind takes them (framed per element, or magref's one canvas).
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
@@ -67,6 +68,9 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
 from a2 import standin, vace
+from a2.cli import ConfigError
+from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
+from a2.elements import A2_ELEMENTS, RELEASED_ELEMENTS
 from a2.images import (
     MAGREF_GRIDS,
     element_tensors,
@@ -76,14 +80,6 @@ from a2.images import (
     preprocess_image,
 )
 from a2.transformer import resolve_e2v_type
-from config import (
-    A2_ELEMENTS,
-    RELEASED_ELEMENTS,
-    ConditioningConfig,
-    ConfigError,
-    VaeProcessorConfig,
-    kind_of,
-)
 
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from config import PREPROCESS_MODES
+from a2.elements import PREPROCESS_MODES
 
 
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
@@ -135,7 +135,7 @@ def pil_to_tensor(image: Image.Image) -> torch.Tensor:
 def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
     """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
 
-    `element` needs `.vae_preprocess` and `.clip_preprocess` (config.Element). The CLIP tensor is
+    `element` needs `.vae_preprocess` and `.clip_preprocess` (a2.elements.Element). The CLIP tensor is
     the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
     vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
     clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))

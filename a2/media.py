@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from a2.cli import InputError, printable, read_text
+from a2.dataset_config import DatasetConfig
 from a2.transformer import TEXT_TOKENS
-from config import DatasetConfig, InputError, printable, read_text
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)

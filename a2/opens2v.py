@@ -30,7 +30,8 @@ Encoders load from local dirs only; a metric whose encoder is not given is skipp
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before torch loads
-    from config import OpenS2VConfig, parse_cli
+    from a2.cli import parse_cli
+    from config import OpenS2VConfig
 
     CLI_CONFIG = parse_cli(OpenS2VConfig, prog="python3 -m a2.opens2v")
 
@@ -46,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from config import InputError, MissingInput, run_cli
+from a2.cli import InputError, MissingInput, run_cli
 
 DOMAINS = ("Open-Domain", "Human-Domain", "Single-Domain")
 

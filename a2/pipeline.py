@@ -34,9 +34,9 @@ from a2.conditioning import (
     vae_scale,
     video_prediction,
 )
+from a2.dataset_config import ConditioningConfig, check_size
 from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
 from a2.transformer import TEXT_TOKENS, expert_for_timestep
-from config import ConditioningConfig, check_size
 
 # ---------------------------------------------------------------- element images
 

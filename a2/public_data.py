@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from a2.cli import InputError, MissingInput, run_cli
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.images import read_image
 from a2.media import (
     VIDEO_EXTS,
@@ -48,18 +50,7 @@ from a2.media import (
     probe_video,
     read_frames,
 )
-from config import (  # noqa: F401 (data.py's commands, configs of the indexes below)
-    PUBLIC_TYPES,
-    DatasetConfig,
-    ExportElements,
-    IndexCommand,
-    IndexHumoSet,
-    IndexOpenS2V,
-    IndexPhantom,
-    InputError,
-    MissingInput,
-    run_cli,
-)
+from config import ExportElements, IndexHumoSet, IndexOpenS2V, IndexPhantom
 
 PHANTOM_CANVAS = 768  # Phantom-Data's boxes are in pixels of the frame resized to this long side
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
@@ -832,7 +823,7 @@ def index_humoset(a: IndexHumoSet):
 def export_elements(a: ExportElements) -> dict:
     from tqdm import tqdm
 
-    from config import A2_ELEMENTS
+    from a2.elements import A2_ELEMENTS
 
     path, out = Path(a.manifest), Path(a.out)
     if not path.is_file():

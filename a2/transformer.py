@@ -19,8 +19,8 @@ import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from a2.cli import InputError
 from a2.fake import fake_mode_active
-from config import InputError
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels
 TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from a2 import align
-from config import ConfigError
+from a2.cli import ConfigError
 from tests.conftest import args, launch, losses, max_diff, params, train, train_config
 
 FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",

@@ -11,9 +11,12 @@ import tyro
 
 import infer
 import train_a2
+from a2.cli import ConfigError
 from a2.conditioning import validation_layout
+from a2.dataset_config import ConditioningConfig
+from a2.elements import pair_elements
 from a2.pipeline import A2Pipeline, load_references
-from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, pair_elements
+from config import TrainConfig, dataset_configs
 from data import E2VDataset, collate, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
@@ -334,7 +337,8 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     from dataclasses import fields
 
     import infer
-    from config import VaeProcessorConfig, load_dataset_config, option_names
+    from a2.cli import option_names
+    from a2.dataset_config import VaeProcessorConfig, load_dataset_config
 
     names = [f.name for f in fields(ConditioningConfig)]
     assert [f.name for f in fields(VaeProcessorConfig)][:len(names)] == names

@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 import infer
+from a2.cli import run_cli
 from a2.conditioning import index_elements
-from config import Validate, dataset_configs, run_cli
+from config import Validate, dataset_configs
 from tests.conftest import ROOT
 
 

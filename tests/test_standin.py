@@ -12,8 +12,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from a2 import standin
+from a2.dataset_config import ConditioningConfig
+from a2.elements import Element
 from a2.transformer import TEXT_TOKENS, preset_config
-from config import ConditioningConfig, Element
 from tests.conftest import drawn_person
 from tests.their_standin import TheirStandIn, their_sampling
 
