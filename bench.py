@@ -52,9 +52,10 @@ import torch
 
 from a2 import align
 from a2.cli import ConfigError, run_cli
-from a2.conditioning import KIND_DEFS, kind_sampling, plan
+from a2.conditioning import plan
 from a2.dataset_config import CONDITIONING_CHOICES, VaeProcessorConfig
 from a2.elements import Element
+from a2.kinds import KIND_DEFS, kind_sampling
 from a2.lora import make_trainable
 from a2.memory import apply_plan, context_tokens, memory_plan, step_shape, use_expandable_segments
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
@@ -178,7 +179,7 @@ def bench_opens2v(b: BenchConfig) -> dict:
     from PIL import Image
 
     from a2 import public_data
-    from data import read_frames
+    from a2.media import read_frames
 
     root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
     part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"

@@ -29,8 +29,7 @@ from a2.dataset_config import (
 )
 from a2.elements import A2_ELEMENTS, parse_elements
 
-# the vocabulary of the flags and dataset configs (a2/conditioning.py derives the run's kind from them)
-# a2/conditioning.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
+# a2/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
 KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",
               "standin")
 
@@ -626,11 +625,11 @@ class InferConfig:
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
     """The element specs (train_a2.py's --elements grammar). Default: the kind's, as train_a2.py takes them
-    (a2.conditioning.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
+    (a2.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
     preset: Literal["v3-distilled", "diffusers"] | None = None
-    """Samples as another of the lab's own entry points for its model (a2.conditioning.Kind.modes). v3-distilled:
+    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-distilled:
     SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). diffusers
     (VACE): diffusers' WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the
     references resized to multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out

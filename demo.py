@@ -31,8 +31,8 @@ from PIL import Image, ImageDraw
 
 import infer
 from a2.cli import InputError, MissingInput, as_input_error, run_cli
-from a2.conditioning import KIND_DEFS
 from a2.images import read_image
+from a2.kinds import KIND_DEFS
 from a2.lora import load_lora
 from a2.pipeline import A2Pipeline
 from a2.tiny import model_path

@@ -36,12 +36,14 @@ import torch.distributed as dist
 
 from a2 import standin
 from a2.cli import ConfigError, InputError, MissingInput, as_input_error, run_cli
-from a2.conditioning import KIND_DEFS, element_kind, kind_elements, kind_sampling, sampling_plan
+from a2.conditioning import sampling_plan
 from a2.dataset_config import check_size, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.images import read_image
+from a2.images import read_image, resize_frames
+from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
+from a2.media import read_clip
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
@@ -193,9 +195,9 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
 def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """--control-video (1, 3, F, H, W) in [-1, 1] and --mask (1, F, H, W) in [0, 1] (its first channel, as Wan's
     prepare_source reads it) as a VACE layout takes them: the first F = clip_frames frames of each (a mask may be one
-    image, for every frame), centre-cropped to the size and resized (data.resize_frames). (None, None) without them;
-    a mistake is a ValueError naming the flag and file."""
-    from data import IMAGE_EXTS, read_clip, resize_frames
+    image, for every frame), centre-cropped to the size and resized (a2.images.resize_frames). (None, None) without
+    them; a mistake is a ValueError naming the flag and file."""
+    from data import IMAGE_EXTS
 
     if cfg.control_video is None and cfg.mask is None:
         return None, None

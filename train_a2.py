@@ -47,9 +47,7 @@ from a2.conditioning import (
     PosteriorCache,
     element_layout,
     encode,
-    kind_sampling,
     lora_target,
-    model_flow_shift,
     plan,
     vae_scale,
     validation_layout,
@@ -59,6 +57,7 @@ from a2.elements import pair_elements
 from a2.ema import ema_load_template, ema_weights
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import sigma_cdf, sigma_quantile
+from a2.kinds import kind_sampling, model_flow_shift
 from a2.lora import base_metadata, make_trainable, model_family
 from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
 from a2.parallel import (

@@ -137,7 +137,7 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
 
 def aligned_kinds() -> list[str]:
     """The kinds whose references are tokens of the sequence (Layout.reference_tokens)."""
-    from a2.conditioning import KIND_DEFS
+    from a2.kinds import KIND_DEFS
 
     return [k for k, d in KIND_DEFS.items() if d.reference_tokens]
 

@@ -112,7 +112,7 @@ def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
 
 
 def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
-    """The conditioning kind (a2/conditioning.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
+    """The conditioning kind (a2/kinds.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
     ask for, with element images or without: the one place they decide it (a released model's weights choose their
     own instead: a2.conditioning.plan). A --reference-layout other than channel names its kind; frame conditioning
     gives a TI2V-5B clean leading frames and any other model Wan I2V's frames in place; else A2's channel prefix
@@ -212,14 +212,14 @@ class DatasetConfig:
     frame_extraction: str = "spread"
     """Which windows of a clip train (FRAME_EXTRACTION). spread: one per clip, its frames spread evenly over the whole
     clip; head | chunk | slide | uniform: musubi-tuner's windows of consecutive frames, each a sample
-    (data.frame_windows)."""
+    (a2.media.frame_windows)."""
     frame_stride: int = 1
     """With frame_extraction slide: the frames between window starts."""
     frame_sample: int = 1
     """With frame_extraction uniform: the windows per clip."""
     source_fps: float | None = None
     """The frame rate of the clips. With target_fps below it, frames are dropped to reach target_fps first
-    (data.resampled_frames); None: the clips are used at their own rate."""
+    (a2.media.resampled_frames); None: the clips are used at their own rate."""
     target_fps: float = 16.0
     """The frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
     eval: bool = False

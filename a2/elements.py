@@ -53,7 +53,7 @@ A2_ELEMENTS: tuple[Element, ...] = (
 
 
 # The released S2V models' references (Phantom-Wan, SkyReels-V3 R2V, RefAlign, MAGREF: their kinds' element specs,
-# a2.conditioning.kind_elements): one frame each, framed as their labs frame one (Lanczos fit, white pad), no CLIP
+# a2.kinds.kind_elements): one frame each, framed as their labs frame one (Lanczos fit, white pad), no CLIP
 # path; ref0..ref2 also read A2's subject / object / background files, so one dataset dir trains every kind
 RELEASED_ELEMENTS: tuple[Element, ...] = tuple(
     Element(f"ref{i}", (f"_ref{i}.png",) + (A2_ELEMENTS[i].suffixes if i < len(A2_ELEMENTS) else ()), False, 1, i,

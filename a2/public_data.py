@@ -301,7 +301,7 @@ def more_than_kinds_take(masks: int, background: bool) -> list[str]:
     """The report's lines a clip of `masks` kept masks (and a background png or not) counts in: one per kind without
     roles whose maximum it exceeds (with default flags that kind takes the largest, the rest are no reference of
     its). A clip with no subject mask is dropped by the index itself (counted)."""
-    from a2.conditioning import KIND_DEFS
+    from a2.kinds import KIND_DEFS
 
     out = []
     for k, d in KIND_DEFS.items():

@@ -8,7 +8,7 @@ import torch
 
 import bench
 from a2.cli import run_cli
-from a2.conditioning import KINDS, V3_SLOTS
+from a2.kinds import KINDS, V3_SLOTS
 from a2.step import forward_loss, optimizer_step
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main

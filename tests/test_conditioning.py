@@ -213,10 +213,10 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     element images, each on its CLI's defaults (no sampling flag, no element specs; the size, frames and 2 steps
     given to both alike): the same tensor, bit for bit, written at the kind's own fps. Both fill what their user
     left out in one place, A2Pipeline (the kind's guidance, reference guidance, negative prompt, seed, noise
-    device, schedule), and frame the images with the specs the kind takes (a2.conditioning.kind_elements)."""
+    device, schedule), and frame the images with the specs the kind takes (a2.kinds.kind_elements)."""
     from contextlib import nullcontext
 
-    from a2.conditioning import kind_sampling
+    from a2.kinds import kind_sampling
 
     model, extra, n = VALIDATION[name]
     sample = sorted(data_dir.glob("*.mp4"))[0].stem
@@ -451,21 +451,21 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
 
 
 def test_no_kind_name_is_compared_outside_the_kind_definitions():
-    """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
-    project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
-    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its choices,
-    config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is
-    not a kind."""
+    """Every kind's defaults come from its definition (a2/kinds.py: KIND_DEFS; a2/conditioning.py: the Layout's
+    properties): no project module outside those two compares a kind name, or a kind set, except the weights'
+    detection (a2/transformer.py names the released layouts it reads; a2/tiny.py builds them) and bench.py's own
+    --layout flag (its choices, config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type
+    that shares a name (t2v) is not a kind."""
     import re
     from pathlib import Path
 
-    from a2.conditioning import KIND_DEFS
+    from a2.kinds import KIND_DEFS
 
     names = "|".join(KIND_DEFS)
     compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
                           r"|\b[A-Z_]*KINDS\b")
     root = Path(__file__).resolve().parents[1]
-    allowed = {"a2/conditioning.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    allowed = {"a2/conditioning.py", "a2/kinds.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
     found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
              for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
              for i, line in enumerate(f.read_text().splitlines(), 1)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from a2.dataset_config import DatasetConfig
-from a2.media import displayed
-from data import DatasetError, E2VDataset, _decode, cache_key, resize_frames
+from a2.images import resize_frames
+from a2.media import _decode, displayed
+from data import DatasetError, E2VDataset, cache_key
 from tests.conftest import args, losses, train
 
 F = 17  # clip frames of the windows

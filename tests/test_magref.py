@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from a2.conditioning import kind_sampling
 from a2.dataset_config import ConditioningConfig
 from a2.images import magref_canvas
+from a2.kinds import kind_sampling
 from tests.conftest import drawn_person
 
 PHOTOS = ((720, 1280), (1250, 1250), (1920, 1080))  # (h, w): the SkyReels-A2 photos' sizes (human, thing, env)
@@ -201,7 +201,7 @@ def test_infer_samples_as_magref(magref_parts, n, seed, tmp_path):
     name's smoke-test defaults) with only the flags MAGREF's generate.py takes (the prompt, the images, the size and
     frame count, and --seed or not) == MAGREF's sampler written out at generate.py's defaults: the same condition
     (mask | canvas latents) and final latents for 1, 2 and 3 references, with its --base_seed 3407 when no --seed is
-    given. Everything MAGREF fixes comes from the kind (a2.conditioning.KIND_DEFS["magref"]): its UniPC from sigma
+    given. Everything MAGREF fixes comes from the kind (a2.kinds.KIND_DEFS["magref"]): its UniPC from sigma
     0.999, shift 3, 40 steps, its negative prompt, the posterior mean of the canvas, the seed's placement (of the
     noise's seed). The references are synthetic photos of other aspects than their blocks' and the video's, read by
     infer.py and given to theirs as read."""

@@ -638,9 +638,9 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     import numpy as np
 
     import infer
-    from a2.conditioning import kind_sampling
     from a2.elements import RELEASED_ELEMENTS, parse_elements
     from a2.images import preprocess_image
+    from a2.kinds import kind_sampling
     from a2.transformer import detect_model
 
     def own(model, **flags):

@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 
 import infer
 from a2 import vace
-from a2.conditioning import WAN_NEGATIVE_PROMPT, plan
+from a2.conditioning import plan
 from a2.dataset_config import VaeProcessorConfig
 from a2.elements import RELEASED_ELEMENTS
 from a2.images import read_image
+from a2.kinds import WAN_NEGATIVE_PROMPT
 from a2.lora import export_lora, read_original
 from a2.parallel import UlyssesAttnProcessor, context_parallel
 from a2.tiny import TINY_MODELS, build_tiny, model_path, save_tiny, tiny_model_dir
