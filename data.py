@@ -35,6 +35,7 @@ import random
 import signal
 import sys
 import threading
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -47,7 +48,7 @@ import torch
 from PIL import Image
 
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
-from a2.conditioning import canvas_refusal, clip_frames, element_layout, element_refusal, reference_pixels
+from a2.conditioning import canvas_refusal, clip_frames, element_layout, element_refusal, plan, reference_pixels
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS, Element
 from a2.images import read_image, resize_frames
@@ -70,7 +71,8 @@ from a2.media import (
     read_clip,
     resampled_frames,
 )
-from a2.transformer import TEXT_TOKENS
+from a2.tiny import TINY_MODELS, model_path
+from a2.transformer import TEXT_TOKENS, detect_model
 from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
@@ -705,8 +707,6 @@ class WorkerProcess(multiprocessing.context.SpawnProcess):
         try:
             super().run()  # torch's _worker_loop
         except BaseException:  # what multiprocessing's _bootstrap would print before exiting 1
-            import traceback
-
             traceback.print_exc()
             code = 1
         sys.stdout.flush()
@@ -921,10 +921,6 @@ def training_layout(a: Validate, cfgs):
     MAGREF weights take their own layouts and references), so when --model is on this machine (a built-in model, a dir
     or a file) they are planned as training plans them; a Hub id is not downloaded for this: the datasets as the flags
     give them, no layout (None), and the clip length is the elements' rule (said)."""
-    from a2.conditioning import plan
-    from a2.tiny import TINY_MODELS, model_path
-    from a2.transformer import detect_model
-
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))

@@ -34,7 +34,8 @@ from a2.conditioning import (
 from a2.dataset_config import ConditioningConfig, check_size
 from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
 from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
-from a2.transformer import TEXT_TOKENS, expert_for_timestep
+from a2.tiny import model_path
+from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
 
 # ---------------------------------------------------------------- element images
 
@@ -211,9 +212,6 @@ class A2Pipeline(WanLoraLoaderMixin):
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
         experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory). A Phantom-Wan
         checkpoint takes its VAE and text encoder from its Wan parts dir (`components`, else ModelInfo's default)."""
-        from a2.tiny import model_path
-        from a2.transformer import detect_model, load_transformer
-
         info = detect_model(model_path(model_dir), image_encoder_dir and model_path(image_encoder_dir), components)
         model_dir = info.path
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)

@@ -510,6 +510,68 @@ def test_no_import_cycle_among_the_projects_modules():
     assert cycle("a2.images", "a2.images", ["a2.images"])
 
 
+def late_imports(path, root) -> list[str]:
+    """`file:line module (why)` for each import inside a function of `path` that has no reason to be there: a
+    standard-library module (it costs nothing at the top), or a module the file already imports at its top. What a
+    function may import itself: an optional or heavy dependency, or a module whose top-level import would be a cycle.
+    `from a2 import x` names the module a2.x (a submodule), not the package."""
+    import ast
+    import sys
+
+    tree = ast.parse(path.read_text())
+
+    def modules(node):
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        return [f"{node.module}.{a.name}" if (root / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                else node.module for a in node.names]
+
+    top = {m for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom) for m in modules(node)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for m in dict.fromkeys(modules(node)):
+                    why = ("standard library" if m.split(".")[0] in sys.stdlib_module_names
+                           else "imported at the top" if m in top else None)
+                    if why:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {m} ({why})")
+    return sorted(set(found), key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+# The files other work is rewriting now, with the modules their functions still import that way: each is hoisted as
+# that work lands and its entry taken out of this list, which must end empty.
+LATE_IMPORTS_BEING_MOVED = {
+    "a2/lora.py": ("json", "math"),
+    "a2/parallel.py": ("os",),
+    "a2/trace.py": ("torch._subclasses.fake_tensor",),
+    "bench.py": ("a2.conditioning", "a2.dataset_config", "a2.elements", "shutil", "statistics", "pathlib"),
+    "train_a2.py": ("a2.lora", "a2.transformer"),
+}
+
+
+def test_no_function_imports_a_module_it_could_import_at_the_top(tmp_path):
+    """No function of a2's code (the scripts, a2/) imports a standard-library module or one its file imports at the
+    top: those imports cost nothing at the top, where a reader looks for a file's dependencies."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = [f for path in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) for f in late_imports(path, root)]
+    allowed = {(file, module) for file, modules in LATE_IMPORTS_BEING_MOVED.items() for module in modules}
+    assert [f for f in found if (f.split(":")[0], f.split()[1]) not in allowed] == []
+    # and it can fail: a stdlib module, a module imported at the top, an a2 submodule beside another one
+    (tmp_path / "a2").mkdir()
+    for name in ("x", "y"):
+        (tmp_path / "a2" / f"{name}.py").write_text("")
+    (tmp_path / "m.py").write_text("import torch\nfrom a2 import y\n\n\ndef f():\n    import json\n"
+                                   "    from torch import nn\n    from a2 import x\n    from a2 import y\n")
+    assert late_imports(tmp_path / "m.py", tmp_path) == ["m.py:6 json (standard library)",
+                                                         "m.py:7 torch (imported at the top)",
+                                                         "m.py:9 a2.y (imported at the top)"]
+
+
 def test_ddp_on_mixed_element_sets_equals_one_process(data_dir, tmp_path):
     """2 ranks x micro-batch 1 on clips of two element sets (a global batch holds one bucket: both ranks take the
     same set) == one process x micro-batch 2 on the same samples, after an epoch of both buckets."""
