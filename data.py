@@ -45,13 +45,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image
+from tqdm import tqdm
 
+from a2 import public_data
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
 from a2.conditioning import canvas_refusal, clip_frames, element_layout, element_refusal, plan, reference_pixels
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS, Element
-from a2.images import read_image, resize_frames
+from a2.images import IMAGE_EXTS, read_image, resize_frames
 from a2.kinds import KIND_DEFS, element_kind, kind_elements, largest_element_set
 from a2.media import (
     VIDEO_EXTS,
@@ -75,7 +78,6 @@ from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import TEXT_TOKENS, detect_model
 from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
 
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
 MASK_SUFFIX = "_vace_mask.png"
 MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
@@ -274,8 +276,6 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
             raise DatasetError(f"{where}: data_root {root} is not a directory")
         check = check_sample
         if cfg.dataset_type in PUBLIC_TYPES:
-            from a2 import public_data
-
             if manifest is None:
                 raise DatasetError(f"{where}: --dataset-type {cfg.dataset_type} reads an index: --manifest "
                                    "OUT/index.jsonl (written by `data.py index`)")
@@ -316,8 +316,6 @@ def held_out(dataset: E2VDataset, clips: int, seed: int) -> list[int]:
 def _check_all(found: list[Sample], check) -> list[Sample]:
     """check() every sample on a thread pool (decoding releases the GIL). Under torch.distributed each rank checks
     its share and all ranks get every result: N ranks do not decode the whole dataset N times."""
-    import torch.distributed as dist
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         mine = list(pool.map(check, found[rank::world]))
@@ -390,9 +388,8 @@ class E2VDataset(torch.utils.data.Dataset):
             lines.append(f"  {c.manifest if c.dataset_type in PUBLIC_TYPES else c.data_root}: {len(mine)} samples"
                          + (f"; elements: {cover}" if cover else ""))
             if c.dataset_type in PUBLIC_TYPES:
-                from a2.public_data import index_rule
-
-                lines.append(f"  {c.dataset_type} index built with: {index_rule(Path(c.manifest)) or 'no report.txt'}")
+                rule = public_data.index_rule(Path(c.manifest))
+                lines.append(f"  {c.dataset_type} index built with: {rule or 'no report.txt'}")
         per_epoch = Counter()  # samples drawn from each bucket per epoch (dataset weights)
         for s, b in zip(self.samples, self.buckets):
             per_epoch[b] += self.cfgs[s.dataset].weight
@@ -473,9 +470,7 @@ class E2VDataset(torch.utils.data.Dataset):
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
-                from a2.public_data import load_sample
-
-                raw, images = load_sample(s, indices, names, cfg.sam)
+                raw, images = public_data.load_sample(s, indices, names, cfg.sam)
             else:
                 raw, images = read_clip(s.video, indices), {}
             for e in elements:
@@ -562,8 +557,6 @@ class LoadFailures:
     def refuses(self, batch: dict, group=None) -> bool:
         """Whether this micro-batch must not train (a sample of it failed now, on any rank, or was dropped before).
         A collective over `group` when torch.distributed is initialised."""
-        import torch.distributed as dist
-
         mine = list(batch.get("failed", [])) + [(i, self.dropped[i]) for i in batch["indices"] if i in self.dropped]
         if dist.is_available() and dist.is_initialized():
             every: list = [None] * dist.get_world_size(group)
@@ -767,8 +760,6 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: int = 1):
     """Encode this rank's share of the samples into cache/samples/<index>.pt (skipping those already there, so a
     killed precompute resumes); `encode(batch) -> dict` runs the encoders on a one-sample batch."""
-    from tqdm import tqdm
-
     if dataset.frame_sampling == "random":
         raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
     (cache / "samples").mkdir(parents=True, exist_ok=True)
@@ -936,8 +927,6 @@ def _cli(argv: list[str]):
 
 def run_command(a) -> None:
     """A parsed `data.py COMMAND`: make-sample, validate, index or export-elements."""
-    from a2 import public_data
-
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):

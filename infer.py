@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 from a2 import standin
 from a2.cli import ConfigError, InputError, MissingInput, as_input_error, run_cli
@@ -40,10 +41,11 @@ from a2.conditioning import sampling_plan
 from a2.dataset_config import check_size, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.images import read_image, resize_frames
+from a2.images import IMAGE_EXTS, read_image, resize_frames
 from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
 from a2.media import read_clip
+from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
@@ -197,8 +199,6 @@ def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.T
     prepare_source reads it) as a VACE layout takes them: the first F = clip_frames frames of each (a mask may be one
     image, for every frame), centre-cropped to the size and resized (a2.images.resize_frames). (None, None) without
     them; a mistake is a ValueError naming the flag and file."""
-    from data import IMAGE_EXTS
-
     if cfg.control_video is None and cfg.mask is None:
         return None, None
     if layout is None or not layout.context_blocks:
@@ -286,10 +286,6 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
     """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
     prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
     layout planned here, before any weights load (errors name the sample); the images load when rendered."""
-    from PIL import Image
-
-    from a2.opens2v import read_eval_set
-
     specs = element_specs(cfg, info)
     rows = []
     for sid, sample in read_eval_set(cfg.eval_set).items():

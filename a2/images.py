@@ -11,6 +11,8 @@ from PIL import Image, ImageOps
 
 from a2.elements import PREPROCESS_MODES
 
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")  # what a dataset reads as an image
+
 
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
     """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes, and as

@@ -37,7 +37,9 @@ from PIL import Image
 
 from a2.cli import InputError, MissingInput, run_cli
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.elements import A2_ELEMENTS
 from a2.images import read_image
+from a2.kinds import KIND_DEFS
 from a2.media import (
     VIDEO_EXTS,
     Problem,
@@ -301,8 +303,6 @@ def more_than_kinds_take(masks: int, background: bool) -> list[str]:
     """The report's lines a clip of `masks` kept masks (and a background png or not) counts in: one per kind without
     roles whose maximum it exceeds (with default flags that kind takes the largest, the rest are no reference of
     its). A clip with no subject mask is dropped by the index itself (counted)."""
-    from a2.kinds import KIND_DEFS
-
     out = []
     for k, d in KIND_DEFS.items():
         most = d.references[1] - (d.background and background)  # the background png takes the last slot
@@ -822,8 +822,6 @@ def index_humoset(a: IndexHumoSet):
 
 def export_elements(a: ExportElements) -> dict:
     from tqdm import tqdm
-
-    from a2.elements import A2_ELEMENTS
 
     path, out = Path(a.manifest), Path(a.out)
     if not path.is_file():

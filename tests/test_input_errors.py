@@ -116,7 +116,7 @@ def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_in_one_line_with_what_is_kept(signum):
-    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from config import exit_on_signal; "
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from a2.cli import exit_on_signal; "
             "exit_on_signal('the videos written so far are kept; the same command renders again'); "
             f"print('ready', flush=True); os.kill(os.getpid(), {int(signum)}); time.sleep(30)")
     p = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
