@@ -170,7 +170,7 @@ class VisualizationConfig:
     """What to write: dicts {type: latent_save | vae_decode, data: [VISUALIZED names], frames: [indices]}."""
 
 
-# the tensors of a training step a visualization processor can write (train_a2.forward_loss's viz)
+# the tensors of a training step a visualization processor can write (a2/step.py: forward_loss's viz)
 VISUALIZED = ("input_latents", "noisy_latents", "conditioned_latents", "predicted_latents", "reference_images")
 VISUALIZE_FORMATS = {"latent_save": "pt", "vae_decode": "png"}  # what each processor type writes
 

@@ -328,12 +328,12 @@ def test_the_json_dataset_example_validates_and_trains(work, capsys):
 
 def test_every_visualized_tensor_is_one_training_writes(tmp_path):
     """a2.dataset_config.VISUALIZED, which the loader checks a visualization block's `data` against, names exactly
-    the tensors train_a2.forward_loss hands to the visualisations."""
+    the tensors the training step (a2/step.py: forward_loss) hands to the visualisations."""
     import ast
 
     from a2.dataset_config import VISUALIZED
 
-    tree = ast.parse((ROOT / "train_a2.py").read_text())
+    tree = ast.parse((ROOT / "a2" / "step.py").read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "forward_loss")
     viz = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id == "viz" for t in n.targets))
