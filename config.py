@@ -1,8 +1,8 @@
 """Every CLI's config (tyro): TrainConfig, InferConfig, BenchConfig, EvalConfig, data.py's commands, and the run's
-datasets made of a TrainConfig's flags or its dataset file (dataset_configs). It imports tyro, the standard library and
-a2's modules that import nothing else (a2/cli.py: parse_cli and the one-line errors; a2/elements.py: the --elements
-grammar; a2/dataset_config.py: the conditioning flags and the dataset file), so that each script parses its flags
-(parse_cli) before its heavy imports: --help, a typo or a config error answer at once.
+datasets made of a TrainConfig's flags or its dataset file (dataset_configs). It imports tyro, the standard library
+and three a2 modules that import only those (a2/cli.py: parse_cli and the one-line errors; a2/elements.py: the
+--elements grammar; a2/dataset_config.py: the conditioning flags and the dataset file), so that each script parses
+its flags (parse_cli) before its heavy imports: --help, a typo or a config error answer at once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every conditioning layout of a2 in one place. Training (train_a2.py) and sampling (A2Pipeline) build the
 transformer's input with these functions and nothing else decides how a model family is conditioned.
 
-A run's layout has one `kind`:
+A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
 
   t2v        text only: hidden_states = x_t.
   prefix     SkyReels-A2: the element references are the first L_ref latent frames, marked by a mask, on the

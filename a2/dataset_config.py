@@ -1,7 +1,8 @@
-"""The dataset config: the conditioning flags (ConditioningConfig, a dataset file's processors.vae), the VAE,
-CLIP and visualization settings of a dataset, and the JSON dataset file (docs/dataset.md) read into DatasetConfigs
-(load_dataset_config). config.py's TrainConfig and InferConfig take ConditioningConfig's flags; config.dataset_configs
-makes a run's datasets of its flags or its file. It imports tyro and the standard library only."""
+"""The dataset config: the video sizes a run takes, the conditioning flags (ConditioningConfig, a dataset file's
+processors.vae), the VAE, CLIP and visualization settings of a dataset, and the JSON dataset file (docs/dataset.md)
+read into DatasetConfigs (load_dataset_config). config.py's TrainConfig and InferConfig take ConditioningConfig's
+flags; config.dataset_configs makes a run's datasets of its flags or its file. It imports tyro, the standard library
+and a2/cli.py, a2/elements.py only."""
 
 from __future__ import annotations
 

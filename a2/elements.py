@@ -8,7 +8,8 @@ position = order given unless pos= is set):
     subject=_person.png,_mask.png:required,repeat=1,clip=pad_white
     background=_background.png:repeat=4,vae=center_crop
 
-A dataset file lists the same elements as JSON (a2/dataset_config.py). It imports the standard library only."""
+A dataset file lists the same elements as JSON (a2/dataset_config.py). It imports the standard library and
+a2/cli.py only."""
 
 from __future__ import annotations
 
