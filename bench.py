@@ -36,7 +36,8 @@ each step (training without a cache); the memory plan counts both. Its cost: aga
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import BenchConfig, exit_on_signal, parse_cli
+    from a2.cli import exit_on_signal, parse_cli
+    from config import BenchConfig
 
     exit_on_signal("a benchmark keeps nothing; run it again")
     CLI_CONFIG = parse_cli(BenchConfig)
@@ -50,7 +51,11 @@ from pathlib import Path
 import torch
 
 from a2 import align
-from a2.conditioning import KIND_DEFS, kind_sampling, plan
+from a2.cli import ConfigError, run_cli
+from a2.conditioning import plan
+from a2.dataset_config import CONDITIONING_CHOICES, VaeProcessorConfig
+from a2.elements import Element
+from a2.kinds import KIND_DEFS, kind_sampling
 from a2.lora import make_trainable
 from a2.memory import apply_plan, context_tokens, memory_plan, step_shape, use_expandable_segments
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
@@ -63,18 +68,7 @@ from a2.transformer import (
     preset_config,
     random_transformer,
 )
-from config import (
-    CONDITIONING_CHOICES,
-    BenchConfig,
-    ConfigError,
-    Element,
-    MemoryConfig,
-    TrainConfig,
-    VaeProcessorConfig,
-    resolve_compile,
-    run_cli,
-    with_recipe,
-)
+from config import BenchConfig, MemoryConfig, TrainConfig, resolve_compile, with_recipe
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -144,7 +138,8 @@ def check_backends(b: BenchConfig) -> dict:
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
     from a2.conditioning import clip_frames
-    from config import A2_ELEMENTS, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
+    from a2.dataset_config import ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
+    from a2.elements import A2_ELEMENTS
     from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
     size = b.size
@@ -184,7 +179,7 @@ def bench_opens2v(b: BenchConfig) -> dict:
     from PIL import Image
 
     from a2 import public_data
-    from data import read_frames
+    from a2.media import read_frames
 
     root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
     part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"

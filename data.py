@@ -1,7 +1,7 @@
 """E2V data: scan and validate a dataset, load clips and element images, bucket and shard batches.
 
 A sample id links `<id>.mp4` (or .webm/.mov/.mkv), `<id>.txt` (the prompt) and element images `<id><suffix>`
-(config.Element); names match case-insensitively, and hidden files (macOS `._*` included) are no part of a dataset.
+(a2.elements.Element); names match case-insensitively, and hidden files (macOS `._*` included) are no part of a dataset.
 Also read: a manifest (CSV or JSONL with `video` and `caption` columns, plus optional `id` and element-name columns)
 and the T2V workflow's `train.jsonl` of `.npz` clips (uint8 frames (F, H, W, 3) under key `frames`, prompt under
 `prompt`). Files are read as they mean: EXIF orientation, video rotation metadata, transparency on white.
@@ -18,7 +18,8 @@ arrays' layout). A file that fails later anyway does not end the run: see LoadFa
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import DataCommand, Validate, dataset_configs, exit_on_signal, parse_cli, run_cli
+    from a2.cli import exit_on_signal, parse_cli, run_cli
+    from config import DataCommand, Validate, dataset_configs
 
     exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
@@ -28,236 +29,59 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
 import codecs
 import hashlib
 import json
-import math
 import multiprocessing.context
 import os
 import random
 import signal
 import sys
 import threading
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, replace
-from fractions import Fraction
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from PIL import Image
+from tqdm import tqdm
 
-from a2.conditioning import (
-    KIND_DEFS,
-    canvas_refusal,
-    clip_frames,
-    element_kind,
-    element_layout,
-    element_refusal,
-    kind_elements,
-    largest_element_set,
-    reference_pixels,
-)
-from a2.images import read_image
+from a2 import public_data
+from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
+from a2.conditioning import canvas_refusal, clip_frames, element_layout, element_refusal, plan, reference_pixels
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.elements import A2_ELEMENTS, Element
+from a2.images import IMAGE_EXTS, read_image, resize_frames
+from a2.kinds import KIND_DEFS, element_kind, kind_elements, largest_element_set
 from a2.media import (
     VIDEO_EXTS,
     DatasetError,
     Problem,
     Sample,
-    _decode,
     _manifest_rows,
     caption_problems,
     clip_length,
+    decodable_frames,
     frame_buckets,
+    frame_indices,
+    frame_windows,
+    last_frame_read,
+    npz_frames_header,
     probe_video,
-    read_frames,
+    read_clip,
+    resampled_frames,
 )
-from a2.transformer import TEXT_TOKENS
-from config import (
-    A2_ELEMENTS,
-    PUBLIC_TYPES,
-    DataCommand,
-    DatasetConfig,
-    Element,
-    MakeSample,
-    Validate,
-    dataset_configs,
-    exit_on_signal,
-    parse_cli,
-    read_text,
-    run_cli,
-    with_recipe,
-)
+from a2.tiny import TINY_MODELS, model_path
+from a2.transformer import TEXT_TOKENS, detect_model
+from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
 
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
 MASK_SUFFIX = "_vace_mask.png"
 MIN_REFERENCE_SIDE = 4  # pixels: a smaller element image (a 1x1 placeholder, a failed cut-out) is no reference
 ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspect buckets
-
-
-
-
-
-
-# ---------------------------------------------------------------- captions
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------- video decoding
-
-
-
-
-
-
-
-
-def decodable_frames(path: Path, last: int | None = None) -> int:
-    """How many of frames 0..last decode (all frames when last is None)."""
-    return sum(1 for _ in _decode(path, last))
-
-
-
-
-def npz_frames_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype of a T2V-workflow clip's `frames`, read from the .npy header inside the zip (no frame
-    is read), checked as read_npz checks the array: ValueError naming the fix."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        names = [n.removesuffix(".npy") for n in z.namelist()]
-        if "frames" not in names:
-            raise ValueError(f"no 'frames' array (it has {names})")
-        with z.open("frames.npy") as f:
-            version = np.lib.format.read_magic(f)
-            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            if version not in read:  # 3.0 (utf-8 field names): no public header reader; read the array
-                x = read_npz(path)
-                return x.shape, x.dtype
-            shape, _, dtype = read[version](f)
-    _check_frames(shape, dtype)
-    return shape, dtype
-
-
-def _check_frames(shape: tuple[int, ...], dtype) -> None:
-    if len(shape) == 4 and shape[1] == 3 and shape[-1] != 3:
-        raise ValueError(f"frames are (F, 3, H, W) {shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
-    if len(shape) != 4 or shape[-1] != 3:
-        raise ValueError(f"frames have shape {shape}; expected (F, H, W, 3)")
-    if dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
-        raise ValueError(f"frames are {dtype}; store uint8 0..255 (from floats in [0, 1]: "
-                         "(frames * 255).round().astype(np.uint8))")
-
-
-def read_npz(path: Path) -> np.ndarray:
-    """The `frames` of a T2V-workflow clip, checked: (F, H, W, 3) uint8, else ValueError naming the fix."""
-    with np.load(path) as z:  # no pickles: allow_pickle stays False
-        if "frames" not in z.files:
-            raise ValueError(f"no 'frames' array (it has {z.files})")
-        x = z["frames"]
-    _check_frames(x.shape, x.dtype)
-    return x
-
-
-def read_clip(path: Path, indices: list[int]) -> np.ndarray:
-    """Frames `indices` of a video or .npz clip -> (len, H, W, 3) uint8."""
-    return read_npz(path)[indices] if path.suffix.lower() == ".npz" else read_frames(path, indices)
-
-
-def frame_indices(total: int, num_frames: int, sampling: str, rng: random.Random | None = None) -> list[int]:
-    """uniform: spread over the whole clip (stride = total/num_frames, ≥ 1); head: the first num_frames;
-    random: a window of consecutive frames at a random start."""
-    if total < num_frames:
-        raise ValueError(f"clip has {total} frames, needs {num_frames}")
-    if sampling == "head":
-        return list(range(num_frames))
-    if sampling == "random":
-        start = (rng or random).randint(0, total - num_frames)
-        return list(range(start, start + num_frames))
-    if sampling == "uniform":
-        return [int(i * total / num_frames) for i in range(num_frames)]
-    raise ValueError(f"unknown frame sampling {sampling!r}")
-
-
-def last_frame_read(total: int, num_frames: int, sampling: str) -> int:
-    """The highest frame index training can ask a clip of `total` frames for."""
-    return total - 1 if sampling == "random" else max(frame_indices(total, num_frames, sampling))
-
-
-def resampled_frames(total: int, source_fps: float | None, target_fps: float) -> list[int]:
-    """The source frames a `source_fps` clip keeps at `target_fps` (musubi-tuner's rule): source frame i falls on output
-    frame floor(i * target / source), and the first source frame of each output frame is kept, the rest dropped. Exact
-    rational arithmetic (musubi adds up the float ratio). No source fps, or a target at or above it: every frame (no
-    frame is repeated to raise the rate)."""
-    if not source_fps or target_fps >= source_fps:
-        return list(range(total))
-    ratio = Fraction(str(target_fps)) / Fraction(str(source_fps))
-    out, last = [], -1
-    for i in range(total):
-        n = math.floor(i * ratio)
-        if n != last:
-            out.append(i)
-            last = n
-    return out
-
-
-def frame_windows(total: int, frames: int, cfg: DatasetConfig) -> list[tuple[int, ...]]:
-    """--frame-extraction head | chunk | slide | uniform: the source frame indices of each training window of `frames`
-    frames in a clip of `total` frames, after resampled_frames, as musubi-tuner's video dataset cuts them: head the
-    first window; chunk back-to-back windows (a last partial one dropped); slide a window every frame_stride frames;
-    uniform frame_sample windows with starts evenly spaced from the first to the last possible one
-    (np.linspace(0, n - frames, frame_sample) as int, so short clips repeat starts, as musubi does; frame_sample 1:
-    head, as musubi switches it). None fits: []."""
-    src = resampled_frames(total, cfg.source_fps, cfg.target_fps)
-    n = len(src)
-    if n < frames:
-        return []
-    mode = "head" if cfg.frame_extraction == "uniform" and cfg.frame_sample == 1 else cfg.frame_extraction
-    starts = {"head": [0], "chunk": range(0, n - frames + 1, frames),
-              "slide": range(0, n - frames + 1, cfg.frame_stride),
-              "uniform": np.linspace(0, n - frames, cfg.frame_sample, dtype=int).tolist()}[mode]
-    return [tuple(src[s:s + frames]) for s in starts]
-
-
-
-
-
-
-def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
-    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.images.preprocess_image.
-
-    Resizes in uint8, channels-last: PyTorch's vectorised uint8 bicubic kernel is ~50x faster than the float one
-    (81 frames to 480x832: 0.1 s vs 4-5 s on one core) and differs from it only by the final rounding."""
-    h, w = size
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (F, 3, H, W) uint8, channels-last in memory
-    ih, iw = x.shape[-2:]
-    # the geometry of preprocess_image (A2's): crop or pad to the target aspect first, then one resize
-    wider = ih / iw < h / w
-    if mode == "center_crop":
-        if wider:
-            cw = int(ih / h * w)
-            x = x[..., (iw - cw) // 2:(iw - cw) // 2 + cw]
-        else:
-            ch = int(iw / w * h)
-            x = x[..., (ih - ch) // 2:(ih - ch) // 2 + ch, :]
-    elif mode in ("pad_white", "letterbox"):
-        pad = int(((h / w) * iw - ih) / 2.0) if wider else int(((w / h) * ih - iw) / 2.0)
-        ph, pw = (ih + 2 * pad, iw) if wider else (ih, iw + 2 * pad)
-        canvas = torch.full((x.shape[0], 3, ph, pw), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
-        top, left = (pad, 0) if wider else (0, pad)
-        canvas[..., top:top + ih, left:left + iw] = x
-        x = canvas
-    x = x.contiguous(memory_format=torch.channels_last)  # the fast uint8 kernel's layout
-    x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
-    x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value
-    return x.to(torch.float32).mul_(2 / 255).sub_(1)
 
 
 # ---------------------------------------------------------------- scanning and validation
@@ -420,9 +244,9 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
 
 
 def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
-    """The datasets as the model's kind (a2.conditioning.element_kind; info: its ModelInfo) reads them, and the element
+    """The datasets as the model's kind (a2.kinds.element_kind; info: its ModelInfo) reads them, and the element
     set a run plans for. With no elements given (--elements or a dataset config), each dataset of element images
-    takes the specs its kind takes when sampling too (a2.conditioning.kind_elements: SkyReels-A2's roles, a released
+    takes the specs its kind takes when sampling too (a2.kinds.kind_elements: SkyReels-A2's roles, a released
     model's references framed as its lab's; on a public-dataset index a kind without roles takes every kept mask of a
     clip, largest first, up to its maximum, and the background png where it uses one: index_elements), and the run
     plans the largest set one sample holds (largest_element_set). Given elements: `cfgs` and theirs unchanged."""
@@ -452,8 +276,6 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
             raise DatasetError(f"{where}: data_root {root} is not a directory")
         check = check_sample
         if cfg.dataset_type in PUBLIC_TYPES:
-            from a2 import public_data
-
             if manifest is None:
                 raise DatasetError(f"{where}: --dataset-type {cfg.dataset_type} reads an index: --manifest "
                                    "OUT/index.jsonl (written by `data.py index`)")
@@ -494,8 +316,6 @@ def held_out(dataset: E2VDataset, clips: int, seed: int) -> list[int]:
 def _check_all(found: list[Sample], check) -> list[Sample]:
     """check() every sample on a thread pool (decoding releases the GIL). Under torch.distributed each rank checks
     its share and all ranks get every result: N ranks do not decode the whole dataset N times."""
-    import torch.distributed as dist
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         mine = list(pool.map(check, found[rank::world]))
@@ -542,7 +362,7 @@ class E2VDataset(torch.utils.data.Dataset):
                                + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]
-        # what the run's kind cannot take, named and left out before step 1: the element set (a2.conditioning.Kind
+        # what the run's kind cannot take, named and left out before step 1: the element set (a2.kinds.Kind
         # .references), and images MAGREF's canvas cannot hold at the bucket's size
         refusals = [layout and (element_refusal(layout, len(s.elements)) or self.canvas_refusal(s, b))
                     for s, b in zip(self.samples, self.buckets)]
@@ -568,9 +388,8 @@ class E2VDataset(torch.utils.data.Dataset):
             lines.append(f"  {c.manifest if c.dataset_type in PUBLIC_TYPES else c.data_root}: {len(mine)} samples"
                          + (f"; elements: {cover}" if cover else ""))
             if c.dataset_type in PUBLIC_TYPES:
-                from a2.public_data import index_rule
-
-                lines.append(f"  {c.dataset_type} index built with: {index_rule(Path(c.manifest)) or 'no report.txt'}")
+                rule = public_data.index_rule(Path(c.manifest))
+                lines.append(f"  {c.dataset_type} index built with: {rule or 'no report.txt'}")
         per_epoch = Counter()  # samples drawn from each bucket per epoch (dataset weights)
         for s, b in zip(self.samples, self.buckets):
             per_epoch[b] += self.cfgs[s.dataset].weight
@@ -651,9 +470,7 @@ class E2VDataset(torch.utils.data.Dataset):
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
-                from a2.public_data import load_sample
-
-                raw, images = load_sample(s, indices, names, cfg.sam)
+                raw, images = public_data.load_sample(s, indices, names, cfg.sam)
             else:
                 raw, images = read_clip(s.video, indices), {}
             for e in elements:
@@ -740,8 +557,6 @@ class LoadFailures:
     def refuses(self, batch: dict, group=None) -> bool:
         """Whether this micro-batch must not train (a sample of it failed now, on any rank, or was dropped before).
         A collective over `group` when torch.distributed is initialised."""
-        import torch.distributed as dist
-
         mine = list(batch.get("failed", [])) + [(i, self.dropped[i]) for i in batch["indices"] if i in self.dropped]
         if dist.is_available() and dist.is_initialized():
             every: list = [None] * dist.get_world_size(group)
@@ -885,8 +700,6 @@ class WorkerProcess(multiprocessing.context.SpawnProcess):
         try:
             super().run()  # torch's _worker_loop
         except BaseException:  # what multiprocessing's _bootstrap would print before exiting 1
-            import traceback
-
             traceback.print_exc()
             code = 1
         sys.stdout.flush()
@@ -947,8 +760,6 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip
 def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: int = 1):
     """Encode this rank's share of the samples into cache/samples/<index>.pt (skipping those already there, so a
     killed precompute resumes); `encode(batch) -> dict` runs the encoders on a one-sample batch."""
-    from tqdm import tqdm
-
     if dataset.frame_sampling == "random":
         raise DatasetError("a precompute cache holds one clip per sample: use uniform or head frame sampling")
     (cache / "samples").mkdir(parents=True, exist_ok=True)
@@ -1101,10 +912,6 @@ def training_layout(a: Validate, cfgs):
     MAGREF weights take their own layouts and references), so when --model is on this machine (a built-in model, a dir
     or a file) they are planned as training plans them; a Hub id is not downloaded for this: the datasets as the flags
     give them, no layout (None), and the clip length is the elements' rule (said)."""
-    from a2.conditioning import plan
-    from a2.tiny import TINY_MODELS, model_path
-    from a2.transformer import detect_model
-
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
@@ -1120,8 +927,6 @@ def _cli(argv: list[str]):
 
 def run_command(a) -> None:
     """A parsed `data.py COMMAND`: make-sample, validate, index or export-elements."""
-    from a2 import public_data
-
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):

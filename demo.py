@@ -14,7 +14,8 @@ shape is where and as large as in the clip; ~0: it is not there).
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import DemoConfig, parse_cli
+    from a2.cli import parse_cli
+    from config import DemoConfig
 
     CLI_CONFIG = parse_cli(DemoConfig)
 
@@ -29,13 +30,14 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import infer
-from a2.conditioning import KIND_DEFS
+from a2.cli import InputError, MissingInput, as_input_error, run_cli
 from a2.images import read_image
+from a2.kinds import KIND_DEFS
 from a2.lora import load_lora
 from a2.pipeline import A2Pipeline
 from a2.tiny import model_path
 from a2.transformer import detect_model
-from config import DemoConfig, InputError, MissingInput, as_input_error, run_cli
+from config import DemoConfig
 
 
 def block_distance(video: torch.Tensor, clip: torch.Tensor, block: int = 8) -> float:

@@ -16,7 +16,8 @@ and compare a LoRA with its base model over a prompt list.
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import InferConfig, exit_on_signal, parse_cli
+    from a2.cli import exit_on_signal, parse_cli
+    from config import InferConfig
 
     exit_on_signal("the videos written so far are kept; the same command renders again")
     CLI_CONFIG = parse_cli(InferConfig)
@@ -32,12 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 from a2 import standin
-from a2.conditioning import KIND_DEFS, element_kind, kind_elements, kind_sampling, sampling_plan
+from a2.cli import ConfigError, InputError, MissingInput, as_input_error, run_cli
+from a2.conditioning import sampling_plan
+from a2.dataset_config import check_size, height_width
+from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.images import read_image
+from a2.images import IMAGE_EXTS, read_image, resize_frames
+from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
+from a2.media import read_clip
+from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
 from a2.pipeline import (
     A2Pipeline,
@@ -47,21 +55,7 @@ from a2.pipeline import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
-from config import (
-    A2_ELEMENTS,
-    RECIPES,
-    ConfigError,
-    InferConfig,
-    InputError,
-    MissingInput,
-    as_input_error,
-    check_size,
-    height_width,
-    is_tiny,
-    pair_elements,
-    parse_elements,
-    run_cli,
-)
+from config import RECIPES, InferConfig, is_tiny
 
 
 def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
@@ -203,10 +197,8 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
 def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """--control-video (1, 3, F, H, W) in [-1, 1] and --mask (1, F, H, W) in [0, 1] (its first channel, as Wan's
     prepare_source reads it) as a VACE layout takes them: the first F = clip_frames frames of each (a mask may be one
-    image, for every frame), centre-cropped to the size and resized (data.resize_frames). (None, None) without them;
-    a mistake is a ValueError naming the flag and file."""
-    from data import IMAGE_EXTS, read_clip, resize_frames
-
+    image, for every frame), centre-cropped to the size and resized (a2.images.resize_frames). (None, None) without
+    them; a mistake is a ValueError naming the flag and file."""
     if cfg.control_video is None and cfg.mask is None:
         return None, None
     if layout is None or not layout.context_blocks:
@@ -294,10 +286,6 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
     """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
     prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
     layout planned here, before any weights load (errors name the sample); the images load when rendered."""
-    from PIL import Image
-
-    from a2.opens2v import read_eval_set
-
     specs = element_specs(cfg, info)
     rows = []
     for sid, sample in read_eval_set(cfg.eval_set).items():

@@ -15,7 +15,8 @@ the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
-    from config import TrainConfig, dataset_configs, exit_on_signal, parse_cli, run_cli
+    from a2.cli import exit_on_signal, parse_cli, run_cli
+    from config import TrainConfig, dataset_configs
 
     exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
                    "same command again")
@@ -40,21 +41,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
+from a2.cli import ConfigError, exit_on_signal, run_cli
 from a2.conditioning import (
     Layout,
     PosteriorCache,
     element_layout,
     encode,
-    kind_sampling,
     lora_target,
-    model_flow_shift,
     plan,
     vae_scale,
     validation_layout,
 )
+from a2.dataset_config import check_size
+from a2.elements import pair_elements
 from a2.ema import ema_load_template, ema_weights
 from a2.evaluate import Embedder, evaluate_video, flat_metrics, load_evaluators, named_references
 from a2.flow import sigma_cdf, sigma_quantile
+from a2.kinds import kind_sampling, model_flow_shift
 from a2.lora import base_metadata, make_trainable, model_family
 from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
 from a2.parallel import (
@@ -114,18 +117,7 @@ from a2.transformer import (
     load_transformer,
     save_wan_checkpoint,
 )
-from config import (
-    ConfigError,
-    TrainConfig,
-    check_size,
-    dataset_configs,
-    exit_on_signal,
-    is_tiny,
-    pair_elements,
-    resolve_compile,
-    run_cli,
-    with_recipe,
-)
+from config import TrainConfig, dataset_configs, is_tiny, resolve_compile, with_recipe
 from data import (
     BucketBatchSampler,
     DatasetError,

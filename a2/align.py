@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from a2.conditioning import num_latent_frames
+from a2.kinds import KIND_DEFS
+
 REFALIGN_BLOCKS = tuple(range(9))  # the blocks RefAlign aligns
 ATTRIBUTE = "align_projectors"  # the transformer's submodule holding the projectors
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv3's processor defaults
@@ -121,8 +124,6 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
     refalign / phantom / v3: one latent frame per reference after the video (v3: its first len(repeats) of 4 slots);
     incontext: each element's latent frames after the video, its first frame aligned (the others repeat the image);
     standin: its reference tokens after the video's, a reference_grid over the patch."""
-    from a2.conditioning import num_latent_frames
-
     if not layout.reference_tokens:
         raise ValueError(f"the {layout.kind} kind has no reference tokens in the sequence; --align-loss takes "
                          f"{', '.join(aligned_kinds())}")
@@ -137,8 +138,6 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
 
 def aligned_kinds() -> list[str]:
     """The kinds whose references are tokens of the sequence (Layout.reference_tokens)."""
-    from a2.conditioning import KIND_DEFS
-
     return [k for k, d in KIND_DEFS.items() if d.reference_tokens]
 
 

@@ -1,13 +1,17 @@
-"""Element images: read, framed to a size, and MAGREF's canvas. The bottom of the image path: the conditioning
-(reference_pixels), the pipeline, the data and the metrics all frame element images with these functions."""
+"""Element images: read, framed to a size, and MAGREF's canvas; a clip's frames framed alike (resize_frames). The
+bottom of the image path: the conditioning (reference_pixels), the pipeline, the data and the metrics all frame
+element images with these functions."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from config import PREPROCESS_MODES
+from a2.elements import PREPROCESS_MODES
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")  # what a dataset reads as an image
 
 
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
@@ -135,7 +139,7 @@ def pil_to_tensor(image: Image.Image) -> torch.Tensor:
 def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
     """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
 
-    `element` needs `.vae_preprocess` and `.clip_preprocess` (config.Element). The CLIP tensor is
+    `element` needs `.vae_preprocess` and `.clip_preprocess` (a2.elements.Element). The CLIP tensor is
     the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
     vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
     clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))
@@ -165,3 +169,33 @@ def tensor_to_uint8(x: torch.Tensor) -> np.ndarray:
     """(..., 3, H, W) in [-1, 1] -> (..., H, W, 3) uint8 (inverse of pil_to_tensor on uint8 images)."""
     x = ((x.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
     return x.movedim(-3, -1).numpy()
+
+
+def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch.Tensor:
+    """(F, H, W, 3) uint8 -> (3, F, h, w) float in [-1, 1], framed like a2.images.preprocess_image.
+
+    Resizes in uint8, channels-last: PyTorch's vectorised uint8 bicubic kernel is ~50x faster than the float one
+    (81 frames to 480x832: 0.1 s vs 4-5 s on one core) and differs from it only by the final rounding."""
+    h, w = size
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (F, 3, H, W) uint8, channels-last in memory
+    ih, iw = x.shape[-2:]
+    # the geometry of preprocess_image (A2's): crop or pad to the target aspect first, then one resize
+    wider = ih / iw < h / w
+    if mode == "center_crop":
+        if wider:
+            cw = int(ih / h * w)
+            x = x[..., (iw - cw) // 2:(iw - cw) // 2 + cw]
+        else:
+            ch = int(iw / w * h)
+            x = x[..., (ih - ch) // 2:(ih - ch) // 2 + ch, :]
+    elif mode in ("pad_white", "letterbox"):
+        pad = int(((h / w) * iw - ih) / 2.0) if wider else int(((w / h) * ih - iw) / 2.0)
+        ph, pw = (ih + 2 * pad, iw) if wider else (ih, iw + 2 * pad)
+        canvas = torch.full((x.shape[0], 3, ph, pw), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
+        top, left = (pad, 0) if wider else (0, pad)
+        canvas[..., top:top + ih, left:left + iw] = x
+        x = canvas
+    x = x.contiguous(memory_format=torch.channels_last)  # the fast uint8 kernel's layout
+    x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+    x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value
+    return x.to(torch.float32).mul_(2 / 255).sub_(1)

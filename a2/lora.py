@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
+from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
 from a2.transformer import diffusers_module_name, expand_to_e2v, is_e2v, is_expansion_weight, wan_module_name
-from config import LORA_TARGETS, InputError
+from config import LORA_TARGETS
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights

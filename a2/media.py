@@ -1,20 +1,25 @@
-"""A sample and its media: the Sample record and its problems, captions, reading video frames and a manifest's
-rows. What data.py (the dataset) and a2/public_data.py (the public datasets' readers) both build on; it imports
-neither."""
+"""A sample and its media: the Sample record and its problems, captions, reading video frames (a video file or a
+T2V-workflow .npz), which frames of a clip train (frame_indices, musubi-tuner's windows) and a manifest's rows. What
+data.py (the dataset) and a2/public_data.py (the public datasets' readers) both build on; it imports neither."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
+import random
 import re
+import zipfile
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
+from a2.cli import InputError, printable, read_text
+from a2.dataset_config import DatasetConfig
 from a2.transformer import TEXT_TOKENS
-from config import DatasetConfig, InputError, printable, read_text
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv")
 DEFAULT_FRAME_BUCKETS = (17, 33, 49, 65, 81)
@@ -126,6 +131,109 @@ def read_frames(path: Path, indices: list[int]) -> np.ndarray:
     if missing:
         raise ValueError(f"could not decode frames {missing[:5]} (the file has fewer frames than it lists)")
     return np.stack([got[i] for i in indices])
+
+
+def decodable_frames(path: Path, last: int | None = None) -> int:
+    """How many of frames 0..last decode (all frames when last is None)."""
+    return sum(1 for _ in _decode(path, last))
+
+
+def npz_frames_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of a T2V-workflow clip's `frames`, read from the .npy header inside the zip (no frame
+    is read), checked as read_npz checks the array: ValueError naming the fix."""
+    with zipfile.ZipFile(path) as z:
+        names = [n.removesuffix(".npy") for n in z.namelist()]
+        if "frames" not in names:
+            raise ValueError(f"no 'frames' array (it has {names})")
+        with z.open("frames.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:  # 3.0 (utf-8 field names): no public header reader; read the array
+                x = read_npz(path)
+                return x.shape, x.dtype
+            shape, _, dtype = read[version](f)
+    _check_frames(shape, dtype)
+    return shape, dtype
+
+
+def _check_frames(shape: tuple[int, ...], dtype) -> None:
+    if len(shape) == 4 and shape[1] == 3 and shape[-1] != 3:
+        raise ValueError(f"frames are (F, 3, H, W) {shape}; store them (F, H, W, 3): frames.transpose(0, 2, 3, 1)")
+    if len(shape) != 4 or shape[-1] != 3:
+        raise ValueError(f"frames have shape {shape}; expected (F, H, W, 3)")
+    if dtype != np.uint8:  # float frames would be cast to black/garbage; their range (0..1? -1..1?) is a guess
+        raise ValueError(f"frames are {dtype}; store uint8 0..255 (from floats in [0, 1]: "
+                         "(frames * 255).round().astype(np.uint8))")
+
+
+def read_npz(path: Path) -> np.ndarray:
+    """The `frames` of a T2V-workflow clip, checked: (F, H, W, 3) uint8, else ValueError naming the fix."""
+    with np.load(path) as z:  # no pickles: allow_pickle stays False
+        if "frames" not in z.files:
+            raise ValueError(f"no 'frames' array (it has {z.files})")
+        x = z["frames"]
+    _check_frames(x.shape, x.dtype)
+    return x
+
+
+def read_clip(path: Path, indices: list[int]) -> np.ndarray:
+    """Frames `indices` of a video or .npz clip -> (len, H, W, 3) uint8."""
+    return read_npz(path)[indices] if path.suffix.lower() == ".npz" else read_frames(path, indices)
+
+
+def frame_indices(total: int, num_frames: int, sampling: str, rng: random.Random | None = None) -> list[int]:
+    """uniform: spread over the whole clip (stride = total/num_frames, ≥ 1); head: the first num_frames;
+    random: a window of consecutive frames at a random start."""
+    if total < num_frames:
+        raise ValueError(f"clip has {total} frames, needs {num_frames}")
+    if sampling == "head":
+        return list(range(num_frames))
+    if sampling == "random":
+        start = (rng or random).randint(0, total - num_frames)
+        return list(range(start, start + num_frames))
+    if sampling == "uniform":
+        return [int(i * total / num_frames) for i in range(num_frames)]
+    raise ValueError(f"unknown frame sampling {sampling!r}")
+
+
+def last_frame_read(total: int, num_frames: int, sampling: str) -> int:
+    """The highest frame index training can ask a clip of `total` frames for."""
+    return total - 1 if sampling == "random" else max(frame_indices(total, num_frames, sampling))
+
+
+def resampled_frames(total: int, source_fps: float | None, target_fps: float) -> list[int]:
+    """The source frames a `source_fps` clip keeps at `target_fps` (musubi-tuner's rule): source frame i falls on output
+    frame floor(i * target / source), and the first source frame of each output frame is kept, the rest dropped. Exact
+    rational arithmetic (musubi adds up the float ratio). No source fps, or a target at or above it: every frame (no
+    frame is repeated to raise the rate)."""
+    if not source_fps or target_fps >= source_fps:
+        return list(range(total))
+    ratio = Fraction(str(target_fps)) / Fraction(str(source_fps))
+    out, last = [], -1
+    for i in range(total):
+        n = math.floor(i * ratio)
+        if n != last:
+            out.append(i)
+            last = n
+    return out
+
+
+def frame_windows(total: int, frames: int, cfg: DatasetConfig) -> list[tuple[int, ...]]:
+    """--frame-extraction head | chunk | slide | uniform: the source frame indices of each training window of `frames`
+    frames in a clip of `total` frames, after resampled_frames, as musubi-tuner's video dataset cuts them: head the
+    first window; chunk back-to-back windows (a last partial one dropped); slide a window every frame_stride frames;
+    uniform frame_sample windows with starts evenly spaced from the first to the last possible one
+    (np.linspace(0, n - frames, frame_sample) as int, so short clips repeat starts, as musubi does; frame_sample 1:
+    head, as musubi switches it). None fits: []."""
+    src = resampled_frames(total, cfg.source_fps, cfg.target_fps)
+    n = len(src)
+    if n < frames:
+        return []
+    mode = "head" if cfg.frame_extraction == "uniform" and cfg.frame_sample == 1 else cfg.frame_extraction
+    starts = {"head": [0], "chunk": range(0, n - frames + 1, frames),
+              "slide": range(0, n - frames + 1, cfg.frame_stride),
+              "uniform": np.linspace(0, n - frames, cfg.frame_sample, dtype=int).tolist()}[mode]
+    return [tuple(src[s:s + frames]) for s in starts]
 
 
 def frame_buckets(cfg: DatasetConfig, num_frames: int) -> tuple[int, ...]:

@@ -30,11 +30,13 @@ Encoders load from local dirs only; a metric whose encoder is not given is skipp
 from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before torch loads
-    from config import OpenS2VConfig, parse_cli
+    from a2.cli import parse_cli
+    from config import OpenS2VConfig
 
     CLI_CONFIG = parse_cli(OpenS2VConfig, prog="python3 -m a2.opens2v")
 
 import csv
+import importlib
 import json
 import math
 import sys
@@ -46,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from config import InputError, MissingInput, run_cli
+from a2.cli import InputError, MissingInput, run_cli
 
 DOMAINS = ("Open-Domain", "Human-Domain", "Single-Domain")
 
@@ -197,8 +199,6 @@ def pil_image_processor(module: str, name: str):
     """The PIL-backed image processor class: their scripts ran on transformers 4.x, whose default CLIP / Qwen2-VL
     processors resize with PIL; transformers 5's default (torchvision) one differs by up to 0.015 in the normalised
     pixels of the demo frames, so v5's `<Name>Pil` is used where it exists."""
-    import importlib
-
     try:
         return getattr(importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"),
                        name + "Pil")

@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from a2.cli import ConfigError
 from a2.standin import StandInAttnProcessor, VideoOnlyCrossAttnProcessor, rotate
 from a2.transformer import transformer_class
-from config import ConfigError
 
 
 @dataclass

@@ -20,9 +20,7 @@ from a2.conditioning import (
     Layout,
     drop,
     initial_latents,
-    kind_sampling,
     latent_stats,
-    model_flow_shift,
     model_input,
     num_latent_frames,
     prepare_latents,
@@ -30,13 +28,14 @@ from a2.conditioning import (
     reference_pixels,
     restore,
     sampling_plan,
-    schedule_sigmas,
     vae_scale,
     video_prediction,
 )
+from a2.dataset_config import ConditioningConfig, check_size
 from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
-from a2.transformer import TEXT_TOKENS, expert_for_timestep
-from config import ConditioningConfig, check_size
+from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
+from a2.tiny import model_path
+from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
 
 # ---------------------------------------------------------------- element images
 
@@ -202,7 +201,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
-        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.conditioning.kind_sampling)
+        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.kinds.kind_sampling)
         self.info = info  # a2.transformer.ModelInfo (from_pretrained): what `plan` plans for
 
     @classmethod
@@ -213,9 +212,6 @@ class A2Pipeline(WanLoraLoaderMixin):
         The dir is checked by `detect_model` (clear error for unsupported ones); a Wan 2.2 A14B dir loads both
         experts. `transformer` / `transformer_2` replace the dir's own (a trained model in memory). A Phantom-Wan
         checkpoint takes its VAE and text encoder from its Wan parts dir (`components`, else ModelInfo's default)."""
-        from a2.tiny import model_path
-        from a2.transformer import detect_model, load_transformer
-
         info = detect_model(model_path(model_dir), image_encoder_dir and model_path(image_encoder_dir), components)
         model_dir = info.path
         transformer = transformer if transformer is not None else load_transformer(model_dir, dtype)
@@ -305,11 +301,11 @@ class A2Pipeline(WanLoraLoaderMixin):
         `control_video` (1, 3, F, H, W) in [-1, 1], F the layout's clip_frames, and its `mask` (1, F, H, W), 1 where
         VACE generates (none: all of it); neither: R2V, the references alone (a2/vace.py: encode).
 
-        Every sampling setting left out (None) is the kind's own sampler's on this model (a2.conditioning.Sampling,
+        Every sampling setting left out (None) is the kind's own sampler's on this model (a2.kinds.Sampling,
         kind_sampling; `preset`: another of the lab's entry points, infer.py --preset): this is the one place they are
         filled, so infer.py, a run's validation and a library call sample alike. negative_prompt, num_inference_steps,
         guidance_scale, guidance_scale_img, scheduler (unipc | euler), schedule (the unshifted sigmas,
-        a2.conditioning.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
+        a2.kinds.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
         without its own: the model dir's, `self.flow_shift`), sample_mode (the VAE encode: sample | argmax), seed (the
         noise generator's, on the CPU or the device as the kind draws it; `generator` instead: a library caller's own),
         fps (returned for the writer), decode. Returns them as `sampling`.

@@ -35,7 +35,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from a2.cli import InputError, MissingInput, run_cli
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.elements import A2_ELEMENTS
 from a2.images import read_image
+from a2.kinds import KIND_DEFS
 from a2.media import (
     VIDEO_EXTS,
     Problem,
@@ -48,18 +52,7 @@ from a2.media import (
     probe_video,
     read_frames,
 )
-from config import (  # noqa: F401 (data.py's commands, configs of the indexes below)
-    PUBLIC_TYPES,
-    DatasetConfig,
-    ExportElements,
-    IndexCommand,
-    IndexHumoSet,
-    IndexOpenS2V,
-    IndexPhantom,
-    InputError,
-    MissingInput,
-    run_cli,
-)
+from config import ExportElements, IndexHumoSet, IndexOpenS2V, IndexPhantom
 
 PHANTOM_CANVAS = 768  # Phantom-Data's boxes are in pixels of the frame resized to this long side
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
@@ -310,8 +303,6 @@ def more_than_kinds_take(masks: int, background: bool) -> list[str]:
     """The report's lines a clip of `masks` kept masks (and a background png or not) counts in: one per kind without
     roles whose maximum it exceeds (with default flags that kind takes the largest, the rest are no reference of
     its). A clip with no subject mask is dropped by the index itself (counted)."""
-    from a2.conditioning import KIND_DEFS
-
     out = []
     for k, d in KIND_DEFS.items():
         most = d.references[1] - (d.background and background)  # the background png takes the last slot
@@ -831,8 +822,6 @@ def index_humoset(a: IndexHumoSet):
 
 def export_elements(a: ExportElements) -> dict:
     from tqdm import tqdm
-
-    from config import A2_ELEMENTS
 
     path, out = Path(a.manifest), Path(a.out)
     if not path.is_file():

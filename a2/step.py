@@ -25,12 +25,13 @@ from a2.conditioning import (
     prepare_model,
     video_prediction,
 )
+from a2.elements import Element
 from a2.ema import ema_decay, update_ema
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, timestep_bucket
 from a2.pipeline import encode_prompt, image_tokens
 from a2.runs import NonFiniteSteps
 from a2.transformer import ModelInfo
-from config import Element, TrainConfig
+from config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ with the real output widths (T5 4096, CLIP 1280, 16 latent channels), so their o
 
 from __future__ import annotations
 
+import fcntl
+import json
+import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,7 +33,15 @@ if __name__ == "__main__" and (len(sys.argv) < 2 or sys.argv[1].startswith("-")
 
 import torch
 
-from a2.transformer import RANDOM_WEIGHTS, VACE_FUN_BOUNDARY, local_or_hub, preset_config, transformer_class
+from a2.transformer import (
+    RANDOM_WEIGHTS,
+    VACE_FUN_BOUNDARY,
+    diffusers_to_original,
+    local_or_hub,
+    original_wan_config,
+    preset_config,
+    transformer_class,
+)
 
 TINY_CORPUS = """a hiker standing at the top of a mountain triumphantly high quality
 a man is holding a teddy bear in the forest. a woman walks a dog on the beach at sunset.
@@ -165,8 +178,6 @@ def invertible_init(vae):
 def _head_response(dim: int) -> tuple[float, float]:
     """What a VAE head's RMS norm (x / |x| * sqrt(dim) * gamma) and SiLU make of a colour channel at its offset
     (|x| ~ the constant channel): the output there, and its slope (the gain of small changes around it)."""
-    import math
-
     gain = dim ** 0.5 * _HEAD_GAMMA / math.hypot(_CONSTANT, 3 ** 0.5 * _COLOUR_OFFSET)
     y = _COLOUR_OFFSET * gain
     sig = 1 / (1 + math.exp(-y))
@@ -285,12 +296,8 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     vace-fun: the tiny VACE pair as alibaba-pai/Wan2.2-VACE-Fun-A14B ships it: high_noise_model/ and low_noise_model/
       (a2's transformer and transformer_2), each a config.json and diffusion_pytorch_model.safetensors, the VAE .pth
       beside them (a stand-in), and the Wan T2V parts in diffusers format."""
-    import json
-
     from diffusers import WanPipeline
     from safetensors.torch import save_file
-
-    from a2.transformer import diffusers_to_original, original_wan_config
 
     parts["scheduler"] = type(parts["scheduler"]).from_config(
         parts["scheduler"].config, flow_shift=MAGREF_FLOW_SHIFT if released == "magref" else RELEASED_FLOW_SHIFT)
@@ -339,8 +346,6 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     with vace); for a real-size preset the transformer dir gets the config and the RANDOM_WEIGHTS marker instead of
     weights. released="phantom" | "v3" | "vace" | "vace-fun" ...: the tiny model in a released model's own layout
     (save_released)."""
-    import json
-
     from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel, WanVACEPipeline
 
     out_dir = Path(out_dir)
@@ -368,10 +373,6 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
     concurrent transformers saves of the same model were seen to leave a shard missing)."""
-    import fcntl
-    import os
-    import shutil
-
     from transformers.utils import logging as hf_logging
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2")) / f"built-{TINY_BUILD}"

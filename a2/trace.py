@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from a2 import align
+from a2.cli import ConfigError
 from a2.conditioning import encode, num_latent_frames
 from a2.fake import _HOST
 from a2.memory import (
@@ -80,7 +81,7 @@ from a2.memory import (
 from a2.parallel import context_parallel, emulated_ranks, shard, step_costs
 from a2.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS
-from config import ConfigError, TrainConfig, resolve_compile
+from config import TrainConfig, resolve_compile
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
 

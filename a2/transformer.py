@@ -11,16 +11,18 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from a2.cli import InputError
 from a2.fake import fake_mode_active
-from config import InputError
 
 Z_DIM = 16  # Wan 2.1 VAE latent channels
 TI2V_Z_DIM = 48  # Wan 2.2 VAE (TI2V-5B) latent channels: 16x spatial compression (patch 2 x 8)
@@ -435,8 +437,6 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name; a path that exis
 def hub_snapshot(repo_id: str) -> Path:
     """The dir of `repo_id` in the Hub cache, downloaded there on first use. HF_HUB_OFFLINE / HF_HUB_CACHE are read
     when called (huggingface_hub reads them once, at import); offline and not cached is one line saying what to do."""
-    import os
-
     from huggingface_hub import constants, snapshot_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
@@ -836,8 +836,6 @@ def configure_blocks(model: WanTransformer3DModel, checkpoint_fraction: float = 
     pre-forward hook, which skips its input cast in backward: bf16 in the forward, fp32 in the recompute, and
     torch.utils.checkpoint fails its metadata check.) A compiled block is compiled together with its checkpoint,
     so the selective policy applies inside the graph and backward replays the compiled recomputation."""
-    from functools import partial
-
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     # no context_fn at all for plain recomputation: dynamo cannot trace checkpoint's default one

@@ -23,7 +23,7 @@ noised sequence (block 0 adds its input projection of the context to it) and the
 clip latents]) and the loss covers every frame, the references' too; a masked clip's context holds the clip outside
 the mask (its pixels inside zeroed, so the reactive part is VAE(zeros)).
 
-The vace kind of a2/conditioning.py (its Kind row) reads these pieces: its framing, encode, pack and install.
+The vace kind (its Kind row in a2/kinds.py) reads these pieces: its framing, encode, pack and install.
 
 a2 keeps the transformer's (hidden_states, timestep) interface, as for Stand-In: the context rides after x_t on the
 channel axis (pack), and the forward `install` puts on the transformer reads it back (unpack) and runs `forward`,

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from a2 import align
-from config import ConfigError
+from a2.cli import ConfigError
 from tests.conftest import args, launch, losses, max_diff, params, train, train_config
 
 FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
@@ -364,7 +364,7 @@ def test_refalign_samples_as_its_code_through_infer_defaults(tmp_path, monkeypat
     linspace(1, 0) for 50 steps, U + 5 (I - U) + 7.5 (C - I), seed 0, CPU noise for the video frames only), float32:
     the references' latents and the final latents within 1e-5, 3 passes x 50 steps at its timesteps."""
     import infer
-    from a2.conditioning import WAN_NEGATIVE_PROMPT
+    from a2.kinds import WAN_NEGATIVE_PROMPT
     from a2.pipeline import A2Pipeline, encode_prompt
     from a2.tiny import model_path
     from a2.transformer import detect_model, load_transformer

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import bench
-from a2.conditioning import KINDS, V3_SLOTS
+from a2.cli import run_cli
+from a2.kinds import KINDS, V3_SLOTS
 from a2.step import forward_loss, optimizer_step
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main
-from config import MemoryConfig, run_cli
+from config import MemoryConfig
 
 
 def test_flops_match_the_stated_real_shapes():

@@ -53,7 +53,8 @@ def test_cache_key_covers_the_preprocessing(tmp_path):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from config import A2_ELEMENTS, DatasetConfig
+    from a2.dataset_config import DatasetConfig
+    from a2.elements import A2_ELEMENTS
     from data import cache_key
 
     for d in ("vae", "text_encoder", "tokenizer"):

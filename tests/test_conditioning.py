@@ -11,9 +11,12 @@ import tyro
 
 import infer
 import train_a2
+from a2.cli import ConfigError
 from a2.conditioning import validation_layout
+from a2.dataset_config import ConditioningConfig
+from a2.elements import pair_elements
 from a2.pipeline import A2Pipeline, load_references
-from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, pair_elements
+from config import TrainConfig, dataset_configs
 from data import E2VDataset, collate, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
@@ -210,10 +213,10 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     element images, each on its CLI's defaults (no sampling flag, no element specs; the size, frames and 2 steps
     given to both alike): the same tensor, bit for bit, written at the kind's own fps. Both fill what their user
     left out in one place, A2Pipeline (the kind's guidance, reference guidance, negative prompt, seed, noise
-    device, schedule), and frame the images with the specs the kind takes (a2.conditioning.kind_elements)."""
+    device, schedule), and frame the images with the specs the kind takes (a2.kinds.kind_elements)."""
     from contextlib import nullcontext
 
-    from a2.conditioning import kind_sampling
+    from a2.kinds import kind_sampling
 
     model, extra, n = VALIDATION[name]
     sample = sorted(data_dir.glob("*.mp4"))[0].stem
@@ -334,7 +337,8 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     from dataclasses import fields
 
     import infer
-    from config import VaeProcessorConfig, load_dataset_config, option_names
+    from a2.cli import option_names
+    from a2.dataset_config import VaeProcessorConfig, load_dataset_config
 
     names = [f.name for f in fields(ConditioningConfig)]
     assert [f.name for f in fields(VaeProcessorConfig)][:len(names)] == names
@@ -447,21 +451,21 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
 
 
 def test_no_kind_name_is_compared_outside_the_kind_definitions():
-    """Every kind's defaults come from its definition (a2/conditioning.py: KIND_DEFS, the Layout's properties): no
-    project module outside it compares a kind name, or a kind set, except the weights' detection (a2/transformer.py
-    names the released layouts it reads; a2/tiny.py builds them) and bench.py's own --layout flag (its choices,
-    config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is
-    not a kind."""
+    """Every kind's defaults come from its definition (a2/kinds.py: KIND_DEFS; a2/conditioning.py: the Layout's
+    properties): no project module outside those two compares a kind name, or a kind set, except the weights'
+    detection (a2/transformer.py names the released layouts it reads; a2/tiny.py builds them) and bench.py's own
+    --layout flag (its choices, config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type
+    that shares a name (t2v) is not a kind."""
     import re
     from pathlib import Path
 
-    from a2.conditioning import KIND_DEFS
+    from a2.kinds import KIND_DEFS
 
     names = "|".join(KIND_DEFS)
     compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
                           r"|\b[A-Z_]*KINDS\b")
     root = Path(__file__).resolve().parents[1]
-    allowed = {"a2/conditioning.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    allowed = {"a2/conditioning.py", "a2/kinds.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
     found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
              for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
              for i, line in enumerate(f.read_text().splitlines(), 1)
@@ -504,6 +508,68 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not cycles, cycles
     graph["a2.images"] = graph["a2.images"] | {"a2.pipeline"}  # and it can fail: an arrow back up is a cycle
     assert cycle("a2.images", "a2.images", ["a2.images"])
+
+
+def late_imports(path, root) -> list[str]:
+    """`file:line module (why)` for each import inside a function of `path` that has no reason to be there: a
+    standard-library module (it costs nothing at the top), or a module the file already imports at its top. What a
+    function may import itself: an optional or heavy dependency, or a module whose top-level import would be a cycle.
+    `from a2 import x` names the module a2.x (a submodule), not the package."""
+    import ast
+    import sys
+
+    tree = ast.parse(path.read_text())
+
+    def modules(node):
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        return [f"{node.module}.{a.name}" if (root / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                else node.module for a in node.names]
+
+    top = {m for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom) for m in modules(node)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for m in dict.fromkeys(modules(node)):
+                    why = ("standard library" if m.split(".")[0] in sys.stdlib_module_names
+                           else "imported at the top" if m in top else None)
+                    if why:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {m} ({why})")
+    return sorted(set(found), key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+# The files other work is rewriting now, with the modules their functions still import that way: each is hoisted as
+# that work lands and its entry taken out of this list, which must end empty.
+LATE_IMPORTS_BEING_MOVED = {
+    "a2/lora.py": ("json", "math"),
+    "a2/parallel.py": ("os",),
+    "a2/trace.py": ("torch._subclasses.fake_tensor",),
+    "bench.py": ("a2.conditioning", "a2.dataset_config", "a2.elements", "shutil", "statistics", "pathlib"),
+    "train_a2.py": ("a2.lora", "a2.transformer"),
+}
+
+
+def test_no_function_imports_a_module_it_could_import_at_the_top(tmp_path):
+    """No function of a2's code (the scripts, a2/) imports a standard-library module or one its file imports at the
+    top: those imports cost nothing at the top, where a reader looks for a file's dependencies."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = [f for path in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) for f in late_imports(path, root)]
+    allowed = {(file, module) for file, modules in LATE_IMPORTS_BEING_MOVED.items() for module in modules}
+    assert [f for f in found if (f.split(":")[0], f.split()[1]) not in allowed] == []
+    # and it can fail: a stdlib module, a module imported at the top, an a2 submodule beside another one
+    (tmp_path / "a2").mkdir()
+    for name in ("x", "y"):
+        (tmp_path / "a2" / f"{name}.py").write_text("")
+    (tmp_path / "m.py").write_text("import torch\nfrom a2 import y\n\n\ndef f():\n    import json\n"
+                                   "    from torch import nn\n    from a2 import x\n    from a2 import y\n")
+    assert late_imports(tmp_path / "m.py", tmp_path) == ["m.py:6 json (standard library)",
+                                                         "m.py:7 torch (imported at the top)",
+                                                         "m.py:9 a2.y (imported at the top)"]
 
 
 def test_ddp_on_mixed_element_sets_equals_one_process(data_dir, tmp_path):

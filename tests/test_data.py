@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from a2.cli import ConfigError
+from a2.dataset_config import DatasetConfig, load_dataset_config
+from a2.elements import A2_ELEMENTS, Element, parse_elements
 from a2.media import clean_caption
-from config import A2_ELEMENTS, ConfigError, DatasetConfig, Element, load_dataset_config, parse_elements
 from data import (
     BucketBatchSampler,
     DatasetError,

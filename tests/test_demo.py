@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from config import DemoConfig, run_cli
+from a2.cli import run_cli
+from config import DemoConfig
 from demo import block_distance, colour_match, element_colour, read_clip, run
 from tests.conftest import args, train
 

@@ -50,9 +50,10 @@ def cli_flags() -> dict[str, set[str]]:
     from torch.distributed.run import get_args_parser
 
     import config
+    from a2.cli import option_names
 
     def of(cls):
-        return set(config.option_names(cls)) | {"--help"}
+        return set(option_names(cls)) | {"--help"}
 
     return {"train_a2.py": of(config.TrainConfig), "scripts/multinode.sbatch": of(config.TrainConfig),
             "infer.py": of(config.InferConfig), "bench.py": of(config.BenchConfig), "demo.py": of(config.DemoConfig),
@@ -184,7 +185,8 @@ def table(section: str) -> dict[str, list[str]]:
 
 def allowed_keys(tmp_path, dataset: dict) -> set[str]:
     """The keys the loader allows where `dataset` puts an unknown one, from its one-line error."""
-    from config import ConfigError, load_dataset_config
+    from a2.cli import ConfigError
+    from a2.dataset_config import load_dataset_config
 
     f = tmp_path / "keys.json"
     f.write_text(json.dumps({"datasets": [dataset]}))
@@ -206,7 +208,7 @@ def test_the_json_format_tables_are_the_loaders_keys_and_defaults(tmp_path):
     """Every key docs/dataset.md lists is a key the loader takes, and every key the loader takes is listed (a dataset,
     processors.vae / .clip, an element in both forms, visualization); each JSON default it states is the loaded
     value of a file that leaves the key out."""
-    from config import VisualizationConfig, load_dataset_config
+    from a2.dataset_config import VisualizationConfig, load_dataset_config
 
     z = {"zzz": 1}
     dataset, vae, clip = table("### A dataset"), table("### `processors.vae`: the conditioning"), \
@@ -304,7 +306,7 @@ def test_the_json_dataset_example_validates_and_trains(work, capsys):
     """docs/dataset.md's complete example: written as e2v.json, its data made, `data.py validate` and a 2-step run
     with it as the doc gives them: three datasets (one held out), the buckets the text promises, the visualisations
     its block asks for, and the eval loss of the held-out clip."""
-    from config import load_dataset_config
+    from a2.dataset_config import load_dataset_config
 
     ran = run_doc("dataset-example", "dataset.md", work)
     assert [c.split()[1] for c in ran] == ["data.py"] * 4 + ["train_a2.py"]
@@ -325,13 +327,13 @@ def test_the_json_dataset_example_validates_and_trains(work, capsys):
 
 
 def test_every_visualized_tensor_is_one_training_writes(tmp_path):
-    """config.VISUALIZED, which the loader checks a visualization block's `data` against, names exactly the tensors
-    train_a2.forward_loss hands to the visualisations."""
+    """a2.dataset_config.VISUALIZED, which the loader checks a visualization block's `data` against, names exactly
+    the tensors the training step (a2/step.py: forward_loss) hands to the visualisations."""
     import ast
 
-    from config import VISUALIZED
+    from a2.dataset_config import VISUALIZED
 
-    tree = ast.parse((ROOT / "train_a2.py").read_text())
+    tree = ast.parse((ROOT / "a2" / "step.py").read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "forward_loss")
     viz = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id == "viz" for t in n.targets))

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from a2.elements import Element
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
 from a2.opens2v import tiny_encoder_note
 from a2.pipeline import load_references
-from config import Element, EvalConfig
+from config import EvalConfig
 
 
 @pytest.fixture(scope="module")

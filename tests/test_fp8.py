@@ -258,9 +258,9 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
     from safetensors.torch import load_file
 
     import infer
+    from a2.cli import ConfigError
     from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
-    from config import ConfigError
     from tests.conftest import args, train
 
     r = train(*args(data_dir, tmp_path, "fp8", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",

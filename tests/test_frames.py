@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from a2.media import displayed
-from config import DatasetConfig
-from data import DatasetError, E2VDataset, _decode, cache_key, resize_frames
+from a2.dataset_config import DatasetConfig
+from a2.images import resize_frames
+from a2.media import _decode, displayed
+from data import DatasetError, E2VDataset, cache_key
 from tests.conftest import args, losses, train
 
 F = 17  # clip frames of the windows
@@ -118,7 +119,7 @@ def test_validation_reads_the_last_window(tmp_path):
 
 
 def test_bad_extraction_settings_fail_with_the_flag(tmp_path):
-    from config import ConfigError
+    from a2.cli import ConfigError
 
     with pytest.raises(ConfigError, match="--frame-extraction: source_fps resamples .* use head, chunk"):
         train(*args(tmp_path, tmp_path, "r", "--source-fps", "30"))

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import train_a2
+from a2.cli import ConfigError
 from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
+from a2.dataset_config import ConditioningConfig, load_dataset_config
 from a2.pipeline import A2Pipeline
-from config import ConditioningConfig, ConfigError, TrainConfig, dataset_configs, load_dataset_config, with_recipe
+from config import TrainConfig, dataset_configs, with_recipe
 from data import E2VDataset, collate
 from tests.conftest import args, losses, max_diff, params, train, train_config
 

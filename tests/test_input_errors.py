@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 import infer
-from a2.conditioning import index_elements
-from config import Validate, dataset_configs, run_cli
+from a2.cli import run_cli
+from a2.kinds import index_elements
+from config import Validate, dataset_configs
 from tests.conftest import ROOT
 
 
@@ -115,7 +116,7 @@ def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_in_one_line_with_what_is_kept(signum):
-    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from config import exit_on_signal; "
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from a2.cli import exit_on_signal; "
             "exit_on_signal('the videos written so far are kept; the same command renders again'); "
             f"print('ready', flush=True); os.kill(os.getpid(), {int(signum)}); time.sleep(30)")
     p = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
@@ -247,6 +248,7 @@ def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(
 
     import numpy as np
 
+    import a2.media
     import data
 
     frames = (np.random.default_rng(0).random((17, 32, 32, 3)) * 255).astype(np.uint8)
@@ -256,7 +258,7 @@ def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(
         np.savez(tmp_path / f"{name}.npz", **arr)
     rows = [dict(path=f"{n}.npz", prompt="a clip") for n in [*arrays, "missing"]]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(data, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
+    monkeypatch.setattr(a2.media, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
     with pytest.raises(SystemExit) as e:
         data._cli(["validate", "--model", "tiny-t2v", "--dataset-type", "t2v", "--manifest",
                    str(tmp_path / "train.jsonl"), "--resolution", "32", "32", "--num-frames", "17"])
@@ -289,7 +291,7 @@ def test_training_frames_centre_crop_takes_the_middle_pixels(shape, size, keep):
     centre, pixel for pixel (a crop shifted by one pixel is another frame)."""
     import numpy as np
 
-    from data import resize_frames
+    from a2.images import resize_frames
 
     h, w = shape
     yy, xx = np.mgrid[0:h, 0:w]
@@ -491,9 +493,10 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     background (2 references, 32x64 blocks) trains."""
     import a2.public_data as pd_
     import data
+    from a2.media import read_frames
     from tests.conftest import train
 
-    f = data.read_frames(media / "hiker_tiny.mp4", list(range(20)))
+    f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
     frames = np.stack([np.asarray(Image.fromarray(x).resize((184, 120))) for x in f])
     person = np.zeros((60, 30, 3), np.uint8)
     person[..., 0], person[10:50, 5:25, 2] = 200, 180

@@ -308,7 +308,7 @@ def test_lora_targets_that_cannot_be_exported_fail_before_training(data_dir, tmp
     """A --lora-target whose adapter has no original-Wan file that reads back (a conv input layer; image K without V,
     which diffusers' Wan converter only takes as a pair) is refused in one line before the first step."""
     import train_a2
-    from config import ConfigError
+    from a2.cli import ConfigError
     from tests.conftest import args
 
     def no_step(*a, **k):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from a2.conditioning import kind_sampling
+from a2.dataset_config import ConditioningConfig
 from a2.images import magref_canvas
-from config import ConditioningConfig
+from a2.kinds import kind_sampling
 from tests.conftest import drawn_person
 
 PHOTOS = ((720, 1280), (1250, 1250), (1920, 1080))  # (h, w): the SkyReels-A2 photos' sizes (human, thing, env)
@@ -201,7 +201,7 @@ def test_infer_samples_as_magref(magref_parts, n, seed, tmp_path):
     name's smoke-test defaults) with only the flags MAGREF's generate.py takes (the prompt, the images, the size and
     frame count, and --seed or not) == MAGREF's sampler written out at generate.py's defaults: the same condition
     (mask | canvas latents) and final latents for 1, 2 and 3 references, with its --base_seed 3407 when no --seed is
-    given. Everything MAGREF fixes comes from the kind (a2.conditioning.KIND_DEFS["magref"]): its UniPC from sigma
+    given. Everything MAGREF fixes comes from the kind (a2.kinds.KIND_DEFS["magref"]): its UniPC from sigma
     0.999, shift 3, 40 steps, its negative prompt, the posterior mean of the canvas, the seed's placement (of the
     noise's seed). The references are synthetic photos of other aspects than their blocks' and the video's, read by
     infer.py and given to theirs as read."""
@@ -253,10 +253,11 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     import shutil
 
     import train_a2
+    from a2.cli import ConfigError
     from a2.conditioning import sampling_plan
     from a2.tiny import model_path
     from a2.transformer import UnsupportedModel, detect_model, load_transformer
-    from config import ConfigError, TrainConfig, dataset_configs
+    from config import TrainConfig, dataset_configs
 
     d = model_path("tiny-magref")
     info = detect_model(d)
@@ -299,8 +300,9 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
 
     import infer
     import train_a2
+    from a2.cli import ConfigError
     from a2.pipeline import A2Pipeline
-    from config import ConfigError, TrainConfig, dataset_configs
+    from config import TrainConfig, dataset_configs
     from data import E2VDataset
 
     def plan(cfg):
@@ -347,9 +349,10 @@ def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(tmp
     same from the dataset (training) as from load_references (sampling); not the whole canvas, which the picture framed
     to the video's size first would cover."""
     from a2.conditioning import make_layout
+    from a2.dataset_config import DatasetConfig
+    from a2.elements import A2_ELEMENTS
     from a2.images import pil_to_tensor, read_image
     from a2.pipeline import load_references
-    from config import A2_ELEMENTS, DatasetConfig
     from data import E2VDataset, make_synthetic_dataset
 
     subject = A2_ELEMENTS[0]

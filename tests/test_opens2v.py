@@ -110,7 +110,8 @@ def test_read_eval_sets_as_downloaded():
 
 def command(*argv) -> int:
     """`python3 -m a2.opens2v ARGV` as its __main__ runs it (parse_cli, run_cli): its exit status."""
-    from config import OpenS2VConfig, parse_cli, run_cli
+    from a2.cli import parse_cli, run_cli
+    from config import OpenS2VConfig
 
     try:
         return run_cli(opens2v.main, parse_cli(OpenS2VConfig, args=list(argv)))

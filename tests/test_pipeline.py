@@ -275,9 +275,9 @@ def test_preprocess_is_a2s_pad_or_crop_then_resize(size):
 
 
 def test_video_frames_are_framed_like_reference_images():
-    """data.resize_frames (torch, uint8) crops/pads like preprocess_image (PIL): the same geometry, so the two
+    """a2.images.resize_frames (torch, uint8) crops/pads like preprocess_image (PIL): the same geometry, so the two
     differ only by the two libraries' bicubic rounding, not by a shifted or rescaled picture."""
-    from data import resize_frames
+    from a2.images import resize_frames
 
     for iw, ih in ((301, 97), (97, 301)):
         image = synthetic(iw, ih).filter(__import__("PIL.ImageFilter").ImageFilter.GaussianBlur(3))

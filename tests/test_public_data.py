@@ -18,10 +18,13 @@ import tyro
 from PIL import Image
 
 import a2.public_data as pd_
-from a2.conditioning import KIND_DEFS, index_elements, largest_element_set
-from a2.images import element_tensors, read_image
-from config import A2_ELEMENTS, DatasetConfig, TrainConfig, dataset_configs
-from data import E2VDataset, Validate, read_frames, resize_frames, validate
+from a2.dataset_config import DatasetConfig
+from a2.elements import A2_ELEMENTS
+from a2.images import element_tensors, read_image, resize_frames
+from a2.kinds import KIND_DEFS, index_elements, largest_element_set
+from a2.media import read_frames
+from config import TrainConfig, dataset_configs
+from data import E2VDataset, Validate, validate
 from tests.conftest import MEDIA, drawn_person
 
 SIZE = (64, 96)  # training resolution of these tests (multiple of 16)

@@ -400,7 +400,7 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
 def reference_files(tmp_path, sizes):
     """Synthetic reference photos of several aspects as PNG files, and the elements that frame them as both labs do
     (each one frame, Lanczos fit then white pad)."""
-    from config import Element
+    from a2.elements import Element
 
     images, items = [], []
     for i, (w, h) in enumerate(sizes):
@@ -485,8 +485,10 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
 def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path):
     """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
     the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
+    from a2.cli import ConfigError
     from a2.conditioning import plan, sampling_plan
-    from config import A2_ELEMENTS, ConditioningConfig, ConfigError, Element, VaeProcessorConfig
+    from a2.dataset_config import ConditioningConfig, VaeProcessorConfig
+    from a2.elements import A2_ELEMENTS, Element
 
     five = tuple(Element(f"e{i}", (f"_{i}.png",), position=i) for i in range(5))
     p, v = detect_model(phantom_dir), detect_model(v3_dir)
@@ -636,10 +638,10 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     import numpy as np
 
     import infer
-    from a2.conditioning import kind_sampling
+    from a2.elements import RELEASED_ELEMENTS, parse_elements
     from a2.images import preprocess_image
+    from a2.kinds import kind_sampling
     from a2.transformer import detect_model
-    from config import RELEASED_ELEMENTS, parse_elements
 
     def own(model, **flags):
         cfg = infer.resolve(infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags))[0]

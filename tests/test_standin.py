@@ -12,8 +12,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from a2 import standin
+from a2.dataset_config import ConditioningConfig
+from a2.elements import Element
 from a2.transformer import TEXT_TOKENS, preset_config
-from config import ConditioningConfig, Element
 from tests.conftest import drawn_person
 from tests.their_standin import TheirStandIn, their_sampling
 
@@ -460,8 +461,8 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, monkeypatch):
     face crop (FaceProcessor's size, 1024 tokens), packed after the video's latents in 171 frames of 4x6 latents (the
     last one zero padded)."""
     import infer
-    from a2.conditioning import WAN_NEGATIVE_PROMPT
     from a2.images import pil_to_tensor, preprocess_image, read_image
+    from a2.kinds import WAN_NEGATIVE_PROMPT
     from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
     from a2.tiny import model_path
     from tests.their_standin import flow_match_sigmas, their_pipeline

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from config import ConditioningConfig
+from a2.dataset_config import ConditioningConfig
 from tests.conftest import args, train
 
 H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
@@ -318,7 +318,7 @@ def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
 
 def test_ti2v_refusals(data_dir, tmp_path):
     import infer
-    from config import ConfigError
+    from a2.cli import ConfigError
 
     with pytest.raises(ConfigError, match="element references go in context"):
         train(*args(data_dir, tmp_path, "e2v", model="tiny-ti2v"))  # A2's elements, prefix layout
@@ -339,7 +339,7 @@ def test_ti2v_refusals(data_dir, tmp_path):
 
 def test_aspect_buckets_fit_the_5b_grid(tmp_path):
     """Auto aspect buckets round height and width to the model's VAE x patch (TI2V-5B: 32, not 16)."""
-    from config import DatasetConfig
+    from a2.dataset_config import DatasetConfig
     from data import E2VDataset, make_synthetic_dataset
 
     d = make_synthetic_dataset(tmp_path / "wide", num_samples=2, num_frames=17, size=(32, 48))

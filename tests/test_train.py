@@ -184,8 +184,9 @@ def test_a_non_finite_step_is_skipped(data_dir, tmp_path, monkeypatch):
 def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     """The condition a training sample gets == what A2Pipeline builds at inference from the same files."""
     from a2.conditioning import make_layout, prepare_latents
+    from a2.dataset_config import DatasetConfig
+    from a2.elements import A2_ELEMENTS
     from a2.pipeline import A2Pipeline, load_references
-    from config import A2_ELEMENTS, DatasetConfig
     from data import E2VDataset, collate
 
     ds = E2VDataset([DatasetConfig(str(data_dir), target_resolution=(32, 32))], num_frames=9, verbose=False)
@@ -243,7 +244,7 @@ def test_lora_export_loads_in_infer_and_diffusers(data_dir, tmp_path, tiny_dir):
 
 
 def test_bad_configs_fail_before_training(data_dir, tmp_path):
-    from config import ConfigError
+    from a2.cli import ConfigError
 
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": [
@@ -287,7 +288,7 @@ def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypa
     """--offload-activations and --swap-blocks move tensors to host memory and back, and change nothing
     else: the same losses and LoRA weights, bit for bit, with recomputation keeping the attention."""
     import a2.offload
-    from config import ConfigError
+    from a2.cli import ConfigError
 
     monkeypatch.setattr(a2.offload, "MIN_BYTES", 0)  # the tiny model's tensors are all far below 1 MB
     offloaded, prefetch = [], a2.offload.Offloaded.prefetch

@@ -20,8 +20,11 @@ from safetensors.torch import load_file, save_file
 
 import infer
 from a2 import vace
-from a2.conditioning import WAN_NEGATIVE_PROMPT, plan
+from a2.conditioning import plan
+from a2.dataset_config import VaeProcessorConfig
+from a2.elements import RELEASED_ELEMENTS
 from a2.images import read_image
+from a2.kinds import WAN_NEGATIVE_PROMPT
 from a2.lora import export_lora, read_original
 from a2.parallel import UlyssesAttnProcessor, context_parallel
 from a2.tiny import TINY_MODELS, build_tiny, model_path, save_tiny, tiny_model_dir
@@ -35,7 +38,7 @@ from a2.transformer import (
     preset_config,
     random_transformer,
 )
-from config import LORA_TARGETS, RELEASED_ELEMENTS, VaeProcessorConfig
+from config import LORA_TARGETS
 from tests import their_vace as theirs
 from tests.their_samplers import phantom_sigmas
 
@@ -435,7 +438,8 @@ def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_da
     --vace-lora-target off VACE, reference dropout on VACE (its guidance keeps the references), a preset VACE does not
     have: each a ConfigError / InputError of one line, before a transformer is loaded."""
     import train_a2
-    from config import InputError, dataset_configs
+    from a2.cli import InputError
+    from config import dataset_configs
     from tests.conftest import train_config
 
     def no_weights(*a, **k):

@@ -1,0 +1,444 @@
+"""The dataset config: the video sizes a run takes, the conditioning flags (ConditioningConfig, a dataset file's
+processors.vae), the VAE, CLIP and visualization settings of a dataset, and the JSON dataset file (docs/dataset.md)
+read into DatasetConfigs (load_dataset_config). config.py's TrainConfig and InferConfig take ConditioningConfig's
+flags; config.dataset_configs makes a run's datasets of its flags or its file. It imports tyro, the standard library
+and a2/cli.py, a2/elements.py only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+
+import tyro
+
+from a2.cli import ConfigError, help_from_docstrings, read_text
+from a2.elements import A2_ELEMENTS, PREPROCESS_MODES, Element, check_elements
+
+# ---------------------------------------------------------------- video sizes
+
+
+def height_width(height: int | None, width: int | None, resolution: tuple[int, int] | None,
+                 default: tuple[int, int]) -> tuple[int, int]:
+    """The video size from --height/--width or --resolution H W (train_a2.py's name for it; infer.py and bench.py
+    take both forms): whichever is given, `default` for what is not; the two forms must agree, and what is given is
+    a positive multiple of 16 (said before the heavy imports)."""
+    if resolution is not None:
+        if any(v is not None and v != r for v, r in zip((height, width), resolution)):
+            raise ConfigError(f"--resolution {resolution[0]} {resolution[1]} and --height {height} --width {width} "
+                              "disagree: give one of them")
+    given = [v for v in (resolution or (height, width)) if v is not None]
+    if any(v <= 0 or v % 16 for v in given):  # every model's grid is a multiple of 16; a Wan 2.2 VAE's 32, told later
+        raise ConfigError(f"height and width must be positive multiples of 16, got {'x'.join(map(str, given))}")
+    if resolution is not None:
+        return tuple(resolution)
+    return (default[0] if height is None else height, default[1] if width is None else width)
+
+
+def check_frames(num_frames: int) -> None:
+    """The frame counts a Wan VAE takes: 4k+1 (its time stride is 4: one latent frame, then one per 4)."""
+    if num_frames < 1 or (num_frames - 1) % 4:
+        raise ConfigError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
+
+
+def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
+    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
+    TI2V-5B: 16 x 2 = 32), F = 4k+1. A ConfigError: one line, exit 2 under run_cli."""
+    if height % multiple or width % multiple or height <= 0 or width <= 0:
+        raise ConfigError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+    check_frames(num_frames)
+
+
+# ---------------------------------------------------------------- the conditioning and the dataset
+
+
+@dataclass(frozen=True)
+class ConditioningConfig:
+    """How element images and video frames condition the transformer. train_a2.py and infer.py take these flags, a
+    dataset JSON file the same keys in processors.vae; a2.conditioning.plan decides the run's kind from them once."""
+
+    reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
+    """Where the element images enter the transformer. channel: A2's mask and reference latents on the channel axis
+    (36-channel A2 / Wan I2V models, or a T2V base expanded in full). incontext: each element VAE-encoded alone, its
+    clean latents appended after the video latents on the time axis, as Phantom-Wan and SkyReels-V3 R2V do (a T2V
+    model trains as it is; --num-frames then counts the video alone). magref: MAGREF's layout on a Wan I2V model,
+    the elements pasted on one white canvas that is the I2V first frame and the CLIP image (--num-frames counts the
+    canvas frame; sampling drops its first 4 frames, as MAGREF does). standin: Stand-In's reference tokens on a Wan
+    T2V model, one face crop framed to 512x512 whatever the video's size (infer.py loads its file with --lora). A
+    released model (Phantom-Wan, SkyReels-V3, MAGREF, RefAlign) and a Stand-In LoRA file choose their own."""
+    reference_timestep: Literal["shared", "zero"] = "shared"
+    """The timestep of in-context reference tokens: shared gives them the sample's (Phantom-Wan, SkyReels-V3), zero
+    marks them clean (per-token timesteps, as Wan 2.2 TI2V)."""
+    combine: Literal["before", "after"] = "before"
+    """How the element images are VAE-encoded: before encodes them as one mini-video (A2), after encodes each alone
+    and concatenates the latents."""
+    frame_conditioning: Literal["full", "first", "first_and_last", "index", "prefix", "random"] = "full"
+    """What conditions the video. full: the element images (A2's references, or the reference layout's). The others
+    give frames of the video itself, as Wan I2V and FLF2V do: the first, the first and last, the one at
+    --frame-index, the first --prefix-frames, or a random one. infer.py takes full, or first with --image (TI2V-5B)."""
+    frame_index: int = 0
+    """The 0-based pixel frame of the video that --frame-conditioning index gives as the condition."""
+    prefix_frames: int = 1
+    """How many leading pixel frames of the video --frame-conditioning prefix gives as the condition."""
+    concatenate_mask: bool = True
+    """Whether the 4-channel mask goes between the noisy and the condition latents (the 36-channel input). The
+    channel kinds need it (off is refused, with the reason); the others have no mask to concatenate."""
+    vace_scale: float = 1.0
+    """The conditioning scale of a VACE model's context blocks: each hint is added to its block's output times this
+    (Wan's context_scale, diffusers' conditioning_scale; 1 as both sample by default), in training and sampling."""
+    vae_sample_mode: Annotated[Literal["sample", "argmax"] | None, tyro.conf.arg(aliases=("--sample-mode",))] = None
+    """How the references and the condition are VAE-encoded: a posterior sample (from the sample's generator) or the
+    posterior mode (argmax). Left out, each kind encodes as its lab samples: A2 and SkyReels-V3 sample; diffusers' Wan
+    I2V, Phantom-Wan, MAGREF and Stand-In take the mean. Training encodes as sampling does."""
+
+
+def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
+    """c's values checked against the flags' choices (a dataset file is not parsed by tyro), else a ConfigError
+    naming `where` and the key."""
+    for key, choices in CONDITIONING_CHOICES.items():
+        if choices and getattr(c, key) not in choices:
+            raise ConfigError(f"{where}.{key}: {getattr(c, key)!r} is not one of {choices}")
+    for key in ("frame_index", "prefix_frames"):
+        if not isinstance(getattr(c, key), int) or isinstance(getattr(c, key), bool):
+            raise ConfigError(f"{where}.{key}: expected an integer, got {getattr(c, key)!r}")
+    if not isinstance(c.vace_scale, int | float) or isinstance(c.vace_scale, bool):
+        raise ConfigError(f"{where}.vace_scale: expected a number, got {c.vace_scale!r}")
+    if not isinstance(c.concatenate_mask, bool):
+        raise ConfigError(f"{where}.concatenate_mask: expected true or false, got {c.concatenate_mask!r}")
+    if c.reference_layout != "channel" and c.frame_conditioning != "full":  # the element layouts take no frames
+        raise ConfigError(f"{where}: reference_layout {c.reference_layout} places element references; "
+                          f"frame_conditioning {c.frame_conditioning!r} conditions on video frames (use full)")
+    return c
+
+
+def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
+    """The conditioning kind (a2/kinds.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
+    ask for, with element images or without: the one place they decide it (a released model's weights choose their
+    own instead: a2.conditioning.plan). A --reference-layout other than channel names its kind; frame conditioning
+    gives a TI2V-5B clean leading frames and any other model Wan I2V's frames in place; else A2's channel prefix
+    with elements, text-to-video without. (A TI2V-5B's first frame may come beside in-context references when
+    sampling.)"""
+    if elements and c.reference_layout != "channel":
+        return c.reference_layout
+    if c.frame_conditioning != "full":
+        return "clean" if ti2v else "inplace"
+    return "prefix" if elements else "t2v"
+
+
+def literal_choices(hint) -> tuple:
+    """The values a Literal type allows (None too where it is optional); () for any other type."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    choices = tuple(v for a in get_args(hint) for v in literal_choices(a))
+    return choices + (None,) if choices and type(None) in get_args(hint) else choices
+
+
+CONDITIONING_CHOICES = {k: literal_choices(h) for k, h in get_type_hints(ConditioningConfig).items()}
+
+
+@dataclass(frozen=True)
+class VaeProcessorConfig(ConditioningConfig):
+    """The VAE path of a dataset: the conditioning (ConditioningConfig's keys) and how its images are framed."""
+
+    resolution: tuple[int, int] = (480, 832)
+    """The (height, width) in pixels that the video and the element images are brought to."""
+    default_preprocess: str = "resize"
+    """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
+
+
+@dataclass(frozen=True)
+class ClipProcessorConfig:
+    """The CLIP path of the conditioning."""
+
+    resolution: tuple[int, int] = (512, 512)
+    """The (height, width) in pixels that element images are brought to before CLIPImageProcessor (A2: 512x512)."""
+    default_preprocess: str = "pad_white"
+    """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
+
+
+@dataclass(frozen=True)
+class VisualizationConfig:
+    """Training-time dumps of latents and decoded frames (a dataset file's `visualization` block, docs/dataset.md)."""
+
+    enabled: bool = False
+    """Writes visualisations during training."""
+    output_dir: str = "visualizations/{run_id}"
+    """Where the visualisations go, relative to the run dir unless absolute; {run_id} is the run dir's name."""
+    frequency: int = 100
+    """Writes them every this many steps."""
+    processors: tuple = ()
+    """What to write: dicts {type: latent_save | vae_decode, data: [VISUALIZED names], frames: [indices]}."""
+
+
+# the tensors of a training step a visualization processor can write (a2/step.py: forward_loss's viz)
+VISUALIZED = ("input_latents", "noisy_latents", "conditioned_latents", "predicted_latents", "reference_images")
+VISUALIZE_FORMATS = {"latent_save": "pt", "vae_decode": "png"}  # what each processor type writes
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """One dataset of a run (a JSON dataset config holds several)."""
+
+    data_root: str
+    """The dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>); a manifest's relative paths are read from it
+    too."""
+    dataset_type: str = "e2v"
+    """What the samples are. e2v: clips and element images; t2v: clips and prompts only; opens2v / phantom / humoset: an
+    index of a public dataset written by `data.py index` (the manifest), whose element images are built from its
+    annotations (public_data.py)."""
+    weight: float = 1.0
+    """How many times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
+    target_resolution: tuple[int, int] = (480, 832)
+    """The (height, width) in pixels of the training clips."""
+    auto_frame_buckets: bool = False
+    """Puts a clip shorter than num_frames into the largest 4k+1 frame bucket it fills, and into an aspect bucket."""
+    frame_buckets: tuple[int, ...] = ()
+    """The frame counts (4k+1) of the buckets with auto_frame_buckets (default 17, 33, 49, 65, 81)."""
+    reshape_mode: str = "center_crop"
+    """How a video frame is brought to the target size (one of PREPROCESS_MODES)."""
+    remove_common_llm_caption_prefixes: bool = True
+    """Strips captioner boilerplate ("The video shows ...") from the captions."""
+    elements: tuple[Element, ...] = A2_ELEMENTS
+    """The reference elements of each sample, in position order."""
+    vae: VaeProcessorConfig = field(default_factory=VaeProcessorConfig)
+    """The settings of the VAE path."""
+    clip: ClipProcessorConfig = field(default_factory=ClipProcessorConfig)
+    """The settings of the CLIP path."""
+    visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
+    """The visualisations written during training."""
+    manifest: str | None = None
+    """A CSV/JSONL file with video and caption columns, or a train.jsonl of .npz clips, read instead of scanning
+    data_root."""
+    frame_extraction: str = "spread"
+    """Which windows of a clip train (FRAME_EXTRACTION). spread: one per clip, its frames spread evenly over the whole
+    clip; head | chunk | slide | uniform: musubi-tuner's windows of consecutive frames, each a sample
+    (a2.media.frame_windows)."""
+    frame_stride: int = 1
+    """With frame_extraction slide: the frames between window starts."""
+    frame_sample: int = 1
+    """With frame_extraction uniform: the windows per clip."""
+    source_fps: float | None = None
+    """The frame rate of the clips. With target_fps below it, frames are dropped to reach target_fps first
+    (a2.media.resampled_frames); None: the clips are used at their own rate."""
+    target_fps: float = 16.0
+    """The frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
+    eval: bool = False
+    """Marks a held-out dataset: its samples are never trained on, only scored by the eval loss (--eval-every)."""
+    source: str = ""
+    """Where the dataset was defined (config file and entry, or flags), for messages; it is no part of the data."""
+    sam: str | None = None
+    """For public datasets: a local transformers SAM dir that segments the box and photo references (without it they are
+    box crops)."""
+    cross_video: bool = False
+    """For OpenS2V: takes subject and object from a paired clip of the same cross-video cluster (the index's
+    --cross-pairs)."""
+
+
+PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
+FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")
+EXTRACTION_KEYS = ("frame_extraction", "frame_stride", "frame_sample", "source_fps", "target_fps")
+
+
+def check_extraction(c: DatasetConfig, where: str) -> DatasetConfig:
+    """The frame-extraction settings of a dataset, checked (one line naming the flag or key)."""
+    if c.frame_extraction not in FRAME_EXTRACTION:
+        raise ConfigError(f"{where}: frame_extraction {c.frame_extraction!r} is not one of {FRAME_EXTRACTION}")
+    if c.frame_stride < 1 or c.frame_sample < 1:
+        raise ConfigError(f"{where}: frame_stride and frame_sample must be >= 1, got {c.frame_stride}, "
+                          f"{c.frame_sample}")
+    if (c.source_fps is not None and c.source_fps <= 0) or c.target_fps <= 0:
+        raise ConfigError(f"{where}: source_fps and target_fps must be > 0, got {c.source_fps}, {c.target_fps}")
+    if c.source_fps and c.frame_extraction == "spread":
+        raise ConfigError(f"{where}: source_fps resamples the clip for windows of consecutive frames; frame_extraction "
+                          "spread already spreads its frames over the whole clip: use head, chunk, slide or uniform")
+    return c
+
+
+def _check_keys(d: dict, allowed, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _hw(v, where: str) -> tuple[int, int]:
+    if not (isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int) for x in v)):
+        raise ConfigError(f"{where}: expected [height, width], got {v!r}")
+    if v[0] % 16 or v[1] % 16 or min(v) <= 0:
+        raise ConfigError(f"{where}: height and width must be positive multiples of 16, got {v}")
+    return (v[0], v[1])
+
+
+def _typed(d: dict, key: str, expected, default, where: str):
+    """d[key] (`default` when absent), or a ConfigError naming the key when it is not of the `expected` type (a type
+    or a tuple of them; a bool is no number)."""
+    v = d.get(key, default)
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{where}.{key}: expected {names}, got {v!r}")
+    return v
+
+
+def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
+    """An element in either form (docs/dataset.md): flat (vae_repeat, position, vae_preprocess, clip_process) or nested
+    (vae: {repeat, position, preprocess}, clip: {preprocess} or false); a key given in both forms must agree."""
+    _check_keys(d, {"name", "suffixes", "required", "vae_repeat", "position", "clip_process", "vae_preprocess",
+                    "vae", "clip"}, where)
+    for k in ("name", "suffixes"):
+        if k not in d:
+            raise ConfigError(f"{where}: missing key '{k}'")
+    suffixes = _typed(d, "suffixes", (str, list), None, where)
+    suffixes = [suffixes] if isinstance(suffixes, str) else suffixes
+    if not suffixes or not all(isinstance(x, str) for x in suffixes):
+        raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
+    vae, clip = d.get("vae", {}), d.get("clip", {})
+    _check_keys(vae, {"repeat", "position", "preprocess"}, f"{where}.vae")
+    if clip is not False:
+        _check_keys(clip, {"preprocess"}, f"{where}.clip")
+    kw = dict(name=_typed(d, "name", str, None, where), suffixes=tuple(suffixes),
+              required=_typed(d, "required", bool, False, where), clip=clip is not False,
+              repeat=_one_of(where, {"vae_repeat": d.get("vae_repeat"), "vae.repeat": vae.get("repeat")}, 1),
+              position=_one_of(where, {"position": d.get("position"), "vae.position": vae.get("position")}, i),
+              vae_preprocess=_one_of(where, {"vae_preprocess": d.get("vae_preprocess"),
+                                             "vae.preprocess": vae.get("preprocess")}, defaults[0]),
+              clip_preprocess=_one_of(where, {"clip_process": d.get("clip_process"),
+                                              "clip.preprocess": (clip or {}).get("preprocess")}, defaults[1]))
+    for k in ("repeat", "position"):
+        if not isinstance(kw[k], int) or isinstance(kw[k], bool):
+            raise ConfigError(f"{where}: {k} must be an integer, got {kw[k]!r}")
+    return Element(**kw)
+
+
+def _one_of(where: str, forms: dict, default):
+    """The value of a setting a dataset may give under two keys (a flat key and its processors form, an element's flat
+    key and its nested one): the one given, or `default`; both given and different is a ConfigError naming both."""
+    given = {k: v for k, v in forms.items() if v is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ConfigError(f"{where}: " + " and ".join(f"{k} {v!r}" for k, v in given.items())
+                          + " disagree: give one of them")
+    return next(iter(given.values()), default)
+
+
+def _visualization_from_json(vis: dict, where: str) -> VisualizationConfig:
+    _check_keys(vis, {f.name for f in fields(VisualizationConfig)}, where)
+    for key, expected in (("enabled", bool), ("output_dir", str), ("frequency", int), ("processors", list)):
+        if key in vis:
+            _typed(vis, key, expected, None, where)
+    if vis.get("frequency", 1) < 1:
+        raise ConfigError(f"{where}.frequency: every N steps, N >= 1, got {vis['frequency']}")
+    for i, proc in enumerate(vis.get("processors", [])):
+        at = f"{where}.processors[{i}]"
+        _check_keys(proc, {"type", "data", "frames", "format"}, at)
+        if proc.get("type") not in VISUALIZE_FORMATS:
+            raise ConfigError(f"{at}.type: expected one of {tuple(VISUALIZE_FORMATS)}, got {proc.get('type')!r}")
+        if proc.get("format", VISUALIZE_FORMATS[proc["type"]]) != VISUALIZE_FORMATS[proc["type"]]:
+            raise ConfigError(f"{at}.format: {proc['type']} writes {VISUALIZE_FORMATS[proc['type']]}, got "
+                              f"{proc['format']!r}")
+        unknown = [x for x in _typed(proc, "data", list, [], at) if x not in VISUALIZED]
+        if unknown:
+            raise ConfigError(f"{at}.data: {unknown} not among {VISUALIZED}")
+        if not all(isinstance(f, int) and not isinstance(f, bool) for f in _typed(proc, "frames", list, [], at)):
+            raise ConfigError(f"{at}.frames: expected a list of frame indices, got {proc['frames']!r}")
+    return VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))})
+
+
+def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
+    """One entry of a dataset file's "datasets" (or "eval") list: every key is docs/dataset.md's."""
+    _check_keys(d, {"data_root", "dataset_type", "weight", "target_resolution", "auto_frame_buckets", "frame_buckets",
+                    "reshape_mode", "remove_common_llm_caption_prefixes", "elements", "processors", "visualization",
+                    "clip_resolution", "vae_combine", "manifest", "sam", "cross_video", *EXTRACTION_KEYS}, where)
+    if "data_root" not in d:
+        raise ConfigError(f"{where}: missing key 'data_root'")
+    for key, expected in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
+                          ("elements", list), ("frame_buckets", list), ("auto_frame_buckets", bool),
+                          ("remove_common_llm_caption_prefixes", bool), ("sam", (str, type(None))),
+                          ("cross_video", bool)):
+        if key in d:
+            _typed(d, key, expected, None, where)
+    if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
+        raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
+                          f"{d['dataset_type']!r}")
+    procs = d.get("processors", {})
+    _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
+    pv, pc = procs.get("vae", {}), procs.get("clip", {})
+    _check_keys(pv, {f.name for f in fields(VaeProcessorConfig)}, f"{where}.processors.vae")
+    _check_keys(pc, {f.name for f in fields(ClipProcessorConfig)}, f"{where}.processors.clip")
+    res = _hw(_one_of(where, {"target_resolution": d.get("target_resolution"),
+                              "processors.vae.resolution": pv.get("resolution")}, [480, 832]),
+              f"{where}.target_resolution")
+    combine = _one_of(where, {"vae_combine": d.get("vae_combine"), "processors.vae.combine": pv.get("combine")},
+                      ConditioningConfig.combine)
+    vae = check_conditioning(VaeProcessorConfig(
+        resolution=res, default_preprocess=pv.get("default_preprocess", "resize"),
+        **{f.name: pv[f.name] for f in fields(ConditioningConfig) if f.name in pv and f.name != "combine"},
+        combine=combine),
+        f"{where}.processors.vae")
+    clip = ClipProcessorConfig(
+        resolution=_hw(_one_of(where, {"clip_resolution": d.get("clip_resolution"),
+                                       "processors.clip.resolution": pc.get("resolution")}, [512, 512]),
+                       f"{where}.processors.clip.resolution"),
+        default_preprocess=pc.get("default_preprocess", "pad_white"))
+    for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
+        if m not in PREPROCESS_MODES:
+            raise ConfigError(f"{where}.processors.{k}.default_preprocess: {m!r} is not one of {PREPROCESS_MODES}")
+    if d.get("reshape_mode", "center_crop") not in PREPROCESS_MODES + ("bicubic", "bilinear"):
+        raise ConfigError(f"{where}.reshape_mode: {d['reshape_mode']!r} is not one of {PREPROCESS_MODES}")
+    defaults = (vae.default_preprocess, clip.default_preprocess)
+    raw = d.get("elements", [])
+    elements = check_elements([_element_from_json(e, i, defaults, f"{where}.elements[{i}]") for i, e in enumerate(raw)],
+                              f"{where}.elements")
+    if vae.reference_layout != "channel" and not elements:  # every element layout but A2's default needs them
+        raise ConfigError(f"{where}.processors.vae.reference_layout: {vae.reference_layout} places element "
+                          f"references, but {where} lists no elements")
+    buckets = tuple(d.get("frame_buckets", ()))
+    if any((not isinstance(f, int)) or f < 1 or (f - 1) % 4 for f in buckets):
+        raise ConfigError(f"{where}.frame_buckets: every bucket must be 4k+1, got {list(buckets)}")
+    # auto_frame_buckets also buckets by aspect: a list of frame buckets does not switch that on behind the user
+    if buckets and not d.get("auto_frame_buckets", False):
+        raise ConfigError(f"{where}.frame_buckets: the buckets of auto_frame_buckets (frame and aspect buckets), "
+                          "which is off: add \"auto_frame_buckets\": true, or drop frame_buckets")
+    root = Path(d["data_root"])
+    # "bicubic"/"bilinear" name a filter, not a framing: a plain resize
+    reshape = d.get("reshape_mode", "center_crop")
+    cfg = DatasetConfig(
+        data_root=str(root if root.is_absolute() else base / root), dataset_type=d.get("dataset_type", "e2v"),
+        weight=float(d.get("weight", 1.0)), target_resolution=res,
+        auto_frame_buckets=d.get("auto_frame_buckets", False), frame_buckets=buckets,
+        reshape_mode="resize" if reshape in ("bicubic", "bilinear") else reshape,
+        remove_common_llm_caption_prefixes=d.get("remove_common_llm_caption_prefixes", True),
+        elements=elements, vae=vae, clip=clip,
+        visualization=_visualization_from_json(d.get("visualization", {}), f"{where}.visualization"),
+        manifest=d.get("manifest"), source=where, sam=d.get("sam"), cross_video=d.get("cross_video", False),
+        **{k: d[k] for k in EXTRACTION_KEYS if k in d})
+    return check_extraction(cfg, where)
+
+
+def load_dataset_config(path) -> list[DatasetConfig]:
+    """A JSON dataset config (docs/dataset.md): {"datasets": [{...}, ...]}, and optionally "eval": [{...}, ...],
+    held-out datasets in the same format (never trained on; scored by the eval loss)."""
+    path = Path(path)
+    try:
+        raw = json.loads(read_text(path))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: dataset config not found") from e
+    except (json.JSONDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    _check_keys(raw, {"datasets", "eval"}, str(path))
+    if not raw.get("datasets") or not isinstance(raw["datasets"], list):
+        raise ConfigError(f"{path}: 'datasets' must be a non-empty list")
+    if not isinstance(raw.get("eval", []), list):
+        raise ConfigError(f"{path}: 'eval' must be a list of datasets")
+    cfgs = [_dataset_from_json(d, f"{path}: datasets[{i}]", path.parent) for i, d in enumerate(raw["datasets"])]
+    cfgs += [replace(_dataset_from_json(d, f"{path}: eval[{i}]", path.parent), eval=True)
+             for i, d in enumerate(raw.get("eval", []))]
+    for c in cfgs[1:]:  # one run builds every sample's condition the same way
+        if c.vae != cfgs[0].vae:
+            raise ConfigError(f"{c.source}.processors.vae: differs from datasets[0]'s; all datasets of one run must "
+                              "share processors.vae (resolution, combine, frame conditioning)")
+    return cfgs
+
+
+help_from_docstrings(globals())
