@@ -294,8 +294,9 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
     kept = outside + blocks + context
     if (pc if c else p) == "lora" and not (kc if c else k) and not compile:  # an eager first block keeps no fp32
         kept -= 4.0 * L * d  # copy of its input
-    last_hint = hint if n - 1 in hinted else 0.0  # a hint alive at the last block's forward, its gradient at its
-    head = (4.0 if lora else 10.0) * L * d + 4.0 * s.whole * OUT_CHANNELS  # backward's start
+    # VACE: a hint alive at the last block's forward where it hints it, its gradient at the backward's start
+    last_hint = hint if n - 1 in hinted else 0.0
+    head = (4.0 if lora else 10.0) * L * d + 4.0 * s.whole * OUT_CHANNELS
     a, b = FORWARD[pb][k == n]
     forward = L * (a * d + b * f) + (s.whole * d if s.whole > L else 0.0) + last_hint  # (context parallel: what its
     unsplit = s.whole * (UNSPLIT_D * d + 8.0 * e) if s.whole > L else 0.0  # exchange holds)
@@ -316,9 +317,9 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
                   transient=L * (a * d + b * f) + (c - 1) * hint + CONTEXT_INPUT * L)
         phases["forward"] = max(phases["forward"], at, key=lambda v: sum(v.values()))
     if k:  # at the last recomputed block's backward, or at the first's with the gradients of all the others
-        last = 1 if pb == "frozen" else 0  # (a frozen first block has no backward)
-        first = (state + 4.0 * T * (n - k) / n, (min(2, k) if offload else k - last) * rec, k - 1)
-        last = (state + 4.0 * T * (n - 1) / n, min(2 if offload else 1, k) * rec, last)
+        skip = 1 if pb == "frozen" else 0  # (a frozen first block has no backward, nothing kept)
+        first = (state + 4.0 * T * (n - k) / n, (min(2, k) if offload else k - skip) * rec, k - 1)
+        last = (state + 4.0 * T * (n - 1) / n, min(2 if offload else 1, k) * rec, skip)
         grads, held, i = max(first, last, key=lambda v: v[0] + v[1] + hint * sum(j >= v[2] for j in hinted))
         phases["recompute"] = dict(state=grads + amp / n, kept=outside + held + context,
                                    transient=recompute_transient(config, s, pb, save_attention, compile)
@@ -336,7 +337,7 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
                           + (kc - 1 - (kc == c)) * hint)
         phases["context"] = dict(max(last, recomputed if kc else last, key=lambda v: sum(v.values())),
                                  weights=weights + m.fsdp_block)
-    return {p: dict(dict(weights=weights, swapped=swapped), **c) for p, c in phases.items()}
+    return {p: dict(dict(weights=weights, swapped=swapped), **cats) for p, cats in phases.items()}
 
 
 def step_estimate(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,

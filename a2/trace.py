@@ -31,7 +31,8 @@ state (trainable weights, their gradients, the optimizer's moments), kept (what 
 made in the forward and alive when it ends, or brought back from host memory), transient (the rest: a block's
 working tensors, the recomputation and the gradients flowing back), swapped (swapped blocks' weights fetched from
 host memory). The peak is kept per phase (forward, backward through the head and the blocks not recomputed,
-recompute: the recomputed blocks' backward, step) and at the forward's end, the phases of a2/memory.py's rule.
+recompute: the recomputed blocks' backward, context: VACE's context blocks' backward, step) and at the forward's end,
+the phases of a2/memory.py's rule.
 
 FSDP2 runs as on a GPU of N ranks in this one process, on torch's fake process group (collectives make tensors of
 their shapes, nothing is sent): a DTensor counts as its local shard, what FSDP gathers is of category weights, and
