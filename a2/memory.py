@@ -268,13 +268,15 @@ def pinned_bytes(config: dict, tokens: int, save_attention: bool) -> float:
 
 
 def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,
-                offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
-                compile: bool = False) -> dict[str, dict[str, float]]:
-    """The step's GPU bytes at each phase's peak, by category (module docstring): {phase: {category: bytes}}."""
+                offload: bool = False, fp8: bool = False, swap_blocks: int = 0, compile: bool = False,
+                context_checkpointed: int | None = None) -> dict[str, dict[str, float]]:
+    """The step's GPU bytes at each phase's peak, by category (module docstring): {phase: {category: bytes}}.
+    context_checkpointed: VACE's recomputed context blocks (None: as configure_blocks rounds checkpointed / n)."""
     d, f, _, e = _dims(config)
     n, k, L, T = config["num_layers"], checkpointed, s.tokens, m.trainable
     hinted = config.get("vace_layers") or ()  # VACE: the blocks its c context blocks hint, kc of them recomputed
-    c, kc = len(hinted), round(k / n * len(hinted))  # (as configure_blocks rounds the same fraction)
+    c = len(hinted)
+    kc = round(k / n * c) if context_checkpointed is None else context_checkpointed
     lora, p = m.lora, m.precision
     pb, pc = m.precisions
     per_block = m.block_fp8 if fp8 else m.block

@@ -568,7 +568,7 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
         trace_steps(tracer, model, forward, cfg)
     config_cut = cut_config(whole, cut)
     save = traced.save_attention
-    rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c)
+    rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c, kc)
             for c in {False, run.compile}}
     compiled = (compiled_peak(tracer, config_cut, shape, m.precisions, save, kc == len(config_cut.get("vace_layers")
                                                                                       or ())) / GB
