@@ -12,7 +12,9 @@ FLOPs (forward, per sample), with L video tokens, Lc = 512 text + 257·refs imag
 n layers:
     per layer: self-attn projections 8·L·d² + core 4·L²·d; cross-attn q/o 4·L·d² + text/image k/v 4·Lc·d²
                + core 4·L·Lc·d; FFN 4·L·d·f          (a multiply-add = 2 FLOPs)
-    + patch embedding 2·L·(4·in)·d + output 2·L·d·64.
+    + patch embedding 2·L·(4·in)·d + output 2·L·d·64;
+    VACE (--layout vace): its c context blocks are layers too, + their hints' projections (c + 1)·2·L·d² and the
+    context's patch embedding 2·L·(4·96)·d.
 A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (recomputation not counted):
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
@@ -52,12 +54,12 @@ import torch
 
 from a2 import align
 from a2.cli import ConfigError, run_cli
-from a2.conditioning import plan
+from a2.conditioning import lora_target, plan
 from a2.dataset_config import CONDITIONING_CHOICES, VaeProcessorConfig
 from a2.elements import Element
 from a2.kinds import KIND_DEFS, kind_sampling
 from a2.lora import make_trainable
-from a2.memory import apply_plan, context_tokens, memory_plan, step_shape, use_expandable_segments
+from a2.memory import apply_plan, context_tokens, cut_config, memory_plan, step_shape, use_expandable_segments
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from a2.transformer import (
@@ -68,7 +70,7 @@ from a2.transformer import (
     preset_config,
     random_transformer,
 )
-from config import BenchConfig, MemoryConfig, TrainConfig, resolve_compile, with_recipe
+from config import LORA_TARGETS, BenchConfig, MemoryConfig, TrainConfig, resolve_compile, with_recipe
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -87,9 +89,12 @@ def vae_scale(cfg: dict) -> int:
 def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
     """(linear FLOPs, attention-core FLOPs) of one forward pass for one sample (see the module docstring)."""
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
-    f, n, L, Lc = cfg["ffn_dim"], cfg["num_layers"], tokens, context
+    c = len(cfg.get("vace_layers") or ())  # VACE's context blocks: blocks, each with its hint's projection
+    f, n, L, Lc = cfg["ffn_dim"], cfg["num_layers"] + c, tokens, context
     linear = n * (8 * L * d * d + 4 * L * d * d + 4 * Lc * d * d + 4 * L * d * f)
     linear += 2 * L * (4 * cfg["in_channels"]) * d + 2 * L * d * 4 * cfg["out_channels"]
+    if c:  # the hints' projections, the first block's of its input, the context's patch embedding
+        linear += (c + 1) * 2 * L * d * d + 2 * L * (4 * cfg["vace_in_channels"]) * d
     core = n * (4 * L * L * d + 4 * L * Lc * d)
     return float(linear), float(core)
 
@@ -227,11 +232,12 @@ def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True,
     runs. layers: the model cut to this many blocks, planned as the whole (a2/memory.py cut_plan: the rule is per
     block; a quick check). trace False: the plan alone."""
     run, train_cfg, cfg = bench_run(b)
-    cut = {**cfg, "num_layers": layers or cfg["num_layers"]}
+    cut = cut_config(cfg, layers or cfg["num_layers"])
 
     def build(run):
         model = random_transformer(cut, torch.float32 if b.mode == "full" else torch.bfloat16, "cpu")
-        make_trainable(model, run.layout, b.mode, b.lora_rank, b.lora_rank)
+        make_trainable(model, run.layout, b.mode, b.lora_rank, b.lora_rank,
+                       target=lora_target(run.layout, LORA_TARGETS))  # (VACE: its context blocks, as train_a2.py)
         if train_cfg.align_loss:  # the projectors (the target model runs beside the step, not in the trace)
             align.install(model, b.align_dim, [i for i in b.align_blocks if i < cut["num_layers"]])
         return model.train()
@@ -309,7 +315,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
                + ("" if d.reference_tokens else ", none of them tokens of the sequence")
                + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
     try:
-        cfg = preset_config(b.preset, e2v=d.axis == "channel")
+        cfg = preset_config(b.preset, e2v=d.axis == "channel", vace=d.axis == "context")
     except ValueError as e:
         raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
@@ -375,7 +381,7 @@ def main(b: BenchConfig) -> dict:
     model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
     if b.memory.attention_backend:
         model.set_attention_backend(b.memory.attention_backend)
-    make_trainable(model, layout, b.mode, b.lora_rank, b.lora_rank)
+    make_trainable(model, layout, b.mode, b.lora_rank, b.lora_rank, target=lora_target(layout, LORA_TARGETS))
     h, w = b.size
     tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
     packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
@@ -442,7 +448,8 @@ def main(b: BenchConfig) -> dict:
     # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
     # with save_attention); HFU = hardware FLOP utilisation
     recomputed = round(fraction * cfg["num_layers"]) / cfg["num_layers"]
-    self_core = cfg["num_layers"] * 4 * tokens * tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    layers = cfg["num_layers"] + len(cfg.get("vace_layers") or ())  # (VACE's context blocks recomputed alike)
+    self_core = layers * 4 * tokens * tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"]
     hardware_flops = model_flops + b.batch * recomputed * (linear + core - (self_core if save else 0))
     tflops = model_flops / dt / 1e12
     peak = b.peak_tflops

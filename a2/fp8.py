@@ -1,7 +1,7 @@
 """fp8 frozen base weights for LoRA runs: half the bytes of bf16 for every frozen linear of the blocks.
 
-Each frozen nn.Linear weight inside `transformer.blocks` (peft's `base_layer` under a LoRA, and the linears peft did
-not wrap) is stored as float8 e4m3 with one fp32 scale per output channel:
+Each frozen nn.Linear weight inside `transformer.blocks` and VACE's context blocks `vace_blocks` (peft's `base_layer`
+under a LoRA, and the linears peft did not wrap) is stored as float8 e4m3 with one fp32 scale per output channel:
     scale_o = max_i |W_oi| / 448        (448: e4m3's largest finite value; an all-zero row gets scale 1)
     Q_oi    = round_e4m3(W_oi / scale_o)
 and the forward computes in the compute dtype (bf16 under CUDA autocast, else the input's: fp32 on the CPU) with
@@ -118,10 +118,12 @@ class Fp8Linear(nn.Linear):
 
 
 def base_linears(transformer: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the base linears of the blocks, those fp8 applies to: peft's base_layer and the linears
-    peft did not wrap; not the LoRA matrices (peft's lora_A/lora_B dicts) and nothing outside the blocks
-    (embeddings, head). By name, not requires_grad, so that a plan can count them on a model not yet frozen."""
-    return [(f"blocks.{name}", m) for name, m in transformer.blocks.named_modules()
+    """(name, module) of the base linears of the blocks (and VACE's context blocks), those fp8 applies to: peft's
+    base_layer and the linears peft did not wrap; not the LoRA matrices (peft's lora_A/lora_B dicts) and nothing
+    outside the blocks (embeddings, head). By name, not requires_grad, so that a plan can count them on a model not
+    yet frozen."""
+    return [(f"{group}.{name}", m) for group in ("blocks", "vace_blocks") if hasattr(transformer, group)
+            for name, m in getattr(transformer, group).named_modules()
             if isinstance(m, nn.Linear) and not any(part.startswith("lora_") for part in name.split("."))]
 
 

@@ -1,9 +1,9 @@
 """GPU memory of a training step on one rank: the estimate of its peak, and the `--memory auto` rule built on it.
 
-The step's memory falls into the categories a dry run's trace counts (a2/trace.py), in five phases; the peak is the
-largest phase (`step_memory`). With n blocks of which the first k are recomputed, L tokens on this rank (Lf in the
-whole sequence: context parallel splits it), model dim d, FFN dim f, h heads of width e, Lc cross-attention keys
-(512 text + 257 per CLIP image), T trainable weights on this rank (fp32):
+The step's memory falls into the categories a dry run's trace counts (a2/trace.py), in five phases (six with VACE's
+context blocks); the peak is the largest phase (`step_memory`). With n blocks of which the first k are recomputed,
+L tokens on this rank (Lf in the whole sequence: context parallel splits it), model dim d, FFN dim f, h heads of
+width e, Lc cross-attention keys (512 text + 257 per CLIP image), T trainable weights on this rank (fp32):
     weights    frozen weights on the GPU: those outside the blocks and what else is allocated (encoders), and each
                block's: all n in their dtype, or with `fp8` their linear weights as float8 + one fp32 scale per row
                (a2/fp8.py), or with `swap_blocks` s, n - s resident (a2/offload.py); under FSDP a rank's shards and
@@ -30,6 +30,17 @@ The phases: forward (at the last block; under context parallel also the first), 
 head and the blocks not recomputed: everything kept is still there), recompute (the recomputed blocks' backward, the
 blocks not recomputed freed, at its first block or at its last where full fine-tuning's gradients outgrow what the
 blocks keep), step (the optimizer's, with every gradient).
+VACE (a2/vace.py) adds c context blocks, each a block (+ its hint's projection) run before the blocks on the same L
+tokens, the first kc = round(k/n·c) recomputed as configure_blocks recomputes them; what they add:
+    weights    c context blocks' frozen weights (fp8 as the blocks')
+    kept       per context block what a block of its precision keeps (recomputed: its input; also the context's
+               embedding, 2·L·d, which they all read); its blocks, where its LoRA is on the context blocks alone, keep
+               as frozen blocks ("frozen": no weight gradient, no LoRA input), the first of them nothing
+    transient  a hint (2·L·d) alive at the last block's forward where it hints it, its gradient at the backward's start
+               there; in the recompute phase the gradients of the hints of the blocks behind it (2·L·d each)
+and two phases: forward at the last context block (their keep, the c - 1 hints made before it, the context's input
+and its embedding's casts: CONTEXT_INPUT·L) and "context", the context blocks' backward after the blocks' (what they
+keep and the hints' gradients: at the last context block, or at the last recomputed one with its recomputation).
 
 What a block keeps and holds depends on eager or compiled execution, and on how the trained weights compute
 (ModelBytes.precision: peft's LoRA in fp32, a LoRA under FSDP in bf16, full fine-tuning). Eager, the per-token
@@ -54,7 +65,8 @@ The rule (`plan_memory`) walks a ladder of plans, cheapest first, and takes the 
   5. LoRA: fp8 and the fewest swapped blocks that fit (`swap_blocks`): their weights are fetched from host
      memory before each use in forward and backward, overlapped with compute. Exact relative to rung 4. (Rungs 4-5
      again without saved attention when the host cannot hold the attention outputs.)
-  Under FSDP only rungs 1 and 3 without offload (offload, fp8 and swap are not combined with sharding).
+  Under FSDP only rungs 1 and 3 without offload (offload, fp8 and swap are not combined with sharding); on VACE
+  rungs 1, 3 and 4 without offload or swap (their hooks do not reach its context blocks: check_context_blocks).
   fp8 comes before swapping because it costs no transfer and makes each swapped block half the bytes; a user
   who wants bf16 weights with swapping sets the flags with `--memory manual`. If nothing fits: "DOES NOT FIT",
   before the first step (the estimate, the budget, what to change). The budget is the free GPU memory (or
@@ -81,15 +93,22 @@ from config import MemoryConfig
 GB = 2**30  # a GiB: every figure the rule and the dry run print
 COMPILED_D, COMPILED_F = 24.0, 4.0  # a compiled block not recomputed keeps L·(24d + 4f) bytes (H100, bench.py)
 # eager, per token per model dim and per FFN dim (fitted to dry-run traces, module docstring):
-# by how the trained weights compute (ModelBytes.precision): "lora" peft's LoRA in fp32, "lora bf16" the same under
-# FSDP (its weights gathered in bf16; fitted on A2-14B alone, what is not fitted taken as full fine-tuning's), "full"
-FULL_BLOCK = {"lora": (50.0, 4.08), "lora bf16": (47.2, 4.0), "full": (60.0, 4.0)}  # what a block not recomputed keeps
-RECOMPUTE = {"lora": (63.9, 10.08), "lora bf16": (63.7, 4.0), "full": (72.2, 4.0)}  # a recomputed block's backward
+# by how the trained weights compute (ModelBytes.precisions): "lora" peft's LoRA in fp32, "lora bf16" the same under
+# FSDP (its weights gathered in bf16; fitted on A2-14B alone, what is not fitted taken as full fine-tuning's), "full",
+# "frozen" blocks that train nothing (VACE's blocks under a LoRA of its context blocks: no weight gradient, no LoRA
+# input; fitted on Wan2.1-VACE 1.3B and 14B, LoRA, 3 references, 81x480x832)
+FULL_BLOCK = {"lora": (50.0, 4.08), "lora bf16": (47.2, 4.0), "full": (60.0, 4.0),  # what a block not recomputed
+              "frozen": (36.0, 2.0)}  # keeps
+RECOMPUTE = {"lora": (63.9, 10.08), "lora bf16": (63.7, 4.0), "full": (72.2, 4.0),  # a recomputed block's backward
+             "frozen": (49.3, 3.7)}
 FORWARD = {"lora": ((13.5, 6.4), (7.5, 8.4)), "lora bf16": ((19.6, 0.3), (11.5, 3.3)),  # the forward's working set at
-           "full": ((19.6, 0.3), (11.5, 3.3))}  # the last block (not recomputed, recomputed)
-BACKWARD = {"lora": (0.0, 3.95), "lora bf16": (9.9, 0.0), "full": (9.9, 0.0)}  # through a block not recomputed
+           "full": ((19.6, 0.3), (11.5, 3.3)), "frozen": ((24.6, 1.0), (16.3, 3.36))}  # the last block (not
+# recomputed, recomputed)
+BACKWARD = {"lora": (0.0, 3.95), "lora bf16": (9.9, 0.0), "full": (9.9, 0.0),  # through a block not recomputed
+            "frozen": (-2.0, 4.0)}  # (frozen: less the head's input, freed by then)
 CLIP_D = 4.3  # eager, per token per model dim, with CLIP tokens: the image cross-attention's output and its LoRA
 CONTEXT_D = 12.0  # per context key per model dim, each block not recomputed and recomputed: cross-attention's K/V
+CONTEXT_INPUT = 4130.0  # VACE, per token: its 96-channel context and the casts of its patch embedding (eager)
 UNSPLIT_D = 2.6  # per token of the whole sequence per model dim: what context parallel holds before the split
 MARGIN = 0.08  # of the budget, for fragmentation and workspaces (with expandable segments)
 MARGIN_GB = 1.0
@@ -97,7 +116,7 @@ SLACK = 0.01  # of the budget, that the rule leaves for its own error against th
 HOST_MARGIN = 0.8  # of the host's available memory that pinned buffers may take
 OUT_CHANNELS = 64  # the output projection's width per token (16 latent channels x a 1x2x2 patch), fp32 gathered
 CATEGORIES = ("weights", "state", "kept", "transient", "swapped")
-PHASES = ("forward", "forward end", "backward", "recompute", "step")
+PHASES = ("forward", "forward end", "backward", "recompute", "context", "step")
 
 
 def use_expandable_segments() -> None:
@@ -120,6 +139,10 @@ class ModelBytes:
     lora: bool = True  # frozen base weights: fp8 and block swapping are allowed
     fsdp_block: float = 0.0  # one block's weights gathered in the compute dtype under FSDP, else 0
     fsdp_root: float = 0.0  # the weights outside the blocks gathered under FSDP (through the forward), else 0
+    context_block: float = 0.0  # VACE: one context block's frozen weights in their dtypes (the mean), else 0
+    context_block_fp8: float = 0.0  # the same with its frozen linear weights in float8 + fp32 row scales
+    base_frozen: bool = False  # the blocks train nothing (VACE's LoRA on its context blocks): they compute "frozen"
+    context_frozen: bool = False  # VACE's context blocks train nothing (its LoRA on the blocks)
 
     @property
     def frozen_blocks(self) -> bool:
@@ -131,6 +154,12 @@ class ModelBytes:
         LoRA input cast to fp32 and kept); "lora bf16", under FSDP, its weights gathered in the compute dtype; or
         "full"."""
         return "full" if not self.lora else "lora bf16" if self.fsdp_block else "lora"
+
+    @property
+    def precisions(self) -> tuple[str, str]:
+        """How the blocks and VACE's context blocks compute: `precision`, or "frozen" where they train nothing (no
+        weight gradient, no LoRA input kept)."""
+        return tuple("frozen" if frozen else self.precision for frozen in (self.base_frozen, self.context_frozen))
 
 
 @dataclass(frozen=True)
@@ -240,46 +269,78 @@ def pinned_bytes(config: dict, tokens: int, save_attention: bool) -> float:
 
 
 def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,
-                offload: bool = False, fp8: bool = False, swap_blocks: int = 0,
-                compile: bool = False) -> dict[str, dict[str, float]]:
-    """The step's GPU bytes at each phase's peak, by category (module docstring): {phase: {category: bytes}}."""
+                offload: bool = False, fp8: bool = False, swap_blocks: int = 0, compile: bool = False,
+                context_checkpointed: int | None = None) -> dict[str, dict[str, float]]:
+    """The step's GPU bytes at each phase's peak, by category (module docstring): {phase: {category: bytes}}.
+    context_checkpointed: VACE's recomputed context blocks (None: as configure_blocks rounds checkpointed / n)."""
     d, f, _, e = _dims(config)
     n, k, L, T = config["num_layers"], checkpointed, s.tokens, m.trainable
+    hinted = config.get("vace_layers") or ()  # VACE: the blocks its c context blocks hint, kc of them recomputed
+    c = len(hinted)
+    kc = round(k / n * c) if context_checkpointed is None else context_checkpointed
     lora, p = m.lora, m.precision
+    pb, pc = m.precisions
     per_block = m.block_fp8 if fp8 else m.block
-    weights = m.fixed + (n - swap_blocks) * per_block
+    weights = m.fixed + (n - swap_blocks) * per_block + c * (m.context_block_fp8 if fp8 else m.context_block)
     swapped = min(2, swap_blocks) * per_block
     amp = 0.0 if m.fsdp_block else 2.0 * T  # autocast's bf16 copies of the trainable weights
     state = (12.0 + 4.0 * m.ema) * T
     rec = recomputed_keep(config, L, save_attention)
+    hint = 2.0 * L * d  # VACE: a hint, its gradient, a context block's input (bf16)
     outside = 8.0 * L * e + (2.0 if lora else 8.0) * s.context * d
-    kept = outside + (min(2, k) if offload else k) * rec + (n - k) * full_keep(config, s, p, compile)
-    if p == "lora" and not k and not compile:  # an eager first block keeps no fp32 copy of its input
-        kept -= 4.0 * L * d
+    blocks = (min(2, k) if offload else k) * rec + (n - k) * full_keep(config, s, pb, compile)
+    if pb == "frozen":  # the first block's input needs no gradient: it keeps nothing
+        blocks -= rec if k else full_keep(config, s, pb, compile)
+    context = 0.0  # what the context blocks keep: the context's embedding and each block's (a frozen one nothing)
+    if c and pc != "frozen":
+        context = (hint if kc else 0.0) + kc * rec + (c - kc) * full_keep(config, s, pc, compile)
+    kept = outside + blocks + context
+    if (pc if c else p) == "lora" and not (kc if c else k) and not compile:  # an eager first block keeps no fp32
+        kept -= 4.0 * L * d  # copy of its input
+    # VACE: a hint alive at the last block's forward where it hints it, its gradient at the backward's start
+    last_hint = hint if n - 1 in hinted else 0.0
     head = (4.0 if lora else 10.0) * L * d + 4.0 * s.whole * OUT_CHANNELS
-    a, b = FORWARD[p][k == n]
-    forward = L * (a * d + b * f) + (s.whole * d if s.whole > L else 0.0)  # (context parallel: what its exchange holds)
-    unsplit = s.whole * (UNSPLIT_D * d + 8.0 * e) if s.whole > L else 0.0
-    a, b = BACKWARD[p]
+    a, b = FORWARD[pb][k == n]
+    forward = L * (a * d + b * f) + (s.whole * d if s.whole > L else 0.0) + last_hint  # (context parallel: what its
+    unsplit = s.whole * (UNSPLIT_D * d + 8.0 * e) if s.whole > L else 0.0  # exchange holds)
+    a, b = BACKWARD[pb]
     gathered = weights + m.fsdp_block + ((m.fsdp_root + m.fsdp_block) if lora else 0.0)  # (FSDP, frozen
     phases = {  # weights: more gathers in the forward)
         "forward": dict(state=state + amp, kept=kept, transient=forward, weights=gathered),
         # autocast's cache is cleared as the forward returns; the copies the blocks not recomputed saved remain
         "forward end": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=0.0),
-        "backward": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=L * (a * d + b * f),
+        "backward": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=L * (a * d + b * f) + last_hint,
                          weights=weights + m.fsdp_block),
         "step": dict(state=state + 4.0 * T, kept=0.0, transient=0.0)}
     if unsplit > kept - outside:  # at the first block, the whole sequence not yet split, rather than the last
         phases["forward"] = dict(phases["forward"], kept=outside, transient=forward + unsplit)
+    if c and pc != "frozen":  # at the last context block's forward: every hint made so far alive, and its input
+        a, b = FORWARD[pc][kc == c]
+        at = dict(phases["forward"], kept=outside + context,
+                  transient=L * (a * d + b * f) + (c - 1) * hint + CONTEXT_INPUT * L)
+        phases["forward"] = max(phases["forward"], at, key=lambda v: sum(v.values()))
     if k:  # at the last recomputed block's backward, or at the first's with the gradients of all the others
-        first = (state + 4.0 * T * (n - k) / n, (min(2, k) if offload else k) * rec)
-        last = (state + 4.0 * T * (n - 1) / n, min(2 if offload else 1, k) * rec)
-        grads, held = max(first, last, key=sum)
-        phases["recompute"] = dict(state=grads + amp / n, kept=outside + held,  # + the recomputation's autocast copies
-                                   transient=recompute_transient(config, s, p, save_attention, compile)
+        skip = 1 if pb == "frozen" else 0  # (a frozen first block has no backward, nothing kept)
+        first = (state + 4.0 * T * (n - k) / n, (min(2, k) if offload else k - skip) * rec, k - 1)
+        last = (state + 4.0 * T * (n - 1) / n, min(2 if offload else 1, k) * rec, skip)
+        grads, held, i = max(first, last, key=lambda v: v[0] + v[1] + hint * sum(j >= v[2] for j in hinted))
+        phases["recompute"] = dict(state=grads + amp / n, kept=outside + held + context,
+                                   transient=recompute_transient(config, s, pb, save_attention, compile)
+                                   + hint * sum(j >= i for j in hinted)  # VACE: the gradients of the hints after
                                    + (0.0 if lora else 2 * m.fsdp_block),  # FSDP: fp32 gradients reduce-scattered
                                    weights=weights + m.fsdp_block)
-    return {p: dict(dict(weights=weights, swapped=swapped), **c) for p, c in phases.items()}
+    if c and pc != "frozen":  # VACE: the context blocks' backward, the blocks' done: at the last one (everything
+        # they keep there) or the last recomputed one (its recomputation), with the hints' gradients not yet used and
+        # the gradient of the next one's input (none after the last)
+        a, b = BACKWARD[pc]
+        grads = state + 4.0 * T * (0.0 if pb == "frozen" else n / (n + c))
+        last = dict(state=grads + amp, kept=outside + context, transient=L * (a * d + b * f) + (c - 2) * hint)
+        recomputed = dict(state=grads + amp / n, kept=outside + (hint + kc * rec if kc else 0.0),
+                          transient=recompute_transient(config, s, pc, save_attention, compile)
+                          + (kc - 1 - (kc == c)) * hint)
+        phases["context"] = dict(max(last, recomputed if kc else last, key=lambda v: sum(v.values())),
+                                 weights=weights + m.fsdp_block)
+    return {p: dict(dict(weights=weights, swapped=swapped), **cats) for p, cats in phases.items()}
 
 
 def step_estimate(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, save_attention: bool,
@@ -293,19 +354,20 @@ def step_estimate(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, 
     return max(sum(c.values()) for c in phases.values()), host
 
 
-def ladder(n: int, lora: bool, offload: bool = True):
+def ladder(n: int, lora: bool, offload: bool = True, fp8: bool = True):
     """The plans of the rule, cheapest first: (checkpointed, save_attention, offload, fp8, swap_blocks). offload:
-    activation offload, fp8 and swapping may be used (not under FSDP). The plans without saved attention come after
-    those with it: they cost an attention core more per block, but take half the host memory offloaded."""
+    activation offload and block swapping may be used (not under FSDP, nor on VACE: their hooks are on the blocks
+    alone); fp8: fp8 frozen weights may be (not under FSDP). The plans without saved attention come after those with
+    it: they cost an attention core more per block, but take half the host memory offloaded."""
     yield from ((k, True, False, False, 0) for k in range(n + 1))
     if offload:
         yield n, True, True, False, 0
     yield n, False, False, False, 0
     if offload:
         yield n, False, True, False, 0
-    if lora and offload:
+    if lora and fp8:
         for save in (True, False):
-            yield from ((n, save, True, True, s) for s in range(n + 1))
+            yield from ((n, save, offload, True, s) for s in range(n + 1 if offload else 1))
 
 
 def plan_memory(config: dict, s: StepShape, budget: float, m: ModelBytes, host_budget: float = float("inf"),
@@ -317,7 +379,9 @@ def plan_memory(config: dict, s: StepShape, budget: float, m: ModelBytes, host_b
     usable = budget * (1 - MARGIN - SLACK) - MARGIN_GB * GB
     host_usable = host_budget * HOST_MARGIN
     lean = None  # the plan with the smallest estimate, said when none fits
-    for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks, offload=not m.fsdp_block):
+    vace = bool(config.get("vace_layers"))
+    for k, save, off, f8, swap in ladder(n, m.lora and m.frozen_blocks, not m.fsdp_block and not vace,
+                                         not m.fsdp_block):
         off, f8, swap = off or offload, f8 or fp8, max(swap, swap_blocks)
         k = n if off else k  # offload applies to recomputed blocks
         gpu, host = step_estimate(config, s, m, k, save, off, f8, swap, compile)
@@ -359,18 +423,27 @@ def cut_plan(plan: MemoryPlan, n: int, layers: int) -> MemoryPlan:
     return replace(plan, swap_blocks=swap)
 
 
+def cut_config(config: dict, layers: int) -> dict:
+    """A transformer config cut to its first `layers` blocks (a dry run's model, traced per block): VACE's context
+    blocks those that hint one of them."""
+    cut = dict(config, num_layers=layers)
+    if "vace_layers" in config:
+        cut["vace_layers"] = [i for i in config["vace_layers"] if i < layers]
+    return cut
+
+
 def fp8_bytes(weight) -> float:
     """Bytes of a frozen linear weight stored as float8 with one fp32 scale per output row (a2/fp8.py)."""
     return weight.numel() + 4.0 * weight.shape[0]
 
 
-def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int | None = None,
+def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict | None = None,
                 ema: bool = False, compute_dtype: torch.dtype = torch.bfloat16) -> ModelBytes:
     """ModelBytes of a transformer, wherever it is now (host or GPU, sharded or not: a rank's shards of FSDP2's
-    DTensors). other: bytes allocated on the GPU besides the transformer (encoders); layers: the bytes of the same
-    model with this many blocks, each like the mean of its own (a dry run's model cut to a few blocks, planned as
-    the whole); ema: --ema-decay keeps a copy of the trainable weights (a2/ema.py); compute_dtype: what FSDP gathers
-    each block in."""
+    DTensors). other: bytes allocated on the GPU besides the transformer (encoders); whole: the config of the same
+    model uncut, whose blocks (and VACE's context blocks) are each like the mean of the model's own (a dry run's model
+    cut to a few blocks, planned as the whole: cut_config); ema: --ema-decay keeps a copy of the trainable weights
+    (a2/ema.py); compute_dtype: what FSDP gathers each block in."""
     def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
         return p.to_local() if hasattr(p, "to_local") else p
 
@@ -378,26 +451,34 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, layers: int |
         t = local(t)
         return t.numel() * t.element_size()
 
-    n = len(model.blocks)
-    scale = (layers or n) / n  # of what is in the blocks
-    in_blocks = {id(t) for b in model.blocks for t in [*b.parameters(), *b.buffers()]}
+    def frozen_bytes(blocks):  # (the mean block's frozen bytes, the same in fp8)
+        block = block_fp8 = 0.0
+        for b in blocks:
+            frozen = {id(t): t for t in [*b.parameters(), *b.buffers()] if not t.requires_grad}
+            block += sum(nbytes(t) for t in frozen.values())
+            linear = {id(mod.weight): mod.weight for mod in b.modules() if isinstance(mod, torch.nn.Linear)
+                      and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
+            block_fp8 += sum(nbytes(t) for i, t in frozen.items() if i not in linear)
+            block_fp8 += sum(fp8_bytes(local(t)) for t in linear.values())
+        return block / max(1, len(blocks)), block_fp8 / max(1, len(blocks))
+
+    groups = (list(model.blocks), list(getattr(model, "vace_blocks", ())))  # (blocks, VACE's context blocks)
+    whole = whole or dict(model.config)
+    scales = (whole["num_layers"] / len(groups[0]),
+              len(whole.get("vace_layers") or ()) / len(groups[1]) if groups[1] else 0.0)
+    scale = {id(t): sc for g, sc in zip(groups, scales) for b in g for t in [*b.parameters(), *b.buffers()]}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    fixed = other + sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks
+    fixed = other + sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in scale
                         and not t.requires_grad)
-    block = block_fp8 = 0.0
-    for b in model.blocks:
-        frozen = {id(t): t for t in [*b.parameters(), *b.buffers()] if not t.requires_grad}
-        block += sum(nbytes(t) for t in frozen.values())
-        linear = {id(mod.weight): mod.weight for mod in b.modules() if isinstance(mod, torch.nn.Linear)
-                  and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
-        block_fp8 += sum(nbytes(t) for i, t in frozen.items() if i not in linear)
-        block_fp8 += sum(fp8_bytes(local(t)) for t in linear.values())
+    (block, block_fp8), (context, context_fp8) = (frozen_bytes(g) for g in groups)
+    trains = [any(p.requires_grad for b in g for p in b.parameters()) for g in groups]
     size = compute_dtype.itemsize if fsdp else 0
-    return ModelBytes(fixed=fixed, block=block / n, block_fp8=block_fp8 / n,
-                      trainable=round(sum(local(p).numel() * (scale if id(p) in in_blocks else 1.0)
-                                          for p in trainable)),
+    return ModelBytes(fixed=fixed, block=block, block_fp8=block_fp8,
+                      trainable=round(sum(local(p).numel() * scale.get(id(p), 1.0) for p in trainable)),
                       ema=ema, lora=not full, fsdp_block=size * sum(p.numel() for p in model.blocks[0].parameters()),
-                      fsdp_root=size * sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
+                      fsdp_root=size * sum(p.numel() for p in model.parameters() if id(p) not in scale),
+                      context_block=context, context_block_fp8=context_fp8, base_frozen=not trains[0],
+                      context_frozen=bool(groups[1]) and not trains[1])
 
 
 def host_available() -> float:
@@ -409,9 +490,22 @@ def host_available() -> float:
         return float("inf")
 
 
-def check_flags(c: MemoryConfig, training_type: str, fsdp: bool, device) -> None:
-    """The memory flags against the run (a ConfigError, one line, before anything loads)."""
+def check_context_blocks(c: MemoryConfig) -> None:
+    """VACE's context blocks against the flags: activation offload and block swap (a2/offload.py) follow the blocks'
+    order, which VACE's context blocks run apart from (a2/vace.py), so they are refused (fp8 and recomputation cover
+    the context blocks)."""
+    forced = [f for f, on in (("--offload-activations", c.offload_activations), ("--swap-blocks", c.swap_blocks)) if on]
+    if forced:
+        raise ConfigError(f"{' '.join(forced)} does not reach VACE's context blocks: drop it (--fp8-base and "
+                          "recomputation cover them)")
+
+
+def check_flags(c: MemoryConfig, training_type: str, fsdp: bool, device, context_blocks: bool = False) -> None:
+    """The memory flags against the run (a ConfigError, one line, before anything loads); context_blocks: the model
+    has VACE's context blocks (Layout.context_blocks), which activation offload and block swap do not reach."""
     lora = training_type == "lora"
+    if context_blocks:
+        check_context_blocks(c)
     if c.fp8_base and not lora:
         raise ConfigError("--fp8-base stores the frozen weights of a LoRA run in fp8; full fine-tuning trains them")
     if c.fp8_matmul and not c.fp8_base and (c.mode == "manual" or device.type != "cuda"):  # else: if planned
@@ -430,16 +524,18 @@ def check_flags(c: MemoryConfig, training_type: str, fsdp: bool, device) -> None
 
 
 def memory_plan(c: MemoryConfig, model, shape: StepShape, full: bool, fsdp: bool, device, compile: bool,
-                ema: bool = False, dry_run: bool = False, layers: int | None = None) -> MemoryPlan:
+                ema: bool = False, dry_run: bool = False, whole: dict | None = None) -> MemoryPlan:
     """How the step fits (module docstring), decided before the transformer's weights move to the GPU (or once
     sharded): --memory auto on CUDA, and in a dry run, plans it from the model, the shape and the memory (the flags
     --fp8-base, --offload-activations, --swap-blocks force their piece on); --memory manual and the CPU take the
     flags. The budget: --max-memory-gb, else this process's reserved plus the device's free memory (a dry run: 80
     GiB); the host's available memory (a dry run: the GPU machine's, unknown, so unlimited: it prints what the plan
-    pins). layers: the model has this many blocks, planned as the whole (a dry run's cut model)."""
+    pins). whole: the config of the model uncut, which a dry run's cut model is planned as (cut_config)."""
+    if hasattr(model, "vace_blocks"):  # (train_a2.py checks it before loading, where the layout is known)
+        check_context_blocks(c)
     if c.mode == "manual" or device.type != "cuda" and not dry_run:
         return MemoryPlan.manual(c)
-    config = dict(model.config) if layers is None else dict(model.config, num_layers=layers)
+    config = dict(whole or model.config)
     if dry_run:
         other, budget, host = 0.0, (c.max_memory_gb or 80.0) * GB, float("inf")
     else:
@@ -450,7 +546,7 @@ def memory_plan(c: MemoryConfig, model, shape: StepShape, full: bool, fsdp: bool
         other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
         budget = c.max_memory_gb * GB if c.max_memory_gb else free + torch.cuda.memory_reserved(device)
         host = host_available()
-    m = model_bytes(model, full, fsdp, other, layers=layers, ema=ema)
+    m = model_bytes(model, full, fsdp, other, whole=whole, ema=ema)
     plan = plan_memory(config, shape, budget, m, host, fp8=c.fp8_base, offload=c.offload_activations,
                        swap_blocks=c.swap_blocks, compile=compile)
     return replace(plan, why=f"--memory auto: {plan.why}")

@@ -18,6 +18,9 @@ then reaches the first swapped block after n_resident blocks that hide its copy,
 happens on the last block, which stays on the GPU across it, and the backward ends on resident blocks, so every
 copy of the step has a block's compute to hide behind.
 
+Both follow the order of `blocks`; VACE's context blocks (a2/vace.py), which run before them on hooks of their own,
+are not reached, so a2/memory.py refuses both on VACE (check_context_blocks) and never plans them there.
+
 Both work on any device: on the CPU (tests) "host" copies are separate storages and a released block's tensors
 are empty, so a wrong or missing restore changes results or fails; on CUDA the copies run on two side streams (one
 per direction), ordered against the compute stream by events, with record_stream telling the allocator which

@@ -31,7 +31,8 @@ state (trainable weights, their gradients, the optimizer's moments), kept (what 
 made in the forward and alive when it ends, or brought back from host memory), transient (the rest: a block's
 working tensors, the recomputation and the gradients flowing back), swapped (swapped blocks' weights fetched from
 host memory). The peak is kept per phase (forward, backward through the head and the blocks not recomputed,
-recompute: the recomputed blocks' backward, step) and at the forward's end, the phases of a2/memory.py's rule.
+recompute: the recomputed blocks' backward, context: VACE's context blocks' backward, step) and at the forward's end,
+the phases of a2/memory.py's rule.
 
 FSDP2 runs as on a GPU of N ranks in this one process, on torch's fake process group (collectives make tensors of
 their shapes, nothing is sent): a DTensor counts as its local shard, what FSDP gathers is of category weights, and
@@ -69,6 +70,7 @@ from a2.memory import (
     StepShape,
     apply_plan,
     compiled_full_keep,
+    cut_config,
     cut_plan,
     full_keep,
     memory_plan,
@@ -221,7 +223,7 @@ class _Storage:
     op: str  # the op that made it
     tag: str | None = None  # weights | state | swapped | kept | host (the copies of a2/offload.py)
     alive: bool = True
-    full_block: bool = False  # made in the forward of a block that is not recomputed
+    full_block: str = ""  # made in the forward of a block that is not recomputed: "blocks" | "context" (VACE's)
     block: int | None = None  # the block whose forward made it (None: outside the blocks)
 
 
@@ -248,9 +250,10 @@ class Peak:
                 out[s.op] = out.get(s.op, 0) + s.nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def kept_by_full_blocks(self) -> int:
-        """The bytes at the peak that blocks not recomputed keep for backward."""
-        return sum(s.nbytes for s in self.dynamic if s.full_block and _category(s) == "kept")
+    def kept_by_full_blocks(self, group: str = "blocks") -> int:
+        """The bytes at the peak that blocks not recomputed keep for backward (group "context": VACE's context
+        blocks)."""
+        return sum(s.nbytes for s in self.dynamic if s.full_block == group and _category(s) == "kept")
 
 
 def _category(s: _Storage) -> str:
@@ -279,7 +282,7 @@ class LiveBytes(TorchDispatchMode):
         self.peaks: dict[str, Peak] = {}  # the device peak of each phase (forward, backward, recompute, step)
         self.forward_end = Peak()  # the device bytes when the forward has returned the loss
         self.host_peak = 0  # pinned host bytes, the most at once
-        self.in_full_block = False  # the forward of a block that is not recomputed is running (the driver's hooks)
+        self.in_full_block = ""  # the group of the block not recomputed whose forward runs (the driver's hooks)
         self.block: int | None = None  # the block whose forward is running (the driver's hooks)
         self.gathering: str | None = None  # FSDP2 gathers weights: what it allocates is of this category
 
@@ -317,8 +320,8 @@ class LiveBytes(TorchDispatchMode):
             elif origin is not None and origin.phase == "setup":  # a cast of a weight (autocast's, fp8's) is of
                 tag = origin.tag  # its category
             tag = self.gathering or tag
-        info = _Storage(nbytes, where, self.phase, op, tag, full_block=self.in_full_block and self.phase == "forward",
-                        block=self.block)
+        info = _Storage(nbytes, where, self.phase, op, tag, block=self.block,
+                        full_block=self.in_full_block if self.phase == "forward" else "")
         self.storages[st] = info
         weakref.finalize(st, self._free, info)
         self.live[where] += nbytes
@@ -396,8 +399,9 @@ class LiveBytes(TorchDispatchMode):
                     self.static[tag] += info.nbytes
                 info.tag = tag
 
-    def enter_block(self, block: int | None, full: bool) -> None:
-        """The forward of `block` starts (None: it ended); full: it is not recomputed."""
+    def enter_block(self, block: int | None, full: str) -> None:
+        """The forward of `block` starts (None: it ended); full: its group ("blocks", "context") if it is not
+        recomputed, else ""."""
         self.block, self.in_full_block = block, full
 
     def phases(self) -> dict[str, Peak]:
@@ -552,21 +556,24 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
             shard(model, mesh, torch.bfloat16)
             tracer.keep_only([getattr(t, "_local_tensor", t) for t in [*model.parameters(), *model.buffers()]])
         plan = memory_plan(cfg.memory, model, shape, full, cfg.fsdp, cpu, run.compile, ema=cfg.ema_decay > 0,
-                           dry_run=True, layers=n if cut != n else None)
+                           dry_run=True, whole=whole if cut != n else None)
         if not trace:
             return dict(plan=plan, shape=shape)
         traced = cut_plan(plan, n, cut)
         m = model_bytes(model, full, cfg.fsdp, ema=cfg.ema_decay > 0)  # the traced (cut) model's, before fp8
         apply_plan(model, traced, cpu)
         k = round(traced.checkpoint_fraction * cut)
-        watch_blocks(tracer, model, k)
+        kc = round(traced.checkpoint_fraction * len(getattr(model, "vace_blocks", ())))  # (as configure_blocks)
+        watch_blocks(tracer, model, k, kc)
         forward = partial(_step_loss, model, batch, enc, cfg, run, targets)
         trace_steps(tracer, model, forward, cfg)
-    config_cut = dict(whole, num_layers=cut)
-    precision, save = m.precision, traced.save_attention
-    rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c)
+    config_cut = cut_config(whole, cut)
+    save = traced.save_attention
+    rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c, kc)
             for c in {False, run.compile}}
-    compiled = compiled_peak(tracer, config_cut, shape, precision, save) / GB if run.compile else None
+    compiled = (compiled_peak(tracer, config_cut, shape, m.precisions, save, kc == len(config_cut.get("vace_layers")
+                                                                                      or ())) / GB
+                if run.compile else None)
     if cp > 1:
         costs = step_costs(whole, shape.whole // cfg.micro_batch, shape.context, cp)
         log(f"context parallel {cp}: {shape.tokens:,} tokens per rank; per rank forward attention cores "
@@ -592,36 +599,60 @@ def _step_loss(model, batch, enc, cfg: TrainConfig, run: Run, targets):
     return forward_loss(model, inputs, cfg, run, torch.autocast("cpu", dtype=torch.bfloat16), torch.bfloat16)[0]
 
 
-def watch_blocks(tracer: LiveBytes, model, recomputed: int) -> None:
+def watch_blocks(tracer: LiveBytes, model, recomputed: int, recomputed_context: int = 0) -> None:
     """Hooks that tell the tracer which block's forward runs (what blocks not recomputed keep is what the compiled
-    accounting replaces) and when the backward reaches the recomputed blocks (the phase "recompute": the gradient of
-    the last recomputed block's output is made)."""
-    for i, block in enumerate(model.blocks):
-        full = i >= recomputed
-        block.register_forward_pre_hook(lambda *_, i=i, full=full: tracer.enter_block(i, full))
-        block.register_forward_hook(lambda *_: tracer.enter_block(None, False))
+    accounting replaces; VACE's context blocks are a group of their own), when the backward reaches the recomputed
+    blocks (the phase "recompute": the gradient of the last recomputed block's output is made) and, on VACE, when it
+    has left the blocks for the context blocks (the phase "context": the gradient of the input of the first block
+    after the first that takes one is made; the first block's backward, where it has one, falls in it)."""
+    vace = list(getattr(model, "vace_blocks", ()))
+    for group, blocks, k in (("blocks", model.blocks, recomputed), ("context", vace, recomputed_context)):
+        for i, block in enumerate(blocks):
+            full = group if i >= k else ""
+            block.register_forward_pre_hook(lambda *_, i=i, full=full: tracer.enter_block(i, full))
+            block.register_forward_hook(lambda *_: tracer.enter_block(None, ""))
     if recomputed:
         def to_recompute(module, args, out):
             if out.requires_grad:
                 out.register_hook(lambda grad: setattr(tracer, "phase", "recompute"))
         model.blocks[recomputed - 1].register_forward_hook(to_recompute)
+    if vace:
+        hooked = []  # (this forward's)
+
+        def to_context(module, args):  # (not the first block's input: the context blocks read it too)
+            if args[0].requires_grad and not hooked:
+                hooked.append(args[0].register_hook(lambda grad: setattr(tracer, "phase", "context")))
+        model.blocks[0].register_forward_pre_hook(lambda *_: hooked.clear())
+        for block in model.blocks[1:]:
+            block.register_forward_pre_hook(to_context)
 
 
-def compiled_peak(tracer: LiveBytes, config: dict, shape: StepShape, precision: str, save_attention: bool) -> int:
+def compiled_peak(tracer: LiveBytes, config: dict, shape: StepShape, precisions: tuple[str, str],
+                  save_attention: bool, context_recomputed: bool = False) -> int:
     """The compiled accounting of an eager trace (a compiled block's graph cannot be traced on fake tensors here):
     each phase's traced peak with what compiled blocks hold differently from eager ones replaced by a2/memory.py's
     compiled terms, the rule's own: what blocks not recomputed keep, scaled to a compiled block's keep
     (compiled_full_keep over full_keep), and in the recomputed blocks' backward an eager block's recomputation
-    and backward replaced by a compiled block's (recompute_transient, both), as the rule substitutes them. Those
-    compiled terms are the H100 measurement (bench.py), not a trace; the forward's working set and the backward
-    through blocks not recomputed stay the eager trace's (not measured compiled). The largest phase."""
-    scale = compiled_full_keep(config, shape.tokens) / full_keep(config, shape, precision, compile=False)
+    and backward replaced by a compiled block's (recompute_transient, both), as the rule substitutes them; VACE's
+    context blocks likewise (their backward: "context"). precisions: the blocks' and the context blocks'
+    (ModelBytes.precisions); context_recomputed: the last context block is recomputed. Those compiled terms are the
+    H100 measurement (bench.py), not a trace; the forward's working set and the backward through blocks not
+    recomputed stay the eager trace's (not measured compiled). The largest phase."""
+    def scale(precision):
+        return compiled_full_keep(config, shape.tokens) / full_keep(config, shape, precision, compile=False)
+
+    def swap(precision):  # a compiled block's recomputation and backward for an eager one's
+        return (recompute_transient(config, shape, precision, save_attention, True)
+                - recompute_transient(config, shape, precision, save_attention, False))
+
     peaks = []
     for phase, peak in tracer.phases().items():
-        total = peak.total - (1 - scale) * peak.kept_by_full_blocks()
+        total = peak.total - sum((1 - scale(p)) * peak.kept_by_full_blocks(g)
+                                 for g, p in zip(("blocks", "context"), precisions))
         if phase == "recompute":
-            total += (recompute_transient(config, shape, precision, save_attention, True)
-                      - recompute_transient(config, shape, precision, save_attention, False))
+            total += swap(precisions[0])
+        if phase == "context" and context_recomputed:
+            total += swap(precisions[1])
         peaks.append(total)
     return round(max(peaks))
 

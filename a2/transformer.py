@@ -61,13 +61,22 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset_config(name: str, e2v: bool | None = None) -> dict:
-    """A preset's config; e2v=True/False forces the E2V (36 ch + image branch) or T2V (16 ch) inputs.
-    `tiny-ti2v` is `tiny` shaped as TI2V-5B (48 channels in and out, no image branch); `tiny-vace` is tiny T2V with
-    VACE's context blocks (a WanVACETransformer3DModel: a hint after each of its 2 blocks, as Wan2.1-VACE-1.3B has
-    one every 2nd of its 30)."""
-    if name == "tiny-vace":
-        return {**preset_config("tiny", e2v=False), "vace_layers": [0, 1], "vace_in_channels": VACE_IN_CHANNELS}
+# a hint after every n-th block: Wan2.1-VACE-1.3B's vace_layers 0, 2, .., 28; 14B's (and Wan2.2-VACE-Fun-A14B's)
+# 0, 5, .., 35; tiny-vace's after each of its 2
+VACE_EVERY = {"tiny": 1, "1.3B": 2, "14B": 5}
+
+
+def preset_config(name: str, e2v: bool | None = None, vace: bool = False) -> dict:
+    """A preset's config; e2v=True/False forces the E2V (36 ch + image branch) or T2V (16 ch) inputs; vace=True: the
+    T2V preset with VACE's context blocks (a WanVACETransformer3DModel), one hint every VACE_EVERY blocks as the
+    released model of its size has them. `tiny-ti2v` is `tiny` shaped as TI2V-5B (48 channels in and out, no image
+    branch); `tiny-vace` is tiny with vace."""
+    if name == "tiny-vace" or vace:
+        cfg = preset_config("tiny" if name == "tiny-vace" else name, e2v=False)
+        if name not in VACE_EVERY and name != "tiny-vace":
+            raise ValueError(f"preset {name} has no VACE model; VACE's presets: {', '.join(VACE_EVERY)}")
+        every = VACE_EVERY.get(name, 1)
+        return {**cfg, "vace_layers": list(range(0, cfg["num_layers"], every)), "vace_in_channels": VACE_IN_CHANNELS}
     if name == "tiny-ti2v":
         return {**PRESETS["tiny"], "in_channels": TI2V_Z_DIM, "out_channels": TI2V_Z_DIM, "image_dim": None,
                 "added_kv_proj_dim": None}

@@ -49,20 +49,30 @@ def test_bench_runs_each_memory_piece_on_cpu():
 KIND_TOKENS = {"t2v": (12, 0), "prefix": (12, 4), "inplace": (12, 0), "incontext": (20, 8), "phantom": (20, 8),
                "refalign": (20, 8), "v3": (12 + 4 * V3_SLOTS, 4 * V3_SLOTS), "magref": (12, 4), "standin": (12, 1024),
                "clean": (3, 0), "vace": (20, 8)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
-# bench.py builds its model from the preset without VACE's context blocks (bench_run: preset_config), and its set-up
-# is being rewritten: until it shapes the preset for a kind on the context axis, --layout vace fails (strict: this
-# marker must go when it passes)
-NO_BENCH_YET = pytest.mark.xfail(strict=True, reason="bench.py builds no VACE model (context blocks) yet")
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=NO_BENCH_YET) if k == "vace" else k for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_bench_runs_every_kind(kind):
-    """bench.py --layout KIND trains the kind's own step (its tokens, its references) for each kind a2 has."""
+    """bench.py --layout KIND trains the kind's own step (its tokens, its references) for each kind a2 has; VACE's on
+    the preset with its context blocks (their FLOPs counted: a hint after each of tiny's 2 blocks)."""
     assert set(KIND_TOKENS) == set(KINDS)
     r = main(BenchConfig(preset="tiny-ti2v" if kind == "clean" else "tiny", frames=9, height=32, width=32, refs=2,
                          layout=kind, steps=1, warmup=0, dtype="float32", device="cpu"))
     assert r["layout"] == kind and (r["tokens"], r["reference_tokens"]) == KIND_TOKENS[kind]
     assert r["s_per_step"] > 0 and r["forward_pflop"] > 0
+
+
+def test_bench_vace_trains_its_context_blocks_and_refuses_what_misses_them(capsys):
+    """bench.py --layout vace builds the preset's VACE model (1.3B's 15 context blocks, a hint every 2nd block), its
+    LoRA on the context blocks as train_a2.py's default; --swap-blocks, whose hooks do not reach them, is refused in
+    one line (exit 2)."""
+    run, _, cfg = bench.bench_run(BenchConfig(preset="1.3B", layout="vace", refs=3, frames=81))
+    assert cfg["vace_layers"] == list(range(0, 30, 2)) and run.layout.context_blocks
+    assert forward_flops(cfg, 1000, 512)[0] > forward_flops({**cfg, "vace_layers": []}, 1000, 512)[0]
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=1, layout="vace", device="cpu",
+                                  memory=MemoryConfig(swap_blocks=1)))
+    assert e.value.code == 2 and "VACE's context blocks" in capsys.readouterr().err
 
 
 def test_bench_times_train_a2s_step(monkeypatch):

@@ -170,6 +170,44 @@ def test_model_bytes_counts_a_lora_model():
         pytest.approx(4 * m.trainable)
 
 
+def test_vace_context_blocks_counted_quantized_and_never_offloaded():
+    """A VACE model (tiny-vace) with its LoRA on the context blocks: model_bytes counts their frozen weights apart
+    from the weights outside the blocks (and their fp8 bytes: a2/fp8.py quantizes them as the blocks'), its blocks
+    compute "frozen", a model cut to fewer blocks is planned as the whole (cut_config); the rule plans neither
+    activation offload nor block swap for it, whose hooks do not reach the context blocks, and --swap-blocks /
+    --offload-activations are refused in one line."""
+    from peft import LoraConfig
+
+    from a2.fp8 import Fp8Linear, quantize_base_weights
+    from a2.memory import check_flags, cut_config
+    from a2.transformer import random_transformer
+    from a2.vace import lora_target
+    from config import LORA_TARGETS, ConfigError, MemoryConfig
+
+    cfg = preset_config("tiny-vace")
+    model = random_transformer(cfg, torch.float32, "cpu")
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=lora_target(LORA_TARGETS)))
+    m = model_bytes(model, full=False, fsdp=False)
+    frozen = [t for b in model.vace_blocks for t in [*b.parameters(), *b.buffers()] if not t.requires_grad]
+    assert m.context_block == pytest.approx(sum(t.numel() * 4 for t in frozen) / 2)  # (the mean: block 0's proj_in)
+    assert m.context_block_fp8 < m.context_block / 2
+    outside = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
+                  if not n.startswith(("blocks.", "vace_blocks.")) and not t.requires_grad)
+    assert m.precisions == ("frozen", "lora") and m.fixed == pytest.approx(outside)
+    whole = model_bytes(model, full=False, fsdp=False, whole={**cfg, "num_layers": 4, "vace_layers": [0, 1, 2, 3]})
+    assert whole.trainable == 2 * m.trainable  # the LoRA is on the context blocks alone: twice as many
+    assert cut_config(preset_config("14B", vace=True), 6)["vace_layers"] == [0, 5]
+    quantize_base_weights(model)
+    assert all(isinstance(mod, Fp8Linear) for mod in model.vace_blocks[1].modules()
+               if isinstance(mod, torch.nn.Linear) and not mod.weight.requires_grad and mod.weight.dim() == 2)
+    plan = plan_memory(cfg, StepShape(10**6), 1 * GB, m, compile=True)
+    assert "DOES NOT FIT" in plan.why and not plan.offload and not plan.swap_blocks and plan.fp8, plan
+    for flag in (dict(swap_blocks=1), dict(offload_activations=True)):
+        with pytest.raises(ConfigError, match="VACE's context blocks"):
+            check_flags(MemoryConfig(**flag), "lora", False, torch.device("cpu"), context_blocks=True)
+
+
 def test_flags_force_pieces_on_and_the_rule_plans_the_rest():
     """--fp8-base / --offload-activations / --swap-blocks under --memory auto: every plan has them."""
     free = plan_memory(A2_14B, L480, 80 * GB, A2_LORA, compile=True)

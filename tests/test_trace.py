@@ -183,3 +183,39 @@ def test_train_dry_run_runs_the_training_step_of_every_kind(data_dir, tmp_path, 
     res = train(*args(data_dir, tmp_path, "dry", "--dry-run", "--max-memory-gb", "2", "--memory", "auto", *extra,
                       model=model))
     assert 0 < res["peak_gb"] * GB < 2 * GB and not (tmp_path / "dry").exists()
+
+
+VACE_CASES = {  # bench.py --layout vace at 81x480x832 with 3 references (37,440 tokens), on the model cut to its first
+    # blocks and their context blocks: (preset, mode, blocks, recomputed fraction)
+    "Wan2.1-VACE-1.3B LoRA, half recomputed": ("1.3B", "lora", 6, 0.5),  # 3 context blocks, 2 of them recomputed
+    "Wan2.1-VACE-1.3B full, every block recomputed": ("1.3B", "full", 5, 1.0),
+    "Wan2.1-VACE-14B LoRA, every block recomputed": ("14B", "lora", 6, 1.0),  # its context blocks hint 0 and 5
+}
+
+
+@pytest.mark.parametrize("case", VACE_CASES)
+def test_dry_run_of_vace_within_the_rule(case):
+    """VACE's context blocks in the rule (a2/memory.py step_memory: their weights, what they keep, the hints and
+    their gradients, their backward, the phase "context"): the rule's estimate of the traced step within 3% at
+    every phase, eager, and in the compiled accounting (what compiled blocks keep and hold, the blocks' and the
+    context blocks', replaced by the rule's compiled terms), at the full token count and width, the LoRA on the
+    context blocks (train_a2.py's default) or full fine-tuning; its LoRA's blocks frozen, their own coefficients."""
+    from bench import BenchConfig, bench_dry_run
+    from config import MemoryConfig
+
+    preset, mode, layers, fraction = VACE_CASES[case]
+    memory = MemoryConfig(compile=True, mode="manual", checkpoint_fraction=fraction)  # (the flags' plan: eager's too)
+    r = bench_dry_run(BenchConfig(preset=preset, layout="vace", refs=3, frames=81, height=480, width=832, mode=mode,
+                                  memory=memory), layers=layers, log=lambda *_: None)
+    assert abs(r["eager_estimate_gb"] / r["peak_gb"] - 1) <= 0.03, (r["peak_gb"], r["eager_estimate_gb"])
+    assert abs(r["estimate_gb"] / r["compiled_gb"] - 1) <= 0.03, (r["compiled_gb"], r["estimate_gb"])
+    # each phase, eager (full fine-tuning: the first block's backward falls in "recompute" or "context", whichever
+    # comes first, so those two as one)
+    traced = {p: peak.total for p, peak in r["tracer"].phases().items()}
+    rule = {p: sum(c.values()) for p, c in r["rule"].items()}
+    assert "context" in traced and set(traced) <= set(rule)
+    if mode == "full":
+        for t in (traced, rule):
+            t["recompute"] = t["context"] = max(t["recompute"], t["context"])
+    for phase, total in traced.items():
+        assert abs(rule[phase] - total) <= 0.03 * max(traced.values()), (phase, rule[phase] / GB, total / GB)
