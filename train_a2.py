@@ -184,6 +184,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
+    out = Path(cfg.output_dir)
+    file = next((d for d in (out, *out.parents) if d.is_file()), None)  # found now, not at the run dir's creation
+    if file is not None:
+        raise ConfigError(f"--output-dir {cfg.output_dir}: {file} is a file, not a dir to write into")
     check_flags(cfg.memory, cfg.training_type, cfg.fsdp, device)
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
