@@ -662,7 +662,8 @@ def left_as_found():
     finally:
         STOP.update(signal=None, loop=False)
         for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) is not handler:  # (only the main thread may set one; main set them there)
+                signal.signal(signum, handler)
         if created and dist.is_initialized() and not (failed and dist.get_world_size() > 1):
             dist.destroy_process_group()
 
