@@ -13,21 +13,36 @@ Frames go through each encoder's own image processor (shortest-edge resize + cen
 DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
 With the OpenS2V-Eval flags (--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb) the
 video also gets that benchmark's metrics under their names (aes_score, cur_score, gme_score, motion_fb; a2/opens2v.py).
+During training (train_a2.py): the eval loss of held-out samples, the validation videos (scored as above) and the
+dataset config's visualization dumps.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image
 
+from a2.conditioning import validation_layout
+from a2.elements import pair_elements
+from a2.ema import ema_weights
+from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
+from a2.kinds import model_flow_shift
 from a2.opens2v import Scorers, load_scorers, tiny_encoder_note, video_metrics
+from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
+from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
+from a2.transformer import EXPERTS, load_transformer
+from config import TrainConfig
+from data import DatasetError, collate
 
 
 class Embedder:
@@ -321,3 +336,153 @@ def format_table(means: list[dict], models=("base", "lora"), notes=()) -> str:
         delta = f"{v[1] - v[0]:>+10.4f}" if len(models) == 2 else ""
         lines.append(f"{name:<{width}}" + "".join(f"{x:>10.4f}" for x in v) + delta)
     return "\n".join(lines + list(notes))
+
+
+# ---------------------------------------------------------------- during training (train_a2.py): eval loss, videos
+
+
+EVAL_KEY = 2**62  # the step key of the eval loss's draws (noise, posterior samples): no training step has it
+
+
+def eval_sigmas(cfg: TrainConfig, run: Run) -> list[float]:
+    """The eval loss's sigmas: the quantiles (i + 1) / (n + 1), i < n = --eval-quantiles, of the --sigma-sampling
+    distribution, truncated to the run's sigma range (a Wan 2.2 expert's) as training draws it."""
+    a, b = sigma_cdf(cfg, run.sigma_range[0]), sigma_cdf(cfg, run.sigma_range[1])
+    n = cfg.eval_quantiles
+    return [sigma_quantile(cfg, a + (b - a) * (i + 1) / (n + 1)) for i in range(n)]
+
+
+@torch.no_grad()
+def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, dataset, held: list[int],
+              proc: Process, prefix: str = "eval/") -> dict:
+    """The loss of the held-out samples at eval_sigmas, as a metrics.jsonl record: <prefix>loss (the mean) and
+    <prefix>loss@<sigma>. Each sample is the training step's model_inputs (its n-th sample of a one-sample batch at the
+    fixed step key EVAL_KEY, dropout off: the same noise and posterior draws at every eval) and forward_loss with the
+    sigmas replaced; the noise is shared by all sigmas. Samples n = rank, rank + world, ... per data-parallel rank
+    (--fsdp: every rank runs as many forwards, the extra ones discarded); each (sample, sigma) loss is computed by one
+    rank and summed with zeros from the others, so the result is the same bit for bit at any world size."""
+    rank, world, device = proc.dp_rank, proc.dp_world, proc.device
+    sigmas = eval_sigmas(cfg, run)
+    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, joint_dropout=0.0, overfit_batches=0,
+                    timestep_buckets=0, reference_augment=False, align_loss=False)  # the flow loss alone
+    one = replace(run, world=1)
+    per = torch.zeros(len(held), len(sigmas), device=device)  # (N, Q)
+    transformer.eval()  # (LoRA dropout)
+    for n in range(rank, -(-len(held) // world) * world, world):
+        if n >= len(held) and not cfg.fsdp:
+            break
+        k = min(n, len(held) - 1)
+        batch = collate([dataset[(held[k], 0)]])
+        if "failed" in batch:
+            raise DatasetError(f"eval loss at step {step}: {batch['failed'][0][1]}")
+        inputs = model_inputs(batch, EVAL_KEY, k, fixed, one, enc, 0, device)
+        for q, sigma in enumerate(sigmas):
+            loss, _ = forward_loss(transformer, {**inputs, "sigmas": torch.full_like(inputs["sigmas"], sigma)}, fixed,
+                                   one, proc.amp, transformer.dtype)
+            if n < len(held):
+                per[n, q] = loss
+    transformer.train()
+    split = getattr(transformer, "context_parallel", None)
+    if split is not None and split.rank and world > 1:
+        per.zero_()  # a context-parallel group computed each of its samples on every rank: one of them counts it
+    if world > 1:
+        dist.all_reduce(per)
+    means = per.mean(0).tolist()
+    return dict(step=step, **{f"{prefix}loss": sum(means) / len(means)},
+                **{f"{prefix}loss@{s:.3f}": v for s, v in zip(sigmas, means)})
+
+
+def evaluate_held_out(step: int, cfg: TrainConfig, run: Run, state: TrainState, enc: Encoders, dataset,
+                      held: list[int], proc: Process, log=print) -> dict:
+    """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...), announced and
+    timed (the progress bar stops meanwhile)."""
+    log(f"step {step}: eval loss of {len(held)} held-out sample(s) ...")
+    t0 = time.perf_counter()
+    rec = eval_loss(step, cfg, run, state.transformer, enc, dataset, held, proc)
+    if cfg.ema_decay:
+        with ema_weights(state.opt, state.params):
+            rec.update(eval_loss(step, cfg, run, state.transformer, enc, dataset, held, proc, "eval_ema/"))
+    log(f"step {step}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
+    return rec
+
+
+def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, proc: Process) -> Evaluators | None:
+    """The metric encoders of the validation videos (--val-metrics, rank 0), loaded before training so that a bad
+    --eval.* dir fails first. CLIP-I uses the run's own image encoder when it has one."""
+    if not cfg.val_metrics or proc.rank != 0 or not run.validates:
+        return None
+    clip = None
+    if enc.image_encoder is not None:
+        clip = Embedder(enc.image_encoder, enc.image_processor, proc.device,
+                        next(enc.image_encoder.parameters()).dtype)
+    return load_evaluators(cfg.eval, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
+
+
+def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
+             proc: Process, evaluators: Evaluators | None = None, log=print) -> dict | None:
+    """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
+    Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
+    between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
+    the video's metrics as a metrics.jsonl record: step, val/<metric>."""
+    if not run.validates or (proc.rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
+        return None
+    h, w = cfg.resolution
+    refs = clips = region = first_frame = None
+    items = []
+    if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
+        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
+    elif cfg.val_elements:
+        items = pair_elements(cfg.val_elements, run.elements)
+    layout = validation_layout(run.layout, tuple(e.repeat for e, _ in items))  # any element set the kind takes
+    if items:
+        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+    transformer.eval()
+    experts = {}
+    high = transformer
+    if run.info.two_experts:
+        if "other" not in frozen:
+            other = "low" if cfg.expert == "high" else "high"
+            frozen["other"] = load_transformer(run.info.path, run.compute_dtype, EXPERTS[other]).eval()
+        frozen["other"].to(proc.device)
+        high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
+        experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
+    pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
+                      **experts, expand_timesteps=run.info.ti2v, model=run.info.name, info=run.info,
+                      flow_shift=model_flow_shift(run.info.parts_dir))
+    with proc.amp:  # the flags the user set; A2Pipeline fills the rest with the kind's own, as for infer.py
+        out = pipe(cfg.val_prompt, refs, clips, layout=layout, height=h, width=w, num_inference_steps=cfg.val_steps,
+                   guidance_scale=cfg.val_guidance_scale, flow_shift=cfg.val_flow_shift, first_frame=first_frame,
+                   region=region, sample_mode=run.encode_mode, progress=False)
+    transformer.train()
+    if "other" in frozen:
+        frozen["other"].to("cpu")
+    if proc.rank == 0:
+        path = save_video(run_dir / "samples" / f"step-{step:07d}.mp4", out["video"][0], out["sampling"].fps,
+                          None if refs is None else refs[0])
+        log(f"validation video: {path}")
+    if evaluators is None or proc.rank != 0:
+        return None
+    result = evaluate_video(out["video"][0], named_references(items, clips), cfg.val_prompt, evaluators,
+                            cfg.eval.faces, cfg.eval.max_frames)
+    return dict(step=step, **flat_metrics(result, "val/"))
+
+
+def visualize(step: int, viz: dict, vis, vae, run_dir: Path) -> None:
+    """The dataset config's visualization processors: latents saved as .pt, or decoded to PNG frames."""
+    if not vis.enabled or step % vis.frequency:
+        return
+    out = Path(vis.output_dir.format(run_id=run_dir.name))
+    out = out if out.is_absolute() else run_dir / out
+    out.mkdir(parents=True, exist_ok=True)
+    for processor in vis.processors:
+        for key in processor.get("data", []):
+            x = viz.get(key)
+            if x is None:
+                continue
+            if processor["type"] == "latent_save" or key == "reference_images":
+                torch.save(x.detach().cpu(), out / f"step{step:07d}_{key}.pt")
+            elif processor["type"] == "vae_decode":
+                with torch.no_grad():
+                    frames = decode_vae(vae, x[:, :vae.config.z_dim].detach().float())[0]  # (3, F, H, W)
+                for fi in processor.get("frames", [0, -1]):
+                    Image.fromarray(tensor_to_uint8(frames[:, fi])).save(out / f"step{step:07d}_{key}_f{fi}.png")

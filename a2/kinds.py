@@ -128,7 +128,7 @@ class Kind:
     # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size; vace 4,
     # VACE's framing and its context's encodes (a masked clip's mask file is hashed with the clip's files)
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)
-    # a full fine-tune of its original-key weights is also exported in them under this name (train_a2.py
+    # a full fine-tune of its original-key weights is also exported in them under this name (a2/lora.py
     # export_weights): a .pth as Phantom's code loads it (torch.load), a .safetensors as RefAlign's pipeline reads it
     original_export: str = "Phantom-Wan.pth"
     # its elements play roles (A2's subject / object / background, Stand-In's subject): a public index fills them by

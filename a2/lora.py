@@ -18,19 +18,36 @@ converted here (peft_dir_state_dict). VACE's context blocks (`vace_blocks.N`) ha
 (`diffusion_model.vace_blocks.0.self_attn.q.lora_down.weight`): ComfyUI loads them, as every
 `diffusion_model.<module>` of its model (comfy/lora.py model_lora_keys_unet), but diffusers' converter knows no VACE
 key, so a file holding them is converted here (read_original).
+A training run's export (export: the trained weights and their EMA, a LoRA's files or a full fine-tune's dirs) is
+at the end of this file.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import torch
 
+from a2 import align, standin
 from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
-from a2.transformer import diffusers_module_name, expand_to_e2v, is_e2v, is_expansion_weight, wan_module_name
-from config import LORA_TARGETS
+from a2.ema import ema_weights
+from a2.parallel import gathered
+from a2.step import Run, TrainState
+from a2.transformer import (
+    EXPERTS,
+    diffusers_module_name,
+    diffusers_to_original,
+    expand_to_e2v,
+    is_e2v,
+    is_expansion_weight,
+    original_wan_config,
+    save_wan_checkpoint,
+    wan_module_name,
+)
+from config import LORA_TARGETS, TrainConfig
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -414,3 +431,80 @@ def _key_format(path: Path) -> str:
         key = next(iter(fh.keys()), "")
     return ("original Wan / ComfyUI keys" if key.startswith("diffusion_model.") else
             "musubi-tuner keys" if key.startswith("lora_unet_") else "diffusers keys")
+
+
+# ---------------------------------------------------------------- a training run's export (train_a2.py)
+
+
+def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metadata: dict | None = None,
+                   original_keys: str | None = None, log=print) -> Path:
+    """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
+    pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), export_lora;
+    full fine-tune -> a save_pretrained transformer dir, and the same weights as one bf16 file in original Wan keys,
+    transformer_comfy.safetensors (ComfyUI, Wan's code). `model`: unsharded (--fsdp: a2/parallel.py gathered's).
+    A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
+    diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
+    or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
+    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
+    checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
+    transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
+    loads them (torch.load), with the Wan config.json a2 reads them back with."""
+    if cfg.training_type == "lora":
+        if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
+            return standin.export_lora(run_dir, getattr(model, "module", model),
+                                       (f"_{cfg.expert}" if cfg.expert else "") + tag, metadata)
+        with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
+            return export_lora(run_dir, bare, cfg.expert, tag, metadata)[0]
+    out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
+    with align.without_projectors(model) as model:  # the alignment loss's projectors are no part of the model
+        model.save_pretrained(out)
+        comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
+        log(f"full model for ComfyUI (Load Diffusion Model) and Wan's own code, bf16 in original Wan keys: {comfy}")
+        if original_keys:
+            original = run_dir / "transformer_original"
+            original.mkdir(exist_ok=True)
+            (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
+            sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
+            if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
+                from safetensors.torch import save_file  # (as export_lora: this file imports safetensors where used)
+
+                save_file(sd, original / original_keys)
+            else:
+                torch.save(sd, original / original_keys)
+    return out
+
+
+def unsharded(transformer, cfg: TrainConfig, prepare):
+    """The transformer to export: itself, or --fsdp on rank 0 a plain model of the gathered trained weights (a LoRA's
+    adapter alone) made trainable by prepare(model) as the run's was, None on the other ranks (a collective on every
+    rank)."""
+    if not cfg.fsdp:
+        return transformer
+    return gathered(transformer, prepare, cfg.training_type == "lora")
+
+
+def export_ema(run_dir: Path, state: TrainState, cfg: TrainConfig, rank: int, prepare, metadata: dict | None = None,
+               log=print) -> Path | None:
+    """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
+    pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
+    with ema_weights(state.opt, state.params):
+        model = unsharded(state.transformer, cfg, prepare)
+        return export_weights(run_dir, model, cfg, "_ema", metadata, log=log) if rank == 0 else None
+
+
+def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: int, prepare, log=print) -> dict:
+    """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
+    collective on every rank), each LoRA file with its base's metadata; a full fine-tune of a lab's original-key
+    checkpoint (Phantom-Wan, RefAlign) also in those keys. `prepare(model)` makes a gathered model trainable as the
+    run's was (train_a2.py prepare_trainable)."""
+    original_keys = run.layout.original_export if run.info.original_weights else None
+    metadata = base_metadata(state.transformer.config, model_family(run.info), run.layout.kind, cfg.model)
+    out, trained = {}, unsharded(state.transformer, cfg, prepare)
+    if rank == 0:
+        out["weights"] = export_weights(run_dir, trained, cfg, original_keys=original_keys, metadata=metadata, log=log)
+        log(f"exported {out['weights']}")
+    del trained
+    if cfg.ema_decay:
+        out["ema_weights"] = export_ema(run_dir, state, cfg, rank, prepare, metadata, log)
+        log(f"exported the EMA weights {out['ema_weights']}")
+    return out

@@ -309,7 +309,7 @@ def setup_distributed(device: str, fsdp: bool):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = device == "cuda" or device == "auto" and torch.cuda.is_available()
     if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda: PyTorch sees no CUDA GPU here")
+        raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
     where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")

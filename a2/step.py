@@ -75,6 +75,36 @@ class Encoders:
     align_target: tuple | None = None  # --align-loss: the DINOv3 model and its normalisation (a2/align.py)
 
 
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the run (a2/parallel.py setup_distributed, data_parallel): its global rank, its
+    data-parallel rank (a context-parallel group of ranks shares one sample), its device and autocast."""
+
+    rank: int
+    world: int
+    dp_rank: int
+    dp_world: int
+    device: torch.device
+    amp: object = nullcontext()  # torch.autocast on CUDA with --mixed-precision bf16
+    local_rank: int = 0
+    ctrl: object = None  # the CPU group a stop is agreed through (None: the default group)
+    cp_group: object = None  # this rank's context-parallel group (None: none)
+
+
+@dataclass
+class TrainState:
+    """What the loop updates and carries from step to step: the trained model and its optimizer, what checkpoints,
+    the eval loss, validation and export read."""
+
+    transformer: torch.nn.Module  # the trained module (sharded with --fsdp)
+    model: torch.nn.Module  # what the step's forward runs: DDP(transformer), or the transformer itself
+    params: list  # the trainable weights (DTensor shards with --fsdp)
+    opt: torch.optim.Optimizer
+    guard: NonFiniteSteps
+    failures: object  # data.LoadFailures: the samples that failed to load, checkpointed with the run
+    last_ckpt: Path | None = None  # the run's newest checkpoint (none is written from non-finite weights)
+
+
 def h2d(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device with no host sync: a copy from pinned memory, queued behind the GPU's work (a plain
     .to(device) from pageable memory waits for the GPU to drain). From the cache a step has no host sync."""

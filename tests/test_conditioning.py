@@ -9,6 +9,7 @@ import pytest
 import torch
 import tyro
 
+import a2.evaluate
 import infer
 import train_a2
 from a2.cli import ConfigError
@@ -16,6 +17,7 @@ from a2.conditioning import validation_layout
 from a2.dataset_config import ConditioningConfig
 from a2.elements import pair_elements
 from a2.pipeline import A2Pipeline, load_references
+from a2.step import Process
 from config import TrainConfig, dataset_configs
 from data import E2VDataset, collate, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train, train_config
@@ -214,7 +216,6 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     given to both alike): the same tensor, bit for bit, written at the kind's own fps. Both fill what their user
     left out in one place, A2Pipeline (the kind's guidance, reference guidance, negative prompt, seed, noise
     device, schedule), and frame the images with the specs the kind takes (a2.kinds.kind_elements)."""
-    from contextlib import nullcontext
 
     from a2.kinds import kind_sampling
 
@@ -227,7 +228,7 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     def save(key):
         return lambda path, video, fps=15, references=None: written.setdefault(key, (video, fps)) and path
 
-    monkeypatch.setattr(train_a2, "save_video", save("validation"))
+    monkeypatch.setattr(a2.evaluate, "save_video", save("validation"))
     monkeypatch.setattr(infer, "save_video", save("infer"))
     cfg = train_config([*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
                                       *(["--val-elements", *images] if n else ["--dataset-type", "t2v"])])
@@ -235,7 +236,7 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
-    train_a2.validate(1, cfg, run, transformer, enc, tmp_path, {}, 0, device, nullcontext())
+    a2.evaluate.validate(1, cfg, run, transformer, enc, tmp_path, {}, Process(0, 1, 0, 1, device))
     given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
     assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
                                                         *given])) == 0

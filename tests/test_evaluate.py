@@ -181,10 +181,10 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     import tyro
 
     import infer
+    from a2.lora import export_weights
     from a2.tiny import save_tiny_evaluators
     from config import LORA_TARGETS, TrainConfig
     from tests.test_lora import adapted_pipe
-    from train_a2 import export_weights
 
     lora = export_weights(tmp_path / "lora", adapted_pipe(tiny_dir, LORA_TARGETS).transformer, TrainConfig())
     dirs = save_tiny_evaluators(tmp_path / "evaluators")

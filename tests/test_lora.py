@@ -58,10 +58,9 @@ def musubi_from_original(sd):
 
 
 def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
-    from a2.lora import COMFY_NAME, load_lora
+    from a2.lora import COMFY_NAME, export_weights, load_lora
     from a2.pipeline import A2Pipeline
     from config import LORA_TARGETS, TrainConfig
-    from train_a2 import export_weights
 
     pipe = adapted_pipe(tiny_dir, LORA_TARGETS)  # the training default: block attention (+ image K/V) and FFN
     want = transformer_out(pipe.transformer)

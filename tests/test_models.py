@@ -192,7 +192,9 @@ def test_expert_sigma_is_the_truncated_distribution(sampling):
 
 
 def record_loads(monkeypatch):
-    """Wrap train_a2.load_transformer: which subfolders were loaded, and the timesteps each model saw."""
+    """Wrap load_transformer (training's and validation's): which subfolders were loaded, and the timesteps each
+    model saw."""
+    import a2.evaluate
     import train_a2
 
     seen = []
@@ -207,6 +209,7 @@ def record_loads(monkeypatch):
         return model
 
     monkeypatch.setattr(train_a2, "load_transformer", load)
+    monkeypatch.setattr(a2.evaluate, "load_transformer", load)
     return seen
 
 

@@ -108,6 +108,38 @@ def test_resume_auto_skips_a_broken_checkpoint(data_dir, tmp_path, uninterrupted
     assert sorted(got) == list(range(1, RESUME_TOTAL + 1)) and max(abs(want[s] - got[s]) for s in want) <= 1e-6
 
 
+def test_main_leaves_the_process_as_it_found_it(data_dir, tmp_path, monkeypatch):
+    """train_a2.main called in process (a notebook, a test) leaves no SIGTERM/SIGINT handler and no process group
+    behind, whether it refuses its config, raises in the loop or returns, and runs again in the same process. --fsdp
+    in one process makes a one-rank group: after a failed run the next one died with "trying to initialize the
+    default process group twice", and after any run a SIGTERM to the caller raised the run's Stopped."""
+    import torch.distributed as dist
+
+    import train_a2
+    from config import ConfigError
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def as_found():
+        return {s: signal.getsignal(s) for s in before} == before and not dist.is_initialized()
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a dir to write into"):  # refused once the group exists
+        train(*args(data_dir, tmp_path / "file", "r", "--fsdp"))
+    assert as_found()
+
+    def fails(*a, **k):
+        raise RuntimeError("an error in the loop")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_a2, "optimizer_step", fails)
+        with pytest.raises(RuntimeError, match="an error in the loop"):  # the loop's signal handlers installed
+            train(*args(data_dir, tmp_path, "failed", "--fsdp", "--max-steps", "2"))
+    assert as_found()
+    r = train(*args(data_dir, tmp_path, "again", "--fsdp", "--max-steps", "1"))
+    assert r["step"] == 1 and not r["interrupted"] and as_found()
+
+
 def test_run_dir_lock_and_resume_refusals(data_dir, tmp_path, monkeypatch, capsys):
     import train_a2
     from a2.runs import ResumeError, RunLocked
