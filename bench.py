@@ -45,6 +45,8 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
     CLI_CONFIG = parse_cli(BenchConfig)
 
 import json
+import shutil
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -54,9 +56,9 @@ import torch
 
 from a2 import align
 from a2.cli import ConfigError, run_cli
-from a2.conditioning import lora_target, plan
-from a2.dataset_config import CONDITIONING_CHOICES, VaeProcessorConfig
-from a2.elements import Element
+from a2.conditioning import clip_frames, lora_target, plan
+from a2.dataset_config import CONDITIONING_CHOICES, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
+from a2.elements import A2_ELEMENTS, Element
 from a2.kinds import KIND_DEFS, kind_sampling
 from a2.lora import make_trainable
 from a2.memory import apply_plan, context_tokens, cut_config, memory_plan, step_shape, use_expandable_segments
@@ -142,9 +144,6 @@ def check_backends(b: BenchConfig) -> dict:
 
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
-    from a2.conditioning import clip_frames
-    from a2.dataset_config import ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
-    from a2.elements import A2_ELEMENTS
     from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
 
     size = b.size
@@ -178,8 +177,6 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
 
 def bench_opens2v(b: BenchConfig) -> dict:
     """Index throughput on a synthetic OpenS2V-5M part, then the loader on its index (BenchConfig.opens2v)."""
-    import shutil
-
     import numpy as np
     from PIL import Image
 
@@ -218,9 +215,6 @@ def bench_opens2v(b: BenchConfig) -> dict:
 def loop_overhead(run_dir: str, bench_s: float) -> dict:
     """train_a2.py's median s/step (its metrics.jsonl, first logged interval left out: compilation, warm-up) over
     this bare step's: what the real loop (data, conditioning, logging) adds."""
-    import statistics
-    from pathlib import Path
-
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     s = statistics.median(r["s_per_step"] for r in rows[1:] or rows)
     print(f"train_a2.py {run_dir}: {s:.3f} s/step vs bench {bench_s:.3f} s/step: loop overhead {s / bench_s - 1:+.1%}")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from a2.cli import ConfigError, OnOffAuto, help_from_docstrings
+from a2.cli import ConfigError, OnOffAuto, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
     EXTRACTION_KEYS,
     PUBLIC_TYPES,
@@ -879,8 +879,7 @@ class MakeSample:
             raise ConfigError(f"--num-samples {self.num_samples} --num-frames {self.num_frames}: each at least 1")
         if self.height < 2 or self.width < 2 or self.height % 2 or self.width % 2:
             raise ConfigError(f"--height {self.height} --width {self.width}: even numbers of pixels (H.264's 4:2:0)")
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ConfigError(f"{self.out}: a file, not a dir to write the dataset into")
+        check_dir_to_write("make-sample", self.out)
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from a2 import standin
-from a2.cli import ConfigError, InputError, MissingInput, as_input_error, run_cli
+from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, run_cli
 from a2.conditioning import sampling_plan
 from a2.dataset_config import check_size, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
@@ -368,10 +368,8 @@ def main(cfg: InferConfig) -> int:
         if path and not Path(path).exists():
             raise MissingInput(f"{flag} {path}: no such file or dir")
     for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
-        dirs = () if not path else (Path(path), *Path(path).parents) if flag == "--out-dir" else Path(path).parents
-        file = next((d for d in dirs if d.is_file()), None)  # found now, not once the video is rendered
-        if file is not None:
-            raise InputError(f"{flag} {path}: {file} is a file, not a dir to write into")
+        if path:  # found now, not once the video is rendered
+            check_dir_to_write(flag, path, itself=flag == "--out-dir")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
                                                and model_path(cfg.image_encoder), cfg.components))
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)

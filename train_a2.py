@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
-from a2.cli import ConfigError, exit_on_signal, run_cli
+from a2.cli import ConfigError, check_dir_to_write, exit_on_signal, run_cli
 from a2.conditioning import (
     Layout,
     PosteriorCache,
@@ -177,17 +177,15 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     check_size(h, w, cfg.num_frames)
     if cfg.micro_batch < 1 or cfg.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
-    out = Path(cfg.output_dir)
-    file = next((d for d in (out, *out.parents) if d.is_file()), None)  # found now, not at the run dir's creation
-    if file is not None:
-        raise ConfigError(f"--output-dir {cfg.output_dir}: {file} is a file, not a dir to write into")
-    check_flags(cfg.memory, cfg.training_type, cfg.fsdp, device)
+    check_dir_to_write("--output-dir", cfg.output_dir)
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
     info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
     check_size(h, w, cfg.num_frames, info.spatial_multiple)
     ds_cfgs, elements = kind_datasets(ds_cfgs, info, bool(cfg.elements or cfg.dataset_config))  # none given: the
     # element specs its kind samples with too
     layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)  # the kind, checked
+    check_flags(cfg.memory, cfg.training_type, cfg.fsdp, device, layout.context_blocks)  # (VACE: what reaches its
+    # context blocks)
     if cfg.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
                           "builds its condition from pixels each step (random frames): train it without a cache")

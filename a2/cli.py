@@ -60,6 +60,15 @@ class ConfigError(InputError):
     """A bad config value; the message names the file (or flag) and the key."""
 
 
+def check_dir_to_write(flag: str, path, itself: bool = True) -> None:
+    """A dir a command will write into (`path` itself, or with itself=False the dir a file path goes in) must not be,
+    or lie under, an existing file: found before any work, not when the first file is written (ConfigError)."""
+    path = Path(path)
+    file = next((d for d in ((path,) if itself else ()) + tuple(path.parents) if d.is_file()), None)
+    if file is not None:
+        raise ConfigError(f"{flag} {path}: {file} is a file, not a dir to write into")
+
+
 def printable(text: str) -> str:
     """Text that print() cannot choke on: file names that are not UTF-8 (surrogate escapes) as \\xNN."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

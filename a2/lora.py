@@ -25,6 +25,7 @@ at the end of this file.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -341,9 +342,6 @@ def load_expanded(base, lora):
 def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
     .save_pretrained` writes) -> diffusers keys with peft's scaling folded into lora_B."""
-    import json
-    import math
-
     from peft.utils.other import get_pattern_key
     from safetensors.torch import load_file
 

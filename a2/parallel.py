@@ -290,8 +290,6 @@ def sampling_group(device: str) -> int:
     """infer.py under torchrun (WORLD_SIZE > 1): the process group every rank samples in, one sample split over
     all of them (NCCL on GPUs, each rank on its LOCAL_RANK GPU; gloo on the CPU). Returns this rank (0: the one
     that writes); 0 without torchrun."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0
     cuda = device.startswith("cuda")

@@ -51,7 +51,7 @@ from unittest import mock
 
 import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -174,8 +174,6 @@ def fake_tensors():
     """A FakeTensorMode in which modules can move (.to(), peft's adapters): nn.Module swaps fake parameters, and
     torch.utils.swap_tensors refuses tensors with weak references, which the fake converter's memo of every fresh
     op output holds (a memo keyed by meta tensors made for that output alone, never read again)."""
-    from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
-
     with mock.patch.object(FakeTensorConverter, "set_tensor_memo", lambda *args: None), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode

@@ -147,21 +147,25 @@ def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, 
             assert len(said) == 1 and said[0].startswith("error: ") and "│" not in said[0], (args, said)
 
 
-@pytest.mark.parametrize("mistake", ["--device cuda", "--output-dir file"])
+@pytest.mark.parametrize("mistake", ["--device cuda", "--output-dir file", "--swap-blocks 2"])
 def test_train_mistakes_found_after_the_imports_are_one_line(data_dir, tmp_path, mistake):
     """train_a2.py's input mistakes that need torch to be seen (no CUDA GPU; an --output-dir, or a dir above it, that
-    is a file) are one line, exit 2, before the run starts (nothing logged: no data scanned, no weights loaded)."""
+    is a file; block swap on VACE's model, whose context blocks it does not reach) are one line, exit 2, before the
+    run starts (nothing logged: no data scanned, no weights loaded)."""
     (tmp_path / "file").write_text("")
     flag, value = mistake.split()
     given = {"--output-dir": str(tmp_path), "--device": "cpu",
-             flag: value if flag == "--device" else str(tmp_path / value)}
-    argv = ["--model", "tiny", "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "21",
+             flag: str(tmp_path / value) if flag == "--output-dir" else value}
+    model = "tiny-vace" if flag == "--swap-blocks" else "tiny"
+    argv = ["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32", "--num-frames", "21",
             *(x for kv in given.items() for x in kv)]
     r = subprocess.run([sys.executable, str(ROOT / "train_a2.py"), *argv], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)  # no GPU, also on a GPU machine
     said = r.stderr.strip().splitlines()
-    want = ("--device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)" if flag == "--device" else
-            f"--output-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a dir to write into")
+    want = {"--device": "--device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)",
+            "--output-dir": f"--output-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a dir to write into",
+            "--swap-blocks": "--swap-blocks does not reach VACE's context blocks: drop it (--fp8-base and "
+                             "recomputation cover them)"}[flag]
     assert (r.returncode, said, r.stdout) == (2, [f"error: {want}"], ""), (r.returncode, said[-5:])
 
 

@@ -542,17 +542,6 @@ def late_imports(path, root) -> list[str]:
     return sorted(set(found), key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
 
 
-# The files other work is rewriting now, with the modules their functions still import that way: each is hoisted as
-# that work lands and its entry taken out of this list, which must end empty.
-LATE_IMPORTS_BEING_MOVED = {
-    "a2/lora.py": ("json", "math"),
-    "a2/parallel.py": ("os",),
-    "a2/trace.py": ("torch._subclasses.fake_tensor",),
-    "bench.py": ("a2.conditioning", "a2.dataset_config", "a2.elements", "shutil", "statistics", "pathlib"),
-    "train_a2.py": ("a2.lora", "a2.transformer"),
-}
-
-
 def test_no_function_imports_a_module_it_could_import_at_the_top(tmp_path):
     """No function of a2's code (the scripts, a2/) imports a standard-library module or one its file imports at the
     top: those imports cost nothing at the top, where a reader looks for a file's dependencies."""
@@ -560,8 +549,7 @@ def test_no_function_imports_a_module_it_could_import_at_the_top(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     found = [f for path in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) for f in late_imports(path, root)]
-    allowed = {(file, module) for file, modules in LATE_IMPORTS_BEING_MOVED.items() for module in modules}
-    assert [f for f in found if (f.split(":")[0], f.split()[1]) not in allowed] == []
+    assert found == []
     # and it can fail: a stdlib module, a module imported at the top, an a2 submodule beside another one
     (tmp_path / "a2").mkdir()
     for name in ("x", "y"):
