@@ -537,6 +537,13 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
     check_size(*cfg.resolution, cfg.num_frames)
     if cfg.dataset_config:
         cfgs = load_dataset_config(cfg.dataset_config)
+        keys = ("data_root", "manifest", "dataset_type", "sam", "cross_video", "elements", *EXTRACTION_KEYS)
+        beside = [k for k in keys
+                  if getattr(cfg, k) != TrainConfig.__dataclass_fields__[k].default]  # the file's keys, which it sets
+        if beside:  # for each of its datasets: a flag beside it would be ignored, and the run train other data
+            raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {cfg.dataset_config} "
+                              "describes the data (each dataset's keys of the same names); set them there, or drop "
+                              "the flags")
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
             flag, file = getattr(cfg.conditioning, f.name), getattr(cfgs[0].vae, f.name)
             if flag != getattr(ConditioningConfig(), f.name) and flag != file:

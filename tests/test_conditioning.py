@@ -366,6 +366,11 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     with pytest.raises(ConfigError, match=rf"^--reference-timestep zero: {cfg_file} sets processors.vae."
                                           r"reference_timestep to 'shared'; set it in the file, or drop the flag$"):
         dataset_configs(other)
+    # the data's own flags beside the file would be ignored (the file's datasets train): refused, all named
+    beside = replace(cfg, data_root=str(data_dir), elements=("subject=_person.png",), frame_extraction="head")
+    with pytest.raises(ConfigError, match=rf"^--data-root --elements --frame-extraction: {cfg_file} describes the "
+                                          r"data \(each dataset's keys of the same names\); set them there"):
+        dataset_configs(beside)
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "processors": {"vae": {"vae_sample_mode": "mean"}}}]}))
     with pytest.raises(ConfigError, match=r"processors.vae.vae_sample_mode: 'mean' is not one of \('sample', "

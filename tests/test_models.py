@@ -269,8 +269,10 @@ def test_wan22_t2v_training_and_bad_combinations(wan22_t2v_dir, wan22_i2v_dir, t
     t2v_config.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "dataset_type": "t2v",
                                                     "elements": [], "target_resolution": [32, 32]}]}))
     seen = record_loads(monkeypatch)
-    r = train(*args(data_dir, tmp_path, "t2v", "--dataset-config", str(t2v_config), "--num-frames", "17",
-                    "--expert", "high", "--max-steps", "1", model=wan22_t2v_dir))
+    flags = [f for f in args(data_dir, tmp_path, "t2v", "--dataset-config", str(t2v_config), "--num-frames", "17",
+                             "--expert", "high", "--max-steps", "1", model=wan22_t2v_dir)
+             if f not in ("--data-root", str(data_dir))]  # the file names the data
+    r = train(*flags)
     assert [s for s, _ in seen] == ["transformer"] and min(seen[0][1]) >= 875
     assert r["weights"].name == "pytorch_lora_weights_high.safetensors"
     with pytest.raises(UnsupportedModel, match=r"two experts .*--expert high or --expert low"):
