@@ -196,6 +196,10 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     if cfg.val_elements:  # read now, not after training and export
         if layout.images == "none":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
+        if layout.images == "elements" and not elements:  # Wan I2V's frames of the clip: no sampler takes them yet
+            raise ConfigError(f"--val-elements: the {layout.kind} kind conditions on frames of the clip "
+                              f"(--frame-conditioning {layout.frame_conditioning}), which neither validation nor "
+                              "infer.py samples yet; drop them (--eval-split N measures a held-out loss)")
         try:
             if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
                 if len(cfg.val_elements) != 1:

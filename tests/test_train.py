@@ -293,6 +293,10 @@ def test_bad_configs_fail_before_training(data_dir, tmp_path):
         train(*args(data_dir, tmp_path, "v", "--val-elements", str(tmp_path / "nope.png")))
     with pytest.raises(ValueError, match="--val-prompt is empty"):
         train(*args(data_dir, tmp_path, "p", "--val-every", "2", "--val-prompt", " "))
+    with pytest.raises(ConfigError, match=r"^--val-elements: the inplace kind conditions on frames of the clip "
+                                          r"\(--frame-conditioning first\), which neither validation nor infer.py"):
+        train(*args(data_dir, tmp_path, "i", "--frame-conditioning", "first", "--num-frames", "17",
+                    "--val-elements", str(data_dir / "000_person.png")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]  # refused runs leave nothing behind
 
 
