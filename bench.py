@@ -56,7 +56,7 @@ import torch
 
 from a2 import align
 from a2.cli import ConfigError, run_cli
-from a2.conditioning import clip_frames, lora_target, plan
+from a2.conditioning import clip_frames, lora_target, num_latent_frames, plan
 from a2.dataset_config import CONDITIONING_CHOICES, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
 from a2.elements import A2_ELEMENTS, Element
 from a2.kinds import KIND_DEFS, kind_sampling
@@ -83,7 +83,7 @@ def host_rss() -> float:
         return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def vae_scale(cfg: dict) -> int:
+def preset_vae_scale(cfg: dict) -> int:
     """Spatial compression of the VAE a preset's latents come from: Wan 2.2's 48-channel VAE (5B) 16, else 8."""
     return 16 if cfg["out_channels"] == TI2V_Z_DIM else 8
 
@@ -117,7 +117,8 @@ def check_backends(b: BenchConfig) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = WanTransformer3DModel(**cfg)
-        t_lat, h, w = (b.frames - 1) // 4 + 1, b.size[0] // vae_scale(cfg), b.size[1] // vae_scale(cfg)
+        s = preset_vae_scale(cfg)
+        t_lat, h, w = num_latent_frames(b.frames), b.size[0] // s, b.size[1] // s
         x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
         text = torch.randn(1, TEXT_TOKENS, cfg["text_dim"])
         image = torch.randn(1, CLIP_TOKENS * b.refs, cfg["image_dim"]) if b.refs else None
@@ -314,7 +315,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
         raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
                      cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
-                     vae_scale=vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
+                     vae_scale=preset_vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
                      expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM,
                      native_kind=kind if d.native else None)
     layouts = CONDITIONING_CHOICES["reference_layout"]

@@ -9,7 +9,7 @@
 Everything random in a step (sigma, noise, dropout, VAE posterior) is drawn from a generator seeded by
 (seed, step, index of the sample in the global batch), so N ranks, gradient accumulation and one process
 compute the same update, and a resumed run continues the same loss curve. The objective is in a2/flow.py,
-the conditioning in a2/pipeline.py (prepare_latents, shared with inference).
+the conditioning in a2/conditioning.py (prepare_latents, shared with inference through A2Pipeline).
 """
 
 from __future__ import annotations
