@@ -478,12 +478,6 @@ def find_video(stem: Path) -> Path | None:
 # ---------------------------------------------------------------- OpenS2V-5M
 
 
-def cluster_of(key: str) -> str:
-    """OpenS2V's cluster id of a clip key (its demo dataloader's rule)."""
-    c = key.split("_segment")[0]
-    return key.split("_part")[0] if c == key else c
-
-
 def read_clusters(path: Path) -> dict[str, str]:
     """{"total_partN/<key>": cluster id} from cluster_videos.json ({cluster: [part/key, ...]}), streamed."""
     import ijson
