@@ -1,9 +1,10 @@
 """The CUDA tier (marked gpu; skipped where there is no GPU): every training path users run, on the GPU in bf16.
 
-FSDP2 full fine-tuning (1 rank) against DDP-style training with recomputation, selective recomputation and
-compilation; LoRA; precompute + cached training; validation videos; resume after SIGTERM; infer.py; a real-size
-(random-weight) model through train_a2.py's own loop with the --memory auto plan. Tolerances are bf16's: two runs
-that differ only in how the work is split (sharded vs not) agree to ~1e-2 relative in the loss, not bit for bit."""
+FSDP2 full fine-tuning and LoRA (1 rank) against DDP-style training with recomputation, selective recomputation and
+compilation; LoRA; Wan VACE's LoRA, over fp8 base weights too; precompute + cached training; validation videos;
+resume after SIGTERM; infer.py; a real-size (random-weight) model through train_a2.py's own loop with the --memory
+auto plan. Tolerances are bf16's: two runs that differ only in how the work is split (sharded vs not) agree to ~1e-2
+relative in the loss, not bit for bit."""
 
 import signal
 
@@ -49,6 +50,39 @@ def test_fsdp_full_finetune_in_bf16_matches_ddp(data_dir, tmp_path, blocks):
     assert all(torch.isfinite(torch.tensor(v)) for v in a.values())
     assert close(a, b, 2e-2), (a, b)
     assert (fsdp["run_dir"] / "transformer").is_dir()
+
+
+@pytest.mark.parametrize("blocks", [(), ("--compile",)], ids=["eager", "compile"])
+def test_fsdp_lora_in_bf16_matches_ddp(data_dir, tmp_path, blocks):
+    """--fsdp on a LoRA (the frozen base sharded, here over one rank; the adapter fp32, computed in bf16) trains as the
+    unsharded run does on the GPU, within bf16's rounding, and exports the same files."""
+    steps = ("--max-steps", "4", "--lr", "1e-3", "--lora-alpha", "32", "--memory", "manual", *blocks)
+    fsdp = train(*args(data_dir, tmp_path, "fsdp", *steps, "--fsdp"))
+    ddp = train(*args(data_dir, tmp_path, "ddp", *steps))
+    a, b = losses(fsdp["run_dir"]), losses(ddp["run_dir"])
+    print(blocks, a, b)
+    assert all(v == v for v in a.values()) and close(a, b, 2e-2), (a, b)
+    assert load_file(fsdp["weights"]).keys() == load_file(ddp["weights"]).keys()
+
+
+def test_vace_lora_over_fp8_base_trains_and_infers(data_dir, tmp_path):
+    """Wan VACE on the GPU: its LoRA on the context blocks (the default) trains in bf16, compiled and recomputed, and
+    with --fp8-base (which stores the context blocks' frozen linears in fp8 too) within 10% of that; infer.py samples
+    the model with the LoRA, and the LoRA changes the video."""
+    import infer
+
+    steps = ("--model", "tiny-vace", "--num-frames", "17", "--max-steps", "4", "--lr", "5e-2", "--warmup-steps", "0",
+             "--compile", "--memory", "manual")
+    bf16 = train(*args(data_dir, tmp_path, "vace", *steps))
+    fp8 = losses(train(*args(data_dir, tmp_path, "vace-fp8", *steps, "--fp8-base"))["run_dir"])
+    ref = losses(bf16["run_dir"])
+    print(fp8, ref)
+    assert all(v == v for v in ref.values()) and close(fp8, ref, 0.1), (fp8, ref)
+    base = dict(model="tiny-vace", elements=(str(data_dir / "000_person.png"),), height=64, width=64,
+                num_frames=17, steps=3, device="cuda", dtype="bfloat16")
+    infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "plain.pt")))
+    assert infer.main(infer.InferConfig(**base, lora=str(bf16["weights"]), out=str(tmp_path / "lora.mp4"),
+                                        compare=str(tmp_path / "plain.pt"))) == 1  # the LoRA changes the output
 
 
 def test_lora_bf16_trains_and_infers(data_dir, tmp_path, tiny_dir):
