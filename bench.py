@@ -394,7 +394,8 @@ def main(b: BenchConfig) -> dict:
     if device.type == "cuda" and b.memory.max_memory_gb:  # a smaller card: the allocator may not go past it now
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, b.memory.max_memory_gb * 2**30 / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # torch refuses a bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, b.memory.max_memory_gb * 2**30 / total), index)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, guard = make_optimizer(train_cfg, params, device)  # the trainer's AdamW, its guard and (--ema-decay) EMA
 
