@@ -218,11 +218,9 @@ class _Storage:
     nbytes: int
     where: str  # device | host
     phase: str  # setup | forward | backward | step: when it was made
-    op: str  # the op that made it
     tag: str | None = None  # weights | state | swapped | kept | host (the copies of a2/offload.py)
     alive: bool = True
     full_block: str = ""  # made in the forward of a block that is not recomputed: "blocks" | "context" (VACE's)
-    block: int | None = None  # the block whose forward made it (None: outside the blocks)
 
 
 @dataclass
@@ -239,14 +237,6 @@ class Peak:
         for s in self.dynamic:
             out[_category(s)] += s.nbytes
         return out
-
-    def by_op(self, category: str) -> dict[str, int]:
-        """The bytes of one category of the step's storages at the peak, by the op that made them."""
-        out: dict[str, int] = {}
-        for s in self.dynamic:
-            if _category(s) == category:
-                out[s.op] = out.get(s.op, 0) + s.nbytes
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def kept_by_full_blocks(self, group: str = "blocks") -> int:
         """The bytes at the peak that blocks not recomputed keep for backward (group "context": VACE's context
@@ -281,7 +271,6 @@ class LiveBytes(TorchDispatchMode):
         self.forward_end = Peak()  # the device bytes when the forward has returned the loss
         self.host_peak = 0  # pinned host bytes, the most at once
         self.in_full_block = ""  # the group of the block not recomputed whose forward runs (the driver's hooks)
-        self.block: int | None = None  # the block whose forward is running (the driver's hooks)
         self.gathering: str | None = None  # FSDP2 gathers weights: what it allocates is of this category
 
     # ------------------------------------------------------------------ counting
@@ -293,10 +282,10 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             t = getattr(t, "_local_tensor", t)  # a DTensor's memory is its local tensor's (FSDP2's shard)
             if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
-                self.track(t, source, func.__name__)
+                self.track(t, source)
         return out
 
-    def track(self, t: torch.Tensor, source: torch.Tensor | None = None, op: str = "") -> _Storage | None:
+    def track(self, t: torch.Tensor, source: torch.Tensor | None = None) -> _Storage | None:
         if t.device.type == "meta":  # shapes only (the training step's pixels from a cache): no memory anywhere
             return None
         st = t.untyped_storage()
@@ -317,23 +306,25 @@ class LiveBytes(TorchDispatchMode):
                 tag = "swapped" if origin.phase == "setup" else "kept"
             elif origin is not None and origin.phase == "setup":  # a cast of a weight (autocast's, fp8's) is of
                 tag = origin.tag  # its category
-            tag = self.gathering or tag
-        info = _Storage(nbytes, where, self.phase, op, tag, block=self.block,
+            tag = "weights" if self.phase == "setup" else self.gathering or tag
+        info = _Storage(nbytes, where, self.phase, tag,
                         full_block=self.in_full_block if self.phase == "forward" else "")
+        self._add(st, info)
+        return info
+
+    def _add(self, st, info: _Storage) -> None:
+        """Counts a storage from now until its last reference goes: on the device, made before the step (static)
+        or in it (dynamic: the peaks follow), or in host memory."""
         self.storages[st] = info
         weakref.finalize(st, self._free, info)
-        self.live[where] += nbytes
-        if where == "host":
-            if self.phase != "setup" or tag == "host":
-                self.host_peak = max(self.host_peak, self.live["host"])
-            return info
-        if self.phase == "setup":
-            info.tag = "weights"
-            self.static["weights"] += nbytes
-            return info
-        self.dynamic.add(info)
-        self._grown()
-        return info
+        self.live[info.where] += info.nbytes
+        if info.where == "host":
+            self.host_peak = max(self.host_peak, self.live["host"])
+        elif info.phase == "setup":
+            self.static[info.tag] += info.nbytes
+        else:
+            self.dynamic.add(info)
+            self._grown()
 
     def _grown(self) -> None:
         if self.live["device"] > self.peaks.get(self.phase, self.peak).total or self.phase not in self.peaks:
@@ -361,15 +352,7 @@ class LiveBytes(TorchDispatchMode):
         if nbytes == old.nbytes:
             return
         self._free(old)
-        new = replace(old, nbytes=nbytes)
-        self.storages[st] = new
-        weakref.finalize(st, self._free, new)
-        self.live[new.where] += nbytes
-        if new.where == "device" and new.phase == "setup":
-            self.static[new.tag] += nbytes
-        elif new.where == "device":
-            self.dynamic.add(new)
-            self._grown()
+        self._add(st, replace(old, nbytes=nbytes))
 
     def _free(self, info: _Storage) -> None:
         if not info.alive:
@@ -397,10 +380,10 @@ class LiveBytes(TorchDispatchMode):
                     self.static[tag] += info.nbytes
                 info.tag = tag
 
-    def enter_block(self, block: int | None, full: str) -> None:
-        """The forward of `block` starts (None: it ended); full: its group ("blocks", "context") if it is not
-        recomputed, else ""."""
-        self.block, self.in_full_block = block, full
+    def enter_block(self, full: str) -> None:
+        """A block's forward starts, full: its group ("blocks", "context") if it is not recomputed, else "" (also
+        when it ends)."""
+        self.in_full_block = full
 
     def phases(self) -> dict[str, Peak]:
         """The device peak of each phase of the step and the bytes at the forward's end (a2/memory.py's PHASES)."""
@@ -414,10 +397,6 @@ class LiveBytes(TorchDispatchMode):
                 s.tag = "kept"
         self.forward_end = Peak(self.live["device"], "forward end", dict(self.static), list(self.dynamic))
         self.phase = "backward"
-
-    def host_bytes(self) -> int:
-        """Pinned host bytes alive now (swapped blocks' buffers and offloaded copies)."""
-        return self.live["host"]
 
 
 def step_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -607,8 +586,8 @@ def watch_blocks(tracer: LiveBytes, model, recomputed: int, recomputed_context: 
     for group, blocks, k in (("blocks", model.blocks, recomputed), ("context", vace, recomputed_context)):
         for i, block in enumerate(blocks):
             full = group if i >= k else ""
-            block.register_forward_pre_hook(lambda *_, i=i, full=full: tracer.enter_block(i, full))
-            block.register_forward_hook(lambda *_: tracer.enter_block(None, ""))
+            block.register_forward_pre_hook(lambda *_, full=full: tracer.enter_block(full))
+            block.register_forward_hook(lambda *_: tracer.enter_block(""))
     if recomputed:
         def to_recompute(module, args, out):
             if out.requires_grad:
