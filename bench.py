@@ -61,7 +61,7 @@ from a2.dataset_config import CONDITIONING_CHOICES, ClipProcessorConfig, Dataset
 from a2.elements import A2_ELEMENTS, Element
 from a2.kinds import KIND_DEFS, kind_sampling
 from a2.lora import make_trainable
-from a2.memory import apply_plan, context_tokens, cut_config, memory_plan, step_shape, use_expandable_segments
+from a2.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from a2.transformer import (
@@ -77,19 +77,14 @@ from config import LORA_TARGETS, BenchConfig, MemoryConfig, TrainConfig, resolve
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
 
-def host_rss() -> float:
-    """This process's resident host memory in bytes (pinned buffers of offload and block swap included)."""
-    with open("/proc/self/status") as f:
-        return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def preset_vae_scale(cfg: dict) -> int:
     """Spatial compression of the VAE a preset's latents come from: Wan 2.2's 48-channel VAE (5B) 16, else 8."""
     return 16 if cfg["out_channels"] == TI2V_Z_DIM else 8
 
 
-def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
-    """(linear FLOPs, attention-core FLOPs) of one forward pass for one sample (see the module docstring)."""
+def forward_flops(cfg: dict, tokens: int, context: int, ref_tokens: int = 0, rank: int = 0) -> tuple[float, float]:
+    """(linear FLOPs, attention-core FLOPs) of one forward pass for one sample (see the module docstring); ref_tokens:
+    Stand-In's reference tokens beside the video's, with its reference LoRA of `rank`."""
     d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     c = len(cfg.get("vace_layers") or ())  # VACE's context blocks: blocks, each with its hint's projection
     f, n, L, Lc = cfg["ffn_dim"], cfg["num_layers"] + c, tokens, context
@@ -98,25 +93,18 @@ def forward_flops(cfg: dict, tokens: int, context: int) -> tuple[float, float]:
     if c:  # the hints' projections, the first block's of its input, the context's patch embedding
         linear += (c + 1) * 2 * L * d * d + 2 * L * (4 * cfg["vace_in_channels"]) * d
     core = n * (4 * L * L * d + 4 * L * Lc * d)
+    Lr = ref_tokens  # (Stand-In is not VACE: n is its layers)
+    linear += n * (8 * Lr * d * d + 4 * Lr * d * f + 12 * Lr * d * rank) + 2 * Lr * (4 * cfg["in_channels"]) * d
+    core += n * (4 * L * Lr * d + 4 * Lr * Lr * d)
     return float(linear), float(core)
 
 
-def standin_flops(cfg: dict, tokens: int, ref_tokens: int, rank: int) -> tuple[float, float]:
-    """(linear, attention-core) FLOPs Stand-In's reference tokens add to one forward (module docstring)."""
-    d, f, n, L, Lr = (cfg["num_attention_heads"] * cfg["attention_head_dim"], cfg["ffn_dim"], cfg["num_layers"],
-                      tokens, ref_tokens)
-    linear = n * (8 * Lr * d * d + 4 * Lr * d * f + 12 * Lr * d * rank) + 2 * Lr * (4 * cfg["in_channels"]) * d
-    return float(linear), float(n * (4 * L * Lr * d + 4 * Lr * Lr * d))
-
-
 def check_backends(b: BenchConfig) -> dict:
-    from diffusers import WanTransformer3DModel
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = {**preset_config(b.preset, e2v=b.refs > 0), "num_layers": 2}
+    model = random_transformer(cfg, torch.float32, device)
     torch.manual_seed(0)
     with torch.device(device):
-        model = WanTransformer3DModel(**cfg)
         s = preset_vae_scale(cfg)
         t_lat, h, w = num_latent_frames(b.frames), b.size[0] // s, b.size[1] // s
         x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
@@ -228,16 +216,21 @@ def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True,
     block; a quick check). trace False: the plan alone."""
     run, train_cfg, cfg = bench_run(b)
     cut = cut_config(cfg, layers or cfg["num_layers"])
+    # (the target model of --align-refs runs beside the step, not in the trace)
+    return dry_run(train_cfg, run, lambda run: bench_model(b, run, cut, torch.bfloat16, "cpu").train(),
+                   config=cfg if layers else None, align_dim=b.align_dim, log=log, trace=trace)
 
-    def build(run):
-        model = random_transformer(cut, torch.float32 if b.mode == "full" else torch.bfloat16, "cpu")
-        make_trainable(model, run.layout, b.mode, b.lora_rank, b.lora_rank,
-                       target=lora_target(run.layout, LORA_TARGETS))  # (VACE: its context blocks, as train_a2.py)
-        if train_cfg.align_loss:  # the projectors (the target model runs beside the step, not in the trace)
-            align.install(model, b.align_dim, [i for i in b.align_blocks if i < cut["num_layers"]])
-        return model.train()
 
-    return dry_run(train_cfg, run, build, config=cfg if layers else None, align_dim=b.align_dim, log=log, trace=trace)
+def bench_model(b: BenchConfig, run: Run, cfg: dict, dtype: torch.dtype, device):
+    """The transformer bench's step trains: random weights of `cfg` on `device`, a LoRA's in `dtype`, full fine-tuning
+    in fp32 (master weights, bf16 autocast), made trainable as train_a2.py makes it (VACE: its LoRA on the context
+    blocks), with --align-refs' projectors (trainable, fp32) on --align-blocks."""
+    model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
+    make_trainable(model, run.layout, b.mode, b.lora_rank, b.lora_rank, target=lora_target(run.layout, LORA_TARGETS))
+    if b.align_refs and b.align_loss:
+        align.install(model, b.align_dim, [i for i in b.align_blocks if i < cfg["num_layers"]])
+        model.to(device)  # (the projectors)
+    return model
 
 
 A2, V3 = dict(preset="14B", refs=3, frames=81), dict(preset="14B", layout="v3", refs=4, frames=121)
@@ -342,14 +335,11 @@ def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
     return align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)[2]
 
 
-def align_target(b: BenchConfig, cfg: dict, model, device, dtype):
-    """--align-refs: the projectors installed on `model` (trainable, fp32) and a random DINOv3 ViT-B/16 or ViT-L/16
-    (4 registers) resident on `device` in `dtype`, as train_a2.py holds them; returns dino_targets' target."""
+def align_target(b: BenchConfig, device, dtype):
+    """--align-refs: a random DINOv3 ViT-B/16 or ViT-L/16 (4 registers) resident on `device` in `dtype`, as
+    train_a2.py holds it; returns dino_targets' target."""
     from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-    blocks = [i for i in b.align_blocks if i < cfg["num_layers"]]
-    align.install(model, b.align_dim, blocks)
-    model.to(device)  # (the projectors; the transformer is placed by the plan, it is there already or moved there)
     big = b.align_dim == 1024
     config = DINOv3ViTConfig(hidden_size=b.align_dim, intermediate_size=4 * b.align_dim,
                              num_hidden_layers=24 if big else 12, num_attention_heads=16 if big else 12,
@@ -371,22 +361,21 @@ def main(b: BenchConfig) -> dict:
     layout, info = run.layout, run.info
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    # built in place on the device: LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
-    # would not fit), full fine-tuning in fp32 (master weights, bf16 autocast)
-    model = random_transformer(cfg, dtype if b.mode == "lora" else torch.float32, device)
+    # built in place on the device: a LoRA in the compute dtype (a 14B model in fp32, 56 GB, beside its bf16 copy
+    # would not fit)
+    model = bench_model(b, run, cfg, dtype, device)
     if b.memory.attention_backend:
         model.set_attention_backend(b.memory.attention_backend)
-    make_trainable(model, layout, b.mode, b.lora_rank, b.lora_rank, target=lora_target(layout, LORA_TARGETS))
     h, w = b.size
     tokens = info.latent_tokens(layout.model_frames, h, w)  # the input's tokens
     packed = layout.tokens(info, h, w) - tokens  # reference tokens beside them (Stand-In's), 0 for other kinds
     target = None
     if b.align_refs and b.align_loss:  # before the plan: it counts the projectors and the resident target model
-        target = align_target(b, cfg, model, device, dtype)
+        target = align_target(b, device, dtype)
     compile = resolve_compile(b.memory.compile, device.type)
     print(f"{layout.describe()} | blocks {'compiled' if compile else 'eager'}")
-    plan = memory_plan(b.memory, model, step_shape(layout, info, b.size, b.batch, 1), b.mode == "full", False,
-                       device, compile, ema=b.ema_decay > 0)
+    shape = step_shape(layout, info, b.size, b.batch, 1)
+    plan = memory_plan(b.memory, model, shape, b.mode == "full", False, device, compile, ema=b.ema_decay > 0)
     print(f"memory: {plan}")
     for line in apply_plan(model, plan, device, compile, b.memory.fp8_matmul):
         print(line)
@@ -399,7 +388,6 @@ def main(b: BenchConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt, guard = make_optimizer(train_cfg, params, device)  # the trainer's AdamW, its guard and (--ema-decay) EMA
 
-    context = context_tokens(layout)
     # train_a2.py's step on the batch a precompute cache of this run would hold (zero posteriors, text, CLIP tokens)
     batch, enc = synthetic_batch(run, b.batch, h, w)
     # the cache's DINOv3 targets (zeros); with the loss, replaced each step by the target model's
@@ -428,18 +416,15 @@ def main(b: BenchConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    rss0 = host_rss()
+    rss0 = proc_bytes("/proc/self/status", "VmRSS")
     t0 = time.perf_counter()
     for _ in range(b.steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / b.steps
+    dt, rss = (time.perf_counter() - t0) / b.steps, proc_bytes("/proc/self/status", "VmRSS")
 
-    linear, core = forward_flops(cfg, tokens, context)
-    if packed:
-        extra = standin_flops(cfg, tokens, packed, b.lora_rank)
-        linear, core = linear + extra[0], core + extra[1]
+    linear, core = forward_flops(cfg, tokens, shape.context, packed, b.lora_rank)
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
     # what the GPU computes on top: the recomputed forward of checkpointed blocks (less their self-attention cores
     # with save_attention); HFU = hardware FLOP utilisation
@@ -460,7 +445,7 @@ def main(b: BenchConfig) -> dict:
                tokens_per_s=b.batch * tokens / dt, tflops=tflops, mfu=None if peak is None else tflops / peak,
                hfu=None if peak is None else hardware_flops / dt / 1e12 / peak,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-               host_gb=host_rss() / 2**30, host_step_gb=(host_rss() - rss0) / 2**30, plan=str(plan),
+               host_gb=rss / 2**30, host_step_gb=(rss - rss0) / 2**30, plan=str(plan),
                estimate_gb=plan.estimate_gb,
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     res.update(backend=b.memory.attention_backend or "default", compile=compile, checkpointing=fraction,

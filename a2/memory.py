@@ -176,19 +176,13 @@ class StepShape:
         return self.sequence or self.tokens
 
 
-def context_tokens(layout) -> int:
-    """Cross-attention keys of one sample: the 512 text tokens and 257 CLIP tokens per image where the step feeds
-    them."""
-    return TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
-
-
 def step_shape(layout, info, resolution: tuple[int, int], micro_batch: int, context_parallel: int) -> StepShape:
     """The step a rank runs: the micro-batch's tokens of a run's layout (its largest element set; in-context and
     Stand-In references counted), its share under context parallel (each sample split, the last rank padded), and
-    the cross-attention context."""
+    the cross-attention context (512 text tokens and 257 CLIP tokens per image where the step feeds them)."""
     whole = layout.tokens(info, *resolution)
-    return StepShape(micro_batch * -(-whole // context_parallel), micro_batch * whole, context_tokens(layout),
-                     layout.use_clip)
+    context = TEXT_TOKENS + (CLIP_TOKENS * layout.reference_images if layout.use_clip else 0)
+    return StepShape(micro_batch * -(-whole // context_parallel), micro_batch * whole, context, layout.use_clip)
 
 
 @dataclass(frozen=True)
@@ -481,11 +475,12 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict |
                       context_frozen=bool(groups[1]) and not trains[1])
 
 
-def host_available() -> float:
-    """The host's available memory (Linux /proc/meminfo MemAvailable), infinite where unknown."""
+def proc_bytes(path: str, key: str) -> float:
+    """A Linux memory figure in bytes: /proc/meminfo's MemAvailable (the host's available memory), /proc/self/status's
+    VmRSS (this process's resident memory, pinned buffers included); infinite where unknown."""
     try:
-        with open("/proc/meminfo") as f:
-            return next(float(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        with open(path) as f:
+            return next(float(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration, ValueError):
         return float("inf")
 
@@ -545,7 +540,7 @@ def memory_plan(c: MemoryConfig, model, shape: StepShape, full: bool, fsdp: bool
         on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
         other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
         budget = c.max_memory_gb * GB if c.max_memory_gb else free + torch.cuda.memory_reserved(device)
-        host = host_available()
+        host = proc_bytes("/proc/meminfo", "MemAvailable")
     m = model_bytes(model, full, fsdp, other, whole=whole, ema=ema)
     plan = plan_memory(config, shape, budget, m, host, fp8=c.fp8_base, offload=c.offload_activations,
                        swap_blocks=c.swap_blocks, compile=compile)
