@@ -127,12 +127,17 @@ def base_linears(transformer: nn.Module) -> list[tuple[str, nn.Linear]]:
             if isinstance(m, nn.Linear) and not any(part.startswith("lora_") for part in name.split("."))]
 
 
+def fp8_bytes(weight: torch.Tensor) -> float:
+    """Bytes of a frozen linear weight stored as e4m3 with one fp32 scale per output channel."""
+    return weight.numel() + 4.0 * weight.shape[0]
+
+
 def fp8_bytes_saved(transformer: nn.Module) -> int:
     """GPU bytes quantize_base_weights saves on this model as it is now (0 once quantized): per weight its bytes
-    less one, less 4 bytes of scale per output channel. Works on a model on any device, the meta device included,
-    so that a memory plan can count it before anything is quantized or moved. A2-14B (Wan I2V-14B) in bf16: 15.0 GiB."""
-    return sum(m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.out_features
-               for _, m in base_linears(transformer) if m.weight.dtype != E4M3)
+    less its fp8_bytes. Works on a model on any device, the meta device included, so that a memory plan can count it
+    before anything is quantized or moved. A2-14B (Wan I2V-14B) in bf16: 15.0 GiB."""
+    return round(sum(m.weight.numel() * m.weight.element_size() - fp8_bytes(m.weight)
+                     for _, m in base_linears(transformer) if m.weight.dtype != E4M3))
 
 
 @torch.no_grad()

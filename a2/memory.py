@@ -85,8 +85,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from a2.cli import ConfigError
-from a2.fp8 import quantize_base_weights, scaled_mm_supported
-from a2.offload import apply_offload
+from a2.fp8 import fp8_bytes, quantize_base_weights, scaled_mm_supported
+from a2.offload import apply_offload, frozen_tensors
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks
 from config import MemoryConfig
 
@@ -426,9 +426,15 @@ def cut_config(config: dict, layers: int) -> dict:
     return cut
 
 
-def fp8_bytes(weight) -> float:
-    """Bytes of a frozen linear weight stored as float8 with one fp32 scale per output row (a2/fp8.py)."""
-    return weight.numel() + 4.0 * weight.shape[0]
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's shard of an FSDP2 parameter (DTensor), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes a tensor takes on this rank (local)."""
+    t = local(t)
+    return t.numel() * t.element_size()
 
 
 def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict | None = None,
@@ -438,17 +444,10 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict |
     model uncut, whose blocks (and VACE's context blocks) are each like the mean of the model's own (a dry run's model
     cut to a few blocks, planned as the whole: cut_config); ema: --ema-decay keeps a copy of the trainable weights
     (a2/ema.py); compute_dtype: what FSDP gathers each block in."""
-    def local(p):  # a rank's shard of an FSDP2 parameter (DTensor), else the tensor
-        return p.to_local() if hasattr(p, "to_local") else p
-
-    def nbytes(t):
-        t = local(t)
-        return t.numel() * t.element_size()
-
     def frozen_bytes(blocks):  # (the mean block's frozen bytes, the same in fp8)
         block = block_fp8 = 0.0
         for b in blocks:
-            frozen = {id(t): t for t in [*b.parameters(), *b.buffers()] if not t.requires_grad}
+            frozen = {id(t): t for t in frozen_tensors(b)}
             block += sum(nbytes(t) for t in frozen.values())
             linear = {id(mod.weight): mod.weight for mod in b.modules() if isinstance(mod, torch.nn.Linear)
                       and id(mod.weight) in frozen and mod.weight.dtype != torch.float8_e4m3fn}
@@ -536,8 +535,7 @@ def memory_plan(c: MemoryConfig, model, shape: StepShape, full: bool, fsdp: bool
     else:
         torch.cuda.synchronize(device)
         free, _ = torch.cuda.mem_get_info(device)
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
-        on_gpu = sum(t.numel() * t.element_size() for t in local if t.device.type == "cuda")
+        on_gpu = sum(nbytes(t) for t in [*model.parameters(), *model.buffers()] if local(t).device.type == "cuda")
         other = max(0.0, torch.cuda.memory_allocated(device) - on_gpu)
         budget = c.max_memory_gb * GB if c.max_memory_gb else free + torch.cuda.memory_reserved(device)
         host = proc_bytes("/proc/meminfo", "MemAvailable")

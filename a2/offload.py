@@ -125,6 +125,12 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
+def frozen_tensors(block: nn.Module) -> list[torch.Tensor]:
+    """Every non-trainable tensor of the block (frozen parameters; buffers, e.g. fp8 weights and their scales,
+    whatever their dtype), each once."""
+    return list({id(t): t for t in [*block.parameters(), *block.buffers()] if not t.requires_grad}.values())
+
+
 def _storages(tensors) -> set[int]:
     # the storage itself, not its data pointer: a dry run's fake tensors have none (a2/trace.py)
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
@@ -155,17 +161,6 @@ class BlockOffload:
             block.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
             block.register_forward_hook(self._post_forward, always_call=True)  # also closes the hooks on errors
 
-    @staticmethod
-    def frozen_tensors(block: nn.Module) -> list[torch.Tensor]:
-        """Every non-trainable tensor of the block (frozen parameters; buffers, e.g. fp8 weights and their scales,
-        whatever their dtype), each once."""
-        out, seen = [], set()
-        for t in [p for p in block.parameters() if not p.requires_grad] + list(block.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
-
     # ------------------------------------------------------------------ block swap
     def add_swap(self, blocks: list[int]) -> None:
         """Blocks' frozen tensors, wherever they are (host memory before the model moves to the device, or the
@@ -173,7 +168,7 @@ class BlockOffload:
         for i in blocks:
             if i in self.frozen:
                 continue
-            tensors = self.frozen_tensors(self.blocks[i])
+            tensors = frozen_tensors(self.blocks[i])
             hosts = self.host_buffer(tensors)
             self.frozen[i] = []
             for t, host in zip(tensors, hosts):
@@ -302,7 +297,7 @@ def swap_bytes(model: nn.Module, n: int) -> int:
     less the (at most) two swapped blocks on the device at a time. Each swapped block's bytes cross host -> device
     twice a step (forward, backward)."""
     return sum(t.numel() * t.element_size() for i in swapped_blocks(model, n)
-               for t in BlockOffload.frozen_tensors(model.blocks[i]))
+               for t in frozen_tensors(model.blocks[i]))
 
 
 def apply_offload(model: nn.Module, activations: bool, swap: int, device, min_bytes: int | None = None) -> int:
