@@ -549,7 +549,7 @@ def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmu
     """Put a model in place as `plan` says, in the order that never needs the whole bf16 model on the GPU: fp8
     frozen weights (a2/fp8.py) and swapped blocks' weights to pinned host memory (a2/offload.py) while the model is
     still on the host, then the rest to `device`, then the blocks' recomputation / compilation (configure_blocks)
-    with the recomputed blocks' saved tensors offloaded. Returns what to log."""
+    with the recomputed blocks' saved tensors offloaded. Returns what to log besides the plan (str(plan))."""
 
     lines = []
     if plan.fp8:
@@ -561,8 +561,6 @@ def apply_plan(model, plan: MemoryPlan, device, compile: bool = False, fp8_matmu
                      f"({swapped / GB:.2f} GiB), fetched one block ahead in forward and backward")
     model.to(device)
     configure_blocks(model, plan.checkpoint_fraction, plan.save_attention, compile)
-    lines.append(f"blocks: {plan.checkpoint_fraction:.0%} recomputed"
-                 + (", keeping self-attention" if plan.save_attention and plan.checkpoint_fraction else "")
-                 + (", their saved tensors offloaded to host memory" if plan.offload and plan.checkpoint_fraction
-                    else "") + (", compiled" if compile else ""))
+    if compile:  # (what the blocks recompute, keep and offload is the plan's own line, `memory: ...`)
+        lines.append("blocks: compiled")
     return lines
