@@ -548,6 +548,7 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
     save = traced.save_attention
     rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c, kc)
             for c in {False, run.compile}}
+    estimate = {c: max(sum(v.values()) for v in r.values()) / GB for c, r in rule.items()}  # the largest phase
     compiled = (compiled_peak(tracer, config_cut, shape, m.precisions, save, kc == len(config_cut.get("vace_layers")
                                                                                       or ())) / GB
                 if run.compile else None)
@@ -559,9 +560,8 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
             f"{cfg.micro_batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
             "recomputed block)")
     log(f"memory: {plan}" + (f"\n  traced with {cut} of its {n} blocks: {traced}" if cut != n else ""))
-    lines, fits = report(tracer, rule, traced, cfg.memory.max_memory_gb or 80.0, compiled)
+    lines, fits = report(tracer, rule, estimate, traced, cfg.memory.max_memory_gb or 80.0, compiled)
     log("\n".join(lines))
-    estimate = {c: max(sum(v.values()) for v in r.values()) / GB for c, r in rule.items()}
     host = step_estimate(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks)[1]
     return dict(plan=plan, traced_plan=traced, tracer=tracer, rule=rule[False], peak_gb=tracer.peak.total / GB,
                 estimate_gb=estimate[run.compile], eager_estimate_gb=estimate[False], compiled_gb=compiled,
@@ -634,26 +634,26 @@ def compiled_peak(tracer: LiveBytes, config: dict, shape: StepShape, precisions:
     return round(max(peaks))
 
 
-def report(tracer: LiveBytes, rule: dict, plan, budget_gb: float, compiled_gb: float | None = None
+def report(tracer: LiveBytes, rule: dict, estimate: dict, plan, budget_gb: float, compiled_gb: float | None = None
            ) -> tuple[list[str], bool]:
     """What a dry run prints, GiB: the traced device peak by category beside the rule's terms at the same phase
-    (rule: {compile: step_memory}), the compiled accounting where blocks are compiled, the pinned host memory, and
-    whether the step fits `budget_gb` with a2/memory.py's margin for what the trace cannot see (module docstring):
-    the traced peak, or with compiled blocks the compiled accounting. Returns (lines, fits)."""
+    (rule: {compile: step_memory}; estimate: {compile: its largest phase, GiB}), the compiled accounting where blocks
+    are compiled, the pinned host memory, and whether the step fits `budget_gb` with a2/memory.py's margin for what
+    the trace cannot see (module docstring): the traced peak, or with compiled blocks the compiled accounting.
+    Returns (lines, fits)."""
     usable = budget_gb * (1 - MARGIN) - MARGIN_GB
     peak, phase = tracer.peak.total / GB, tracer.peak.phase
     eager = rule[False].get(phase, max(rule[False].values(), key=lambda c: sum(c.values())))
     traced = tracer.peak.by_category()
     lines = [f"dry run: peak device memory {peak:.2f} GiB in the {phase}, eager; the rule's estimate "
-             f"{max(sum(c.values()) for c in rule[False].values()) / GB:.2f} GiB",
+             f"{estimate[False]:.2f} GiB",
              "  traced: " + ", ".join(f"{c} {traced[c] / GB:.2f}" for c in CATEGORIES),
              "  rule:   " + ", ".join(f"{c} {eager[c] / GB:.2f}" for c in CATEGORIES)]
-    fits = peak <= usable
+    fits = (peak if compiled_gb is None else compiled_gb) <= usable
     if compiled_gb is not None:
-        fits = compiled_gb <= usable
-        lines.append(f"  compiled blocks: {compiled_gb:.2f} GiB, the rule's estimate "
-                     f"{max(sum(c.values()) for c in rule[True].values()) / GB:.2f} GiB (the trace with what "
-                     "compiled blocks keep and hold in their backward replaced by the H100 measurement, a2/memory.py)")
+        lines.append(f"  compiled blocks: {compiled_gb:.2f} GiB, the rule's estimate {estimate[True]:.2f} GiB (the "
+                     "trace with what compiled blocks keep and hold in their backward replaced by the H100 "
+                     "measurement, a2/memory.py)")
     lines += [f"  pinned host memory {tracer.host_peak / GB:.2f} GiB (plan: {plan.host_gb:.2f}): the GPU machine "
               f"needs {tracer.host_peak / GB / HOST_MARGIN:.1f} GiB of available RAM for it",
               f"  {'fits' if fits else 'DOES NOT FIT'}: {budget_gb:.1f} GiB card less {MARGIN:.0%} + {MARGIN_GB:.0f} "
