@@ -16,6 +16,7 @@ import tyro
 from a2.cli import ConfigError, OnOffAuto, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
     EXTRACTION_KEYS,
+    FRAME_EXTRACTION,
     PUBLIC_TYPES,
     ClipProcessorConfig,
     ConditioningConfig,
@@ -331,7 +332,7 @@ class TrainConfig:
     """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
     train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
     --data-root."""
-    dataset_type: Literal["e2v", "t2v", "opens2v", "phantom", "humoset"] = "e2v"
+    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
     """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
     training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
     OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
@@ -366,7 +367,7 @@ class TrainConfig:
     constructs the VAE, T5 or CLIP (unless validation videos need them)."""
     precompute: bool = False
     """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
-    frame_extraction: Literal["spread", "head", "chunk", "slide", "uniform"] = "spread"
+    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
     """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
     whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
     windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to

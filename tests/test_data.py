@@ -93,7 +93,8 @@ def test_design_document_config_loads(tmp_path):
     ({"data_root": 5}, r"datasets\[0\].data_root: expected str, got 5"),
     ({"weight": "x"}, r"datasets\[0\].weight: expected int or float, got 'x'"),
     ({"elements": "x"}, r"datasets\[0\].elements: expected list, got 'x'"),
-    ({"elements": [{"name": "a", "suffixes": 5}]}, r"elements\[0\].suffixes: expected str or list, got 5"),
+    ({"elements": [{"name": "a", "suffixes": 5}]}, r"elements\[0\].suffixes: expected a file suffix or a list of them, "
+                                                   r"got 5"),
     ({"elements": [{"name": "a", "suffixes": [5]}]}, r"elements\[0\].suffixes: expected a file suffix or a list"),
     ({"elements": [{"name": "a", "suffixes": "_a.png", "required": "yes"}]},
      r"elements\[0\].required: expected bool, got 'yes'"),
