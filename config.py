@@ -247,31 +247,39 @@ class MemoryConfig:
 
 
 @dataclass
-class TrainConfig:
+class ModelConfig:
+    """The model a run trains or samples, and the parts it is completed with (TrainConfig's and InferConfig's first
+    flags)."""
+
+    model: str = "tiny"
+    """The model to train or sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B
+    T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B; a Wan 2.2 pair samples with both
+    experts); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each in its own layout, as V3 and
+    VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's Wan2.2-VACE-Fun as released; a Hugging Face Hub id
+    (Skywork/SkyReels-A2, downloaded once into the Hub cache; HF_HUB_OFFLINE is respected); a built-in offline tiny
+    model, trained and sampled at its own size (RECIPES; infer.py: 64x64, 33 frames, 10 steps): tiny (A2-shaped),
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace,
+    tiny-vace-fun (its expert pair); or a real-size model with random weights built on the GPU, for speed and memory
+    at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B
+    (Wan 2.2 TI2V-5B)."""
+    image_encoder: str | None = None
+    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
+    (a transformer with an image branch whose model dir has none) its image branch."""
+    components: str | None = None
+    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
+    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
+    (MAGREF) from the Hub."""
+
+
+@dataclass
+class TrainConfig(ModelConfig):
     """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
     sampling and learning rate left out are the model's recipe (RECIPES): A2-14B's at 480x832, 81 frames, or a
     built-in tiny model's own."""
 
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
-    model: str = "tiny"
-    """The model to train: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
-    RefAlign's named so; each trained in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
-    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache;
-    HF_HUB_OFFLINE is respected); a built-in offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v,
-    tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (its
-    expert pair); or a real-size model with random
-    weights built on the GPU, for speed and memory at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B),
-    random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
-    image_encoder: str | None = None
-    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
-    its image branch."""
-    components: str | None = None
-    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
-    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
-    (MAGREF) from the Hub."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Which paths the references take. dual: VAE latents and CLIP tokens (A2); vae: VAE only (no image branch); clip:
     CLIP only; auto: dual when the model has an image branch (or gets one: a T2V base with --image-encoder), vae for Wan
@@ -592,32 +600,15 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
 
 
 @dataclass
-class InferConfig:
+class InferConfig(ModelConfig):
     """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
     runs, or compare a LoRA with its base model over a prompt list or an eval set."""
 
-    model: str = "tiny"
-    """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
-    RefAlign's named so; each sampled in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
-    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE is
-    respected); a built-in offline tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v,
-    tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (sampled by default at 64x64, 33
-    frames, 10 steps); or a real-size model with random
-    weights built on the GPU: random-1.3B, random-14B, random-5B. A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir that replaces the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
     transformer_2: str | None = None
     """A low-noise expert dir that replaces a Wan 2.2 A14B model's transformer_2 (runs/<run>/transformer_2)."""
-    image_encoder: str | None = None
-    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
-    model dir has none (a T2V base expanded to E2V)."""
-    components: str | None = None
-    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
-    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
-    (MAGREF) from the Hub."""
     elements: tuple[str, ...] = ()
     """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
     subject=me.png). Leave it empty for a T2V model (text only)."""
