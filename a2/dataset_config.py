@@ -284,7 +284,6 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
     for k in ("name", "suffixes"):
         if k not in d:
             raise ConfigError(f"{where}: missing key '{k}'")
-    _checked(Element, {k: d[k] for k in ("name", "required") if k in d}, where)
     suffixes = [d["suffixes"]] if isinstance(d["suffixes"], str) else d["suffixes"]
     if not isinstance(suffixes, list) or not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
@@ -299,9 +298,7 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
                                              "vae.preprocess": vae.get("preprocess")}, defaults[0]),
               clip_preprocess=_one_of(where, {"clip_process": d.get("clip_process"),
                                               "clip.preprocess": (clip or {}).get("preprocess")}, defaults[1]))
-    for k in ("repeat", "position"):
-        if not isinstance(kw[k], int) or isinstance(kw[k], bool):
-            raise ConfigError(f"{where}: {k} must be an integer, got {kw[k]!r}")
+    _checked(Element, {k: v for k, v in kw.items() if k != "suffixes"}, where)  # suffixes: checked above
     return Element(**kw)
 
 
