@@ -325,10 +325,13 @@ def _visualization_from_json(vis: dict, where: str) -> VisualizationConfig:
         if proc.get("format", VISUALIZE_FORMATS[proc["type"]]) != VISUALIZE_FORMATS[proc["type"]]:
             raise ConfigError(f"{at}.format: {proc['type']} writes {VISUALIZE_FORMATS[proc['type']]}, got "
                               f"{proc['format']!r}")
-        unknown = [x for x in proc.get("data", []) if x not in VISUALIZED]
-        if not isinstance(proc.get("data", []), list) or unknown:
-            raise ConfigError(f"{at}.data: {proc['data']!r} not among {VISUALIZED}")
-        if not all(isinstance(f, int) and not isinstance(f, bool) for f in proc.get("frames", [])):
+        data, frames = proc.get("data", []), proc.get("frames", [])
+        if not isinstance(data, list):
+            raise ConfigError(f"{at}.data: expected list, got {data!r}")
+        unknown = [x for x in data if x not in VISUALIZED]
+        if unknown:
+            raise ConfigError(f"{at}.data: {unknown} not among {VISUALIZED}")
+        if not isinstance(frames, list) or not all(isinstance(f, int) and not isinstance(f, bool) for f in frames):
             raise ConfigError(f"{at}.frames: expected a list of frame indices, got {proc['frames']!r}")
     return VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))})
 
