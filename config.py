@@ -248,8 +248,8 @@ class MemoryConfig:
 
 @dataclass
 class ModelConfig:
-    """The model a run trains or samples, and the parts it is completed with (TrainConfig's and InferConfig's first
-    flags)."""
+    """The model a run trains or samples, the parts it is completed with and its image encoder's input size
+    (TrainConfig's and InferConfig's first flags)."""
 
     model: str = "tiny"
     """The model to train or sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B
@@ -265,6 +265,9 @@ class ModelConfig:
     image_encoder: str | None = None
     """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
     (a transformer with an image branch whose model dir has none) its image branch."""
+    clip_size: int = 512
+    """The square size that the CLIP-path element images are brought to (A2: 512, pad_white) before
+    CLIPImageProcessor."""
     components: str | None = None
     """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
     with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
@@ -359,8 +362,6 @@ class TrainConfig(ModelConfig):
     num_frames: int | None = None
     """The pixel frames (4k+1) of the whole sequence, reference frames included.
     Left out: the model's recipe (RECIPES)."""
-    clip_size: int = 512
-    """The square size that the CLIP-path element images are brought to (A2: 512, pad_white)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How element images and video frames condition the model (shared with infer.py and a dataset file's
     processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
@@ -681,8 +682,6 @@ class InferConfig(ModelConfig):
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
     flags it trained with."""
-    clip_size: int = 512
-    """The square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] | None = None
     """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2, MAGREF); video_only: the
     video latents alone (VACE); all: every frame, the references' included; none: no decode, the latents only (e.g.
