@@ -148,7 +148,7 @@ class VaeProcessorConfig(ConditioningConfig):
 
     resolution: tuple[int, int] = (480, 832)
     """The (height, width) in pixels that the video and the element images are brought to."""
-    default_preprocess: str = "resize"
+    default_preprocess: Literal[PREPROCESS_MODES] = "resize"
     """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
@@ -158,7 +158,7 @@ class ClipProcessorConfig:
 
     resolution: tuple[int, int] = (512, 512)
     """The (height, width) in pixels that element images are brought to before CLIPImageProcessor (A2: 512x512)."""
-    default_preprocess: str = "pad_white"
+    default_preprocess: Literal[PREPROCESS_MODES] = "pad_white"
     """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
@@ -367,9 +367,6 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                                "processors.clip.resolution": pc.get("resolution")}, ClipProcessorConfig.resolution)
     clip = ClipProcessorConfig(**{**_checked(ClipProcessorConfig, pc, f"{where}.processors.clip"),
                                   "resolution": _hw(clip_res, f"{where}.processors.clip.resolution")})
-    for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
-        if m not in PREPROCESS_MODES:
-            raise ConfigError(f"{where}.processors.{k}.default_preprocess: {m!r} is not one of {PREPROCESS_MODES}")
     # "bicubic"/"bilinear" name a filter, not a framing: a plain resize
     reshape = d.get("reshape_mode", DatasetConfig.reshape_mode)
     if reshape not in PREPROCESS_MODES + ("bicubic", "bilinear"):
