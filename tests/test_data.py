@@ -103,6 +103,7 @@ def test_design_document_config_loads(tmp_path):
     ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": 1, "vae": {"repeat": 4}}]},
      r"elements\[0\]: vae_repeat 1 and vae.repeat 4 disagree: give one of them"),
     ({"auto_frame_buckets": "yes"}, r"datasets\[0\].auto_frame_buckets: expected bool, got 'yes'"),
+    ({"frame_stride": "2"}, r"datasets\[0\].frame_stride: expected int, got '2'"),  # was a TypeError
     # a setting that would be dropped, or that two keys give differently: refused, not silently resolved
     ({"frame_buckets": [17, 33]}, r"frame_buckets: the buckets of auto_frame_buckets .*which is off: add "
                                   r"\"auto_frame_buckets\": true, or drop frame_buckets"),
