@@ -16,6 +16,7 @@ import tyro
 from a2.cli import ConfigError, OnOffAuto, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
     EXTRACTION_KEYS,
+    FRAME_EXTRACTION,
     PUBLIC_TYPES,
     ClipProcessorConfig,
     ConditioningConfig,
@@ -246,31 +247,42 @@ class MemoryConfig:
 
 
 @dataclass
-class TrainConfig:
+class ModelConfig:
+    """The model a run trains or samples, the parts it is completed with and its image encoder's input size
+    (TrainConfig's and InferConfig's first flags)."""
+
+    model: str = "tiny"
+    """The model to train or sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B
+    T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B; a Wan 2.2 pair samples with both
+    experts); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each in its own layout, as V3 and
+    VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's Wan2.2-VACE-Fun as released; a Hugging Face Hub id
+    (Skywork/SkyReels-A2, downloaded once into the Hub cache; HF_HUB_OFFLINE is respected); a built-in offline tiny
+    model, trained and sampled at its own size (RECIPES; infer.py: 64x64, 33 frames, 10 steps): tiny (A2-shaped),
+    tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace,
+    tiny-vace-fun (its expert pair); or a real-size model with random weights built on the GPU, for speed and memory
+    at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B
+    (Wan 2.2 TI2V-5B)."""
+    image_encoder: str | None = None
+    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
+    (a transformer with an image branch whose model dir has none) its image branch."""
+    clip_size: int = 512
+    """The square size that the CLIP-path element images are brought to (A2: 512, pad_white) before
+    CLIPImageProcessor."""
+    components: str | None = None
+    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
+    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
+    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
+    (MAGREF) from the Hub."""
+
+
+@dataclass
+class TrainConfig(ModelConfig):
     """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
     sampling and learning rate left out are the model's recipe (RECIPES): A2-14B's at 480x832, 81 frames, or a
     built-in tiny model's own."""
 
     # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
 
-    model: str = "tiny"
-    """The model to train: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
-    RefAlign's named so; each trained in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
-    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache;
-    HF_HUB_OFFLINE is respected); a built-in offline tiny model: tiny (A2-shaped), tiny-t2v, tiny-wan22-t2v,
-    tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (its
-    expert pair); or a real-size model with random
-    weights built on the GPU, for speed and memory at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B),
-    random-14B (A2 / Wan2.1 I2V 14B), random-5B (Wan 2.2 TI2V-5B)."""
-    image_encoder: str | None = None
-    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
-    its image branch."""
-    components: str | None = None
-    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
-    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
-    (MAGREF) from the Hub."""
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Which paths the references take. dual: VAE latents and CLIP tokens (A2); vae: VAE only (no image branch); clip:
     CLIP only; auto: dual when the model has an image branch (or gets one: a T2V base with --image-encoder), vae for Wan
@@ -331,7 +343,7 @@ class TrainConfig:
     """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
     train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
     --data-root."""
-    dataset_type: Literal["e2v", "t2v", "opens2v", "phantom", "humoset"] = "e2v"
+    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
     """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
     training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
     OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
@@ -350,8 +362,6 @@ class TrainConfig:
     num_frames: int | None = None
     """The pixel frames (4k+1) of the whole sequence, reference frames included.
     Left out: the model's recipe (RECIPES)."""
-    clip_size: int = 512
-    """The square size that the CLIP-path element images are brought to (A2: 512, pad_white)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How element images and video frames condition the model (shared with infer.py and a dataset file's
     processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
@@ -366,7 +376,7 @@ class TrainConfig:
     constructs the VAE, T5 or CLIP (unless validation videos need them)."""
     precompute: bool = False
     """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
-    frame_extraction: Literal["spread", "head", "chunk", "slide", "uniform"] = "spread"
+    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
     """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
     whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
     windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to
@@ -591,32 +601,15 @@ def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[Data
 
 
 @dataclass
-class InferConfig:
+class InferConfig(ModelConfig):
     """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
     runs, or compare a LoRA with its base model over a prompt list or an eval set."""
 
-    model: str = "tiny"
-    """The model to sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, Wan 2.2
-    TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B); a Phantom-Wan or RefAlign checkpoint (file or dir,
-    RefAlign's named so; each sampled in its own layout, as V3 and VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's
-    Wan2.2-VACE-Fun as released; a Hugging Face Hub id (Skywork/SkyReels-A2, via the Hub cache; HF_HUB_OFFLINE is
-    respected); a built-in offline tiny model: tiny, tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v,
-    tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace, tiny-vace-fun (sampled by default at 64x64, 33
-    frames, 10 steps); or a real-size model with random
-    weights built on the GPU: random-1.3B, random-14B, random-5B. A Wan 2.2 pair samples with both experts."""
     transformer: str | None = None
     """A transformer dir that replaces the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
     transformer_2: str | None = None
     """A low-noise expert dir that replaces a Wan 2.2 A14B model's transformer_2 (runs/<run>/transformer_2)."""
-    image_encoder: str | None = None
-    """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP) for a transformer with an image branch whose
-    model dir has none (a T2V base expanded to E2V)."""
-    components: str | None = None
-    """A dir (or Hub id) of the diffusers Wan parts that a released original-Wan checkpoint (Phantom-Wan, MAGREF) runs
-    with: vae/, text_encoder/, tokenizer/, scheduler/, and for MAGREF image_encoder/ and image_processor/. Default: the
-    checkpoint's own dir when it holds them, else Wan2.1-T2V-1.3B-Diffusers (Phantom) or Wan2.1-I2V-14B-480P-Diffusers
-    (MAGREF) from the Hub."""
     elements: tuple[str, ...] = ()
     """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
     subject=me.png). Leave it empty for a T2V model (text only)."""
@@ -689,8 +682,6 @@ class InferConfig:
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
     flags it trained with."""
-    clip_size: int = 512
-    """The square size the CLIP-path images are brought to before CLIPImageProcessor (A2: 512)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] | None = None
     """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2, MAGREF); video_only: the
     video latents alone (VACE); all: every frame, the references' included; none: no decode, the latents only (e.g.

@@ -7,9 +7,10 @@ and a2/cli.py, a2/elements.py only."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
 
 import tyro
 
@@ -93,25 +94,6 @@ class ConditioningConfig:
     I2V, Phantom-Wan, MAGREF and Stand-In take the mean. Training encodes as sampling does."""
 
 
-def check_conditioning(c: ConditioningConfig, where: str) -> ConditioningConfig:
-    """c's values checked against the flags' choices (a dataset file is not parsed by tyro), else a ConfigError
-    naming `where` and the key."""
-    for key, choices in CONDITIONING_CHOICES.items():
-        if choices and getattr(c, key) not in choices:
-            raise ConfigError(f"{where}.{key}: {getattr(c, key)!r} is not one of {choices}")
-    for key in ("frame_index", "prefix_frames"):
-        if not isinstance(getattr(c, key), int) or isinstance(getattr(c, key), bool):
-            raise ConfigError(f"{where}.{key}: expected an integer, got {getattr(c, key)!r}")
-    if not isinstance(c.vace_scale, int | float) or isinstance(c.vace_scale, bool):
-        raise ConfigError(f"{where}.vace_scale: expected a number, got {c.vace_scale!r}")
-    if not isinstance(c.concatenate_mask, bool):
-        raise ConfigError(f"{where}.concatenate_mask: expected true or false, got {c.concatenate_mask!r}")
-    if c.reference_layout != "channel" and c.frame_conditioning != "full":  # the element layouts take no frames
-        raise ConfigError(f"{where}: reference_layout {c.reference_layout} places element references; "
-                          f"frame_conditioning {c.frame_conditioning!r} conditions on video frames (use full)")
-    return c
-
-
 def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
     """The conditioning kind (a2/kinds.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
     ask for, with element images or without: the one place they decide it (a released model's weights choose their
@@ -137,13 +119,36 @@ def literal_choices(hint) -> tuple:
 CONDITIONING_CHOICES = {k: literal_choices(h) for k, h in get_type_hints(ConditioningConfig).items()}
 
 
+def _checked(cls, d: dict, where: str) -> dict:
+    """d, each key that is a field of `cls` checked against the field's type (a dataset file is JSON, not parsed by
+    tyro): a Literal's choices; else bool, int, float (an int too; a bool is no number), str, None, a tuple or a
+    config as a JSON list or object. A ConfigError names `where` and the key."""
+    hints = get_type_hints(cls)
+    for key, v in d.items():
+        hint = hints.get(key)
+        if hint is None:
+            continue
+        choices = literal_choices(hint)
+        if choices and v not in choices:
+            raise ConfigError(f"{where}.{key}: {v!r} is not one of {choices}")
+        options = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+        types = tuple(t for o in options
+                      for t in JSON_TYPES.get(get_origin(o) or o, (dict,) if is_dataclass(o) else (o,)))
+        if not choices and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
+            raise ConfigError(f"{where}.{key}: expected {' or '.join(t.__name__ for t in types)}, got {v!r}")
+    return d
+
+
+JSON_TYPES = {float: (int, float), tuple: (list,)}  # a field's type -> the JSON values it takes, where they differ
+
+
 @dataclass(frozen=True)
 class VaeProcessorConfig(ConditioningConfig):
     """The VAE path of a dataset: the conditioning (ConditioningConfig's keys) and how its images are framed."""
 
     resolution: tuple[int, int] = (480, 832)
     """The (height, width) in pixels that the video and the element images are brought to."""
-    default_preprocess: str = "resize"
+    default_preprocess: Literal[PREPROCESS_MODES] = "resize"
     """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
@@ -153,7 +158,7 @@ class ClipProcessorConfig:
 
     resolution: tuple[int, int] = (512, 512)
     """The (height, width) in pixels that element images are brought to before CLIPImageProcessor (A2: 512x512)."""
-    default_preprocess: str = "pad_white"
+    default_preprocess: Literal[PREPROCESS_MODES] = "pad_white"
     """The framing of elements that do not set their own (one of PREPROCESS_MODES)."""
 
 
@@ -176,6 +181,10 @@ VISUALIZED = ("input_latents", "noisy_latents", "conditioned_latents", "predicte
 VISUALIZE_FORMATS = {"latent_save": "pt", "vae_decode": "png"}  # what each processor type writes
 
 
+PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
+FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")  # a2.media.frame_windows's
+
+
 @dataclass(frozen=True)
 class DatasetConfig:
     """One dataset of a run (a JSON dataset config holds several)."""
@@ -183,7 +192,7 @@ class DatasetConfig:
     data_root: str
     """The dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>); a manifest's relative paths are read from it
     too."""
-    dataset_type: str = "e2v"
+    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
     """What the samples are. e2v: clips and element images; t2v: clips and prompts only; opens2v / phantom / humoset: an
     index of a public dataset written by `data.py index` (the manifest), whose element images are built from its
     annotations (public_data.py)."""
@@ -210,8 +219,8 @@ class DatasetConfig:
     manifest: str | None = None
     """A CSV/JSONL file with video and caption columns, or a train.jsonl of .npz clips, read instead of scanning
     data_root."""
-    frame_extraction: str = "spread"
-    """Which windows of a clip train (FRAME_EXTRACTION). spread: one per clip, its frames spread evenly over the whole
+    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
+    """Which windows of a clip train. spread: one per clip, its frames spread evenly over the whole
     clip; head | chunk | slide | uniform: musubi-tuner's windows of consecutive frames, each a sample
     (a2.media.frame_windows)."""
     frame_stride: int = 1
@@ -235,15 +244,11 @@ class DatasetConfig:
     --cross-pairs)."""
 
 
-PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
-FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")
 EXTRACTION_KEYS = ("frame_extraction", "frame_stride", "frame_sample", "source_fps", "target_fps")
 
 
 def check_extraction(c: DatasetConfig, where: str) -> DatasetConfig:
     """The frame-extraction settings of a dataset, checked (one line naming the flag or key)."""
-    if c.frame_extraction not in FRAME_EXTRACTION:
-        raise ConfigError(f"{where}: frame_extraction {c.frame_extraction!r} is not one of {FRAME_EXTRACTION}")
     if c.frame_stride < 1 or c.frame_sample < 1:
         raise ConfigError(f"{where}: frame_stride and frame_sample must be >= 1, got {c.frame_stride}, "
                           f"{c.frame_sample}")
@@ -271,17 +276,6 @@ def _hw(v, where: str) -> tuple[int, int]:
     return (v[0], v[1])
 
 
-def _typed(d: dict, key: str, expected, default, where: str):
-    """d[key] (`default` when absent), or a ConfigError naming the key when it is not of the `expected` type (a type
-    or a tuple of them; a bool is no number)."""
-    v = d.get(key, default)
-    types = expected if isinstance(expected, tuple) else (expected,)
-    if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
-        names = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"{where}.{key}: expected {names}, got {v!r}")
-    return v
-
-
 def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -> Element:
     """An element in either form (docs/dataset.md): flat (vae_repeat, position, vae_preprocess, clip_process) or nested
     (vae: {repeat, position, preprocess}, clip: {preprocess} or false); a key given in both forms must agree."""
@@ -290,25 +284,21 @@ def _element_from_json(d: dict, i: int, defaults: tuple[str, str], where: str) -
     for k in ("name", "suffixes"):
         if k not in d:
             raise ConfigError(f"{where}: missing key '{k}'")
-    suffixes = _typed(d, "suffixes", (str, list), None, where)
-    suffixes = [suffixes] if isinstance(suffixes, str) else suffixes
-    if not suffixes or not all(isinstance(x, str) for x in suffixes):
+    suffixes = [d["suffixes"]] if isinstance(d["suffixes"], str) else d["suffixes"]
+    if not isinstance(suffixes, list) or not suffixes or not all(isinstance(x, str) for x in suffixes):
         raise ConfigError(f"{where}.suffixes: expected a file suffix or a list of them, got {d['suffixes']!r}")
     vae, clip = d.get("vae", {}), d.get("clip", {})
     _check_keys(vae, {"repeat", "position", "preprocess"}, f"{where}.vae")
     if clip is not False:
         _check_keys(clip, {"preprocess"}, f"{where}.clip")
-    kw = dict(name=_typed(d, "name", str, None, where), suffixes=tuple(suffixes),
-              required=_typed(d, "required", bool, False, where), clip=clip is not False,
+    kw = dict(name=d["name"], suffixes=tuple(suffixes), required=d.get("required", False), clip=clip is not False,
               repeat=_one_of(where, {"vae_repeat": d.get("vae_repeat"), "vae.repeat": vae.get("repeat")}, 1),
               position=_one_of(where, {"position": d.get("position"), "vae.position": vae.get("position")}, i),
               vae_preprocess=_one_of(where, {"vae_preprocess": d.get("vae_preprocess"),
                                              "vae.preprocess": vae.get("preprocess")}, defaults[0]),
               clip_preprocess=_one_of(where, {"clip_process": d.get("clip_process"),
                                               "clip.preprocess": (clip or {}).get("preprocess")}, defaults[1]))
-    for k in ("repeat", "position"):
-        if not isinstance(kw[k], int) or isinstance(kw[k], bool):
-            raise ConfigError(f"{where}: {k} must be an integer, got {kw[k]!r}")
+    _checked(Element, {k: v for k, v in kw.items() if k != "suffixes"}, where)  # suffixes: checked above
     return Element(**kw)
 
 
@@ -324,9 +314,7 @@ def _one_of(where: str, forms: dict, default):
 
 def _visualization_from_json(vis: dict, where: str) -> VisualizationConfig:
     _check_keys(vis, {f.name for f in fields(VisualizationConfig)}, where)
-    for key, expected in (("enabled", bool), ("output_dir", str), ("frequency", int), ("processors", list)):
-        if key in vis:
-            _typed(vis, key, expected, None, where)
+    _checked(VisualizationConfig, vis, where)
     if vis.get("frequency", 1) < 1:
         raise ConfigError(f"{where}.frequency: every N steps, N >= 1, got {vis['frequency']}")
     for i, proc in enumerate(vis.get("processors", [])):
@@ -337,55 +325,52 @@ def _visualization_from_json(vis: dict, where: str) -> VisualizationConfig:
         if proc.get("format", VISUALIZE_FORMATS[proc["type"]]) != VISUALIZE_FORMATS[proc["type"]]:
             raise ConfigError(f"{at}.format: {proc['type']} writes {VISUALIZE_FORMATS[proc['type']]}, got "
                               f"{proc['format']!r}")
-        unknown = [x for x in _typed(proc, "data", list, [], at) if x not in VISUALIZED]
+        data, frames = proc.get("data", []), proc.get("frames", [])
+        if not isinstance(data, list):
+            raise ConfigError(f"{at}.data: expected list, got {data!r}")
+        unknown = [x for x in data if x not in VISUALIZED]
         if unknown:
             raise ConfigError(f"{at}.data: {unknown} not among {VISUALIZED}")
-        if not all(isinstance(f, int) and not isinstance(f, bool) for f in _typed(proc, "frames", list, [], at)):
+        if not isinstance(frames, list) or not all(isinstance(f, int) and not isinstance(f, bool) for f in frames):
             raise ConfigError(f"{at}.frames: expected a list of frame indices, got {proc['frames']!r}")
     return VisualizationConfig(**{**vis, "processors": tuple(vis.get("processors", ()))})
 
 
+# a dataset's JSON keys besides DatasetConfig's own (their forms: docs/dataset.md); vae, clip: processors' blocks
+JSON_ALIASES = ("processors", "clip_resolution", "vae_combine")
+
+
 def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
     """One entry of a dataset file's "datasets" (or "eval") list: every key is docs/dataset.md's."""
-    _check_keys(d, {"data_root", "dataset_type", "weight", "target_resolution", "auto_frame_buckets", "frame_buckets",
-                    "reshape_mode", "remove_common_llm_caption_prefixes", "elements", "processors", "visualization",
-                    "clip_resolution", "vae_combine", "manifest", "sam", "cross_video", *EXTRACTION_KEYS}, where)
+    _check_keys(d, {f.name for f in fields(DatasetConfig)} - {"vae", "clip", "eval", "source"} | set(JSON_ALIASES),
+                where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
-    for key, expected in (("data_root", str), ("manifest", (str, type(None))), ("weight", (int, float)),
-                          ("elements", list), ("frame_buckets", list), ("auto_frame_buckets", bool),
-                          ("remove_common_llm_caption_prefixes", bool), ("sam", (str, type(None))),
-                          ("cross_video", bool)):
-        if key in d:
-            _typed(d, key, expected, None, where)
-    if d.get("dataset_type", "e2v") not in ("e2v", "t2v", *PUBLIC_TYPES):
-        raise ConfigError(f"{where}.dataset_type: expected one of {('e2v', 't2v', *PUBLIC_TYPES)}, got "
-                          f"{d['dataset_type']!r}")
+    _checked(DatasetConfig, d, where)
     procs = d.get("processors", {})
     _check_keys(procs, {"vae", "clip"}, f"{where}.processors")
     pv, pc = procs.get("vae", {}), procs.get("clip", {})
     _check_keys(pv, {f.name for f in fields(VaeProcessorConfig)}, f"{where}.processors.vae")
     _check_keys(pc, {f.name for f in fields(ClipProcessorConfig)}, f"{where}.processors.clip")
     res = _hw(_one_of(where, {"target_resolution": d.get("target_resolution"),
-                              "processors.vae.resolution": pv.get("resolution")}, [480, 832]),
+                              "processors.vae.resolution": pv.get("resolution")}, VaeProcessorConfig.resolution),
               f"{where}.target_resolution")
     combine = _one_of(where, {"vae_combine": d.get("vae_combine"), "processors.vae.combine": pv.get("combine")},
                       ConditioningConfig.combine)
-    vae = check_conditioning(VaeProcessorConfig(
-        resolution=res, default_preprocess=pv.get("default_preprocess", "resize"),
-        **{f.name: pv[f.name] for f in fields(ConditioningConfig) if f.name in pv and f.name != "combine"},
-        combine=combine),
-        f"{where}.processors.vae")
-    clip = ClipProcessorConfig(
-        resolution=_hw(_one_of(where, {"clip_resolution": d.get("clip_resolution"),
-                                       "processors.clip.resolution": pc.get("resolution")}, [512, 512]),
-                       f"{where}.processors.clip.resolution"),
-        default_preprocess=pc.get("default_preprocess", "pad_white"))
-    for k, m in (("vae", vae.default_preprocess), ("clip", clip.default_preprocess)):
-        if m not in PREPROCESS_MODES:
-            raise ConfigError(f"{where}.processors.{k}.default_preprocess: {m!r} is not one of {PREPROCESS_MODES}")
-    if d.get("reshape_mode", "center_crop") not in PREPROCESS_MODES + ("bicubic", "bilinear"):
-        raise ConfigError(f"{where}.reshape_mode: {d['reshape_mode']!r} is not one of {PREPROCESS_MODES}")
+    vae = VaeProcessorConfig(**{**_checked(VaeProcessorConfig, {**pv, "combine": combine}, f"{where}.processors.vae"),
+                                "resolution": res})
+    if vae.reference_layout != "channel" and vae.frame_conditioning != "full":  # the element layouts take no frames
+        raise ConfigError(f"{where}.processors.vae: reference_layout {vae.reference_layout} places element "
+                          f"references; frame_conditioning {vae.frame_conditioning!r} conditions on video frames "
+                          "(use full)")
+    clip_res = _one_of(where, {"clip_resolution": d.get("clip_resolution"),
+                               "processors.clip.resolution": pc.get("resolution")}, ClipProcessorConfig.resolution)
+    clip = ClipProcessorConfig(**{**_checked(ClipProcessorConfig, pc, f"{where}.processors.clip"),
+                                  "resolution": _hw(clip_res, f"{where}.processors.clip.resolution")})
+    # "bicubic"/"bilinear" name a filter, not a framing: a plain resize
+    reshape = d.get("reshape_mode", DatasetConfig.reshape_mode)
+    if reshape not in PREPROCESS_MODES + ("bicubic", "bilinear"):
+        raise ConfigError(f"{where}.reshape_mode: {reshape!r} is not one of {PREPROCESS_MODES}")
     defaults = (vae.default_preprocess, clip.default_preprocess)
     raw = d.get("elements", [])
     elements = check_elements([_element_from_json(e, i, defaults, f"{where}.elements[{i}]") for i, e in enumerate(raw)],
@@ -401,18 +386,12 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
         raise ConfigError(f"{where}.frame_buckets: the buckets of auto_frame_buckets (frame and aspect buckets), "
                           "which is off: add \"auto_frame_buckets\": true, or drop frame_buckets")
     root = Path(d["data_root"])
-    # "bicubic"/"bilinear" name a filter, not a framing: a plain resize
-    reshape = d.get("reshape_mode", "center_crop")
-    cfg = DatasetConfig(
-        data_root=str(root if root.is_absolute() else base / root), dataset_type=d.get("dataset_type", "e2v"),
-        weight=float(d.get("weight", 1.0)), target_resolution=res,
-        auto_frame_buckets=d.get("auto_frame_buckets", False), frame_buckets=buckets,
-        reshape_mode="resize" if reshape in ("bicubic", "bilinear") else reshape,
-        remove_common_llm_caption_prefixes=d.get("remove_common_llm_caption_prefixes", True),
-        elements=elements, vae=vae, clip=clip,
-        visualization=_visualization_from_json(d.get("visualization", {}), f"{where}.visualization"),
-        manifest=d.get("manifest"), source=where, sam=d.get("sam"), cross_video=d.get("cross_video", False),
-        **{k: d[k] for k in EXTRACTION_KEYS if k in d})
+    cfg = DatasetConfig(**{**{k: v for k, v in d.items() if k not in JSON_ALIASES},
+                           "data_root": str(root if root.is_absolute() else base / root), "target_resolution": res,
+                           "frame_buckets": buckets, "reshape_mode": "resize" if reshape in ("bicubic", "bilinear")
+                           else reshape, "elements": elements, "vae": vae, "clip": clip, "source": where,
+                           "visualization": _visualization_from_json(d.get("visualization", {}),
+                                                                     f"{where}.visualization")})
     return check_extraction(cfg, where)
 
 

@@ -81,14 +81,13 @@ def check_elements(elements, where: str) -> tuple[Element, ...]:
     return elements
 
 
-def parse_element(spec: str, position: int, default_vae: str = "resize", default_clip: str = "pad_white") -> Element:
+def parse_element(spec: str, position: int) -> Element:
     where = f"--elements {spec!r}"
     name, sep, rest = spec.partition("=")
     if not sep or not name:
         raise ConfigError(f"{where}: expected NAME=SUFFIX[,SUFFIX...][:OPTIONS]")
     suffixes, _, options = rest.partition(":")
-    kw = dict(name=name, suffixes=tuple(s for s in suffixes.split(",") if s), position=position,
-              vae_preprocess=default_vae, clip_preprocess=default_clip)
+    kw = dict(name=name, suffixes=tuple(s for s in suffixes.split(",") if s), position=position)
     for opt in filter(None, options.split(",")):
         key, _, value = opt.partition("=")
         if key == "required" and not value:

@@ -93,14 +93,17 @@ def test_design_document_config_loads(tmp_path):
     ({"data_root": 5}, r"datasets\[0\].data_root: expected str, got 5"),
     ({"weight": "x"}, r"datasets\[0\].weight: expected int or float, got 'x'"),
     ({"elements": "x"}, r"datasets\[0\].elements: expected list, got 'x'"),
-    ({"elements": [{"name": "a", "suffixes": 5}]}, r"elements\[0\].suffixes: expected str or list, got 5"),
+    ({"elements": [{"name": "a", "suffixes": 5}]}, r"elements\[0\].suffixes: expected a file suffix or a list of them, "
+                                                   r"got 5"),
     ({"elements": [{"name": "a", "suffixes": [5]}]}, r"elements\[0\].suffixes: expected a file suffix or a list"),
     ({"elements": [{"name": "a", "suffixes": "_a.png", "required": "yes"}]},
      r"elements\[0\].required: expected bool, got 'yes'"),
-    ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": True}]}, r"repeat must be an integer, got True"),
+    ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": True}]},
+     r"elements\[0\].repeat: expected int, got True"),
     ({"elements": [{"name": "a", "suffixes": "_a.png", "vae_repeat": 1, "vae": {"repeat": 4}}]},
      r"elements\[0\]: vae_repeat 1 and vae.repeat 4 disagree: give one of them"),
     ({"auto_frame_buckets": "yes"}, r"datasets\[0\].auto_frame_buckets: expected bool, got 'yes'"),
+    ({"frame_stride": "2"}, r"datasets\[0\].frame_stride: expected int, got '2'"),  # was a TypeError
     # a setting that would be dropped, or that two keys give differently: refused, not silently resolved
     ({"frame_buckets": [17, 33]}, r"frame_buckets: the buckets of auto_frame_buckets .*which is off: add "
                                   r"\"auto_frame_buckets\": true, or drop frame_buckets"),
