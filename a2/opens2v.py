@@ -38,15 +38,16 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
 import csv
 import importlib
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 
 from a2.cli import InputError, MissingInput, run_cli
 
@@ -89,6 +90,8 @@ FACE_IDS = ("singlehuman", "singleface", "faceobj", "humanobj")  # the sample id
 FACE_DIRS = ("/man/", "/woman/", "/crop_woman/", "/crop_man/")  # its reference: the first image in one of these
 GME_QUERY = "Find an image that matches the given text."
 GME_SYSTEM = "You are a helpful assistant."
+GME_MIN_PIXELS, GME_MAX_PIXELS = 4 * 28 * 28, 16384 * 28 * 28  # gme_model.py's bounds on a frame's area (Qwen2-VL's
+# size rule, sides multiples of 28) before the processor applies its own
 METRIC_FRAMES = 32  # aes, facesim and gme score this many evenly spaced frames; motion_fb all of them
 
 
@@ -165,8 +168,6 @@ def motion_fb(frames: np.ndarray) -> float:
     poly_n 5, sigma 1.2) between consecutive frames of the whole video, each flow map resized (INTER_AREA) to 16 px
     wide, the signed mean over maps, pixels and both components, its absolute value. Their frames are RGB but
     converted with COLOR_BGR2GRAY (swapped luma weights): kept, it is the metric's definition."""
-    import cv2
-
     prev = cv2.cvtColor(np.ascontiguousarray(frames[0]), cv2.COLOR_BGR2GRAY)
     maps = []
     for frame in frames[1:]:
@@ -316,8 +317,6 @@ class FaceSim:
 
     def face(self, rgb: np.ndarray):
         """(aligned 224x224 RGB face, recognition embedding) of the largest face, or (None, None)."""
-        import cv2
-
         bgr = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR)
         found = self.detect(bgr)
         if found is None:
@@ -332,8 +331,6 @@ class FaceSim:
 
     @torch.no_grad()
     def embed(self, face_rgb: np.ndarray) -> torch.Tensor:
-        import cv2
-
         x = torch.from_numpy(cv2.resize(face_rgb, (112, 112)).transpose(2, 0, 1).copy()).float()[None]  # (1,3,112,112)
         e = self.cur(x.div(255).sub(0.5).div(0.5).to(self.device))[0].float().cpu()
         return e / e.norm()
@@ -367,20 +364,6 @@ def face_reference(sample: dict) -> Path | None:
 
 
 # ---------------------------------------------------------------- GmeScore (gme_score)
-
-
-def smart_size(height: int, width: int, factor: int = 28, min_pixels: int = 4 * 28 * 28,
-               max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
-    """Qwen2-VL's size rule, as gme_model.py applies it before the processor: sides rounded to multiples of 28,
-    the area brought inside [min_pixels, max_pixels] at the same aspect."""
-    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 class Gme:
@@ -425,16 +408,17 @@ class Gme:
                 "<|im_start|>assistant\n<|endoftext|>" for t in texts]
 
     def embed(self, texts=None, images=None, instruction: str = GME_SYSTEM) -> torch.Tensor:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize  # transformers: heavy
+
         n = len(texts) if texts is not None else len(images)
         out = []
         for i in range(0, n, self.batch):
             t = texts[i:i + self.batch] if texts is not None else [None] * len(images[i:i + self.batch])
             imgs = None
             if images is not None:
-                from PIL import Image
-
                 imgs = [Image.fromarray(a) for a in images[i:i + self.batch]]
-                imgs = [im.resize(smart_size(im.height, im.width)[::-1]) for im in imgs]
+                imgs = [im.resize(smart_resize(im.height, im.width, 28, GME_MIN_PIXELS, GME_MAX_PIXELS)[::-1])
+                        for im in imgs]
             inputs = self.processor(text=self.messages(t, imgs is not None, instruction), images=imgs, padding=True,
                                     truncation=True, max_length=1800, return_tensors="pt").to(self.device)
             out.append(self.forward(inputs["input_ids"], inputs["attention_mask"], inputs.get("pixel_values"),
@@ -676,8 +660,6 @@ def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=(
 
 
 def load_image(path) -> np.ndarray:
-    from PIL import Image
-
     try:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
