@@ -396,10 +396,7 @@ class Gme:
             image = torch.cat(core.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
             embeds[input_ids == self.model.config.image_token_id] = image
         hidden = core.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
-        if attention_mask[:, -1].sum() == attention_mask.shape[0]:  # left padding (or none): the last position
-            pooled = hidden[:, -1]
-        else:
-            pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]
+        pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]  # the last real token (right padding)
         return F.normalize(pooled.float(), dim=-1)  # (B, D)
 
     def messages(self, texts, with_image: bool, instruction: str) -> list[str]:
