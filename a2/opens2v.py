@@ -9,20 +9,16 @@ video per sample id (`<id>.mp4`), a script per metric writing one JSON file of p
 TotalScore. This module is a second implementation of that definition, read from their v1.1 code (the fork
 franciszzj/OpenS2V-Nexus, eval/), never copied:
 
-- the metrics a2 computes itself, under their JSON file and key names so their merge (and ours) reads them:
-  `aesthetic_score.json` aes_score (CLIP ViT-L/14 image embedding, L2-normalised, through the LAION aesthetic MLP,
-  mean over 32 evenly spaced frames), `motion_amplitude.json` motion_fb (OpenCV Farneback flow between consecutive
-  frames, each flow map area-resized to 16 px wide, |mean| of their mean), `facesim.json` cur_score / arc_score
-  (insightface detection + alignment, CurricularFace IR-101 embedding of the reference face and of 32 frames' largest
-  face), `gmescore.json` gme_score (gme-Qwen2-VL text-image cosine of the prompt and 32 frames);
+- the metrics a2 computes itself, under their JSON file and key names so their merge (and ours) reads them, each
+  defined where it is computed: `aesthetic_score.json` aes_score (Aesthetics), `motion_amplitude.json` motion_fb
+  (motion_fb), `facesim.json` cur_score / arc_score (FaceSim), `gmescore.json` gme_score (Gme);
 - a proxy that is *not* NexusScore (their detector is YOLO-World, GPL-3.0): `a2_subject_proxy.json`
-  subject_clip_i_proxy, the CLIP ViT-L/14 cosine of each reference image and each frame, max over frames, mean over
-  references. It is printed beside the table and never enters a TotalScore;
+  subject_clip_i_proxy (subject_clip_i_proxy), printed beside the table and never in a TotalScore;
 - MotionSmoothness (Q-Align) and NaturalScore (a hosted judge) and NexusScore come from their own scripts run on the
   same video dir (`motion_smoothness.json`, `naturalscore_{1,2,3}.json`, `nexusscore.json`): merged when present;
 - the merge and the TotalScore of merge_result.py, ranked among the published leaderboard rows when it covers every
-  metric of the domain on every video of the set; otherwise a partial TotalScore (the weights of the metrics present
-  renormalised to sum to 1), labelled with how many metrics and videos it covers and never placed among them.
+  metric of the domain on every video of the set; otherwise a partial TotalScore (score_label), never placed among
+  them.
 
 Encoders load from local dirs only; a metric whose encoder is not given is skipped with one message.
 """
