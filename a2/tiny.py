@@ -313,29 +313,24 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     out_dir.mkdir(parents=True)
     for name, part in parts.items():
         part.save_pretrained(out_dir / name)
-    if released.startswith("vace"):
-        for name, model in experts.items() if released == "vace-fun" else [("", transformer)]:
-            (out_dir / name).mkdir(exist_ok=True)
-            (out_dir / name / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
-            save_file({k: v.contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
-                      out_dir / name / "diffusion_pytorch_model.safetensors")
-        torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
-        return out_dir
-    sd = {k: v.contiguous() for k, v in diffusers_to_original(transformer.state_dict()).items()}
-    wan = dict(original_wan_config(transformer.config), model_type="i2v" if released == "magref" else "t2v")
-    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
-    if released == "refalign":
-        save_file(sd, out_dir / "model.safetensors")
-        return out_dir
-    stem = "diffusion_pytorch_model" if released == "magref" else "Phantom_Wan_tiny"
-    first, second = f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors"
-    shards = {first: {k: v for k, v in sd.items() if k.startswith("blocks.")}}
-    shards[second] = {k: v for k, v in sd.items() if k not in shards[first]}
-    for name, shard in shards.items():
-        save_file(shard, out_dir / name)
-    index = {"metadata": {}, "weight_map": {k: name for name, shard in shards.items() for k in shard}}
-    (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if released == "magref":  # the original Wan VAE file sits beside the DiT in the release
+    for name, model in experts.items() if released == "vace-fun" else [("", transformer)]:
+        (out_dir / name).mkdir(exist_ok=True)
+        wan = dict(original_wan_config(model.config), **(dict(model_type="i2v") if released == "magref" else {}))
+        (out_dir / name / "config.json").write_text(json.dumps(wan, indent=2))
+        sd = {k: v.contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
+        if released not in ("phantom", "magref"):
+            save_file(sd, out_dir / name / ("model.safetensors" if released == "refalign" else
+                                            "diffusion_pytorch_model.safetensors"))
+            continue
+        stem = "diffusion_pytorch_model" if released == "magref" else "Phantom_Wan_tiny"
+        first, second = f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors"
+        shards = {first: {k: v for k, v in sd.items() if k.startswith("blocks.")}}
+        shards[second] = {k: v for k, v in sd.items() if k not in shards[first]}
+        for shard_name, shard in shards.items():
+            save_file(shard, out_dir / shard_name)
+        index = {"metadata": {}, "weight_map": {k: shard_name for shard_name, shard in shards.items() for k in shard}}
+        (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if released in ("magref", "vace", "vace-fun"):  # the original Wan VAE file sits beside the DiT in the release
         torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
     return out_dir
 
