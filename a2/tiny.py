@@ -234,9 +234,10 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
     return parts
 
 
+# the tiny encoders' transformer towers (CLIP's text and vision, Dinov2)
+TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 # CLIP ViT-H/14's token count (257 at 224 px, patch 14) at width 32 (a real-size preset: that model's image_dim)
-TINY_CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        image_size=224, patch_size=14, projection_dim=32)
+TINY_CLIP_VISION = dict(TINY_TOWER, image_size=224, patch_size=14, projection_dim=32)
 
 
 def tiny_image_processor(cls_name: str = "CLIPImageProcessor"):
@@ -260,12 +261,10 @@ def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     out_dir = Path(out_dir)
     tokenizer = tiny_tokenizer()
     clip = CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=1),
+        text_config=dict(TINY_TOWER, vocab_size=len(tokenizer), max_position_embeddings=77, pad_token_id=0,
+                         bos_token_id=None, eos_token_id=1),
         vision_config=TINY_CLIP_VISION, projection_dim=32)).eval()
-    dino = Dinov2Model(Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    image_size=224, patch_size=14)).eval()
+    dino = Dinov2Model(Dinov2Config(**TINY_TOWER, image_size=224, patch_size=14)).eval()
     dirs = dict(clip_text=out_dir / "clip", dino=out_dir / "dino")
     for (model, processor), d in zip(((clip, "CLIPImageProcessor"), (dino, "BitImageProcessor")), dirs.values()):
         model.save_pretrained(d)
