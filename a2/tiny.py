@@ -75,7 +75,7 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 # VAE before invertible_init) is not reused
 TINY_BUILD = 3
 
-# `--model` names of the built-in tiny models -> tiny_model_dir arguments
+# `--model` names of the built-in tiny models -> their save_tiny arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
@@ -361,9 +361,9 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False,
-                   released: str | None = None, vace: bool = False) -> Path:
-    """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
+def tiny_model_dir(name: str) -> Path:
+    """The built-in tiny model `name` (a TINY_MODELS key), built once into a cache dir of that name (what `--model
+    NAME` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
     concurrent transformers saves of the same model were seen to leave a shard missing)."""
@@ -371,8 +371,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2")) / f"built-{TINY_BUILD}"
     root.mkdir(parents=True, exist_ok=True)
-    d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
-                + (released or ("vace" if vace else "ti2v" if ti2v else "t2v" if t2v else "i2v")))
+    d = root / name
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not d.exists():  # os.replace below: the dir exists only once complete
@@ -381,7 +380,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
             bars = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()  # a built-in model's build is no download: no "Writing model shards"
             try:
-                save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released, vace=vace)
+                save_tiny(tmp, **TINY_MODELS[name])
             finally:
                 if bars:
                     hf_logging.enable_progress_bar()
@@ -393,7 +392,7 @@ def model_path(name) -> Path:
     """What `--model NAME` (and `--image-encoder`) means: a built-in tiny model's dir (built on first use), a local
     dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (a2.transformer)."""
     if str(name) in TINY_MODELS:
-        return tiny_model_dir(**TINY_MODELS[str(name)])
+        return tiny_model_dir(str(name))
     return local_or_hub(name)
 
 
