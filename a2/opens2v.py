@@ -129,11 +129,6 @@ def read_eval_set(path) -> dict[str, dict]:
     return samples
 
 
-def frame_indices(total: int, num_frames: int | None) -> np.ndarray:
-    """Their sample_video_frames: all frames, or np.linspace(0, total - 1, n) truncated to int."""
-    return np.arange(total) if num_frames is None else np.linspace(0, total - 1, num_frames, dtype=int)
-
-
 def read_video(path) -> np.ndarray:
     """All frames (F, H, W, 3) uint8 RGB, decoded as their scripts decode them (imageio's ffmpeg reader)."""
     import imageio
@@ -152,8 +147,9 @@ def read_video(path) -> np.ndarray:
     return np.stack(frames)
 
 
-def sample_frames(frames: np.ndarray, num_frames: int | None) -> np.ndarray:
-    return frames[frame_indices(len(frames), num_frames)]
+def sample_frames(frames: np.ndarray, num_frames: int) -> np.ndarray:
+    """Their sample_video_frames: the frames at np.linspace(0, total - 1, num_frames) truncated to int."""
+    return frames[np.linspace(0, len(frames) - 1, num_frames, dtype=int)]
 
 
 # ---------------------------------------------------------------- MotionAmplitude (motion_fb)
