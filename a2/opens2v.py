@@ -134,11 +134,8 @@ def read_video(path) -> np.ndarray:
     import imageio
 
     try:
-        reader = imageio.get_reader(str(path), "ffmpeg")
-        try:
+        with imageio.get_reader(str(path), "ffmpeg") as reader:
             frames = [reader.get_data(i) for i in range(reader.count_frames())]
-        finally:
-            reader.close()
     except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
         last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         raise InputError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
