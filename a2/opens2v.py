@@ -67,12 +67,13 @@ RANGES = dict(aes_score=(4.0, 7.0, True), motion_amplitude=(0.0, 1.0, False), mo
               facesim_cur=(0.0, 1.0, False), gme_score=(0.0, 1.0, False), nexus_score=(0.0, 0.05, False),
               natural_score=(1.0, 5.0, True))
 
-# their per-metric files: file stem -> (key inside a video's record, merged metric name)
-FILES = dict(aesthetic_score=("aes_score", "aes_score"), motion_amplitude=("motion_fb", "motion_amplitude"),
-             motion_smoothness=("motion_smoothness", "motion_smoothness"), facesim=("cur_score", "facesim_cur"),
-             gmescore=("gme_score", "gme_score"), nexusscore=("nexus_score", "nexus_score"))
-NATURAL_FILES = ("naturalscore_1", "naturalscore_2", "naturalscore_3")
 PROXY_FILE, PROXY_KEY = "a2_subject_proxy", "subject_clip_i_proxy"
+# their per-metric files, and a2's proxy's: file stem -> (key inside a video's record, merged metric name)
+FILES = {"aesthetic_score": ("aes_score", "aes_score"), "motion_amplitude": ("motion_fb", "motion_amplitude"),
+         "motion_smoothness": ("motion_smoothness", "motion_smoothness"), "facesim": ("cur_score", "facesim_cur"),
+         "gmescore": ("gme_score", "gme_score"), "nexusscore": ("nexus_score", "nexus_score"),
+         PROXY_FILE: (PROXY_KEY, PROXY_KEY)}
+NATURAL_FILES = ("naturalscore_1", "naturalscore_2", "naturalscore_3")
 
 # the leaderboard CSVs' columns (percent) for each merged metric, in their order
 COLUMNS = dict(aes_score="Aesthetics↑", motion_smoothness="MotionSmoothness↑", motion_amplitude="MotionAmplitude↑",
@@ -449,7 +450,7 @@ def merge_dir(json_dir, ids=None) -> dict[str, dict]:
     Files that are no metric of theirs or ours are ignored."""
     merged: dict[str, dict] = {}
     json_dir = Path(json_dir)
-    for stem in (*FILES, *NATURAL_FILES, PROXY_FILE):
+    for stem in (*FILES, *NATURAL_FILES):
         path = json_dir / f"{stem}.json"
         if not path.is_file():
             continue
@@ -459,8 +460,6 @@ def merge_dir(json_dir, ids=None) -> dict[str, dict]:
             row = merged.setdefault(vid, {})
             if stem in NATURAL_FILES:
                 row.setdefault("_natural", []).append(float(record))
-            elif stem == PROXY_FILE:
-                row[PROXY_KEY] = record[PROXY_KEY]
             elif isinstance(record, dict) and FILES[stem][0] in record:
                 row[FILES[stem][1]] = record[FILES[stem][0]]
     for row in merged.values():
