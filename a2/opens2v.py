@@ -652,11 +652,11 @@ def load_image(path) -> np.ndarray:
         raise InputError(f"{path}: cannot read the reference image ({e})") from e
 
 
-def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> list[str]:
+def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> set[str]:
     """Each metric a2 computes, over the `<id>.mp4` of `video_dir` that are samples of the set, into json_dir in
     their file format. A metric file already there keeps its videos' scores and gets those of the videos it does not
     hold yet (a render resumed since); redo=True recomputes every video. A face sample in which no face is found has
-    no cur_score (their format) and is tried again the next time. Returns the files written."""
+    no cur_score (their format) and is tried again the next time. Returns the sample ids of the videos there."""
     video_dir, json_dir = Path(video_dir), Path(json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
     videos = sorted(p for p in video_dir.glob("*.mp4") if p.stem in samples)
@@ -694,14 +694,12 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
     if kept:
         print(f"kept the scores already in {json_dir} (" + ", ".join(f"{stem}.json: {n} video(s)" for stem, n in
                                                                     kept.items()) + "; --redo recomputes them)")
-    written = []
     for stem in sorted(changed):
         out = json_dir / f"{stem}.json"
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results[stem], indent=4))
         tmp.replace(out)
-        written.append(str(out))
-    return written
+    return {path.stem for path in videos}
 
 
 THEIR_SCRIPTS = """\
@@ -728,8 +726,7 @@ def main(cfg) -> int:
     e = cfg.eval
     scorers = load_scorers(e.aes_clip, e.aes_mlp, e.facesim, e.gme, device, getattr(torch, cfg.gme_dtype))
     scorers.motion = e.motion_fb
-    score_videos(videos, samples, json_dir, scorers, cfg.redo)
-    ids = {p.stem for p in videos.glob("*.mp4") if p.stem in samples}  # the means cover the videos there
+    ids = score_videos(videos, samples, json_dir, scorers, cfg.redo)  # the means cover the videos there
     result = merge_result(json_dir, domain, ids, len(samples))
     out = videos / f"opens2v_{domain}.json"
     out.write_text(json.dumps(result, indent=4))
