@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 
 import infer
 from a2.cli import InputError, MissingInput, as_input_error, run_cli
-from a2.images import read_image
+from a2.images import read_image, tensor_to_uint8
 from a2.kinds import KIND_DEFS
 from a2.lora import load_lora
 from a2.pipeline import A2Pipeline
@@ -113,8 +113,7 @@ def compose(elements: list, rows: list[tuple[str, torch.Tensor]], steps: list[in
             scale: int = 2):
     """The picture: a row of element images, a row of frames per (label, (3, F, H, W) video), the loss curve."""
     def tile(x: torch.Tensor):  # (3, H, W) in [-1, 1]
-        arr = ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
-        im = Image.fromarray(arr)
+        im = Image.fromarray(tensor_to_uint8(x))
         return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
 
     label_w, gap = 150, 4
