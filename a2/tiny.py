@@ -186,16 +186,10 @@ def _head_response(dim: int) -> tuple[float, float]:
 
 def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny",
                ti2v: bool = False, vace: bool = False) -> dict:
-    """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
-
-    wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
-    other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
-    branch and no CLIP, as Wan2.2-I2V-A14B.
-    ti2v=True: Wan 2.2 TI2V-5B-shaped (tiny_ti2v_vae, 48 channels in and out, no image branch, expand_timesteps).
-    vace=True (with t2v): Wan's VACE, the T2V transformer with VACE's context blocks (preset tiny-vace); with wan22
-    the Wan2.2-VACE-Fun-A14B pair (its boundary), both experts VACE transformers.
-    preset `1.3B` / `14B` / `5B`: encoders with that model's widths, and the transformer as a config dict (no
-    weights)."""
+    """The pipeline parts of the tiny model each flag shapes as the module docstring says: Wan I2V (A2 architecture)
+    by default; wan22 adds the low-noise expert `transformer_2` (other random weights) and `boundary_ratio`, and
+    drops CLIP; vace (with t2v) makes every expert a VACE transformer. preset `1.3B` / `14B` / `5B`: encoders with
+    that model's widths, and the transformer as a config dict (no weights)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
