@@ -191,7 +191,7 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
     drops CLIP; vace (with t2v) makes every expert a VACE transformer. preset `1.3B` / `14B` / `5B`: encoders with
     that model's widths, and the transformer as a config dict (no weights)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
-    from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
@@ -224,7 +224,7 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
     elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
             **{**TINY_CLIP_VISION, "hidden_size": tcfg["image_dim"]})).eval()
-        parts["image_processor"] = tiny_image_processor()
+        parts["image_processor"] = CLIPImageProcessor()  # its defaults: shortest edge 224, centre crop 224, CLIP's mean
     return parts
 
 
@@ -234,22 +234,11 @@ TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num
 TINY_CLIP_VISION = dict(TINY_TOWER, image_size=224, patch_size=14, projection_dim=32)
 
 
-def tiny_image_processor(cls_name: str = "CLIPImageProcessor"):
-    """CLIP's preprocessing (shortest edge 224, centre crop 224, CLIP mean/std); Dinov2's is the same with
-    cls_name="BitImageProcessor"."""
-    import transformers
-
-    return getattr(transformers, cls_name)(
-        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
-    )
-
-
 def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Tiny random encoders for a2/evaluate.py: a CLIPModel (text + vision towers, the vision tower shaped as the
     tiny model's image encoder, the tiny tokenizer) and a Dinov2Model, each a transformers dir (their processors
     included). Returns dict(clip_text=dir, dino=dir)."""
-    from transformers import CLIPConfig, CLIPModel, Dinov2Config, Dinov2Model
+    from transformers import BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, Dinov2Config, Dinov2Model
 
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
@@ -260,9 +249,10 @@ def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
         vision_config=TINY_CLIP_VISION, projection_dim=32)).eval()
     dino = Dinov2Model(Dinov2Config(**TINY_TOWER, image_size=224, patch_size=14)).eval()
     dirs = dict(clip_text=out_dir / "clip", dino=out_dir / "dino")
-    for (model, processor), d in zip(((clip, "CLIPImageProcessor"), (dino, "BitImageProcessor")), dirs.values()):
+    # Dinov2's processor class, with the same defaults as CLIP's (shortest edge 224, centre crop 224, CLIP mean/std)
+    for (model, processor), d in zip(((clip, CLIPImageProcessor), (dino, BitImageProcessor)), dirs.values()):
         model.save_pretrained(d)
-        tiny_image_processor(processor).save_pretrained(d)
+        processor().save_pretrained(d)
     tokenizer.save_pretrained(dirs["clip_text"])
     return dirs
 
