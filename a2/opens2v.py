@@ -132,7 +132,7 @@ def read_eval_set(path) -> dict[str, dict]:
 
 def read_video(path) -> np.ndarray:
     """All frames (F, H, W, 3) uint8 RGB, decoded as their scripts decode them (imageio's ffmpeg reader)."""
-    import imageio
+    import imageio  # its ffmpeg reader, their decoder: loaded when a video is read
 
     try:
         with imageio.get_reader(str(path), "ffmpeg") as reader:
@@ -206,7 +206,7 @@ class Aesthetics:
 
     @classmethod
     def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
-        from transformers import CLIPVisionModelWithProjection
+        from transformers import CLIPVisionModelWithProjection  # heavy: loaded with the encoder
 
         clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
         mlp = AestheticMLP(clip.config.projection_dim)
@@ -369,7 +369,7 @@ class Gme:
 
     @classmethod
     def load(cls, model_dir, device="cpu", dtype=torch.float16) -> Gme:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor  # heavy: loaded with the encoder
 
         model = AutoModelForImageTextToText.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
         pixels = dict(min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)
