@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 
 import infer
 from a2.cli import InputError, MissingInput, as_input_error, run_cli
-from a2.images import read_image
+from a2.images import read_image, tensor_to_uint8
 from a2.kinds import KIND_DEFS
 from a2.lora import load_lora
 from a2.pipeline import A2Pipeline
@@ -41,14 +41,9 @@ from config import DemoConfig
 
 
 def block_distance(video: torch.Tensor, clip: torch.Tensor, block: int = 8) -> float:
-    """Mean squared difference of two (3, F, H, W) videos in [-1, 1] after 8x8-pixel block averages, over the
-    frames both have (the clip resized to the video's size first)."""
-    n = min(video.shape[1], clip.shape[1])
-    v, c = video[:, :n].float(), clip[:, :n].float()
-    if c.shape[-2:] != v.shape[-2:]:
-        c = F.interpolate(c, size=v.shape[-2:], mode="bilinear", antialias=True)
-    pool = lambda x: F.avg_pool2d(x, block)  # noqa: E731  (frames as the batch: (3, F, H/8, W/8))
-    return float(((pool(v) - pool(c)) ** 2).mean())
+    """Mean squared difference of two (3, F, H, W) videos in [-1, 1] of one shape after 8x8-pixel block averages."""
+    pool = lambda x: F.avg_pool2d(x.float(), block)  # noqa: E731  (frames as the batch: (3, F, H/8, W/8))
+    return float(((pool(video) - pool(clip)) ** 2).mean())
 
 
 def element_colour(image) -> torch.Tensor | None:
@@ -63,15 +58,11 @@ def element_colour(image) -> torch.Tensor | None:
 
 
 def colour_match(video: torch.Tensor, clip: torch.Tensor, colour: torch.Tensor, width: float = 0.3) -> float:
-    """Pearson correlation, over the frames both (3, F, H, W) videos have, of their closeness-to-`colour` maps
-    exp(-|pixel - colour|^2 / (2 width^2)) (the clip resized to the video's size first): ~1 when the video shows
-    that colour where, and as much as, the clip does; ~0 when it shows it nowhere or elsewhere."""
-    n = min(video.shape[1], clip.shape[1])
-    v, c = video[:, :n].float(), clip[:, :n].float()
-    if c.shape[-2:] != v.shape[-2:]:
-        c = F.interpolate(c, size=v.shape[-2:], mode="bilinear", antialias=True)
+    """Pearson correlation, over two (3, F, H, W) videos of one shape, of their closeness-to-`colour` maps
+    exp(-|pixel - colour|^2 / (2 width^2)): ~1 when the video shows that colour where, and as much as, the clip does;
+    ~0 when it shows it nowhere or elsewhere."""
     near = lambda x: torch.exp(-((x - colour.view(3, 1, 1, 1)) ** 2).sum(0) / (2 * width ** 2)).flatten()  # noqa: E731
-    a, b = near(v), near(c)  # (F*H*W,)
+    a, b = near(video.float()), near(clip.float())  # (F*H*W,)
     a, b = a - a.mean(), b - b.mean()
     return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-12))
 
@@ -113,8 +104,7 @@ def compose(elements: list, rows: list[tuple[str, torch.Tensor]], steps: list[in
             scale: int = 2):
     """The picture: a row of element images, a row of frames per (label, (3, F, H, W) video), the loss curve."""
     def tile(x: torch.Tensor):  # (3, H, W) in [-1, 1]
-        arr = ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
-        im = Image.fromarray(arr)
+        im = Image.fromarray(tensor_to_uint8(x))
         return im.resize((im.width * scale, im.height * scale), Image.NEAREST)
 
     label_w, gap = 150, 4
@@ -197,12 +187,13 @@ def run(cfg: DemoConfig) -> dict:
         videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
     colours = [(Path(p).stem, c) for p, c in zip(elements, map(element_colour, images)) if c is not None]
     rows, result = [], dict(base=None, lora=None, match={})
-    if clip is not None:
-        n = videos["base"].shape[1]
-        rows.append(("training clip", F.interpolate(clip[:, :n], size=(h, w), mode="bilinear", antialias=True)))
+    if clip is not None:  # compared over the frames both have, at the videos' size
+        n = min(videos["base"].shape[1], clip.shape[1])
+        clip = F.interpolate(clip[:, :n], size=(h, w), mode="bilinear", antialias=True)  # (3, n, h, w)
+        rows.append(("training clip", clip))
         for k, v in videos.items():
-            result[k] = block_distance(v, clip)
-            result["match"][k] = {name: colour_match(v, clip, c) for name, c in colours}
+            result[k] = block_distance(v[:, :n], clip)
+            result["match"][k] = {name: colour_match(v[:, :n], clip, c) for name, c in colours}
     for k, v in videos.items():
         label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\ncolour match "
                                              + ", ".join(f"{m:.2f}" for m in result["match"][k].values()))

@@ -9,20 +9,16 @@ video per sample id (`<id>.mp4`), a script per metric writing one JSON file of p
 TotalScore. This module is a second implementation of that definition, read from their v1.1 code (the fork
 franciszzj/OpenS2V-Nexus, eval/), never copied:
 
-- the metrics a2 computes itself, under their JSON file and key names so their merge (and ours) reads them:
-  `aesthetic_score.json` aes_score (CLIP ViT-L/14 image embedding, L2-normalised, through the LAION aesthetic MLP,
-  mean over 32 evenly spaced frames), `motion_amplitude.json` motion_fb (OpenCV Farneback flow between consecutive
-  frames, each flow map area-resized to 16 px wide, |mean| of their mean), `facesim.json` cur_score / arc_score
-  (insightface detection + alignment, CurricularFace IR-101 embedding of the reference face and of 32 frames' largest
-  face), `gmescore.json` gme_score (gme-Qwen2-VL text-image cosine of the prompt and 32 frames);
+- the metrics a2 computes itself, under their JSON file and key names so their merge (and ours) reads them, each
+  defined where it is computed: `aesthetic_score.json` aes_score (Aesthetics), `motion_amplitude.json` motion_fb
+  (motion_fb), `facesim.json` cur_score / arc_score (FaceSim), `gmescore.json` gme_score (Gme);
 - a proxy that is *not* NexusScore (their detector is YOLO-World, GPL-3.0): `a2_subject_proxy.json`
-  subject_clip_i_proxy, the CLIP ViT-L/14 cosine of each reference image and each frame, max over frames, mean over
-  references. It is printed beside the table and never enters a TotalScore;
+  subject_clip_i_proxy (subject_clip_i_proxy), printed beside the table and never in a TotalScore;
 - MotionSmoothness (Q-Align) and NaturalScore (a hosted judge) and NexusScore come from their own scripts run on the
   same video dir (`motion_smoothness.json`, `naturalscore_{1,2,3}.json`, `nexusscore.json`): merged when present;
 - the merge and the TotalScore of merge_result.py, ranked among the published leaderboard rows when it covers every
-  metric of the domain on every video of the set; otherwise a partial TotalScore (the weights of the metrics present
-  renormalised to sum to 1), labelled with how many metrics and videos it covers and never placed among them.
+  metric of the domain on every video of the set; otherwise a partial TotalScore (score_label), never placed among
+  them.
 
 Encoders load from local dirs only; a metric whose encoder is not given is skipped with one message.
 """
@@ -38,15 +34,16 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
 import csv
 import importlib
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 
 from a2.cli import InputError, MissingInput, run_cli
 
@@ -70,12 +67,13 @@ RANGES = dict(aes_score=(4.0, 7.0, True), motion_amplitude=(0.0, 1.0, False), mo
               facesim_cur=(0.0, 1.0, False), gme_score=(0.0, 1.0, False), nexus_score=(0.0, 0.05, False),
               natural_score=(1.0, 5.0, True))
 
-# their per-metric files: file stem -> (key inside a video's record, merged metric name)
-FILES = dict(aesthetic_score=("aes_score", "aes_score"), motion_amplitude=("motion_fb", "motion_amplitude"),
-             motion_smoothness=("motion_smoothness", "motion_smoothness"), facesim=("cur_score", "facesim_cur"),
-             gmescore=("gme_score", "gme_score"), nexusscore=("nexus_score", "nexus_score"))
-NATURAL_FILES = ("naturalscore_1", "naturalscore_2", "naturalscore_3")
 PROXY_FILE, PROXY_KEY = "a2_subject_proxy", "subject_clip_i_proxy"
+# their per-metric files, and a2's proxy's: file stem -> (key inside a video's record, merged metric name)
+FILES = {"aesthetic_score": ("aes_score", "aes_score"), "motion_amplitude": ("motion_fb", "motion_amplitude"),
+         "motion_smoothness": ("motion_smoothness", "motion_smoothness"), "facesim": ("cur_score", "facesim_cur"),
+         "gmescore": ("gme_score", "gme_score"), "nexusscore": ("nexus_score", "nexus_score"),
+         PROXY_FILE: (PROXY_KEY, PROXY_KEY)}
+NATURAL_FILES = ("naturalscore_1", "naturalscore_2", "naturalscore_3")
 
 # the leaderboard CSVs' columns (percent) for each merged metric, in their order
 COLUMNS = dict(aes_score="Aesthetics↑", motion_smoothness="MotionSmoothness↑", motion_amplitude="MotionAmplitude↑",
@@ -89,6 +87,8 @@ FACE_IDS = ("singlehuman", "singleface", "faceobj", "humanobj")  # the sample id
 FACE_DIRS = ("/man/", "/woman/", "/crop_woman/", "/crop_man/")  # its reference: the first image in one of these
 GME_QUERY = "Find an image that matches the given text."
 GME_SYSTEM = "You are a helpful assistant."
+GME_MIN_PIXELS, GME_MAX_PIXELS = 4 * 28 * 28, 16384 * 28 * 28  # gme_model.py's bounds on a frame's area (Qwen2-VL's
+# size rule, sides multiples of 28) before the processor applies its own
 METRIC_FRAMES = 32  # aes, facesim and gme score this many evenly spaced frames; motion_fb all of them
 
 
@@ -130,21 +130,13 @@ def read_eval_set(path) -> dict[str, dict]:
     return samples
 
 
-def frame_indices(total: int, num_frames: int | None) -> np.ndarray:
-    """Their sample_video_frames: all frames, or np.linspace(0, total - 1, n) truncated to int."""
-    return np.arange(total) if num_frames is None else np.linspace(0, total - 1, num_frames, dtype=int)
-
-
 def read_video(path) -> np.ndarray:
     """All frames (F, H, W, 3) uint8 RGB, decoded as their scripts decode them (imageio's ffmpeg reader)."""
-    import imageio
+    import imageio  # its ffmpeg reader, their decoder: loaded when a video is read
 
     try:
-        reader = imageio.get_reader(str(path), "ffmpeg")
-        try:
+        with imageio.get_reader(str(path), "ffmpeg") as reader:
             frames = [reader.get_data(i) for i in range(reader.count_frames())]
-        finally:
-            reader.close()
     except Exception as e:  # imageio raises OSError / RuntimeError / IndexError by backend, with ffmpeg's log
         last = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         raise InputError(f"{path}: cannot decode the video ({last[-1].strip()})") from e
@@ -153,8 +145,9 @@ def read_video(path) -> np.ndarray:
     return np.stack(frames)
 
 
-def sample_frames(frames: np.ndarray, num_frames: int | None) -> np.ndarray:
-    return frames[frame_indices(len(frames), num_frames)]
+def sample_frames(frames: np.ndarray, num_frames: int) -> np.ndarray:
+    """Their sample_video_frames: the frames at np.linspace(0, total - 1, num_frames) truncated to int."""
+    return frames[np.linspace(0, len(frames) - 1, num_frames, dtype=int)]
 
 
 # ---------------------------------------------------------------- MotionAmplitude (motion_fb)
@@ -165,8 +158,6 @@ def motion_fb(frames: np.ndarray) -> float:
     poly_n 5, sigma 1.2) between consecutive frames of the whole video, each flow map resized (INTER_AREA) to 16 px
     wide, the signed mean over maps, pixels and both components, its absolute value. Their frames are RGB but
     converted with COLOR_BGR2GRAY (swapped luma weights): kept, it is the metric's definition."""
-    import cv2
-
     prev = cv2.cvtColor(np.ascontiguousarray(frames[0]), cv2.COLOR_BGR2GRAY)
     maps = []
     for frame in frames[1:]:
@@ -215,7 +206,7 @@ class Aesthetics:
 
     @classmethod
     def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
-        from transformers import CLIPVisionModelWithProjection
+        from transformers import CLIPVisionModelWithProjection  # heavy: loaded with the encoder
 
         clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
         mlp = AestheticMLP(clip.config.projection_dim)
@@ -316,8 +307,6 @@ class FaceSim:
 
     def face(self, rgb: np.ndarray):
         """(aligned 224x224 RGB face, recognition embedding) of the largest face, or (None, None)."""
-        import cv2
-
         bgr = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR)
         found = self.detect(bgr)
         if found is None:
@@ -332,8 +321,6 @@ class FaceSim:
 
     @torch.no_grad()
     def embed(self, face_rgb: np.ndarray) -> torch.Tensor:
-        import cv2
-
         x = torch.from_numpy(cv2.resize(face_rgb, (112, 112)).transpose(2, 0, 1).copy()).float()[None]  # (1,3,112,112)
         e = self.cur(x.div(255).sub(0.5).div(0.5).to(self.device))[0].float().cpu()
         return e / e.norm()
@@ -369,20 +356,6 @@ def face_reference(sample: dict) -> Path | None:
 # ---------------------------------------------------------------- GmeScore (gme_score)
 
 
-def smart_size(height: int, width: int, factor: int = 28, min_pixels: int = 4 * 28 * 28,
-               max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
-    """Qwen2-VL's size rule, as gme_model.py applies it before the processor: sides rounded to multiples of 28,
-    the area brought inside [min_pixels, max_pixels] at the same aspect."""
-    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
-
-
 class Gme:
     """gme-Qwen2-VL embeddings through transformers (gme_model.py's GmeQwen2VL): a chat-formatted input, the image's
     tokens replaced by the vision tower's merged patches, the language model run with plain 1-D positions (as their
@@ -396,7 +369,7 @@ class Gme:
 
     @classmethod
     def load(cls, model_dir, device="cpu", dtype=torch.float16) -> Gme:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor  # heavy: loaded with the encoder
 
         model = AutoModelForImageTextToText.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="sdpa")
         pixels = dict(min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)
@@ -413,10 +386,7 @@ class Gme:
             image = torch.cat(core.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
             embeds[input_ids == self.model.config.image_token_id] = image
         hidden = core.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
-        if attention_mask[:, -1].sum() == attention_mask.shape[0]:  # left padding (or none): the last position
-            pooled = hidden[:, -1]
-        else:
-            pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]
+        pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]  # the last real token (right padding)
         return F.normalize(pooled.float(), dim=-1)  # (B, D)
 
     def messages(self, texts, with_image: bool, instruction: str) -> list[str]:
@@ -425,16 +395,17 @@ class Gme:
                 "<|im_start|>assistant\n<|endoftext|>" for t in texts]
 
     def embed(self, texts=None, images=None, instruction: str = GME_SYSTEM) -> torch.Tensor:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize  # transformers: heavy
+
         n = len(texts) if texts is not None else len(images)
         out = []
         for i in range(0, n, self.batch):
             t = texts[i:i + self.batch] if texts is not None else [None] * len(images[i:i + self.batch])
             imgs = None
             if images is not None:
-                from PIL import Image
-
                 imgs = [Image.fromarray(a) for a in images[i:i + self.batch]]
-                imgs = [im.resize(smart_size(im.height, im.width)[::-1]) for im in imgs]
+                imgs = [im.resize(smart_resize(im.height, im.width, 28, GME_MIN_PIXELS, GME_MAX_PIXELS)[::-1])
+                        for im in imgs]
             inputs = self.processor(text=self.messages(t, imgs is not None, instruction), images=imgs, padding=True,
                                     truncation=True, max_length=1800, return_tensors="pt").to(self.device)
             out.append(self.forward(inputs["input_ids"], inputs["attention_mask"], inputs.get("pixel_values"),
@@ -479,7 +450,7 @@ def merge_dir(json_dir, ids=None) -> dict[str, dict]:
     Files that are no metric of theirs or ours are ignored."""
     merged: dict[str, dict] = {}
     json_dir = Path(json_dir)
-    for stem in (*FILES, *NATURAL_FILES, PROXY_FILE):
+    for stem in (*FILES, *NATURAL_FILES):
         path = json_dir / f"{stem}.json"
         if not path.is_file():
             continue
@@ -489,8 +460,6 @@ def merge_dir(json_dir, ids=None) -> dict[str, dict]:
             row = merged.setdefault(vid, {})
             if stem in NATURAL_FILES:
                 row.setdefault("_natural", []).append(float(record))
-            elif stem == PROXY_FILE:
-                row[PROXY_KEY] = record[PROXY_KEY]
             elif isinstance(record, dict) and FILES[stem][0] in record:
                 row[FILES[stem][1]] = record[FILES[stem][0]]
     for row in merged.values():
@@ -676,8 +645,6 @@ def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=(
 
 
 def load_image(path) -> np.ndarray:
-    from PIL import Image
-
     try:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
@@ -685,11 +652,11 @@ def load_image(path) -> np.ndarray:
         raise InputError(f"{path}: cannot read the reference image ({e})") from e
 
 
-def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> list[str]:
+def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers, redo: bool = False) -> set[str]:
     """Each metric a2 computes, over the `<id>.mp4` of `video_dir` that are samples of the set, into json_dir in
     their file format. A metric file already there keeps its videos' scores and gets those of the videos it does not
     hold yet (a render resumed since); redo=True recomputes every video. A face sample in which no face is found has
-    no cur_score (their format) and is tried again the next time. Returns the files written."""
+    no cur_score (their format) and is tried again the next time. Returns the sample ids of the videos there."""
     video_dir, json_dir = Path(video_dir), Path(json_dir)
     json_dir.mkdir(parents=True, exist_ok=True)
     videos = sorted(p for p in video_dir.glob("*.mp4") if p.stem in samples)
@@ -727,14 +694,12 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
     if kept:
         print(f"kept the scores already in {json_dir} (" + ", ".join(f"{stem}.json: {n} video(s)" for stem, n in
                                                                     kept.items()) + "; --redo recomputes them)")
-    written = []
     for stem in sorted(changed):
         out = json_dir / f"{stem}.json"
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results[stem], indent=4))
         tmp.replace(out)
-        written.append(str(out))
-    return written
+    return {path.stem for path in videos}
 
 
 THEIR_SCRIPTS = """\
@@ -761,8 +726,7 @@ def main(cfg) -> int:
     e = cfg.eval
     scorers = load_scorers(e.aes_clip, e.aes_mlp, e.facesim, e.gme, device, getattr(torch, cfg.gme_dtype))
     scorers.motion = e.motion_fb
-    score_videos(videos, samples, json_dir, scorers, cfg.redo)
-    ids = {p.stem for p in videos.glob("*.mp4") if p.stem in samples}  # the means cover the videos there
+    ids = score_videos(videos, samples, json_dir, scorers, cfg.redo)  # the means cover the videos there
     result = merge_result(json_dir, domain, ids, len(samples))
     out = videos / f"opens2v_{domain}.json"
     out.write_text(json.dumps(result, indent=4))

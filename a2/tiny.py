@@ -75,7 +75,7 @@ WAN22_BOUNDARY = {True: 0.875, False: 0.9}  # t2v: T2V-A14B, else I2V-A14B
 # VAE before invertible_init) is not reused
 TINY_BUILD = 3
 
-# `--model` names of the built-in tiny models -> tiny_model_dir arguments
+# `--model` names of the built-in tiny models -> their save_tiny arguments
 TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2v=True, wan22=True),
                "tiny-wan22-i2v": dict(wan22=True), "random-1.3B": dict(t2v=True, preset="1.3B"),
                "random-14B": dict(preset="14B"), "tiny-ti2v": dict(ti2v=True),
@@ -186,18 +186,12 @@ def _head_response(dim: int) -> tuple[float, float]:
 
 def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: str = "tiny",
                ti2v: bool = False, vace: bool = False) -> dict:
-    """The components of a tiny Wan I2V (A2 architecture) model, or T2V with t2v=True.
-
-    wan22=True: a Wan 2.2 A14B-shaped pair, a second transformer `transformer_2` (the low-noise expert,
-    other random weights) and `boundary_ratio`; the I2V pair keeps 36 input channels but has no image
-    branch and no CLIP, as Wan2.2-I2V-A14B.
-    ti2v=True: Wan 2.2 TI2V-5B-shaped (tiny_ti2v_vae, 48 channels in and out, no image branch, expand_timesteps).
-    vace=True (with t2v): Wan's VACE, the T2V transformer with VACE's context blocks (preset tiny-vace); with wan22
-    the Wan2.2-VACE-Fun-A14B pair (its boundary), both experts VACE transformers.
-    preset `1.3B` / `14B` / `5B`: encoders with that model's widths, and the transformer as a config dict (no
-    weights)."""
+    """The pipeline parts of the tiny model each flag shapes as the module docstring says: Wan I2V (A2 architecture)
+    by default; wan22 adds the low-noise expert `transformer_2` (other random weights) and `boundary_ratio`, and
+    drops CLIP; vace (with t2v) makes every expert a VACE transformer. preset `1.3B` / `14B` / `5B`: encoders with
+    that model's widths, and the transformer as a config dict (no weights)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
-    from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
@@ -230,46 +224,35 @@ def build_tiny(seed: int = 0, t2v: bool = False, wan22: bool = False, preset: st
     elif not t2v:
         parts["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(
             **{**TINY_CLIP_VISION, "hidden_size": tcfg["image_dim"]})).eval()
-        parts["image_processor"] = tiny_image_processor()
+        parts["image_processor"] = CLIPImageProcessor()  # its defaults: shortest edge 224, centre crop 224, CLIP's mean
     return parts
 
 
+# the tiny encoders' transformer towers (CLIP's text and vision, Dinov2)
+TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 # CLIP ViT-H/14's token count (257 at 224 px, patch 14) at width 32 (a real-size preset: that model's image_dim)
-TINY_CLIP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        image_size=224, patch_size=14, projection_dim=32)
-
-
-def tiny_image_processor(cls_name: str = "CLIPImageProcessor"):
-    """CLIP's preprocessing (shortest edge 224, centre crop 224, CLIP mean/std); Dinov2's is the same with
-    cls_name="BitImageProcessor"."""
-    import transformers
-
-    return getattr(transformers, cls_name)(
-        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
-    )
+TINY_CLIP_VISION = dict(TINY_TOWER, image_size=224, patch_size=14, projection_dim=32)
 
 
 def save_tiny_evaluators(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Tiny random encoders for a2/evaluate.py: a CLIPModel (text + vision towers, the vision tower shaped as the
     tiny model's image encoder, the tiny tokenizer) and a Dinov2Model, each a transformers dir (their processors
     included). Returns dict(clip_text=dir, dino=dir)."""
-    from transformers import CLIPConfig, CLIPModel, Dinov2Config, Dinov2Model
+    from transformers import BitImageProcessor, CLIPConfig, CLIPImageProcessor, CLIPModel, Dinov2Config, Dinov2Model
 
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
     tokenizer = tiny_tokenizer()
     clip = CLIPModel(CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=1),
+        text_config=dict(TINY_TOWER, vocab_size=len(tokenizer), max_position_embeddings=77, pad_token_id=0,
+                         bos_token_id=None, eos_token_id=1),
         vision_config=TINY_CLIP_VISION, projection_dim=32)).eval()
-    dino = Dinov2Model(Dinov2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    image_size=224, patch_size=14)).eval()
+    dino = Dinov2Model(Dinov2Config(**TINY_TOWER, image_size=224, patch_size=14)).eval()
     dirs = dict(clip_text=out_dir / "clip", dino=out_dir / "dino")
-    for (model, processor), d in zip(((clip, "CLIPImageProcessor"), (dino, "BitImageProcessor")), dirs.values()):
+    # Dinov2's processor class, with the same defaults as CLIP's (shortest edge 224, centre crop 224, CLIP mean/std)
+    for (model, processor), d in zip(((clip, CLIPImageProcessor), (dino, BitImageProcessor)), dirs.values()):
         model.save_pretrained(d)
-        tiny_image_processor(processor).save_pretrained(d)
+        processor().save_pretrained(d)
     tokenizer.save_pretrained(dirs["clip_text"])
     return dirs
 
@@ -313,29 +296,24 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
     out_dir.mkdir(parents=True)
     for name, part in parts.items():
         part.save_pretrained(out_dir / name)
-    if released.startswith("vace"):
-        for name, model in experts.items() if released == "vace-fun" else [("", transformer)]:
-            (out_dir / name).mkdir(exist_ok=True)
-            (out_dir / name / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
-            save_file({k: v.contiguous() for k, v in diffusers_to_original(model.state_dict()).items()},
-                      out_dir / name / "diffusion_pytorch_model.safetensors")
-        torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
-        return out_dir
-    sd = {k: v.contiguous() for k, v in diffusers_to_original(transformer.state_dict()).items()}
-    wan = dict(original_wan_config(transformer.config), model_type="i2v" if released == "magref" else "t2v")
-    (out_dir / "config.json").write_text(json.dumps(wan, indent=2))
-    if released == "refalign":
-        save_file(sd, out_dir / "model.safetensors")
-        return out_dir
-    stem = "diffusion_pytorch_model" if released == "magref" else "Phantom_Wan_tiny"
-    first, second = f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors"
-    shards = {first: {k: v for k, v in sd.items() if k.startswith("blocks.")}}
-    shards[second] = {k: v for k, v in sd.items() if k not in shards[first]}
-    for name, shard in shards.items():
-        save_file(shard, out_dir / name)
-    index = {"metadata": {}, "weight_map": {k: name for name, shard in shards.items() for k in shard}}
-    (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if released == "magref":  # the original Wan VAE file sits beside the DiT in the release
+    for name, model in experts.items() if released == "vace-fun" else [("", transformer)]:
+        (out_dir / name).mkdir(exist_ok=True)
+        wan = dict(original_wan_config(model.config), **(dict(model_type="i2v") if released == "magref" else {}))
+        (out_dir / name / "config.json").write_text(json.dumps(wan, indent=2))
+        sd = {k: v.contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
+        if released not in ("phantom", "magref"):
+            save_file(sd, out_dir / name / ("model.safetensors" if released == "refalign" else
+                                            "diffusion_pytorch_model.safetensors"))
+            continue
+        stem = "diffusion_pytorch_model" if released == "magref" else "Phantom_Wan_tiny"
+        first, second = f"{stem}-00001-of-00002.safetensors", f"{stem}-00002-of-00002.safetensors"
+        shards = {first: {k: v for k, v in sd.items() if k.startswith("blocks.")}}
+        shards[second] = {k: v for k, v in sd.items() if k not in shards[first]}
+        for shard_name, shard in shards.items():
+            save_file(shard, out_dir / shard_name)
+        index = {"metadata": {}, "weight_map": {k: shard_name for shard_name, shard in shards.items() for k in shard}}
+        (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if released in ("magref", "vace", "vace-fun"):  # the original Wan VAE file sits beside the DiT in the release
         torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
     return out_dir
 
@@ -367,9 +345,9 @@ def save_tiny(out_dir: str | Path, seed: int = 0, t2v: bool = False, wan22: bool
     return out_dir
 
 
-def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny", ti2v: bool = False,
-                   released: str | None = None, vace: bool = False) -> Path:
-    """The built-in tiny model, built once into a cache dir (what `--model tiny` means).
+def tiny_model_dir(name: str) -> Path:
+    """The built-in tiny model `name` (a TINY_MODELS key), built once into a cache dir of that name (what `--model
+    NAME` means).
 
     A file lock serialises the build: DDP ranks started together must not save concurrently (two
     concurrent transformers saves of the same model were seen to leave a shard missing)."""
@@ -377,8 +355,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
 
     root = Path(os.environ.get("A2_CACHE", Path.home() / ".cache" / "a2")) / f"built-{TINY_BUILD}"
     root.mkdir(parents=True, exist_ok=True)
-    d = root / ((f"random-{preset}-" if preset != "tiny" else "tiny-wan22-" if wan22 else "tiny-")
-                + (released or ("vace" if vace else "ti2v" if ti2v else "t2v" if t2v else "i2v")))
+    d = root / name
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not d.exists():  # os.replace below: the dir exists only once complete
@@ -387,7 +364,7 @@ def tiny_model_dir(t2v: bool = False, wan22: bool = False, preset: str = "tiny",
             bars = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()  # a built-in model's build is no download: no "Writing model shards"
             try:
-                save_tiny(tmp, t2v=t2v, wan22=wan22, preset=preset, ti2v=ti2v, released=released, vace=vace)
+                save_tiny(tmp, **TINY_MODELS[name])
             finally:
                 if bars:
                     hf_logging.enable_progress_bar()
@@ -399,7 +376,7 @@ def model_path(name) -> Path:
     """What `--model NAME` (and `--image-encoder`) means: a built-in tiny model's dir (built on first use), a local
     dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (a2.transformer)."""
     if str(name) in TINY_MODELS:
-        return tiny_model_dir(**TINY_MODELS[str(name)])
+        return tiny_model_dir(str(name))
     return local_or_hub(name)
 
 

@@ -184,7 +184,7 @@ def test_training_with_context_parallel_equals_one_process(data_dir, tmp_path):
     logs = {k: _finish(p) for k, p in runs.items()}
     logs["ddp"] = "".join(_finish(p) for p in nodes)
     assert "global batch 2 = micro 1 x accum 1 x world 2 (x context parallel 2)" in logs["ddp"]
-    assert all((tmp_path / f"node{n}" / f"built-{TINY_BUILD}" / "tiny-i2v" / "transformer").is_dir()
+    assert all((tmp_path / f"node{n}" / f"built-{TINY_BUILD}" / "tiny" / "transformer").is_dir()
                for n in range(2))  # built per node
     assert not list((tmp_path / "ddp").glob(".tmp-*")) and sorted(p.name for p in (tmp_path / "ddp").glob("ckpt-*")) \
         == ["ckpt-0000002"]

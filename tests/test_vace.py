@@ -27,7 +27,7 @@ from a2.images import read_image
 from a2.kinds import WAN_NEGATIVE_PROMPT
 from a2.lora import export_lora, read_original
 from a2.parallel import UlyssesAttnProcessor, context_parallel
-from a2.tiny import TINY_MODELS, build_tiny, model_path, save_tiny, tiny_model_dir
+from a2.tiny import build_tiny, model_path, save_tiny, tiny_model_dir
 from a2.transformer import (
     UnsupportedModel,
     configure_blocks,
@@ -311,8 +311,8 @@ def test_lora_targets_and_exports_load_in_comfyui(target, tmp_path):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("vace")
-    return {"diffusers": tiny_model_dir(**TINY_MODELS["tiny-vace"]),
-            "fun-diffusers": tiny_model_dir(**TINY_MODELS["tiny-vace-fun"]),
+    return {"diffusers": tiny_model_dir("tiny-vace"),
+            "fun-diffusers": tiny_model_dir("tiny-vace-fun"),
             "original": save_tiny(root / "original", t2v=True, released="vace"),
             "fun-original": save_tiny(root / "fun-original", t2v=True, wan22=True, released="vace-fun")}
 
