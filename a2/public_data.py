@@ -30,6 +30,7 @@ import re
 import sys
 from collections import Counter
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -396,6 +397,7 @@ def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: 
     """Run each part's records(counts, lines) -> iterator of index lines into out/parts/<name>.jsonl (a part done
     before is kept: a killed index resumes at its first unfinished part), then join them into out/index.jsonl and
     write out/report.txt: the rule, the counts, every problem line. Constant memory."""
+    print(f"rule: {rule}")
     d = out / "parts"
     d.mkdir(parents=True, exist_ok=True)
     for name, records in parts:
@@ -439,6 +441,25 @@ def index_rule(index: Path) -> str | None:
             if line.startswith("rule: "):
                 return line[6:]
     return None
+
+
+def records_of(rows, build, src: Path):
+    """A part's records(counts, lines) for write_index: each (clip key, record) of rows(counts, lines) is counted
+    read and made an index line by build(key, record, counts, lines) (None: dropped, counted by build); a BadRecord
+    is counted and reported as one line (clip key, file, problem)."""
+    def records(counts: Counter, lines: Lines):
+        for key, row in rows(counts, lines):
+            counts["clips read"] += 1
+            try:
+                line = build(key, row, counts, lines)
+            except BadRecord as e:
+                counts["clips dropped: bad record"] += 1
+                lines.append(str(Problem(key, src, str(e))))
+                continue
+            if line:
+                counts["clips kept"] += 1
+                yield line
+    return records
 
 
 def progress(f, desc: str):
@@ -607,34 +628,24 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
 
 
 def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict, limit: int = 0):
-    def records(counts: Counter, lines: Lines):
+    def rows(counts: Counter, lines: Lines):
         import ijson
 
         with open(json_path, "rb") as f:
             bar, update = progress(f, part)
             try:
-                for n, (key, rec) in enumerate(ijson.kvitems(f, "", use_float=True)):
-                    counts["clips read"] += 1
-                    try:
-                        line = opens2v_clip(key, rec, part, root, a, counts, lines, json_path, clusters)
-                    except BadRecord as e:
-                        counts["clips dropped: bad record"] += 1
-                        lines.append(str(Problem(key, json_path, str(e))))
-                        line = None
-                    if line:
-                        counts["clips kept"] += 1
-                        yield line
+                for n, row in enumerate(islice(ijson.kvitems(f, "", use_float=True), limit or None)):
                     if n % 256 == 0:
                         update()
-                    if limit and counts["clips read"] >= limit:
-                        break
+                    yield row
             except ijson.JSONError as e:  # a truncated download: what was read is kept, and said
                 counts["parts cut short: invalid JSON"] += 1
                 lines.append(str(Problem("-", json_path, f"invalid JSON after {counts['clips read']} clips ({e}): "
                                                          "the rest of this part is not indexed")))
             update()
             bar.close()
-    return records
+    return records_of(rows, lambda key, rec, counts, lines: opens2v_clip(key, rec, part, root, a, counts, lines,
+                                                                          json_path, clusters), json_path)
 
 
 def index_opens2v(a: IndexOpenS2V):
@@ -644,7 +655,6 @@ def index_opens2v(a: IndexOpenS2V):
     if not jsons:
         raise IndexError_(f"{root}: no part JSON under Jsons/mask_and_bbox_High-Quality/ (nor Jsons/)")
     clusters = read_clusters(Path(a.cross_pairs)) if a.cross_pairs else {}
-    print(f"rule: {a.rule()}")
     return write_index(out, "opens2v", [(p.stem, opens2v_part(p, p.stem, root, a, clusters)) for p in jsons],
                        a.rule())
 
@@ -656,9 +666,8 @@ def is_person(*words) -> bool:
     return any(w in PERSON_WORDS for t in words if isinstance(t, str) for w in re.findall(r"[a-z]+", t.lower()))
 
 
-def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
-    vid = str(row.get("vid") or "")
-    if not vid:
+def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
+    if vid == "-":
         raise BadRecord("missing field vid")
     caption = row.get("video_caption")
     if not isinstance(caption, str) or not caption.strip():
@@ -730,21 +739,11 @@ def index_phantom(a: IndexPhantom):
     videos = Path(a.videos) if a.videos else root / "videos"
 
     def part(i):
-        def records(counts, lines):
+        def rows(counts, lines):
             for batch in pf.iter_batches(row_groups=[i], columns=list(need)):
-                for row in batch.to_pylist():
-                    counts["clips read"] += 1
-                    try:
-                        line = phantom_row(row, videos, counts, lines, path)
-                    except BadRecord as e:
-                        counts["clips dropped: bad record"] += 1
-                        lines.append(str(Problem(str(row.get("vid") or "-"), path, str(e))))
-                        line = None
-                    if line:
-                        counts["clips kept"] += 1
-                        yield line
-        return records
-    print(f"rule: {a.rule()}")
+                yield from ((str(row.get("vid") or "-"), row) for row in batch.to_pylist())
+        return records_of(rows, lambda vid, row, counts, lines: phantom_row(vid, row, videos, counts, lines, path),
+                          path)
     return write_index(out, "phantom", [(f"{path.stem}.rg{i:05d}", part(i)) for i in range(pf.num_row_groups)],
                        a.rule())
 
@@ -783,32 +782,30 @@ def index_humoset(a: IndexHumoSet):
     vcol, ccol, rcol = humoset_schema(pf.schema_arrow.names, path)
     print(f"{path.name}: video column {vcol!r}, caption column {ccol!r}, reference column {rcol!r}")
 
-    def records(counts, lines):
+    def rows(counts, lines):
         for batch in pf.iter_batches(columns=[c for c in (vcol, ccol, rcol) if c]):
-            for row in batch.to_pylist():
-                counts["clips read"] += 1
-                name, caption = str(row.get(vcol) or ""), row.get(ccol)
-                if not name or not isinstance(caption, str) or not caption.strip():
-                    counts["clips dropped: bad record"] += 1
-                    lines.append(str(Problem(name or "-", path, f"missing {vcol if not name else ccol}")))
-                    continue
-                video = find_video(root / "video" / name)
-                stem = Path(name).stem
-                ref = root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol) else next(
-                    (p for e in IMAGE_EXTS if (p := root / "reference_image" / f"{stem}{e}").is_file()), None)
-                if video is None:
-                    counts["clips dropped: video missing"] += 1
-                    lines.append(str(Problem(stem, root / "video" / name, "video not found")))
-                elif ref is None or not ref.is_file():
-                    counts["clips dropped: reference image missing"] += 1
-                    lines.append(str(Problem(stem, ref or root / "reference_image" / f"{stem}.png",
-                                             "reference image not found")))
-                else:
-                    counts["clips kept"] += 1
-                    yield dict(key=stem, dataset="humoset", video=str(video), caption=caption,
-                               elements=dict(subject=dict(image=str(ref))))
-    print(f"rule: {a.rule()}")
-    return write_index(out, "humoset", [(path.stem, records)], a.rule())
+            yield from ((str(row.get(vcol) or "-"), row) for row in batch.to_pylist())
+
+    def clip(name: str, row: dict, counts: Counter, lines: Lines) -> dict | None:
+        caption = row.get(ccol)
+        if name == "-" or not isinstance(caption, str) or not caption.strip():
+            raise BadRecord(f"missing {vcol if name == '-' else ccol}")
+        video = find_video(root / "video" / name)
+        stem = Path(name).stem
+        ref = root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol) else next(
+            (p for e in IMAGE_EXTS if (p := root / "reference_image" / f"{stem}{e}").is_file()), None)
+        if video is None:
+            counts["clips dropped: video missing"] += 1
+            lines.append(str(Problem(stem, root / "video" / name, "video not found")))
+        elif ref is None or not ref.is_file():
+            counts["clips dropped: reference image missing"] += 1
+            lines.append(str(Problem(stem, ref or root / "reference_image" / f"{stem}.png",
+                                     "reference image not found")))
+        else:
+            return dict(key=stem, dataset="humoset", video=str(video), caption=caption,
+                        elements=dict(subject=dict(image=str(ref))))
+        return None
+    return write_index(out, "humoset", [(path.stem, records_of(rows, clip, path))], a.rule())
 
 
 # ---------------------------------------------------------------- export-elements
