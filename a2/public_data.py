@@ -39,16 +39,16 @@ from PIL import Image
 from a2.cli import InputError, MissingInput, run_cli
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS
-from a2.images import read_image
+from a2.images import IMAGE_EXTS, read_image
 from a2.kinds import KIND_DEFS
 from a2.media import (
     VIDEO_EXTS,
     Problem,
     Sample,
-    _decode,
     _manifest_rows,
     caption_problems,
     clip_length,
+    decodable_frames,
     frame_buckets,
     probe_video,
     read_frames,
@@ -144,25 +144,22 @@ def box_image(frame: np.ndarray, box: tuple[int, int, int, int], sam_dir: str | 
     return sam_on_white(frame, box, sam_dir) if sam_dir else Image.fromarray(np.ascontiguousarray(frame[y0:y1, x0:x1]))
 
 
-def cropped(frame: np.ndarray, crop) -> np.ndarray:
-    """frame[s_y:e_y, s_x:e_x] for OpenS2V's crop [s_x, e_x, s_y, e_y] (the watermark-free region)."""
+def cropped(frames: np.ndarray, crop) -> np.ndarray:
+    """frames[..., s_y:e_y, s_x:e_x, :] of a frame (H, W, 3) or clip (F, H, W, 3) for OpenS2V's crop [s_x, e_x, s_y,
+    e_y] (the watermark-free region)."""
     if crop is None:
-        return frame
+        return frames
     sx, ex, sy, ey = crop
-    if ey > frame.shape[0] or ex > frame.shape[1]:
-        raise ValueError(f"crop {list(crop)} exceeds the {frame.shape[1]}x{frame.shape[0]} frame")
-    return frame[sy:ey, sx:ex]
+    if ey > frames.shape[-3] or ex > frames.shape[-2]:
+        raise ValueError(f"crop {list(crop)} exceeds the {frames.shape[-2]}x{frames.shape[-3]} frame")
+    return frames[..., sy:ey, sx:ex, :]
 
 
 def reference_frame(video: Path, pos: float) -> np.ndarray:
     """Phantom-Data's reference frame: int(num_frames * frame_idx) of the clip, as its README computes it."""
     listed, _ = probe_video(video)
-    n = listed or sum(1 for _ in read_frames_iter(video))
+    n = listed or decodable_frames(video)
     return read_frames(video, [min(int(n * float(pos)), n - 1)])[0]
-
-
-def read_frames_iter(video: Path):
-    return _decode(video)
 
 
 def element_image(ref: dict, sam_dir: str | None = None, frames: dict | None = None) -> Image.Image:
@@ -219,11 +216,7 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
     same = [r["frame"] for n in names if "mask" in (r := s.refs[n]) and r["video"] == str(s.video)]
     got = read_frames(s.video, want + same) if want + same else np.zeros((0, 1, 1, 3), np.uint8)
     frames = {(str(s.video), i): f for i, f in zip(same, got[len(want):])}
-    clip = got[:len(want)]
-    if s.crop is not None and len(clip):
-        sx, ex, sy, ey = s.crop
-        cropped(clip[0], s.crop)  # raises when the crop exceeds the frame
-        clip = clip[:, sy:ey, sx:ex]  # (F, h, w, 3) view
+    clip = cropped(got[:len(want)], s.crop) if want else got[:0]  # (F, h, w, 3) view
     return clip, {n: element_image(s.refs[n], sam_dir, frames) for n in names}
 
 
@@ -355,12 +348,8 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
         return s
     try:
         listed, size = probe_video(s.video)
-        if s.crop is not None:
-            sx, ex, sy, ey = s.crop
-            if ey > size[0] or ex > size[1]:
-                raise ValueError(f"crop {list(s.crop)} exceeds the {size[1]}x{size[0]} video")
-            size = (ey - sy, ex - sx)
-        s.num_frames = s.num_frames or max(0, (listed or sum(1 for _ in read_frames_iter(s.video))) - s.start)
+        size = cropped(np.broadcast_to(np.uint8(0), (*size, 3)), s.crop).shape[:2]  # checked as the load checks it
+        s.num_frames = s.num_frames or max(0, (listed or decodable_frames(s.video)) - s.start)
         s.size = tuple(int(v) for v in size)
         frame = s.size if s.crop is None else None  # a box is in the whole frame of the clip's own video
         sizes = {name: element_size(ref, frame if ref.get("video") == str(s.video) else None)
@@ -488,8 +477,9 @@ def ints(v, n: int, what: str) -> list[int]:
     return [int(x) for x in v]
 
 
-def find_video(stem: Path) -> Path | None:
-    for ext in ("", *VIDEO_EXTS, *(e.upper() for e in VIDEO_EXTS)):
+def find_file(stem: Path, exts: tuple[str, ...] = VIDEO_EXTS) -> Path | None:
+    """The file named stem, or stem with one of exts (either case) added."""
+    for ext in ("", *exts, *(e.upper() for e in exts)):
         p = stem.with_name(stem.name + ext)
         if p.is_file():
             return p
@@ -679,7 +669,7 @@ def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines
         raise BadRecord(f"cross_pair is not valid JSON ({e.msg})") from None
     if not isinstance(pairs, dict):
         raise BadRecord(f"cross_pair is {type(pairs).__name__}, expected an object of phrases")
-    video = find_video(videos / vid)
+    video = find_file(videos / vid)
     if video is None:
         counts["clips dropped: video not downloaded"] += 1
         lines.append(str(Problem(vid, videos / f"{vid}.mp4", "video not found (not downloaded?)")))
@@ -704,7 +694,7 @@ def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines
                 lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: bbox_loc {box} / frame_idx {pos} "
                                                    "is not a box / a position in [0, 1]")))
                 continue
-            rvideo = find_video(videos / rvid)
+            rvideo = find_file(videos / rvid)
             if rvideo is None:
                 counts["refer_result entries skipped: reference clip not downloaded"] += 1
                 continue
@@ -755,7 +745,6 @@ HUMO_VIDEO_COLS = ("video", "video_name", "video_path", "video_id", "vid", "file
                    "id")
 HUMO_CAPTION_COLS = ("caption", "video_caption", "text", "prompt", "description")
 HUMO_REF_COLS = ("reference_image", "ref_image", "reference", "image")
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".PNG", ".JPG", ".JPEG")
 
 
 def humoset_schema(names: list[str], path: Path) -> tuple[str, str, str | None]:
@@ -790,10 +779,10 @@ def index_humoset(a: IndexHumoSet):
         caption = row.get(ccol)
         if name == "-" or not isinstance(caption, str) or not caption.strip():
             raise BadRecord(f"missing {vcol if name == '-' else ccol}")
-        video = find_video(root / "video" / name)
+        video = find_file(root / "video" / name)
         stem = Path(name).stem
-        ref = root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol) else next(
-            (p for e in IMAGE_EXTS if (p := root / "reference_image" / f"{stem}{e}").is_file()), None)
+        ref = (root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol)
+               else find_file(root / "reference_image" / stem, IMAGE_EXTS))
         if video is None:
             counts["clips dropped: video missing"] += 1
             lines.append(str(Problem(stem, root / "video" / name, "video not found")))
