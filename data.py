@@ -451,6 +451,9 @@ class E2VDataset(torch.utils.data.Dataset):
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
         elements = [e for e in cfg.elements if e.name in names]
+        repeats = tuple(e.repeat for e in elements)
+        item = dict(index=idx, id=s.id, prompt=s.prompt, element_names=names, repeats=repeats,
+                    bucket=self.buckets[idx], file=str(s.video))
         file = s.video
         try:  # everything up to the returned tensors: an exception in a loader worker must not end the run raw
             if self.cache_dir:
@@ -458,15 +461,11 @@ class E2VDataset(torch.utils.data.Dataset):
                 c = torch.load(file, weights_only=True)
                 text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
                 text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
-                return dict(index=idx, id=s.id, file=str(file), prompt=c["prompt"], posteriors=c["posteriors"],
-                            text=text, clip=c.get("clip"), region=c.get("region"), align=c.get("align"),
-                            element_names=names,
-                            repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
+                return dict(item, file=str(file), prompt=c["prompt"], posteriors=c["posteriors"], text=text,
+                            clip=c.get("clip"), region=c.get("region"), align=c.get("align"),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
-                                       if self.layout
-                                       else len(elements), 3,
-                                       *(self.layout and self.layout.reference_size or (h, w))))
+                            ref_shape=(element_layout(self.layout, repeats).reference_images if self.layout
+                                       else len(elements), 3, *(self.layout and self.layout.reference_size or (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
@@ -488,9 +487,7 @@ class E2VDataset(torch.utils.data.Dataset):
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
-        return dict(index=idx, id=s.id, video=video, prompt=s.prompt, element_names=names,
-                    repeats=tuple(e.repeat for e in elements), ref_vae=vae, ref_clip=clip, region=region,
-                    bucket=(frames, h, w, names), file=str(s.video))
+        return dict(item, video=video, ref_vae=vae, ref_clip=clip, region=region)
 
 
 def collate(items: list[dict]) -> dict:
@@ -508,26 +505,20 @@ def collate(items: list[dict]) -> dict:
 
 
 def stack_items(items: list[dict], indices: list[int]) -> dict:
-    b0 = items[0]["bucket"]
-    if any(it["bucket"] != b0 for it in items):
+    first = items[0]
+    if any(it["bucket"] != first["bucket"] for it in items):
         raise ValueError(f"a batch mixes buckets: {[it['bucket'] for it in items]}")
-    if "posteriors" in items[0]:  # from the precompute cache
-        n = len(items)
-        return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
-                    posteriors=[torch.stack([it["posteriors"][k] for it in items])
-                                for k in range(len(items[0]["posteriors"]))],  # per VAE encode: (B, 32, T, h, w)
-                    text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
-                    clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
-                    region=None if items[0]["region"] is None else torch.stack([it["region"] for it in items]),
-                    align=None if items[0]["align"] is None else torch.stack([it["align"] for it in items]),
-                    video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
-                    element_names=items[0]["element_names"], repeats=items[0]["repeats"])
-    return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
-                video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
-                ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
-                ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
-                region=None if items[0].get("region") is None else torch.stack([it["region"] for it in items]),
-                element_names=items[0]["element_names"], repeats=items[0]["repeats"])
+    out = dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
+               element_names=first["element_names"], repeats=first["repeats"])
+    # pixels: video (B, 3, F, H, W), ref_vae (B, N, 3, H, W), ref_clip (B, N, 3, h, w); from the precompute cache:
+    # text (B, 512, D), clip, align; both: region. None where the run has none.
+    for k in ("video", "ref_vae", "ref_clip", "text", "clip", "align", "region"):
+        if k in first:
+            out[k] = None if first[k] is None else torch.stack([it[k] for it in items])
+    if "posteriors" in first:  # per VAE encode: (B, 32, T, h, w), and the shapes of the pixels they encode
+        out.update(posteriors=[torch.stack(encodes) for encodes in zip(*(it["posteriors"] for it in items))],
+                   video_shape=(len(items), *first["video_shape"]), ref_shape=(len(items), *first["ref_shape"]))
+    return out
 
 
 class LoadFailures:
@@ -790,7 +781,7 @@ class BucketBatchSampler:
     def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0, exclude=()):
         self.dataset, self.batch, self.seed = dataset, global_batch_size, seed
         self.exclude = frozenset(exclude)  # held-out samples (held_out): never in a batch
-        self.epoch, self.consumed = 0, 0
+        self.epoch = 0
         counts: dict = {}
         for i, b in enumerate(dataset.buckets):
             if i not in self.exclude:
@@ -803,8 +794,7 @@ class BucketBatchSampler:
                              "the number of processes, or add data")
 
     def set_epoch(self, epoch: int):
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
+        self.epoch = epoch
 
     def epoch_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
         rng = random.Random(self.seed * 1000003 + epoch)
@@ -827,10 +817,7 @@ class BucketBatchSampler:
         return [[(i, rng.randrange(2**31)) for i in b] for b in batches]
 
     def __iter__(self):
-        batches = self.epoch_batches(self.epoch)
-        while self.consumed < len(batches):
-            self.consumed += 1
-            yield batches[self.consumed - 1]
+        return iter(self.epoch_batches(self.epoch))
 
     def __len__(self):
         return len(self.epoch_batches(self.epoch))
