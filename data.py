@@ -61,7 +61,6 @@ from a2.media import (
     DatasetError,
     Problem,
     Sample,
-    _manifest_rows,
     caption_problems,
     clip_length,
     decodable_frames,
@@ -69,6 +68,7 @@ from a2.media import (
     frame_indices,
     frame_windows,
     last_frame_read,
+    manifest_samples,
     npz_frames_header,
     probe_video,
     read_clip,
@@ -163,17 +163,10 @@ def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetC
 
 
 def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
-    rows = _manifest_rows(path)
-    if rows and not any(r and {"video", "path", "file"} & set(r) for _, r, _ in rows):
-        cols = sorted({k for _, r, _ in rows if r for k in r})
-        raise DatasetError(f"{path}: no 'video' (or 'path') column; its columns: {cols}")
-    out, first_line = [], {}
-    for n, r, why in rows:
-        where = f"{path.name} line {n}"
-        ref = r and str(r.get("video") or r.get("path") or r.get("file") or "")
+    def sample(r: dict, n: int, where: str) -> Sample | None:
+        ref = str(r.get("video") or r.get("path") or r.get("file") or "")
         if not ref:
-            problems.append(Problem("-", path, why or "no 'video' (or 'path') value", f"line {n}"))
-            continue
+            return None
         ref = Path(ref.replace("\\", "/"))  # Windows separators
         video = path.parent / ref  # an absolute path stays absolute
         # default id: the path as written without its extension (unique beside the manifest), else the file's stem
@@ -183,11 +176,8 @@ def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Probl
                                                 path, where, cfg)
         s.elements = {e.name: path.parent / str(r[e.name.lower()]).replace("\\", "/") for e in cfg.elements
                       if r.get(e.name.lower())}
-        if s.id in first_line:
-            s.problems.append(Problem(s.id, video, f"duplicate id (first on line {first_line[s.id]})", where))
-        first_line.setdefault(s.id, n)
-        out.append(s)
-    return out
+        return s
+    return manifest_samples(path, problems, sample, "no 'video' (or 'path') value", ("video", "path", "file"))
 
 
 def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, short_why: str = "") -> Sample:

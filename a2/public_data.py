@@ -45,11 +45,11 @@ from a2.media import (
     VIDEO_EXTS,
     Problem,
     Sample,
-    _manifest_rows,
     caption_problems,
     clip_length,
     decodable_frames,
     frame_buckets,
+    manifest_samples,
     probe_video,
     read_frames,
 )
@@ -226,13 +226,9 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
 def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem], most: int = 0) -> list[Sample]:
     """The samples of an index.jsonl written by `data.py index`; `most`: the run's kind's maximum of references a
     clip (clip_elements)."""
-    out, first = [], {}
-    for n, r, why in _manifest_rows(path):
-        where = f"{path.name} line {n}"
-        if r is None or not r.get("key") or not r.get("video"):
-            problems.append(Problem("-", path, why or "not an index line (no 'key'/'video'): rebuild it with "
-                                                      "`data.py index`", f"line {n}"))
-            continue
+    def sample(r: dict, n: int, where: str) -> Sample | None:
+        if not r.get("key") or not r.get("video"):
+            return None
         if r.get("dataset") != cfg.dataset_type:
             raise InputError(f"{path} line {n}: an index of {r.get('dataset')!r} clips, read as --dataset-type "
                              f"{cfg.dataset_type}")
@@ -242,10 +238,9 @@ def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem],
         s.refs = clip_elements(r, [e.name for e in cfg.elements], most)
         s.elements = {k: ref_file(v) for k, v in s.refs.items()}
         s.cluster = r.get("cluster")
-        if s.id in first:
-            s.problems.append(Problem(s.id, s.video, f"duplicate clip key (first on line {first[s.id]})", where))
-        first.setdefault(s.id, n)
-        out.append(s)
+        return s
+    out = manifest_samples(path, problems, sample, "not an index line (no 'key'/'video'): rebuild it with "
+                                                   "`data.py index`")
     if cfg.cross_video:
         cross_video(out)
     return out
