@@ -809,9 +809,6 @@ class BucketBatchSampler:
     def __iter__(self):
         return iter(self.epoch_batches(self.epoch))
 
-    def __len__(self):
-        return len(self.epoch_batches(self.epoch))
-
 
 def rank_slice(global_batch: list, rank: int, world_size: int, micro_batch: int, accum: int) -> list[list]:
     """This rank's `accum` micro-batches: micro-step j of rank r takes positions

@@ -91,9 +91,13 @@ def mask_on_white(frame: np.ndarray, mask: dict) -> Image.Image:
     if not len(rows):
         raise ValueError("the mask is empty")
     box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
-    out = np.full_like(frame[box], 255)
-    keep = m[box].astype(bool)
-    out[keep] = frame[box][keep]
+    return on_white(frame[box], m[box].astype(bool))
+
+
+def on_white(pixels: np.ndarray, keep: np.ndarray) -> Image.Image:
+    """An element cut out on white: pixels (h, w, 3) uint8 where keep (h, w) is True, white elsewhere."""
+    out = np.full_like(pixels, 255)
+    out[keep] = pixels[keep]
     return Image.fromarray(out)
 
 
@@ -133,10 +137,7 @@ def sam_on_white(image: np.ndarray, box: tuple[int, int, int, int], sam_dir: str
     mask = processor.image_processor.post_process_masks(out.pred_masks, inputs["original_sizes"],
                                                         inputs["reshaped_input_sizes"])[0][0, 0].numpy()  # (H, W)
     x0, y0, x1, y1 = box
-    crop, keep = image[y0:y1, x0:x1], mask[y0:y1, x0:x1]
-    out_img = np.full_like(crop, 255)
-    out_img[keep] = crop[keep]
-    return Image.fromarray(out_img)
+    return on_white(image[y0:y1, x0:x1], mask[y0:y1, x0:x1])
 
 
 def box_image(frame: np.ndarray, box: tuple[int, int, int, int], sam_dir: str | None) -> Image.Image:
@@ -370,11 +371,10 @@ class Lines:
     """Problem lines of a part, written to a file as they come (a part may hold millions): .append(line)."""
 
     def __init__(self, f):
-        self.f, self.n = f, 0
+        self.f = f
 
     def append(self, line: str):
         self.f.write(line.replace("\n", " ") + "\n")
-        self.n += 1
 
 
 def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str) -> Counter:
