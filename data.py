@@ -275,8 +275,8 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
                      else _list_dir(root, cfg, di, problems, masks))
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        why = dict(short_why=short_why) if check is check_sample else {}
-        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling, **why))
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling,
+                                            short_why=short_why))
         samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
 

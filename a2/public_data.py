@@ -328,8 +328,10 @@ def cross_video(samples: list[Sample]) -> int:
     return changed
 
 
-def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
-    """What an index sample needs before training: its files exist, and its frame range fills a bucket. Frames are
+def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str,
+                        short_why: str = "") -> Sample:
+    """What an index sample needs before training: its files exist, and its frame range fills a bucket (short_why:
+    why the clips must be that long, as data.check_sample says it). Frames are
     counted from the index when it has them (OpenS2V's face_cut), else from the container; a file that fails to
     decode later is a load failure (LoadFailures), not a crash."""
     for name, ref in s.refs.items():
@@ -356,7 +358,8 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
         return s
     if not clip_length(cfg, num_frames, s.num_frames):
         s.problems.append(Problem(s.id, s.video, f"{s.num_frames} frames (from frame {s.start}), shorter than the "
-                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))})", s.where))
+                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))}){short_why}",
+                                  s.where))
     return s
 
 
