@@ -371,13 +371,15 @@ def missing(p: Path) -> str:
 
 
 class Lines:
-    """Problem lines of a part, written to a file as they come (a part may hold millions): .append(line)."""
+    """Problem lines of a part, written to a file as they come (a part may hold millions)."""
 
-    def __init__(self, f):
-        self.f = f
+    def __init__(self, f, counts: Counter):
+        self.f, self.counts = f, counts
 
-    def append(self, line: str):
-        self.f.write(line.replace("\n", " ") + "\n")
+    def add(self, count: str, key: str, file, what: str):
+        """Count `count` and write its problem line (clip key, file, problem)."""
+        self.counts[count] += 1
+        self.f.write(str(Problem(key, file, what)).replace("\n", " ") + "\n")
 
 
 def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str) -> Counter:
@@ -393,7 +395,7 @@ def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: 
             continue
         counts = Counter()
         with open(d / f"{name}.jsonl.tmp", "w") as f, open(d / f"{name}.problems.txt", "w") as p:
-            for line in records(counts, Lines(p)):
+            for line in records(counts, Lines(p, counts)):
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
         os.replace(d / f"{name}.jsonl.tmp", d / f"{name}.jsonl")
         (d / f"{name}.counts.tmp").write_text(json.dumps(counts))
@@ -440,8 +442,7 @@ def records_of(rows, build, src: Path):
             try:
                 line = build(key, row, counts, lines)
             except BadRecord as e:
-                counts["clips dropped: bad record"] += 1
-                lines.append(str(Problem(key, src, str(e))))
+                lines.add("clips dropped: bad record", key, src, str(e))
                 continue
             if line:
                 counts["clips kept"] += 1
@@ -554,8 +555,8 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         except Exception as e:
             raise BadRecord(f"mask {k} ({cls}): RLE does not decode ({e})") from None
         if bw * bh == 0:
-            counts["masks empty inside the crop (skipped)"] += 1
-            lines.append(str(Problem(key, src, f"mask {k} ({cls}) is empty inside the crop {crop}: skipped")))
+            lines.add("masks empty inside the crop (skipped)", key, src,
+                      f"mask {k} ({cls}) is empty inside the crop {crop}: skipped")
             continue
         if x + bw > w or y + bh > h:
             raise BadRecord(f"mask {k} ({cls}): RLE runs past the cropped frame [{h}, {w}]")
@@ -584,8 +585,7 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         counts["clips dropped: no subject mask"] += 1
         return None
     if not video.is_file():
-        counts["clips dropped: video missing"] += 1
-        lines.append(str(Problem(key, video, f"video {missing(video)}")))
+        lines.add("clips dropped: video missing", key, video, f"video {missing(video)}")
         return None
     kept.sort(key=lambda m: -m["ratio"])  # largest first (stable: ties keep the record's mask order)
     counts[f"clips with {len(kept) if len(kept) < 8 else '8+'} kept mask(s)"] += 1
@@ -596,9 +596,8 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         png, how, tried = background_png(root, part, key)
         bg_aes = float(rec["annotation"]["ann_frame_data"].get("background_ase_score", 0))
         if png is None:  # BindWeave's loader keeps such a clip, without a background
-            counts["clips without a background png (kept without a background)"] += 1
-            lines.append(str(Problem(key, tried[0], f"background png not found (nor {tried[1].name}): the clip is "
-                                                    "kept without a background")))
+            lines.add("clips without a background png (kept without a background)", key, tried[0],
+                      f"background png not found (nor {tried[1].name}): the clip is kept without a background")
         elif bg_aes >= a.min_background_aes:
             counts[f"background found as {how}"] += 1
             elements["background"] = dict(image=str(png))
@@ -627,9 +626,8 @@ def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, cluste
                         update()
                     yield row
             except ijson.JSONError as e:  # a truncated download: what was read is kept, and said
-                counts["parts cut short: invalid JSON"] += 1
-                lines.append(str(Problem("-", json_path, f"invalid JSON after {counts['clips read']} clips ({e}): "
-                                                         "the rest of this part is not indexed")))
+                lines.add("parts cut short: invalid JSON", "-", json_path, f"invalid JSON after "
+                          f"{counts['clips read']} clips ({e}): the rest of this part is not indexed")
             update()
             bar.close()
     return records_of(rows, lambda key, rec, counts, lines: opens2v_clip(key, rec, part, root, a, counts, lines,
@@ -669,8 +667,8 @@ def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines
         raise BadRecord(f"cross_pair is {type(pairs).__name__}, expected an object of phrases")
     video = find_file(videos / vid)
     if video is None:
-        counts["clips dropped: video not downloaded"] += 1
-        lines.append(str(Problem(vid, videos / f"{vid}.mp4", "video not found (not downloaded?)")))
+        lines.add("clips dropped: video not downloaded", vid, videos / f"{vid}.mp4",
+                  "video not found (not downloaded?)")
         return None
     refs = []
     for phrase, entry in pairs.items():
@@ -683,14 +681,12 @@ def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines
                 pos = float(r["frame_idx"])
                 rvid = str(r["vid"])
             except (KeyError, TypeError, ValueError):
-                counts["refer_result entries dropped: bad entry"] += 1
-                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: refer_result entry {str(r)[:80]} lacks "
-                                                   "vid / frame_idx / bbox_loc")))
+                lines.add("refer_result entries dropped: bad entry", vid, src, f"cross_pair[{phrase!r}]: "
+                          f"refer_result entry {str(r)[:80]} lacks vid / frame_idx / bbox_loc")
                 continue
             if len(box) != 4 or not (box[0] < box[2] and box[1] < box[3]) or not 0 <= pos <= 1:
-                counts["refer_result entries dropped: bad box or frame_idx"] += 1
-                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: bbox_loc {box} / frame_idx {pos} "
-                                                   "is not a box / a position in [0, 1]")))
+                lines.add("refer_result entries dropped: bad box or frame_idx", vid, src, f"cross_pair[{phrase!r}]: "
+                          f"bbox_loc {box} / frame_idx {pos} is not a box / a position in [0, 1]")
                 continue
             rvideo = find_file(videos / rvid)
             if rvideo is None:
@@ -782,12 +778,10 @@ def index_humoset(a: IndexHumoSet):
         ref = (root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol)
                else find_file(root / "reference_image" / stem, IMAGE_EXTS))
         if video is None:
-            counts["clips dropped: video missing"] += 1
-            lines.append(str(Problem(stem, root / "video" / name, "video not found")))
+            lines.add("clips dropped: video missing", stem, root / "video" / name, "video not found")
         elif ref is None or not ref.is_file():
-            counts["clips dropped: reference image missing"] += 1
-            lines.append(str(Problem(stem, ref or root / "reference_image" / f"{stem}.png",
-                                     "reference image not found")))
+            lines.add("clips dropped: reference image missing", stem, ref or root / "reference_image" / f"{stem}.png",
+                      "reference image not found")
         else:
             return dict(key=stem, dataset="humoset", video=str(video), caption=caption,
                         elements=dict(subject=dict(image=str(ref))))
