@@ -874,25 +874,26 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    cfgs, layout = training_layout(a, cfgs)
+    cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
-                      layout=layout)
+                      size_multiple=multiple, layout=layout)
 
 
 def training_layout(a: Validate, cfgs):
-    """The datasets and the Layout train_a2.py plans with these flags (clip length, the element specs the model's kind
-    takes, how element images become references). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and
-    MAGREF weights take their own layouts and references), so when --model is on this machine (a built-in model, a dir
-    or a file) they are planned as training plans them; a Hub id is not downloaded for this: the datasets as the flags
-    give them, no layout (None), and the clip length is the elements' rule (said)."""
+    """The datasets, the Layout and the aspect buckets' size multiple train_a2.py plans with these flags (clip length,
+    the element specs the model's kind takes, how element images become references; TI2V-5B's buckets are multiples
+    of 32). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and MAGREF weights take their own layouts and
+    references), so when --model is on this machine (a built-in model, a dir or a file) they are planned as training
+    plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
+    length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
-        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type)
+        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type), info.spatial_multiple
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
-    return cfgs, None
+    return cfgs, None, 16
 
 
 def _cli(argv: list[str]):
