@@ -357,9 +357,8 @@ class E2VDataset(torch.utils.data.Dataset):
         refusals = [layout and (element_refusal(layout, len(s.elements)) or self.canvas_refusal(s, b))
                     for s, b in zip(self.samples, self.buckets)]
         self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
-        keep = [not why for why in refusals]
-        self.samples = [s for s, k in zip(self.samples, keep) if k]
-        self.buckets = [b for b, k in zip(self.buckets, keep) if k]
+        self.samples = [s for s, why in zip(self.samples, refusals) if not why]
+        self.buckets = [b for b, why in zip(self.buckets, refusals) if not why]
         if verbose:
             print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
         if not self.samples:
