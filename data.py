@@ -87,8 +87,6 @@ ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspe
 # ---------------------------------------------------------------- scanning and validation
 
 
-
-
 def _visible_files(root: Path) -> dict[str, list[Path]]:
     """Lower-cased name -> files: names match case-insensitively (datasets come from macOS and Windows); hidden files,
     macOS's AppleDouble `._*` among them, are not data."""
@@ -158,8 +156,6 @@ def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetC
                                             f"({', '.join(suffixes)})")
         out += [Problem(owner if owner in videos else "-", p, what, warning=True) for p in paths if p not in used]
     return out
-
-
 
 
 def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:

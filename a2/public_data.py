@@ -829,8 +829,6 @@ def export_elements(a: ExportElements) -> dict:
     return produced
 
 
-
-
 def run(a) -> object:
     """data.py's `index ...` and `export-elements` commands."""
     fn = {IndexOpenS2V: index_opens2v, IndexPhantom: index_phantom, IndexHumoSet: index_humoset,
