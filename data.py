@@ -61,7 +61,6 @@ from a2.media import (
     DatasetError,
     Problem,
     Sample,
-    _manifest_rows,
     caption_problems,
     clip_length,
     decodable_frames,
@@ -69,6 +68,7 @@ from a2.media import (
     frame_indices,
     frame_windows,
     last_frame_read,
+    manifest_samples,
     npz_frames_header,
     probe_video,
     read_clip,
@@ -85,8 +85,6 @@ ASPECTS = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)  # h / w of the aspe
 
 
 # ---------------------------------------------------------------- scanning and validation
-
-
 
 
 def _visible_files(root: Path) -> dict[str, list[Path]]:
@@ -160,20 +158,11 @@ def orphans(files: dict[str, list[Path]], used: set, videos: dict, cfg: DatasetC
     return out
 
 
-
-
 def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem]) -> list[Sample]:
-    rows = _manifest_rows(path)
-    if rows and not any(r and {"video", "path", "file"} & set(r) for _, r, _ in rows):
-        cols = sorted({k for _, r, _ in rows if r for k in r})
-        raise DatasetError(f"{path}: no 'video' (or 'path') column; its columns: {cols}")
-    out, first_line = [], {}
-    for n, r, why in rows:
-        where = f"{path.name} line {n}"
-        ref = r and str(r.get("video") or r.get("path") or r.get("file") or "")
+    def sample(r: dict, n: int, where: str) -> Sample | None:
+        ref = str(r.get("video") or r.get("path") or r.get("file") or "")
         if not ref:
-            problems.append(Problem("-", path, why or "no 'video' (or 'path') value", f"line {n}"))
-            continue
+            return None
         ref = Path(ref.replace("\\", "/"))  # Windows separators
         video = path.parent / ref  # an absolute path stays absolute
         # default id: the path as written without its extension (unique beside the manifest), else the file's stem
@@ -183,11 +172,8 @@ def _list_manifest(path: Path, cfg: DatasetConfig, di: int, problems: list[Probl
                                                 path, where, cfg)
         s.elements = {e.name: path.parent / str(r[e.name.lower()]).replace("\\", "/") for e in cfg.elements
                       if r.get(e.name.lower())}
-        if s.id in first_line:
-            s.problems.append(Problem(s.id, video, f"duplicate id (first on line {first_line[s.id]})", where))
-        first_line.setdefault(s.id, n)
-        out.append(s)
-    return out
+        return s
+    return manifest_samples(path, problems, sample, "no 'video' (or 'path') value", ("video", "path", "file"))
 
 
 def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, short_why: str = "") -> Sample:
@@ -285,8 +271,8 @@ def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
                      else _list_dir(root, cfg, di, problems, masks))
         if not found:
             problems.append(Problem("-", manifest or root, f"no samples (videos {VIDEO_EXTS} or manifest rows)"))
-        why = dict(short_why=short_why) if check is check_sample else {}
-        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling, **why))
+        checked = _check_all(found, partial(check, cfg=cfg, num_frames=num_frames, sampling=sampling,
+                                            short_why=short_why))
         samples += [w for s in checked for w in window_samples(s)]
     return samples, problems
 
@@ -367,9 +353,8 @@ class E2VDataset(torch.utils.data.Dataset):
         refusals = [layout and (element_refusal(layout, len(s.elements)) or self.canvas_refusal(s, b))
                     for s, b in zip(self.samples, self.buckets)]
         self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
-        keep = [not why for why in refusals]
-        self.samples = [s for s, k in zip(self.samples, keep) if k]
-        self.buckets = [b for b, k in zip(self.buckets, keep) if k]
+        self.samples = [s for s, why in zip(self.samples, refusals) if not why]
+        self.buckets = [b for b, why in zip(self.buckets, refusals) if not why]
         if verbose:
             print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
         if not self.samples:
@@ -451,6 +436,9 @@ class E2VDataset(torch.utils.data.Dataset):
         s, (frames, h, w, names) = self.samples[idx], self.buckets[idx]
         cfg = self.cfgs[s.dataset]
         elements = [e for e in cfg.elements if e.name in names]
+        repeats = tuple(e.repeat for e in elements)
+        item = dict(index=idx, id=s.id, prompt=s.prompt, element_names=names, repeats=repeats,
+                    bucket=self.buckets[idx], file=str(s.video))
         file = s.video
         try:  # everything up to the returned tensors: an exception in a loader worker must not end the run raw
             if self.cache_dir:
@@ -458,15 +446,11 @@ class E2VDataset(torch.utils.data.Dataset):
                 c = torch.load(file, weights_only=True)
                 text = c["text"].new_zeros(TEXT_TOKENS, c["text"].shape[-1])
                 text[:len(c["text"])] = c["text"]  # stored trimmed to its tokens; the rest of 512 is exact zeros
-                return dict(index=idx, id=s.id, file=str(file), prompt=c["prompt"], posteriors=c["posteriors"],
-                            text=text, clip=c.get("clip"), region=c.get("region"), align=c.get("align"),
-                            element_names=names,
-                            repeats=tuple(e.repeat for e in elements), bucket=(frames, h, w, names),
+                return dict(item, file=str(file), prompt=c["prompt"], posteriors=c["posteriors"], text=text,
+                            clip=c.get("clip"), region=c.get("region"), align=c.get("align"),
                             video_shape=(3, frames, h, w),
-                            ref_shape=(element_layout(self.layout, tuple(e.repeat for e in elements)).reference_images
-                                       if self.layout
-                                       else len(elements), 3,
-                                       *(self.layout and self.layout.reference_size or (h, w))))
+                            ref_shape=(element_layout(self.layout, repeats).reference_images if self.layout
+                                       else len(elements), 3, *(self.layout and self.layout.reference_size or (h, w))))
             indices = list(s.windows[0]) if s.windows else frame_indices(s.num_frames, frames, self.frame_sampling,
                                                                              random.Random(seed))
             if s.refs:  # a public dataset's clip: its element images are built from the index's annotations
@@ -488,9 +472,7 @@ class E2VDataset(torch.utils.data.Dataset):
         except Exception as ex:  # whatever a damaged file raises
             return dict(index=idx, bucket=self.buckets[idx], failed=str(Problem(
                 s.id, file, f"failed to load ({type(ex).__name__}: {ex})", s.where)))
-        return dict(index=idx, id=s.id, video=video, prompt=s.prompt, element_names=names,
-                    repeats=tuple(e.repeat for e in elements), ref_vae=vae, ref_clip=clip, region=region,
-                    bucket=(frames, h, w, names), file=str(s.video))
+        return dict(item, video=video, ref_vae=vae, ref_clip=clip, region=region)
 
 
 def collate(items: list[dict]) -> dict:
@@ -508,26 +490,20 @@ def collate(items: list[dict]) -> dict:
 
 
 def stack_items(items: list[dict], indices: list[int]) -> dict:
-    b0 = items[0]["bucket"]
-    if any(it["bucket"] != b0 for it in items):
+    first = items[0]
+    if any(it["bucket"] != first["bucket"] for it in items):
         raise ValueError(f"a batch mixes buckets: {[it['bucket'] for it in items]}")
-    if "posteriors" in items[0]:  # from the precompute cache
-        n = len(items)
-        return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
-                    posteriors=[torch.stack([it["posteriors"][k] for it in items])
-                                for k in range(len(items[0]["posteriors"]))],  # per VAE encode: (B, 32, T, h, w)
-                    text=torch.stack([it["text"] for it in items]),  # (B, 512, D)
-                    clip=None if items[0]["clip"] is None else torch.stack([it["clip"] for it in items]),
-                    region=None if items[0]["region"] is None else torch.stack([it["region"] for it in items]),
-                    align=None if items[0]["align"] is None else torch.stack([it["align"] for it in items]),
-                    video_shape=(n, *items[0]["video_shape"]), ref_shape=(n, *items[0]["ref_shape"]),
-                    element_names=items[0]["element_names"], repeats=items[0]["repeats"])
-    return dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
-                video=torch.stack([it["video"] for it in items]),  # (B, 3, F, H, W)
-                ref_vae=torch.stack([it["ref_vae"] for it in items]),  # (B, N, 3, H, W)
-                ref_clip=torch.stack([it["ref_clip"] for it in items]),  # (B, N, 3, h, w)
-                region=None if items[0].get("region") is None else torch.stack([it["region"] for it in items]),
-                element_names=items[0]["element_names"], repeats=items[0]["repeats"])
+    out = dict(indices=indices, ids=[it["id"] for it in items], prompts=[it["prompt"] for it in items],
+               element_names=first["element_names"], repeats=first["repeats"])
+    # pixels: video (B, 3, F, H, W), ref_vae (B, N, 3, H, W), ref_clip (B, N, 3, h, w); from the precompute cache:
+    # text (B, 512, D), clip, align; both: region. None where the run has none.
+    for k in ("video", "ref_vae", "ref_clip", "text", "clip", "align", "region"):
+        if k in first:
+            out[k] = None if first[k] is None else torch.stack([it[k] for it in items])
+    if "posteriors" in first:  # per VAE encode: (B, 32, T, h, w), and the shapes of the pixels they encode
+        out.update(posteriors=[torch.stack(encodes) for encodes in zip(*(it["posteriors"] for it in items))],
+                   video_shape=(len(items), *first["video_shape"]), ref_shape=(len(items), *first["ref_shape"]))
+    return out
 
 
 class LoadFailures:
@@ -790,7 +766,7 @@ class BucketBatchSampler:
     def __init__(self, dataset: E2VDataset, global_batch_size: int, seed: int = 0, exclude=()):
         self.dataset, self.batch, self.seed = dataset, global_batch_size, seed
         self.exclude = frozenset(exclude)  # held-out samples (held_out): never in a batch
-        self.epoch, self.consumed = 0, 0
+        self.epoch = 0
         counts: dict = {}
         for i, b in enumerate(dataset.buckets):
             if i not in self.exclude:
@@ -803,8 +779,7 @@ class BucketBatchSampler:
                              "the number of processes, or add data")
 
     def set_epoch(self, epoch: int):
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
+        self.epoch = epoch
 
     def epoch_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
         rng = random.Random(self.seed * 1000003 + epoch)
@@ -827,13 +802,7 @@ class BucketBatchSampler:
         return [[(i, rng.randrange(2**31)) for i in b] for b in batches]
 
     def __iter__(self):
-        batches = self.epoch_batches(self.epoch)
-        while self.consumed < len(batches):
-            self.consumed += 1
-            yield batches[self.consumed - 1]
-
-    def __len__(self):
-        return len(self.epoch_batches(self.epoch))
+        return iter(self.epoch_batches(self.epoch))
 
 
 def rank_slice(global_batch: list, rank: int, world_size: int, micro_batch: int, accum: int) -> list[list]:
@@ -900,25 +869,26 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 
 def validate(a: Validate) -> E2VDataset:
     cfgs = dataset_configs(a)
-    cfgs, layout = training_layout(a, cfgs)
+    cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
-                      layout=layout)
+                      size_multiple=multiple, layout=layout)
 
 
 def training_layout(a: Validate, cfgs):
-    """The datasets and the Layout train_a2.py plans with these flags (clip length, the element specs the model's kind
-    takes, how element images become references). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and
-    MAGREF weights take their own layouts and references), so when --model is on this machine (a built-in model, a dir
-    or a file) they are planned as training plans them; a Hub id is not downloaded for this: the datasets as the flags
-    give them, no layout (None), and the clip length is the elements' rule (said)."""
+    """The datasets, the Layout and the aspect buckets' size multiple train_a2.py plans with these flags (clip length,
+    the element specs the model's kind takes, how element images become references; TI2V-5B's buckets are multiples
+    of 32). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and MAGREF weights take their own layouts and
+    references), so when --model is on this machine (a built-in model, a dir or a file) they are planned as training
+    plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
+    length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     if a.model in TINY_MODELS or Path(a.model).exists():
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
-        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type)
+        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type), info.spatial_multiple
     print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
-    return cfgs, None
+    return cfgs, None, 16
 
 
 def _cli(argv: list[str]):

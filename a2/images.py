@@ -14,6 +14,22 @@ from a2.elements import PREPROCESS_MODES
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")  # what a dataset reads as an image
 
 
+def framing_border(image_size: tuple[int, int], size: tuple[int, int], mode: str) -> tuple[int, int, int, int]:
+    """The border (left, top, right, bottom; negative: cut) that brings an image of image_size=(H, W) to the aspect of
+    size=(height, width) before its one resize, as A2 frames: center_crop cuts the middle, pad_white and letterbox
+    pad both sides the same, so an odd remainder leaves the aspect off by a pixel (A2's rounding); crop and pad sizes
+    truncated to whole pixels. Any other mode (resize): no border."""
+    (ih, iw), (h, w) = image_size, size
+    wider = ih / iw < h / w  # the image is wider than the target aspect
+    if mode == "center_crop":
+        cut = iw - int(ih / h * w) if wider else ih - int(iw / w * h)
+        return (-(cut // 2), 0, -(cut - cut // 2), 0) if wider else (0, -(cut // 2), 0, -(cut - cut // 2))
+    if mode in ("pad_white", "letterbox"):
+        pad = int(((h / w) * iw - ih) / 2.0) if wider else int(((w / h) * ih - iw) / 2.0)
+        return (0, pad, 0, pad) if wider else (pad, 0, pad, 0)
+    return 0, 0, 0, 0
+
+
 def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Image.Image:
     """Bring an RGB image to size=(height, width), exactly as SkyReels-A2's infer.py for its two modes, and as
     Phantom-Wan and SkyReels-V3 R2V for theirs (fit_pad_white).
@@ -34,28 +50,11 @@ def preprocess_image(image: Image.Image, mode: str, size: tuple[int, int]) -> Im
         image = image.resize((nw, nh), Image.LANCZOS)
         return ImageOps.expand(image, ((w - nw) // 2, (h - nh) // 2, w - nw - (w - nw) // 2,
                                        h - nh - (h - nh) // 2), fill=(255, 255, 255))  # left, top, right, bottom
-    wider = ih / iw < h / w  # the image is wider than the target aspect
-    if mode == "center_crop":
-        if wider:
-            cw = int(ih / h * w)
-            left = (iw - cw) // 2
-            image = image.crop((left, 0, left + cw, ih))
-        else:
-            ch = int(iw / w * h)
-            top = (ih - ch) // 2
-            image = image.crop((0, top, iw, top + ch))
-    elif mode in ("pad_white", "letterbox"):
-        fill = (255, 255, 255) if mode == "pad_white" else (0, 0, 0)
-        # the same pad on both sides, so an odd remainder makes the padded aspect off by a pixel (A2's rounding)
-        if wider:
-            pad = int(((h / w) * iw - ih) / 2.0)
-            canvas, at = Image.new("RGB", (iw, ih + 2 * pad), fill), (0, pad)
-        else:
-            pad = int(((w / h) * ih - iw) / 2.0)
-            canvas, at = Image.new("RGB", (iw + 2 * pad, ih), fill), (pad, 0)
-        canvas.paste(image, at)
-        image = canvas
-    return image.resize((w, h), Image.BICUBIC)
+    left, top, right, bottom = framing_border((ih, iw), size, mode)
+    canvas = Image.new("RGB", (iw + left + right, ih + top + bottom), (0, 0, 0) if mode == "letterbox" else
+                       (255, 255, 255))
+    canvas.paste(image, (left, top))  # a negative border cuts
+    return canvas.resize((w, h), Image.BICUBIC)
 
 
 # MAGREF's canvas grids: the smallest that holds the references, as (rows, columns), blocks filled row by row
@@ -179,22 +178,10 @@ def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch
     h, w = size
     x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (F, 3, H, W) uint8, channels-last in memory
     ih, iw = x.shape[-2:]
-    # the geometry of preprocess_image (A2's): crop or pad to the target aspect first, then one resize
-    wider = ih / iw < h / w
-    if mode == "center_crop":
-        if wider:
-            cw = int(ih / h * w)
-            x = x[..., (iw - cw) // 2:(iw - cw) // 2 + cw]
-        else:
-            ch = int(iw / w * h)
-            x = x[..., (ih - ch) // 2:(ih - ch) // 2 + ch, :]
-    elif mode in ("pad_white", "letterbox"):
-        pad = int(((h / w) * iw - ih) / 2.0) if wider else int(((w / h) * ih - iw) / 2.0)
-        ph, pw = (ih + 2 * pad, iw) if wider else (ih, iw + 2 * pad)
-        canvas = torch.full((x.shape[0], 3, ph, pw), 255 if mode == "pad_white" else 0, dtype=torch.uint8)
-        top, left = (pad, 0) if wider else (0, pad)
-        canvas[..., top:top + ih, left:left + iw] = x
-        x = canvas
+    # preprocess_image's framing: crop or pad to the target aspect first, then one resize
+    left, top, right, bottom = framing_border((ih, iw), size, mode)
+    if left or top or right or bottom:  # (a copy) a negative pad cuts
+        x = F.pad(x, (left, right, top, bottom), value=0 if mode == "letterbox" else 255)
     x = x.contiguous(memory_format=torch.channels_last)  # the fast uint8 kernel's layout
     x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
     x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value

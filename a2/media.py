@@ -300,3 +300,24 @@ def _manifest_rows(path: Path) -> list[tuple[int, dict | None, str]]:
         rows.append((n, {str(k).strip().lower(): v for k, v in r.items()}, "") if isinstance(r, dict)
                     else (n, None, f"expected a JSON object, got {type(r).__name__}"))
     return rows
+
+
+def manifest_samples(path: Path, problems: list[Problem], sample, invalid: str, columns: tuple = ()) -> list[Sample]:
+    """The samples of a manifest (_manifest_rows), one a row: sample(row, n, where) makes row n's (None: the row names
+    no clip, a problem `invalid` of its line). A repeated id is a problem of the later sample; columns: the manifest
+    must have one of them (a DatasetError naming the columns it has)."""
+    rows = _manifest_rows(path)
+    if columns and rows and not any(r and set(columns) & set(r) for _, r, _ in rows):
+        raise DatasetError(f"{path}: no {columns[0]!r} (or {columns[1]!r}) column; its columns: "
+                           f"{sorted({k for _, r, _ in rows if r for k in r})}")
+    out, first = [], {}
+    for n, r, why in rows:
+        s = sample(r, n, f"{path.name} line {n}") if r else None
+        if s is None:
+            problems.append(Problem("-", path, why or invalid, f"line {n}"))
+            continue
+        if s.id in first:
+            s.problems.append(Problem(s.id, s.video, f"duplicate id (first on line {first[s.id]})", s.where))
+        first.setdefault(s.id, n)
+        out.append(s)
+    return out

@@ -30,6 +30,7 @@ import re
 import sys
 from collections import Counter
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +39,17 @@ from PIL import Image
 from a2.cli import InputError, MissingInput, run_cli
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS
-from a2.images import read_image
+from a2.images import IMAGE_EXTS, read_image
 from a2.kinds import KIND_DEFS
 from a2.media import (
     VIDEO_EXTS,
     Problem,
     Sample,
-    _decode,
-    _manifest_rows,
     caption_problems,
     clip_length,
+    decodable_frames,
     frame_buckets,
+    manifest_samples,
     probe_video,
     read_frames,
 )
@@ -90,9 +91,13 @@ def mask_on_white(frame: np.ndarray, mask: dict) -> Image.Image:
     if not len(rows):
         raise ValueError("the mask is empty")
     box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
-    out = np.full_like(frame[box], 255)
-    keep = m[box].astype(bool)
-    out[keep] = frame[box][keep]
+    return on_white(frame[box], m[box].astype(bool))
+
+
+def on_white(pixels: np.ndarray, keep: np.ndarray) -> Image.Image:
+    """An element cut out on white: pixels (h, w, 3) uint8 where keep (h, w) is True, white elsewhere."""
+    out = np.full_like(pixels, 255)
+    out[keep] = pixels[keep]
     return Image.fromarray(out)
 
 
@@ -132,10 +137,7 @@ def sam_on_white(image: np.ndarray, box: tuple[int, int, int, int], sam_dir: str
     mask = processor.image_processor.post_process_masks(out.pred_masks, inputs["original_sizes"],
                                                         inputs["reshaped_input_sizes"])[0][0, 0].numpy()  # (H, W)
     x0, y0, x1, y1 = box
-    crop, keep = image[y0:y1, x0:x1], mask[y0:y1, x0:x1]
-    out_img = np.full_like(crop, 255)
-    out_img[keep] = crop[keep]
-    return Image.fromarray(out_img)
+    return on_white(image[y0:y1, x0:x1], mask[y0:y1, x0:x1])
 
 
 def box_image(frame: np.ndarray, box: tuple[int, int, int, int], sam_dir: str | None) -> Image.Image:
@@ -143,25 +145,22 @@ def box_image(frame: np.ndarray, box: tuple[int, int, int, int], sam_dir: str | 
     return sam_on_white(frame, box, sam_dir) if sam_dir else Image.fromarray(np.ascontiguousarray(frame[y0:y1, x0:x1]))
 
 
-def cropped(frame: np.ndarray, crop) -> np.ndarray:
-    """frame[s_y:e_y, s_x:e_x] for OpenS2V's crop [s_x, e_x, s_y, e_y] (the watermark-free region)."""
+def cropped(frames: np.ndarray, crop) -> np.ndarray:
+    """frames[..., s_y:e_y, s_x:e_x, :] of a frame (H, W, 3) or clip (F, H, W, 3) for OpenS2V's crop [s_x, e_x, s_y,
+    e_y] (the watermark-free region)."""
     if crop is None:
-        return frame
+        return frames
     sx, ex, sy, ey = crop
-    if ey > frame.shape[0] or ex > frame.shape[1]:
-        raise ValueError(f"crop {list(crop)} exceeds the {frame.shape[1]}x{frame.shape[0]} frame")
-    return frame[sy:ey, sx:ex]
+    if ey > frames.shape[-3] or ex > frames.shape[-2]:
+        raise ValueError(f"crop {list(crop)} exceeds the {frames.shape[-2]}x{frames.shape[-3]} frame")
+    return frames[..., sy:ey, sx:ex, :]
 
 
 def reference_frame(video: Path, pos: float) -> np.ndarray:
     """Phantom-Data's reference frame: int(num_frames * frame_idx) of the clip, as its README computes it."""
     listed, _ = probe_video(video)
-    n = listed or sum(1 for _ in read_frames_iter(video))
+    n = listed or decodable_frames(video)
     return read_frames(video, [min(int(n * float(pos)), n - 1)])[0]
-
-
-def read_frames_iter(video: Path):
-    return _decode(video)
 
 
 def element_image(ref: dict, sam_dir: str | None = None, frames: dict | None = None) -> Image.Image:
@@ -218,11 +217,7 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
     same = [r["frame"] for n in names if "mask" in (r := s.refs[n]) and r["video"] == str(s.video)]
     got = read_frames(s.video, want + same) if want + same else np.zeros((0, 1, 1, 3), np.uint8)
     frames = {(str(s.video), i): f for i, f in zip(same, got[len(want):])}
-    clip = got[:len(want)]
-    if s.crop is not None and len(clip):
-        sx, ex, sy, ey = s.crop
-        cropped(clip[0], s.crop)  # raises when the crop exceeds the frame
-        clip = clip[:, sy:ey, sx:ex]  # (F, h, w, 3) view
+    clip = cropped(got[:len(want)], s.crop) if want else got[:0]  # (F, h, w, 3) view
     return clip, {n: element_image(s.refs[n], sam_dir, frames) for n in names}
 
 
@@ -232,13 +227,9 @@ def load_sample(s: Sample, indices: list[int], names, sam_dir: str | None = None
 def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem], most: int = 0) -> list[Sample]:
     """The samples of an index.jsonl written by `data.py index`; `most`: the run's kind's maximum of references a
     clip (clip_elements)."""
-    out, first = [], {}
-    for n, r, why in _manifest_rows(path):
-        where = f"{path.name} line {n}"
-        if r is None or not r.get("key") or not r.get("video"):
-            problems.append(Problem("-", path, why or "not an index line (no 'key'/'video'): rebuild it with "
-                                                      "`data.py index`", f"line {n}"))
-            continue
+    def sample(r: dict, n: int, where: str) -> Sample | None:
+        if not r.get("key") or not r.get("video"):
+            return None
         if r.get("dataset") != cfg.dataset_type:
             raise InputError(f"{path} line {n}: an index of {r.get('dataset')!r} clips, read as --dataset-type "
                              f"{cfg.dataset_type}")
@@ -248,10 +239,9 @@ def list_index(path: Path, cfg: DatasetConfig, di: int, problems: list[Problem],
         s.refs = clip_elements(r, [e.name for e in cfg.elements], most)
         s.elements = {k: ref_file(v) for k, v in s.refs.items()}
         s.cluster = r.get("cluster")
-        if s.id in first:
-            s.problems.append(Problem(s.id, s.video, f"duplicate clip key (first on line {first[s.id]})", where))
-        first.setdefault(s.id, n)
-        out.append(s)
+        return s
+    out = manifest_samples(path, problems, sample, "not an index line (no 'key'/'video'): rebuild it with "
+                                                   "`data.py index`")
     if cfg.cross_video:
         cross_video(out)
     return out
@@ -338,8 +328,10 @@ def cross_video(samples: list[Sample]) -> int:
     return changed
 
 
-def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str) -> Sample:
-    """What an index sample needs before training: its files exist, and its frame range fills a bucket. Frames are
+def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str,
+                        short_why: str = "") -> Sample:
+    """What an index sample needs before training: its files exist, and its frame range fills a bucket (short_why:
+    why the clips must be that long, as data.check_sample says it). Frames are
     counted from the index when it has them (OpenS2V's face_cut), else from the container; a file that fails to
     decode later is a load failure (LoadFailures), not a crash."""
     for name, ref in s.refs.items():
@@ -354,12 +346,8 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
         return s
     try:
         listed, size = probe_video(s.video)
-        if s.crop is not None:
-            sx, ex, sy, ey = s.crop
-            if ey > size[0] or ex > size[1]:
-                raise ValueError(f"crop {list(s.crop)} exceeds the {size[1]}x{size[0]} video")
-            size = (ey - sy, ex - sx)
-        s.num_frames = s.num_frames or max(0, (listed or sum(1 for _ in read_frames_iter(s.video))) - s.start)
+        size = cropped(np.broadcast_to(np.uint8(0), (*size, 3)), s.crop).shape[:2]  # checked as the load checks it
+        s.num_frames = s.num_frames or max(0, (listed or decodable_frames(s.video)) - s.start)
         s.size = tuple(int(v) for v in size)
         frame = s.size if s.crop is None else None  # a box is in the whole frame of the clip's own video
         sizes = {name: element_size(ref, frame if ref.get("video") == str(s.video) else None)
@@ -370,7 +358,8 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
         return s
     if not clip_length(cfg, num_frames, s.num_frames):
         s.problems.append(Problem(s.id, s.video, f"{s.num_frames} frames (from frame {s.start}), shorter than the "
-                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))})", s.where))
+                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))}){short_why}",
+                                  s.where))
     return s
 
 
@@ -382,20 +371,22 @@ def missing(p: Path) -> str:
 
 
 class Lines:
-    """Problem lines of a part, written to a file as they come (a part may hold millions): .append(line)."""
+    """Problem lines of a part, written to a file as they come (a part may hold millions)."""
 
-    def __init__(self, f):
-        self.f, self.n = f, 0
+    def __init__(self, f, counts: Counter):
+        self.f, self.counts = f, counts
 
-    def append(self, line: str):
-        self.f.write(line.replace("\n", " ") + "\n")
-        self.n += 1
+    def add(self, count: str, key: str, file, what: str):
+        """Count `count` and write its problem line (clip key, file, problem)."""
+        self.counts[count] += 1
+        self.f.write(str(Problem(key, file, what)).replace("\n", " ") + "\n")
 
 
 def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: str) -> Counter:
     """Run each part's records(counts, lines) -> iterator of index lines into out/parts/<name>.jsonl (a part done
     before is kept: a killed index resumes at its first unfinished part), then join them into out/index.jsonl and
     write out/report.txt: the rule, the counts, every problem line. Constant memory."""
+    print(f"rule: {rule}")
     d = out / "parts"
     d.mkdir(parents=True, exist_ok=True)
     for name, records in parts:
@@ -404,7 +395,7 @@ def write_index(out: Path, dataset: str, parts: list[tuple[str, object]], rule: 
             continue
         counts = Counter()
         with open(d / f"{name}.jsonl.tmp", "w") as f, open(d / f"{name}.problems.txt", "w") as p:
-            for line in records(counts, Lines(p)):
+            for line in records(counts, Lines(p, counts)):
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
         os.replace(d / f"{name}.jsonl.tmp", d / f"{name}.jsonl")
         (d / f"{name}.counts.tmp").write_text(json.dumps(counts))
@@ -441,6 +432,24 @@ def index_rule(index: Path) -> str | None:
     return None
 
 
+def records_of(rows, build, src: Path):
+    """A part's records(counts, lines) for write_index: each (clip key, record) of rows(counts, lines) is counted
+    read and made an index line by build(key, record, counts, lines) (None: dropped, counted by build); a BadRecord
+    is counted and reported as one line (clip key, file, problem)."""
+    def records(counts: Counter, lines: Lines):
+        for key, row in rows(counts, lines):
+            counts["clips read"] += 1
+            try:
+                line = build(key, row, counts, lines)
+            except BadRecord as e:
+                lines.add("clips dropped: bad record", key, src, str(e))
+                continue
+            if line:
+                counts["clips kept"] += 1
+                yield line
+    return records
+
+
 def progress(f, desc: str):
     """A tqdm bar over the bytes of an open file (MB/s), updated from its position."""
     from tqdm import tqdm
@@ -467,8 +476,9 @@ def ints(v, n: int, what: str) -> list[int]:
     return [int(x) for x in v]
 
 
-def find_video(stem: Path) -> Path | None:
-    for ext in ("", *VIDEO_EXTS, *(e.upper() for e in VIDEO_EXTS)):
+def find_file(stem: Path, exts: tuple[str, ...] = VIDEO_EXTS) -> Path | None:
+    """The file named stem, or stem with one of exts (either case) added."""
+    for ext in ("", *exts, *(e.upper() for e in exts)):
         p = stem.with_name(stem.name + ext)
         if p.is_file():
             return p
@@ -545,8 +555,8 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         except Exception as e:
             raise BadRecord(f"mask {k} ({cls}): RLE does not decode ({e})") from None
         if bw * bh == 0:
-            counts["masks empty inside the crop (skipped)"] += 1
-            lines.append(str(Problem(key, src, f"mask {k} ({cls}) is empty inside the crop {crop}: skipped")))
+            lines.add("masks empty inside the crop (skipped)", key, src,
+                      f"mask {k} ({cls}) is empty inside the crop {crop}: skipped")
             continue
         if x + bw > w or y + bh > h:
             raise BadRecord(f"mask {k} ({cls}): RLE runs past the cropped frame [{h}, {w}]")
@@ -575,8 +585,7 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         counts["clips dropped: no subject mask"] += 1
         return None
     if not video.is_file():
-        counts["clips dropped: video missing"] += 1
-        lines.append(str(Problem(key, video, f"video {missing(video)}")))
+        lines.add("clips dropped: video missing", key, video, f"video {missing(video)}")
         return None
     kept.sort(key=lambda m: -m["ratio"])  # largest first (stable: ties keep the record's mask order)
     counts[f"clips with {len(kept) if len(kept) < 8 else '8+'} kept mask(s)"] += 1
@@ -587,9 +596,8 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
         png, how, tried = background_png(root, part, key)
         bg_aes = float(rec["annotation"]["ann_frame_data"].get("background_ase_score", 0))
         if png is None:  # BindWeave's loader keeps such a clip, without a background
-            counts["clips without a background png (kept without a background)"] += 1
-            lines.append(str(Problem(key, tried[0], f"background png not found (nor {tried[1].name}): the clip is "
-                                                    "kept without a background")))
+            lines.add("clips without a background png (kept without a background)", key, tried[0],
+                      f"background png not found (nor {tried[1].name}): the clip is kept without a background")
         elif bg_aes >= a.min_background_aes:
             counts[f"background found as {how}"] += 1
             elements["background"] = dict(image=str(png))
@@ -607,34 +615,23 @@ def opens2v_clip(key: str, rec: dict, part: str, root: Path, a: IndexOpenS2V, co
 
 
 def opens2v_part(json_path: Path, part: str, root: Path, a: IndexOpenS2V, clusters: dict, limit: int = 0):
-    def records(counts: Counter, lines: Lines):
+    def rows(counts: Counter, lines: Lines):
         import ijson
 
         with open(json_path, "rb") as f:
             bar, update = progress(f, part)
             try:
-                for n, (key, rec) in enumerate(ijson.kvitems(f, "", use_float=True)):
-                    counts["clips read"] += 1
-                    try:
-                        line = opens2v_clip(key, rec, part, root, a, counts, lines, json_path, clusters)
-                    except BadRecord as e:
-                        counts["clips dropped: bad record"] += 1
-                        lines.append(str(Problem(key, json_path, str(e))))
-                        line = None
-                    if line:
-                        counts["clips kept"] += 1
-                        yield line
+                for n, row in enumerate(islice(ijson.kvitems(f, "", use_float=True), limit or None)):
                     if n % 256 == 0:
                         update()
-                    if limit and counts["clips read"] >= limit:
-                        break
+                    yield row
             except ijson.JSONError as e:  # a truncated download: what was read is kept, and said
-                counts["parts cut short: invalid JSON"] += 1
-                lines.append(str(Problem("-", json_path, f"invalid JSON after {counts['clips read']} clips ({e}): "
-                                                         "the rest of this part is not indexed")))
+                lines.add("parts cut short: invalid JSON", "-", json_path, f"invalid JSON after "
+                          f"{counts['clips read']} clips ({e}): the rest of this part is not indexed")
             update()
             bar.close()
-    return records
+    return records_of(rows, lambda key, rec, counts, lines: opens2v_clip(key, rec, part, root, a, counts, lines,
+                                                                          json_path, clusters), json_path)
 
 
 def index_opens2v(a: IndexOpenS2V):
@@ -644,7 +641,6 @@ def index_opens2v(a: IndexOpenS2V):
     if not jsons:
         raise IndexError_(f"{root}: no part JSON under Jsons/mask_and_bbox_High-Quality/ (nor Jsons/)")
     clusters = read_clusters(Path(a.cross_pairs)) if a.cross_pairs else {}
-    print(f"rule: {a.rule()}")
     return write_index(out, "opens2v", [(p.stem, opens2v_part(p, p.stem, root, a, clusters)) for p in jsons],
                        a.rule())
 
@@ -656,9 +652,8 @@ def is_person(*words) -> bool:
     return any(w in PERSON_WORDS for t in words if isinstance(t, str) for w in re.findall(r"[a-z]+", t.lower()))
 
 
-def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
-    vid = str(row.get("vid") or "")
-    if not vid:
+def phantom_row(vid: str, row: dict, videos: Path, counts: Counter, lines: Lines, src: Path) -> dict | None:
+    if vid == "-":
         raise BadRecord("missing field vid")
     caption = row.get("video_caption")
     if not isinstance(caption, str) or not caption.strip():
@@ -670,10 +665,10 @@ def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Pat
         raise BadRecord(f"cross_pair is not valid JSON ({e.msg})") from None
     if not isinstance(pairs, dict):
         raise BadRecord(f"cross_pair is {type(pairs).__name__}, expected an object of phrases")
-    video = find_video(videos / vid)
+    video = find_file(videos / vid)
     if video is None:
-        counts["clips dropped: video not downloaded"] += 1
-        lines.append(str(Problem(vid, videos / f"{vid}.mp4", "video not found (not downloaded?)")))
+        lines.add("clips dropped: video not downloaded", vid, videos / f"{vid}.mp4",
+                  "video not found (not downloaded?)")
         return None
     refs = []
     for phrase, entry in pairs.items():
@@ -686,16 +681,14 @@ def phantom_row(row: dict, videos: Path, counts: Counter, lines: Lines, src: Pat
                 pos = float(r["frame_idx"])
                 rvid = str(r["vid"])
             except (KeyError, TypeError, ValueError):
-                counts["refer_result entries dropped: bad entry"] += 1
-                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: refer_result entry {str(r)[:80]} lacks "
-                                                   "vid / frame_idx / bbox_loc")))
+                lines.add("refer_result entries dropped: bad entry", vid, src, f"cross_pair[{phrase!r}]: "
+                          f"refer_result entry {str(r)[:80]} lacks vid / frame_idx / bbox_loc")
                 continue
             if len(box) != 4 or not (box[0] < box[2] and box[1] < box[3]) or not 0 <= pos <= 1:
-                counts["refer_result entries dropped: bad box or frame_idx"] += 1
-                lines.append(str(Problem(vid, src, f"cross_pair[{phrase!r}]: bbox_loc {box} / frame_idx {pos} "
-                                                   "is not a box / a position in [0, 1]")))
+                lines.add("refer_result entries dropped: bad box or frame_idx", vid, src, f"cross_pair[{phrase!r}]: "
+                          f"bbox_loc {box} / frame_idx {pos} is not a box / a position in [0, 1]")
                 continue
-            rvideo = find_video(videos / rvid)
+            rvideo = find_file(videos / rvid)
             if rvideo is None:
                 counts["refer_result entries skipped: reference clip not downloaded"] += 1
                 continue
@@ -730,21 +723,11 @@ def index_phantom(a: IndexPhantom):
     videos = Path(a.videos) if a.videos else root / "videos"
 
     def part(i):
-        def records(counts, lines):
+        def rows(counts, lines):
             for batch in pf.iter_batches(row_groups=[i], columns=list(need)):
-                for row in batch.to_pylist():
-                    counts["clips read"] += 1
-                    try:
-                        line = phantom_row(row, videos, counts, lines, path)
-                    except BadRecord as e:
-                        counts["clips dropped: bad record"] += 1
-                        lines.append(str(Problem(str(row.get("vid") or "-"), path, str(e))))
-                        line = None
-                    if line:
-                        counts["clips kept"] += 1
-                        yield line
-        return records
-    print(f"rule: {a.rule()}")
+                yield from ((str(row.get("vid") or "-"), row) for row in batch.to_pylist())
+        return records_of(rows, lambda vid, row, counts, lines: phantom_row(vid, row, videos, counts, lines, path),
+                          path)
     return write_index(out, "phantom", [(f"{path.stem}.rg{i:05d}", part(i)) for i in range(pf.num_row_groups)],
                        a.rule())
 
@@ -756,7 +739,6 @@ HUMO_VIDEO_COLS = ("video", "video_name", "video_path", "video_id", "vid", "file
                    "id")
 HUMO_CAPTION_COLS = ("caption", "video_caption", "text", "prompt", "description")
 HUMO_REF_COLS = ("reference_image", "ref_image", "reference", "image")
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".PNG", ".JPG", ".JPEG")
 
 
 def humoset_schema(names: list[str], path: Path) -> tuple[str, str, str | None]:
@@ -783,32 +765,28 @@ def index_humoset(a: IndexHumoSet):
     vcol, ccol, rcol = humoset_schema(pf.schema_arrow.names, path)
     print(f"{path.name}: video column {vcol!r}, caption column {ccol!r}, reference column {rcol!r}")
 
-    def records(counts, lines):
+    def rows(counts, lines):
         for batch in pf.iter_batches(columns=[c for c in (vcol, ccol, rcol) if c]):
-            for row in batch.to_pylist():
-                counts["clips read"] += 1
-                name, caption = str(row.get(vcol) or ""), row.get(ccol)
-                if not name or not isinstance(caption, str) or not caption.strip():
-                    counts["clips dropped: bad record"] += 1
-                    lines.append(str(Problem(name or "-", path, f"missing {vcol if not name else ccol}")))
-                    continue
-                video = find_video(root / "video" / name)
-                stem = Path(name).stem
-                ref = root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol) else next(
-                    (p for e in IMAGE_EXTS if (p := root / "reference_image" / f"{stem}{e}").is_file()), None)
-                if video is None:
-                    counts["clips dropped: video missing"] += 1
-                    lines.append(str(Problem(stem, root / "video" / name, "video not found")))
-                elif ref is None or not ref.is_file():
-                    counts["clips dropped: reference image missing"] += 1
-                    lines.append(str(Problem(stem, ref or root / "reference_image" / f"{stem}.png",
-                                             "reference image not found")))
-                else:
-                    counts["clips kept"] += 1
-                    yield dict(key=stem, dataset="humoset", video=str(video), caption=caption,
-                               elements=dict(subject=dict(image=str(ref))))
-    print(f"rule: {a.rule()}")
-    return write_index(out, "humoset", [(path.stem, records)], a.rule())
+            yield from ((str(row.get(vcol) or "-"), row) for row in batch.to_pylist())
+
+    def clip(name: str, row: dict, counts: Counter, lines: Lines) -> dict | None:
+        caption = row.get(ccol)
+        if name == "-" or not isinstance(caption, str) or not caption.strip():
+            raise BadRecord(f"missing {vcol if name == '-' else ccol}")
+        video = find_file(root / "video" / name)
+        stem = Path(name).stem
+        ref = (root / "reference_image" / str(row[rcol]) if rcol and row.get(rcol)
+               else find_file(root / "reference_image" / stem, IMAGE_EXTS))
+        if video is None:
+            lines.add("clips dropped: video missing", stem, root / "video" / name, "video not found")
+        elif ref is None or not ref.is_file():
+            lines.add("clips dropped: reference image missing", stem, ref or root / "reference_image" / f"{stem}.png",
+                      "reference image not found")
+        else:
+            return dict(key=stem, dataset="humoset", video=str(video), caption=caption,
+                        elements=dict(subject=dict(image=str(ref))))
+        return None
+    return write_index(out, "humoset", [(path.stem, records_of(rows, clip, path))], a.rule())
 
 
 # ---------------------------------------------------------------- export-elements
@@ -849,8 +827,6 @@ def export_elements(a: ExportElements) -> dict:
         print(p, file=sys.stderr)
     print(f"exported {sum(map(len, produced.values()))} element images of {len(produced)} clips to {out}")
     return produced
-
-
 
 
 def run(a) -> object:

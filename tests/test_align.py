@@ -296,17 +296,15 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     another step), leaves the other draws (noise, sigma) unchanged, fills with white, and the VAE sees its result."""
 
     import train_a2
-    from a2.augment import _affine, _perspective, augment_references
+    from a2.augment import augment_image, augment_references
     from a2.flow import sample_generator
     from config import dataset_configs
     from data import E2VDataset, collate
 
-    white = torch.ones(3, 16, 24)
-    assert torch.allclose(_affine(white, 40.0, 8.0, 0.8, 0.1, -0.1), white, atol=1e-6)
-    assert torch.allclose(_perspective(white, torch.full((4, 2), 0.08)), white, atol=1e-6)
-    square = -torch.ones(3, 16, 16)
-    turned = _affine(square, 45.0, 0.0, 1.0, 0.0, 0.0)
-    assert turned[:, 0, 0].tolist() == [1.0, 1.0, 1.0] and turned[:, 8, 8].tolist() == [-1.0, -1.0, -1.0]
+    # a white reference stays one flat colour whatever is drawn (the colour jitter may dim it): warps fill with white
+    for step in range(8):
+        out = augment_image(torch.ones(3, 16, 24), sample_generator(0, step, 0, stream=1))
+        assert torch.allclose(out, out[:, :1, :1].expand_as(out), atol=1e-5), step
 
     refs = torch.rand(2, 3, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     gens = lambda step: [sample_generator(0, step, k, stream=1) for k in range(2)]  # noqa: E731

@@ -435,6 +435,16 @@ def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
     assert code == 0 and "bucket 17 frames 32x48" in out, out
 
 
+def test_validate_buckets_by_the_models_size_multiple(synth, tmp_path, capsys):
+    """TI2V-5B's aspect buckets are multiples of 32 (its VAE x patch), as training makes them: 96x160 for a 2:3 clip
+    at about 96x160's area (multiples of 16 would make it 96x144)."""
+    (tmp_path / "c.json").write_text(json.dumps({"datasets": [{"data_root": str(synth), "target_resolution": [96, 160],
+                                                              "auto_frame_buckets": True}]}))
+    code, out, _ = validate(capsys, "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17",
+                            "--model", "tiny-ti2v")
+    assert code == 0 and "bucket 17 frames 96x160" in out, out
+
+
 # ---------------------------------------------------------------- real media
 
 
