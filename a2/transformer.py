@@ -215,6 +215,8 @@ ORIGINAL_TOP = {
     "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # FLF2V's image position embedding
     "vace_patch_embedding": "vace_patch_embedding",
 }
+DIFFUSERS_BLOCK = {v: k for k, v in ORIGINAL_BLOCK.items()}  # the same tables read the other way
+DIFFUSERS_TOP = {v: k for k, v in ORIGINAL_TOP.items()}
 HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
 
 
@@ -227,22 +229,21 @@ def _rename(key: str, block: dict, top: dict) -> str:
     raise KeyError(key)
 
 
+ORIGINAL_PREFIX = re.compile(r"^(model\.)?diffusion_model\.")  # ComfyUI's whole-checkpoint / model files' keys
+
+
 def original_to_diffusers(sd: dict) -> dict:
     """An original-Wan state dict (`blocks.0.self_attn.q.weight`; bare, or with ComfyUI's `model.diffusion_model.` /
     `diffusion_model.` prefix) -> diffusers names (`blocks.0.attn1.to_q.weight`). The tensors are the same objects; a
     key with no diffusers module raises KeyError naming it."""
-    return {_rename(re.sub(r"^(model\.)?diffusion_model\.", "", k), ORIGINAL_BLOCK, ORIGINAL_TOP): v
-            for k, v in sd.items()}
+    return {diffusers_module_name(ORIGINAL_PREFIX.sub("", k)): v for k, v in sd.items()}
 
 
 def diffusers_to_original(sd: dict) -> dict:
     """The inverse of original_to_diffusers: diffusers WanTransformer3DModel names -> original Wan names."""
-    block = {v: k for k, v in ORIGINAL_BLOCK.items()}
-    top = {v: k for k, v in ORIGINAL_TOP.items()}
-    return {_rename(k, block, top): v for k, v in sd.items()}
+    return {wan_module_name(k): v for k, v in sd.items()}
 
 
-ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's whole-checkpoint / model files
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 
@@ -307,10 +308,7 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
             if not isinstance(sd, dict):
                 raise UnsupportedModel(f"{f}: holds a {type(sd).__name__}, not a state dict")
             shapes.update({k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)})
-    for prefix in ORIGINAL_PREFIXES:
-        if shapes and all(k.startswith(prefix) for k in shapes):
-            return {k.removeprefix(prefix): v for k, v in shapes.items()}
-    return shapes
+    return {ORIGINAL_PREFIX.sub("", k): v for k, v in shapes.items()}
 
 
 def original_wan_config(c) -> dict:
@@ -403,9 +401,6 @@ def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.fl
     for f in files:
         part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
         sd.update(part.get("state_dict", part))
-    for prefix in ORIGINAL_PREFIXES:
-        if all(k.startswith(prefix) for k in sd):
-            sd = {k.removeprefix(prefix): v for k, v in sd.items()}
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
     model.load_state_dict(original_to_diffusers(sd), strict=True)
@@ -433,7 +428,6 @@ def _listed(index: dict, name: str) -> bool:
 # sizes); a Phantom dir without its own vae/ text_encoder/ tokenizer/ takes them from here
 PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 # MAGREF (MAGREF-Video/MAGREF) is a Wan2.1 I2V-14B fine-tune: that model's VAE, UMT5, CLIP in diffusers format
-MAGREF_HUB = "MAGREF-Video/MAGREF"
 MAGREF_COMPONENTS = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 # SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
 V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
@@ -492,7 +486,7 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                                f"{cfg['out_channels']}{' and an image branch' if cfg['image_dim'] else ''}; Phantom-"
                                "Wan is a T2V model (16 in, 16 out, no image branch); convert other Wan models with "
                                "diffusers' scripts/convert_wan_to_diffusers.py")
-    comp = t2v_parts(path, d, components)
+    comp = parts_dir(path, d, components)
     if "vace_layers" in cfg:  # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json)
         return ModelInfo(path, "Wan2.1 VACE", Z_DIM, False, None, None, None, native_kind="vace",
                          original_weights=tuple(files), components_dir=comp)
@@ -503,23 +497,25 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                      original_weights=tuple(files), components_dir=comp)
 
 
-def t2v_parts(path: Path, d: Path, components=None) -> Path:
-    """The diffusers Wan T2V parts dir (vae/, text_encoder/, tokenizer/) an original-key T2V checkpoint at `path`
-    (dir `d`) runs with: `components`, else `d` when it holds them, else PHANTOM_COMPONENTS from the Hub (Wan 2.1's
-    VAE and UMT5: those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike)."""
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in COMPONENTS) else None
-    comp = Path(comp or local_or_hub(PHANTOM_COMPONENTS))
-    for c in COMPONENTS:
-        if not (comp / c).is_dir():
-            raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; original-Wan T2V checkpoints run "
-                                   f"with {PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+def parts_dir(path: Path, d: Path, components=None, parts=COMPONENTS, default: str = PHANTOM_COMPONENTS,
+              family: str = "T2V") -> Path:
+    """The diffusers Wan parts dir (`parts`: vae/, text_encoder/, tokenizer/, ...) an original-key checkpoint at
+    `path` (dir `d`) runs with: `components`, else `d` when it holds them, else `default` from the Hub (T2V: Wan 2.1's
+    VAE and UMT5, those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike; MAGREF: Wan2.1 I2V's)."""
+    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
+    comp = Path(comp or local_or_hub(default))
+    missing = [c for c in parts if not (comp / c).is_dir()]
+    if missing:
+        raise UnsupportedModel(f"{path}: the Wan {family} parts dir {comp} has no {', '.join(missing)}/; this "
+                               f"checkpoint runs with {default}'s: put them beside it (or have the Hub cache hold "
+                               "that id)")
     return comp
 
 
 def detect_vace_fun(d: Path, components=None) -> ModelInfo:
     """Wan2.2-VACE-Fun-A14B as alibaba-pai ships it: high_noise_model/ and low_noise_model/ (ORIGINAL_EXPERTS), each
     VaceWanModel's original keys and config.json, a Wan2.2-T2V-A14B pair with VACE context blocks; the Wan 2.1 VAE and
-    UMT5 beside them (Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth: a2 takes their diffusers form, t2v_parts)."""
+    UMT5 beside them (Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth: a2 takes their diffusers form, parts_dir)."""
     configs, files = [], []
     for sub in ORIGINAL_EXPERTS.values():
         found = dit_checkpoints(d / sub)
@@ -535,7 +531,7 @@ def detect_vace_fun(d: Path, components=None) -> ModelInfo:
         differ = {k: (v, configs[1].get(k)) for k, v in configs[0].items() if v != configs[1].get(k)}
         raise UnsupportedModel(f"{d}: high_noise_model and low_noise_model have other shapes (high, low: {differ})")
     return ModelInfo(d, "Wan2.2 VACE-Fun A14B", Z_DIM, False, None, None, VACE_FUN_BOUNDARY, native_kind="vace",
-                     original_weights=tuple(files), components_dir=t2v_parts(d, d, components))
+                     original_weights=tuple(files), components_dir=parts_dir(d, d, components))
 
 
 
@@ -556,15 +552,8 @@ def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:
     it runs with (vae/, text_encoder/, tokenizer/, image_encoder/, image_processor/, scheduler/: `components`, else
     the dir's own, else MAGREF_COMPONENTS from the Hub; MAGREF's own T5, VAE and CLIP are Wan 2.1 I2V's). An original
     Wan2.1 I2V checkpoint has the same architecture and reads the same way."""
-    d = path.parent if path.is_file() else path
-    parts = COMPONENTS + ("image_encoder", "image_processor")
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
-    comp = Path(comp or local_or_hub(MAGREF_COMPONENTS))
-    missing = [c for c in parts if not (comp / c).is_dir()]
-    if missing:
-        raise UnsupportedModel(f"{path}: the Wan I2V parts dir {comp} has no {', '.join(missing)}/; MAGREF runs "
-                               f"with {MAGREF_COMPONENTS}'s: put them beside the checkpoint (or have the Hub cache "
-                               "hold that id)")
+    comp = parts_dir(path, path.parent if path.is_file() else path, components,
+                     COMPONENTS + ("image_encoder", "image_processor"), MAGREF_COMPONENTS, "I2V")
     enc_dim = _read_json(comp / "image_encoder" / "config.json", comp).get("hidden_size")
     return ModelInfo(path, "MAGREF", E2V_IN_CHANNELS, True, comp, enc_dim, None, native_kind="magref",
                      original_weights=tuple(files), components_dir=comp)
@@ -723,9 +712,13 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     model_dir = Path(model_dir)
     if (model_dir / ORIGINAL_EXPERTS.get(subfolder, subfolder)).is_dir() and not (model_dir / subfolder).is_dir():
         model_dir = model_dir / ORIGINAL_EXPERTS[subfolder]  # Wan2.2-VACE-Fun: the expert's original-key dir
-    if fake_mode_active() and (model_dir / subfolder / "config.json").exists():  # a dry run (a2/trace.py): the
-        # architecture at real size on fake tensors, no weights read
-        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, "cpu")
+    if (model_dir / subfolder / "config.json").exists():
+        config = WanTransformer3DModel.load_config(model_dir / subfolder)
+        if fake_mode_active():  # a dry run (a2/trace.py): the architecture at real size on fake tensors, no weights
+            return random_transformer(config, dtype, "cpu")
+        if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
+            return random_transformer(config, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return transformer_class(config).from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
@@ -734,12 +727,6 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
                 config = original_config(checkpoints[0], d / "config.json")
             return random_transformer(config, dtype, "cpu")
         return load_original(checkpoints[0], original_config(checkpoints[0], d / "config.json"), dtype)
-    if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, device)
-    if (model_dir / subfolder / "config.json").exists():
-        cls = transformer_class(WanTransformer3DModel.load_config(model_dir / subfolder))
-        return cls.from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     if (model_dir / "config.json").exists():
         return transformer_class(WanTransformer3DModel.load_config(model_dir)).from_pretrained(model_dir,
                                                                                               torch_dtype=dtype)
@@ -906,7 +893,7 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
 
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
-    return _rename(name, {v: k for k, v in ORIGINAL_BLOCK.items()}, {v: k for k, v in ORIGINAL_TOP.items()})
+    return _rename(name, DIFFUSERS_BLOCK, DIFFUSERS_TOP)
 
 
 def diffusers_module_name(name: str) -> str:
