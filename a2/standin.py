@@ -37,6 +37,8 @@ from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
+from a2.transformer import embed, unpatchify
+
 RANK = 128  # Stand-In's released LoRAs
 ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
 CACHE_MODES = (None, "fill", "use")
@@ -201,16 +203,9 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         raise ValueError("Stand-In cache='fill' needs reference_latents (the reference whose K/V it keeps)")
     if cache == "use" and (reference_latents is not None or any(b.attn1.processor.kv is None for b in blocks)):
         raise ValueError("Stand-In cache='use' takes no reference_latents and needs the K/V of a cache='fill' call")
-    batch, _, frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = transformer.config.patch_size
-    grid = (frames // p_t, height // p_h, width // p_w)
-
-    rotary = transformer.rope(hidden_states)
-    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, L, D)
+    x, rotary, temb, proj, text, grid = embed(transformer, hidden_states, timestep, encoder_hidden_states,
+                                              encoder_hidden_states_image)  # proj (B, 6, D)
     length = x.shape[1]
-    temb, proj, text, image = transformer.condition_embedder(timestep, encoder_hidden_states,
-                                                             encoder_hidden_states_image)
-    proj = proj.unflatten(1, (6, -1))  # (B, 6, D)
     n = 0
     if reference_latents is not None:
         if reference_latents.shape[1] != hidden_states.shape[1] or reference_latents.shape[2] != 1:
@@ -233,22 +228,11 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         block.attn1.processor.keep = cache == "fill"
         if cache is None:
             block.attn1.processor.kv = None
-    if image is not None:
-        text = torch.cat([image, text], 1)
-
-    for block in blocks:
-        if torch.is_grad_enabled() and transformer.gradient_checkpointing:
-            x = transformer._gradient_checkpointing_func(block, x, text, proj, rotary)
-        else:
-            x = block(x, text, proj, rotary)
-
+    for block in blocks:  # recomputed and compiled as configure_blocks set each block's forward
+        x = block(x, text, proj, rotary)
     if getattr(transformer, "context_parallel", None) is None:  # else each rank holds part of the sequence
         x = x[:, :length]  # the reference tokens have no output
-    shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-    x = transformer.proj_out(x)[:, :length]  # a context-parallel split is gathered at the projection's output
-    x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    return unpatchify(transformer, x, temb, grid, length)  # a split is gathered before `length` cuts it
 
 
 def pack_reference(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

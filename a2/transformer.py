@@ -96,6 +96,32 @@ def preset_config(name: str, e2v: bool | None = None, vace: bool = False) -> dic
     return cfg
 
 
+def embed(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+          encoder_hidden_states_image: torch.Tensor | None = None):
+    """The start of diffusers' WanTransformer3DModel.forward, for the forwards a kind installs (a2/standin.py,
+    a2/vace.py): (x (B, L, D) the patch tokens, rotary, temb, proj (B, 6, D), text (the image tokens first where
+    given), grid: the (f, h, w) tokens)."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    f, h, w = hidden_states.shape[2:]
+    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2)  # (B, L, D)
+    temb, proj, text, image = transformer.condition_embedder(timestep, encoder_hidden_states,
+                                                             encoder_hidden_states_image)
+    text = text if image is None else torch.cat([image, text], 1)
+    return x, transformer.rope(hidden_states), temb, proj.unflatten(1, (6, -1)), text, (f // p_t, h // p_h, w // p_w)
+
+
+def unpatchify(transformer, x: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int],
+               length: int | None = None) -> torch.Tensor:
+    """The end of diffusers' forward: the output norm modulated by temb, the projection (where a context-parallel
+    split is gathered: its output hook), its first `length` tokens back to latents (B, C, F, H, W) of the grid."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+    x = transformer.proj_out(x)[:, :length]
+    x = x.reshape(x.shape[0], *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
 def is_e2v(transformer: WanTransformer3DModel) -> bool:
     """True when the model takes the 36-channel E2V/I2V input."""
     return transformer.config.in_channels == E2V_IN_CHANNELS

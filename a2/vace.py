@@ -42,6 +42,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from PIL import Image
 
 from a2.parallel import UlyssesAttnProcessor
+from a2.transformer import embed, unpatchify
 
 VAE_STRIDE = (4, 8, 8)  # Wan 2.1's VAE (the one every VACE model runs with): frames, height, width
 MASK_CHANNELS = VAE_STRIDE[1] * VAE_STRIDE[2]  # 64: one per pixel of a latent cell's 8x8 block
@@ -165,14 +166,8 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
     context parallel (a2/parallel.py; context_parallel below for the context blocks) the context blocks run on this
     rank's tokens, as the blocks do after the first one's input hook splits the sequence, so each hint is the
     rank's part of it."""
-    b, _, f, h, w = hidden_states.shape
-    p_t, p_h, p_w = transformer.config.patch_size
-    grid = (f // p_t, h // p_h, w // p_w)
-    rotary = transformer.rope(hidden_states)
-    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2)  # (B, L, D)
+    x, rotary, temb, proj, text, grid = embed(transformer, hidden_states, timestep, encoder_hidden_states)
     c = transformer.vace_patch_embedding(context.to(x.dtype)).flatten(2).transpose(1, 2)  # (B, L, D)
-    temb, proj, text, _ = transformer.condition_embedder(timestep, encoder_hidden_states, None)
-    proj = proj.unflatten(1, (6, -1))  # (B, 6, D)
     x_c, rotary_c = x, rotary
     split = getattr(transformer, "context_parallel", None)
     if split is not None:
@@ -185,11 +180,7 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         x = block(x, text, proj, rotary)
         if i in hints:
             x = x + hints.pop(i) * scale  # each hint freed once added
-    shift, scale_out = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    x = (transformer.norm_out(x.float()) * (1 + scale_out) + shift).type_as(x)
-    x = transformer.proj_out(x)  # a context-parallel split is gathered here (its output hook)
-    x = x.reshape(b, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    return unpatchify(transformer, x, temb, grid)
 
 
 def install(transformer, scale: float = 1.0) -> None:
