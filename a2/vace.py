@@ -45,9 +45,6 @@ from a2.parallel import UlyssesAttnProcessor
 from a2.transformer import embed, unpatchify
 
 VAE_STRIDE = (4, 8, 8)  # Wan 2.1's VAE (the one every VACE model runs with): frames, height, width
-MASK_CHANNELS = VAE_STRIDE[1] * VAE_STRIDE[2]  # 64: one per pixel of a latent cell's 8x8 block
-LATENT_CHANNELS = 16
-CONTEXT_CHANNELS = 2 * LATENT_CHANNELS + MASK_CHANNELS  # 96, the models' vace_in_dim
 
 # The blocks a LoRA adapts: the transformer blocks, VACE's context blocks or both. The lab's own is the context
 # blocks: VideoX-Fun trains VACE-Fun with `--trainable_modules "vace"` (scripts/wan2.2_vace_fun/train.sh) and
@@ -135,7 +132,7 @@ def encode(encode_vae: Callable[[torch.Tensor], torch.Tensor], references: torch
     if mask is None:  # on the latents' device: the pixels may be a precompute cache's meta tensors
         mask = inactive.new_ones(b, num_frames, height, width)
     if refs is None:
-        refs = inactive.new_zeros(b, LATENT_CHANNELS, 0, *inactive.shape[-2:])
+        refs = inactive.new_zeros(*inactive.shape[:2], 0, *inactive.shape[-2:])
     return context(inactive, reactive, refs, context_mask((mask > 0.5).to(inactive), n)), refs
 
 
