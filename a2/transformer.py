@@ -887,6 +887,15 @@ def allow_recompiles(shapes: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * shapes + 8)
 
 
+def vae_path_only(where: str, e2v_type: str, what: str, error: type = UnsupportedModel) -> str:
+    """"vae", the E2V type where nothing takes CLIP tokens (`what`: the model's E2V, a kind's layout), or the one-line
+    `error` when --e2v-type asks for them."""
+    if e2v_type in ("dual", "clip"):
+        raise error(f"{where} has no CLIP image branch: {what} uses the VAE path only (--e2v-type vae or auto), "
+                    f"not {e2v_type}")
+    return "vae"
+
+
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
@@ -897,15 +906,9 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
                                    "(no elements, no frame conditioning) needs a T2V model")
         return "none"
     if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
-        if e2v_type in ("dual", "clip"):
-            raise UnsupportedModel(f"{where} has no CLIP image branch and no channel conditioning: --e2v-type vae "
-                                   f"or auto, not {e2v_type}")
-        return "vae"
+        return vae_path_only(where, e2v_type, "E2V there (no channel conditioning)")
     if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
-        if e2v_type in ("dual", "clip"):
-            raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "
-                                   f"(--e2v-type vae or auto), not {e2v_type}")
-        return "vae"
+        return vae_path_only(where, e2v_type, "E2V there")
     if not info.e2v:  # a T2V base is expanded to the E2V inputs
         if info.two_experts:
             raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
