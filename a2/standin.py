@@ -294,6 +294,7 @@ def packed_forward(transformer, reference_grid: tuple[int, int]) -> None:
 # ---------------------------------------------------------------- Stand-In's LoRA file
 
 # Stand-In's keys (models/set_condition_branch.py: blocks.<i>.self_attn.<q|k|v>_loras.<down|up>.weight) and a2's
+THEIR_FORMAT, A2_FORMAT = "blocks.{}.self_attn.{}_loras.{}.weight", "blocks.{}.attn1.processor.{}_lora.{}.weight"
 THEIR_KEY = re.compile(r"blocks\.(\d+)\.self_attn\.([qkv])_loras\.(down|up)\.weight")
 A2_KEY = re.compile(r"blocks\.(\d+)\.attn1\.processor\.([qkv])_lora\.(down|up)\.weight")
 BASES = ("Stand-In_wan2.1_T2V_14B.ckpt on Wan2.1-T2V-14B; Stand-In_wan2.2_T2V_A14B_high/_low.ckpt on "
@@ -343,14 +344,11 @@ def load_lora(transformer, path) -> int:
     if (layers, dim) != (n, width):
         raise ValueError(f"{path}: a Stand-In LoRA for a {layers}-layer, {dim}-wide Wan on this {n}-layer, "
                          f"{width}-wide model: load it on its base ({BASES})")
-    mapped = {f"blocks.{i}.attn1.processor.{p}_lora.{part}.weight": state[f"blocks.{i}.self_attn.{p}_loras.{part}"
-                                                                          ".weight"]
-              for i in range(n) for p in "qkv" for part in ("down", "up")
-              if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" in state}
-    if len(mapped) != len(state) or len(mapped) != 6 * n:
-        missing = next(f"blocks.{i}.self_attn.{p}_loras.{part}.weight" for i in range(n) for p in "qkv"
-                       for part in ("down", "up") if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" not in state)
+    missing = next((k for k in (THEIR_FORMAT.format(i, p, part) for i in range(n) for p in "qkv"
+                                for part in ("down", "up")) if k not in state), None)  # (no other key: checked above)
+    if missing:
         raise ValueError(f"{path}: no {missing}: an incomplete Stand-In LoRA")
+    mapped = {A2_FORMAT.format(*THEIR_KEY.fullmatch(k).groups()): v for k, v in state.items()}
     if not installed(transformer) or transformer.blocks[0].attn1.processor.q_lora.down.out_features != rank:
         install(transformer, rank)
     transformer.load_state_dict(mapped, strict=False)
@@ -384,9 +382,5 @@ def is_lora_file(path) -> bool:
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     """The reference LoRA in Stand-In's key format (what its set_condition_branch loads)."""
-    out = {}
-    for key, value in transformer.state_dict().items():
-        m = A2_KEY.fullmatch(key)
-        if m:
-            out[f"blocks.{m[1]}.self_attn.{m[2]}_loras.{m[3]}.weight"] = value.detach().clone()
-    return out
+    return {THEIR_FORMAT.format(*m.groups()): value.detach().clone()
+            for key, value in transformer.state_dict().items() if (m := A2_KEY.fullmatch(key))}

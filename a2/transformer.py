@@ -513,14 +513,11 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                                "Wan is a T2V model (16 in, 16 out, no image branch); convert other Wan models with "
                                "diffusers' scripts/convert_wan_to_diffusers.py")
     comp = parts_dir(path, d, components)
-    if "vace_layers" in cfg:  # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json)
-        return ModelInfo(path, "Wan2.1 VACE", Z_DIM, False, None, None, None, native_kind="vace",
-                         original_weights=tuple(files), components_dir=comp)
-    if is_refalign(files[0]):
-        return ModelInfo(path, "RefAlign", Z_DIM, False, None, None, None, native_kind="refalign",
-                         original_weights=tuple(files), components_dir=comp)
-    return ModelInfo(path, "Phantom-Wan", Z_DIM, False, None, None, None, native_kind="phantom",
-                     original_weights=tuple(files), components_dir=comp)
+    # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json); RefAlign by its name
+    name, native = (("Wan2.1 VACE", "vace") if "vace_layers" in cfg else ("RefAlign", "refalign")
+                    if is_refalign(files[0]) else ("Phantom-Wan", "phantom"))
+    return ModelInfo(path, name, Z_DIM, False, None, None, None, native_kind=native, original_weights=tuple(files),
+                     components_dir=comp)
 
 
 def parts_dir(path: Path, d: Path, components=None, parts=COMPONENTS, default: str = PHANTOM_COMPONENTS,
@@ -652,7 +649,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
                 raise UnsupportedModel(f"{d}: {sub} is SkyReels-V3's {cls} with in/out_channels "
                                        f"{cfg.get('in_channels')}/{cfg.get('out_channels')}, image_dim "
                                        f"{cfg.get('image_dim')}; its R2V model takes 16/16 and no image branch")
-            configs.append((Z_DIM, False, None))
+            configs.append((Z_DIM, False, "v3"))
             continue
         if cls not in WAN_TRANSFORMER_CLASSES:
             raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
@@ -673,7 +670,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
         configs.append((cin, image_dim is not None, None))
     if len(set(configs)) > 1:
         raise UnsupportedModel(f"{d}: transformer and transformer_2 take different inputs "
-                               f"(in_channels, image branch, VACE) {configs[0]} vs {configs[1]}")
+                               f"(in_channels, image branch, native layout) {configs[0]} vs {configs[1]}")
     in_channels, image_branch, native = configs[0]
 
     enc = Path(image_encoder) if image_encoder else d
@@ -688,17 +685,15 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     enc_dim = _read_json(enc / "image_encoder" / "config.json", enc).get("hidden_size") if enc else None
 
     two = len(experts) == 2
-    if native == "vace":
-        return ModelInfo(d, "Wan2.2 VACE-Fun A14B" if two else "Wan2.1 VACE", in_channels, False, enc, enc_dim,
-                         float(ratio) if two else None, native_kind="vace")
+    if native:  # a released model's own layout, told by its transformer class
+        name = {"vace": "Wan2.2 VACE-Fun A14B" if two else "Wan2.1 VACE", "v3": "SkyReels-V3 R2V"}[native]
+        return ModelInfo(d, name, in_channels, False, enc, enc_dim, float(ratio) if two else None, native_kind=native)
     if ti2v:
         return ModelInfo(d, "Wan2.2 TI2V 5B", in_channels, False, enc, enc_dim, None, z_dim, vae_scale, patch, True)
     if two:
         name = "Wan2.2 I2V A14B" if in_channels == E2V_IN_CHANNELS else "Wan2.2 T2V A14B"
         if image_branch:
             raise UnsupportedModel(f"{d}: a two-expert model with a CLIP image branch is not a known Wan 2.2 model")
-    elif _read_json(d / "transformer" / "config.json", d).get("_class_name") in V3_CLASSES:
-        return ModelInfo(d, "SkyReels-V3 R2V", in_channels, False, enc, enc_dim, None, native_kind="v3")
     elif in_channels == Z_DIM:
         name = "Wan2.1 T2V"
     elif not image_branch:
