@@ -127,10 +127,6 @@ def is_e2v(transformer: WanTransformer3DModel) -> bool:
     return transformer.config.in_channels == E2V_IN_CHANNELS
 
 
-def has_image_branch(transformer: WanTransformer3DModel) -> bool:
-    return transformer.config.image_dim is not None
-
-
 # ---------------------------------------------------------------- model dirs: what is in them
 
 
@@ -799,7 +795,7 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, see
     and is added to the text attention, so the block output is unchanged, while add_k_proj and the
     embedder are random so that gradients reach them as soon as add_v_proj moves. image_dim=None:
     no image branch (E2V through the VAE path only)."""
-    if is_e2v(base) or has_image_branch(base):
+    if is_e2v(base) or base.config.image_dim is not None:
         raise ValueError("expand_to_e2v expects a T2V transformer (in_channels 16, no image branch)")
     cfg = dict(base.config)
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
