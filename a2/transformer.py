@@ -797,8 +797,7 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, see
     no image branch (E2V through the VAE path only)."""
     if is_e2v(base) or base.config.image_dim is not None:
         raise ValueError("expand_to_e2v expects a T2V transformer (in_channels 16, no image branch)")
-    cfg = dict(base.config)
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg = {k: v for k, v in base.config.items() if not k.startswith("_")}
     inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     cfg.update(in_channels=E2V_IN_CHANNELS, image_dim=image_dim, added_kv_proj_dim=inner if image_dim else None)
     torch.manual_seed(seed)
