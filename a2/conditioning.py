@@ -76,7 +76,7 @@ from a2.images import (
     preprocess_image,
 )
 from a2.kinds import KIND_DEFS, KINDS, Kind, kind_sampling
-from a2.transformer import resolve_e2v_type
+from a2.transformer import resolve_e2v_type, vae_path_only
 
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
@@ -469,10 +469,7 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
             raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
                               f"reference_layout {vae.reference_layout} is for T2V models; use reference_layout "
                               "channel")
-        if e2v_type in ("dual", "clip"):
-            raise ConfigError(f"{where} has no CLIP image branch: reference_layout {vae.reference_layout} uses the "
-                              f"VAE path only (--e2v-type vae or auto), not {e2v_type}")
-        e2v_type = "vae"
+        e2v_type = vae_path_only(where, e2v_type, f"reference_layout {vae.reference_layout}", ConfigError)
     else:
         e2v_type = resolve_e2v_type(info, e2v_type, d.axis != "none")  # UnsupportedModel: the model cannot take it
     expand = d.axis == "channel" and not info.e2v
@@ -510,9 +507,7 @@ def check_native_flags(info, vae, elements, e2v_type: str) -> None:
     if vae.reference_timestep != "shared":
         raise ConfigError(f"{where}: the {native} layout gives the references the sample's timestep: drop "
                           f"--reference-timestep {vae.reference_timestep}")
-    if e2v_type in ("dual", "clip"):
-        raise ConfigError(f"{where} has no CLIP image branch: its {native} layout uses the VAE path only "
-                          f"(--e2v-type vae or auto), not {e2v_type}")
+    vae_path_only(where, e2v_type, f"its {native} layout", ConfigError)
 
 
 def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame: bool = False,

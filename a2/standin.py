@@ -37,6 +37,8 @@ from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
+from a2.transformer import embed, unpatchify
+
 RANK = 128  # Stand-In's released LoRAs
 ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
 CACHE_MODES = (None, "fill", "use")
@@ -201,16 +203,9 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         raise ValueError("Stand-In cache='fill' needs reference_latents (the reference whose K/V it keeps)")
     if cache == "use" and (reference_latents is not None or any(b.attn1.processor.kv is None for b in blocks)):
         raise ValueError("Stand-In cache='use' takes no reference_latents and needs the K/V of a cache='fill' call")
-    batch, _, frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = transformer.config.patch_size
-    grid = (frames // p_t, height // p_h, width // p_w)
-
-    rotary = transformer.rope(hidden_states)
-    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, L, D)
+    x, rotary, temb, proj, text, grid = embed(transformer, hidden_states, timestep, encoder_hidden_states,
+                                              encoder_hidden_states_image)  # proj (B, 6, D)
     length = x.shape[1]
-    temb, proj, text, image = transformer.condition_embedder(timestep, encoder_hidden_states,
-                                                             encoder_hidden_states_image)
-    proj = proj.unflatten(1, (6, -1))  # (B, 6, D)
     n = 0
     if reference_latents is not None:
         if reference_latents.shape[1] != hidden_states.shape[1] or reference_latents.shape[2] != 1:
@@ -233,22 +228,11 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         block.attn1.processor.keep = cache == "fill"
         if cache is None:
             block.attn1.processor.kv = None
-    if image is not None:
-        text = torch.cat([image, text], 1)
-
-    for block in blocks:
-        if torch.is_grad_enabled() and transformer.gradient_checkpointing:
-            x = transformer._gradient_checkpointing_func(block, x, text, proj, rotary)
-        else:
-            x = block(x, text, proj, rotary)
-
+    for block in blocks:  # recomputed and compiled as configure_blocks set each block's forward
+        x = block(x, text, proj, rotary)
     if getattr(transformer, "context_parallel", None) is None:  # else each rank holds part of the sequence
         x = x[:, :length]  # the reference tokens have no output
-    shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
-    x = transformer.proj_out(x)[:, :length]  # a context-parallel split is gathered at the projection's output
-    x = x.reshape(batch, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    return unpatchify(transformer, x, temb, grid, length)  # a split is gathered before `length` cuts it
 
 
 def pack_reference(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -310,6 +294,7 @@ def packed_forward(transformer, reference_grid: tuple[int, int]) -> None:
 # ---------------------------------------------------------------- Stand-In's LoRA file
 
 # Stand-In's keys (models/set_condition_branch.py: blocks.<i>.self_attn.<q|k|v>_loras.<down|up>.weight) and a2's
+THEIR_FORMAT, A2_FORMAT = "blocks.{}.self_attn.{}_loras.{}.weight", "blocks.{}.attn1.processor.{}_lora.{}.weight"
 THEIR_KEY = re.compile(r"blocks\.(\d+)\.self_attn\.([qkv])_loras\.(down|up)\.weight")
 A2_KEY = re.compile(r"blocks\.(\d+)\.attn1\.processor\.([qkv])_lora\.(down|up)\.weight")
 BASES = ("Stand-In_wan2.1_T2V_14B.ckpt on Wan2.1-T2V-14B; Stand-In_wan2.2_T2V_A14B_high/_low.ckpt on "
@@ -359,14 +344,11 @@ def load_lora(transformer, path) -> int:
     if (layers, dim) != (n, width):
         raise ValueError(f"{path}: a Stand-In LoRA for a {layers}-layer, {dim}-wide Wan on this {n}-layer, "
                          f"{width}-wide model: load it on its base ({BASES})")
-    mapped = {f"blocks.{i}.attn1.processor.{p}_lora.{part}.weight": state[f"blocks.{i}.self_attn.{p}_loras.{part}"
-                                                                          ".weight"]
-              for i in range(n) for p in "qkv" for part in ("down", "up")
-              if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" in state}
-    if len(mapped) != len(state) or len(mapped) != 6 * n:
-        missing = next(f"blocks.{i}.self_attn.{p}_loras.{part}.weight" for i in range(n) for p in "qkv"
-                       for part in ("down", "up") if f"blocks.{i}.self_attn.{p}_loras.{part}.weight" not in state)
+    missing = next((k for k in (THEIR_FORMAT.format(i, p, part) for i in range(n) for p in "qkv"
+                                for part in ("down", "up")) if k not in state), None)  # (no other key: checked above)
+    if missing:
         raise ValueError(f"{path}: no {missing}: an incomplete Stand-In LoRA")
+    mapped = {A2_FORMAT.format(*THEIR_KEY.fullmatch(k).groups()): v for k, v in state.items()}
     if not installed(transformer) or transformer.blocks[0].attn1.processor.q_lora.down.out_features != rank:
         install(transformer, rank)
     transformer.load_state_dict(mapped, strict=False)
@@ -400,9 +382,5 @@ def is_lora_file(path) -> bool:
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:
     """The reference LoRA in Stand-In's key format (what its set_condition_branch loads)."""
-    out = {}
-    for key, value in transformer.state_dict().items():
-        m = A2_KEY.fullmatch(key)
-        if m:
-            out[f"blocks.{m[1]}.self_attn.{m[2]}_loras.{m[3]}.weight"] = value.detach().clone()
-    return out
+    return {THEIR_FORMAT.format(*m.groups()): value.detach().clone()
+            for key, value in transformer.state_dict().items() if (m := A2_KEY.fullmatch(key))}

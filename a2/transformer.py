@@ -96,13 +96,35 @@ def preset_config(name: str, e2v: bool | None = None, vace: bool = False) -> dic
     return cfg
 
 
+def embed(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+          encoder_hidden_states_image: torch.Tensor | None = None):
+    """The start of diffusers' WanTransformer3DModel.forward, for the forwards a kind installs (a2/standin.py,
+    a2/vace.py): (x (B, L, D) the patch tokens, rotary, temb, proj (B, 6, D), text (the image tokens first where
+    given), grid: the (f, h, w) tokens)."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    f, h, w = hidden_states.shape[2:]
+    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2)  # (B, L, D)
+    temb, proj, text, image = transformer.condition_embedder(timestep, encoder_hidden_states,
+                                                             encoder_hidden_states_image)
+    text = text if image is None else torch.cat([image, text], 1)
+    return x, transformer.rope(hidden_states), temb, proj.unflatten(1, (6, -1)), text, (f // p_t, h // p_h, w // p_w)
+
+
+def unpatchify(transformer, x: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int],
+               length: int | None = None) -> torch.Tensor:
+    """The end of diffusers' forward: the output norm modulated by temb, the projection (where a context-parallel
+    split is gathered: its output hook), its first `length` tokens back to latents (B, C, F, H, W) of the grid."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    x = (transformer.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+    x = transformer.proj_out(x)[:, :length]
+    x = x.reshape(x.shape[0], *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
 def is_e2v(transformer: WanTransformer3DModel) -> bool:
     """True when the model takes the 36-channel E2V/I2V input."""
     return transformer.config.in_channels == E2V_IN_CHANNELS
-
-
-def has_image_branch(transformer: WanTransformer3DModel) -> bool:
-    return transformer.config.image_dim is not None
 
 
 # ---------------------------------------------------------------- model dirs: what is in them
@@ -215,6 +237,8 @@ ORIGINAL_TOP = {
     "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # FLF2V's image position embedding
     "vace_patch_embedding": "vace_patch_embedding",
 }
+DIFFUSERS_BLOCK = {v: k for k, v in ORIGINAL_BLOCK.items()}  # the same tables read the other way
+DIFFUSERS_TOP = {v: k for k, v in ORIGINAL_TOP.items()}
 HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
 
 
@@ -227,22 +251,21 @@ def _rename(key: str, block: dict, top: dict) -> str:
     raise KeyError(key)
 
 
+ORIGINAL_PREFIX = re.compile(r"^(model\.)?diffusion_model\.")  # ComfyUI's whole-checkpoint / model files' keys
+
+
 def original_to_diffusers(sd: dict) -> dict:
     """An original-Wan state dict (`blocks.0.self_attn.q.weight`; bare, or with ComfyUI's `model.diffusion_model.` /
     `diffusion_model.` prefix) -> diffusers names (`blocks.0.attn1.to_q.weight`). The tensors are the same objects; a
     key with no diffusers module raises KeyError naming it."""
-    return {_rename(re.sub(r"^(model\.)?diffusion_model\.", "", k), ORIGINAL_BLOCK, ORIGINAL_TOP): v
-            for k, v in sd.items()}
+    return {diffusers_module_name(ORIGINAL_PREFIX.sub("", k)): v for k, v in sd.items()}
 
 
 def diffusers_to_original(sd: dict) -> dict:
     """The inverse of original_to_diffusers: diffusers WanTransformer3DModel names -> original Wan names."""
-    block = {v: k for k, v in ORIGINAL_BLOCK.items()}
-    top = {v: k for k, v in ORIGINAL_TOP.items()}
-    return {_rename(k, block, top): v for k, v in sd.items()}
+    return {wan_module_name(k): v for k, v in sd.items()}
 
 
-ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's whole-checkpoint / model files
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 
@@ -307,10 +330,7 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
             if not isinstance(sd, dict):
                 raise UnsupportedModel(f"{f}: holds a {type(sd).__name__}, not a state dict")
             shapes.update({k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)})
-    for prefix in ORIGINAL_PREFIXES:
-        if shapes and all(k.startswith(prefix) for k in shapes):
-            return {k.removeprefix(prefix): v for k, v in shapes.items()}
-    return shapes
+    return {ORIGINAL_PREFIX.sub("", k): v for k, v in shapes.items()}
 
 
 def original_wan_config(c) -> dict:
@@ -403,9 +423,6 @@ def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.fl
     for f in files:
         part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
         sd.update(part.get("state_dict", part))
-    for prefix in ORIGINAL_PREFIXES:
-        if all(k.startswith(prefix) for k in sd):
-            sd = {k.removeprefix(prefix): v for k, v in sd.items()}
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
     model.load_state_dict(original_to_diffusers(sd), strict=True)
@@ -433,7 +450,6 @@ def _listed(index: dict, name: str) -> bool:
 # sizes); a Phantom dir without its own vae/ text_encoder/ tokenizer/ takes them from here
 PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 # MAGREF (MAGREF-Video/MAGREF) is a Wan2.1 I2V-14B fine-tune: that model's VAE, UMT5, CLIP in diffusers format
-MAGREF_HUB = "MAGREF-Video/MAGREF"
 MAGREF_COMPONENTS = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 # SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
 V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
@@ -492,34 +508,33 @@ def detect_phantom(path: Path, components=None) -> ModelInfo:
                                f"{cfg['out_channels']}{' and an image branch' if cfg['image_dim'] else ''}; Phantom-"
                                "Wan is a T2V model (16 in, 16 out, no image branch); convert other Wan models with "
                                "diffusers' scripts/convert_wan_to_diffusers.py")
-    comp = t2v_parts(path, d, components)
-    if "vace_layers" in cfg:  # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json)
-        return ModelInfo(path, "Wan2.1 VACE", Z_DIM, False, None, None, None, native_kind="vace",
-                         original_weights=tuple(files), components_dir=comp)
-    if is_refalign(files[0]):
-        return ModelInfo(path, "RefAlign", Z_DIM, False, None, None, None, native_kind="refalign",
-                         original_weights=tuple(files), components_dir=comp)
-    return ModelInfo(path, "Phantom-Wan", Z_DIM, False, None, None, None, native_kind="phantom",
-                     original_weights=tuple(files), components_dir=comp)
+    comp = parts_dir(path, d, components)
+    # Wan2.1-VACE 1.3B / 14B as Wan-AI ships them (VaceWanModel's keys and config.json); RefAlign by its name
+    name, native = (("Wan2.1 VACE", "vace") if "vace_layers" in cfg else ("RefAlign", "refalign")
+                    if is_refalign(files[0]) else ("Phantom-Wan", "phantom"))
+    return ModelInfo(path, name, Z_DIM, False, None, None, None, native_kind=native, original_weights=tuple(files),
+                     components_dir=comp)
 
 
-def t2v_parts(path: Path, d: Path, components=None) -> Path:
-    """The diffusers Wan T2V parts dir (vae/, text_encoder/, tokenizer/) an original-key T2V checkpoint at `path`
-    (dir `d`) runs with: `components`, else `d` when it holds them, else PHANTOM_COMPONENTS from the Hub (Wan 2.1's
-    VAE and UMT5: those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike)."""
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in COMPONENTS) else None
-    comp = Path(comp or local_or_hub(PHANTOM_COMPONENTS))
-    for c in COMPONENTS:
-        if not (comp / c).is_dir():
-            raise UnsupportedModel(f"{path}: the Wan parts dir {comp} has no {c}/; original-Wan T2V checkpoints run "
-                                   f"with {PHANTOM_COMPONENTS}'s vae/, text_encoder/, tokenizer/")
+def parts_dir(path: Path, d: Path, components=None, parts=COMPONENTS, default: str = PHANTOM_COMPONENTS,
+              family: str = "T2V") -> Path:
+    """The diffusers Wan parts dir (`parts`: vae/, text_encoder/, tokenizer/, ...) an original-key checkpoint at
+    `path` (dir `d`) runs with: `components`, else `d` when it holds them, else `default` from the Hub (T2V: Wan 2.1's
+    VAE and UMT5, those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike; MAGREF: Wan2.1 I2V's)."""
+    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
+    comp = Path(comp or local_or_hub(default))
+    missing = [c for c in parts if not (comp / c).is_dir()]
+    if missing:
+        raise UnsupportedModel(f"{path}: the Wan {family} parts dir {comp} has no {', '.join(missing)}/; this "
+                               f"checkpoint runs with {default}'s: put them beside it (or have the Hub cache hold "
+                               "that id)")
     return comp
 
 
 def detect_vace_fun(d: Path, components=None) -> ModelInfo:
     """Wan2.2-VACE-Fun-A14B as alibaba-pai ships it: high_noise_model/ and low_noise_model/ (ORIGINAL_EXPERTS), each
     VaceWanModel's original keys and config.json, a Wan2.2-T2V-A14B pair with VACE context blocks; the Wan 2.1 VAE and
-    UMT5 beside them (Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth: a2 takes their diffusers form, t2v_parts)."""
+    UMT5 beside them (Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth: a2 takes their diffusers form, parts_dir)."""
     configs, files = [], []
     for sub in ORIGINAL_EXPERTS.values():
         found = dit_checkpoints(d / sub)
@@ -535,7 +550,7 @@ def detect_vace_fun(d: Path, components=None) -> ModelInfo:
         differ = {k: (v, configs[1].get(k)) for k, v in configs[0].items() if v != configs[1].get(k)}
         raise UnsupportedModel(f"{d}: high_noise_model and low_noise_model have other shapes (high, low: {differ})")
     return ModelInfo(d, "Wan2.2 VACE-Fun A14B", Z_DIM, False, None, None, VACE_FUN_BOUNDARY, native_kind="vace",
-                     original_weights=tuple(files), components_dir=t2v_parts(d, d, components))
+                     original_weights=tuple(files), components_dir=parts_dir(d, d, components))
 
 
 
@@ -556,15 +571,8 @@ def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:
     it runs with (vae/, text_encoder/, tokenizer/, image_encoder/, image_processor/, scheduler/: `components`, else
     the dir's own, else MAGREF_COMPONENTS from the Hub; MAGREF's own T5, VAE and CLIP are Wan 2.1 I2V's). An original
     Wan2.1 I2V checkpoint has the same architecture and reads the same way."""
-    d = path.parent if path.is_file() else path
-    parts = COMPONENTS + ("image_encoder", "image_processor")
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
-    comp = Path(comp or local_or_hub(MAGREF_COMPONENTS))
-    missing = [c for c in parts if not (comp / c).is_dir()]
-    if missing:
-        raise UnsupportedModel(f"{path}: the Wan I2V parts dir {comp} has no {', '.join(missing)}/; MAGREF runs "
-                               f"with {MAGREF_COMPONENTS}'s: put them beside the checkpoint (or have the Hub cache "
-                               "hold that id)")
+    comp = parts_dir(path, path.parent if path.is_file() else path, components,
+                     COMPONENTS + ("image_encoder", "image_processor"), MAGREF_COMPONENTS, "I2V")
     enc_dim = _read_json(comp / "image_encoder" / "config.json", comp).get("hidden_size")
     return ModelInfo(path, "MAGREF", E2V_IN_CHANNELS, True, comp, enc_dim, None, native_kind="magref",
                      original_weights=tuple(files), components_dir=comp)
@@ -637,7 +645,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
                 raise UnsupportedModel(f"{d}: {sub} is SkyReels-V3's {cls} with in/out_channels "
                                        f"{cfg.get('in_channels')}/{cfg.get('out_channels')}, image_dim "
                                        f"{cfg.get('image_dim')}; its R2V model takes 16/16 and no image branch")
-            configs.append((Z_DIM, False, None))
+            configs.append((Z_DIM, False, "v3"))
             continue
         if cls not in WAN_TRANSFORMER_CLASSES:
             raise UnsupportedModel(f"{d}: {sub} is a {cls}, not a Wan transformer "
@@ -658,7 +666,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
         configs.append((cin, image_dim is not None, None))
     if len(set(configs)) > 1:
         raise UnsupportedModel(f"{d}: transformer and transformer_2 take different inputs "
-                               f"(in_channels, image branch, VACE) {configs[0]} vs {configs[1]}")
+                               f"(in_channels, image branch, native layout) {configs[0]} vs {configs[1]}")
     in_channels, image_branch, native = configs[0]
 
     enc = Path(image_encoder) if image_encoder else d
@@ -673,17 +681,15 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     enc_dim = _read_json(enc / "image_encoder" / "config.json", enc).get("hidden_size") if enc else None
 
     two = len(experts) == 2
-    if native == "vace":
-        return ModelInfo(d, "Wan2.2 VACE-Fun A14B" if two else "Wan2.1 VACE", in_channels, False, enc, enc_dim,
-                         float(ratio) if two else None, native_kind="vace")
+    if native:  # a released model's own layout, told by its transformer class
+        name = {"vace": "Wan2.2 VACE-Fun A14B" if two else "Wan2.1 VACE", "v3": "SkyReels-V3 R2V"}[native]
+        return ModelInfo(d, name, in_channels, False, enc, enc_dim, float(ratio) if two else None, native_kind=native)
     if ti2v:
         return ModelInfo(d, "Wan2.2 TI2V 5B", in_channels, False, enc, enc_dim, None, z_dim, vae_scale, patch, True)
     if two:
         name = "Wan2.2 I2V A14B" if in_channels == E2V_IN_CHANNELS else "Wan2.2 T2V A14B"
         if image_branch:
             raise UnsupportedModel(f"{d}: a two-expert model with a CLIP image branch is not a known Wan 2.2 model")
-    elif _read_json(d / "transformer" / "config.json", d).get("_class_name") in V3_CLASSES:
-        return ModelInfo(d, "SkyReels-V3 R2V", in_channels, False, enc, enc_dim, None, native_kind="v3")
     elif in_channels == Z_DIM:
         name = "Wan2.1 T2V"
     elif not image_branch:
@@ -723,9 +729,13 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     model_dir = Path(model_dir)
     if (model_dir / ORIGINAL_EXPERTS.get(subfolder, subfolder)).is_dir() and not (model_dir / subfolder).is_dir():
         model_dir = model_dir / ORIGINAL_EXPERTS[subfolder]  # Wan2.2-VACE-Fun: the expert's original-key dir
-    if fake_mode_active() and (model_dir / subfolder / "config.json").exists():  # a dry run (a2/trace.py): the
-        # architecture at real size on fake tensors, no weights read
-        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, "cpu")
+    if (model_dir / subfolder / "config.json").exists():
+        config = WanTransformer3DModel.load_config(model_dir / subfolder)
+        if fake_mode_active():  # a dry run (a2/trace.py): the architecture at real size on fake tensors, no weights
+            return random_transformer(config, dtype, "cpu")
+        if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
+            return random_transformer(config, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return transformer_class(config).from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
@@ -734,12 +744,6 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
                 config = original_config(checkpoints[0], d / "config.json")
             return random_transformer(config, dtype, "cpu")
         return load_original(checkpoints[0], original_config(checkpoints[0], d / "config.json"), dtype)
-    if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return random_transformer(WanTransformer3DModel.load_config(model_dir / subfolder), dtype, device)
-    if (model_dir / subfolder / "config.json").exists():
-        cls = transformer_class(WanTransformer3DModel.load_config(model_dir / subfolder))
-        return cls.from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
     if (model_dir / "config.json").exists():
         return transformer_class(WanTransformer3DModel.load_config(model_dir)).from_pretrained(model_dir,
                                                                                               torch_dtype=dtype)
@@ -791,10 +795,9 @@ def expand_to_e2v(base: WanTransformer3DModel, image_dim: int | None = 1280, see
     and is added to the text attention, so the block output is unchanged, while add_k_proj and the
     embedder are random so that gradients reach them as soon as add_v_proj moves. image_dim=None:
     no image branch (E2V through the VAE path only)."""
-    if is_e2v(base) or has_image_branch(base):
+    if is_e2v(base) or base.config.image_dim is not None:
         raise ValueError("expand_to_e2v expects a T2V transformer (in_channels 16, no image branch)")
-    cfg = dict(base.config)
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg = {k: v for k, v in base.config.items() if not k.startswith("_")}
     inner = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     cfg.update(in_channels=E2V_IN_CHANNELS, image_dim=image_dim, added_kv_proj_dim=inner if image_dim else None)
     torch.manual_seed(seed)
@@ -874,6 +877,15 @@ def allow_recompiles(shapes: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * shapes + 8)
 
 
+def vae_path_only(where: str, e2v_type: str, what: str, error: type = UnsupportedModel) -> str:
+    """"vae", the E2V type where nothing takes CLIP tokens (`what`: the model's E2V, a kind's layout), or the one-line
+    `error` when --e2v-type asks for them."""
+    if e2v_type in ("dual", "clip"):
+        raise error(f"{where} has no CLIP image branch: {what} uses the VAE path only (--e2v-type vae or auto), "
+                    f"not {e2v_type}")
+    return "vae"
+
+
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
@@ -884,15 +896,9 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
                                    "(no elements, no frame conditioning) needs a T2V model")
         return "none"
     if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
-        if e2v_type in ("dual", "clip"):
-            raise UnsupportedModel(f"{where} has no CLIP image branch and no channel conditioning: --e2v-type vae "
-                                   f"or auto, not {e2v_type}")
-        return "vae"
+        return vae_path_only(where, e2v_type, "E2V there (no channel conditioning)")
     if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
-        if e2v_type in ("dual", "clip"):
-            raise UnsupportedModel(f"{where} has no CLIP image branch: E2V there uses the VAE path only "
-                                   f"(--e2v-type vae or auto), not {e2v_type}")
-        return "vae"
+        return vae_path_only(where, e2v_type, "E2V there")
     if not info.e2v:  # a T2V base is expanded to the E2V inputs
         if info.two_experts:
             raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
@@ -906,7 +912,7 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
 
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
-    return _rename(name, {v: k for k, v in ORIGINAL_BLOCK.items()}, {v: k for k, v in ORIGINAL_TOP.items()})
+    return _rename(name, DIFFUSERS_BLOCK, DIFFUSERS_TOP)
 
 
 def diffusers_module_name(name: str) -> str:

@@ -42,11 +42,9 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from PIL import Image
 
 from a2.parallel import UlyssesAttnProcessor
+from a2.transformer import embed, unpatchify
 
 VAE_STRIDE = (4, 8, 8)  # Wan 2.1's VAE (the one every VACE model runs with): frames, height, width
-MASK_CHANNELS = VAE_STRIDE[1] * VAE_STRIDE[2]  # 64: one per pixel of a latent cell's 8x8 block
-LATENT_CHANNELS = 16
-CONTEXT_CHANNELS = 2 * LATENT_CHANNELS + MASK_CHANNELS  # 96, the models' vace_in_dim
 
 # The blocks a LoRA adapts: the transformer blocks, VACE's context blocks or both. The lab's own is the context
 # blocks: VideoX-Fun trains VACE-Fun with `--trainable_modules "vace"` (scripts/wan2.2_vace_fun/train.sh) and
@@ -134,7 +132,7 @@ def encode(encode_vae: Callable[[torch.Tensor], torch.Tensor], references: torch
     if mask is None:  # on the latents' device: the pixels may be a precompute cache's meta tensors
         mask = inactive.new_ones(b, num_frames, height, width)
     if refs is None:
-        refs = inactive.new_zeros(b, LATENT_CHANNELS, 0, *inactive.shape[-2:])
+        refs = inactive.new_zeros(*inactive.shape[:2], 0, *inactive.shape[-2:])
     return context(inactive, reactive, refs, context_mask((mask > 0.5).to(inactive), n)), refs
 
 
@@ -165,14 +163,8 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
     context parallel (a2/parallel.py; context_parallel below for the context blocks) the context blocks run on this
     rank's tokens, as the blocks do after the first one's input hook splits the sequence, so each hint is the
     rank's part of it."""
-    b, _, f, h, w = hidden_states.shape
-    p_t, p_h, p_w = transformer.config.patch_size
-    grid = (f // p_t, h // p_h, w // p_w)
-    rotary = transformer.rope(hidden_states)
-    x = transformer.patch_embedding(hidden_states).flatten(2).transpose(1, 2)  # (B, L, D)
+    x, rotary, temb, proj, text, grid = embed(transformer, hidden_states, timestep, encoder_hidden_states)
     c = transformer.vace_patch_embedding(context.to(x.dtype)).flatten(2).transpose(1, 2)  # (B, L, D)
-    temb, proj, text, _ = transformer.condition_embedder(timestep, encoder_hidden_states, None)
-    proj = proj.unflatten(1, (6, -1))  # (B, 6, D)
     x_c, rotary_c = x, rotary
     split = getattr(transformer, "context_parallel", None)
     if split is not None:
@@ -185,11 +177,7 @@ def forward(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, en
         x = block(x, text, proj, rotary)
         if i in hints:
             x = x + hints.pop(i) * scale  # each hint freed once added
-    shift, scale_out = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    x = (transformer.norm_out(x.float()) * (1 + scale_out) + shift).type_as(x)
-    x = transformer.proj_out(x)  # a context-parallel split is gathered here (its output hook)
-    x = x.reshape(b, *grid, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    return unpatchify(transformer, x, temb, grid)
 
 
 def install(transformer, scale: float = 1.0) -> None:
