@@ -472,37 +472,22 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
     return out
 
 
-def unsharded(transformer, cfg: TrainConfig, prepare):
-    """The transformer to export: itself, or --fsdp on rank 0 a plain model of the gathered trained weights (a LoRA's
-    adapter alone) made trainable by prepare(model) as the run's was, None on the other ranks (a collective on every
-    rank)."""
-    if not cfg.fsdp:
-        return transformer
-    return gathered(transformer, prepare, cfg.training_type == "lora")
-
-
-def export_ema(run_dir: Path, state: TrainState, cfg: TrainConfig, rank: int, prepare, metadata: dict | None = None,
-               log=print) -> Path | None:
-    """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
-    pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
-    with ema_weights(state.opt, state.params):
-        model = unsharded(state.transformer, cfg, prepare)
-        return export_weights(run_dir, model, cfg, "_ema", metadata, log=log) if rank == 0 else None
-
-
 def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: int, prepare, log=print) -> dict:
-    """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
-    collective on every rank), each LoRA file with its base's metadata; a full fine-tune of a lab's original-key
-    checkpoint (Phantom-Wan, RefAlign) also in those keys. `prepare(model)` makes a gathered model trainable as the
+    """The trained weights, and with --ema-decay their EMA beside them (tag _ema: pytorch_lora_weights_ema.safetensors
+    + _ema_comfy, e2v_weights_ema, or transformer_ema/), exported from rank 0 (--fsdp: gathered first by
+    a2/parallel.py gathered, a collective on every rank), each LoRA file with its base's metadata; a full fine-tune
+    of a lab's original-key checkpoint (Phantom-Wan, RefAlign) also in those keys (the trained weights alone: the
+    EMA's would take the same transformer_original/ name). `prepare(model)` makes a gathered model trainable as the
     run's was (train_a2.py prepare_trainable)."""
     original_keys = run.layout.original_export if run.info.original_weights else None
     metadata = base_metadata(state.transformer.config, model_family(run.info), run.layout.kind, cfg.model)
-    out, trained = {}, unsharded(state.transformer, cfg, prepare)
-    if rank == 0:
-        out["weights"] = export_weights(run_dir, trained, cfg, original_keys=original_keys, metadata=metadata, log=log)
-        log(f"exported {out['weights']}")
-    del trained
-    if cfg.ema_decay:
-        out["ema_weights"] = export_ema(run_dir, state, cfg, rank, prepare, metadata, log)
-        log(f"exported the EMA weights {out['ema_weights']}")
+    out = {}
+    for key, tag in (("weights", ""), ("ema_weights", "_ema"))[:2 if cfg.ema_decay else 1]:
+        with ema_weights(state.opt, state.params, enabled=bool(tag)):
+            trained = (gathered(state.transformer, prepare, cfg.training_type == "lora") if cfg.fsdp
+                       else state.transformer)
+            out[key] = None if rank else export_weights(run_dir, trained, cfg, tag, metadata,
+                                                        None if tag else original_keys, log)
+        del trained
+        log(f"exported {'the EMA weights ' if tag else ''}{out[key]}")
     return out
