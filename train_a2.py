@@ -54,7 +54,7 @@ from a2.conditioning import (
 )
 from a2.dataset_config import check_size
 from a2.elements import pair_elements
-from a2.ema import ema_load_template, ema_weights
+from a2.ema import ema_weights
 from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
 from a2.kinds import kind_sampling
 from a2.lora import export, make_trainable
@@ -88,7 +88,6 @@ from a2.runs import (
     plan_resume,
     record_start,
     save_checkpoint,
-    sharded_has_ema,
 )
 from a2.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
     Encoders,
@@ -630,8 +629,6 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
     failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
                             dataset.stamp)
     state = TrainState(transformer, model, params, opt, guard, failures, point.path)
-    if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
-        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     if not point.path:
         return state, 0
     saved = load_checkpoint(point.path, transformer, opt, cfg.fsdp)

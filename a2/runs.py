@@ -346,8 +346,15 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     if fsdp:
         if not (ckpt / "sharded").is_dir():
             raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
-        _sharded_reader(ckpt).read_metadata()  # refused here, in one line, if it holds code (dcp wraps its errors)
+        saved = _sharded_reader(ckpt).read_metadata().state_dict_metadata  # refused here, in one line, if it holds
+        # code (dcp wraps its errors)
         trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
+        # dcp reads the entries the optimizer's state already has: get_state_dict makes AdamW's (torch's zero step at
+        # learning rate 0), and an EMA (a2/ema.py) gets its entry here, which the load then overwrites
+        get_state_dict(model, opt, options=trained)
+        if any(k.startswith("optim.state.") and k.endswith(".ema") for k in saved):
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                opt.state[p].setdefault("ema", p.detach().clone())
         model_sd, optim_sd = get_state_dict(model, opt, options=trained)
         sharded = {"model": model_sd, "optim": optim_sd}
         try:
@@ -418,12 +425,6 @@ def _tensors_only_planner():
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return Planner()
-
-
-def sharded_has_ema(ckpt: Path) -> bool:
-    """Whether an --fsdp checkpoint holds an EMA (optimizer state entries "ema"): read from its metadata, no tensors."""
-    keys = _sharded_reader(ckpt).read_metadata().state_dict_metadata
-    return any(k.startswith("optim.state.") and k.endswith(".ema") for k in keys)
 
 
 # ---------------------------------------------------------------- resuming
