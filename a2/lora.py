@@ -240,19 +240,6 @@ def base_mismatch(path, meta: dict, config, family: str, kind: str) -> str | Non
             + "; ".join(diffs))
 
 
-def lora_fit(pipe, path, low_expert: bool = False) -> tuple[dict, list[str]]:
-    """The file's LoRA tensors after diffusers' key conversion, and why pairs do not fit the transformer
-    (lora_fit_problems): (state dict, problems)."""
-    if _key_format(Path(path)) == "original Wan / ComfyUI keys" and _vace_keys(Path(path)):
-        from safetensors.torch import load_file
-
-        sd = read_original(load_file(path))  # diffusers' converter refuses VACE's keys
-    else:
-        sd = pipe.lora_state_dict(path)
-        sd = sd[0] if isinstance(sd, tuple) else sd
-    return sd, lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, sd)
-
-
 def lora_fit_problems(model, sd: dict) -> list[str]:
     """`module: why` for each LoRA pair of a diffusers-keyed state dict that does not fit `model`: a module it lacks,
     or other in/out features than the pair's."""
@@ -381,11 +368,17 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
     target = "transformer_2" if low_expert else "transformer"
+    model = getattr(pipe, target)
     if peft_dir:
         source = peft_dir_state_dict(path_)
-        problems = lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, source)
+    elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
+        from safetensors.torch import load_file
+
+        source = read_original(load_file(path_))
     else:  # the file's tensors after diffusers' key conversion (what it tries to match)
-        source, problems = lora_fit(pipe, path, low_expert)
+        source = pipe.lora_state_dict(path)
+        source = source[0] if isinstance(source, tuple) else source
+    problems = lora_fit_problems(model, source)
     pairs = sum(bool(re.search(r"\.lora_A\.weight$", k)) for k in source)
     misfit = {p.split(":")[0] for p in problems}
     if problems and not force:
@@ -396,7 +389,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
         source = {k: v for k, v in source.items() if re.sub(r"^transformer\.|\.lora_[AB]\.weight$", "", k)
                   not in misfit}
     pipe.load_lora_weights(source, adapter_name=adapter, load_into_transformer_2=low_expert)
-    model = pipe.transformer_2 if low_expert else pipe.transformer
     if adapter not in (getattr(model, "peft_config", None) or {}):
         raise InputError(f"--lora {path}: no LoRA key matched the {target} (expected diffusers `transformer.`, "
                          "original `diffusion_model.` or musubi `lora_unet_` keys, or a peft adapter dir)")
