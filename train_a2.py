@@ -78,10 +78,8 @@ from a2.runs import (
     EXIT_RESUMABLE,
     CheckpointError,
     Diverged,
-    ResumeError,
     ResumePoint,
     RunLock,
-    RunLocked,
     Stopped,
     load_checkpoint,
     params_finite,
@@ -809,19 +807,11 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = run_cli(main, CLI_CONFIG)  # a config or data error: its message, no traceback, exit 2
-    except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Diverged as e:
-        print(f"error: diverged: {e}", file=sys.stderr)
-        sys.exit(1)
-    except LoaderError as e:  # a worker killed or failing outside a sample (a sample's failure is a DatasetError)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except CheckpointError as e:  # e.g. a full disk: the run dir, the free space and what the checkpoint needs
-        print(f"error: {e}", file=sys.stderr)
+    try:  # a config or data error, a busy run dir, a checkpoint that does not fit: its message, no traceback, exit 2
+        result = run_cli(main, CLI_CONFIG)
+    except (Diverged, LoaderError, CheckpointError) as e:  # a worker killed or failing outside a sample (a sample's
+        # failure is a DatasetError); a full disk: the run dir, the free space and what the checkpoint needs
+        print(f"error: {'diverged: ' if isinstance(e, Diverged) else ''}{e}", file=sys.stderr)
         sys.exit(1)
     except Stopped as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from a2.cli import InputError
+
 EXIT_RESUMABLE = 143  # 128 + SIGTERM: what schedulers (and Kubernetes restart policies) treat as "retry"
 MANIFEST = "manifest.json"
 CHECKSUM_MAX_BYTES = 256 * 2**20  # files up to this size get a crc32 (LoRA weights, optimizer, state); larger ones
@@ -51,11 +53,11 @@ _MUST_MATCH = ("model", "expert", "training_type")
 _MUST_MATCH_LORA = ("lora_rank", "lora_alpha", "lora_target")
 
 
-class RunLocked(RuntimeError):
+class RunLocked(InputError):
     """The run dir is in use by another process."""
 
 
-class ResumeError(ValueError):
+class ResumeError(InputError):
     """No checkpoint can be resumed as asked; the message says which and why, in one line."""
 
 
@@ -127,12 +129,6 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
             _HELD.pop(str(self.path.resolve()), None)
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
 
 
 # ---------------------------------------------------------------- checkpoint manifest
