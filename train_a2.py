@@ -418,10 +418,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
     if world > 1:
         dist.barrier()
     if rank == 0:
-        torch.save(dict(empty_text=encode_prompt(enc.tokenizer, enc.text_encoder, [""]).cpu(),
-                        latents_config=dict(latents_mean=list(enc.vae.config.latents_mean),
-                                            latents_std=list(enc.vae.config.latents_std),
-                                            scale_factor_spatial=vae_scale(enc.vae))), run.cache / "meta.pt")
+        # what load_run_encoders made of the encoders, and reads back from here when training from the cache
+        torch.save(dict(empty_text=enc.empty_text.cpu(), latents_config=enc.latents_config), run.cache / "meta.pt")
         (run.cache / "done").write_text(f"{len(dataset)} samples\n")
         log(f"precomputed {len(dataset)} samples into {run.cache}")
 

@@ -153,7 +153,8 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         if layout.use_clip:
             cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
                           image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
-        cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+        kept = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)  # (B,)
+        cond = drop(cond, kept)
         targets = None
         if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
             patch = run.info.patch_size
@@ -161,8 +162,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * layout.tokens(run.info, height, width),
-                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
-                references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout, references_kept=kept)
 
 
 def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
