@@ -50,12 +50,10 @@ from a2.conditioning import (
     lora_target,
     plan,
     vae_scale,
-    validation_layout,
 )
 from a2.dataset_config import check_size
-from a2.elements import pair_elements
 from a2.ema import ema_weights
-from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
+from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
 from a2.kinds import kind_sampling
 from a2.lora import export, make_trainable
 from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
@@ -71,8 +69,6 @@ from a2.pipeline import (
     encode_prompt,
     image_tokens,
     load_encoders,
-    load_first_frame,
-    load_references,
 )
 from a2.runs import (
     EXIT_RESUMABLE,
@@ -198,15 +194,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                               f"(--frame-conditioning {layout.frame_conditioning}), which neither validation nor "
                               "infer.py samples yet; drop them (--eval-split N measures a held-out loss)")
         try:
-            if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
-                if len(cfg.val_elements) != 1:
-                    raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
-                                     f"{len(cfg.val_elements)}")
-                load_first_frame(cfg.val_elements[0], cfg.resolution)
-            else:
-                items = pair_elements(cfg.val_elements, elements)
-                load_references(items, cfg.resolution, (cfg.clip_size,) * 2,
-                                validation_layout(layout, tuple(e.repeat for e, _ in items)))
+            validation_inputs(cfg, layout, elements, info.name)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():

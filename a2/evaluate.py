@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
-from a2.conditioning import validation_layout
+from a2.conditioning import Layout, validation_layout
 from a2.elements import pair_elements
 from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
@@ -418,6 +418,25 @@ def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, proc: Process
     return load_evaluators(cfg.eval, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
 
 
+def validation_inputs(cfg: TrainConfig, layout: Layout, elements, model_name: str) -> tuple:
+    """What validation samples from --val-elements: (the (Element, path) pairs, the layout of their element set (any
+    the kind takes), VAE-path references, CLIP-path images, MAGREF's region, TI2V-5B's first frame), read by plan_run
+    before any weights load too, so that a bad image fails then and not after training."""
+    h, w = cfg.resolution
+    items, refs, clips, region, first_frame = [], None, None, None, None
+    if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
+        if len(cfg.val_elements) != 1:
+            raise ValueError(f"{model_name} image-to-video takes one image (the first frame), not "
+                             f"{len(cfg.val_elements)}")
+        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
+    elif cfg.val_elements:
+        items = pair_elements(cfg.val_elements, elements)
+    layout = validation_layout(layout, tuple(e.repeat for e, _ in items))
+    if items:
+        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+    return items, layout, refs, clips, region, first_frame
+
+
 def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
              proc: Process, evaluators: Evaluators | None = None, log=print) -> dict | None:
     """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
@@ -427,15 +446,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     if not run.validates or (proc.rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
         return None
     h, w = cfg.resolution
-    refs = clips = region = first_frame = None
-    items = []
-    if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
-        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
-    elif cfg.val_elements:
-        items = pair_elements(cfg.val_elements, run.elements)
-    layout = validation_layout(run.layout, tuple(e.repeat for e, _ in items))  # any element set the kind takes
-    if items:
-        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+    items, layout, refs, clips, region, first_frame = validation_inputs(cfg, run.layout, run.elements, run.info.name)
     transformer.eval()
     experts = {}
     high = transformer
