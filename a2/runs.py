@@ -244,13 +244,11 @@ def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
 
 # ---------------------------------------------------------------- writing and reading checkpoints
 
-# bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a tenth of
-# the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed 16 MiB more
-CHECKPOINT_MARGIN = (0.1, 2**18)
-
-
 def checkpoint_margin(tensor_bytes: int) -> int:
-    return int(tensor_bytes * CHECKPOINT_MARGIN[0]) + CHECKPOINT_MARGIN[1]
+    """The bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a
+    tenth of the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed
+    16 MiB more."""
+    return int(tensor_bytes * 0.1) + 2**18
 
 
 def _rank() -> int:
@@ -331,7 +329,8 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
 
 
 def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
-    """Restore the trainable weights (or adapter) and the optimizer from ckpt; returns its state.pt (step,
+    """Restore the trainable weights (or adapter) and the optimizer from ckpt, a checkpoint plan_resume has checked
+    (check_compatible: --fsdp against a sharded one, DDP against trainable.safetensors); returns its state.pt (step,
     load_failures)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -340,8 +339,6 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
     if fsdp:
-        if not (ckpt / "sharded").is_dir():
-            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
         saved = _sharded_reader(ckpt).read_metadata().state_dict_metadata  # refused here, in one line, if it holds
         # code (dcp wraps its errors)
         trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
@@ -361,8 +358,6 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
         set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"],
                        options=trained)
     else:
-        if not (ckpt / "trainable.safetensors").exists():
-            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
         missing = model.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
         if missing.unexpected_keys:
             raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
