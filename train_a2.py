@@ -301,16 +301,11 @@ def global_batches(sampler, start: int, overfit: int = 0):
         epoch += 1
 
 
-class RankMicroBatches:
-    """batch_sampler for the DataLoader: this rank's `accum` micro-batches of each global batch."""
-
-    def __init__(self, sampler, start, rank, world, micro, accum, overfit=0):
-        self.args = (sampler, start, rank, world, micro, accum, overfit)
-
-    def __iter__(self):
-        sampler, start, rank, world, micro, accum, overfit = self.args
-        for _, batch in global_batches(sampler, start, overfit):
-            yield from rank_slice(batch, rank, world, micro, accum)
+def rank_micro_batches(sampler, start, rank, world, micro, accum, overfit=0):
+    """The DataLoader's batch_sampler (iterated once, by the loop's one iter(loader)): this rank's `accum`
+    micro-batches of each global batch."""
+    for _, batch in global_batches(sampler, start, overfit):
+        yield from rank_slice(batch, rank, world, micro, accum)
 
 
 # ---------------------------------------------------------------- models
@@ -487,8 +482,8 @@ def place_transformer(cfg: TrainConfig, run: Run, proc: Process, shapes: int):
 def make_loader(dataset, sampler, start_step: int, proc: Process, cfg: TrainConfig):
     """This rank's micro-batches from `start_step` on (the data position is the step)."""
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=RankMicroBatches(sampler, start_step, proc.dp_rank, proc.dp_world, cfg.micro_batch,
-                                                cfg.grad_accum, cfg.overfit_batches),
+        dataset, batch_sampler=rank_micro_batches(sampler, start_step, proc.dp_rank, proc.dp_world, cfg.micro_batch,
+                                                 cfg.grad_accum, cfg.overfit_batches),
         collate_fn=collate, num_workers=cfg.num_workers, pin_memory=proc.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
