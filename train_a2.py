@@ -683,24 +683,22 @@ def main(cfg: TrainConfig) -> dict:
     if recipe:
         log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for the flags not given: "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))
-    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,
-                                                          named=cfg.run_name is not None)
-    for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
-        log(f"resume: {line}")
-    if not cfg.precompute:  # every check passed: the run dir is created (locked) now, and nothing before
-        on_rank0(open_run_dir, run_dir, lock, cfg, run, point)
-
-    # ---------------------------------------------------------------- encoders; precompute cache (then exit)
-    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
-    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
-    needed = run.cache is None or cfg.precompute or run.validates \
-        or any(p["type"] == "vae_decode" for v in visualizations for p in v.processors)
-    enc = load_run_encoders(cfg, run, device, needed)
-    if cfg.precompute:
-        precompute(run, dataset, enc, rank, world)
+    if cfg.precompute:  # the cache alone: no run dir, no resume
+        precompute(run, dataset, load_run_encoders(cfg, run, device, True), rank, world)
         lock.release()
         return dict(cache=run.cache)
+    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
+    point = on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world, named=cfg.run_name is not None)
+    for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
+        log(f"resume: {line}")
+    on_rank0(open_run_dir, run_dir, lock, cfg, run, point)  # every check passed: the run dir is made now, not before
+
+    # ---------------------------------------------------------------- encoders
+    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
+    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
+    needed = run.cache is None or run.validates or any(p["type"] == "vae_decode" for v in visualizations
+                                                       for p in v.processors)
+    enc = load_run_encoders(cfg, run, device, needed)
     if run.cache is not None:
         dataset.cache_dir = run.cache
         log(f"training from the precompute cache {run.cache}"
