@@ -149,18 +149,14 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
         ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
         ev.opens2v.motion = cfg.motion_fb
     clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
-    encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir), (ev.dino, "DINO-I and temporal_dino", cfg.dino),
-                (ev.face, "face_sim", cfg.face), (ev.clip_t, "CLIP-T", cfg.clip_text))
-    ev.notes = [n for enc, metrics, where in encoders if enc is not None and (n := tiny_encoder_note(
+    encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir, "no CLIP image encoder (--eval.clip-image)"),
+                (ev.dino, "DINO-I and temporal_dino", cfg.dino, "no --eval.dino DINOv2 dir"),
+                (ev.clip_t, "CLIP-T", cfg.clip_text, "no --eval.clip-text CLIPModel dir"),
+                (ev.face, "face similarity (face_sim)", cfg.face, "no --eval.face model dir"))
+    ev.notes = [n for enc, metrics, where, _ in encoders if enc is not None and (n := tiny_encoder_note(
         enc.model, metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
-    for note in ev.notes:
-        print(f"evaluate: {note}")
-    for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
-                          (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
-                          (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
-                          (ev.face is None, "face similarity: no --eval.face model dir")):
-        if missing:
-            print(f"evaluate: skipping {what}")
+    for line in ev.notes + [f"skipping {metrics}: {why}" for enc, metrics, _, why in encoders if enc is None]:
+        print(f"evaluate: {line}")
     return ev
 
 
