@@ -202,7 +202,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.memory.compile, device.type), bool(cfg.val_elements), cfg.val_every,
+               resolve_compile(cfg.memory.compile, device.type),
+               bool(cfg.val_elements) or layout.images == "none" and cfg.val_every > 0,
                vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 

@@ -176,7 +176,7 @@ def read_manifest(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
 
 
-def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
+def checkpoint_problem(ckpt: Path) -> str | None:
     """Why `ckpt` cannot be resumed (incomplete, truncated, corrupt, unreadable), or None when it can. Cheap: sizes,
     the recorded crc32s, and the small files parsed (state.pt, config.json, the safetensors header)."""
     ckpt = Path(ckpt)
@@ -195,7 +195,7 @@ def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
         size = f.stat().st_size
         if size != want["size"]:
             return f"{name} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
-        if checksums and "crc32" in want and _crc32(f) != want["crc32"]:
+        if "crc32" in want and _crc32(f) != want["crc32"]:
             return f"{name}: crc32 {_crc32(f)} != {want['crc32']} in the manifest (corrupt)"
     for name in ("state.pt", "config.json"):
         if name not in manifest.get("files", {}):

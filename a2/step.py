@@ -49,15 +49,9 @@ class Run:
     sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
     cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
     compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
-    val_elements: bool = False  # --val-elements given
-    val_every: int = 0  # --val-every
+    validates: bool = False  # it renders validation videos: from --val-elements, or from the prompt alone when it
+    # trains T2V (with --val-every)
     encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
-
-    @property
-    def validates(self) -> bool:
-        """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
-        --val-every)."""
-        return self.val_elements or self.layout.images == "none" and self.val_every > 0
 
 
 @dataclass
