@@ -30,6 +30,8 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from a2 import align, standin
 from a2.cli import InputError
@@ -213,8 +215,6 @@ def read_base_metadata(path) -> dict[str, str]:
     if not path.is_file():
         return {}
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
     else:
@@ -270,7 +270,6 @@ def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "",
     A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors;
     `tag` follows it (_ema: pytorch_lora_weights_ema.safetensors, ..._ema_comfy.safetensors, e2v_weights_ema)."""
     from diffusers.loaders import WanLoraLoaderMixin
-    from safetensors.torch import load_file, save_file
 
     def meta(fmt):
         return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt], **(metadata or {})}
@@ -308,8 +307,6 @@ def load_expanded(base, lora):
     """The T2V transformer `base` expanded to the E2V inputs with the weights a LoRA run trained for the expansion
     (expansion_file(lora)); None when the LoRA has none (its base was not expanded). The image branch is built when
     the file holds one. The LoRA itself is loaded afterwards (load_lora), as on any E2V model."""
-    from safetensors.torch import load_file
-
     path = expansion_file(lora)
     if not path.is_file():
         return None
@@ -330,7 +327,6 @@ def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
     .save_pretrained` writes) -> diffusers keys with peft's scaling folded into lora_B."""
     from peft.utils.other import get_pattern_key
-    from safetensors.torch import load_file
 
     cfg = json.loads((path / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
@@ -372,8 +368,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
     if peft_dir:
         source = peft_dir_state_dict(path_)
     elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
-        from safetensors.torch import load_file
-
         source = read_original(load_file(path_))
     else:  # the file's tensors after diffusers' key conversion (what it tries to match)
         source = pipe.lora_state_dict(path)
@@ -402,8 +396,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
 
 def _vace_keys(path: Path) -> bool:
     """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return False
     with safe_open(path, "pt") as fh:
@@ -412,8 +404,6 @@ def _vace_keys(path: Path) -> bool:
 
 def _key_format(path: Path) -> str:
     """diffusers | original Wan / ComfyUI | musubi-tuner, from the first key of the file (a dir: diffusers' file)."""
-    from safetensors import safe_open
-
     f = path if path.is_file() else next(iter(sorted(path.glob("*.safetensors"))), None)
     if f is None or f.suffix != ".safetensors":  # a .bin/.pt file: diffusers reads those too
         return "diffusers keys"
@@ -456,8 +446,6 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
             sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
             if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
-                from safetensors.torch import save_file  # (as export_lora: this file imports safetensors where used)
-
                 save_file(sd, original / original_keys)
             else:
                 torch.save(sd, original / original_keys)

@@ -38,6 +38,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from a2.cli import InputError
 
@@ -204,8 +211,6 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         torch.load(ckpt / "state.pt", weights_only=True, map_location="cpu")
         json.loads((ckpt / "config.json").read_text())
         if (ckpt / "trainable.safetensors").exists():
-            from safetensors import safe_open
-
             with safe_open(ckpt / "trainable.safetensors", "pt") as f:
                 f.keys()
         if (ckpt / "sharded").is_dir():
@@ -281,11 +286,6 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
     (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier.
     Free space is checked first (checkpoint_bytes; --fsdp: agreed by all ranks); too little, or a failed write,
     raises CheckpointError with the temp dir removed and the earlier checkpoints untouched."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"{_CKPT_PREFIX}{step:07d}", run_dir / f".tmp-{_CKPT_PREFIX}{step:07d}"
     need, free = checkpoint_bytes(model, opt), shutil.disk_usage(run_dir).free
@@ -332,10 +332,6 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     """Restore the trainable weights (or adapter) and the optimizer from ckpt, a checkpoint plan_resume has checked
     (check_compatible: --fsdp against a sharded one, DDP against trainable.safetensors); returns its state.pt (step,
     load_failures)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
     if fsdp:
@@ -386,15 +382,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _sharded_reader(ckpt: Path):
-    import torch.distributed.checkpoint as dcp
-
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(Path(self.path) / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -403,14 +395,10 @@ def _sharded_reader(ckpt: Path):
 
 
 def _tensors_only_planner():
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
