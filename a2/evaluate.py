@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from PIL import Image
 
 from a2.conditioning import Layout, validation_layout
@@ -102,8 +103,6 @@ def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedde
     """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
     image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
     (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
-    import transformers
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} ({flag}): no such model dir")
@@ -138,13 +137,11 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     if cfg.face:
         ev.face = load_embedder(cfg.face, "--eval.face", device, dtype)
     if cfg.clip_text:
-        from transformers import AutoTokenizer
-
         ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
         if not hasattr(ev.clip_t.model, "get_text_features"):
             raise ValueError(f"{cfg.clip_text} (--eval.clip-text): needs a CLIPModel (text and vision towers), got "
                              f"{type(ev.clip_t.model).__name__}")
-        ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
+        ev.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
         ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
         ev.opens2v.motion = cfg.motion_fb

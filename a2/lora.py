@@ -30,8 +30,13 @@ import re
 from pathlib import Path
 
 import torch
+from diffusers.loaders import WanLoraLoaderMixin
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch._subclasses.fake_tensor import is_fake
 
 from a2 import align, standin
 from a2.cli import InputError
@@ -91,8 +96,6 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
     modules `target` matches, the image K/V only where the step feeds CLIP tokens and an expansion does not create
     them, checked exportable before any step (ValueError naming the cause); the weights an expansion creates train
     in full beside it (they have nothing to adapt and ship in e2v_weights); trainable weights in fp32."""
-    from peft import LoraConfig
-
     prepare_model(transformer, layout, rank)
     if training_type != "lora":
         return
@@ -118,8 +121,6 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
 
 def adapter_state_dict(model, adapter: str = "default") -> dict[str, torch.Tensor]:
     """The adapter as `<module>.lora_A/lora_B.weight` (peft names, no prefix), scaling folded into lora_B."""
-    from peft.tuners.lora import LoraLayer
-
     sd = {}
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer) or adapter not in m.lora_A:
@@ -147,8 +148,6 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def read_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Original Wan / ComfyUI LoRA keys -> diffusers keys (`transformer.<module>.lora_A/lora_B.weight`): VACE's context
     blocks' here (lora_down -> lora_A, no alpha: a2's files fold it), the rest through diffusers' Wan converter."""
-    from diffusers.loaders import WanLoraLoaderMixin
-
     vace = {k: v for k, v in state_dict.items() if k.startswith("diffusion_model.vace_blocks.")}
     rest = {k: v for k, v in state_dict.items() if k not in vace}
     out = dict(WanLoraLoaderMixin.lora_state_dict(rest)) if rest else {}
@@ -176,8 +175,7 @@ def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor
                          "--lora, load_lora_weights) reads image K/V LoRAs only as a pair: add_k_proj with "
                          "add_v_proj") from None
     want = {f"transformer.{k}": v for k, v in sd.items()}
-    from torch._subclasses.fake_tensor import is_fake  # a dry run's adapter has shapes only: its keys are checked
-
+    # a dry run's adapter has shapes only (fake tensors): its keys are checked
     if back.keys() != want.keys() or any(not is_fake(want[k]) and not torch.equal(back[k], want[k]) for k in want):
         raise ValueError(f"the original-Wan LoRA keys read back as {sorted(set(back) ^ set(want))[:4]} ...: not the "
                          "adapter that was trained")
@@ -269,8 +267,6 @@ def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "",
     named, and a line names the file for ComfyUI.
     A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors;
     `tag` follows it (_ema: pytorch_lora_weights_ema.safetensors, ..._ema_comfy.safetensors, e2v_weights_ema)."""
-    from diffusers.loaders import WanLoraLoaderMixin
-
     def meta(fmt):
         return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt], **(metadata or {})}
 
@@ -326,8 +322,6 @@ def load_expanded(base, lora):
 def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
     .save_pretrained` writes) -> diffusers keys with peft's scaling folded into lora_B."""
-    from peft.utils.other import get_pattern_key
-
     cfg = json.loads((path / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
         raise ValueError(f"{path}: a {cfg.get('peft_type')}{' (DoRA)' if cfg.get('use_dora') else ''} adapter; "
