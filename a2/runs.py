@@ -214,7 +214,7 @@ def checkpoint_problem(ckpt: Path) -> str | None:
             with safe_open(ckpt / "trainable.safetensors", "pt") as f:
                 f.keys()
         if (ckpt / "sharded").is_dir():
-            _sharded_reader(ckpt).read_metadata()
+            _ShardedReader(ckpt).read_metadata()
     except Exception as e:  # any reader's error means: not loadable
         return f"unreadable ({type(e).__name__}: {e})"
     return None
@@ -335,7 +335,7 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
     if fsdp:
-        saved = _sharded_reader(ckpt).read_metadata().state_dict_metadata  # refused here, in one line, if it holds
+        saved = _ShardedReader(ckpt).read_metadata().state_dict_metadata  # refused here, in one line, if it holds
         # code (dcp wraps its errors)
         trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
         # dcp reads the entries the optimizer's state already has: get_state_dict makes AdamW's (torch's zero step at
@@ -347,7 +347,7 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
         model_sd, optim_sd = get_state_dict(model, opt, options=trained)
         sharded = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(sharded, storage_reader=_sharded_reader(ckpt), planner=_tensors_only_planner())  # any world size
+            dcp.load(sharded, storage_reader=_ShardedReader(ckpt), planner=_TensorsOnlyPlanner())  # any world size
         except dcp.api.CheckpointException as e:  # a BaseException, its cause in .failures: {rank: (error, trace)}
             cause = next(iter(e.failures.values()))[0]
             raise ValueError(f"{ckpt}: sharded checkpoint unreadable ({_one_line(cause)})") from None
@@ -381,29 +381,28 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata (code, not data)")
 
 
-def _sharded_reader(ckpt: Path):
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+class _ShardedReader(dcp.FileSystemReader):
+    """A checkpoint's sharded/ dir, its .metadata read through _MetadataUnpickler."""
 
-    return Reader(str(Path(ckpt) / "sharded"))
+    def __init__(self, ckpt: Path):
+        super().__init__(str(Path(ckpt) / "sharded"))
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def _tensors_only_planner():
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return Planner()
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 # ---------------------------------------------------------------- resuming
