@@ -419,7 +419,7 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
-    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
+    `tag` ends the names (_ema: the EMA weights, export). original_keys (a full fine-tune of an original-key
     checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
     transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
