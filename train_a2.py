@@ -714,7 +714,6 @@ def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- optimiser, resume, loader
     state, start_step = train_state(cfg, transformer, model, dataset, point, device)
     loader = make_loader(dataset, sampler, start_step, proc, cfg)
-    STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step (left_as_found
     signal.signal(signal.SIGINT, on_signal)  # restores the caller's handlers)
 
