@@ -656,7 +656,7 @@ def main(cfg: TrainConfig) -> dict:
                                                 device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
-    proc = Process(rank, world, dp_rank, dp_world, device, amp, local_rank, ctrl, cp_group)
+    proc = Process(rank, dp_rank, dp_world, device, amp, ctrl, cp_group)
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)

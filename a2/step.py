@@ -75,12 +75,10 @@ class Process:
     data-parallel rank (a context-parallel group of ranks shares one sample), its device and autocast."""
 
     rank: int
-    world: int
     dp_rank: int
     dp_world: int
     device: torch.device
     amp: object = nullcontext()  # torch.autocast on CUDA with --mixed-precision bf16
-    local_rank: int = 0
     ctrl: object = None  # the CPU group a stop is agreed through (None: the default group)
     cp_group: object = None  # this rank's context-parallel group (None: none)
 
