@@ -50,12 +50,10 @@ from a2.conditioning import (
     lora_target,
     plan,
     vae_scale,
-    validation_layout,
 )
 from a2.dataset_config import check_size
-from a2.elements import pair_elements
-from a2.ema import ema_load_template, ema_weights
-from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
+from a2.ema import ema_weights
+from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
 from a2.kinds import kind_sampling
 from a2.lora import export, make_trainable
 from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
@@ -71,24 +69,19 @@ from a2.pipeline import (
     encode_prompt,
     image_tokens,
     load_encoders,
-    load_first_frame,
-    load_references,
 )
 from a2.runs import (
     EXIT_RESUMABLE,
     CheckpointError,
     Diverged,
-    ResumeError,
     ResumePoint,
     RunLock,
-    RunLocked,
     Stopped,
     load_checkpoint,
     params_finite,
     plan_resume,
     record_start,
     save_checkpoint,
-    sharded_has_ema,
 )
 from a2.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
     Encoders,
@@ -201,15 +194,7 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                               f"(--frame-conditioning {layout.frame_conditioning}), which neither validation nor "
                               "infer.py samples yet; drop them (--eval-split N measures a held-out loss)")
         try:
-            if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
-                if len(cfg.val_elements) != 1:
-                    raise ValueError(f"{info.name} image-to-video takes one image (the first frame), not "
-                                     f"{len(cfg.val_elements)}")
-                load_first_frame(cfg.val_elements[0], cfg.resolution)
-            else:
-                items = pair_elements(cfg.val_elements, elements)
-                load_references(items, cfg.resolution, (cfg.clip_size,) * 2,
-                                validation_layout(layout, tuple(e.repeat for e, _ in items)))
+            validation_inputs(cfg, layout, elements, info.name)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
     if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
@@ -217,7 +202,8 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
     return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
                dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.memory.compile, device.type), bool(cfg.val_elements), cfg.val_every,
+               resolve_compile(cfg.memory.compile, device.type),
+               bool(cfg.val_elements) or layout.images == "none" and cfg.val_every > 0,
                vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
@@ -316,16 +302,11 @@ def global_batches(sampler, start: int, overfit: int = 0):
         epoch += 1
 
 
-class RankMicroBatches:
-    """batch_sampler for the DataLoader: this rank's `accum` micro-batches of each global batch."""
-
-    def __init__(self, sampler, start, rank, world, micro, accum, overfit=0):
-        self.args = (sampler, start, rank, world, micro, accum, overfit)
-
-    def __iter__(self):
-        sampler, start, rank, world, micro, accum, overfit = self.args
-        for _, batch in global_batches(sampler, start, overfit):
-            yield from rank_slice(batch, rank, world, micro, accum)
+def rank_micro_batches(sampler, start, rank, world, micro, accum, overfit=0):
+    """The DataLoader's batch_sampler (iterated once, by the loop's one iter(loader)): this rank's `accum`
+    micro-batches of each global batch."""
+    for _, batch in global_batches(sampler, start, overfit):
+        yield from rank_slice(batch, rank, world, micro, accum)
 
 
 # ---------------------------------------------------------------- models
@@ -421,10 +402,8 @@ def precompute(run: Run, dataset, enc: Encoders, rank: int, world: int) -> None:
     if world > 1:
         dist.barrier()
     if rank == 0:
-        torch.save(dict(empty_text=encode_prompt(enc.tokenizer, enc.text_encoder, [""]).cpu(),
-                        latents_config=dict(latents_mean=list(enc.vae.config.latents_mean),
-                                            latents_std=list(enc.vae.config.latents_std),
-                                            scale_factor_spatial=vae_scale(enc.vae))), run.cache / "meta.pt")
+        # what load_run_encoders made of the encoders, and reads back from here when training from the cache
+        torch.save(dict(empty_text=enc.empty_text.cpu(), latents_config=enc.latents_config), run.cache / "meta.pt")
         (run.cache / "done").write_text(f"{len(dataset)} samples\n")
         log(f"precomputed {len(dataset)} samples into {run.cache}")
 
@@ -504,8 +483,8 @@ def place_transformer(cfg: TrainConfig, run: Run, proc: Process, shapes: int):
 def make_loader(dataset, sampler, start_step: int, proc: Process, cfg: TrainConfig):
     """This rank's micro-batches from `start_step` on (the data position is the step)."""
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=RankMicroBatches(sampler, start_step, proc.dp_rank, proc.dp_world, cfg.micro_batch,
-                                                cfg.grad_accum, cfg.overfit_batches),
+        dataset, batch_sampler=rank_micro_batches(sampler, start_step, proc.dp_rank, proc.dp_world, cfg.micro_batch,
+                                                 cfg.grad_accum, cfg.overfit_batches),
         collate_fn=collate, num_workers=cfg.num_workers, pin_memory=proc.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
@@ -630,8 +609,6 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
     failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
                             dataset.stamp)
     state = TrainState(transformer, model, params, opt, guard, failures, point.path)
-    if point.path and cfg.fsdp and cfg.ema_decay and sharded_has_ema(point.path):
-        ema_load_template(opt, params)  # a sharded checkpoint loads into the optimizer state entries that exist
     if not point.path:
         return state, 0
     saved = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
@@ -679,7 +656,7 @@ def main(cfg: TrainConfig) -> dict:
                                                 device.type)
     use_cuda = device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
-    proc = Process(rank, world, dp_rank, dp_world, device, amp, local_rank, ctrl, cp_group)
+    proc = Process(rank, dp_rank, dp_world, device, amp, ctrl, cp_group)
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
     ds_cfgs = dataset_configs(cfg)
@@ -707,24 +684,22 @@ def main(cfg: TrainConfig) -> dict:
     if recipe:
         log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for the flags not given: "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))
-    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = ResumePoint() if cfg.precompute else on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world,
-                                                          named=cfg.run_name is not None)
-    for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
-        log(f"resume: {line}")
-    if not cfg.precompute:  # every check passed: the run dir is created (locked) now, and nothing before
-        on_rank0(open_run_dir, run_dir, lock, cfg, run, point)
-
-    # ---------------------------------------------------------------- encoders; precompute cache (then exit)
-    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
-    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
-    needed = run.cache is None or cfg.precompute or run.validates \
-        or any(p["type"] == "vae_decode" for v in visualizations for p in v.processors)
-    enc = load_run_encoders(cfg, run, device, needed)
-    if cfg.precompute:
-        precompute(run, dataset, enc, rank, world)
+    if cfg.precompute:  # the cache alone: no run dir, no resume
+        precompute(run, dataset, load_run_encoders(cfg, run, device, True), rank, world)
         lock.release()
         return dict(cache=run.cache)
+    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
+    point = on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world, named=cfg.run_name is not None)
+    for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
+        log(f"resume: {line}")
+    on_rank0(open_run_dir, run_dir, lock, cfg, run, point)  # every check passed: the run dir is made now, not before
+
+    # ---------------------------------------------------------------- encoders
+    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
+    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
+    needed = run.cache is None or run.validates or any(p["type"] == "vae_decode" for v in visualizations
+                                                       for p in v.processors)
+    enc = load_run_encoders(cfg, run, device, needed)
     if run.cache is not None:
         dataset.cache_dir = run.cache
         log(f"training from the precompute cache {run.cache}"
@@ -739,7 +714,6 @@ def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- optimiser, resume, loader
     state, start_step = train_state(cfg, transformer, model, dataset, point, device)
     loader = make_loader(dataset, sampler, start_step, proc, cfg)
-    STOP.update(signal=None, loop=False)
     signal.signal(signal.SIGTERM, on_signal)  # checkpoint and exit cleanly at the end of the step (left_as_found
     signal.signal(signal.SIGINT, on_signal)  # restores the caller's handlers)
 
@@ -812,19 +786,11 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = run_cli(main, CLI_CONFIG)  # a config or data error: its message, no traceback, exit 2
-    except (RunLocked, ResumeError) as e:  # the run dir is busy, or the checkpoint does not fit: the same
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Diverged as e:
-        print(f"error: diverged: {e}", file=sys.stderr)
-        sys.exit(1)
-    except LoaderError as e:  # a worker killed or failing outside a sample (a sample's failure is a DatasetError)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except CheckpointError as e:  # e.g. a full disk: the run dir, the free space and what the checkpoint needs
-        print(f"error: {e}", file=sys.stderr)
+    try:  # a config or data error, a busy run dir, a checkpoint that does not fit: its message, no traceback, exit 2
+        result = run_cli(main, CLI_CONFIG)
+    except (Diverged, LoaderError, CheckpointError) as e:  # a worker killed or failing outside a sample (a sample's
+        # failure is a DatasetError); a full disk: the run dir, the free space and what the checkpoint needs
+        print(f"error: {'diverged: ' if isinstance(e, Diverged) else ''}{e}", file=sys.stderr)
         sys.exit(1)
     except Stopped as e:
         print(f"error: {e}", file=sys.stderr)

@@ -63,23 +63,3 @@ def ema_weights(opt: torch.optim.Optimizer, params, enabled: bool = True):
         with torch.no_grad():
             if weights:
                 torch._foreach_copy_(weights, saved)
-
-
-@torch.no_grad()
-def ema_load_template(opt: torch.optim.Optimizer, params) -> None:
-    """Before a sharded (--fsdp) checkpoint is loaded into `opt`: torch.distributed.checkpoint reads the entries the
-    optimizer's state already has, and AdamW makes its state (moments, no EMA) only at the first step, so every weight
-    gets its state here: torch's own way (one step of zero gradients at learning rate 0, which moves no weight), plus
-    an "ema" entry that the load then overwrites."""
-    if not opt.state:
-        lrs = [g["lr"] for g in opt.param_groups]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in opt.param_groups:
-            g["lr"] = 0.0
-        opt.step()
-        for g, lr in zip(opt.param_groups, lrs):
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-    for p in params:
-        opt.state[p].setdefault("ema", p.detach().clone())

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from PIL import Image
 
-from a2.conditioning import validation_layout
+from a2.conditioning import Layout, validation_layout
 from a2.elements import pair_elements
 from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
@@ -102,8 +103,6 @@ def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedde
     """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
     image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
     (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
-    import transformers
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} ({flag}): no such model dir")
@@ -138,29 +137,23 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     if cfg.face:
         ev.face = load_embedder(cfg.face, "--eval.face", device, dtype)
     if cfg.clip_text:
-        from transformers import AutoTokenizer
-
         ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
         if not hasattr(ev.clip_t.model, "get_text_features"):
             raise ValueError(f"{cfg.clip_text} (--eval.clip-text): needs a CLIPModel (text and vision towers), got "
                              f"{type(ev.clip_t.model).__name__}")
-        ev.tokenizer = AutoTokenizer.from_pretrained(cfg.clip_text)
+        ev.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
         ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
         ev.opens2v.motion = cfg.motion_fb
     clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
-    encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir), (ev.dino, "DINO-I and temporal_dino", cfg.dino),
-                (ev.face, "face_sim", cfg.face), (ev.clip_t, "CLIP-T", cfg.clip_text))
-    ev.notes = [n for enc, metrics, where in encoders if enc is not None and (n := tiny_encoder_note(
+    encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir, "no CLIP image encoder (--eval.clip-image)"),
+                (ev.dino, "DINO-I and temporal_dino", cfg.dino, "no --eval.dino DINOv2 dir"),
+                (ev.clip_t, "CLIP-T", cfg.clip_text, "no --eval.clip-text CLIPModel dir"),
+                (ev.face, "face similarity (face_sim)", cfg.face, "no --eval.face model dir"))
+    ev.notes = [n for enc, metrics, where, _ in encoders if enc is not None and (n := tiny_encoder_note(
         enc.model, metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
-    for note in ev.notes:
-        print(f"evaluate: {note}")
-    for missing, what in ((ev.clip is None, "CLIP-I and temporal_clip: no CLIP image encoder (--eval.clip-image)"),
-                          (ev.dino is None, "DINO-I and temporal_dino: no --eval.dino DINOv2 dir"),
-                          (ev.clip_t is None, "CLIP-T: no --eval.clip-text CLIPModel dir"),
-                          (ev.face is None, "face similarity: no --eval.face model dir")):
-        if missing:
-            print(f"evaluate: skipping {what}")
+    for line in ev.notes + [f"skipping {metrics}: {why}" for enc, metrics, _, why in encoders if enc is None]:
+        print(f"evaluate: {line}")
     return ev
 
 
@@ -418,6 +411,25 @@ def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, proc: Process
     return load_evaluators(cfg.eval, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
 
 
+def validation_inputs(cfg: TrainConfig, layout: Layout, elements, model_name: str) -> tuple:
+    """What validation samples from --val-elements: (the (Element, path) pairs, the layout of their element set (any
+    the kind takes), VAE-path references, CLIP-path images, MAGREF's region, TI2V-5B's first frame), read by plan_run
+    before any weights load too, so that a bad image fails then and not after training."""
+    h, w = cfg.resolution
+    items, refs, clips, region, first_frame = [], None, None, None, None
+    if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
+        if len(cfg.val_elements) != 1:
+            raise ValueError(f"{model_name} image-to-video takes one image (the first frame), not "
+                             f"{len(cfg.val_elements)}")
+        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
+    elif cfg.val_elements:
+        items = pair_elements(cfg.val_elements, elements)
+    layout = validation_layout(layout, tuple(e.repeat for e, _ in items))
+    if items:
+        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+    return items, layout, refs, clips, region, first_frame
+
+
 def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
              proc: Process, evaluators: Evaluators | None = None, log=print) -> dict | None:
     """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
@@ -427,15 +439,7 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
     if not run.validates or (proc.rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
         return None
     h, w = cfg.resolution
-    refs = clips = region = first_frame = None
-    items = []
-    if run.layout.images == "first_frame":  # TI2V-5B image-to-video (plan_run checked: one image)
-        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
-    elif cfg.val_elements:
-        items = pair_elements(cfg.val_elements, run.elements)
-    layout = validation_layout(run.layout, tuple(e.repeat for e, _ in items))  # any element set the kind takes
-    if items:
-        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+    items, layout, refs, clips, region, first_frame = validation_inputs(cfg, run.layout, run.elements, run.info.name)
     transformer.eval()
     experts = {}
     high = transformer

@@ -30,6 +30,13 @@ import re
 from pathlib import Path
 
 import torch
+from diffusers.loaders import WanLoraLoaderMixin
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import get_pattern_key
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch._subclasses.fake_tensor import is_fake
 
 from a2 import align, standin
 from a2.cli import InputError
@@ -89,8 +96,6 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
     modules `target` matches, the image K/V only where the step feeds CLIP tokens and an expansion does not create
     them, checked exportable before any step (ValueError naming the cause); the weights an expansion creates train
     in full beside it (they have nothing to adapt and ship in e2v_weights); trainable weights in fp32."""
-    from peft import LoraConfig
-
     prepare_model(transformer, layout, rank)
     if training_type != "lora":
         return
@@ -116,8 +121,6 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
 
 def adapter_state_dict(model, adapter: str = "default") -> dict[str, torch.Tensor]:
     """The adapter as `<module>.lora_A/lora_B.weight` (peft names, no prefix), scaling folded into lora_B."""
-    from peft.tuners.lora import LoraLayer
-
     sd = {}
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer) or adapter not in m.lora_A:
@@ -145,8 +148,6 @@ def to_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def read_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Original Wan / ComfyUI LoRA keys -> diffusers keys (`transformer.<module>.lora_A/lora_B.weight`): VACE's context
     blocks' here (lora_down -> lora_A, no alpha: a2's files fold it), the rest through diffusers' Wan converter."""
-    from diffusers.loaders import WanLoraLoaderMixin
-
     vace = {k: v for k, v in state_dict.items() if k.startswith("diffusion_model.vace_blocks.")}
     rest = {k: v for k, v in state_dict.items() if k not in vace}
     out = dict(WanLoraLoaderMixin.lora_state_dict(rest)) if rest else {}
@@ -174,8 +175,7 @@ def check_lora_export(model, adapter: str = "default") -> dict[str, torch.Tensor
                          "--lora, load_lora_weights) reads image K/V LoRAs only as a pair: add_k_proj with "
                          "add_v_proj") from None
     want = {f"transformer.{k}": v for k, v in sd.items()}
-    from torch._subclasses.fake_tensor import is_fake  # a dry run's adapter has shapes only: its keys are checked
-
+    # a dry run's adapter has shapes only (fake tensors): its keys are checked
     if back.keys() != want.keys() or any(not is_fake(want[k]) and not torch.equal(back[k], want[k]) for k in want):
         raise ValueError(f"the original-Wan LoRA keys read back as {sorted(set(back) ^ set(want))[:4]} ...: not the "
                          "adapter that was trained")
@@ -213,8 +213,6 @@ def read_base_metadata(path) -> dict[str, str]:
     if not path.is_file():
         return {}
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
     else:
@@ -238,19 +236,6 @@ def base_mismatch(path, meta: dict, config, family: str, kind: str) -> str | Non
         return None
     return (f"warning: --lora {path} was trained on another base ({meta.get('a2_base_model', '?')}): "
             + "; ".join(diffs))
-
-
-def lora_fit(pipe, path, low_expert: bool = False) -> tuple[dict, list[str]]:
-    """The file's LoRA tensors after diffusers' key conversion, and why pairs do not fit the transformer
-    (lora_fit_problems): (state dict, problems)."""
-    if _key_format(Path(path)) == "original Wan / ComfyUI keys" and _vace_keys(Path(path)):
-        from safetensors.torch import load_file
-
-        sd = read_original(load_file(path))  # diffusers' converter refuses VACE's keys
-    else:
-        sd = pipe.lora_state_dict(path)
-        sd = sd[0] if isinstance(sd, tuple) else sd
-    return sd, lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, sd)
 
 
 def lora_fit_problems(model, sd: dict) -> list[str]:
@@ -282,9 +267,6 @@ def export_lora(run_dir: Path, model, expert: str | None = None, tag: str = "",
     named, and a line names the file for ComfyUI.
     A Wan 2.2 expert's files carry its name: pytorch_lora_weights_high.safetensors, ..._high_comfy.safetensors;
     `tag` follows it (_ema: pytorch_lora_weights_ema.safetensors, ..._ema_comfy.safetensors, e2v_weights_ema)."""
-    from diffusers.loaders import WanLoraLoaderMixin
-    from safetensors.torch import load_file, save_file
-
     def meta(fmt):
         return {"format": "pt", "a2_format": fmt, "a2_loader": _LOADER[fmt], **(metadata or {})}
 
@@ -321,8 +303,6 @@ def load_expanded(base, lora):
     """The T2V transformer `base` expanded to the E2V inputs with the weights a LoRA run trained for the expansion
     (expansion_file(lora)); None when the LoRA has none (its base was not expanded). The image branch is built when
     the file holds one. The LoRA itself is loaded afterwards (load_lora), as on any E2V model."""
-    from safetensors.torch import load_file
-
     path = expansion_file(lora)
     if not path.is_file():
         return None
@@ -342,9 +322,6 @@ def load_expanded(base, lora):
 def peft_dir_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A peft `save_pretrained` dir (adapter_config.json + adapter_model.safetensors, what `get_peft_model(...)
     .save_pretrained` writes) -> diffusers keys with peft's scaling folded into lora_B."""
-    from peft.utils.other import get_pattern_key
-    from safetensors.torch import load_file
-
     cfg = json.loads((path / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora"):
         raise ValueError(f"{path}: a {cfg.get('peft_type')}{' (DoRA)' if cfg.get('use_dora') else ''} adapter; "
@@ -381,11 +358,15 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
     target = "transformer_2" if low_expert else "transformer"
+    model = getattr(pipe, target)
     if peft_dir:
         source = peft_dir_state_dict(path_)
-        problems = lora_fit_problems(pipe.transformer_2 if low_expert else pipe.transformer, source)
+    elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
+        source = read_original(load_file(path_))
     else:  # the file's tensors after diffusers' key conversion (what it tries to match)
-        source, problems = lora_fit(pipe, path, low_expert)
+        source = pipe.lora_state_dict(path)
+        source = source[0] if isinstance(source, tuple) else source
+    problems = lora_fit_problems(model, source)
     pairs = sum(bool(re.search(r"\.lora_A\.weight$", k)) for k in source)
     misfit = {p.split(":")[0] for p in problems}
     if problems and not force:
@@ -396,7 +377,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
         source = {k: v for k, v in source.items() if re.sub(r"^transformer\.|\.lora_[AB]\.weight$", "", k)
                   not in misfit}
     pipe.load_lora_weights(source, adapter_name=adapter, load_into_transformer_2=low_expert)
-    model = pipe.transformer_2 if low_expert else pipe.transformer
     if adapter not in (getattr(model, "peft_config", None) or {}):
         raise InputError(f"--lora {path}: no LoRA key matched the {target} (expected diffusers `transformer.`, "
                          "original `diffusion_model.` or musubi `lora_unet_` keys, or a peft adapter dir)")
@@ -410,8 +390,6 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
 
 def _vace_keys(path: Path) -> bool:
     """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return False
     with safe_open(path, "pt") as fh:
@@ -420,8 +398,6 @@ def _vace_keys(path: Path) -> bool:
 
 def _key_format(path: Path) -> str:
     """diffusers | original Wan / ComfyUI | musubi-tuner, from the first key of the file (a dir: diffusers' file)."""
-    from safetensors import safe_open
-
     f = path if path.is_file() else next(iter(sorted(path.glob("*.safetensors"))), None)
     if f is None or f.suffix != ".safetensors":  # a .bin/.pt file: diffusers reads those too
         return "diffusers keys"
@@ -443,7 +419,7 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
     A Wan 2.2 expert's export names it: pytorch_lora_weights_high|low*.safetensors (keys `transformer.*`, as
     diffusers writes both; `load_lora_weights(..., load_into_transformer_2=True)` puts the low one on its expert),
     or transformer/ (high) | transformer_2/ (low), the subfolder it replaces in the model dir.
-    `tag` ends the names (_ema: the EMA weights, export_ema). original_keys (a full fine-tune of an original-key
+    `tag` ends the names (_ema: the EMA weights, export). original_keys (a full fine-tune of an original-key
     checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
     transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
@@ -464,45 +440,28 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
             sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
             if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
-                from safetensors.torch import save_file  # (as export_lora: this file imports safetensors where used)
-
                 save_file(sd, original / original_keys)
             else:
                 torch.save(sd, original / original_keys)
     return out
 
 
-def unsharded(transformer, cfg: TrainConfig, prepare):
-    """The transformer to export: itself, or --fsdp on rank 0 a plain model of the gathered trained weights (a LoRA's
-    adapter alone) made trainable by prepare(model) as the run's was, None on the other ranks (a collective on every
-    rank)."""
-    if not cfg.fsdp:
-        return transformer
-    return gathered(transformer, prepare, cfg.training_type == "lora")
-
-
-def export_ema(run_dir: Path, state: TrainState, cfg: TrainConfig, rank: int, prepare, metadata: dict | None = None,
-               log=print) -> Path | None:
-    """--ema-decay: the EMA weights exported beside the trained ones (rank 0; --fsdp: gathered, a collective):
-    pytorch_lora_weights_ema.safetensors (+ _ema_comfy, e2v_weights_ema) or transformer_ema/."""
-    with ema_weights(state.opt, state.params):
-        model = unsharded(state.transformer, cfg, prepare)
-        return export_weights(run_dir, model, cfg, "_ema", metadata, log=log) if rank == 0 else None
-
-
 def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: int, prepare, log=print) -> dict:
-    """The trained weights (and with --ema-decay their EMA) exported from rank 0 (--fsdp: gathered first, a
-    collective on every rank), each LoRA file with its base's metadata; a full fine-tune of a lab's original-key
-    checkpoint (Phantom-Wan, RefAlign) also in those keys. `prepare(model)` makes a gathered model trainable as the
+    """The trained weights, and with --ema-decay their EMA beside them (tag _ema: pytorch_lora_weights_ema.safetensors
+    + _ema_comfy, e2v_weights_ema, or transformer_ema/), exported from rank 0 (--fsdp: gathered first by
+    a2/parallel.py gathered, a collective on every rank), each LoRA file with its base's metadata; a full fine-tune
+    of a lab's original-key checkpoint (Phantom-Wan, RefAlign) also in those keys (the trained weights alone: the
+    EMA's would take the same transformer_original/ name). `prepare(model)` makes a gathered model trainable as the
     run's was (train_a2.py prepare_trainable)."""
     original_keys = run.layout.original_export if run.info.original_weights else None
     metadata = base_metadata(state.transformer.config, model_family(run.info), run.layout.kind, cfg.model)
-    out, trained = {}, unsharded(state.transformer, cfg, prepare)
-    if rank == 0:
-        out["weights"] = export_weights(run_dir, trained, cfg, original_keys=original_keys, metadata=metadata, log=log)
-        log(f"exported {out['weights']}")
-    del trained
-    if cfg.ema_decay:
-        out["ema_weights"] = export_ema(run_dir, state, cfg, rank, prepare, metadata, log)
-        log(f"exported the EMA weights {out['ema_weights']}")
+    out = {}
+    for key, tag in (("weights", ""), ("ema_weights", "_ema"))[:2 if cfg.ema_decay else 1]:
+        with ema_weights(state.opt, state.params, enabled=bool(tag)):
+            trained = (gathered(state.transformer, prepare, cfg.training_type == "lora") if cfg.fsdp
+                       else state.transformer)
+            out[key] = None if rank else export_weights(run_dir, trained, cfg, tag, metadata,
+                                                        None if tag else original_keys, log)
+        del trained
+        log(f"exported {'the EMA weights ' if tag else ''}{out[key]}")
     return out

@@ -38,6 +38,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from a2.cli import InputError
 
 EXIT_RESUMABLE = 143  # 128 + SIGTERM: what schedulers (and Kubernetes restart policies) treat as "retry"
 MANIFEST = "manifest.json"
@@ -51,11 +60,11 @@ _MUST_MATCH = ("model", "expert", "training_type")
 _MUST_MATCH_LORA = ("lora_rank", "lora_alpha", "lora_target")
 
 
-class RunLocked(RuntimeError):
+class RunLocked(InputError):
     """The run dir is in use by another process."""
 
 
-class ResumeError(ValueError):
+class ResumeError(InputError):
     """No checkpoint can be resumed as asked; the message says which and why, in one line."""
 
 
@@ -128,12 +137,6 @@ class RunLock:
             self.fd = None
             _HELD.pop(str(self.path.resolve()), None)
 
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
-
 
 # ---------------------------------------------------------------- checkpoint manifest
 
@@ -180,7 +183,7 @@ def read_manifest(ckpt: Path) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
 
 
-def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
+def checkpoint_problem(ckpt: Path) -> str | None:
     """Why `ckpt` cannot be resumed (incomplete, truncated, corrupt, unreadable), or None when it can. Cheap: sizes,
     the recorded crc32s, and the small files parsed (state.pt, config.json, the safetensors header)."""
     ckpt = Path(ckpt)
@@ -199,7 +202,7 @@ def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
         size = f.stat().st_size
         if size != want["size"]:
             return f"{name} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
-        if checksums and "crc32" in want and _crc32(f) != want["crc32"]:
+        if "crc32" in want and _crc32(f) != want["crc32"]:
             return f"{name}: crc32 {_crc32(f)} != {want['crc32']} in the manifest (corrupt)"
     for name in ("state.pt", "config.json"):
         if name not in manifest.get("files", {}):
@@ -208,12 +211,10 @@ def checkpoint_problem(ckpt: Path, checksums: bool = True) -> str | None:
         torch.load(ckpt / "state.pt", weights_only=True, map_location="cpu")
         json.loads((ckpt / "config.json").read_text())
         if (ckpt / "trainable.safetensors").exists():
-            from safetensors import safe_open
-
             with safe_open(ckpt / "trainable.safetensors", "pt") as f:
                 f.keys()
         if (ckpt / "sharded").is_dir():
-            _sharded_reader(ckpt).read_metadata()
+            _ShardedReader(ckpt).read_metadata()
     except Exception as e:  # any reader's error means: not loadable
         return f"unreadable ({type(e).__name__}: {e})"
     return None
@@ -248,13 +249,11 @@ def commit_checkpoint(tmp: Path, final: Path, keep_last: int, **meta) -> Path:
 
 # ---------------------------------------------------------------- writing and reading checkpoints
 
-# bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a tenth of
-# the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed 16 MiB more
-CHECKPOINT_MARGIN = (0.1, 2**18)
-
-
 def checkpoint_margin(tensor_bytes: int) -> int:
-    return int(tensor_bytes * CHECKPOINT_MARGIN[0]) + CHECKPOINT_MARGIN[1]
+    """The bytes beyond the tensors (state.pt, config.json, the manifest, per-tensor pickle/zip/header overhead): a
+    tenth of the tensors' bytes plus 256 KiB, so a small LoRA checkpoint asks for about what it writes, not a fixed
+    16 MiB more."""
+    return int(tensor_bytes * 0.1) + 2**18
 
 
 def _rank() -> int:
@@ -287,11 +286,6 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
     (torch.distributed.checkpoint, into sharded/), then rank 0 adds state.pt and renames, after a barrier.
     Free space is checked first (checkpoint_bytes; --fsdp: agreed by all ranks); too little, or a failed write,
     raises CheckpointError with the temp dir removed and the earlier checkpoints untouched."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"{_CKPT_PREFIX}{step:07d}", run_dir / f".tmp-{_CKPT_PREFIX}{step:07d}"
     need, free = checkpoint_bytes(model, opt), shutil.disk_usage(run_dir).free
@@ -335,31 +329,31 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, config: dict, keep_las
 
 
 def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
-    """Restore the trainable weights (or adapter) and the optimizer from ckpt; returns its state.pt (step,
+    """Restore the trainable weights (or adapter) and the optimizer from ckpt, a checkpoint plan_resume has checked
+    (check_compatible: --fsdp against a sharded one, DDP against trainable.safetensors); returns its state.pt (step,
     load_failures)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
     ckpt = Path(ckpt)
     state = torch.load(ckpt / "state.pt", weights_only=True)  # plain step/skips: a pickle holding code is refused
     if fsdp:
-        if not (ckpt / "sharded").is_dir():
-            raise ValueError(f"{ckpt}: not an --fsdp checkpoint (no sharded/); resume it without --fsdp")
-        _sharded_reader(ckpt).read_metadata()  # refused here, in one line, if it holds code (dcp wraps its errors)
+        saved = _ShardedReader(ckpt).read_metadata().state_dict_metadata  # refused here, in one line, if it holds
+        # code (dcp wraps its errors)
         trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
+        # dcp reads the entries the optimizer's state already has: get_state_dict makes AdamW's (torch's zero step at
+        # learning rate 0), and an EMA (a2/ema.py) gets its entry here, which the load then overwrites
+        get_state_dict(model, opt, options=trained)
+        if any(k.startswith("optim.state.") and k.endswith(".ema") for k in saved):
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                opt.state[p].setdefault("ema", p.detach().clone())
         model_sd, optim_sd = get_state_dict(model, opt, options=trained)
         sharded = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(sharded, storage_reader=_sharded_reader(ckpt), planner=_tensors_only_planner())  # any world size
+            dcp.load(sharded, storage_reader=_ShardedReader(ckpt), planner=_TensorsOnlyPlanner())  # any world size
         except dcp.api.CheckpointException as e:  # a BaseException, its cause in .failures: {rank: (error, trace)}
             cause = next(iter(e.failures.values()))[0]
             raise ValueError(f"{ckpt}: sharded checkpoint unreadable ({_one_line(cause)})") from None
         set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"],
                        options=trained)
     else:
-        if not (ckpt / "trainable.safetensors").exists():
-            raise ValueError(f"{ckpt}: a sharded --fsdp checkpoint; resume it with --fsdp")
         missing = model.load_state_dict(load_file(ckpt / "trainable.safetensors"), strict=False)
         if missing.unexpected_keys:
             raise ValueError(f"{ckpt}: checkpoint has weights this model lacks: {missing.unexpected_keys[:5]}")
@@ -387,43 +381,28 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata (code, not data)")
 
 
-def _sharded_reader(ckpt: Path):
-    import torch.distributed.checkpoint as dcp
+class _ShardedReader(dcp.FileSystemReader):
+    """A checkpoint's sharded/ dir, its .metadata read through _MetadataUnpickler."""
 
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
-                from torch.distributed.checkpoint.metadata import StorageMeta
+    def __init__(self, ckpt: Path):
+        super().__init__(str(Path(ckpt) / "sharded"))
 
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader(str(Path(ckpt) / "sharded"))
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's own reader fills it in
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def _tensors_only_planner():
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return Planner()
-
-
-def sharded_has_ema(ckpt: Path) -> bool:
-    """Whether an --fsdp checkpoint holds an EMA (optimizer state entries "ema"): read from its metadata, no tensors."""
-    keys = _sharded_reader(ckpt).read_metadata().state_dict_metadata
-    return any(k.startswith("optim.state.") and k.endswith(".ema") for k in keys)
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 # ---------------------------------------------------------------- resuming

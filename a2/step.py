@@ -49,15 +49,9 @@ class Run:
     sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
     cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
     compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
-    val_elements: bool = False  # --val-elements given
-    val_every: int = 0  # --val-every
+    validates: bool = False  # it renders validation videos: from --val-elements, or from the prompt alone when it
+    # trains T2V (with --val-every)
     encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
-
-    @property
-    def validates(self) -> bool:
-        """The run renders validation videos: from --val-elements, or from the prompt alone when it trains T2V (with
-        --val-every)."""
-        return self.val_elements or self.layout.images == "none" and self.val_every > 0
 
 
 @dataclass
@@ -81,12 +75,10 @@ class Process:
     data-parallel rank (a context-parallel group of ranks shares one sample), its device and autocast."""
 
     rank: int
-    world: int
     dp_rank: int
     dp_world: int
     device: torch.device
     amp: object = nullcontext()  # torch.autocast on CUDA with --mixed-precision bf16
-    local_rank: int = 0
     ctrl: object = None  # the CPU group a stop is agreed through (None: the default group)
     cp_group: object = None  # this rank's context-parallel group (None: none)
 
@@ -153,7 +145,8 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         if layout.use_clip:
             cond.image = (h2d(batch["clip"], device) if cached else  # (B, 257·N, D)
                           image_tokens(enc.image_encoder, enc.image_processor, cond, batch["ref_clip"]))
-        cond = drop(cond, h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+        kept = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)  # (B,)
+        cond = drop(cond, kept)
         targets = None
         if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
             patch = run.info.patch_size
@@ -161,8 +154,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
             targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
     return dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=text,
                 tokens=b * layout.tokens(run.info, height, width),
-                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout,
-                references_kept=h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device))
+                reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout, references_kept=kept)
 
 
 def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:

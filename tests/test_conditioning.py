@@ -236,7 +236,7 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
-    a2.evaluate.validate(1, cfg, run, transformer, enc, tmp_path, {}, Process(0, 1, 0, 1, device))
+    a2.evaluate.validate(1, cfg, run, transformer, enc, tmp_path, {}, Process(0, 0, 1, device))
     given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
     assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
                                                         *given])) == 0
