@@ -7,9 +7,9 @@ width e, Lc cross-attention keys (512 text + 257 per CLIP image), T trainable we
     weights    frozen weights on the GPU: those outside the blocks and what else is allocated (encoders), and each
                block's: all n in their dtype, or with `fp8` their linear weights as float8 + one fp32 scale per row
                (a2/fp8.py), or with `swap_blocks` s, n - s resident (a2/offload.py); under FSDP a rank's shards and
-               the block gathered in use (as the trace shows it: a GPU also holds the next block's prefetched
-               gather, within the margin), a LoRA's forward also the weights outside the blocks and one more block
-               (its frozen weights' gathers are freed late)
+               the block gathered in use, a LoRA's forward also the weights outside the blocks and one more block
+               (its frozen weights' gathers are freed late), the backward also the next block's prefetched gather
+               and the weights outside the blocks (FSDP2 keeps the root's gathered from the forward on)
     swapped    swapped blocks fetched to the GPU: two (at most s) at once, the one in use and the next
     state      T·(4 weights + 8 AdamW moments [+ 4 EMA]) always; in the forward autocast's bf16 copies of the
                trainable weights (2·T: they live through it; not under FSDP, whose gathered weights are bf16 already);
@@ -299,12 +299,13 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
     unsplit = s.whole * (UNSPLIT_D * d + 8.0 * e) if s.whole > L else 0.0  # exchange holds)
     a, b = BACKWARD[pb]
     gathered = weights + m.fsdp_block + ((m.fsdp_root + m.fsdp_block) if lora else 0.0)  # (FSDP, frozen
-    phases = {  # weights: more gathers in the forward)
+    in_backward = weights + 2.0 * m.fsdp_block + m.fsdp_root  # weights: more gathers in the forward; in the backward
+    phases = {  # the next block's prefetched gather and the root's, kept since the forward)
         "forward": dict(state=state + amp, kept=kept, transient=forward, weights=gathered),
         # autocast's cache is cleared as the forward returns; the copies the blocks not recomputed saved remain
         "forward end": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=0.0),
         "backward": dict(state=state + amp * (n - k) / n, kept=kept + head, transient=L * (a * d + b * f) + last_hint,
-                         weights=weights + m.fsdp_block),
+                         weights=in_backward),
         "step": dict(state=state + 4.0 * T, kept=0.0, transient=0.0)}
     if unsplit > kept - outside:  # at the first block, the whole sequence not yet split, rather than the last
         phases["forward"] = dict(phases["forward"], kept=outside, transient=forward + unsplit)
@@ -322,7 +323,7 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
                                    transient=recompute_transient(config, s, pb, save_attention, compile)
                                    + hint * sum(j >= i for j in hinted)  # VACE: the gradients of the hints after
                                    + (0.0 if lora else 2 * m.fsdp_block),  # FSDP: fp32 gradients reduce-scattered
-                                   weights=weights + m.fsdp_block)
+                                   weights=in_backward)
     if c and pc != "frozen":  # VACE: the context blocks' backward, the blocks' done: at the last one (everything
         # they keep there) or the last recomputed one (its recomputation), with the hints' gradients not yet used and
         # the gradient of the next one's input (none after the last)
@@ -333,7 +334,7 @@ def step_memory(config: dict, s: StepShape, m: ModelBytes, checkpointed: int, sa
                           transient=recompute_transient(config, s, pc, save_attention, compile)
                           + (kc - 1 - (kc == c)) * hint)
         phases["context"] = dict(max(last, recomputed if kc else last, key=lambda v: sum(v.values())),
-                                 weights=weights + m.fsdp_block)
+                                 weights=in_backward)
     return {p: dict(dict(weights=weights, swapped=swapped), **cats) for p, cats in phases.items()}
 
 

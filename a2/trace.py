@@ -352,7 +352,7 @@ class LiveBytes(TorchDispatchMode):
         if nbytes == old.nbytes:
             return
         self._free(old)
-        self._add(st, replace(old, nbytes=nbytes))
+        self._add(st, replace(old, nbytes=nbytes, alive=True))  # (the old record was just freed: not its state)
 
     def _free(self, info: _Storage) -> None:
         if not info.alive:

@@ -28,6 +28,23 @@ def test_live_bytes_match_a_hand_count():
     assert tracer.peak.total == (3 << 20) + 4
 
 
+
+def test_a_storage_resized_to_nothing_and_back_counts_again():
+    """FSDP2 frees a gathered weight by resizing its storage to 0 bytes and gathers it again by resizing it back
+    (no op is dispatched for either): each size counts from its resize (the backward's gathers are counted), and the
+    storage's last reference frees what it holds then."""
+    n = 1 << 18  # fp32: 1 MiB
+    tracer = LiveBytes(device="cpu")
+    with tracer:
+        tracer.phase = "forward"
+        w = torch.ones(n)
+        for size, live in ((0, 0), (4 * n, 1 << 20), (0, 0), (4 * n, 1 << 20)):
+            w.untyped_storage().resize_(size)
+            tracer.resized(w)
+            assert tracer.live["device"] == live, (size, tracer.live)
+        del w
+    assert tracer.live["device"] == 0
+
 def tiny_lora_step(tracer):
     """Two steps of the tiny Wan transformer with LoRA (fp32, CPU) under `tracer`; inputs made inside it."""
     from peft import LoraConfig
