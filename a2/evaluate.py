@@ -143,8 +143,7 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
                              f"{type(ev.clip_t.model).__name__}")
         ev.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
-        ev.opens2v = load_scorers(cfg.aes_clip, cfg.aes_mlp, cfg.facesim, cfg.gme, device, dtype)
-        ev.opens2v.motion = cfg.motion_fb
+        ev.opens2v = load_scorers(cfg, device, dtype)
     clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
     encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir, "no CLIP image encoder (--eval.clip-image)"),
                 (ev.dino, "DINO-I and temporal_dino", cfg.dino, "no --eval.dino DINOv2 dir"),

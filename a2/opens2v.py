@@ -602,26 +602,27 @@ class Scorers:
     notes: list[str] = field(default_factory=list)
 
 
-def load_scorers(aes_clip=None, aes_mlp=None, face=None, gme=None, device="cpu", gme_dtype=torch.float16) -> Scorers:
-    """The encoders of the dirs given; gme in gme_dtype (theirs: float16); notes: which of them are tiny random ones
+def load_scorers(cfg, device="cpu", gme_dtype=torch.float16) -> Scorers:
+    """The encoders of the dirs a config.EvalConfig `cfg` gives (--eval.aes-clip / --eval.aes-mlp, --eval.facesim,
+    --eval.gme; --eval.motion-fb); gme in gme_dtype (theirs: float16); notes: which of them are tiny random ones
     (said beside their scores)."""
-    if bool(aes_clip) != bool(aes_mlp):
+    if bool(cfg.aes_clip) != bool(cfg.aes_mlp):
         raise InputError("aes_score needs both --eval.aes-clip (CLIP ViT-L/14 dir) and --eval.aes-mlp "
                          "(aesthetic-model.pth)")
-    s = Scorers()
-    if aes_clip:
-        s.aes = Aesthetics.load(aes_clip, aes_mlp, device)
-    if face:
-        s.face = FaceSim.load(face, device)
-    if gme:
-        s.gme = Gme.load(gme, device, gme_dtype)
+    s = Scorers(motion=cfg.motion_fb)
+    if cfg.aes_clip:
+        s.aes = Aesthetics.load(cfg.aes_clip, cfg.aes_mlp, device)
+    if cfg.facesim:
+        s.face = FaceSim.load(cfg.facesim, device)
+    if cfg.gme:
+        s.gme = Gme.load(cfg.gme, device, gme_dtype)
     skipped = [n for n, v in (("aes_score and the subject proxy (no CLIP ViT-L/14 + aesthetic MLP)", s.aes),
                               ("cur_score (no face models dir)", s.face), ("gme_score (no gme-Qwen2-VL dir)", s.gme))
                if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
-    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", aes_clip),
-                           s.gme and tiny_encoder_note(s.gme.model, "gme_score", gme)) if n]
+    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", cfg.aes_clip),
+                           s.gme and tiny_encoder_note(s.gme.model, "gme_score", cfg.gme)) if n]
     return s
 
 
@@ -723,9 +724,7 @@ def main(cfg) -> int:
     published = read_leaderboard(board)
     json_dir = Path(cfg.json_dir or videos / "opens2v_json")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    e = cfg.eval
-    scorers = load_scorers(e.aes_clip, e.aes_mlp, e.facesim, e.gme, device, getattr(torch, cfg.gme_dtype))
-    scorers.motion = e.motion_fb
+    scorers = load_scorers(cfg.eval, device, getattr(torch, cfg.gme_dtype))
     ids = score_videos(videos, samples, json_dir, scorers, cfg.redo)  # the means cover the videos there
     result = merge_result(json_dir, domain, ids, len(samples))
     out = videos / f"opens2v_{domain}.json"
