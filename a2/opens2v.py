@@ -383,7 +383,8 @@ class Gme:
         core = self.model.model  # Qwen2VLModel: visual + language_model
         embeds = core.get_input_embeddings()(input_ids)  # (B, L, D)
         if pixel_values is not None:
-            image = torch.cat(core.get_image_features(pixel_values, image_grid_thw).pooler_output).to(embeds.dtype)
+            image = core.get_image_features(pixel_values, image_grid_thw)  # transformers 4 returns the per-image
+            image = torch.cat(getattr(image, "pooler_output", image)).to(embeds.dtype)  # tensors, 5 an output
             embeds[input_ids == self.model.config.image_token_id] = image
         hidden = core.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
         pooled = hidden[torch.arange(len(hidden)), attention_mask.sum(1) - 1]  # the last real token (right padding)
