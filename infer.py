@@ -43,7 +43,7 @@ from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.images import IMAGE_EXTS, read_image, resize_frames
 from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
-from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, model_family, read_base_metadata
+from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, read_base_metadata
 from a2.media import read_clip
 from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
@@ -448,7 +448,7 @@ def main(cfg: InferConfig) -> int:
     if rows is None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are of its frames
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.video_frames}")
-    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, model_family(info)
+    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, info.name
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
         if note:

@@ -192,11 +192,6 @@ def shape_signature(config) -> str:
             f"{c.get('text_dim')}, image {c.get('image_dim')}, patch {patch}")
 
 
-def model_family(info) -> str:
-    """A model's family as a LoRA records it: detect_model's name (SkyReels-A2, Phantom-Wan, MAGREF, Wan2.1 I2V...)."""
-    return info.name
-
-
 def base_metadata(config, family: str, kind: str, model: str) -> dict[str, str]:
     """What an exported LoRA records of what it was trained on (its safetensors metadata; a Stand-In .ckpt's
     "a2_metadata"): the base model as given, its family (detect_model's name, and the released weights' kind),
@@ -454,7 +449,7 @@ def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: i
     EMA's would take the same transformer_original/ name). `prepare(model)` makes a gathered model trainable as the
     run's was (train_a2.py prepare_trainable)."""
     original_keys = run.layout.original_export if run.info.original_weights else None
-    metadata = base_metadata(state.transformer.config, model_family(run.info), run.layout.kind, cfg.model)
+    metadata = base_metadata(state.transformer.config, run.info.name, run.layout.kind, cfg.model)
     out = {}
     for key, tag in (("weights", ""), ("ema_weights", "_ema"))[:2 if cfg.ema_decay else 1]:
         with ema_weights(state.opt, state.params, enabled=bool(tag)):

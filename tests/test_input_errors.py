@@ -181,7 +181,7 @@ def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.
     records (the kind: what infer.py plans for the demo's elements on it)."""
     from peft import LoraConfig
 
-    from a2.lora import base_metadata, export_lora, model_family
+    from a2.lora import base_metadata, export_lora
     from a2.tiny import model_path
     from a2.transformer import detect_model, load_transformer
 
@@ -191,7 +191,7 @@ def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.
     cfg = infer.InferConfig(model=model, height=32, width=32, num_frames=17, device="cpu")
     kind = infer.read_references(cfg, elements(data_dir, model), info)["layout"].kind
     out.mkdir(parents=True)
-    return export_lora(out, transformer, metadata=base_metadata(transformer.config, model_family(info), kind,
+    return export_lora(out, transformer, metadata=base_metadata(transformer.config, info.name, kind,
                                                                  model))[0]
 
 
