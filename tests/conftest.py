@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
@@ -182,6 +183,18 @@ def params(ckpt):
 def max_diff(a, b):
     assert a.keys() == b.keys() and len(a) > 0
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_rounding(actual, expected, steps: int):
+    """`actual` equals `expected` up to `steps` float32 roundings of the values' size (steps · eps32 · max|expected|).
+
+    For the same math computed by other kernels: a batch of 2 against one sample, another memory alignment, another
+    CPU's vector width. oneDNN and the BLAS pick their blocking, and so their summation order, by shape, alignment and
+    CPU, so such results agree to rounding, not bit for bit. Each call names its steps by its depth: a VAE encode of
+    the tiny VAE's ~10 convolutions (summing a few hundred products each) within 64; a whole tiny transformer forward
+    within 256. A real mistake (a missed frame, a swapped element, a lost term) moves values by 1e-3 or more."""
+    tol = steps * torch.finfo(torch.float32).eps * expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=tol)
 
 
 def losses(run_dir):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from a2 import align
 from a2.cli import ConfigError
-from tests.conftest import args, launch, losses, max_diff, params, train, train_config
+from tests.conftest import args, assert_rounding, launch, losses, max_diff, params, train, train_config
 
 FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
        "background=_background.png:vae=fit_pad_white")
@@ -161,7 +161,7 @@ def test_reference_spans_find_each_kinds_reference_tokens(kind):
 
 
 def test_weight_zero_trains_bit_identically_and_the_loss_matters(data_dir, tmp_path, dino_dir):
-    """--align-loss --align-weight 0 trains the LoRA bit for bit as a run without it (the projectors train beside,
+    """--align-loss --align-weight 0 trains the LoRA as a run without it, to rounding (the projectors train beside,
     with zero gradients); weight 1 changes the loss and the LoRA, and its projectors move; the exported LoRA files hold
     no projector."""
     steps = ("--max-steps", "2", "--reference-dropout", "0.3", "--text-dropout", "0.3")
@@ -174,8 +174,14 @@ def test_weight_zero_trains_bit_identically_and_the_loss_matters(data_dir, tmp_p
     assert z[f"{align.ATTRIBUTE}.mlps.0.0.weight"].shape == (64, 128)  # dim 128 -> 64 -> 24 (DINOv3's width)
     assert z[f"{align.ATTRIBUTE}.mlps.0.2.weight"].shape == (24, 64)
     lora = {k: v for k, v in z.items() if k not in projector_keys}
-    assert lora.keys() == p.keys() and all(torch.equal(lora[k], p[k]) for k in p)
-    assert losses(zero["run_dir"]) == losses(plain["run_dir"])
+    assert lora.keys() == p.keys()
+    # The same update to rounding, not bit for bit: the clip's global norm also sums the projectors' four zero
+    # squares, and a vectorized sum of another length adds in another order (on this box's CPU, 70 of the lengths
+    # 1..399 round differently with 4 zeros appended), so the clip scale can move by one float32 step.
+    for k in p:
+        assert_rounding(lora[k], p[k], 8)
+    lz, lp = losses(zero["run_dir"]), losses(plain["run_dir"])
+    assert lz.keys() == lp.keys() and all(abs(lz[s] - lp[s]) <= 1e-6 * abs(lp[s]) for s in lp), (lz, lp)
     assert losses(one["run_dir"])[1] > losses(plain["run_dir"])[1]  # the alignment term adds to the same step
     assert max(max_diff({k: o[k] for k in p}, p), 0) > 1e-6
     assert max_diff({k: o[k] for k in projector_keys}, {k: z[k] for k in projector_keys}) > 1e-6

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from a2.transformer import UnsupportedModel, detect_model
-from tests.conftest import args, train
+from tests.conftest import args, assert_rounding, train
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +299,7 @@ def test_t2v_base_e2v_vae_only(tiny_t2v_dir, tiny_dir, data_dir, tmp_path, monke
     with torch.no_grad():
         want = base(x, torch.tensor([500.0]), text, return_dict=False)[0]
         got = e2v(torch.cat([x, cond], 1), torch.tensor([500.0]), text, return_dict=False)[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert_rounding(got, want, 256)  # a 36-channel patch embedding: other conv kernels
     import train_a2
 
     made = []

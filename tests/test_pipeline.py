@@ -11,7 +11,7 @@ from PIL import Image
 
 from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
 from a2.images import pil_to_tensor, preprocess_image
-from tests.conftest import a2_photos, drawn_person
+from tests.conftest import a2_photos, assert_rounding, drawn_person
 
 H, W = 32, 48
 # the SkyReels-A2 photos' sizes (w x h: human, thing, env), drawn; the photos themselves added where they are
@@ -58,12 +58,12 @@ def test_prefix_before_mask_and_latents(vae, repeats):
         expected = encode_vae(vae, torch.stack(frames, dim=2))
     t = (f - 1) // 4 + 1
     assert cond.condition.shape == (2, 20, t, H // 8, W // 8)
-    torch.testing.assert_close(cond.condition[:, 4:], expected, rtol=0, atol=1e-6)
+    assert_rounding(cond.condition[:, 4:], expected, 64)  # encoded as a batch of 2 (each frame alone below)
     want = a2_mask(len(repeats), f, repeat=repeats != (1, 1, 1))
     assert torch.equal(cond.condition[:, :4, :, 0, 0], want[None].expand(2, -1, -1))
     assert (cond.condition[:, :4] == cond.condition[:, :4, :, :1, :1]).all()  # constant over space
     assert cond.num_ref_latents == (sum(repeats) - 1) // 4 + 1
-    torch.testing.assert_close(cond.ref_latents, expected[:, :, : cond.num_ref_latents], rtol=0, atol=1e-6)
+    assert_rounding(cond.ref_latents, expected[:, :, : cond.num_ref_latents], 64)
 
 
 def test_prefix_after_encodes_each_element_alone(vae):
@@ -74,7 +74,7 @@ def test_prefix_after_encodes_each_element_alone(vae):
         parts = [encode_vae(vae, refs[:, i, :, None].repeat(1, 1, k, 1, 1)) for i, k in enumerate(repeats)]
     lat = cond.condition[:, 4:]
     assert cond.num_ref_latents == 3  # 1 + (4-1)//4 + 1 ... one latent per element
-    torch.testing.assert_close(lat[:, :, :3], torch.cat(parts, 2), rtol=0, atol=1e-6)
+    assert_rounding(lat[:, :, :3], torch.cat(parts, 2), 64)
     assert (lat[:, :, 3:] == 0).all()
     mask = cond.condition[0, :4, :, 0, 0]
     assert (mask[:, :3] == 1).all() and (mask[:, 3:] == 0).all()
@@ -108,7 +108,7 @@ def test_inplace_modes(vae, mode, flags):
         kept = torch.zeros_like(video)
         kept[:, :, flags] = video[:, :, flags]
         expected = encode_vae(vae, kept)
-    torch.testing.assert_close(cond.condition[:, 4:], expected, rtol=0, atol=1e-6)
+    assert_rounding(cond.condition[:, 4:], expected, 64)
     # mask channel c of latent t is pixel frame 4t+c-3 (frame 0 fills all of latent 0)
     mask = cond.condition[0, :4, :, 0, 0]
     for t in range(mask.shape[1]):
@@ -169,7 +169,7 @@ def test_expanded_t2v_equals_base(tiny_t2v_dir):
     with torch.no_grad():
         want = base(x, t, text, return_dict=False)[0]
         got = e2v(torch.cat([x, cond], 1), t, text, encoder_hidden_states_image=image, return_dict=False)[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert_rounding(got, want, 256)  # a 36-channel patch embedding: other conv kernels
     # the new parameters are live: perturbing add_v_proj changes the output
     with torch.no_grad():
         e2v.blocks[0].attn2.add_v_proj.bias.fill_(1.0)
