@@ -274,6 +274,12 @@ def run_python(argv: list[str]) -> int:
             signal.signal(s, handler)
 
 
+def python_first_env() -> dict:
+    """The environment with this interpreter's directory first on PATH: `python3` in a command bash runs is the one
+    running the tests (a virtual environment's, activated or not), as it is for the user who activated it."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
 def run_doc(name: str, page: str, work: Path) -> list[str]:
     """The blocks marked `name` in docs/`page`, in order: files written, commands run (each must exit 0)."""
     blocks = [m for m in MARKED.finditer((ROOT / "docs" / page).read_text()) if m[1] == name]
@@ -289,7 +295,7 @@ def run_doc(name: str, page: str, work: Path) -> list[str]:
                 assert not {"&&", "|", ";", "&"} & set(argv), line
                 code = run_python(argv[1:])
             else:
-                code = subprocess.run(["bash", "-c", line], cwd=work).returncode
+                code = subprocess.run(["bash", "-c", line], cwd=work, env=python_first_env()).returncode
             assert code == 0, f"exit {code}: {line}"
             ran.append(line)
     return ran
@@ -410,8 +416,7 @@ def test_the_loopback_smoke_command_trains_on_two_nodes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "A2_RDZV_PORT": str(port), "PYTHONUNBUFFERED": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**python_first_env(), "A2_RDZV_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(["bash", "-c", m[4]], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
