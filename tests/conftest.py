@@ -197,6 +197,31 @@ def assert_rounding(actual, expected, steps: int):
     torch.testing.assert_close(actual, expected, rtol=0, atol=tol)
 
 
+def locked_opencv() -> bool:
+    """Whether the OpenCV installed is the one requirements.lock holds: the one whose float32 Farneback gives
+    OpenS2V-Eval's published motion_fb to the last digit (scripts/held.txt)."""
+    import re
+
+    import cv2
+
+    locked = re.search(r"^opencv-python-headless==(\d+\.\d+\.\d+)", (ROOT / "requirements.lock").read_text(), re.M)[1]
+    return cv2.__version__ == locked
+
+
+def assert_their_motion(ours: dict, theirs: dict):
+    """OpenS2V-Eval's motion_fb per video ({video: {"motion_fb": v}}): their value to the last digit under the locked
+    OpenCV; under another release within 4 float32 steps, as releases round Farneback's last steps differently
+    (5.1.0.95: one step, 0.35025981 for their 0.35025984)."""
+    import cv2
+
+    assert ours and ours.keys() <= theirs.keys() and all(v.keys() == {"motion_fb"} for v in ours.values()), ours
+    for k, v in ours.items():
+        got, want = v["motion_fb"], theirs[k]["motion_fb"]
+        exact = locked_opencv()
+        assert got == want if exact else abs(got - want) <= 4 * np.spacing(np.float32(want)), \
+            (k, got, want, f"OpenCV {cv2.__version__}{', the locked one' if exact else ''}")
+
+
 def losses(run_dir):
     """Per-step loss from metrics.jsonl; a step logged twice (re-run after a kill) keeps its last value."""
     out = {}
