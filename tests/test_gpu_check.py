@@ -121,3 +121,17 @@ def test_a_test_stopped_at_its_budget_leaves_its_result(tmp_path):
     assert 1 <= rows[0]["seconds"] < 30
     assert "=== tests/test_gpu.py::test_validation_video: timeout" in (tmp_path / "failures.txt").read_text()
     assert json.loads((tmp_path / "env.json").read_text())["planned"] == ["tests/test_gpu.py::test_validation_video"]
+
+
+def test_the_speed_rows_are_bench_commands():
+    """Each speed row is a bench.py command line: its flags parse, and say what the row's name says."""
+    import tyro
+
+    from config import BenchConfig
+
+    rows = {name: tyro.cli(BenchConfig, args=list(flags)) for name, flags in gpu_check.SPEED.items()}
+    fp8 = rows["A2-14B LoRA, 3 refs, 81x480x832, --fp8-base --fp8-matmul"]
+    wan = rows["Wan 1.3B full fine-tuning, 81x480x832, --max-memory-gb 40"]
+    assert fp8.memory.fp8_base and fp8.memory.fp8_matmul and (fp8.preset, fp8.mode) == ("14B", "lora")
+    assert wan.memory.max_memory_gb == 40 and (wan.preset, wan.mode, wan.refs) == ("1.3B", "full", 0)
+    assert all((b.frames, *b.size) == (81, 480, 832) and b.memory.compile is None for b in rows.values())
