@@ -241,7 +241,7 @@ HEADER = """# GPU runs
 What `scripts/gpu_check.sh quick | rest | speed` measured on a CUDA machine, one section per part run, oldest
 first. This file is written by `python3 scripts/gpu_check.py record OUT` from the results the part left in OUT
 (results.jsonl, speed.jsonl, env.json); nothing in it is typed by hand. The expected times that
-`scripts/gpu_check.sh PART --list` prints are the last ones recorded here (scripts/gpu_times.json). The H100 runs
+scripts/gpu_check.sh PART --list prints are the last ones recorded here (scripts/gpu_times.json). The H100 runs
 before this file are in docs/memory.md's speed tables.
 """
 

@@ -103,6 +103,7 @@ def test_the_record_of_a_part(tmp_path):
     lines = gpu_check.listing("quick", t)
     assert any(LORA in line and line.lstrip().startswith("31 s (passed, NVIDIA H100") for line in lines), lines
     assert any(VACE in line and "unmeasured" in line for line in lines), lines
+    assert gpu_check.DOC.read_text().startswith(gpu_check.HEADER)  # the repository's record is the generator's
     write_out(tmp_path / "cpu", dict(H100, card="no CUDA device", gpus=0, planned=[LORA]))
     try:
         gpu_check.record(tmp_path / "cpu", doc, times)
