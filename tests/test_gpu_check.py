@@ -136,3 +136,21 @@ def test_the_speed_rows_are_bench_commands():
     assert fp8.memory.fp8_base and fp8.memory.fp8_matmul and (fp8.preset, fp8.mode) == ("14B", "lora")
     assert wan.memory.max_memory_gb == 40 and (wan.preset, wan.mode, wan.refs) == ("1.3B", "full", 0)
     assert all((b.frames, *b.size) == (81, 480, 832) and b.memory.compile is None for b in rows.values())
+
+
+def test_the_plugin_reports_a_tests_outcome_and_failure_text(tmp_path):
+    """`-p gpu_check` in a test's pytest process (run_tests): the outcome and, for a failure, pytest's own text (the
+    assertion and its values), written when the test ends."""
+    (tmp_path / "test_x.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
+                                        "def test_bad():\n    assert 1 + 1 == 3, 'the sum'\n\n"
+                                        "@pytest.mark.skip(reason='no GPU')\ndef test_skip():\n    pass\n")
+    got = {}
+    for name in ("test_ok", "test_bad", "test_skip"):
+        report = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check",
+                        f"test_x.py::{name}"], cwd=tmp_path, capture_output=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "scripts"), "A2_GPU_REPORT": str(report)})
+        got[name] = json.loads(report.read_text())
+    assert [got[n]["result"] for n in ("test_ok", "test_bad", "test_skip")] == ["passed", "failed", "skipped"]
+    assert "AssertionError: the sum" in got["test_bad"]["text"] and "assert (1 + 1) == 3" in got["test_bad"]["text"]
+    assert got["test_ok"]["text"] == ""
