@@ -116,11 +116,16 @@ def listing(part: str, times: dict) -> list[str]:
 
 
 def environment(out: Path, part: str, planned: list[str]) -> dict:
-    """The machine and the code a part ran on, and what it was to run: env.json in OUT."""
+    """The machine and the code a part ran on, and what it was to run: env.json in OUT. The card as nvidia-smi names
+    it: this process never initialises CUDA (its context would take GPU memory from the tests). A copy of the tree
+    without .git names its commit in A2_COMMIT."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
 
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
@@ -128,17 +133,15 @@ def environment(out: Path, part: str, planned: list[str]) -> dict:
     except FileNotFoundError:
         smi = []
     try:
-        import diffusers
-
-        diffusers_version = diffusers.__version__
-    except ImportError:
-        diffusers_version = "missing"
+        diffusers = version("diffusers")
+    except PackageNotFoundError:
+        diffusers = "missing"
+    status = git("status", "--porcelain", "--untracked-files=no")
     env = dict(part=part, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               card=torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
-               gpus=torch.cuda.device_count(), nvidia_smi=smi, torch=torch.__version__, cuda=torch.version.cuda,
-               diffusers=diffusers_version, commit=git("rev-parse", "--short=10", "HEAD"),
-               dirty=bool(git("status", "--porcelain", "--untracked-files=no").replace("unknown", "")),
-               planned=planned)
+               card=smi[0].split(",")[0].strip() if smi else "no CUDA device", gpus=len(smi), nvidia_smi=smi,
+               torch=torch.__version__, cuda=torch.version.cuda, diffusers=diffusers,
+               commit=os.environ.get("A2_COMMIT") or git("rev-parse", "--short=10", "HEAD") or "unknown",
+               dirty=None if status is None or os.environ.get("A2_COMMIT") else bool(status), planned=planned)
     (out / "env.json").write_text(json.dumps(env, indent=1) + "\n")
     return env
 
@@ -263,7 +266,8 @@ def section(env: dict, tests: list[dict], speed: list[dict], planned: list[str])
     lines = [f"## {env['part']}, {env['date']}, {env['card']}", "",
              f"- card: {smi} ({env['gpus']} GPU{'s' if env['gpus'] != 1 else ''} visible)",
              f"- torch {env['torch']} (CUDA {env['cuda']}), diffusers {env['diffusers']}",
-             f"- commit {env['commit']}" + (" with uncommitted changes" if env["dirty"] else ""),
+             f"- commit {env['commit']}" + {True: " with uncommitted changes", False: "",
+                                            None: " (uncommitted changes unknown)"}[env["dirty"]],
              f"- {len(rows)} of {len(planned)} run: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
              + f"; {minutes(sum(r['seconds'] for r in rows))} in all", ""]
     if tests:

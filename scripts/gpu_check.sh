@@ -23,7 +23,8 @@
 #   bash scripts/gpu_check.sh reach        # the memory targets (README), eager and compiled,
 #                                          # each dry run (traced on fake tensors) printed before its measured step
 #
-# Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present.
+# Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. A copy of the tree
+# without .git names its commit in A2_COMMIT (the record says which code ran).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${2:-}" = "--list" ]; then  # before any GPU or wheel: a planner's look
@@ -72,7 +73,7 @@ part() {  # part NAME [WORD]: scripts/gpu_check.py runs it into $OUT/NAME, then 
 
 case "${1:-quick}" in
   quick|speed)
-    for p in "$@"; do
+    for p in "${@:-quick}"; do
       case "$p" in quick|speed) part "$p" ;; *) echo "gpu_check.sh: quick and speed go together, not $p"; exit 2 ;;
       esac
     done ;;
