@@ -186,7 +186,9 @@ def run_tests(part: str, out: Path, times: dict, word: str = "") -> int:
         seconds = time.perf_counter() - t0
         if result["result"] not in ("passed", "skipped"):
             bad += 1
-            result["text"] = tail(result.get("text", "") + "\n--- log ---\n" + log.read_text(errors="replace"))
+            # pytest's text of the failure, then the end of the process's output (a timeout's only trace)
+            result["text"] = (result.get("text", "") + "\n--- the end of its log ---\n"
+                              + log.read_text(errors="replace")[-TEXT // 3:])
             with open(out / "failures.txt", "a") as f:
                 f.write(f"=== {test}: {result['result']} after {seconds:.1f} s\n{result['text']}\n\n")
         append(out / "results.jsonl", dict(part=part, test=test, seconds=round(seconds, 1), **result))
