@@ -871,9 +871,16 @@ def allow_recompiles(shapes: int) -> None:
     """Let compiled blocks recompile for each of a run's `shapes` input shapes (buckets), with and without grad
     (validation, eval loss), before torch._dynamo's recompile limit (8), past which it runs the block eager,
     silently, in a memory plan made for compiled blocks. A limit rather than dynamic shapes: the static graphs are
-    what was measured (speed and memory, README), and automatic dynamic shapes already fold some shape changes."""
-    import torch._dynamo.config
+    what was measured (speed and memory, README), and automatic dynamic shapes already fold some shape changes.
 
+    The limit counts every entry a code object holds in this process, also those of earlier runs' models that are
+    gone (invalidated, still counted), and all compiled blocks share code objects (torch.compile's wrapper of a
+    recomputed block, the block class's forward): a second run in one process (a test session, a notebook) would
+    start with the first's entries and fail past the limit (fullgraph=True makes that an error). So the compiled
+    code of this process is dropped first: the run compiles its blocks from an empty cache."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * shapes + 8)
 
 

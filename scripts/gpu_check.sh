@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks, on a CUDA machine: the gpu test tier, the CPU suite on a machine that has a GPU, and the speed
-# table (bench.py's bare step and train_a2.py's own loop at real shapes with random weights, no download).
+# The GPU checks, on a CUDA machine, in parts that each fit one call of a lease (scripts/gpu_check.py plans, runs
+# and records them; docs/gpu.md holds what each part measured):
 #
-#   bash scripts/gpu_check.sh gpu          # pytest -m gpu: the CUDA tier
-#   bash scripts/gpu_check.sh suite        # the rest of the suite on this GPU machine (CPU tests pin the CPU)
+#   bash scripts/gpu_check.sh quick        # (<= 6 min on an H100) one gpu test per GPU-only path, each in its own
+#                                          # pytest process under its budget (scripts/gpu_times.json)
+#   bash scripts/gpu_check.sh rest [WORD]  # every other gpu-marked test (those whose id holds WORD)
+#   bash scripts/gpu_check.sh speed        # (<= 4 min) bench.py: A2-14B LoRA at 81x480x832 (s/step, MFU, measured
+#                                          # peak against the rule), the same with --fp8-base --fp8-matmul, and Wan
+#                                          # 1.3B full fine-tuning planned and capped at 40 GB
+#   bash scripts/gpu_check.sh quick speed  # parts in turn, in one call
+#   bash scripts/gpu_check.sh PART --list  # the part's tests and their expected times (any machine, no GPU)
+#
+# Each part writes to $OUT/PART (or out/gpu_check/PART): results.jsonl (each test's result, time and failure text,
+# as it ends), failures.txt, logs/, env.json; then appends its section to docs/gpu.md and its times to
+# scripts/gpu_times.json, copies of which it leaves in $OUT/PART/record. A call killed at its limit leaves the
+# results of the tests it finished: `python3 scripts/gpu_check.py record DIR` records them later, anywhere.
+#
+# Older parts:
+#   bash scripts/gpu_check.sh suite        # the CPU suite on this GPU machine (CPU tests pin the CPU)
 #   bash scripts/gpu_check.sh table14      # A2-14B LoRA, 3 references, 81x480x832: bench.py and train_a2.py
 #   bash scripts/gpu_check.sh table13      # Wan 1.3B full fine-tuning, 81x480x832: bench.py and train_a2.py
 #   bash scripts/gpu_check.sh reach        # the memory targets (README), eager and compiled,
 #                                          # each dry run (traced on fake tensors) printed before its measured step
-#   bash scripts/gpu_check.sh peak         # (< 8 min on an H100) the compiled step's real peak for two plans of the
-#                                          # rule (a2/memory.py) against its estimate: A2-14B LoRA 81x480x832 on
-#                                          # 80 GB, Wan 1.3B full fine-tuning 81x480x832 on a 40 GB cap
 #
-# Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. Results go to
-# $OUT (or out/gpu_check): bench.jsonl (one JSON row per measurement) and the runs' metrics.jsonl.
+# Wheels in .whl/ (diffusers, tyro, av, ... for a bare machine) are installed first when present. A copy of the tree
+# without .git names its commit in A2_COMMIT (the record says which code ran).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${2:-}" = "--list" ]; then  # before any GPU or wheel: a planner's look
+  exec python3 scripts/gpu_check.py list "$1"
+fi
 OUT=${OUT:-out/gpu_check}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -43,9 +57,28 @@ row() {  # row NAME BENCH_ARGS... -- TRAIN_ARGS...: bench.py, then train_a2.py f
   python3 bench.py "${bench[@]}" --compare-run "$run" --out "$OUT/bench.jsonl" 2>&1 | tail -3
 }
 
-case "${1:-gpu}" in
-  gpu)
-    python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tier.log" ;;
+part() {  # part NAME [WORD]: scripts/gpu_check.py runs it into $OUT/NAME, then records it
+  local dir=$OUT/$1
+  rm -rf "$dir" && mkdir -p "$dir"
+  if [ "$1" = speed ]; then
+    OUT=$dir python3 scripts/gpu_check.py speed
+  else
+    OUT=$dir python3 scripts/gpu_check.py run "$@"
+  fi
+  local rc=$?
+  python3 scripts/gpu_check.py record "$dir" >/dev/null && mkdir -p "$dir/record" \
+    && cp docs/gpu.md scripts/gpu_times.json "$dir/record/"
+  echo "$1: exit $rc; failures (if any) in $dir/failures.txt; recorded in docs/gpu.md"
+}
+
+case "${1:-quick}" in
+  quick|speed)
+    for p in "${@:-quick}"; do
+      case "$p" in quick|speed) part "$p" ;; *) echo "gpu_check.sh: quick and speed go together, not $p"; exit 2 ;;
+      esac
+    done ;;
+  rest)
+    part rest "${2:-}" ;;
   suite)
     python3 -m pytest -q -m "not gpu" -p no:cacheprovider > "$OUT/cpu_suite.log" 2>&1 ;;
   table14)
@@ -57,18 +90,6 @@ case "${1:-gpu}" in
     row wan13-full --preset 1.3B --refs 0 --mode full --frames 81 --height 480 --width 832 --steps 4 "${FAST[@]}" -- \
       --model random-1.3B --dataset-type t2v --data-root /tmp/t2v480 --resolution 480 832 --num-frames 81 \
       --training-type full --max-steps 12 "${FAST[@]}" ;;
-  peak)  # bench.py's peak_mem_gb (torch.cuda.max_memory_allocated, GiB) against the plan's estimate_gb
-    rm -f "$OUT/peak.jsonl"
-    for args in "--preset 14B --refs 3 --mode lora" "--preset 1.3B --refs 0 --mode full --max-memory-gb 40"; do
-      # shellcheck disable=SC2086
-      timeout 240 python3 bench.py $args --frames 81 --height 480 --width 832 --steps 2 --warmup 2 \
-        --attention-backend _native_cudnn --out "$OUT/peak.jsonl" 2>&1 | tail -2
-    done
-    python3 -c "
-import json, sys
-for r in map(json.loads, open(sys.argv[1])):
-    print(f\"{r['preset']} {r['mode']}: measured peak {r['peak_mem_gb']:.2f} GiB, rule {r['estimate_gb']:.2f} GiB \"
-          f\"({r['estimate_gb'] / r['peak_mem_gb'] - 1:+.1%}); {r['plan']}\")" "$OUT/peak.jsonl" | tee "$OUT/peak.txt" ;;
   reach)  # --max-memory-gb also caps the allocator there (set_per_process_memory_fraction): a smaller card
     both() {  # the dry run's traced peak (eager, on fake tensors), then the measured one (peak_mem_gb), same flags
       python3 bench.py "$@" --dry-run 2>&1 | grep -v Warning | tail -5 | tee -a "$OUT/dryrun.log"
