@@ -1,0 +1,210 @@
+"""What `infer.py` with no sampling flag really samples with, held against the number in each lab's own code.
+
+Each row below is written from the lab's entry point as a user runs it (file:line beside each value, in the
+repository and commit docs/kinds.md names), never read from a2's `Kind` / `Sampling` table: the test runs infer.main
+on a model dir of the kind (the flags a user types: the model, the size, the elements, the prompt, the output; no
+sampling flag) and compares with what reached the scheduler (its class, shift and set_timesteps), the transformer
+(each forward's timestep and sequence shape: the steps, the guidance passes, the frames and reference latents), the
+text encoder (the negative prompt), the noise generator (the seed), the guidance combination the scheduler's step was
+given (solved for its weights), the references the pipeline was handed (the framing) and the written file (fps).
+
+The model dir is given as a path, so a2 takes a real model's defaults (a built-in tiny name samples in 10 steps); the
+size is 32x48 (a tiny model; the size is not a sampling default) and the frames are the default."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import drawn_person
+from tests.spy import run_infer, video_file
+from tests.their_samplers import fit_pad_white, pixels
+from tests.their_vace import wan_reference
+
+WAN_NEG = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"  # noqa: RUF001
+           "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的"  # noqa: RUF001
+           "肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
+A2_NEG = ("Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+          "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+          "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+          "background, three legs, many people in the background, walking backwards")
+H, W = 32, 48  # the video's size (non-square: a swapped height and width shows)
+REF_SIZE = (40, 28)  # the element images' (h, w): another aspect than the video's, so the framing shows
+
+
+def flow_unipc(steps):
+    """Wan's FlowUniPC (Phantom subject2video.py:252-257, MAGREF subject2video.py:462-467, Wan wan/vace.py:402-408)
+    and diffusers 0.34's UniPC use_flow_sigmas (SkyReels-V3 pins diffusers==0.34.0; reference_to_video_pipeline.py
+    :733-738): linspace from the training sigma 0.999 to 0, the 0 dropped, before the shift."""
+    return np.linspace(0.999, 0, steps + 1)[:-1]
+
+
+def flowmatch(steps):
+    """DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) (Stand-In pipelines/wan_video.py:85, RefAlign
+    wan_video_new3.py:828): linspace(1, 0, steps + 1) without the 0, before the shift."""
+    return np.linspace(1.0, 0, steps + 1)[:-1]
+
+
+def a2_timesteps(steps):
+    """SkyReels-A2's scheduler as its infer.py:47 builds it and models/pipeline_a2.py:579 sets it (diffusers
+    unpinned, requirements.txt: the installed one's own grid): its timesteps, shifted."""
+    from diffusers import UniPCMultistepScheduler
+
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
+                                    flow_shift=8)
+    sched.set_timesteps(steps)
+    return sched.timesteps.double().numpy()
+
+
+# kind -> (model, the flags besides the common ones, the lab's values). Per value the lab's file:line.
+LABS = {
+    "prefix": ("tiny", [], dict(  # SkyworkAI/SkyReels-A2 @ 7c14e2e infer.py
+        scheduler="UniPCMultistepScheduler", shift=8.0,  # infer.py:47 UniPC(flow_shift=8)
+        schedule=None, timesteps=a2_timesteps,  # pipeline_a2.py:579 set_timesteps(num_inference_steps)
+        steps=50,  # infer.py:87
+        guidance=(5.0,),  # infer.py:84 guidance_scale=5.0 (text CFG: 2 forwards a step)
+        negative=A2_NEG,  # infer.py:19
+        seed=42,  # infer.py:24
+        fps=15,  # infer.py:117 write_mp4(..., fps=15)
+        latent_frames=21,  # infer.py:83 num_frames=81 -> (81 - 1) / 4 + 1 latents, the references among them
+        framing=None)),
+    "phantom": ("tiny-phantom", [], dict(  # svjack/Phantom @ 51ef427
+        scheduler="UniPCMultistepScheduler", shift=5.0,  # generate.py:63 sample_shift 5.0
+        schedule=flow_unipc, grid=flow_unipc,  # subject2video.py:252-257 FlowUniPC(shift=1).set_timesteps(shift=)
+        steps=50,  # generate.py:60 (not i2v: 50)
+        guidance=(7.5, 5.0),  # generate.py:210-220 --sample_guide_scale_text 7.5, _img 5.0 (3 forwards)
+        negative=WAN_NEG,  # configs/shared_config.py:19 sample_neg_prompt, subject2video.py:213
+        seed=42,  # generate.py:182 --base_seed -1 draws one; a2 keeps 42 (README "What each kind samples with")
+        fps=16,  # configs/shared_config.py:18 sample_fps
+        latent_frames=21 + 2,  # generate.py:69 frame_num 81, then one latent per reference (2 given)
+        framing="fit_pad_white")),  # generate.py:242-272 Lanczos fit, white pad
+    "v3": ("tiny-v3", [], dict(  # SkyworkAI/SkyReels-V3 @ 28c771e generate_video.py -> ReferenceToVideoPipeline
+        scheduler="UniPCMultistepScheduler", shift=5.0,  # reference_to_video_pipeline.py:737 flow_shift=5.0
+        schedule=flow_unipc, grid=flow_unipc,  # diffusers==0.34.0's flow sigmas (requirements.txt)
+        steps=8,  # reference_to_video_pipeline.py:787 generate_video: num_inference_steps 8
+        guidance=(),  # :782-783 guidance_scale 1.0, guidance_scale_img 1.0; :367-368 CFG only above 1: 1 forward
+        negative=None,  # :778 negative_prompt "" (never encoded: no guidance pass)
+        seed=42,  # generate_video.py:173 --seed 42
+        fps=24,  # generate_video.py:342
+        latent_frames=31 + 4,  # generate_video.py:153 duration 5, :773 5 * 24 + 1 = 121 frames; 4 slots (:35, :351)
+        framing="fit_pad_white")),  # reference_to_video_pipeline.py:660-693
+    "magref": ("tiny-magref", [], dict(  # MAGREF-Video/MAGREF @ e3c71b2
+        scheduler="UniPCMultistepScheduler", shift=3.0,  # generate.py:90 --sample_shift 3.0
+        schedule=flow_unipc, grid=flow_unipc,  # subject2video.py:462-467
+        steps=40,  # generate.py:86 --sample_steps 40
+        guidance=(5.0,),  # generate.py:95 --sample_guide_scale 5.0
+        negative="镜头晃动，" + WAN_NEG,  # noqa: RUF001 configs/magref_14B.py:10
+        seed=3407,  # generate.py:77 --base_seed 3407
+        fps=15,  # configs/shared_config.py:17
+        latent_frames=21,  # generate.py:25 --frame_num 81 (the canvas is its first frame)
+        framing=None)),
+    "standin": ("tiny-t2v", ["--reference-layout", "standin"], dict(  # WeChatCV/Stand-In @ cceec58
+        scheduler="FlowMatchEulerDiscreteScheduler", shift=5.0,  # pipelines/wan_video.py:85 FlowMatchScheduler(5)
+        schedule=flowmatch, grid=flowmatch,
+        steps=20,  # infer.py:29 --num_inference_steps 20
+        guidance=(5.0,),  # pipelines/wan_video.py:510 cfg_scale 5.0
+        negative=WAN_NEG,  # infer.py:38 --negative_prompt
+        seed=0,  # infer.py:26 --seed 0
+        fps=25,  # infer.py:43 --fps 25
+        # pipelines/wan_video.py:508 num_frames=81; the reference is preprocessor/image_input_preprocessor.py:80's
+        # 512x512 crop: its 64x64 latent's tokens, which a2 packs after the video in frames of its 4x6 latent grid
+        latent_frames=21 + math.ceil(64 * 64 / (H // 8 * W // 8)),
+        framing="512x512")),
+    "refalign": ("tiny-refalign", [], dict(  # gudaochangsheng/RefAlign @ 6f91526
+        scheduler="FlowMatchEulerDiscreteScheduler", shift=5.0,  # diffsynth/pipelines/wan_video_new3.py:807
+        schedule=flowmatch, grid=flowmatch,  # wan_video_new3.py:828
+        steps=50,  # wan_video_new3.py:806
+        guidance=(7.5, 5.0),  # wan_video_new3.py:925 the hard-coded 7.5; Wan2.1-T2V-1.3B_subject.py:179 cfg_scale 5
+        negative=WAN_NEG,  # examples/wanvideo/model_inference/Wan2.1-T2V-1.3B_subject.py:176
+        seed=0,  # Wan2.1-T2V-1.3B_subject.py:178
+        fps=16,  # Wan2.1-T2V-1.3B_subject.py:181
+        latent_frames=21 + 2,  # wan_video_new3.py:801 num_frames=81, then the 2 references' latents
+        framing="fit_pad_white")),  # Wan2.1-T2V-1.3B_subject.py:95-126
+    "vace": ("tiny-vace", [], dict(  # Wan-Video/Wan2.1 @ 9737cba, ali-vilab/VACE @ 48eb44f
+        scheduler="UniPCMultistepScheduler", shift=16.0,  # generate.py:76-81 (vace: 16); vace_wan_inference.py:49-50
+        schedule=flow_unipc, grid=flow_unipc,  # wan/vace.py:402-408
+        steps=50,  # generate.py:71-72
+        guidance=(5.0,),  # generate.py:242 --sample_guide_scale 5.0
+        negative=WAN_NEG,  # wan/vace.py:353-354 the config's sample_neg_prompt
+        seed=2025,  # VACE vace_wan_inference.py:158-162 --base_seed 2025
+        fps=16,  # wan/configs/shared_config.py:18
+        latent_frames=21 + 2,  # generate.py:84-85 frame_num 81, the references' latents on top (wan/vace.py:380-387)
+        framing="wan_reference")),  # wan/vace.py:249-277 bilinear fit, centred on white
+}
+
+
+@pytest.fixture(scope="module")
+def element_paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("promised_elements")
+    paths = []
+    for i in range(2):
+        p = d / f"person{i}.png"
+        drawn_person(REF_SIZE, seed=i).save(p)
+        paths.append(str(p))
+    return paths
+
+
+def shift(sigmas, s):
+    return s * sigmas / (1 + (s - 1) * sigmas)
+
+
+@pytest.mark.parametrize("kind", list(LABS))
+def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch):
+    from a2.tiny import model_path
+
+    name, flags, lab = LABS[kind]
+    n_refs = 1 if kind == "standin" else 2
+    out = tmp_path / "out.mp4"
+    rec = run_infer(monkeypatch, ["--model", str(model_path(name)), "--resolution", str(H), str(W), "--device", "cpu",
+                                  "--prompt", "a man is holding a teddy bear", "--out", str(out),
+                                  "--elements", *element_paths[:n_refs], *flags])
+    assert rec.layout.kind == kind
+    # the scheduler, its shift and the unshifted sigmas it was handed (None: its own default grid)
+    assert (rec.scheduler, rec.shift) == (lab["scheduler"], lab["shift"])
+    given = rec.set_timesteps.get("sigmas")
+    if lab["schedule"] is None:
+        assert given is None and rec.set_timesteps["args"] == (lab["steps"],)
+    else:  # float32 sigmas against float64 literals: the last bit of a value near 1
+        np.testing.assert_allclose(given, lab["schedule"](lab["steps"]), rtol=1e-6, atol=1e-7)
+    # what the transformer got: one timestep per step, each the lab's shifted sigma x 1000 (within 1: the int64
+    # truncation of the FlowUniPC grids), the same timestep for every guidance pass of a step
+    steps = sorted({t for t, _ in rec.calls}, reverse=True)
+    assert len(steps) == len(rec.step_inputs) == lab["steps"]
+    want = (lab["timesteps"](lab["steps"]) if "timesteps" in lab else
+            1000 * shift(lab["grid"](lab["steps"]), lab["shift"]))
+    np.testing.assert_allclose(steps, want, atol=1.0)
+    passes = 1 + len(lab["guidance"]) if lab["guidance"] else 1
+    assert rec.passes() == [passes] * lab["steps"]
+    # the guidance weights the step's model output puts on each forward (cond, then uncond, then no references)
+    if lab["guidance"]:
+        s, *img = lab["guidance"]
+        weights = (s, 1 - s) if not img else (s, img[0] - s, 1 - img[0])
+        # float32 predictions combined and solved in float64: 1e-4 relative to weights of size ~5
+        np.testing.assert_allclose(rec.guidance(), weights, atol=1e-4)
+    # the texts: the prompt, then the lab's negative prompt (none encoded without a guidance pass)
+    assert rec.texts == ["a man is holding a teddy bear"] + ([] if lab["negative"] is None else [lab["negative"]])
+    assert rec.seed == lab["seed"]
+    # the sequence: the lab's frames as latents, plus its reference latents
+    assert {shape[2] for _, shape in rec.calls} == {lab["latent_frames"]}
+    fps, _, (height, _) = video_file(out)
+    assert fps == lab["fps"] and height == H
+    # the references as the lab frames each image, at the video's (H, W)
+    if lab["framing"] is not None:
+        from PIL import Image
+
+        images = [Image.open(p) for p in element_paths[:n_refs]]
+        if lab["framing"] == "512x512":  # a2 fits the image on white at Stand-In's size (its face crop is not done)
+            want = torch.stack([pixels(fit_pad_white(im, 512, 512)) for im in images])
+            tol = 1e-6
+        elif lab["framing"] == "fit_pad_white":
+            want = torch.stack([pixels(fit_pad_white(im, W, H)) for im in images])
+            tol = 1e-6  # the same uint8 pixels scaled alike
+        else:
+            want = torch.stack([wan_reference(im, (H, W))[:, 0] for im in images])
+            tol = 1e-5  # a bilinear resize of float32 pixels
+        got = rec.references[0]
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
