@@ -208,3 +208,104 @@ def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch):
         got = rec.references[0]
         assert got.shape == want.shape
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+
+
+# ---------------------------------------------------------------- every sampling flag reaches the model
+
+FRAMES = 9  # the flag runs: a short clip, 2 steps (the defaults' own values are held above)
+SAMPLE = ["--resolution", str(H), str(W), "--num-frames", str(FRAMES), "--steps", "2", "--device", "cpu",
+          "--prompt", "a man is holding a teddy bear"]
+
+
+@pytest.fixture(scope="module")
+def flag_sources(tmp_path_factory, element_paths):
+    """A control video (uint8 frames, .npz) and masks: a hard one (0 / 255, a box) and the same box soft and at
+    another size (40x60 for the 32x48 video: resized): its values 60 and 195, symmetric about VACE's threshold, so any
+    resampling leaves each pixel on the hard one's side and the binarised masks agree."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("flag_sources")
+    frames = (np.random.default_rng(5).random((FRAMES, H, W, 3)) * 255).astype(np.uint8)
+    np.savez(d / "control.npz", frames=frames)
+    hard = np.zeros((40, 60), np.uint8)
+    hard[10:30, 15:45] = 255
+    Image.fromarray(hard).save(d / "mask.png")
+    Image.fromarray(np.where(hard > 0, 195, 60).astype(np.uint8)).save(d / "soft.png")
+    return dict(control=str(d / "control.npz"), mask=str(d / "mask.png"), soft=str(d / "soft.png"),
+                ref=element_paths[0])
+
+
+def sample(argv, out):
+    """infer.main on argv (parsed as its __main__ parses it), writing out.mp4 and out.pt: (latents, the file's fps)."""
+    import infer
+    from a2.cli import parse_cli
+    from config import InferConfig
+
+    cfg = parse_cli(InferConfig, args=[*argv, "--out", f"{out}.mp4", "--save-latents", f"{out}.pt"])
+    assert infer.main(cfg) == 0
+    return torch.load(f"{out}.pt", weights_only=False)["latents"], video_file(f"{out}.mp4")[0]
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory, flag_sources):
+    """One run per model with no flag beyond SAMPLE, shared by every flag's case."""
+    d, runs = tmp_path_factory.mktemp("default_runs"), {}
+
+    def get(model):
+        if model not in runs:
+            runs[model] = sample(["--model", model, "--elements", flag_sources["ref"], *SAMPLE], d / model)
+        return runs[model]
+    return get
+
+
+FLAGS = {  # flag -> (model, its flags; {control}/{mask}: flag_sources' files)
+    "vace-scale": ("tiny-vace", ["--vace-scale", "0.5"]),
+    "flow-shift": ("tiny-vace", ["--flow-shift", "3"]),
+    "guidance-scale": ("tiny-vace", ["--guidance-scale", "2"]),
+    "guidance-scale-img": ("tiny-phantom", ["--guidance-scale-img", "2"]),
+    "steps": ("tiny-vace", ["--steps", "3"]),
+    "seed": ("tiny-vace", ["--seed", "7"]),
+    "negative-prompt": ("tiny-vace", ["--negative-prompt", "a dog on the beach"]),
+    "scheduler": ("tiny-vace", ["--scheduler", "euler"]),
+    "schedule": ("tiny-vace", ["--schedule", "flowmatch"]),
+    "preset diffusers": ("tiny-vace", ["--preset", "diffusers"]),
+    "control-video": ("tiny-vace", ["--control-video", "{control}"]),
+    "control-video and mask": ("tiny-vace", ["--control-video", "{control}", "--mask", "{mask}"]),
+}
+
+
+@pytest.mark.parametrize("flag", list(FLAGS))
+def test_every_sampling_flag_reaches_the_model(flag, default_runs, flag_sources, tmp_path):
+    """Each flag changes the final latents against the same command without it (the real pipeline, 2 steps): a flag
+    dropped between the CLI and the model leaves them bit-identical (the same ops on the same values), so any change
+    above float32 rounding shows; the smallest, --schedule flowmatch against VACE's grid from 0.999, is 1.3e-4."""
+    model, flags = FLAGS[flag]
+    base, _ = default_runs(model)
+    flags = [f.format(**flag_sources) for f in flags]
+    latents, _ = sample(["--model", model, "--elements", flag_sources["ref"], *SAMPLE, *flags], tmp_path / "x")
+    assert latents.shape == base.shape
+    assert (latents - base).abs().max().item() > 1e-5, flag
+    if flag == "control-video and mask":  # the mask itself, against the control video alone
+        alone, _ = sample(["--model", model, "--elements", flag_sources["ref"], *SAMPLE, "--control-video",
+                           flag_sources["control"]], tmp_path / "alone")
+        assert (latents - alone).abs().max().item() > 1e-5
+
+
+def test_fps_flag_is_the_written_files(default_runs, flag_sources, tmp_path):
+    """--fps is the written file's rate (the latents do not depend on it); without it the kind's (Wan's VACE: 16,
+    wan/configs/shared_config.py:18)."""
+    _, fps = default_runs("tiny-vace")
+    _, given = sample(["--model", "tiny-vace", "--elements", flag_sources["ref"], *SAMPLE, "--fps", "9"],
+                      tmp_path / "fps")
+    assert (fps, given) == (16, 9)
+
+
+def test_a_soft_resized_mask_is_its_binarised_self(default_runs, flag_sources, tmp_path):
+    """VACE binarises its mask at 0.5 (Wan's vace_encode_frames / vace_encode_masks, wan/vace.py: torch.where(m > 0.5,
+    1, 0)): a soft mask of another size samples as the hard one it thresholds to, bit for bit (the same ops on the
+    same binarised values), and differs from no mask."""
+    run = ["--model", "tiny-vace", "--elements", flag_sources["ref"], *SAMPLE, "--control-video",
+           flag_sources["control"]]
+    hard, _ = sample([*run, "--mask", flag_sources["mask"]], tmp_path / "hard")
+    soft, _ = sample([*run, "--mask", flag_sources["soft"]], tmp_path / "soft")
+    assert torch.equal(hard, soft)
