@@ -61,7 +61,7 @@ def a2_timesteps(steps):
 
 # kind -> (model, the flags besides the common ones, the lab's values). Per value the lab's file:line.
 LABS = {
-    "prefix": ("tiny", [], dict(  # SkyworkAI/SkyReels-A2 @ 7c14e2e infer.py
+    "prefix": ("a2", [], dict(  # SkyworkAI/SkyReels-A2 @ 7c14e2e infer.py (its dir: a2_dir)
         scheduler="UniPCMultistepScheduler", shift=8.0,  # infer.py:47 UniPC(flow_shift=8)
         schedule=None, timesteps=a2_timesteps,  # pipeline_a2.py:579 set_timesteps(num_inference_steps)
         steps=50,  # infer.py:87
@@ -147,18 +147,41 @@ def element_paths(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(scope="module")
+def a2_dir(tmp_path_factory):
+    """The tiny model dir as SkyReels-A2 ships its own: model_index.json's _class_name A2Pipeline (what tells it
+    from Wan2.1 I2V, whose sampler is diffusers' I2V pipeline's), and a scheduler_config.json whose shift (3) is not
+    A2's, so that the 8 A2's infer.py hard-codes shows as the kind's own."""
+    import json
+
+    from a2.tiny import model_path
+
+    tiny, d = model_path("tiny"), tmp_path_factory.mktemp("skyreels_a2") / "SkyReels-A2"
+    d.mkdir()
+    for entry in tiny.iterdir():
+        if entry.name not in ("model_index.json", "scheduler"):
+            (d / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    index = json.loads((tiny / "model_index.json").read_text())
+    (d / "model_index.json").write_text(json.dumps(dict(index, _class_name="A2Pipeline")))
+    (d / "scheduler").mkdir()
+    config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    (d / "scheduler" / "scheduler_config.json").write_text(json.dumps(dict(config, flow_shift=3.0)))
+    return d
+
+
 def shift(sigmas, s):
     return s * sigmas / (1 + (s - 1) * sigmas)
 
 
 @pytest.mark.parametrize("kind", list(LABS))
-def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch):
+def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch, request):
     from a2.tiny import model_path
 
     name, flags, lab = LABS[kind]
+    model = request.getfixturevalue("a2_dir") if name == "a2" else model_path(name)
     n_refs = 1 if kind == "standin" else 2
     out = tmp_path / "out.mp4"
-    rec = run_infer(monkeypatch, ["--model", str(model_path(name)), "--resolution", str(H), str(W), "--device", "cpu",
+    rec = run_infer(monkeypatch, ["--model", str(model), "--resolution", str(H), str(W), "--device", "cpu",
                                   "--prompt", "a man is holding a teddy bear", "--out", str(out),
                                   "--elements", *element_paths[:n_refs], *flags])
     assert rec.layout.kind == kind
@@ -187,6 +210,8 @@ def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch):
     # the texts: the prompt, then the lab's negative prompt (none encoded without a guidance pass)
     assert rec.texts == ["a man is holding a teddy bear"] + ([] if lab["negative"] is None else [lab["negative"]])
     assert rec.seed == lab["seed"]
+    if kind == "magref":  # docs/kinds.md: the seed a2 also places MAGREF's canvas by (its shuffle is unseeded)
+        assert rec.layout.placement_seed == lab["seed"]
     # the sequence: the lab's frames as latents, plus its reference latents
     assert {shape[2] for _, shape in rec.calls} == {lab["latent_frames"]}
     fps, _, (height, _) = video_file(out)
@@ -309,3 +334,42 @@ def test_a_soft_resized_mask_is_its_binarised_self(default_runs, flag_sources, t
     hard, _ = sample([*run, "--mask", flag_sources["mask"]], tmp_path / "hard")
     soft, _ = sample([*run, "--mask", flag_sources["soft"]], tmp_path / "soft")
     assert torch.equal(hard, soft)
+
+
+# ---------------------------------------------------------------- what the README and docs/ say, held
+
+
+def test_a_local_dir_named_like_a_hub_id_wins(tmp_path, monkeypatch):
+    """README: `--model` takes a Hub id, "a local dir of the same name wins": with the Hub offline and nothing cached,
+    a dir at ./Skywork/SkyReels-A2 is the model infer.py reads, not a download."""
+    from a2.tiny import model_path
+    from a2.transformer import detect_model
+
+    (tmp_path / "Skywork").mkdir()
+    (tmp_path / "Skywork" / "SkyReels-A2").symlink_to(model_path("tiny"), target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert model_path("Skywork/SkyReels-A2") == tmp_path.joinpath("Skywork", "SkyReels-A2").relative_to(tmp_path)
+    assert detect_model(model_path("Skywork/SkyReels-A2")).name == "Wan2.1 I2V"
+    from a2.transformer import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="Skywork/SkyReels-A3: no such local dir, and as a Hugging Face Hub"):
+        model_path("Skywork/SkyReels-A3")  # the same id without the dir: the Hub, offline
+
+
+def test_a_library_call_samples_as_infer_does(element_paths, monkeypatch):
+    """README: a library call of A2Pipeline leaves every setting to the kind ("as for infer.py"): on Phantom-Wan the
+    sampler it returns is Phantom's generate.py's (the LABS row), with nothing passed but the prompt, the
+    references and the layout."""
+    from a2.elements import RELEASED_ELEMENTS
+    from a2.pipeline import A2Pipeline, load_references
+    from a2.tiny import model_path
+
+    pipe = A2Pipeline.from_pretrained(model_path("tiny-phantom"))
+    refs, clips, repeats, _ = load_references(list(zip(RELEASED_ELEMENTS, element_paths)), (H, W))
+    layout = pipe.plan(9, repeats)
+    out = pipe("a man", refs, clips, layout=layout, height=H, width=W, decode="none", progress=False)
+    lab, own = LABS["phantom"][2], out["sampling"]
+    assert (own.steps, own.flow_shift, (own.guidance_scale, own.guidance_scale_img), own.negative_prompt, own.seed,
+            own.fps) == (lab["steps"], lab["shift"], lab["guidance"], lab["negative"], lab["seed"], lab["fps"])
