@@ -81,3 +81,48 @@ def test_main_trains_and_validates_as_infer_samples(kind, odd_data, tmp_path, mo
     # for the validation images (both CLIs' default prompt), bit for bit
     (video, fps), (want, want_fps) = written["validation"], written["infer"]
     assert fps == want_fps and video.shape == want.shape and torch.equal(video, want)
+
+
+@pytest.fixture(scope="module")
+def phantom_validation(odd_data, tmp_path_factory):
+    """validate() of a tiny Phantom-Wan run planned from train_a2.py's flags (the model and encoders loaded once):
+    returns a function of the extra flags -> the video validation writes."""
+    import a2.evaluate
+    import train_a2
+    from a2.step import Process
+    from config import dataset_configs
+    from tests.conftest import train_config
+
+    first = sorted(odd_data.glob("*.mp4"))[0].stem
+    shared = [*SIZE, "--model", "tiny-phantom", "--data-root", str(odd_data), "--device", "cpu", "--val-every", "1",
+              "--val-steps", "2", "--val-elements", *(str(odd_data / f"{first}{s}") for s in ("_person.png",
+                                                                                            "_object.png"))]
+    device = torch.device("cpu")
+    cfg = train_config(shared)
+    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
+    transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
+    out, made = tmp_path_factory.mktemp("validation"), {}
+
+    def video(*flags):
+        if flags in made:
+            return made[flags]
+        written = []
+        real = a2.evaluate.save_video
+        a2.evaluate.save_video = lambda path, v, fps=15, references=None: written.append(v) or path
+        try:
+            cfg = train_config([*shared, *flags])
+            a2.evaluate.validate(1, cfg, run, transformer, enc, out, {}, Process(0, 0, 1, device), log=lambda *_: 0)
+        finally:
+            a2.evaluate.save_video = real
+        made[flags] = written[0]
+        return written[0]
+    return video
+
+
+@pytest.mark.parametrize("flag", [["--val-steps", "3"], ["--val-guidance-scale", "2"], ["--val-flow-shift", "3"]])
+def test_every_validation_flag_reaches_the_model(flag, phantom_validation):
+    """docs/kinds.md: --val-steps, --val-guidance-scale and --val-flow-shift replace the kind's own for a run's
+    validation video: each changes it against the same run without it (bit-identical when a flag is dropped)."""
+    base = phantom_validation()
+    assert (phantom_validation(*flag) - base).abs().max().item() > 1e-5
