@@ -621,10 +621,12 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
 def left_as_found():
     """main()'s decorator: main leaves the process as it found it on every exit (a return, an exception, a stop), so
     that a caller (a notebook, a test) keeps no SIGTERM/SIGINT handler of a run that has ended and can call main
-    again: the handlers main installs are restored, the STOP flags cleared, and the process group main created is
+    again: the handlers main installs are restored, the STOP flags cleared, the environment variables it set
+    (PYTORCH_CUDA_ALLOC_CONF, read once when CUDA initialises) put back, and the process group main created is
     destroyed. After an exception with several ranks the group is left to the process's exit: destroying it would
     wait for the other ranks' collectives, which may never come."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    environ = dict(os.environ)
     created = not dist.is_initialized()
     failed = True
     try:
@@ -632,6 +634,9 @@ def left_as_found():
         failed = False
     finally:
         STOP.update(signal=None, loop=False)
+        for name in os.environ.keys() - environ.keys():
+            del os.environ[name]
+        os.environ.update(environ)
         for signum, handler in handlers.items():
             if signal.getsignal(signum) is not handler:  # (only the main thread may set one; main set them there)
                 signal.signal(signum, handler)
