@@ -340,10 +340,63 @@ def test_every_visualized_tensor_is_one_training_writes(tmp_path):
     assert sorted(k.arg for k in viz.keywords) == sorted(VISUALIZED)
 
 
-def test_the_stand_in_commands_train_and_sample(work, capsys):
-    """docs/models.md's Stand-In commands on tiny-t2v: the run exports Stand-In's own file, and infer.py, given it,
+# docs/howto.md's sections: each built-in tiny model's (a2/tiny.py TINY_MODELS) and the kinds its heading names
+HOWTOS = {"howto-tiny": {"prefix"}, "howto-tiny-t2v": {"t2v"}, "howto-tiny-phantom": {"phantom"},
+          "howto-tiny-v3": {"v3"}, "howto-tiny-magref": {"magref"}, "howto-tiny-refalign": {"refalign"},
+          "howto-tiny-ti2v": {"clean"}, "howto-tiny-wan22": {"t2v", "prefix"}, "howto-tiny-vace": {"vace"}}
+
+
+def test_every_tiny_model_has_a_howto():
+    """Every built-in tiny model (a2/tiny.py's TINY_MODELS, the real-size random ones aside) is trained and sampled by
+    a how-to section of docs/howto.md that the test below runs; each section's heading names the kinds it trains."""
+    from a2.tiny import TINY_MODELS
+
+    text = (ROOT / "docs" / "howto.md").read_text()
+    blocks = {m[1]: m[4] for m in MARKED.finditer(text)}
+    models = {w[i + 1] for name in HOWTOS for line in logical_lines(blocks[name]) for w in [words(line)]
+              for i, t in enumerate(w) if t == "--model"}
+    assert models == {m for m in TINY_MODELS if m.startswith("tiny")}
+    for name, kinds in HOWTOS.items():
+        head = text[:text.index(f"<!-- test {name}: run -->")].rsplit("\n## ", 1)[1].split("\n")[0]
+        assert set(re.findall(r"`(\w+)`", re.search(r"\(kinds? (.*)\)$", head)[1])) == kinds, (name, head)
+
+
+@pytest.fixture(scope="module")
+def howto_data(tmp_path_factory) -> Path:
+    """docs/howto.md's sample data, made once by its command as written (no command of a section writes into it)."""
+    made = clone(tmp_path_factory.mktemp("howto"))
+    cwd = Path.cwd()
+    os.chdir(made)
+    try:
+        run_doc("howto-data", "howto.md", made)
+    finally:
+        os.chdir(cwd)
+    return made / "sample_data"
+
+
+@pytest.mark.parametrize("name", HOWTOS)
+def test_each_tiny_models_howto_trains_and_samples(work, howto_data, capsys, name):
+    """docs/howto.md's section `name` as written, on the page's sample data: each training run exports its LoRA, each
+    infer.py writes its video, and they train and sample the kinds the section's heading names (the logs say which)."""
+    (work / "sample_data").symlink_to(howto_data)
+    capsys.readouterr()
+    ran = run_doc(name, "howto.md", work)
+    out = capsys.readouterr().out
+    assert set(re.findall(r"\bkind (\w+)", out)) == HOWTOS[name], out[-3000:]
+    for line in ran:
+        w = words(line)
+        if w[1] == "train_a2.py":
+            run = work / "runs" / w[w.index("--run-name") + 1]
+            assert list(run.glob("pytorch_lora_weights*.safetensors")), line
+        else:
+            assert (work / w[w.index("--out") + 1]).stat().st_size > 0, line
+
+
+def test_the_stand_in_commands_train_and_sample(work, howto_data, capsys):
+    """docs/howto.md's Stand-In commands on tiny-t2v: the run exports Stand-In's own file, and infer.py, given it,
     samples as Stand-In (the file chooses the kind)."""
-    run_doc("standin", "models.md", work)
+    (work / "sample_data").symlink_to(howto_data)
+    run_doc("standin", "howto.md", work)
     out = capsys.readouterr().out
     assert "kind standin" in out and "Stand-In LoRA runs/standin/standin_lora.ckpt: rank 128" in out
     assert (work / "runs" / "standin" / "standin_lora.ckpt").is_file()
@@ -351,11 +404,12 @@ def test_the_stand_in_commands_train_and_sample(work, capsys):
 
 
 def test_the_vace_commands_train_and_sample(work, capsys):
-    """docs/models.md's VACE commands on tiny-vace: the masked clip its own bucket, a LoRA of the context blocks
-    alone, sampled with a reference, a control video and its mask."""
+    """docs/howto.md's VACE commands on tiny-vace: the masked clip its own bucket, a LoRA of the context blocks
+    alone, sampled with a reference, a control video and its mask; the mask in a data dir of its own, so that
+    sample_data validates as make-sample wrote it."""
     from safetensors import safe_open
 
-    run_doc("vace", "models.md", work)
+    run_doc("vace", "howto.md", work)
     out = capsys.readouterr().out
     assert "kind vace" in out and "ref2, clip mask]: 1 samples" in out, out[-3000:]
     with safe_open(work / "runs" / "vace" / "pytorch_lora_weights.safetensors", "pt") as f:
