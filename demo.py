@@ -59,11 +59,13 @@ def element_colour(image) -> torch.Tensor | None:
 
 def shape_name(image, fallback: str) -> str:
     """What the one shape of an element image is, for the picture's labels: "square" when it fills its bounding box,
-    "disc" when it fills pi/4 of a square box (the synthetic data's two), else `fallback` (the file's name)."""
+    "disc" when it fills pi/4 of a square box (the synthetic data's two), else `fallback` (the file's name); an image
+    that is not one shape on white (element_colour's test) keeps `fallback` too."""
     rgb = np.array(image.convert("RGB")).astype(np.float64) / 127.5 - 1
-    ys, xs = np.nonzero((rgb < 0.7).any(-1))
-    if not len(ys):
+    shape = (rgb < 0.7).any(-1)  # as element_colour: farther than ~40/255 from white in some channel
+    if not 0.02 < shape.mean() < 0.9:
         return fallback
+    ys, xs = np.nonzero(shape)
     h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
     fill = len(ys) / (h * w)
     if abs(h - w) > 0.1 * max(h, w):
