@@ -241,6 +241,26 @@ def test_the_json_format_tables_are_the_loaders_keys_and_defaults(tmp_path):
     assert checked >= 25
 
 
+# ---------------------------------------------------------------- the README's numbers
+
+
+def test_the_readmes_numbers_are_what_the_script_measured():
+    """Each `<!-- numbers NAME -->` block of the README is what scripts/readme_numbers.py writes from the measurements
+    it holds (rendered again here: a number typed over the text differs), and those measurements timed the commands of
+    the README's quick-start blocks NAME as they stand (a command changed since makes the numbers stale). Timings are
+    not checked: they depend on the machine."""
+    spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "scripts" / "readme_numbers.py")
+    readme_numbers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_numbers)
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"<!-- numbers (\w+) -->\n(.*?)<!-- /numbers \1 -->", text, re.S)
+    assert [name for name, _ in blocks] == ["smoke", "main"]
+    for name, block in blocks:
+        m = json.loads(re.match(r"<!-- measured (.*) -->\n", block)[1])
+        assert block == readme_numbers.render(m), name
+        assert [c["line"] for c in m["commands"]] == readme_numbers.commands(name, text), name
+
+
 # ---------------------------------------------------------------- the docs' commands, run as written
 
 
