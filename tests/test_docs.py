@@ -294,6 +294,12 @@ def run_python(argv: list[str]) -> int:
             signal.signal(s, handler)
 
 
+def python_first() -> dict[str, str]:
+    """The environment with this interpreter's dir first on PATH: a doc's `python3 -c ...` run by bash is the python
+    of the suite (with its packages), as in the activated environment the README sets up."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
 def run_doc(name: str, page: str, work: Path) -> list[str]:
     """The blocks marked `name` in docs/`page`, in order: files written, commands run (each must exit 0)."""
     blocks = [m for m in MARKED.finditer((ROOT / "docs" / page).read_text()) if m[1] == name]
@@ -309,7 +315,7 @@ def run_doc(name: str, page: str, work: Path) -> list[str]:
                 assert not {"&&", "|", ";", "&"} & set(argv), line
                 code = run_python(argv[1:])
             else:
-                code = subprocess.run(["bash", "-c", line], cwd=work).returncode
+                code = subprocess.run(["bash", "-c", line], cwd=work, env=python_first()).returncode
             assert code == 0, f"exit {code}: {line}"
             ran.append(line)
     return ran
@@ -423,13 +429,16 @@ def test_the_stand_in_commands_train_and_sample(work, howto_data, capsys):
     assert (work / "runs" / "standin" / "sample.mp4").stat().st_size > 0
 
 
-def test_the_vace_commands_train_and_sample(work, capsys):
+def test_the_vace_commands_train_and_sample(work, howto_data, capsys):
     """docs/howto.md's VACE commands on tiny-vace: the masked clip its own bucket, a LoRA of the context blocks
     alone, sampled with a reference, a control video and its mask; the mask in a data dir of its own, so that
     sample_data validates as make-sample wrote it."""
     from safetensors import safe_open
 
+    (work / "sample_data").symlink_to(howto_data)
+    before = sorted(p.name for p in howto_data.iterdir())
     run_doc("vace", "howto.md", work)
+    assert sorted(p.name for p in howto_data.iterdir()) == before  # the mask went into a data dir of its own
     out = capsys.readouterr().out
     assert "kind vace" in out and "ref2, clip mask]: 1 samples" in out, out[-3000:]
     with safe_open(work / "runs" / "vace" / "pytorch_lora_weights.safetensors", "pt") as f:
@@ -471,8 +480,7 @@ def test_the_loopback_smoke_command_trains_on_two_nodes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "A2_RDZV_PORT": str(port), "PYTHONUNBUFFERED": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**python_first(), "A2_RDZV_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(["bash", "-c", m[4]], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
