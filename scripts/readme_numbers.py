@@ -102,23 +102,40 @@ def measure(name: str, work: Path) -> dict:
             raise SystemExit(f"exit {p.returncode}: {line}\n{(p.stdout + p.stderr)[-3000:]}")
         print(f"{wall:7.1f} s wall {cpu:7.1f} s CPU  {line[:100]}", flush=True)
         result["commands"].append(dict(line=line, command=script_of(line), wall_s=round(wall), cpu_s=round(cpu)))
-        if script_of(line) == "demo.py":
-            out = p.stdout
-            d = re.search(r"base ([\d.]+), LoRA ([\d.]+) \(lower is closer\)", out)
-            result["distance"] = dict(base=float(d[1]), lora=float(d[2]))
-            found = re.findall(r"^\S+_(person|object): its colour(?:, the (\w+)'s,)? .*?: base (-?[\d.]+), "
-                               r"LoRA (-?[\d.]+)$", out, re.M)
-            result["match"] = {m[0]: dict(base=float(m[2]), lora=float(m[3])) for m in found}
-            # make-sample draws the subject (_person) as a square, the object as a disc; demo.py says which it saw
-            assert all(m[1] in ("", SHAPES[m[0]]) for m in found) and len(found) == 2, out
-        if script_of(line) == "infer.py":
-            out_file = shlex.split(line)[shlex.split(line).index("--out") + 1]
-            result["video"] = dict(zip(("width", "height", "frames"), video_size(work / out_file)))
-            result["log_size"] = re.search(r"^wrote .*\(\d+ frames, (\d+x\d+)", p.stdout, re.M)[1]
+        read_output(result, line, p.stdout, work)
         if script_of(line) == "train_a2.py":
             run = work / "runs" / shlex.split(line)[shlex.split(line).index("--run-name") + 1]
     result["tree"] = [f"runs/{run.name}/"] + ["  " + x for x in tree(run)]  # after infer.py and demo.py wrote theirs
     return result
+
+
+def read_output(result: dict, line: str, out: str, work: Path) -> None:
+    """What a command of the block printed or wrote, into `result`: demo.py's distances and colour matches, the size
+    of infer.py's video and the size its log gives."""
+    if script_of(line) == "demo.py":
+        d = re.search(r"base ([\d.]+), LoRA ([\d.]+) \(lower is closer\)", out)
+        result["distance"] = dict(base=float(d[1]), lora=float(d[2]))
+        found = re.findall(r"^\S+_(person|object): its colour(?:, the (\w+)'s,)? .*?: base (-?[\d.]+), "
+                           r"LoRA (-?[\d.]+)$", out, re.M)
+        result["match"] = {m[0]: dict(base=float(m[2]), lora=float(m[3])) for m in found}
+        # make-sample draws the subject (_person) as a square, the object as a disc; demo.py says which it saw
+        assert all(m[1] in ("", SHAPES[m[0]]) for m in found) and len(found) == 2, out
+    if script_of(line) == "infer.py":
+        out_file = shlex.split(line)[shlex.split(line).index("--out") + 1]
+        result["video"] = dict(zip(("width", "height", "frames"), video_size(work / out_file)))
+        result["log_size"] = re.search(r"^wrote .*\(\d+ frames, (\d+x\d+)", out, re.M)[1]
+
+
+def reread(m: dict, work: Path) -> dict:
+    """A measurement saved before the block's commands were recorded in it (their names and times only): each
+    command's line is the README's of that name, and what they printed is read again from the logs `measure` wrote in
+    `work`."""
+    lines = {script_of(line): line for line in commands(m["block"])}
+    for c in m["commands"]:
+        if "line" not in c:
+            c["line"] = lines[c["command"]]
+        read_output(m, c["line"], (work / f"{c['command'].replace(' ', '_')}.log").read_text(), work)
+    return dict(m, commands=[{"line": c.pop("line"), **c} for c in m["commands"]])
 
 
 def render(m: dict) -> str:
@@ -134,8 +151,8 @@ def render(m: dict) -> str:
             f"| command | wall | CPU |\n|---|---|---|\n{rows}\n| all | {total} s | |\n\n"
             f"demo.py: distance to the clip {d['lora']:.3f} (LoRA) against {d['base']:.3f} (base); colour match "
             f"{sq['lora']:.2f} (square) and {disc['lora']:.2f} (disc) against the base's {sq['base']:.2f} and "
-            f"{disc['base']:.2f}. infer.py's video: {v['width']} pixels wide, {v['height']} high, {v['frames']} frames: the "
-            f"log's {m['log_size']} (height x width) video with the references tiled to its left.\n")
+            f"{disc['base']:.2f}. infer.py's video: {v['width']} pixels wide, {v['height']} high, {v['frames']} "
+            f"frames: the log's {m['log_size']} (height x width) video with the references tiled to its left.\n")
     if "tree" in m and m["block"] == "smoke":
         text += "\n```\n" + "\n".join(m["tree"]) + "\n```\n"
     return text
@@ -154,9 +171,13 @@ def main() -> None:
     ap.add_argument("block", choices=("smoke", "main"))
     ap.add_argument("--work", help="the dir to run in (default: a new temporary dir)")
     ap.add_argument("--from-json", help="render a run measured before (its JSON) instead of running")
+    ap.add_argument("--reread", metavar="WORK", help="with --from-json: read what the commands printed again from the "
+                    "logs in the run's --work dir")
     a = ap.parse_args()
     if a.from_json:
         m = json.loads(Path(a.from_json).read_text())
+        if a.reread:
+            m = reread(m, Path(a.reread))
     else:
         work = clone(Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix=f"a2-{a.block}-")))
         m = measure(a.block, work)
