@@ -126,18 +126,6 @@ def read_output(result: dict, line: str, out: str, work: Path) -> None:
         result["log_size"] = re.search(r"^wrote .*\(\d+ frames, (\d+x\d+)", out, re.M)[1]
 
 
-def reread(m: dict, work: Path) -> dict:
-    """A measurement saved before the block's commands were recorded in it (their names and times only): each
-    command's line is the README's of that name, and what they printed is read again from the logs `measure` wrote in
-    `work`."""
-    lines = {script_of(line): line for line in commands(m["block"])}
-    for c in m["commands"]:
-        if "line" not in c:
-            c["line"] = lines[c["command"]]
-        read_output(m, c["line"], (work / f"{c['command'].replace(' ', '_')}.log").read_text(), work)
-    return dict(m, commands=[{"line": c.pop("line"), **c} for c in m["commands"]])
-
-
 def render(m: dict) -> str:
     """The README's numbers block for a measured run (the block between its markers): the measurements as JSON in a
     comment (tests/test_docs.py renders them again and compares), then the text they make."""
@@ -171,13 +159,9 @@ def main() -> None:
     ap.add_argument("block", choices=("smoke", "main"))
     ap.add_argument("--work", help="the dir to run in (default: a new temporary dir)")
     ap.add_argument("--from-json", help="render a run measured before (its JSON) instead of running")
-    ap.add_argument("--reread", metavar="WORK", help="with --from-json: read what the commands printed again from the "
-                    "logs in the run's --work dir")
     a = ap.parse_args()
     if a.from_json:
         m = json.loads(Path(a.from_json).read_text())
-        if a.reread:
-            m = reread(m, Path(a.reread))
     else:
         work = clone(Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix=f"a2-{a.block}-")))
         m = measure(a.block, work)
