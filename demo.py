@@ -57,6 +57,22 @@ def element_colour(image) -> torch.Tensor | None:
     return rgb[shape].median(0).values
 
 
+def shape_name(image, fallback: str) -> str:
+    """What the one shape of an element image is, for the picture's labels: "square" when it fills its bounding box,
+    "disc" when it fills pi/4 of a square box (the synthetic data's two), else `fallback` (the file's name); an image
+    that is not one shape on white (element_colour's test) keeps `fallback` too."""
+    rgb = np.array(image.convert("RGB")).astype(np.float64) / 127.5 - 1
+    shape = (rgb < 0.7).any(-1)  # as element_colour: farther than ~40/255 from white in some channel
+    if not 0.02 < shape.mean() < 0.9:
+        return fallback
+    ys, xs = np.nonzero(shape)
+    h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+    fill = len(ys) / (h * w)
+    if abs(h - w) > 0.1 * max(h, w):
+        return fallback
+    return "square" if fill > 0.95 else "disc" if abs(fill - np.pi / 4) < 0.06 else fallback
+
+
 def colour_match(video: torch.Tensor, clip: torch.Tensor, colour: torch.Tensor, width: float = 0.3) -> float:
     """Pearson correlation, over two (3, F, H, W) videos of one shape, of their closeness-to-`colour` maps
     exp(-|pixel - colour|^2 / (2 width^2)): ~1 when the video shows that colour where, and as much as, the clip does;
@@ -75,28 +91,33 @@ def read_clip(path: str | Path) -> torch.Tensor:
 
 def loss_curve(steps: list[int], losses: list[float], size: tuple[int, int]):
     """A PIL image of the logged losses (train_a2.py logs one every --log-every steps) and their running mean (10
-    points, fewer on a short log), with their range and steps written on it."""
+    points, fewer on a short log), on axes: training step across, loss up, each with ticks at its ends and middle."""
     h, w = size
     img = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(img)
     if len(losses) < 2:
         draw.text((4, h // 2), "no loss logged", fill="black")
         return img
-    y = np.asarray(losses, dtype=np.float64)
+    x, y = np.asarray(steps, dtype=np.float64), np.asarray(losses, dtype=np.float64)
     k = min(10, max(1, len(y) // 5))  # the running mean's window: 10 points, fewer on a short log
     smooth = np.convolve(y, np.ones(k) / k, mode="valid")
     lo, hi = float(y.min()), float(y.max())
-    pad = 14
-
-    def points(values, offset=0):
-        xs = pad + (np.arange(len(values)) + offset) * (w - 2 * pad) / max(1, len(y) - 1)
-        ys = h - pad - (values - lo) / max(hi - lo, 1e-12) * (h - 2 * pad)
-        return list(zip(xs.tolist(), ys.tolist()))
-
-    draw.line(points(y), fill=(170, 170, 230), width=1)
-    draw.line(points(smooth, offset=len(y) - len(smooth)), fill=(20, 20, 160), width=2)
-    draw.text((pad, 1), f"loss {hi:.3f} .. {lo:.3f}, {len(y)} logged points, steps {steps[0]}-{steps[-1]}",
-              fill="black")
+    left, right, top, bottom = 52, 10, 16, 30  # the plot's margins: tick labels left and below, its title above
+    x0, x1, y0, y1 = left, w - right, h - bottom, top  # the plot area's corners (y grows down)
+    sx = lambda v: x0 + (v - x[0]) / max(x[-1] - x[0], 1e-12) * (x1 - x0)  # noqa: E731  (step -> pixel)
+    sy = lambda v: y0 - (v - lo) / max(hi - lo, 1e-12) * (y0 - y1)  # noqa: E731  (loss -> pixel)
+    draw.line([(x0, y1), (x0, y0), (x1, y0)], fill="black")
+    for t in (x[0], (x[0] + x[-1]) / 2, x[-1]):
+        draw.line([(sx(t), y0), (sx(t), y0 + 4)], fill="black")
+        label = f"{t:.0f}"
+        draw.text((sx(t) - 3 * len(label), y0 + 6), label, fill="black")
+    for t in (lo, (lo + hi) / 2, hi):
+        draw.line([(x0 - 4, sy(t)), (x0, sy(t))], fill="black")
+        draw.text((2, sy(t) - 6), f"{t:.3f}", fill="black")
+    draw.text(((x0 + x1) // 2 - 40, h - 12), "training step", fill="black")
+    draw.text((x0, 1), f"loss ({len(y)} logged points; dark: running mean of {k})", fill="black")
+    draw.line(list(zip(sx(x).tolist(), sy(y).tolist())), fill=(170, 170, 230), width=1)
+    draw.line(list(zip(sx(x[len(y) - len(smooth):]).tolist(), sy(smooth).tolist())), fill=(20, 20, 160), width=2)
     return img
 
 
@@ -186,6 +207,7 @@ def run(cfg: DemoConfig) -> dict:
                              region=refs["region"])
         videos[name] = out["video"][0].float()  # (3, F, H, W) in [-1, 1]
     colours = [(Path(p).stem, c) for p, c in zip(elements, map(element_colour, images)) if c is not None]
+    shapes = {Path(p).stem: shape_name(im, Path(p).stem) for p, im in zip(elements, images)}
     rows, result = [], dict(base=None, lora=None, match={})
     if clip is not None:  # compared over the frames both have, at the videos' size
         n = min(videos["base"].shape[1], clip.shape[1])
@@ -195,8 +217,8 @@ def run(cfg: DemoConfig) -> dict:
             result[k] = block_distance(v[:, :n], clip)
             result["match"][k] = {name: colour_match(v[:, :n], clip, c) for name, c in colours}
     for k, v in videos.items():
-        label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\ncolour match "
-                                             + ", ".join(f"{m:.2f}" for m in result["match"][k].values()))
+        label = k if result[k] is None else (f"{k}: distance {result[k]:.3f}\ncolour match\n" + "\n".join(
+            f"  {shapes[name]} {m:.2f}" for name, m in result["match"][k].items()))
         rows.append((label, v))
     steps, losses = [], []
     metrics = run_dir / "metrics.jsonl"
@@ -211,7 +233,8 @@ def run(cfg: DemoConfig) -> dict:
         print(f"distance to {cfg.clip} (mean squared difference of 8x8-pixel block means, [-1, 1] units): "
               f"base {result['base']:.4f}, LoRA {result['lora']:.4f} (lower is closer)")
         for name, _ in colours:
-            print(f"{name}: its colour where the clip has it (correlation, 1 = same place and size): "
+            which = f", the {shapes[name]}'s," if shapes[name] != name else ""
+            print(f"{name}: its colour{which} where the clip has it (correlation, 1 = same place and size): "
                   f"base {result['match']['base'][name]:.2f}, LoRA {result['match']['lora'][name]:.2f}")
     print(f"wrote {path}: elements, " + ("clip, " if cfg.clip else "")
           + f"base and LoRA frames (seed {cfg.seed}), loss curve")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from a2.cli import run_cli
 from config import DemoConfig
-from demo import block_distance, colour_match, element_colour, read_clip, run
+from demo import block_distance, colour_match, element_colour, read_clip, run, shape_name
 from tests.conftest import args, train
 
 
@@ -40,6 +40,20 @@ def test_tiny_vae_keeps_the_square_and_the_disc(tiny_dir):
         assert colour_match(back, clip, colour) > 0.7  # measured 0.82 (square), 0.90 (disc)
         assert colour_match(grey, clip, colour) < 0.1
     assert colour_match(back, clip, square) > colour_match(back.flip(-1), clip, square) + 0.5  # the place counts
+
+
+def test_the_labels_name_the_synthetic_datas_square_and_disc(tmp_path):
+    """The picture's colour-match labels say which score is whose: make-sample draws the subject as a square and the
+    object as a disc (data.py's make_synthetic_dataset), at its default size and a small one; a background, or a
+    drawn person, keeps its file's name."""
+    from data import make_synthetic_dataset
+    from tests.conftest import drawn_person
+
+    for size in ((64, 64), (32, 48)):
+        data = make_synthetic_dataset(tmp_path / f"{size}", num_samples=1, num_frames=1, size=size)
+        shapes = [shape_name(Image.open(data / f"000_{n}.png"), n) for n in ("person", "object", "background")]
+        assert shapes == ["square", "disc", "background"], size
+    assert shape_name(drawn_person((64, 64), background="white"), "me") == "me"
 
 
 def test_colour_match_tells_place_and_absence():
