@@ -24,8 +24,8 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
              frame 0, condition = VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas,
              clip])), so latent frame 0 holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
   standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
-             the video's size (layout.reference_size, reference_framing: fit_pad_white), its clean latent (64x64)
-             packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
+             the video's size (layout.reference_size, the face framing of a2/images.py reference_pixels), its clean
+             latent (64x64) packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
              pack_reference); a2/standin.py's forward (prepare_model installs it, with layout.reference_grid to
              unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
              to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
@@ -43,7 +43,6 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
                        From a2.dataset_config.ConditioningConfig (flags and processors.vae alike); sampling_plan is
                        the same plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it
                        is given.
-  reference_pixels     the element images as the kind takes them (framed per element, or magref's one canvas).
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
   drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).
@@ -63,18 +62,11 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
-from a2 import standin, vace
+from a2 import align, standin, vace
 from a2.cli import ConfigError
 from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
 from a2.elements import RELEASED_ELEMENTS
-from a2.images import (
-    MAGREF_GRIDS,
-    element_tensors,
-    magref_canvas,
-    magref_places,
-    pil_to_tensor,
-    preprocess_image,
-)
+from a2.images import MAGREF_GRIDS, magref_places
 from a2.kinds import KIND_DEFS, KINDS, Kind, kind_sampling
 from a2.transformer import resolve_e2v_type, vae_path_only
 
@@ -262,7 +254,7 @@ class Layout:
     @property
     def takes_region(self) -> bool:
         """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
-        return self.kind == "magref"
+        return self.definition.framing == "canvas"
 
     @property
     def context_blocks(self) -> bool:
@@ -280,6 +272,11 @@ class Layout:
         """Images in the kind's references (B, N, 3, H, W) (reference_pixels): magref's one canvas, else one per
         element."""
         return 1 if self.takes_region else len(self.repeats)
+
+    @property
+    def reference_frames(self) -> list[int]:
+        """Latent frames of each reference encoded alone (its repeats' 1 + (r-1)//4), in position order."""
+        return [num_latent_frames(r) for r in self.repeats]
 
     @property
     def latent_frames(self) -> int:
@@ -394,7 +391,7 @@ def canvas_refusal(layout: Layout, sizes: list[tuple[int, int]], size: tuple[int
     """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
     height) sizes, in position order (a2.images.magref_places: a reference under a token once placed), else None;
     None for the other kinds, which frame each image to the video's size. `names` (the files) say which."""
-    if layout.kind != "magref":
+    if not layout.takes_region:
         return None
     rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
     try:
@@ -629,8 +626,8 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       h, w): with `video` (B, 3, F, H, W) and its mask `region` (B, F, H, W), 1 where VACE generates (a control video,
       a masked clip), else R2V's (video zeros, mask ones). Posterior means whatever sample_mode (Wan's encode).
     standin: the one reference (B, 1, 3, *layout.reference_size), Stand-In's 512x512 whatever the video's size
-      (reference_framing), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's encode_ip_image):
-      `ref_latents` (B, C, 1, *layout.reference_grid).
+      (a2/images.py reference_pixels), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's
+      encode_ip_image): `ref_latents` (B, C, 1, *layout.reference_grid).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind, d = layout.kind, layout.definition
@@ -655,7 +652,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     if layout.reference_size and (h, w) != layout.reference_size:
         raise ValueError(f"the {kind} kind's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} "
                          f"image (Stand-In's face crop) whatever the video's size, got {h}x{w}: frame it with "
-                         f"reference_framing (load_references(..., layout) of the {kind} layout)")
+                         f"reference_pixels (load_references(..., layout) of the {kind} layout)")
     mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
     if d.axis == "context":  # VACE: its context of the references and the video (a2/vace.py), all posterior means
         refs = references.flip(1) if layout.reversed_references else references  # diffusers' order
@@ -717,48 +714,6 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     return cond
 
 
-def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, int], clip_size: tuple[int, int],
-                     names: list[str] | None = None):
-    """Element images (RGB, read_image's, in position order) as the kind takes them: (vae (N, 3, H, W) and clip
-    (N, 3, h, w) in [-1, 1], region (H, W) bool or None). `elements`: their config.Elements; size=(H, W) the video's.
-
-    magref: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
-      made from the images themselves, no element preprocess (a2.images.magref_canvas, layout.placement_seed),
-      and region where their pixels are on it. A reference thinner than a token once placed is a one-line
-      ValueError naming it (`names`, e.g. the files).
-    standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
-    vace: each image framed by VACE's own arithmetic (Kind.framing: a2/vace.py frame; diffusers' with the layout's
-      reference_multiple), whatever its element's vae_preprocess.
-    Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
-    clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
-    these are what the metrics compare the video with)."""
-    if layout is None or not layout.takes_region:
-        kind = None if layout is None else layout.kind
-        pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
-                 for image, e in zip(images, elements)]
-        framing = None if layout is None else layout.definition.framing
-        vae = [framing(image, size, layout.reference_multiple) for image in images] if framing else [
-            v for v, _ in pairs]
-        return (torch.stack(vae) if pairs else torch.zeros(0, 3, *size),
-                torch.stack([c for _, c in pairs]) if pairs else torch.zeros(0, 3, *clip_size), None)
-    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
-    canvas, region = magref_canvas(list(images), size, rng, names)
-    clip = torch.stack([pil_to_tensor(preprocess_image(image, e.clip_preprocess, clip_size))
-                        for image, e in zip(images, elements)])
-    return pil_to_tensor(canvas)[None], clip, region
-
-
-def reference_framing(kind: str | None, element, size: tuple[int, int]):
-    """(element, (height, width)) an element image of a `kind` run is framed with, by training (data.py) and sampling
-    (load_references) alike: Stand-In's reference as its FaceProcessor crop, fit_pad_white at 512x512 (a2/standin.py:
-    REFERENCE_PREPROCESS, REFERENCE_SIZE) whatever the video's size and the element's vae_preprocess; any other the
-    element as it is, at the video's `size`."""
-    size_of_kind = None if kind is None else KIND_DEFS[kind].reference_size
-    if size_of_kind is None:
-        return element, size
-    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), size_of_kind
-
-
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
            region: torch.Tensor | None = None):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
@@ -791,42 +746,17 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 
 
 def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
-    """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
-    Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
-    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
-    reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention). vace:
-    the forward that reads VACE's context packed beside x_t and adds its blocks' hints at the layout's context_scale
-    (a2/vace.py: install). Others: nothing."""
+    """What a kind changes in the transformer before it runs (training and sampling alike), each in its kind's module:
+    refalign: the reference tokens skip the text cross-attention (a2/align.py video_only_cross_attention); vace: the
+    forward that reads VACE's context packed beside x_t and adds its blocks' hints at the layout's context_scale
+    (a2/vace.py install); standin: Stand-In's processors (reference LoRA at `rank`) and the forward that reads the
+    packed reference of the layout's reference_grid (a2/standin.py prepare). Others: nothing."""
     if layout.definition.text_to_video_only:
-        video_only_cross_attention(transformer, layout.ref_latents)
+        align.video_only_cross_attention(transformer, layout.ref_latents)
     if layout.context_blocks:
         vace.install(transformer, layout.context_scale)
-    if layout.definition.axis != "tokens":
-        return
-    if not standin.installed(transformer):
-        standin.install(transformer, rank or standin.RANK)
-    standin.packed_forward(transformer, layout.reference_grid)
-
-
-def video_only_cross_attention(transformer, ref_latents: int) -> None:
-    """RefAlign's blocks: the text cross-attention for the video tokens only, the reference tokens (the last
-    `ref_latents` latent frames of hidden_states) passed through unchanged (its DiTBlock adds cross_attn to x_video
-    alone). Stand-In's video-only processor on every attn2; a pre-hook counts the reference tokens of each call from
-    its input's shape."""
-    transformer.reference_latents = ref_latents  # this call's (a sampling call may take another count)
-    if getattr(transformer, "video_only_hook", None) is not None:
-        return
-
-    def count(module, args, kwargs):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (B, C, T + L_ref, H, W)
-        p_t, p_h, p_w = module.config.patch_size
-        n = module.reference_latents // p_t * (x.shape[3] // p_h) * (x.shape[4] // p_w)
-        for block in module.blocks:
-            block.attn2.processor.num_reference = n
-
-    for block in transformer.blocks:
-        block.attn2.set_processor(standin.VideoOnlyCrossAttnProcessor())
-    transformer.video_only_hook = transformer.register_forward_pre_hook(count, with_kwargs=True)
+    if layout.reference_grid is not None:
+        standin.prepare(transformer, layout.reference_grid, rank)
 
 
 def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
@@ -837,10 +767,8 @@ def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
 
 def kind_weights(transformer, layout: Layout) -> list:
     """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
-    reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
-    if layout.definition.axis != "tokens":
-        return []
-    return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
+    reference-only LoRA (a2/standin.py weights); none for the other kinds."""
+    return standin.weights(transformer) if layout.reference_grid is not None else []
 
 
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:

@@ -25,14 +25,13 @@ from a2.conditioning import (
     num_latent_frames,
     prepare_latents,
     prepare_model,
-    reference_pixels,
     restore,
     sampling_plan,
     vae_scale,
     video_prediction,
 )
 from a2.dataset_config import ConditioningConfig, check_size
-from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
+from a2.images import pil_to_tensor, preprocess_image, read_image, reference_pixels, tensor_to_uint8
 from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
 from a2.tiny import model_path
 from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer

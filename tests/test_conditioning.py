@@ -16,10 +16,11 @@ from a2.cli import ConfigError
 from a2.conditioning import validation_layout
 from a2.dataset_config import ConditioningConfig
 from a2.elements import pair_elements
+from a2.loader import collate
 from a2.pipeline import A2Pipeline, load_references
 from a2.step import Process
 from config import TrainConfig, dataset_configs
-from data import E2VDataset, collate, kind_datasets
+from data import E2VDataset, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
 # kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
