@@ -305,7 +305,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
                + ("" if d.reference_tokens else ", none of them tokens of the sequence")
                + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
     try:
-        cfg = preset_config(b.preset, e2v=d.axis == "channel", vace=d.axis == "context")
+        cfg = preset_config(b.preset, e2v=d.channel, vace=d.context)
     except ValueError as e:
         raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],

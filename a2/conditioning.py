@@ -25,7 +25,7 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
              clip])), so latent frame 0 holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
   standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
              the video's size (layout.reference_size, the face framing of a2/images.py reference_pixels), its clean
-             latent (64x64) packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
+             latent (64x64) packed after x_t on the time axis, in whole latent frames of the video's grid (standin.py:
              pack_reference); a2/standin.py's forward (prepare_model installs it, with layout.reference_grid to
              unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
              to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
@@ -228,7 +228,7 @@ class Layout:
     @property
     def appended(self) -> bool:
         """The reference latents follow the video's on the time axis (their guidance has a reference-free branch)."""
-        return self.definition.axis == "time"
+        return self.definition.appended
 
     @property
     def cacheable(self) -> bool:
@@ -239,7 +239,7 @@ class Layout:
     @property
     def channel(self) -> bool:
         """The condition enters on the channel axis (mask | condition latents: a 36-channel model's input)."""
-        return self.definition.axis == "channel"
+        return self.definition.channel
 
     @property
     def reference_tokens(self) -> bool:
@@ -260,7 +260,7 @@ class Layout:
     def context_blocks(self) -> bool:
         """The kind conditions through the model's context blocks (VACE): beside its references it takes a video to
         condition on and its mask, and a LoRA may adapt those blocks (lora_target)."""
-        return self.definition.axis == "context"
+        return self.definition.context
 
     @property
     def takes_references(self) -> bool:
@@ -315,7 +315,7 @@ class Layout:
             frame_conditioning=self.frame_conditioning, clean_frames=self.clean_frames,
             size="x".join(map(str, self.reference_size or ())), context_scale=self.context_scale)
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
-                                       if self.definition.axis != "none" else "")
+                                       if self.definition.conditioned else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
                 + f" | sequence: {seq}a {self.clip_frames}-frame clip")
 
@@ -339,7 +339,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     if d.one_frame:  # each reference one frame, as the labs encode it: element repeats do not apply
         repeats = (1,) * len(repeats)
         l_ref = d.slots or len(repeats)
-    elif d.axis == "time":  # each element alone, one latent per 1-4 frames, after the clip
+    elif d.appended:  # each element alone, one latent per 1-4 frames, after the clip
         l_ref = num_ref_latents(repeats, "after")
     if kind == "prefix":  # A2's elements are a mini-video of repeated frames at the start of the sequence
         l_ref = num_ref_latents(repeats, settings.get("combine", "before"))
@@ -354,7 +354,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if clip < VAE_T:
             raise ValueError(f"the magref canvas is frame 0 of the sequence: num_frames={num_frames} leaves no "
                              "latent frame to generate (use 4k+1 >= 5)")
-    if d.axis == "frames" and not settings.get("clean_frames"):
+    if d.clean and not settings.get("clean_frames"):
         raise ValueError(f"the {kind} kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
 
@@ -419,7 +419,7 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
-    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].axis == "context"):
+    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].context):
         raise ConfigError(f"--vace-scale {vae.vace_scale:g} scales the hints of VACE's context blocks; {where} is no "
                           "VACE model: drop it")
     if info.native_kind and KIND_DEFS[info.native_kind].native:  # a released S2V model: its layout and no other
@@ -432,11 +432,11 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     if info.native_kind and kind == "prefix":  # MAGREF's weights take its canvas where the flags ask for A2's default
         kind = info.native_kind
     d = KIND_DEFS[kind]
-    if not vae.concatenate_mask and d.axis == "channel":
+    if not vae.concatenate_mask and d.channel:
         raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
                           + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
                           + f"; the {kind} kind always concatenates the mask: set it true")
-    if info.ti2v and d.axis == "channel":
+    if info.ti2v and d.channel:
         raise ConfigError(f"{where} takes the latents alone: element references go in context "
                           f"(--reference-layout incontext), not in the {kind} kind's channels")
     clean, prefix_frames = 0, vae.prefix_frames
@@ -458,7 +458,7 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
             raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                               "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
         check_canvas([e.name for e in elements])
-    if d.axis == "tokens" and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
+    if d.packed and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
         raise ConfigError(f"{where}: reference_layout {vae.reference_layout} is Stand-In's, a LoRA on Wan T2V "
                           "(Wan2.1-T2V-14B, a Wan2.2-T2V-A14B expert); use a Wan T2V model")
     if d.reference_tokens:  # the references are tokens of the sequence: the model's own input layer
@@ -468,8 +468,8 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
                               "channel")
         e2v_type = vae_path_only(where, e2v_type, f"reference_layout {vae.reference_layout}", ConfigError)
     else:
-        e2v_type = resolve_e2v_type(info, e2v_type, d.axis != "none")  # UnsupportedModel: the model cannot take it
-    expand = d.axis == "channel" and not info.e2v
+        e2v_type = resolve_e2v_type(info, e2v_type, d.conditioned)  # UnsupportedModel: the model cannot take it
+    expand = d.channel and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:
         return make_layout(kind, num_frames, [e.repeat for e in elements] if d.references[1] else (),
@@ -638,7 +638,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
             raise ValueError(f"clean leading frames are 4k+1 frames of the video: {n} of "
                              f"{None if video is None else video.shape[2]}")
         cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
-    if d.axis in ("none", "frames"):
+    if not d.conditioned or d.clean:
         return cond
     if layout.takes_references:
         if references is None:
@@ -654,7 +654,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
                          f"image (Stand-In's face crop) whatever the video's size, got {h}x{w}: frame it with "
                          f"reference_pixels (load_references(..., layout) of the {kind} layout)")
     mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
-    if d.axis == "context":  # VACE: its context of the references and the video (a2/vace.py), all posterior means
+    if d.context:  # VACE: its context of the references and the video (a2/vace.py), all posterior means
         refs = references.flip(1) if layout.reversed_references else references  # diffusers' order
         cond.condition, cond.ref_latents = vace.encode(lambda x: encode_vae(vae, x, mode), refs, layout.clip_frames,
                                                        video, region)
@@ -778,8 +778,8 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     frame given beside in-context references stays, it is not a reference). A prefix run's reference latents stay in
     x0. VACE's context stays: its guidance drops the text alone (both branches see the references)."""
     k = keep.view(-1, 1, 1, 1, 1)
-    return replace(cond, keep=keep if cond.definition.axis == "frames" else cond.keep,
-                   condition=cond.condition * k.to(cond.condition.dtype) if cond.definition.axis == "channel"
+    return replace(cond, keep=keep if cond.definition.clean else cond.keep,
+                   condition=cond.condition * k.to(cond.condition.dtype) if cond.definition.channel
                    else cond.condition,
                    ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype)
                    if cond.definition.reference_tokens else cond.ref_latents,
@@ -811,14 +811,14 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         clean_tokens[: n // p_t] = 1
         noisy = 1 - keep[:, None] * clean_tokens.flatten()[None]  # diffusers' mask[0][0][:, ::2, ::2], per sample
         timestep = noisy * timestep.reshape(-1, 1)
-    axis = cond.definition.axis
-    if axis == "channel":
+    d = cond.definition
+    if d.channel:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
-    if axis == "tokens":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
+    if d.packed:  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
         return standin.pack_reference(x, cond.ref_latents), timestep
-    if axis == "context":  # and VACE's (a2/vace.py: install)
+    if d.context:  # and VACE's (a2/vace.py: install)
         return vace.pack(x, cond.condition), timestep
-    if axis != "time":
+    if not d.appended:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
     x = torch.cat([x, refs], dim=2)
@@ -838,7 +838,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
     """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped
     (Stand-In's forward returns the video's alone)."""
-    if cond.definition.axis != "time":
+    if not cond.definition.appended:
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 

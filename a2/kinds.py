@@ -141,12 +141,20 @@ class Kind:
         """One sample of this kind can hold n element images."""
         return self.references[0] <= n <= self.references[1]
 
+    # where the condition enters, each read once here (axis above)
+    conditioned = property(lambda self: self.axis != "none")  # any condition beside the text
+    channel = property(lambda self: self.axis == "channel")  # mask | condition latents: a 36-channel input
+    appended = property(lambda self: self.axis == "time")  # reference latents after the video's on the time axis
+    packed = property(lambda self: self.axis == "tokens")  # Stand-In's reference tokens packed after x_t
+    context = property(lambda self: self.axis == "context")  # VACE's context, read by its context blocks
+    clean = property(lambda self: self.axis == "frames")  # clean leading latent frames at timestep 0
+
     @property
     def reference_tokens(self) -> bool:
         """The references are tokens of the transformer's sequence after the video's (appended latent frames, or
         Stand-In's reference tokens): what --align-loss aligns (a2/align.py), what the reference-free guidance pass
         and reference dropout zero."""
-        return self.axis in ("time", "tokens")
+        return self.appended or self.packed
 
 
 INPLACE_MODES = ("first", "first_and_last", "index", "prefix", "random")
