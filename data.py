@@ -46,10 +46,10 @@ from tqdm import tqdm
 
 from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
-from a2.conditioning import canvas_refusal, clip_frames, element_layout, element_refusal, plan
+from a2.conditioning import clip_frames, element_layout, element_refusal, plan
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS, Element
-from a2.images import IMAGE_EXTS, read_image, reference_pixels, resize_frames
+from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
 from a2.kinds import KIND_DEFS, element_kind, kind_elements, largest_element_set
 from a2.loader import collate
 from a2.media import (

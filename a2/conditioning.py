@@ -54,7 +54,6 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, fields, replace
 from types import SimpleNamespace
 
@@ -66,7 +65,7 @@ from a2 import align, standin, vace
 from a2.cli import ConfigError
 from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
 from a2.elements import RELEASED_ELEMENTS
-from a2.images import MAGREF_GRIDS, magref_places
+from a2.images import MAGREF_GRIDS
 from a2.kinds import KIND_DEFS, KINDS, Kind, kind_sampling
 from a2.transformer import resolve_e2v_type, vae_path_only
 
@@ -385,20 +384,6 @@ def element_refusal(layout: Layout, n: int) -> str | None:
         return None
     lo, hi = d.references
     return f"the {layout.kind} kind takes {lo} to {hi} element image(s) a sample, this one has {n}"
-
-
-def canvas_refusal(layout: Layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
-    """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
-    height) sizes, in position order (a2.images.magref_places: a reference under a token once placed), else None;
-    None for the other kinds, which frame each image to the video's size. `names` (the files) say which."""
-    if not layout.takes_region:
-        return None
-    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
-    try:
-        magref_places(sizes, size, rng, names)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def clip_frames(num_frames: int, elements, vae) -> int:

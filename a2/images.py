@@ -114,6 +114,21 @@ def magref_places(sizes: list[tuple[int, int]], size: tuple[int, int], rng=None,
     return places
 
 
+def canvas_refusal(layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
+    """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
+    height) sizes, in position order (magref_places: a reference under a token once placed), else None; None for the
+    other kinds (`layout`: a2.conditioning.Layout), which frame each image to the video's size. `names` (the files)
+    say which."""
+    if not layout.takes_region:
+        return None
+    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
+    try:
+        magref_places(sizes, size, rng, names)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
                   min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
     """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), placed by
