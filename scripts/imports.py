@@ -56,6 +56,8 @@ def main():
     print(f"modules {len(g)}  edges {sum(map(len, g.values()))}  floors {max(f.values()) + 1}  cycles {len(cycles)}")
     for c in cycles:
         print("  cycle: " + " -> ".join(c))
+    up = sorted(f"{m} -> {d}" for m in g if m.startswith("a2.") for d in g[m] if not d.startswith("a2."))
+    print(f"library imports of a top-level module (config, the scripts): {len(up)}  " + ", ".join(up))
     for level in range(max(f.values()) + 1):
         print(f"floor {level}: " + " ".join(sorted(m for m in f if f[m] == level)))
     if "--edges" in sys.argv:
