@@ -47,10 +47,10 @@ from tqdm import tqdm
 from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
 from a2.conditioning import clip_frames, element_layout, element_refusal, plan
-from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, element_kind
 from a2.elements import A2_ELEMENTS, Element
 from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
-from a2.kinds import KIND_DEFS, element_kind, kind_elements, largest_element_set
+from a2.kinds import KIND_DEFS, kind_elements, largest_element_set
 from a2.loader import collate
 from a2.media import (
     VIDEO_EXTS,
@@ -226,7 +226,7 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
 
 
 def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
-    """The datasets as the model's kind (a2.kinds.element_kind; info: its ModelInfo) reads them, and the element
+    """The datasets as the model's kind (element_kind; info: its ModelInfo) reads them, and the element
     set a run plans for. With no elements given (--elements or a dataset config), each dataset of element images
     takes the specs its kind takes when sampling too (a2.kinds.kind_elements: SkyReels-A2's roles, a released
     model's references framed as its lab's; on a public-dataset index a kind without roles takes every kept mask of a

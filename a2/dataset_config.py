@@ -108,6 +108,13 @@ def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
     return "prefix" if elements else "t2v"
 
 
+def element_kind(info, vae) -> str:
+    """The kind whose element images a run or a sampling call on model `info` with conditioning flags `vae`
+    (VaeProcessorConfig / ConditioningConfig) takes: a released model's own, else the one --reference-layout asks for
+    (frame conditioning aside: it takes frames of the clip, and plan says so)."""
+    return info.native_kind or kind_of(replace(vae, frame_conditioning="full"), True, info.ti2v)
+
+
 def literal_choices(hint) -> tuple:
     """The values a Literal type allows (None too where it is optional); () for any other type."""
     if get_origin(hint) is Literal:

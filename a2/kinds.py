@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from a2.dataset_config import kind_of
 from a2.elements import A2_ELEMENTS, RELEASED_ELEMENTS
 
 STANDIN_SIZE = (512, 512)  # (height, width) px of Stand-In's reference: its FaceProcessor's crop, whatever the video's
@@ -262,13 +261,6 @@ def kind_sampling(kind: str, model: str | None = None, mode: str | None = None) 
                              + (f" or as {', '.join(modes)}" if modes else "") + "; drop --preset")
         return modes[mode]
     return replace(d.sampling, **MODEL_SAMPLING.get(model, {}))
-
-
-def element_kind(info, vae) -> str:
-    """The kind whose element images a run or a sampling call on model `info` with conditioning flags `vae`
-    (VaeProcessorConfig / ConditioningConfig) takes: a released model's own, else the one --reference-layout asks for
-    (frame conditioning aside: it takes frames of the clip, and plan says so)."""
-    return info.native_kind or kind_of(replace(vae, frame_conditioning="full"), True, info.ti2v)
 
 
 def kind_elements(kind: str, public: bool = False) -> tuple:
