@@ -414,7 +414,7 @@ class SharedBatches(torch.utils.data.Dataset):
 def test_a_loader_worker_stopped_while_it_sends_a_batch_exits_cleanly():
     """The cause of `terminate called without an active exception` / `DataLoader worker (pid ...) is killed by
     signal: Aborted`: a spawned worker that finalizes the interpreter while its feeder thread is in C++ is aborted
-    (with multiprocessing's spawn context this worker exits -6, here on every try); data.WorkerContext's workers
+    (with multiprocessing's spawn context this worker exits -6, here on every try); a2.loader.WorkerContext's workers
     leave with os._exit like forked ones."""
     from a2.loader import WorkerContext, stop_workers
 
