@@ -133,7 +133,8 @@ def check_backends(b: BenchConfig) -> dict:
 
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
-    from data import BucketBatchSampler, E2VDataset, WorkerContext, collate
+    from a2.loader import WorkerContext, collate
+    from data import BucketBatchSampler, E2VDataset
 
     size = b.size
     cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
@@ -169,25 +170,26 @@ def bench_opens2v(b: BenchConfig) -> dict:
     import numpy as np
     from PIL import Image
 
-    from a2 import public_data
+    from a2 import public_index
     from a2.media import read_frames
+    from tests import public_fixture  # the synthetic part the tests index (and tests/media's clip)
 
     root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
     part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
     if not part.is_file():
         hiker = read_frames(media / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
         frames = np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in hiker])  # OpenS2V is 720p
-        fx = public_data.synthetic_opens2v(root, frames, np.ascontiguousarray(hiker[0, :, ::-1]))  # any picture
+        fx = public_fixture.synthetic_opens2v(root, frames, np.ascontiguousarray(hiker[0, :, ::-1]))  # any picture
         rec = next(iter(fx["records"].values()))
         bg = next((root / "Background" / "total_part1").glob("*.png"))
         keys = [f"clip{i:06d}_part1_step6" for i in range(b.clips)]
-        public_data.write_part(part, ((k, rec) for k in keys))
+        public_fixture.write_part(part, ((k, rec) for k in keys))
         for k in keys[:8]:  # the loader's clips need their background png
             shutil.copy(bg, bg.with_name(f"{k}.png"))
     out = root / "index"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    counts = public_data.index_opens2v(public_data.IndexOpenS2V(str(root), str(out), background=False))
+    counts = public_index.index_opens2v(public_index.IndexOpenS2V(str(root), str(out), background=False))
     dt = time.perf_counter() - t0
     mb = part.stat().st_size / 2**20
     n = counts["clips read"]
@@ -195,8 +197,8 @@ def bench_opens2v(b: BenchConfig) -> dict:
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     few = root / "loader" / "index.jsonl"  # 8 clips with their backgrounds: the loader's checks stay short
     few.parent.mkdir(exist_ok=True)
-    public_data.write_index(few.parent, "opens2v", [("total_part1", public_data.opens2v_part(
-        part, "total_part1", root, public_data.IndexOpenS2V(str(root), str(few.parent)), {}, limit=8))], "bench")
+    public_index.write_index(few.parent, "opens2v", [("total_part1", public_index.opens2v_part(
+        part, "total_part1", root, public_index.IndexOpenS2V(str(root), str(few.parent)), {}, limit=8))], "bench")
     res.update(bench_loader(b, str(few), "opens2v"))
     return res
 
@@ -303,7 +305,7 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
                + ("" if d.reference_tokens else ", none of them tokens of the sequence")
                + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
     try:
-        cfg = preset_config(b.preset, e2v=d.axis == "channel", vace=d.axis == "context")
+        cfg = preset_config(b.preset, e2v=d.channel, vace=d.context)
     except ValueError as e:
         raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
     info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],

@@ -38,11 +38,11 @@ from PIL import Image
 from a2 import standin
 from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, run_cli
 from a2.conditioning import sampling_plan
-from a2.dataset_config import check_size, height_width
+from a2.dataset_config import check_size, element_kind, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.images import IMAGE_EXTS, read_image, resize_frames
-from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
+from a2.kinds import KIND_DEFS, kind_elements, kind_sampling
 from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, read_base_metadata
 from a2.media import read_clip
 from a2.opens2v import read_eval_set

@@ -55,6 +55,16 @@ from a2.dataset_config import check_size
 from a2.ema import ema_weights
 from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
 from a2.kinds import kind_sampling
+from a2.loader import (
+    LoaderError,
+    LoadFailures,
+    WorkerContext,
+    collate,
+    ignore_stop_signals,
+    next_batch,
+    stop_signals_blocked,
+    stop_workers,
+)
 from a2.lora import export, make_trainable
 from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
 from a2.parallel import (
@@ -108,18 +118,10 @@ from data import (
     BucketBatchSampler,
     DatasetError,
     E2VDataset,
-    LoaderError,
-    LoadFailures,
-    WorkerContext,
     cache_key,
-    collate,
     held_out,
-    ignore_stop_signals,
     kind_datasets,
-    next_batch,
     rank_slice,
-    stop_signals_blocked,
-    stop_workers,
     write_cache,
 )
 

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from a2.conditioning import num_latent_frames
 from a2.kinds import KIND_DEFS
+from a2.transformer import VideoOnlyCrossAttnProcessor
 
 REFALIGN_BLOCKS = tuple(range(9))  # the blocks RefAlign aligns
 ATTRIBUTE = "align_projectors"  # the transformer's submodule holding the projectors
@@ -117,6 +117,27 @@ def strip(state: dict) -> dict:
 # ---------------------------------------------------------------- where the reference tokens are
 
 
+def video_only_cross_attention(transformer, ref_latents: int) -> None:
+    """RefAlign's blocks: the text cross-attention for the video tokens only, the reference tokens (the last
+    `ref_latents` latent frames of hidden_states) passed through unchanged (its DiTBlock adds cross_attn to x_video
+    alone): the video-only processor on every attn2; a pre-hook counts the reference tokens of each call from
+    its input's shape."""
+    transformer.reference_latents = ref_latents  # this call's (a sampling call may take another count)
+    if getattr(transformer, "video_only_hook", None) is not None:
+        return
+
+    def count(module, args, kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (B, C, T + L_ref, H, W)
+        p_t, p_h, p_w = module.config.patch_size
+        n = module.reference_latents // p_t * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+        for block in module.blocks:
+            block.attn2.processor.num_reference = n
+
+    for block in transformer.blocks:
+        block.attn2.set_processor(VideoOnlyCrossAttnProcessor())
+    transformer.video_only_hook = transformer.register_forward_pre_hook(count, with_kwargs=True)
+
+
 def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
     """(starts, tokens, grid): each reference's first token counted from the end of a block's output (negative), its
     token count and its (rows, cols) token grid. video_grid: the video's tokens per frame (rows, cols).
@@ -131,7 +152,7 @@ def reference_spans(layout, video_grid: tuple[int, int], patch_size=(1, 2, 2)):
         grid = (layout.reference_grid[0] // patch_size[1], layout.reference_grid[1] // patch_size[2])
         return (-grid[0] * grid[1],), grid[0] * grid[1], grid
     per = video_grid[0] * video_grid[1]  # reference latent frames after the video's: each element's first frame
-    frames = [num_latent_frames(r) for r in layout.repeats]  # (1 each in the released layouts; v3: then empty slots)
+    frames = layout.reference_frames  # (1 each in the released layouts; v3: then empty slots)
     firsts = [sum(frames[:i]) for i in range(len(frames))]
     return tuple(-(layout.ref_latents - f) * per for f in firsts), per, tuple(video_grid)
 

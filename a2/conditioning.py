@@ -24,8 +24,8 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
              frame 0, condition = VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas,
              clip])), so latent frame 0 holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
   standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
-             the video's size (layout.reference_size, reference_framing: fit_pad_white), its clean latent (64x64)
-             packed after x_t on the time axis in whole latent frames of the video's grid (a2/standin.py:
+             the video's size (layout.reference_size, the face framing of a2/images.py reference_pixels), its clean
+             latent (64x64) packed after x_t on the time axis, in whole latent frames of the video's grid (standin.py:
              pack_reference); a2/standin.py's forward (prepare_model installs it, with layout.reference_grid to
              unpack it) takes it as 32x32 reference tokens at RoPE time -1 past the video grid, t = 0, attending only
              to themselves, with the reference-only LoRA, and returns the video's prediction; when sampling their K/V
@@ -43,7 +43,6 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
                        From a2.dataset_config.ConditioningConfig (flags and processors.vae alike); sampling_plan is
                        the same plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it
                        is given.
-  reference_pixels     the element images as the kind takes them (framed per element, or magref's one canvas).
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
   drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).
@@ -55,7 +54,6 @@ The pieces, each branching on the kind inside this file (as DiT's training_losse
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, fields, replace
 from types import SimpleNamespace
 
@@ -63,18 +61,11 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
-from a2 import standin, vace
+from a2 import align, standin, vace
 from a2.cli import ConfigError
 from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
 from a2.elements import RELEASED_ELEMENTS
-from a2.images import (
-    MAGREF_GRIDS,
-    element_tensors,
-    magref_canvas,
-    magref_places,
-    pil_to_tensor,
-    preprocess_image,
-)
+from a2.images import MAGREF_GRIDS
 from a2.kinds import KIND_DEFS, KINDS, Kind, kind_sampling
 from a2.transformer import resolve_e2v_type, vae_path_only
 
@@ -236,7 +227,7 @@ class Layout:
     @property
     def appended(self) -> bool:
         """The reference latents follow the video's on the time axis (their guidance has a reference-free branch)."""
-        return self.definition.axis == "time"
+        return self.definition.appended
 
     @property
     def cacheable(self) -> bool:
@@ -247,7 +238,7 @@ class Layout:
     @property
     def channel(self) -> bool:
         """The condition enters on the channel axis (mask | condition latents: a 36-channel model's input)."""
-        return self.definition.axis == "channel"
+        return self.definition.channel
 
     @property
     def reference_tokens(self) -> bool:
@@ -262,13 +253,13 @@ class Layout:
     @property
     def takes_region(self) -> bool:
         """Beside its references the kind takes where the element images are on them (magref's canvas region)."""
-        return self.kind == "magref"
+        return self.definition.framing == "canvas"
 
     @property
     def context_blocks(self) -> bool:
         """The kind conditions through the model's context blocks (VACE): beside its references it takes a video to
         condition on and its mask, and a LoRA may adapt those blocks (lora_target)."""
-        return self.definition.axis == "context"
+        return self.definition.context
 
     @property
     def takes_references(self) -> bool:
@@ -280,6 +271,11 @@ class Layout:
         """Images in the kind's references (B, N, 3, H, W) (reference_pixels): magref's one canvas, else one per
         element."""
         return 1 if self.takes_region else len(self.repeats)
+
+    @property
+    def reference_frames(self) -> list[int]:
+        """Latent frames of each reference encoded alone (its repeats' 1 + (r-1)//4), in position order."""
+        return [num_latent_frames(r) for r in self.repeats]
 
     @property
     def latent_frames(self) -> int:
@@ -318,7 +314,7 @@ class Layout:
             frame_conditioning=self.frame_conditioning, clean_frames=self.clean_frames,
             size="x".join(map(str, self.reference_size or ())), context_scale=self.context_scale)
         return (f"kind {self.kind}" + (f", E2V type {self.e2v_type}{', CLIP tokens' if self.use_clip else ''}"
-                                       if self.definition.axis != "none" else "")
+                                       if self.definition.conditioned else "")
                 + (", expanded to the E2V inputs" if self.expand else "")
                 + f" | sequence: {seq}a {self.clip_frames}-frame clip")
 
@@ -342,7 +338,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     if d.one_frame:  # each reference one frame, as the labs encode it: element repeats do not apply
         repeats = (1,) * len(repeats)
         l_ref = d.slots or len(repeats)
-    elif d.axis == "time":  # each element alone, one latent per 1-4 frames, after the clip
+    elif d.appended:  # each element alone, one latent per 1-4 frames, after the clip
         l_ref = num_ref_latents(repeats, "after")
     if kind == "prefix":  # A2's elements are a mini-video of repeated frames at the start of the sequence
         l_ref = num_ref_latents(repeats, settings.get("combine", "before"))
@@ -357,7 +353,7 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
         if clip < VAE_T:
             raise ValueError(f"the magref canvas is frame 0 of the sequence: num_frames={num_frames} leaves no "
                              "latent frame to generate (use 4k+1 >= 5)")
-    if d.axis == "frames" and not settings.get("clean_frames"):
+    if d.clean and not settings.get("clean_frames"):
         raise ValueError(f"the {kind} kind takes clean_frames >= 1 (4k+1 leading frames)")
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
 
@@ -390,20 +386,6 @@ def element_refusal(layout: Layout, n: int) -> str | None:
     return f"the {layout.kind} kind takes {lo} to {hi} element image(s) a sample, this one has {n}"
 
 
-def canvas_refusal(layout: Layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
-    """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
-    height) sizes, in position order (a2.images.magref_places: a reference under a token once placed), else None;
-    None for the other kinds, which frame each image to the video's size. `names` (the files) say which."""
-    if layout.kind != "magref":
-        return None
-    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
-    try:
-        magref_places(sizes, size, rng, names)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def clip_frames(num_frames: int, elements, vae) -> int:
     """Pixel frames of the training clip for --num-frames (the whole sequence, reference frames included): what the
     reference latents leave of it in the prefix kind (A2 at 81 frames: 69), all of it otherwise. train_a2.py and
@@ -422,7 +404,7 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
-    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].axis == "context"):
+    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].context):
         raise ConfigError(f"--vace-scale {vae.vace_scale:g} scales the hints of VACE's context blocks; {where} is no "
                           "VACE model: drop it")
     if info.native_kind and KIND_DEFS[info.native_kind].native:  # a released S2V model: its layout and no other
@@ -435,11 +417,11 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
     if info.native_kind and kind == "prefix":  # MAGREF's weights take its canvas where the flags ask for A2's default
         kind = info.native_kind
     d = KIND_DEFS[kind]
-    if not vae.concatenate_mask and d.axis == "channel":
+    if not vae.concatenate_mask and d.channel:
         raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
                           + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
                           + f"; the {kind} kind always concatenates the mask: set it true")
-    if info.ti2v and d.axis == "channel":
+    if info.ti2v and d.channel:
         raise ConfigError(f"{where} takes the latents alone: element references go in context "
                           f"(--reference-layout incontext), not in the {kind} kind's channels")
     clean, prefix_frames = 0, vae.prefix_frames
@@ -461,7 +443,7 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
             raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
                               "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
         check_canvas([e.name for e in elements])
-    if d.axis == "tokens" and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
+    if d.packed and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
         raise ConfigError(f"{where}: reference_layout {vae.reference_layout} is Stand-In's, a LoRA on Wan T2V "
                           "(Wan2.1-T2V-14B, a Wan2.2-T2V-A14B expert); use a Wan T2V model")
     if d.reference_tokens:  # the references are tokens of the sequence: the model's own input layer
@@ -471,8 +453,8 @@ def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout
                               "channel")
         e2v_type = vae_path_only(where, e2v_type, f"reference_layout {vae.reference_layout}", ConfigError)
     else:
-        e2v_type = resolve_e2v_type(info, e2v_type, d.axis != "none")  # UnsupportedModel: the model cannot take it
-    expand = d.axis == "channel" and not info.e2v
+        e2v_type = resolve_e2v_type(info, e2v_type, d.conditioned)  # UnsupportedModel: the model cannot take it
+    expand = d.channel and not info.e2v
     image_branch = info.image_branch or (expand and e2v_type != "vae")
     try:
         return make_layout(kind, num_frames, [e.repeat for e in elements] if d.references[1] else (),
@@ -629,8 +611,8 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
       h, w): with `video` (B, 3, F, H, W) and its mask `region` (B, F, H, W), 1 where VACE generates (a control video,
       a masked clip), else R2V's (video zeros, mask ones). Posterior means whatever sample_mode (Wan's encode).
     standin: the one reference (B, 1, 3, *layout.reference_size), Stand-In's 512x512 whatever the video's size
-      (reference_framing), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's encode_ip_image):
-      `ref_latents` (B, C, 1, *layout.reference_grid).
+      (a2/images.py reference_pixels), as a 1-frame clip, its posterior mean whatever sample_mode (Stand-In's
+      encode_ip_image): `ref_latents` (B, C, 1, *layout.reference_grid).
     e2v_type clip: the VAE condition is zeros (the CLIP tokens carry the references). `image`: the elements' CLIP
     tokens (B, 257·N, D), carried for model_input and drop."""
     kind, d = layout.kind, layout.definition
@@ -641,7 +623,7 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
             raise ValueError(f"clean leading frames are 4k+1 frames of the video: {n} of "
                              f"{None if video is None else video.shape[2]}")
         cond.clean = encode_vae(vae, video[:, :, :n], sample_mode, generator)
-    if d.axis in ("none", "frames"):
+    if not d.conditioned or d.clean:
         return cond
     if layout.takes_references:
         if references is None:
@@ -655,9 +637,9 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     if layout.reference_size and (h, w) != layout.reference_size:
         raise ValueError(f"the {kind} kind's reference is a {layout.reference_size[0]}x{layout.reference_size[1]} "
                          f"image (Stand-In's face crop) whatever the video's size, got {h}x{w}: frame it with "
-                         f"reference_framing (load_references(..., layout) of the {kind} layout)")
+                         f"reference_pixels (load_references(..., layout) of the {kind} layout)")
     mode = "argmax" if d.encode_mean else sample_mode  # the mode of a Gaussian is its mean
-    if d.axis == "context":  # VACE: its context of the references and the video (a2/vace.py), all posterior means
+    if d.context:  # VACE: its context of the references and the video (a2/vace.py), all posterior means
         refs = references.flip(1) if layout.reversed_references else references  # diffusers' order
         cond.condition, cond.ref_latents = vace.encode(lambda x: encode_vae(vae, x, mode), refs, layout.clip_frames,
                                                        video, region)
@@ -717,48 +699,6 @@ def prepare_latents(vae, layout: Layout, *, references: torch.Tensor | None = No
     return cond
 
 
-def reference_pixels(layout: Layout | None, images, elements, size: tuple[int, int], clip_size: tuple[int, int],
-                     names: list[str] | None = None):
-    """Element images (RGB, read_image's, in position order) as the kind takes them: (vae (N, 3, H, W) and clip
-    (N, 3, h, w) in [-1, 1], region (H, W) bool or None). `elements`: their config.Elements; size=(H, W) the video's.
-
-    magref: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
-      made from the images themselves, no element preprocess (a2.images.magref_canvas, layout.placement_seed),
-      and region where their pixels are on it. A reference thinner than a token once placed is a one-line
-      ValueError naming it (`names`, e.g. the files).
-    standin: the one image framed as Stand-In's 512x512 face crop (reference_framing), whatever the video's size.
-    vace: each image framed by VACE's own arithmetic (Kind.framing: a2/vace.py frame; diffusers' with the layout's
-      reference_multiple), whatever its element's vae_preprocess.
-    Other kinds (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
-    clip: each element's CLIP-path image (clip_preprocess), whatever the kind (magref's CLIP tokens are the canvas',
-    these are what the metrics compare the video with)."""
-    if layout is None or not layout.takes_region:
-        kind = None if layout is None else layout.kind
-        pairs = [element_tensors(image, *reference_framing(kind, e, size), clip_size)
-                 for image, e in zip(images, elements)]
-        framing = None if layout is None else layout.definition.framing
-        vae = [framing(image, size, layout.reference_multiple) for image in images] if framing else [
-            v for v, _ in pairs]
-        return (torch.stack(vae) if pairs else torch.zeros(0, 3, *size),
-                torch.stack([c for _, c in pairs]) if pairs else torch.zeros(0, 3, *clip_size), None)
-    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
-    canvas, region = magref_canvas(list(images), size, rng, names)
-    clip = torch.stack([pil_to_tensor(preprocess_image(image, e.clip_preprocess, clip_size))
-                        for image, e in zip(images, elements)])
-    return pil_to_tensor(canvas)[None], clip, region
-
-
-def reference_framing(kind: str | None, element, size: tuple[int, int]):
-    """(element, (height, width)) an element image of a `kind` run is framed with, by training (data.py) and sampling
-    (load_references) alike: Stand-In's reference as its FaceProcessor crop, fit_pad_white at 512x512 (a2/standin.py:
-    REFERENCE_PREPROCESS, REFERENCE_SIZE) whatever the video's size and the element's vae_preprocess; any other the
-    element as it is, at the video's `size`."""
-    size_of_kind = None if kind is None else KIND_DEFS[kind].reference_size
-    if size_of_kind is None:
-        return element, size
-    return replace(element, vae_preprocess=standin.REFERENCE_PREPROCESS), size_of_kind
-
-
 def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | None, generator, sample_mode: str,
            region: torch.Tensor | None = None):
     """Training's encode step: x0 (B, C, T, h, w) and the Conditioning of a batch, the VAE calls in one fixed order
@@ -791,42 +731,17 @@ def encode(vae, layout: Layout, video: torch.Tensor, references: torch.Tensor | 
 
 
 def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
-    """What a kind changes in the transformer before it runs (training and sampling alike): standin installs
-    Stand-In's attention processors (reference LoRA at `rank`, Stand-In's 128 by default; kept when already there,
-    e.g. loaded from a Stand-In file) and the forward that reads the packed reference (a2/standin.py) of the layout's
-    reference_grid. refalign: the reference tokens skip the text cross-attention (video_only_cross_attention). vace:
-    the forward that reads VACE's context packed beside x_t and adds its blocks' hints at the layout's context_scale
-    (a2/vace.py: install). Others: nothing."""
+    """What a kind changes in the transformer before it runs (training and sampling alike), each in its kind's module:
+    refalign: the reference tokens skip the text cross-attention (a2/align.py video_only_cross_attention); vace: the
+    forward that reads VACE's context packed beside x_t and adds its blocks' hints at the layout's context_scale
+    (a2/vace.py install); standin: Stand-In's processors (reference LoRA at `rank`) and the forward that reads the
+    packed reference of the layout's reference_grid (a2/standin.py prepare). Others: nothing."""
     if layout.definition.text_to_video_only:
-        video_only_cross_attention(transformer, layout.ref_latents)
+        align.video_only_cross_attention(transformer, layout.ref_latents)
     if layout.context_blocks:
         vace.install(transformer, layout.context_scale)
-    if layout.definition.axis != "tokens":
-        return
-    if not standin.installed(transformer):
-        standin.install(transformer, rank or standin.RANK)
-    standin.packed_forward(transformer, layout.reference_grid)
-
-
-def video_only_cross_attention(transformer, ref_latents: int) -> None:
-    """RefAlign's blocks: the text cross-attention for the video tokens only, the reference tokens (the last
-    `ref_latents` latent frames of hidden_states) passed through unchanged (its DiTBlock adds cross_attn to x_video
-    alone). Stand-In's video-only processor on every attn2; a pre-hook counts the reference tokens of each call from
-    its input's shape."""
-    transformer.reference_latents = ref_latents  # this call's (a sampling call may take another count)
-    if getattr(transformer, "video_only_hook", None) is not None:
-        return
-
-    def count(module, args, kwargs):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (B, C, T + L_ref, H, W)
-        p_t, p_h, p_w = module.config.patch_size
-        n = module.reference_latents // p_t * (x.shape[3] // p_h) * (x.shape[4] // p_w)
-        for block in module.blocks:
-            block.attn2.processor.num_reference = n
-
-    for block in transformer.blocks:
-        block.attn2.set_processor(standin.VideoOnlyCrossAttnProcessor())
-    transformer.video_only_hook = transformer.register_forward_pre_hook(count, with_kwargs=True)
+    if layout.reference_grid is not None:
+        standin.prepare(transformer, layout.reference_grid, rank)
 
 
 def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
@@ -837,10 +752,8 @@ def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
 
 def kind_weights(transformer, layout: Layout) -> list:
     """The weights a kind adds to the transformer, which a LoRA run trains instead of a peft adapter: Stand-In's
-    reference-only LoRA (its q/k/v on the reference tokens); none for the other kinds."""
-    if layout.definition.axis != "tokens":
-        return []
-    return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
+    reference-only LoRA (a2/standin.py weights); none for the other kinds."""
+    return standin.weights(transformer) if layout.reference_grid is not None else []
 
 
 def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
@@ -850,8 +763,8 @@ def drop(cond: Conditioning, keep: torch.Tensor) -> Conditioning:
     frame given beside in-context references stays, it is not a reference). A prefix run's reference latents stay in
     x0. VACE's context stays: its guidance drops the text alone (both branches see the references)."""
     k = keep.view(-1, 1, 1, 1, 1)
-    return replace(cond, keep=keep if cond.definition.axis == "frames" else cond.keep,
-                   condition=cond.condition * k.to(cond.condition.dtype) if cond.definition.axis == "channel"
+    return replace(cond, keep=keep if cond.definition.clean else cond.keep,
+                   condition=cond.condition * k.to(cond.condition.dtype) if cond.definition.channel
                    else cond.condition,
                    ref_latents=cond.ref_latents * k.to(cond.ref_latents.dtype)
                    if cond.definition.reference_tokens else cond.ref_latents,
@@ -883,14 +796,14 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
         clean_tokens[: n // p_t] = 1
         noisy = 1 - keep[:, None] * clean_tokens.flatten()[None]  # diffusers' mask[0][0][:, ::2, ::2], per sample
         timestep = noisy * timestep.reshape(-1, 1)
-    axis = cond.definition.axis
-    if axis == "channel":
+    d = cond.definition
+    if d.channel:
         return torch.cat([x, cond.condition.to(x.dtype)], dim=1), timestep
-    if axis == "tokens":  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
+    if d.packed:  # the forward prepare_model installs unpacks it (a2/standin.py: packed_forward)
         return standin.pack_reference(x, cond.ref_latents), timestep
-    if axis == "context":  # and VACE's (a2/vace.py: install)
+    if d.context:  # and VACE's (a2/vace.py: install)
         return vace.pack(x, cond.condition), timestep
-    if axis != "time":
+    if not d.appended:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
     x = torch.cat([x, refs], dim=2)
@@ -910,7 +823,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
     """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped
     (Stand-In's forward returns the video's alone)."""
-    if cond.definition.axis != "time":
+    if not cond.definition.appended:
         return pred
     return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
 

@@ -108,6 +108,13 @@ def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
     return "prefix" if elements else "t2v"
 
 
+def element_kind(info, vae) -> str:
+    """The kind whose element images a run or a sampling call on model `info` with conditioning flags `vae`
+    (VaeProcessorConfig / ConditioningConfig) takes: a released model's own, else the one --reference-layout asks for
+    (frame conditioning aside: it takes frames of the clip, and plan says so)."""
+    return info.native_kind or kind_of(replace(vae, frame_conditioning="full"), True, info.ti2v)
+
+
 def literal_choices(hint) -> tuple:
     """The values a Literal type allows (None too where it is optional); () for any other type."""
     if get_origin(hint) is Literal:
@@ -181,7 +188,7 @@ VISUALIZED = ("input_latents", "noisy_latents", "conditioned_latents", "predicte
 VISUALIZE_FORMATS = {"latent_save": "pt", "vae_decode": "png"}  # what each processor type writes
 
 
-PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # public_data.py's index formats
+PUBLIC_TYPES = ("opens2v", "phantom", "humoset")  # a2/public_index.py's index formats
 FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")  # a2.media.frame_windows's
 
 
@@ -195,7 +202,7 @@ class DatasetConfig:
     dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
     """What the samples are. e2v: clips and element images; t2v: clips and prompts only; opens2v / phantom / humoset: an
     index of a public dataset written by `data.py index` (the manifest), whose element images are built from its
-    annotations (public_data.py)."""
+    annotations (a2/public_read.py)."""
     weight: float = 1.0
     """How many times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)

@@ -38,12 +38,13 @@ from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
-from a2.opens2v import Scorers, load_scorers, tiny_encoder_note, video_metrics
+from a2.loader import collate
+from a2.media import DatasetError
+from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
 from config import TrainConfig
-from data import DatasetError, collate
 
 
 class Embedder:
@@ -86,7 +87,7 @@ def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Evaluators:
-    """The encoders of the metrics (None: that metric is skipped) and the device motion is computed on. clip_t
+    """The encoders of the metrics (None: that metric is skipped). clip_t
     embeds the frames with a CLIPModel whose text tower embeds the prompt (`tokenizer`)."""
 
     clip: Embedder | None = None
@@ -94,7 +95,6 @@ class Evaluators:
     face: Embedder | None = None
     clip_t: Embedder | None = None
     tokenizer: object = None
-    device: str | torch.device = "cpu"
     opens2v: Scorers | None = None  # OpenS2V-Eval's metrics under their names
     notes: list[str] = field(default_factory=list)  # the metrics that come from tiny random encoders (said with them)
 
@@ -128,7 +128,7 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     """Encoders of config.EvalConfig `cfg`. CLIP-I uses cfg.clip_image, else `clip` (an encoder already in memory,
     e.g. training's), else `default_clip_dir` (a model dir's image_encoder/ + image_processor/). Prints one line per
     skipped metric."""
-    ev = Evaluators(device=device)
+    ev = Evaluators()
     if cfg.clip_image or (clip is None and default_clip_dir):
         clip = load_embedder(cfg.clip_image or default_clip_dir, "--eval.clip-image", device, dtype)
     ev.clip = clip
@@ -177,58 +177,11 @@ def video_frames(video: torch.Tensor) -> np.ndarray:
     return tensor_to_uint8(video.transpose(0, 1))
 
 
-def _flow_magnitude(grey: torch.Tensor, radius: int, window: int, penalty: float) -> torch.Tensor:
-    """Block-matching flow magnitude (P, 1, h, w) of consecutive frames of grey (P+1, h, w): see motion_magnitude."""
-    a, b = grey[:-1], grey[1:]
-    p, h, w = a.shape
-    k = 2 * radius + 1
-    offsets = torch.arange(k, device=grey.device, dtype=torch.float32) - radius
-    length = torch.hypot(offsets[:, None], offsets[None, :]).flatten()  # |d| of each candidate, in unfold's order
-    moved = F.unfold(F.pad(b[:, None], (radius,) * 4, mode="replicate"), k)  # (P, k*k, h*w): b shifted by each d
-    cost = (moved - a.flatten(1)[:, None]).abs().view(-1, 1, h, w)
-    # the window mean as two 1-D means (2x faster than one 2-D pool on a CPU)
-    cost = F.avg_pool2d(cost, (1, window), 1, (0, window // 2), count_include_pad=False)
-    cost = F.avg_pool2d(cost, (window, 1), 1, (window // 2, 0), count_include_pad=False).view(p, k * k, h, w)
-    best = (cost + penalty * length[:, None, None]).argmin(1, keepdim=True)
-    by, bx = best // k, best % k
-
-    def at(dy, dx):  # the cost next to the chosen displacement (clamped to the search window)
-        return cost.gather(1, (by + dy).clamp(0, k - 1) * k + (bx + dx).clamp(0, k - 1))
-
-    def offset(c_minus, c_plus):  # equiangular line fit: SAD is V-shaped around its minimum; in [-0.5, 0.5]
-        slope = 2 * (torch.maximum(c_minus, c_plus) - at(0, 0))
-        return ((c_minus - c_plus) / slope.clamp_min(1e-12)).clamp(-0.5, 0.5)
-
-    dy, dx = by - radius + offset(at(-1, 0), at(1, 0)), bx - radius + offset(at(0, -1), at(0, 1))
-    return torch.where(best == k * k // 2, 0.0, torch.hypot(dy, dx))  # index k*k // 2 is d = 0
-
-
-@torch.no_grad()
-def motion_magnitude(frames: np.ndarray, radius: int = 8, window: int = 9, max_side: int = 256,
-                     penalty: float = 1 / 255, device="cpu") -> float:
-    """Mean optical-flow magnitude in pixels per frame (of the given resolution) over adjacent frame pairs, by
-    dense block matching (no learned flow model, no download).
-
-    Grey frames (in [0, 1]) are area-downscaled so that the longer side is <= max_side. Each pixel of frame t gets
-    the integer displacement d, |dy|, |dx| <= radius, minimising the mean absolute grey difference between frame t
-    and frame t+1 shifted by d over a window x window neighbourhood, plus penalty * |d|: a displacement must pay
-    for itself, so static, textureless or merely flickering regions read 0 (their flow is unknowable anyway: the
-    aperture problem). A nonzero d is refined to sub-pixel precision per axis by an equiangular line fit of the
-    costs beside it (SAD is V-shaped around its minimum); d = 0 stays 0, so motion under about half an analysis
-    pixel per frame reads 0. The mean |d| over pixels and pairs is scaled back to the input resolution. Motion
-    beyond `radius` analysis pixels per frame is not measured (reads lower). A 1-frame video has no pairs: 0."""
-    if len(frames) < 2:
-        return 0.0
-    grey = torch.from_numpy(frames).to(device).float().mean(-1) / 255  # (F, H, W)
-    h, w = grey.shape[1:]
-    scale = min(1.0, max_side / max(h, w))
-    if scale < 1:
-        grey = F.interpolate(grey[:, None], size=(round(h * scale), round(w * scale)), mode="area")[:, 0]
-    h, w = grey.shape[1:]
-    chunk = max(1, 2**25 // ((2 * radius + 1) ** 2 * h * w))  # pairs per cost volume (<= 128 MB of float32)
-    total = sum(_flow_magnitude(grey[i:i + chunk + 1], radius, window, penalty).sum().item()
-                for i in range(0, len(grey) - 1, chunk))
-    return total / ((len(grey) - 1) * h * w) / scale
+def motion_magnitude(flow: list[np.ndarray]) -> float:
+    """Mean optical-flow magnitude in pixels per frame over adjacent frame pairs and pixels, of OpenS2V's Farneback
+    flow (a2.opens2v.flows: the one motion measure; motion_fb is its signed mean, which opposite motions cancel).
+    A 1-frame video has no pairs: 0."""
+    return float(np.mean([np.hypot(f[..., 0], f[..., 1]).mean() for f in flow])) if flow else 0.0
 
 
 def _adjacent(frames: torch.Tensor) -> float:
@@ -246,10 +199,11 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
     if max_frames and len(frames) > max_frames:
         frames = frames[np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
     refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
-    per_video = {"motion": motion_magnitude(frames, device=ev.device)}
+    flow = flows(every_frame)  # every frame, as motion_fb
+    per_video = {"motion": motion_magnitude(flow)}
     if ev.opens2v is not None:  # their metrics sample the whole video themselves
         face_refs = [refs[i] for i, n in enumerate(elements) if n in faces] if elements else []
-        per_video.update(video_metrics(every_frame, prompt, ev.opens2v, face_refs))
+        per_video.update(video_metrics(every_frame, prompt, ev.opens2v, face_refs, flow))
     per_element = {name: {} for name in elements}
     for key, enc, names in (("clip_i", ev.clip, list(elements)), ("dino_i", ev.dino, list(elements)),
                             ("face_sim", ev.face, [n for n in elements if n in faces])):

@@ -4,6 +4,8 @@ element images with these functions."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,21 @@ def magref_places(sizes: list[tuple[int, int]], size: tuple[int, int], rng=None,
     return places
 
 
+def canvas_refusal(layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
+    """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
+    height) sizes, in position order (magref_places: a reference under a token once placed), else None; None for the
+    other kinds (`layout`: a2.conditioning.Layout), which frame each image to the video's size. `names` (the files)
+    say which."""
+    if not layout.takes_region:
+        return None
+    rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
+    try:
+        magref_places(sizes, size, rng, names)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, names: list[str] | None = None,
                   min_side: int = MAGREF_MIN_SIDE) -> tuple[Image.Image, torch.Tensor]:
     """MAGREF's reference canvas: every reference on one white image of the video's size=(height, width), placed by
@@ -128,21 +145,72 @@ def magref_canvas(images: list[Image.Image], size: tuple[int, int], rng=None, na
     return canvas, mask
 
 
+def vace_frame(image: Image.Image, size: tuple[int, int], multiple: int | None = None) -> torch.Tensor:
+    """A reference image as VACE frames it: (3, H, W) in [-1, 1] for size=(H, W), the image scaled to fit (bilinear,
+    on the [-1, 1] tensor, int() of each side) and centred on white. Wan's prepare_source (wan/vace.py:249-277),
+    which leaves an image of exactly the video's size as it is. multiple=8: diffusers' WanVACEPipeline
+    (preprocess_conditions), which first resizes the image to its sides rounded down to a multiple of 8 (PIL
+    Lanczos, VaeImageProcessor) and normalises as 2x - 1 (Wan: (x - 0.5) / 0.5)."""
+    image = image.convert("RGB")
+    if multiple:
+        w, h = image.width - image.width % multiple, image.height - image.height % multiple
+        image = image.resize((w, h), Image.LANCZOS) if (w, h) != image.size else image
+    x = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+    x = x.permute(2, 0, 1).float() / 255.0
+    x = 2.0 * x - 1.0 if multiple else x.sub(0.5).div(0.5)
+    height, width = size
+    if not multiple and (image.height, image.width) == (height, width):
+        return x
+    scale = min(height / image.height, width / image.width)
+    h, w = int(image.height * scale), int(image.width * scale)
+    canvas = torch.ones(3, height, width)
+    top, left = (height - h) // 2, (width - w) // 2
+    canvas[:, top:top + h, left:left + w] = F.interpolate(x[None], size=(h, w), mode="bilinear",
+                                                          align_corners=False)[0]
+    return canvas
+
+
+FRAMINGS = ("element", "face", "fit_white", "canvas")  # Kind.framing: how a kind frames its reference images
+
+
+def reference_pixels(layout, images, elements, size: tuple[int, int], clip_size: tuple[int, int],
+                     names: list[str] | None = None):
+    """Element images (RGB, read_image's, in position order) as `layout`'s kind frames them (Kind.framing, the one
+    place): (vae (N, 3, H, W) and clip (N, 3, h, w) in [-1, 1], region (H, W) bool or None), by training (data.py)
+    and sampling (load_references) alike. `elements`: their config.Elements; size=(H, W) the video's.
+
+    element (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
+    face: Stand-In's reference as its FaceProcessor crop, fit_pad_white (white pad to square, Lanczos) at the
+      layout's reference_size (512x512) whatever the video's size and the element's vae_preprocess.
+    fit_white: each image framed by VACE's own arithmetic (vace_frame; diffusers' with the layout's
+      reference_multiple), whatever its element's vae_preprocess.
+    canvas: MAGREF places each image as it is (aspect kept) on its canvas, so vae is the one canvas (1, 3, H, W)
+      made from the images themselves, no element preprocess (magref_canvas, layout.placement_seed), and region
+      where their pixels are on it. A reference thinner than a token once placed is a one-line ValueError naming it
+      (`names`, e.g. the files).
+    clip: each element's CLIP-path image (clip_preprocess), whatever the framing (magref's CLIP tokens are the
+    canvas', these are what the metrics compare the video with)."""
+    framing = "element" if layout is None else layout.definition.framing
+    clip = [pil_to_tensor(preprocess_image(image, e.clip_preprocess, clip_size)) for image, e in zip(images, elements)]
+    clip = torch.stack(clip) if clip else torch.zeros(0, 3, *clip_size)
+    if framing == "canvas":
+        rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)
+        canvas, region = magref_canvas(list(images), size, rng, names)
+        return pil_to_tensor(canvas)[None], clip, region
+    if framing == "fit_white":
+        vae = [vace_frame(image, size, layout.reference_multiple) for image in images]
+    elif framing == "face":
+        vae = [pil_to_tensor(preprocess_image(image, "fit_pad_white", layout.reference_size)) for image in images]
+    else:
+        vae = [pil_to_tensor(preprocess_image(image, e.vae_preprocess, size)) for image, e in zip(images, elements)]
+    return torch.stack(vae) if vae else torch.zeros(0, 3, *size), clip, None
+
+
 def pil_to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB PIL -> (3, H, W) float in [-1, 1] (the VAE's pixel range)."""
     # /255 then 2x-1 in float32, exactly as diffusers' VaeImageProcessor (bit-parity with its I2V pipeline)
     x = torch.from_numpy(np.asarray(image.convert("RGB")).astype(np.float32) / 255.0)
     return (2.0 * x - 1.0).permute(2, 0, 1).contiguous()
-
-
-def element_tensors(image: Image.Image, element, size: tuple[int, int], clip_size: tuple[int, int]):
-    """One element image -> (vae (3, H, W) in [-1, 1], clip (3, h, w) in [-1, 1]).
-
-    `element` needs `.vae_preprocess` and `.clip_preprocess` (a2.elements.Element). The CLIP tensor is
-    the image at the CLIP resolution before CLIPImageProcessor, which `encode_image` applies."""
-    vae = pil_to_tensor(preprocess_image(image, element.vae_preprocess, size))
-    clip = pil_to_tensor(preprocess_image(image, element.clip_preprocess, clip_size))
-    return vae, clip
 
 
 def read_image(path) -> Image.Image:

@@ -6,17 +6,15 @@ functions that read it (the plan, the encode, the model input) and names a kind 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from a2 import standin, vace
-from a2.dataset_config import kind_of
 from a2.elements import A2_ELEMENTS, RELEASED_ELEMENTS
 
+STANDIN_SIZE = (512, 512)  # (height, width) px of Stand-In's reference: its FaceProcessor's crop, whatever the video's
 V3_SLOTS = 4  # SkyReels-V3 R2V's reference slots (its MAX_ALLOWED_REF_IMG_LENGTH), zero latents where unused
 
 A2_NEGATIVE_PROMPT = (
@@ -87,7 +85,7 @@ class Sampling:
     decode: str = "drop_refs"  # leading references: decoded with the video and their frames dropped (A2, MAGREF),
     # or dropped before the decode (video_only: Wan's VACE and diffusers' decode the video latents alone)
     reference_multiple: int | None = None  # the references first resized to sides a multiple of this (Lanczos), as
-    # diffusers' WanVACEPipeline frames them (vace.frame); None: the lab's framing alone
+    # diffusers' WanVACEPipeline frames them (a2/images.py vace_frame); None: the lab's framing alone
     reversed_references: bool = False  # the references placed in reverse order (diffusers' VACE puts each before the
     # ones before it)
 
@@ -116,8 +114,9 @@ class Kind:
     clip: bool = False  # the step feeds CLIP image tokens where the model has the image branch
     text_to_video_only: bool = False  # the reference tokens skip the text cross-attention (RefAlign's blocks)
     reference_size: tuple[int, int] | None = None  # the reference image's (height, width) whatever the video's
-    framing: Callable | None = None  # frames a reference image itself, (image, (H, W), multiple) -> (3, H, W) in
-    # [-1, 1], whatever its element's vae_preprocess: the lab's arithmetic (VACE's bilinear fit on white, vace.frame)
+    framing: str = "element"  # how its reference images are framed (a2/images.py reference_pixels, FRAMINGS): each
+    # by its element's vae_preprocess at the video's size, or the lab's own arithmetic whatever the element's: face
+    # (Stand-In's crop at reference_size), fit_white (VACE's bilinear fit on white), canvas (MAGREF's canvas)
     sequence: str = ""  # what the sequence holds besides the clip, for Layout.describe ({} fields: Layout.describe)
     sampling: Sampling = Sampling()  # its own sampler (the lab's code), infer.py's defaults
     modes: tuple[tuple[str, Sampling], ...] = ()  # the lab's other entry points, infer.py --preset NAME
@@ -141,12 +140,20 @@ class Kind:
         """One sample of this kind can hold n element images."""
         return self.references[0] <= n <= self.references[1]
 
+    # where the condition enters, each read once here (axis above)
+    conditioned = property(lambda self: self.axis != "none")  # any condition beside the text
+    channel = property(lambda self: self.axis == "channel")  # mask | condition latents: a 36-channel input
+    appended = property(lambda self: self.axis == "time")  # reference latents after the video's on the time axis
+    packed = property(lambda self: self.axis == "tokens")  # Stand-In's reference tokens packed after x_t
+    context = property(lambda self: self.axis == "context")  # VACE's context, read by its context blocks
+    clean = property(lambda self: self.axis == "frames")  # clean leading latent frames at timestep 0
+
     @property
     def reference_tokens(self) -> bool:
         """The references are tokens of the transformer's sequence after the video's (appended latent frames, or
         Stand-In's reference tokens): what --align-loss aligns (a2/align.py), what the reference-free guidance pass
         and reference dropout zero."""
-        return self.axis in ("time", "tokens")
+        return self.appended or self.packed
 
 
 INPLACE_MODES = ("first", "first_and_last", "index", "prefix", "random")
@@ -198,7 +205,8 @@ KIND_DEFS = {k.name: k for k in (
     # MAGREF generate.py (--sample_steps 40, --sample_shift 3, --sample_guide_scale 5, --base_seed 3407, --frame_num
     # 81) and configs (magref_14B.py: "镜头晃动，" + Wan's negative prompt; shared_config.py: 15 fps): Wan's FlowUniPC
     # from sigma 0.999, WanVAE.encode's mean, the canvas placed by the seed
-    Kind("magref", "channel", (1, 8), leading=True, clip=True, background=True, cache_fields=(("version", 3),),
+    Kind("magref", "channel", (1, 8), leading=True, clip=True, background=True, framing="canvas",
+         cache_fields=(("version", 3),),
          elements=RELEASED_ELEMENTS[:8], sampling=Sampling(
              schedule="phantom", flow_shift=3.0, encode_mode="argmax", steps=40,
              negative_prompt=MAGREF_NEGATIVE_PROMPT, fps=15, seed=3407, seeded_placement=True),
@@ -219,15 +227,16 @@ KIND_DEFS = {k.name: k for k in (
     # Wan's VACE code (_VACE); diffusers' WanVACEPipeline as --preset diffusers. Up to 4 references, as VideoX-Fun
     # trains VACE-Fun (0-4 a clip; a2 takes 1-4: with none it is Wan's text-to-video)
     Kind("vace", "context", (1, 4), native=True, leading=True, extends=True, one_frame=True, encode_mean=True,
-         framing=vace.frame, sampling=_VACE, modes=(("diffusers", _VACE_DIFFUSERS),), elements=RELEASED_ELEMENTS[:4],
+         framing="fit_white", sampling=_VACE, modes=(("diffusers", _VACE_DIFFUSERS),),
+         elements=RELEASED_ELEMENTS[:4],
          original_export="diffusion_pytorch_model.safetensors",  # Wan-AI's Wan2.1-VACE file, beside its config.json
          cache_fields=(("version", 4),),
          sequence="{ref_latents} reference latents (VACE's context, scale {context_scale:g}) + "),
-    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=standin.REFERENCE_SIZE,
+    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=STANDIN_SIZE,
          elements=A2_ELEMENTS[:1], sampling=Sampling(
              scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
              negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True, timestep_in_dtype=True),
-         roles=True, cache_fields=(("version", 2), ("reference_size", standin.REFERENCE_SIZE)),
+         framing="face", roles=True, cache_fields=(("version", 2), ("reference_size", STANDIN_SIZE)),
          sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
 )}
 KINDS = tuple(KIND_DEFS)
@@ -254,13 +263,6 @@ def kind_sampling(kind: str, model: str | None = None, mode: str | None = None) 
     return replace(d.sampling, **MODEL_SAMPLING.get(model, {}))
 
 
-def element_kind(info, vae) -> str:
-    """The kind whose element images a run or a sampling call on model `info` with conditioning flags `vae`
-    (VaeProcessorConfig / ConditioningConfig) takes: a released model's own, else the one --reference-layout asks for
-    (frame conditioning aside: it takes frames of the clip, and plan says so)."""
-    return info.native_kind or kind_of(replace(vae, frame_conditioning="full"), True, info.ti2v)
-
-
 def kind_elements(kind: str, public: bool = False) -> tuple:
     """The element specs a `kind` takes when none are given (--elements, --element-specs, a dataset config), read
     alike by train_a2.py, data.py validate, a run's validation and infer.py, so training and sampling frame the same
@@ -274,7 +276,7 @@ def kind_elements(kind: str, public: bool = False) -> tuple:
 def index_elements(kind: str) -> tuple:
     """The elements a kind without roles reads from a public-dataset index with default flags: ref0, ref1, ... (one
     frame each, framed as the labs frame them) up to its maximum, then `background` where the kind uses one. A clip
-    fills at most the maximum (a2.public_data.clip_elements): with a background png the masks leave it the last
+    fills at most the maximum (a2.public_read.clip_elements): with a background png the masks leave it the last
     slot, without one they fill every slot (a V3 clip of 4 masks and no png: 4 references)."""
     d = KIND_DEFS[kind]
     refs = RELEASED_ELEMENTS[:d.references[1]]

@@ -46,11 +46,11 @@ from a2.parallel import gathered
 from a2.step import Run, TrainState
 from a2.transformer import (
     EXPERTS,
-    diffusers_module_name,
     diffusers_to_original,
     expand_to_e2v,
     is_e2v,
     is_expansion_weight,
+    original_to_diffusers,
     original_wan_config,
     save_wan_checkpoint,
     wan_module_name,
@@ -155,7 +155,8 @@ def read_original(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         m = re.fullmatch(r"diffusion_model\.(.+)\.lora_(down|up)\.weight", key)
         if m is None:
             raise ValueError(f"{key}: not an original-Wan LoRA weight (<module>.lora_down/lora_up.weight)")
-        out[f"transformer.{diffusers_module_name(m[1])}.lora_{'A' if m[2] == 'down' else 'B'}.weight"] = value
+        vace[key] = (f"{m[1]}.lora_{'A' if m[2] == 'down' else 'B'}.weight", value)
+    out.update((f"transformer.{k}", v) for k, v in original_to_diffusers(dict(vace.values())).items())
     return out
 
 

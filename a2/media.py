@@ -1,6 +1,6 @@
 """A sample and its media: the Sample record and its problems, captions, reading video frames (a video file or a
 T2V-workflow .npz), which frames of a clip train (frame_indices, musubi-tuner's windows) and a manifest's rows. What
-data.py (the dataset) and a2/public_data.py (the public datasets' readers) both build on; it imports neither."""
+data.py (the dataset) and a2/public_read.py (the public datasets' readers) both build on; it imports neither."""
 
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ class Sample:
     size: tuple[int, int] = (0, 0)  # (H, W) of the source video as displayed
     where: str = ""  # its manifest line, for messages
     problems: list[Problem] = field(default_factory=list)
-    # public datasets (a2/public_data.py): the clip is frames start.. of the video, cropped to (x0, x1, y0, y1), and
+    # public datasets (a2/public_read.py): the clip is frames start.. of the video, cropped to (x0, x1, y0, y1), and
     # each element image is built from refs[name] (a mask, box or image entry of the index)
     start: int = 0
     crop: tuple | None = None

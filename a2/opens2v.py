@@ -153,21 +153,20 @@ def sample_frames(frames: np.ndarray, num_frames: int) -> np.ndarray:
 # ---------------------------------------------------------------- MotionAmplitude (motion_fb)
 
 
-def motion_fb(frames: np.ndarray) -> float:
-    """get_motion_amplitude.py's motion_fb: Farneback flow (pyr_scale 0.5, 3 levels, window 15, 3 iterations,
-    poly_n 5, sigma 1.2) between consecutive frames of the whole video, each flow map resized (INTER_AREA) to 16 px
-    wide, the signed mean over maps, pixels and both components, its absolute value. Their frames are RGB but
-    converted with COLOR_BGR2GRAY (swapped luma weights): kept, it is the metric's definition."""
-    prev = cv2.cvtColor(np.ascontiguousarray(frames[0]), cv2.COLOR_BGR2GRAY)
-    maps = []
-    for frame in frames[1:]:
-        grey = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_BGR2GRAY)
-        flow = cv2.calcOpticalFlowFarneback(prev, grey, None, 0.5, 3, 15, 3, 5, 1.2, 0)  # (H, W, 2)
-        maps.append(cv2.resize(flow, (16, int(flow.shape[0] * (16 / flow.shape[1]))), interpolation=cv2.INTER_AREA))
-        prev = grey
-    if not maps:
-        return 0.0
-    return abs(float(np.mean(np.mean(np.array(maps), axis=0))))
+def flows(frames: np.ndarray) -> list[np.ndarray]:
+    """a2's one motion measure: get_motion_amplitude.py's Farneback flow (pyr_scale 0.5, 3 levels, window 15, 3
+    iterations, poly_n 5, sigma 1.2) between consecutive frames (F, H, W, 3) uint8, (H, W, 2) px each. Their frames
+    are RGB but converted with COLOR_BGR2GRAY (swapped luma weights): kept, it is the metric's definition."""
+    grey = [cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_BGR2GRAY) for frame in frames]
+    return [cv2.calcOpticalFlowFarneback(a, b, None, 0.5, 3, 15, 3, 5, 1.2, 0) for a, b in zip(grey, grey[1:])]
+
+
+def motion_fb(frames: np.ndarray, flow: list[np.ndarray] | None = None) -> float:
+    """get_motion_amplitude.py's motion_fb over the whole video: each flow map (`flows`, computed unless given)
+    resized (INTER_AREA) to 16 px wide, the signed mean over maps, pixels and both components, its absolute value."""
+    flow = flows(frames) if flow is None else flow
+    maps = [cv2.resize(f, (16, int(f.shape[0] * (16 / f.shape[1]))), interpolation=cv2.INTER_AREA) for f in flow]
+    return abs(float(np.mean(np.mean(np.array(maps), axis=0)))) if maps else 0.0
 
 
 # ---------------------------------------------------------------- Aesthetics (aes_score)
@@ -627,14 +626,15 @@ def load_scorers(cfg, device="cpu", gme_dtype=torch.float16) -> Scorers:
     return s
 
 
-def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=()) -> dict[str, float]:
+def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=(), flow=None) -> dict[str, float]:
     """The metrics a2 computes of one video's frames (F, H, W, 3) uint8, by their JSON names: motion_fb over every
     frame, aes_score / gme_score / cur_score over 32 evenly spaced ones (cur_score: the mean over the face
-    references in which a face is found). Training validation scores the decoded tensor, not an mp4."""
+    references in which a face is found; flow: the frames' `flows` when already computed). Training validation scores
+    the decoded tensor, not an mp4."""
     out = {}
     some = sample_frames(frames, METRIC_FRAMES)
     if scorers.motion:
-        out["motion_fb"] = motion_fb(frames)
+        out["motion_fb"] = motion_fb(frames, flow)
     if scorers.aes is not None:
         out["aes_score"] = scorers.aes(some)
     if scorers.gme is not None:

@@ -45,8 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from a2.cli import ConfigError
-from a2.standin import StandInAttnProcessor, VideoOnlyCrossAttnProcessor, rotate
-from a2.transformer import transformer_class
+from a2.transformer import rotate, transformer_class
 
 
 @dataclass
@@ -141,44 +140,6 @@ class UlyssesAttnProcessor(WanAttnProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
-class UlyssesStandInAttnProcessor(StandInAttnProcessor):
-    """Stand-In's self-attention under the split: the reference LoRA on the local tokens that are reference tokens
-    (global index >= length - num_reference), then on the gathered sequence video queries attend to all keys and
-    reference queries to the reference keys only (StandInAttnProcessor's rule)."""
-
-    split: SequenceSplit
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if self.keep or self.kv is not None:
-            raise ValueError("Stand-In's kept reference K/V are not split: sample with standin_cache off under "
-                             "context parallel")
-        s, n = self.split, self.num_reference
-        video = s.length - n
-        cut = min(max(video - s.start, 0), hidden_states.shape[1])  # local tokens before the first reference token
-        cos, sin = rotary_emb
-        parts = [self.qkv(attn, hidden_states[:, :cut], cos[:, :cut], sin[:, :cut], reference=False),
-                 self.qkv(attn, hidden_states[:, cut:], cos[:, cut:], sin[:, cut:], reference=True)]
-        q, k, v = (s.to_heads(torch.cat(t, 1)) for t in zip(*parts))  # (B, length, heads / N, head_dim)
-        out = self.attend(q[:, :video], k, v)
-        if n:
-            out = torch.cat([out, self.attend(q[:, video:], k[:, video:], v[:, video:])], 1)
-        out = s.to_tokens(out).flatten(2, 3).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class UlyssesVideoOnlyCrossAttnProcessor(VideoOnlyCrossAttnProcessor):
-    """Stand-In's cross-attention under the split: every local row attends the text, the reference rows come out
-    zero (rows of attention are independent: the video rows are those of the unsplit call)."""
-
-    split: SequenceSplit
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        out = WanAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        s = self.split
-        index = torch.arange(s.start, s.start + out.shape[1], device=out.device)
-        return torch.where((index < s.length - self.num_reference)[:, None], out, out.new_zeros(()))
-
-
 def _split_timestep(split: SequenceSplit):
     """A per-token timestep (B, length) (TI2V-5B, in-context references at timestep 0) is split before the time
     embedding, as diffusers' plan does: the modulation and the output's shift/scale are then the local tokens'."""
@@ -233,10 +194,8 @@ def context_parallel(transformer, group: dist.ProcessGroup | None, size: int | N
     for block in transformer.blocks:
         for attn in (block.attn1, block.attn2):
             p = attn.processor
-            if isinstance(p, StandInAttnProcessor):
-                p.__class__ = UlyssesStandInAttnProcessor  # the same module and LoRA weights, split attention
-            elif isinstance(p, VideoOnlyCrossAttnProcessor):
-                p.__class__ = UlyssesVideoOnlyCrossAttnProcessor
+            if hasattr(p, "split_class"):  # a kind's own processor (Stand-In's) names its split form
+                p.__class__ = p.split_class  # the same module and LoRA weights, split attention
             elif attn is block.attn1:
                 backend = p._attention_backend
                 p = UlyssesAttnProcessor()

@@ -25,14 +25,13 @@ from a2.conditioning import (
     num_latent_frames,
     prepare_latents,
     prepare_model,
-    reference_pixels,
     restore,
     sampling_plan,
     vae_scale,
     video_prediction,
 )
 from a2.dataset_config import ConditioningConfig, check_size
-from a2.images import pil_to_tensor, preprocess_image, read_image, tensor_to_uint8
+from a2.images import pil_to_tensor, preprocess_image, read_image, reference_pixels, tensor_to_uint8
 from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
 from a2.tiny import model_path
 from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
@@ -42,7 +41,7 @@ from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_
 
 def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), layout=None):
     """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats, region), in position
-    order, as `layout`'s kind takes them (a2.conditioning.reference_pixels; None: each element framed to the size):
+    order, as `layout`'s kind takes them (a2.images.reference_pixels; None: each element framed to the size):
     the magref kind's vae is its one canvas (N = 1) and region (1, H, W) where the images are on it, else None.
 
     Errors name the file: a missing or unreadable image, or one MAGREF's canvas cannot hold, stops here, before any
@@ -331,7 +330,7 @@ class A2Pipeline(WanLoraLoaderMixin):
                 layout.clean_frames):
             raise ValueError(f"the {layout.kind} layout takes " + ("reference images" if layout.takes_references
                              else "no reference images") + (" and a first frame" if layout.clean_frames else ""))
-        if (control_video is not None or mask is not None) and layout.definition.axis != "context":
+        if (control_video is not None or mask is not None) and not layout.context_blocks:
             raise ValueError(f"a control video and its mask are VACE's; the {layout.kind} layout takes none")
         for model in (transformer, self.transformer_2):
             if model is not None:

@@ -15,9 +15,9 @@ diffusers' WanTransformerBlock runs unchanged: reference tokens take a per-token
 path, made for TI2V), attn1 gets StandInAttnProcessor and attn2 VideoOnlyCrossAttnProcessor. The processors hold
 the per-call state (`num_reference`, the kept K/V) that `forward` sets, as diffusers' block passes them nothing.
 
-The reference image is Stand-In's 512x512 face crop (REFERENCE_SIZE) whatever the video's size: 64x64 latents,
-32x32 = 1024 tokens, as their model was trained. a2 frames the user's (or data.py's) face crop to it with
-fit_pad_white (REFERENCE_PREPROCESS: Lanczos fit, white pad; a2/conditioning.py reference_framing), where Stand-In's
+The reference image is Stand-In's 512x512 face crop (its Kind row's reference_size) whatever the video's size: 64x64
+latents, 32x32 = 1024 tokens, as their model was trained. a2 frames the user's (or data.py's) face crop to it with
+fit_pad_white (the face framing of a2/images.py reference_pixels: Lanczos fit, white pad), where Stand-In's
 FaceProcessor pads its crop to a square with white, then resizes with cv2 INTER_AREA; the crop itself (insightface
 antelopev2's largest face, a 1.5x square crop, BiSeNet parsing with the background painted white) is not an a2
 dependency: give a2 the cropped face. The standin kind keeps the transformer's (hidden_states, timestep) interface:
@@ -34,17 +34,14 @@ from pathlib import Path
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
-from a2.transformer import embed, unpatchify
+from a2.transformer import VideoOnlyCrossAttnProcessor, embed, rotate, unpatchify
 
 RANK = 128  # Stand-In's released LoRAs
 ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
 CACHE_MODES = (None, "fill", "use")
 HUB_ID = "BowenXue/Stand-In"  # Stand-In_wan2.1_T2V_14B.ckpt, Stand-In_wan2.2_T2V_A14B_{high,low}.ckpt
-REFERENCE_SIZE = (512, 512)  # (height, width) px of the reference: FaceProcessor's crop, whatever the video's size
-REFERENCE_PREPROCESS = "fit_pad_white"  # a2's framing nearest FaceProcessor's (white pad to square, resize)
 
 
 class ReferenceLoRA(nn.Module):
@@ -60,16 +57,6 @@ class ReferenceLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x.to(self.down.weight.dtype))).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, L, heads, head_dim) with interleaved pairs, the arithmetic of diffusers' WanAttnProcessor."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
 
 
 class StandInAttnProcessor(nn.Module):
@@ -99,6 +86,11 @@ class StandInAttnProcessor(nn.Module):
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, L, heads, head_dim)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
+    @property
+    def split_class(self):
+        """Its form under context parallel (a2/parallel.py context_parallel)."""
+        return UlyssesStandInAttnProcessor
+
     def attend(self, q, k, v):
         return dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      backend=self._attention_backend)
@@ -125,17 +117,29 @@ class StandInAttnProcessor(nn.Module):
         return attn.to_out[1](attn.to_out[0](out))
 
 
-class VideoOnlyCrossAttnProcessor(WanAttnProcessor):
-    """Cross-attention (attn2) for the video tokens only: the last `num_reference` rows (reference tokens) come out
-    zero, and the block adds them to its residual, which leaves the reference tokens exactly as they were."""
+class UlyssesStandInAttnProcessor(StandInAttnProcessor):
+    """Stand-In's self-attention under the split: the reference LoRA on the local tokens that are reference tokens
+    (global index >= length - num_reference), then on the gathered sequence video queries attend to all keys and
+    reference queries to the reference keys only (StandInAttnProcessor's rule)."""
 
-    num_reference = 0
+    split = None  # a2/parallel.py SequenceSplit, set by context_parallel
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        n = self.num_reference
-        out = super().__call__(attn, hidden_states[:, :hidden_states.shape[1] - n], encoder_hidden_states,
-                               attention_mask, rotary_emb)
-        return torch.cat([out, out.new_zeros(out.shape[0], n, out.shape[2])], 1) if n else out
+        if self.keep or self.kv is not None:
+            raise ValueError("Stand-In's kept reference K/V are not split: sample with standin_cache off under "
+                             "context parallel")
+        s, n = self.split, self.num_reference
+        video = s.length - n
+        cut = min(max(video - s.start, 0), hidden_states.shape[1])  # local tokens before the first reference token
+        cos, sin = rotary_emb
+        parts = [self.qkv(attn, hidden_states[:, :cut], cos[:, :cut], sin[:, :cut], reference=False),
+                 self.qkv(attn, hidden_states[:, cut:], cos[:, cut:], sin[:, cut:], reference=True)]
+        q, k, v = (s.to_heads(torch.cat(t, 1)) for t in zip(*parts))  # (B, length, heads / N, head_dim)
+        out = self.attend(q[:, :video], k, v)
+        if n:
+            out = torch.cat([out, self.attend(q[:, video:], k[:, video:], v[:, video:])], 1)
+        out = s.to_tokens(out).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 def install(transformer, rank: int = RANK, dtype: torch.dtype = torch.float32) -> None:
@@ -149,6 +153,21 @@ def install(transformer, rank: int = RANK, dtype: torch.dtype = torch.float32) -
 
 def installed(transformer) -> bool:
     return all(isinstance(b.attn1.processor, StandInAttnProcessor) for b in transformer.blocks)
+
+
+def prepare(transformer, reference_grid: tuple[int, int], rank: int | None = None) -> None:
+    """The standin kind's transformer, training and sampling alike: Stand-In's processors (reference LoRA at `rank`,
+    Stand-In's 128 by default; kept when already there, e.g. loaded from a Stand-In file) and the forward that reads
+    the packed reference of this reference_grid (packed_forward)."""
+    if not installed(transformer):
+        install(transformer, rank or RANK)
+    packed_forward(transformer, reference_grid)
+
+
+def weights(transformer) -> list:
+    """Stand-In's reference-only LoRA (its q/k/v on the reference tokens), which a LoRA run trains instead of a peft
+    adapter."""
+    return [p for n, p in transformer.named_parameters() if ".attn1.processor." in n]
 
 
 def reference_rotary(rope, video_grid: tuple[int, int, int], reference_grid: tuple[int, int, int]):

@@ -93,7 +93,7 @@ class TrainState:
     params: list  # the trainable weights (DTensor shards with --fsdp)
     opt: torch.optim.Optimizer
     guard: NonFiniteSteps
-    failures: object  # data.LoadFailures: the samples that failed to load, checkpointed with the run
+    failures: object  # a2.loader.LoadFailures: the samples that failed to load, checkpointed with the run
     last_ckpt: Path | None = None  # the run's newest checkpoint (none is written from non-finite weights)
 
 

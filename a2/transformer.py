@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from a2.cli import InputError
@@ -108,6 +110,44 @@ def embed(transformer, hidden_states: torch.Tensor, timestep: torch.Tensor, enco
                                                              encoder_hidden_states_image)
     text = text if image is None else torch.cat([image, text], 1)
     return x, transformer.rope(hidden_states), temb, proj.unflatten(1, (6, -1)), text, (f // p_t, h // p_h, w // p_w)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, L, heads, head_dim) with interleaved pairs, the arithmetic of diffusers' WanAttnProcessor."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class VideoOnlyCrossAttnProcessor(WanAttnProcessor):
+    """Cross-attention (attn2) for the video tokens only (Stand-In's and RefAlign's reference tokens take no text):
+    the last `num_reference` rows (reference tokens) come out zero, and the block adds them to its residual, which
+    leaves the reference tokens exactly as they were."""
+
+    num_reference = 0
+    split_class = property(lambda self: UlyssesVideoOnlyCrossAttnProcessor)  # its form under context parallel
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        n = self.num_reference
+        out = super().__call__(attn, hidden_states[:, :hidden_states.shape[1] - n], encoder_hidden_states,
+                               attention_mask, rotary_emb)
+        return torch.cat([out, out.new_zeros(out.shape[0], n, out.shape[2])], 1) if n else out
+
+
+class UlyssesVideoOnlyCrossAttnProcessor(VideoOnlyCrossAttnProcessor):
+    """VideoOnlyCrossAttnProcessor under context parallel (a2/parallel.py): every local row attends the text, the
+    reference rows come out zero (rows of attention are independent: the video rows are those of the unsplit call)."""
+
+    split = None  # a2/parallel.py SequenceSplit, set by context_parallel
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        out = WanAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        s = self.split
+        index = torch.arange(s.start, s.start + out.shape[1], device=out.device)
+        return torch.where((index < s.length - self.num_reference)[:, None], out, out.new_zeros(()))
 
 
 def unpatchify(transformer, x: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int],
@@ -210,7 +250,8 @@ class ModelInfo:
 # ---------------------------------------------------------------- original Wan checkpoints (Phantom-Wan)
 
 # original Wan (Wan2.1 repo's WanModel, Phantom-Wan, ComfyUI) name -> diffusers WanTransformer3DModel name, of a
-# module or a parameter: inside a block, then at the top level. The rest of a key (.weight / .bias) is kept.
+# module or a parameter: inside a block, then at the top level. The rest of a key (.weight / .bias) is kept. Read the
+# other way (DIFFUSERS_*) for the exports in original names; reading them, diffusers' converter (original_to_diffusers).
 # The original block's `norm3` is the cross-attention norm (diffusers' `norm2`); its norm1/norm2 carry no weights.
 ORIGINAL_BLOCK = {
     "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
@@ -256,9 +297,14 @@ ORIGINAL_PREFIX = re.compile(r"^(model\.)?diffusion_model\.")  # ComfyUI's whole
 
 def original_to_diffusers(sd: dict) -> dict:
     """An original-Wan state dict (`blocks.0.self_attn.q.weight`; bare, or with ComfyUI's `model.diffusion_model.` /
-    `diffusion_model.` prefix) -> diffusers names (`blocks.0.attn1.to_q.weight`). The tensors are the same objects; a
-    key with no diffusers module raises KeyError naming it."""
-    return {diffusers_module_name(ORIGINAL_PREFIX.sub("", k)): v for k, v in sd.items()}
+    `diffusion_model.` prefix) -> diffusers names (`blocks.0.attn1.to_q.weight`), by diffusers' own converter (what
+    WanTransformer3DModel / WanVACETransformer3DModel.from_single_file apply; a2 reads the config from the tensors,
+    original_config, where from_single_file would fetch one from the Hub). The tensors are the same objects; a key
+    it does not know keeps its name (original_config has checked the names against the model's)."""
+    out = convert_wan_transformer_to_diffusers({ORIGINAL_PREFIX.sub("", k): v for k, v in sd.items()})
+    if "img_emb.emb_pos" in out:  # FLF2V's image position embedding, which diffusers 0.42's converter leaves as it is
+        out[ORIGINAL_TOP["img_emb.emb_pos"]] = out.pop("img_emb.emb_pos")
+    return out
 
 
 def diffusers_to_original(sd: dict) -> dict:
@@ -920,11 +966,6 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
     return _rename(name, DIFFUSERS_BLOCK, DIFFUSERS_TOP)
-
-
-def diffusers_module_name(name: str) -> str:
-    """wan_module_name's inverse: an original Wan module name -> the diffusers one."""
-    return _rename(name, ORIGINAL_BLOCK, ORIGINAL_TOP)
 
 
 def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:

@@ -39,7 +39,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from PIL import Image
 
 from a2.parallel import UlyssesAttnProcessor
 from a2.transformer import embed, unpatchify
@@ -61,31 +60,6 @@ def lora_target(target: str, blocks: str = "vace") -> str:
 
 
 # ---------------------------------------------------------------- the context
-
-
-def frame(image: Image.Image, size: tuple[int, int], multiple: int | None = None) -> torch.Tensor:
-    """A reference image as VACE frames it: (3, H, W) in [-1, 1] for size=(H, W), the image scaled to fit (bilinear,
-    on the [-1, 1] tensor, int() of each side) and centred on white. Wan's prepare_source (wan/vace.py:249-277),
-    which leaves an image of exactly the video's size as it is. multiple=8: diffusers' WanVACEPipeline
-    (preprocess_conditions), which first resizes the image to its sides rounded down to a multiple of 8 (PIL
-    Lanczos, VaeImageProcessor) and normalises as 2x - 1 (Wan: (x - 0.5) / 0.5)."""
-    image = image.convert("RGB")
-    if multiple:
-        w, h = image.width - image.width % multiple, image.height - image.height % multiple
-        image = image.resize((w, h), Image.LANCZOS) if (w, h) != image.size else image
-    x = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
-    x = x.permute(2, 0, 1).float() / 255.0
-    x = 2.0 * x - 1.0 if multiple else x.sub(0.5).div(0.5)
-    height, width = size
-    if not multiple and (image.height, image.width) == (height, width):
-        return x
-    scale = min(height / image.height, width / image.width)
-    h, w = int(image.height * scale), int(image.width * scale)
-    canvas = torch.ones(3, height, width)
-    top, left = (height - h) // 2, (width - w) // 2
-    canvas[:, top:top + h, left:left + w] = F.interpolate(x[None], size=(h, w), mode="bilinear",
-                                                          align_corners=False)[0]
-    return canvas
 
 
 def context_mask(mask: torch.Tensor, num_references: int) -> torch.Tensor:

@@ -83,8 +83,9 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
 
     import train_a2
+    from a2.loader import collate
     from config import dataset_configs
-    from data import E2VDataset, collate, kind_datasets
+    from data import E2VDataset, kind_datasets
     from tests.their_refalign import training_align_loss
 
     cfg = train_config(args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
@@ -194,8 +195,9 @@ def test_the_loss_reaches_only_the_chosen_blocks_and_projectors(data_dir, dino_d
     it, and its projector; none in block 1 nor the output head (the model's later weights are the flow loss's)."""
 
     import train_a2
+    from a2.loader import collate
     from config import dataset_configs
-    from data import E2VDataset, collate
+    from data import E2VDataset
 
     cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "g",
                                              "--training-type", "full", *align_flags(dino_dir, "0"),
@@ -304,8 +306,9 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     import train_a2
     from a2.augment import augment_image, augment_references
     from a2.flow import sample_generator
+    from a2.loader import collate
     from config import dataset_configs
-    from data import E2VDataset, collate
+    from data import E2VDataset
 
     # a white reference stays one flat colour whatever is drawn (the colour jitter may dim it): warps fill with white
     for step in range(8):

@@ -10,7 +10,7 @@ import tyro
 
 from tests.conftest import ROOT
 
-# the dataclasses tyro parses (every CLI's, a2/public_data.py's indexes among them), and every config dataclass
+# the dataclasses tyro parses (every CLI's, a2/public_index.py's indexes among them), and every config dataclass
 # (the JSON dataset config's fields too): in config.py and the modules below it, which import no torch
 CLI_CLASSES = {"config.py": None, "a2/dataset_config.py": None, "a2/elements.py": None}
 

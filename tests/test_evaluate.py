@@ -16,7 +16,7 @@ from PIL import Image
 
 from a2.elements import Element
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
-from a2.opens2v import tiny_encoder_note
+from a2.opens2v import flows, tiny_encoder_note
 from a2.pipeline import load_references
 from config import EvalConfig
 
@@ -92,21 +92,13 @@ def test_motion_zero_when_still_and_growing_with_displacement():
     def moving(dx, n=6):
         return torch.stack([torch.roll(texture, dx * t, dims=1) for t in range(n)]).numpy()
 
-    motion = {dx: motion_magnitude(moving(dx)) for dx in (0, 1, 2, 4, 6)}
+    motion = {dx: motion_magnitude(flows(moving(dx))) for dx in (0, 1, 2, 4, 6)}
     print("motion (px/frame) by displacement:", {k: round(v, 3) for k, v in motion.items()})
-    assert motion[0] == 0.0
+    assert motion[0] < 0.01  # still: Farneback's polynomial fit leaves a residual (0.001 here)
     for dx in (1, 2, 4, 6):  # a uniform translation is recovered to within 10 % (the wrap-around seam excepted)
         assert motion[dx] == pytest.approx(dx, rel=0.1)
-    # analysis at a quarter of the resolution (max_side): motion reads in input pixels, to sub-pixel precision of
-    # the analysis grid (3 and 6 px/frame are 0.75 and 1.5 analysis pixels); under half an analysis pixel reads ~0
-    big = F.interpolate(texture.permute(2, 0, 1)[None].float(), scale_factor=4, mode="bicubic")[0]
-    big = big.clamp(0, 255).byte().permute(1, 2, 0)
-    sub = {dx: motion_magnitude(torch.stack([torch.roll(big, dx * t, dims=1) for t in range(4)]).numpy(), max_side=96)
-           for dx in (1, 3, 6)}
-    print("at 4x resolution, analysed at 1/4:", {k: round(v, 3) for k, v in sub.items()})
-    assert sub[1] < 0.1 and sub[3] == pytest.approx(3, rel=0.1) and sub[6] == pytest.approx(6, rel=0.1)
     # a 1-frame video has no pairs
-    assert motion_magnitude(moving(2, n=1)) == 0.0
+    assert motion_magnitude(flows(moving(2, n=1))) == 0.0
 
 
 def test_shapes_keys_and_one_frame(evaluators, tmp_path):

@@ -11,9 +11,10 @@ import train_a2
 from a2.cli import ConfigError
 from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
 from a2.dataset_config import ConditioningConfig, load_dataset_config
+from a2.loader import collate
 from a2.pipeline import A2Pipeline
 from config import TrainConfig, dataset_configs, with_recipe
-from data import E2VDataset, collate
+from data import E2VDataset
 from tests.conftest import args, assert_rounding, losses, max_diff, params, train, train_config
 
 INCONTEXT = ["--reference-layout", "incontext", "--num-frames", "9"]  # 9 video frames (3 latents) + 3 references

@@ -306,7 +306,7 @@ def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path()
     the same data the dropped sample is named; on changed data (a clip added before the dropped one, or the dropped
     one gone) one line says the dataset changed, and the dropped sample is dropped again where it now is, or named
     as gone. tests/test_resume_data.py runs these through train_a2.main."""
-    from data import LoadFailures
+    from a2.loader import LoadFailures
 
     before = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
     before.dropped = {1: "b: b.mp4: unreadable video"}
@@ -486,31 +486,33 @@ def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_trained(tmp_path, media, capsys):
-    """An OpenS2V-5M-shaped index (a2/public_data.py's synthetic part, on tests/media's hiker clip) read by MAGREF at
+    """An OpenS2V-5M-shaped index (tests/public_fixture.py's part, on tests/media's hiker clip) read by MAGREF at
     64x64: a clip's 168x112 background is 22x14 px in its 22x64 block of a 3-reference canvas, under a token (16 px).
     The sizes the scan reads are the images the loader makes; `data.py validate` names the clip (left out) and
     training leaves it out before step 1 (it stopped the run at the step that drew it); the clip without the
     background (2 references, 32x64 blocks) trains."""
-    import a2.public_data as pd_
+    import a2.public_index as pi
+    import a2.public_read as pr
     import data
     from a2.media import read_frames
+    from tests import public_fixture as pf
     from tests.conftest import train
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
     frames = np.stack([np.asarray(Image.fromarray(x).resize((184, 120))) for x in f])
     person = np.zeros((60, 30, 3), np.uint8)
     person[..., 0], person[10:50, 5:25, 2] = 200, 180
-    pd_.synthetic_opens2v(tmp_path, frames, person, num_clips=2)
-    pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(tmp_path / "index")))
+    pf.synthetic_opens2v(tmp_path, frames, person, num_clips=2)
+    pi.index_opens2v(pi.IndexOpenS2V(str(tmp_path), str(tmp_path / "index")))
     index = tmp_path / "index" / "index.jsonl"
     lines = [json.loads(x) for x in index.read_text().splitlines()]
     del lines[1]["elements"]["background"]
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cfg = replace(dataset_configs(Validate(dataset_type="opens2v", manifest=str(index)))[0],
                   elements=index_elements("magref"))
-    for s in pd_.list_index(index, cfg, 0, [], most=8):
-        pd_.check_public_sample(s, cfg, 9, "uniform")
-        _, images = pd_.load_sample(s, [], list(s.refs))
+    for s in pr.list_index(index, cfg, 0, [], most=8):
+        pr.check_public_sample(s, cfg, 9, "uniform")
+        _, images = pr.load_sample(s, [], list(s.refs))
         assert s.sizes == {name: image.size for name, image in images.items()}
     flags = ["--dataset-type", "opens2v", "--manifest", str(index), "--model", "tiny-magref", "--resolution", "64",
              "64", "--num-frames", "9"]

@@ -322,8 +322,8 @@ def test_lora_targets_that_cannot_be_exported_fail_before_training(data_dir, tmp
 @pytest.mark.parametrize("t2v", [False, True])
 def test_full_model_in_original_wan_keys(tiny_dir, tiny_t2v_dir, tmp_path, t2v):
     """A full fine-tune's single file (save_wan_checkpoint): bf16, original Wan names, read back to diffusers names by
-    a2's map (original_to_diffusers) and, independently, by diffusers' own single-file converter with every tensor
-    equal; and what ComfyUI's Wan detection
+    diffusers' own single-file converter (original_to_diffusers: a2's export map against diffusers' reading) with every
+    tensor equal; and what ComfyUI's Wan detection
     (comfy/model_detection.py, detect_unet_config, read not run: ComfyUI is not a dependency) reads from it gives this
     model: `head.modulation` marks Wan, dim from it, out_dim from head.head, ffn_dim from blocks.0.ffn.0, layers
     counted over blocks.N, in_dim from patch_embedding, I2V iff img_emb.proj.0.bias is there."""
@@ -338,10 +338,8 @@ def test_full_model_in_original_wan_keys(tiny_dir, tiny_t2v_dir, tmp_path, t2v):
     assert wan.keys() == diffusers_to_original(sd).keys() and {v.dtype for v in wan.values()} == {torch.bfloat16}
     assert {"blocks.0.self_attn.q.weight", "blocks.1.cross_attn.norm_k.weight", "blocks.0.norm3.weight",
             "blocks.0.modulation", "head.head.weight", "time_projection.1.bias", "text_embedding.2.weight"} <= set(wan)
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-
-    for back in (original_to_diffusers(dict(wan)), convert_wan_transformer_to_diffusers(dict(wan))):
-        assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k].bfloat16()) for k in sd)
+    back = original_to_diffusers(dict(wan))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k].bfloat16()) for k in sd)
     c = model.config
     blocks = {int(k.split(".")[1]) for k in wan if k.startswith("blocks.")}
     assert wan["head.modulation"].shape[-1] == c.num_attention_heads * c.attention_head_dim  # ComfyUI's dim

@@ -1,8 +1,9 @@
-"""Public S2V datasets as published (public_data.py): fixtures in each dataset's exact schema, built here from real
-media (the hiker clip of tests/media, a drawn person composited under known masks), RLE-encoded with pycocotools. The
-element images training builds must equal the ones built by hand from the decoded frame (the published rule: the
-mask's tight box, its pixels on white), the clip must be the face_cut range of the cropped frames, every filter and bad
-record is counted or named in one line, and a multi-MB part JSON is indexed in bounded memory."""
+"""Public S2V datasets as published (a2/public_read.py, public_index.py; tests/public_fixture.py): fixtures in each
+dataset's exact schema, built here from real media (the hiker clip of tests/media, a drawn person composited under
+known masks), RLE-encoded with pycocotools. The element images training builds must equal the ones built by hand
+from the decoded frame (the published rule: the mask's tight box, its pixels on white), the clip must be the
+face_cut range of the cropped frames, every filter and bad record is counted or named in one line, and a multi-MB
+part JSON is indexed in bounded memory."""
 
 import json
 import tracemalloc
@@ -17,14 +18,16 @@ import torch
 import tyro
 from PIL import Image
 
-import a2.public_data as pd_
+import a2.public_index as pi
+import a2.public_read as pr
 from a2.dataset_config import DatasetConfig
 from a2.elements import A2_ELEMENTS
-from a2.images import element_tensors, read_image, resize_frames
+from a2.images import read_image, reference_pixels, resize_frames
 from a2.kinds import KIND_DEFS, index_elements, largest_element_set
 from a2.media import read_frames
 from config import TrainConfig, dataset_configs
 from data import E2VDataset, Validate, validate
+from tests import public_fixture as pf
 from tests.conftest import MEDIA, drawn_person
 
 SIZE = (64, 96)  # training resolution of these tests (multiple of 16)
@@ -52,9 +55,9 @@ def by_hand(frame: np.ndarray, mask: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def opens2v(tmp_path_factory):
     root = tmp_path_factory.mktemp("opens2v")
-    fx = pd_.synthetic_opens2v(root, hiker_frames(), person(), num_clips=2)
+    fx = pf.synthetic_opens2v(root, hiker_frames(), person(), num_clips=2)
     out = root / "index"
-    counts = pd_.index_opens2v(pd_.IndexOpenS2V(str(root), str(out)))
+    counts = pi.index_opens2v(pi.IndexOpenS2V(str(root), str(out)))
     return dict(fx, root=root, out=out, counts=counts)
 
 
@@ -69,14 +72,14 @@ def test_opens2v_elements_equal_the_hand_built_mask_crop_on_white(opens2v):
     assert [x["key"] for x in lines] == list(fx["records"])
     sx, ex, sy, ey = fx["crop"]
     frame = read_frames(fx["video"], [fx["ann"]])[0][sy:ey, sx:ex]  # the annotation frame as decoded, cropped
-    s = pd_.list_index(fx["out"] / "index.jsonl", public_cfg(fx["out"] / "index.jsonl"), 0, [])[0]
-    _, images = pd_.load_sample(s, [], ["subject", "object", "background"])
+    s = pr.list_index(fx["out"] / "index.jsonl", public_cfg(fx["out"] / "index.jsonl"), 0, [])[0]
+    _, images = pr.load_sample(s, [], ["subject", "object", "background"])
     assert np.array_equal(np.asarray(images["subject"]), by_hand(frame, fx["masks"]["1"]))  # "woman"
     assert np.array_equal(np.asarray(images["object"]), by_hand(frame, fx["masks"]["4"]))  # "backpack"
     assert np.array_equal(np.asarray(images["background"]), np.asarray(Image.open(
         fx["root"] / "Background" / "total_part1" / f"{s.id}.png").convert("RGB")))
     # export-elements writes exactly these images
-    produced = pd_.export_elements(pd_.ExportElements(str(fx["out"] / "index.jsonl"), str(fx["root"] / "export")))
+    produced = pi.export_elements(pi.ExportElements(str(fx["out"] / "index.jsonl"), str(fx["root"] / "export")))
     assert sorted(produced[s.id]) == ["background", "object", "subject"]
     assert np.array_equal(np.asarray(Image.open(produced[s.id]["subject"])), by_hand(frame, fx["masks"]["1"]))
 
@@ -94,11 +97,11 @@ def test_opens2v_filters_and_background_names_are_counted(opens2v):
 
 
 def test_opens2v_thresholds_are_flags_and_the_fallback_is_the_largest_crop(opens2v, tmp_path):
-    a = pd_.IndexOpenS2V(str(opens2v["root"]), str(tmp_path), min_aes=9.0, min_gme=0.9)  # nothing passes
-    c = pd_.index_opens2v(a)
+    a = pi.IndexOpenS2V(str(opens2v["root"]), str(tmp_path), min_aes=9.0, min_gme=0.9)  # nothing passes
+    c = pi.index_opens2v(a)
     assert c["subject: largest crop taken as fallback (none passed)"] == 2 and c["clips kept"] == 2
     line = json.loads((tmp_path / "index.jsonl").read_text().splitlines()[0])
-    roles = pd_.clip_roles(line)
+    roles = pr.clip_roles(line)
     assert roles["subject"]["class_name"] == "woman"  # the largest subject crop
     assert "object" not in roles  # no fallback for objects
     assert [r["class_name"] for r in line["references"]] == ["woman"]  # the fallback alone
@@ -117,8 +120,8 @@ def test_opens2v_clip_is_face_cut_of_the_cropped_frames_at_its_own_fps(opens2v):
     raw = read_frames(fx["video"], list(range(start, start + 9)))[:, sy:ey, sx:ex]
     assert torch.equal(item["video"], resize_frames(raw, cfg.reshape_mode, ds.buckets[0][1:3]))
     frame = read_frames(fx["video"], [fx["ann"]])[0][sy:ey, sx:ex]
-    vae, _ = element_tensors(Image.fromarray(by_hand(frame, fx["masks"]["1"])), A2_ELEMENTS[0], ds.buckets[0][1:3],
-                             (512, 512))
+    image = Image.fromarray(by_hand(frame, fx["masks"]["1"]))
+    (vae,), _, _ = reference_pixels(None, [image], A2_ELEMENTS[:1], ds.buckets[0][1:3], (512, 512))
     assert item["element_names"] == ("subject", "object", "background") and torch.equal(item["ref_vae"][0], vae)
 
 
@@ -150,13 +153,13 @@ def test_bad_records_are_one_line_each_and_the_index_is_still_written(opens2v, t
     h, w = masks(rec)["1"]["size"]
     outside = np.zeros((h, w), bool)  # the annotation lies outside the crop: nothing of it inside
     bad = [variant("nocut", lambda r: r["metadata"].pop("face_cut")),
-           variant("wrongsize", lambda r: masks(r)["1"].update(pd_.rle_encode(np.ones((h + 4, w), bool)))),
-           variant("outside", lambda r: (masks(r).update({"1": pd_.rle_encode(outside)}),
+           variant("wrongsize", lambda r: masks(r)["1"].update(pf.rle_encode(np.ones((h + 4, w), bool)))),
+           variant("outside", lambda r: (masks(r).update({"1": pf.rle_encode(outside)}),
                                          [masks(r).pop(k) for k in ("2", "3")])),
            variant("novideo", lambda r: r["metadata"].update(path="gone.mp4")),
            variant("nobackground", lambda r: None)]
-    pd_.write_part(root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json", [(key0, rec), *bad])
-    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(root), str(tmp_path / "out")))
+    pf.write_part(root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json", [(key0, rec), *bad])
+    c = pi.index_opens2v(pi.IndexOpenS2V(str(root), str(tmp_path / "out")))
     lines = (tmp_path / "out" / "report.txt").read_text().split("problems (one line each: clip key: file: "
                                                                 "problem):\n")[1].splitlines()
     part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
@@ -181,9 +184,9 @@ def test_bad_records_are_one_line_each_and_the_index_is_still_written(opens2v, t
 
 def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
     out = tmp_path / "out"
-    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out)))
+    pi.index_opens2v(pi.IndexOpenS2V(str(opens2v["root"]), str(out)))
     (out / "parts" / "total_part1.jsonl").write_text("")  # had it been redone, this would be overwritten
-    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out)))
+    pi.index_opens2v(pi.IndexOpenS2V(str(opens2v["root"]), str(out)))
     assert "total_part1: indexed before, kept" in capsys.readouterr().out
     assert (out / "index.jsonl").read_text() == ""
 
@@ -191,7 +194,7 @@ def test_resume_keeps_finished_parts(opens2v, tmp_path, capsys):
 def test_load_failure_mid_run_is_a_marker_not_a_crash(opens2v, tmp_path):
     index = tmp_path / "index.jsonl"
     line = json.loads((opens2v["out"] / "index.jsonl").read_text().splitlines()[0])
-    line["references"][0]["mask"] = pd_.rle_encode(np.ones((5, 5), bool))  # the subject's: does not fit the frame
+    line["references"][0]["mask"] = pf.rle_encode(np.ones((5, 5), bool))  # the subject's: does not fit the frame
     index.write_text(json.dumps(line) + "\n")
     ds = E2VDataset([public_cfg(index)], num_frames=9, verbose=False)
     item = ds[(0, 0)]
@@ -202,14 +205,14 @@ def test_multi_mb_part_json_streams_in_bounded_memory(tmp_path):
     """~6 MB of JSON: a json.load of it would hold more than its size in Python objects; the streaming index holds
     one record at a time (tracemalloc counts every Python allocation, ijson's C parser's objects included)."""
     frames = np.random.default_rng(0).integers(0, 256, (12, 40, 64, 3), np.uint8)
-    fx = pd_.synthetic_opens2v(tmp_path, frames, frames[0], num_clips=1)
+    fx = pf.synthetic_opens2v(tmp_path, frames, frames[0], num_clips=1)
     rec = next(iter(fx["records"].values()))
     rec["metadata"]["cap"] = ["A long caption, as the published records carry. " * 50]  # ~2.5 kB, as real ones
-    pd_.write_part(fx["json"], ((f"c{i:06d}_part1_step6", rec) for i in range(1200)))
+    pf.write_part(fx["json"], ((f"c{i:06d}_part1_step6", rec) for i in range(1200)))
     size = fx["json"].stat().st_size
     assert size > 5e6
     tracemalloc.start()
-    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(tmp_path / "out"), background=False))
+    c = pi.index_opens2v(pi.IndexOpenS2V(str(tmp_path), str(tmp_path / "out"), background=False))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert c["clips kept"] == 1200
@@ -233,23 +236,23 @@ def phantom_fixture(root: Path, boxes):
         "the mountain top": {"obj_from_tgt_video": [], "refer_result": [
             {"vid": "ref", "frame_idx": 0.25, "bbox_loc": boxes[1], "bbox_cls": "mountain"}]}}
     pq.write_table(pa.table({"vid": ["tgt", "gone"], "video_caption": ["A hiker on a mountain top."] * 2,
-                             "cross_pair": [json.dumps(pairs)] * 2}), root / pd_.PHANTOM_PARQUET)
+                             "cross_pair": [json.dumps(pairs)] * 2}), root / pi.PHANTOM_PARQUET)
     return frames
 
 
 def test_phantom_box_crops_scale_from_the_768_canvas_and_clip(tmp_path):
     boxes = [[100.0, 50.0, 400.0, 300.0], [500.0, -20.0, 900.0, 200.0]]  # the second overflows the canvas
     frames = phantom_fixture(tmp_path, boxes)
-    c = pd_.index_phantom(pd_.IndexPhantom(str(tmp_path), str(tmp_path / "out")))
+    c = pi.index_phantom(pi.IndexPhantom(str(tmp_path), str(tmp_path / "out")))
     assert c["clips kept"] == 1 and c["clips dropped: video not downloaded"] == 1
     assert c["boxes overflowing the 768 canvas (clipped at load)"] == 1
     assert "gone: " in (tmp_path / "out" / "report.txt").read_text()
     line = json.loads((tmp_path / "out" / "index.jsonl").read_text())
-    assert [(r["role"], r["class_name"]) for r in pd_.clip_references(line, 4, background=True)] == [
+    assert [(r["role"], r["class_name"]) for r in pr.clip_references(line, 4, background=True)] == [
         ("subject", "person"), ("object", "mountain")]  # every phrase a reference, the person first
-    s = pd_.list_index(tmp_path / "out" / "index.jsonl", public_cfg(tmp_path / "out" / "index.jsonl", "phantom"),
+    s = pr.list_index(tmp_path / "out" / "index.jsonl", public_cfg(tmp_path / "out" / "index.jsonl", "phantom"),
                        0, [])[0]
-    _, images = pd_.load_sample(s, [], ["subject", "object"])
+    _, images = pr.load_sample(s, [], ["subject", "object"])
     ref = read_frames(tmp_path / "videos" / "ref.mp4", list(range(20)))
     h, w = ref.shape[1:3]
     k = max(h, w) / 768  # boxes are in pixels of the frame resized to long side 768
@@ -282,8 +285,8 @@ def test_phantom_sam_segmentation_pastes_the_mask_on_white(media, tmp_path):
     sam = str(tiny_sam(tmp_path / "sam"))
     frame = read_frames(media / "hiker_tiny.mp4", [0])[0]
     box = (40, 30, 200, 180)
-    img = np.asarray(pd_.box_image(frame, box, sam))
-    model, processor = pd_.load_sam(sam)
+    img = np.asarray(pr.box_image(frame, box, sam))
+    model, processor = pr.load_sam(sam)
     inputs = processor(images=Image.fromarray(frame), input_boxes=[[list(map(float, box))]], return_tensors="pt")
     with torch.no_grad():
         masks = model(**inputs, multimask_output=False).pred_masks
@@ -306,15 +309,16 @@ def test_humoset_reference_photo_is_the_subject_and_the_schema_is_checked(media,
     drawn_person((720, 1280)).resize((90, 160)).save(tmp_path / "reference_image" / "h001.jpg")
     pq.write_table(pa.table({"video_name": ["h001.mp4", "h002.mp4"], "caption": ["A hiker.", "Gone."]}),
                    tmp_path / "video_caption.parquet")
-    c = pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out")))
+    c = pi.index_humoset(pi.IndexHumoSet(str(tmp_path), str(tmp_path / "out")))
     assert c["clips kept"] == 1 and c["clips dropped: video missing"] == 1
     ds = E2VDataset([public_cfg(tmp_path / "out" / "index.jsonl", "humoset")], num_frames=9, verbose=False)
-    vae, _ = element_tensors(read_image(tmp_path / "reference_image" / "h001.jpg"), A2_ELEMENTS[0], SIZE, (512, 512))
+    image = read_image(tmp_path / "reference_image" / "h001.jpg")
+    (vae,), _, _ = reference_pixels(None, [image], A2_ELEMENTS[:1], SIZE, (512, 512))
     item = ds[(0, 0)]
     assert item["element_names"] == ("subject",) and torch.equal(item["ref_vae"][0], vae)
     pq.write_table(pa.table({"clip": ["h001.mp4"], "words": ["x"]}), tmp_path / "video_caption.parquet")
-    with pytest.raises(pd_.IndexError_, match=r"columns \['clip', 'words'\]: expected a video column"):
-        pd_.index_humoset(pd_.IndexHumoSet(str(tmp_path), str(tmp_path / "out2")))
+    with pytest.raises(pi.IndexError_, match=r"columns \['clip', 'words'\]: expected a video column"):
+        pi.index_humoset(pi.IndexHumoSet(str(tmp_path), str(tmp_path / "out2")))
 
 
 def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v, tmp_path):
@@ -325,7 +329,7 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
     pairs = tmp_path / "cluster_videos.json"
     pairs.write_text(json.dumps({"cluster7": [f"total_part1/{k}" for k in keys]}))
     out = tmp_path / "index"
-    pd_.index_opens2v(pd_.IndexOpenS2V(str(opens2v["root"]), str(out), cross_pairs=str(pairs)))
+    pi.index_opens2v(pi.IndexOpenS2V(str(opens2v["root"]), str(out), cross_pairs=str(pairs)))
     lines = [json.loads(x) for x in (out / "index.jsonl").read_text().splitlines()]
     assert [x.get("cluster") for x in lines] == ["cluster7", "cluster7"]
     # the synthetic clips share their annotation: make the second clip's elements another frame, so they differ
@@ -337,8 +341,8 @@ def test_cross_video_pairs_take_subject_and_object_from_the_paired_clip(opens2v,
     def images(cross: bool, elements=A2_ELEMENTS):
         cfg = replace(public_cfg(index, cross_video=cross), elements=elements)
         names = [e.name for e in elements]
-        return [{k: np.asarray(v) for k, v in pd_.load_sample(s, [], [n for n in names if n in s.refs])[1].items()}
-                for s in pd_.list_index(index, cfg, 0, [])]
+        return [{k: np.asarray(v) for k, v in pr.load_sample(s, [], [n for n in names if n in s.refs])[1].items()}
+                for s in pr.list_index(index, cfg, 0, [])]
 
     own, cross = images(False), images(True)
     assert not np.array_equal(own[0]["subject"], own[1]["subject"])  # the two clips' own subjects differ
@@ -363,7 +367,7 @@ def varied_opens2v(root: Path) -> dict:
     """Four OpenS2V-5M clips of 1, 2, 4 and 1 kept masks (the last without its background png): the synthetic part
     with the backpack removed from clips 0 and 3, and a hat (small) and a dog (the largest crop of all) added to
     clip 2."""
-    fx = pd_.synthetic_opens2v(root, hiker_frames(), person(), num_clips=4)
+    fx = pf.synthetic_opens2v(root, hiker_frames(), person(), num_clips=4)
     records, ann = fx["records"], str(fx["ann"])
     keys = list(records)
     h, w = next(iter(fx["masks"].values())).shape
@@ -376,9 +380,9 @@ def varied_opens2v(root: Path) -> dict:
     for k, (cls, m) in extra.items():
         a["ann_frame_data"]["annotations"].append(dict(class_name=cls, bbox=[0, 0, 1, 1], aes_score=5.0, gme_score=0.7))
         a["mask_map"][k] = {"class_name": cls}
-        a["mask_annotation"][ann][k] = {**pd_.rle_encode(m), "score": [0.99]}
+        a["mask_annotation"][ann][k] = {**pf.rle_encode(m), "score": [0.99]}
     records[keys[2]]["word_tags"]["object"] += ["hat", "dog"]
-    pd_.write_part(fx["json"], records.items())
+    pf.write_part(fx["json"], records.items())
     bg = root / "Background" / "total_part1"
     for p in bg.glob(f"{keys[3].split('_step6')[0]}*"):
         p.unlink()
@@ -392,7 +396,7 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(tmp
     roles, absent ones absent."""
     fx = varied_opens2v(tmp_path)
     out = tmp_path / "index"
-    c = pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(out)))
+    c = pi.index_opens2v(pi.IndexOpenS2V(str(tmp_path), str(out)))
     assert c["clips read"] == c["clips kept"] == 4
     assert c["clips without a background png (kept without a background)"] == 1
     # the one clip of 4 masks (and a background png) has more than V3 (3 beside the png) and RefAlign (3) take
@@ -411,25 +415,25 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(tmp
     # largest crop first: the dog's is 0.42 of the frame, the woman's ellipse ~0.28, the backpack ~0.13, the hat ~0.1
     assert classes(k2["references"]) == ["dog", "woman", "backpack", "hat"]
     # kinds without roles: phantom / v3 take 4, magref 8, incontext its configured maximum (here 2)
-    assert classes(pd_.clip_references(k2, 4, background=False)) == ["dog", "woman", "backpack", "hat"]
-    assert classes(pd_.clip_references(k2, 4, background=True)) == ["dog", "woman", "backpack", "background png"]
-    assert classes(pd_.clip_references(k2, 8, background=True)) == ["dog", "woman", "backpack", "hat",
+    assert classes(pr.clip_references(k2, 4, background=False)) == ["dog", "woman", "backpack", "hat"]
+    assert classes(pr.clip_references(k2, 4, background=True)) == ["dog", "woman", "backpack", "background png"]
+    assert classes(pr.clip_references(k2, 8, background=True)) == ["dog", "woman", "backpack", "hat",
                                                                      "background png"]
-    assert classes(pd_.clip_references(k2, 2, background=False)) == ["dog", "woman"]
-    assert classes(pd_.clip_references(k0, 4, background=True)) == ["woman", "background png"]
-    assert classes(pd_.clip_references(k0, 1, background=True)) == ["woman"]  # the background never takes the slot
-    assert classes(pd_.clip_references(k3, 4, background=True)) == ["woman"]  # none to add
+    assert classes(pr.clip_references(k2, 2, background=False)) == ["dog", "woman"]
+    assert classes(pr.clip_references(k0, 4, background=True)) == ["woman", "background png"]
+    assert classes(pr.clip_references(k0, 1, background=True)) == ["woman"]  # the background never takes the slot
+    assert classes(pr.clip_references(k3, 4, background=True)) == ["woman"]  # none to add
     # A2's prefix: its roles, the largest of each, absent ones absent
-    roles = {k: {n: r.get("class_name", "png") for n, r in pd_.clip_roles(x).items()} for k, x in lines.items()}
+    roles = {k: {n: r.get("class_name", "png") for n, r in pr.clip_roles(x).items()} for k, x in lines.items()}
     assert [roles[k] for k in fx["keys"]] == [
         dict(subject="woman", background="png"), dict(subject="woman", object="backpack", background="png"),
         dict(subject="woman", object="dog", background="png"), dict(subject="woman")]
     # a run's elements: A2's roles, or positional references (ref0, ref1, ...) filled largest first
     released = [f"ref{i}" for i in range(4)]
-    assert {n: r["class_name"] for n, r in pd_.clip_elements(k2, released).items()} == dict(
+    assert {n: r["class_name"] for n, r in pr.clip_elements(k2, released).items()} == dict(
         ref0="dog", ref1="woman", ref2="backpack", ref3="hat")
-    assert sorted(pd_.clip_elements(k0, [*released[:3], "background"])) == ["background", "ref0"]
-    samples = pd_.list_index(out / "index.jsonl", public_cfg(out / "index.jsonl"), 0, [])
+    assert sorted(pr.clip_elements(k0, [*released[:3], "background"])) == ["background", "ref0"]
+    samples = pr.list_index(out / "index.jsonl", public_cfg(out / "index.jsonl"), 0, [])
     assert [sorted(s.refs) for s in samples] == [["background", "subject"], ["background", "object", "subject"],
                                                  ["background", "object", "subject"], ["subject"]]
 
@@ -481,15 +485,15 @@ def test_a_clip_of_the_kinds_maximum_of_masks_fills_every_slot_with_or_without_a
     for masks in (most, most + 1):
         refs = [dict(role="subject" if i == 0 else "object", class_name=f"c{i}") for i in range(masks)]  # largest 1st
         bare, png = dict(references=refs, elements={}), dict(references=refs, elements=dict(background=dict(image="b")))
-        assert classes(pd_.clip_elements(bare, names, most)) == {f"ref{i}": f"c{i}" for i in range(most)}, masks
+        assert classes(pr.clip_elements(bare, names, most)) == {f"ref{i}": f"c{i}" for i in range(most)}, masks
         if d.background:
-            assert classes(pd_.clip_elements(png, names, most)) == {
+            assert classes(pr.clip_elements(png, names, most)) == {
                 **{f"ref{i}": f"c{i}" for i in range(most - 1)}, "background": "png"}, masks
         else:
-            assert pd_.clip_elements(png, names, most) == pd_.clip_elements(bare, names, most)
+            assert pr.clip_elements(png, names, most) == pr.clip_elements(bare, names, most)
         by_hand = ["ref0", "ref1", "background"]
-        assert classes(pd_.clip_elements(png, by_hand, most)) == dict(ref0="c0", ref1="c1", background="png")
-        assert classes(pd_.clip_elements(bare, by_hand, most)) == dict(ref0="c0", ref1="c1")
+        assert classes(pr.clip_elements(png, by_hand, most)) == dict(ref0="c0", ref1="c1", background="png")
+        assert classes(pr.clip_elements(bare, by_hand, most)) == dict(ref0="c0", ref1="c1")
 
 
 def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(tmp_path, capsys):
@@ -500,7 +504,7 @@ def test_a_clip_without_its_background_png_trains_every_mask_v3_takes(tmp_path, 
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
     fx = varied_opens2v(root)
-    pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
+    pi.run(pi.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     four = next(x for x in map(json.loads, index.read_text().splitlines()) if x["key"] == fx["keys"][2])
     assert len(four["references"]) == 4 and "background" in four["elements"]
@@ -530,7 +534,7 @@ def test_readme_opens2v_commands_train_every_kind_for_an_epoch(tmp_path, capsys,
 
     root, out = tmp_path / "OpenS2V-5M", tmp_path / "os2v-index"
     fx = varied_opens2v(root)
-    pd_.run(pd_.IndexOpenS2V(str(root), str(out)))
+    pi.run(pi.IndexOpenS2V(str(root), str(out)))
     index = out / "index.jsonl"
     assert f"{fx['keys'][3]}: " in (out / "report.txt").read_text()
     empty = dict(json.loads(index.read_text().splitlines()[0]), key="no-mask", references=[], elements={})

@@ -276,7 +276,7 @@ class Pids(torch.utils.data.Dataset):
 
 
 def test_loader_workers_survive_stop_signals():
-    from data import ignore_stop_signals, stop_signals_blocked
+    from a2.loader import ignore_stop_signals, stop_signals_blocked
 
     def loader(init):
         return torch.utils.data.DataLoader(Pids(), batch_size=1, num_workers=1, worker_init_fn=init,
@@ -303,7 +303,7 @@ def test_loader_workers_survive_stop_signals():
 
 
 def test_signals_blocked_while_workers_start_are_delivered_after():
-    from data import stop_signals_blocked
+    from a2.loader import stop_signals_blocked
 
     got = []
     old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))

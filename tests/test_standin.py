@@ -241,7 +241,7 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
 
     layout = sampling_plan(detect_model(model_path("tiny-t2v")), (1,), STANDIN, 1)  # a 480x832 Wan T2V video's
     assert layout == make_layout("standin", 1, (1,), e2v_type="vae")
-    assert layout.reference_size == standin.REFERENCE_SIZE == (512, 512)
+    assert layout.reference_size == (512, 512)  # Stand-In's FaceProcessor crop
     assert layout.reference_grid == (64, 64) and "512x512" in layout.describe()
     g = torch.Generator().manual_seed(0)
     x_t, reference = torch.randn(1, 16, 1, 60, 104, generator=g), torch.randn(1, 16, 1, 64, 64, generator=g)
@@ -480,7 +480,7 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, monkeypatch):
     photo = tmp_path / "person.png"  # a face crop (a drawn person, landscape)
     drawn_person((720, 1280)).save(photo)
     # a face crop, framed to their 512x512 as a2 frames it (theirs: white pad to square, INTER_AREA resize)
-    image = preprocess_image(read_image(photo), "fit_pad_white", standin.REFERENCE_SIZE)
+    image = preprocess_image(read_image(photo), "fit_pad_white", (512, 512))
     prompt = "a person smiling"
     text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, WAN_NEGATIVE_PROMPT))
     seen, lengths, call = [], [], A2Pipeline.__call__  # the tokens self-attention sees: with the reference's

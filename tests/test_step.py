@@ -9,9 +9,10 @@ import tyro
 
 import train_a2
 from a2.flow import flow_loss, noisy_latents
+from a2.loader import collate
 from a2.transformer import preset_config
 from config import TrainConfig, dataset_configs, with_recipe
-from data import E2VDataset, collate
+from data import E2VDataset
 from tests.conftest import train_config
 
 

@@ -219,8 +219,9 @@ def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
     first frame (posterior mode)."""
     import train_a2
     from a2.conditioning import encode
+    from a2.loader import collate
     from a2.pipeline import A2Pipeline
-    from data import E2VDataset, collate
+    from data import E2VDataset
 
     pipe = A2Pipeline.from_pretrained(ti2v_dir)
     from config import TrainConfig, dataset_configs

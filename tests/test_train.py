@@ -218,8 +218,9 @@ def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     from a2.conditioning import make_layout, prepare_latents
     from a2.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
+    from a2.loader import collate
     from a2.pipeline import A2Pipeline, load_references
-    from data import E2VDataset, collate
+    from data import E2VDataset
 
     ds = E2VDataset([DatasetConfig(str(data_dir), target_resolution=(32, 32))], num_frames=9, verbose=False)
     batch = collate([ds[0]])
@@ -413,9 +414,9 @@ class SharedBatches(torch.utils.data.Dataset):
 def test_a_loader_worker_stopped_while_it_sends_a_batch_exits_cleanly():
     """The cause of `terminate called without an active exception` / `DataLoader worker (pid ...) is killed by
     signal: Aborted`: a spawned worker that finalizes the interpreter while its feeder thread is in C++ is aborted
-    (with multiprocessing's spawn context this worker exits -6, here on every try); data.WorkerContext's workers
+    (with multiprocessing's spawn context this worker exits -6, here on every try); a2.loader.WorkerContext's workers
     leave with os._exit like forked ones."""
-    from data import WorkerContext, stop_workers
+    from a2.loader import WorkerContext, stop_workers
 
     loader = torch.utils.data.DataLoader(SharedBatches(), batch_size=None, num_workers=1, prefetch_factor=4,
                                          multiprocessing_context=WorkerContext())
@@ -463,7 +464,7 @@ def test_a_loader_worker_raising_mid_epoch_ends_the_run_in_one_line(data_dir, tm
 def test_what_the_dataloader_raises_about_a_worker_is_one_line():
     """A worker killed (the OOM killer) or failing outside a sample: LoaderError, one line (exit 1 in train_a2.py),
     not the DataLoader's multi-line message; anything else is raised as it is."""
-    from data import LoaderError, next_batch
+    from a2.loader import LoaderError, next_batch
 
     def raising(e):
         raise e
@@ -482,7 +483,7 @@ def test_what_the_dataloader_raises_about_a_worker_is_one_line():
 
 
 def test_items_that_cannot_be_batched_fail_naming_each_sample_and_file():
-    from data import collate
+    from a2.loader import collate
 
     items = [dict(index=i, id=f"00{i}", file=f"/d/00{i}.mp4", bucket=(5, 8, 8, ()), prompt="p", element_names=(),
                   repeats=(), video=torch.zeros(3, 5, 8, 8 + i), ref_vae=torch.zeros(0, 3, 8, 8),

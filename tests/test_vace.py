@@ -23,7 +23,7 @@ from a2 import vace
 from a2.conditioning import plan
 from a2.dataset_config import VaeProcessorConfig
 from a2.elements import RELEASED_ELEMENTS
-from a2.images import read_image
+from a2.images import read_image, vace_frame
 from a2.kinds import WAN_NEGATIVE_PROMPT
 from a2.lora import export_lora, read_original
 from a2.parallel import UlyssesAttnProcessor, context_parallel
@@ -174,14 +174,14 @@ def test_infer_samples_as_wans_vace_code_and_as_diffusers_with_its_preset(source
 
 
 def test_framing_is_each_samplers(pipe):
-    """vace.frame: Wan's prepare_source framing, and diffusers' with multiple=8 (its preprocess_conditions)."""
+    """a2.vace_frame: Wan's prepare_source framing, and diffusers' with multiple=8 (its preprocess_conditions)."""
     video, _, diffusers_refs = pipe.preprocess_conditions(None, None, REFERENCES, 1, HEIGHT, WIDTH, FRAMES,
                                                           torch.float32, "cpu")
     for got, ref in zip(diffusers_refs[0], REFERENCES):
-        assert (vace.frame(ref, (HEIGHT, WIDTH), multiple=8) - got).abs().max().item() <= 1e-6
-        assert torch.equal(vace.frame(ref, (HEIGHT, WIDTH)), theirs.wan_reference(ref, (HEIGHT, WIDTH))[:, 0])
-    assert (vace.frame(REFERENCES[0], (HEIGHT, WIDTH)) - vace.frame(REFERENCES[0], (HEIGHT, WIDTH), 8)).abs().max() \
-        > 0.1  # 47 px tall: Wan scales it to 61 rows, diffusers (40 first) to 57
+        assert (vace_frame(ref, (HEIGHT, WIDTH), multiple=8) - got).abs().max().item() <= 1e-6
+        assert torch.equal(vace_frame(ref, (HEIGHT, WIDTH)), theirs.wan_reference(ref, (HEIGHT, WIDTH))[:, 0])
+    wan, diffusers = vace_frame(REFERENCES[0], (HEIGHT, WIDTH)), vace_frame(REFERENCES[0], (HEIGHT, WIDTH), 8)
+    assert (wan - diffusers).abs().max() > 0.1  # 47 px tall: Wan scales it to 61 rows, diffusers (40 first) to 57
 
 
 # ---------------------------------------------------------------- the forward: diffusers', recomputed, split, LoRA
