@@ -153,9 +153,9 @@ def train_config(argv):
     """A TrainConfig as train_a2.main takes it: the flags parsed, the model's recipe filled (config.with_recipe)."""
     import tyro
 
-    from config import TrainConfig, with_recipe
+    from config import TrainConfig
 
-    return with_recipe(tyro.cli(TrainConfig, args=list(argv)))[0]
+    return tyro.cli(TrainConfig, args=list(argv))
 
 
 def train(*argv):

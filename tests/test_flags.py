@@ -1,11 +1,14 @@
 """The flags users type, held against the list every CLI took at main 31ef74e (its parsers, read once and written
-here): a config reshaped into sections keeps them; and --help shows each section in a group of its own."""
+here): a config reshaped into sections keeps them; --help shows each section in a group of its own; and a run's
+config.json keeps the keys 31ef74e wrote, so its checkpoints resume."""
 
+import json
 import warnings
 
+import pytest
 import tyro
 
-from config import BenchConfig, DataCommand, DemoConfig, InferConfig, OpenS2VConfig, TrainConfig
+from config import BenchConfig, DataCommand, DemoConfig, InferConfig, OpenS2VConfig, TrainConfig, flat_config
 
 CLIS = {"train_a2.py": TrainConfig, "infer.py": InferConfig, "bench.py": BenchConfig, "data.py": DataCommand,
         "demo.py": DemoConfig, "a2.opens2v": OpenS2VConfig}
@@ -123,3 +126,31 @@ def test_every_cli_takes_the_same_flags():
         want = FLAGS[name].split()
         assert p == want, f"{name}: lost {sorted(set(want) - set(p))}, new {sorted(set(p) - set(want))}"
 
+
+@pytest.mark.parametrize("command", ["train_a2.py", "data.py validate"])
+def test_help_groups_are_sections_of_at_most_25(command):
+    """--help shows each section under its own title; none is a box of more than 25 options."""
+    groups = {g.title: len(g._group_actions) for g in all_commands()[command]._action_groups if g._group_actions}
+    assert max(groups.values()) <= 25, groups
+
+
+# the top-level keys of a run's config.json (and a checkpoint's) as 31ef74e wrote them (a tiny run's, read back):
+# a2/runs.py compares a resumed run's config with a checkpoint's key by key, so a run dir written before the config
+# had sections still resumes
+CONFIG_JSON_KEYS = """
+    adam_eps align_blocks align_gate_floor align_gate_power align_loss align_model align_weight cache_dir ckpt_every
+    clip_size components conditioning context_parallel cross_video data_root dataset_config dataset_type device
+    e2v_type elements ema_decay eval eval_every eval_manifest eval_quantiles eval_split expert frame_extraction
+    frame_sample frame_stride fsdp grad_accum image_encoder joint_dropout keep_last log_every logit_mean logit_std
+    lora_alpha lora_dropout lora_rank lora_target loss_on_references loss_weighting lr lr_schedule manifest
+    max_grad_norm max_nonfinite_steps max_steps memory micro_batch mixed_precision model num_frames num_workers
+    output_dir overfit_batches precompute reference_augment reference_dropout resolution resume run_name sam seed
+    sigma_sampling sigma_shift skip_bad_samples source_fps target_fps tensorboard text_dropout timestep_buckets
+    training_type vace_lora_target val_elements val_every val_flow_shift val_guidance_scale val_metrics val_prompt
+    val_steps warmup_steps weight_decay"""
+
+
+def test_a_runs_config_json_keeps_the_flat_layout():
+    saved = json.loads(json.dumps(flat_config(TrainConfig(), nested=True)))
+    assert sorted(saved) == CONFIG_JSON_KEYS.split()
+    assert all(isinstance(saved[k], dict) for k in ("memory", "conditioning", "eval"))
