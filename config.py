@@ -15,12 +15,11 @@ import tyro
 
 from a2.cli import ConfigError, OnOffAuto, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
-    EXTRACTION_KEYS,
-    FRAME_EXTRACTION,
     PUBLIC_TYPES,
     ClipProcessorConfig,
     ConditioningConfig,
     DatasetConfig,
+    DataSource,
     VaeProcessorConfig,
     check_extraction,
     check_frames,
@@ -269,7 +268,8 @@ class ModelConfig:
 
 @dataclass
 class TrainModelConfig(ModelConfig):
-    """The model a run trains (ModelConfig's flags) and the expert and reference paths it trains with."""
+    """The model a run trains, the parts it is completed with, the expert of a Wan 2.2 pair and the paths the
+    references take."""
 
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Which paths the references take. dual: VAE latents and CLIP tokens (A2); vae: VAE only (no image branch); clip:
@@ -329,32 +329,16 @@ class ParallelConfig:
     12). It works with DDP or --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
 
 
-@dataclass
-class DataConfig:
-    """The training data: where it is, what it is, how its clips are cut and sized, how it is loaded and cached."""
+@dataclass(frozen=True)
+class DataConfig(DataSource):
+    """The training data: where it is and what it is (DataSource's flags, a dataset file's keys of the same names), how
+    its clips are sized, how it is loaded and cached."""
 
-    data_root: str | None = None
-    """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
     dataset_config: str | None = None
     """A JSON dataset config (docs/dataset.md): one or more datasets, their weights, elements, processors and eval sets.
     It replaces --data-root, --manifest, --dataset-type, --elements, --sam, --cross-video and the frame-extraction flags
     (not read beside it); a conditioning flag that disagrees with its processors.vae is an error. --num-frames is read,
     and --resolution and --clip-size still size the validation videos and the memory plan: give the file's sizes."""
-    manifest: str | None = None
-    """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
-    train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
-    --data-root."""
-    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
-    """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
-    training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
-    OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
-    element images are built from their masks, boxes or photos (public_data.py; docs/public-datasets.md)."""
-    sam: str | None = None
-    """With --dataset-type phantom or humoset: a local transformers SAM dir (SamModel) that segments the box and photo
-    references onto white; without it, Phantom-Data's references are box crops."""
-    cross_video: bool = False
-    """With --dataset-type opens2v: takes each clip's subject and object from a paired clip of its cross-video cluster
-    (an index built with --cross-pairs) instead of from its own frame."""
     elements: tuple[str, ...] = ()
     """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see a2/elements.py). Empty:
     SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
@@ -374,21 +358,6 @@ class DataConfig:
     constructs the VAE, T5 or CLIP (unless validation videos need them)."""
     precompute: bool = False
     """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
-    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
-    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
-    whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
-    windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to
-    back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The windows are a
-    function of the clip alone (deterministic), and each is validated and cached as a sample."""
-    frame_stride: int = 1
-    """With --frame-extraction slide: the frames between window starts (musubi-tuner's default 1: every start)."""
-    frame_sample: int = 1
-    """With --frame-extraction uniform: the windows per clip (musubi-tuner's default 1: the first window, as head)."""
-    source_fps: float | None = None
-    """The frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
-    the clips to --target-fps before the windows are cut (head/chunk/slide/uniform). Default: the clips as they are."""
-    target_fps: float = 16.0
-    """The frame rate the clips are brought to with --source-fps: 16, the rate Wan 2.1/2.2 are trained at."""
 
 
 @dataclass
@@ -565,7 +534,8 @@ class TrainConfig:
     built-in tiny model's own."""
 
     model: tyro.conf.OmitArgPrefixes[TrainModelConfig] = field(default_factory=TrainModelConfig)
-    """The model a run trains (ModelConfig's flags) and the expert and reference paths it trains with."""
+    """The model a run trains, the parts it is completed with, the expert of a Wan 2.2 pair and the paths the
+    references take."""
     lora: tyro.conf.OmitArgPrefixes[LoraConfig] = field(default_factory=LoraConfig)
     """What trains: a LoRA (its shape and where it goes) or all the transformer's weights."""
     parallel: tyro.conf.OmitArgPrefixes[ParallelConfig] = field(default_factory=ParallelConfig)
@@ -647,9 +617,8 @@ def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int,
     check_size(*data.resolution, data.num_frames)
     if data.dataset_config:
         cfgs = load_dataset_config(data.dataset_config)
-        keys = ("data_root", "manifest", "dataset_type", "sam", "cross_video", "elements", *EXTRACTION_KEYS)
-        beside = [k for k in keys
-                  if getattr(data, k) != getattr(DataConfig(), k)]  # the file's keys, which it sets
+        keys = [f.name for f in fields(DataSource)] + ["elements"]  # the file's keys, which it sets
+        beside = [k for k in keys if getattr(data, k) != getattr(DataConfig(), k)]
         if beside:  # for each of its datasets: a flag beside it would be ignored, and the run train other data
             raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {data.dataset_config} "
                               "describes the data (each dataset's keys of the same names); set them there, or drop "
@@ -674,15 +643,13 @@ def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int,
                           "images (--dataset-type e2v, --frame-conditioning full)")
     elements = parse_elements(data.elements) if data.elements else A2_ELEMENTS
     manifest = str(Path(data.manifest).resolve()) if data.manifest else None  # a CLI path: relative to the cwd
-    main = DatasetConfig(source="--manifest" if data.manifest and not data.data_root else "--data-root",
-        data_root=data.data_root or str(Path(manifest).parent), manifest=manifest,
-        target_resolution=tuple(data.resolution), frame_buckets=(),
-        elements=() if no_elements else elements,
-        dataset_type="t2v" if no_elements else data.dataset_type if data.dataset_type in PUBLIC_TYPES else "e2v",
-        sam=data.sam, cross_video=data.cross_video,
+    shared = {f.name: getattr(data, f.name) for f in fields(DataSource)}  # the flags a dataset file's entry shares
+    main = DatasetConfig(**{**shared, "data_root": data.data_root or str(Path(manifest).parent), "manifest": manifest,
+        "dataset_type": "t2v" if no_elements else data.dataset_type if data.dataset_type in PUBLIC_TYPES else "e2v"},
+        source="--manifest" if data.manifest and not data.data_root else "--data-root",
+        target_resolution=tuple(data.resolution), frame_buckets=(), elements=() if no_elements else elements,
         vae=VaeProcessorConfig(resolution=tuple(data.resolution), **asdict(c)),
-        clip=ClipProcessorConfig(resolution=(clip_size, clip_size)),
-        **{k: getattr(data, k) for k in EXTRACTION_KEYS})
+        clip=ClipProcessorConfig(resolution=(clip_size, clip_size)))
     return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
 
 

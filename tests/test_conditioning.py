@@ -238,7 +238,8 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
-    a2.evaluate.validate(1, cfg, run, transformer, enc, tmp_path, {}, Process(0, 0, 1, device))
+    a2.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, tmp_path, {},
+                         Process(0, 0, 1, device))
     given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
     assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
                                                         *given])) == 0
@@ -370,7 +371,7 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
         train_a2.run_datasets(other)
     # the data's own flags beside the file would be ignored (the file's datasets train): refused, all named
     beside = with_flags(cfg, data_root=str(data_dir), elements=("subject=_person.png",), frame_extraction="head")
-    with pytest.raises(ConfigError, match=rf"^--data-root --elements --frame-extraction: {cfg_file} describes the "
+    with pytest.raises(ConfigError, match=rf"^--data-root --frame-extraction --elements: {cfg_file} describes the "
                                           r"data \(each dataset's keys of the same names\); set them there"):
         train_a2.run_datasets(beside)
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,

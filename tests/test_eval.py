@@ -31,7 +31,7 @@ def test_eval_loss_is_the_same_across_evals_and_ranks(one_process, data_dir, tmp
     got = evals(one_process)
     assert sorted(got) == [1, 2] and got[1] == got[2]  # the same weights: the same numbers, bit for bit
     cfg = from_flags()  # the tiny model's recipe, as the runs drew their sigmas
-    sigmas = [sigma_quantile(cfg, (i + 1) / 10) for i in range(9)]  # the quantiles 0.1 .. 0.9
+    sigmas = [sigma_quantile(cfg.objective, (i + 1) / 10) for i in range(9)]  # the quantiles 0.1 .. 0.9
     assert sorted(k for k in got[1] if "@" in k) == sorted(f"eval/loss@{s:.3f}" for s in sigmas)
     assert f"eval/loss@{sigmas[4]:.3f}" in got[1] and len(set(got[1].values())) == 10  # each sigma its own loss
     assert got[1]["eval/loss"] == sum(got[1][f"eval/loss@{s:.3f}"] for s in sigmas) / 9

@@ -172,7 +172,7 @@ def test_expert_sigma_is_the_truncated_distribution(sampling):
     as rejection sampling from the unrestricted sampler (two-sample Kolmogorov-Smirnov)."""
     from a2.flow import sample_generator, sample_sigma
 
-    cfg = from_flags(sigma_sampling=sampling)
+    cfg = from_flags(sigma_sampling=sampling).objective
     b, n = 0.875, 3000
     g = torch.Generator().manual_seed(1)
     free = np.array([sample_sigma(cfg, g) for _ in range(40 * n)])  # the unrestricted sampler
