@@ -154,3 +154,22 @@ def test_a_runs_config_json_keeps_the_flat_layout():
     saved = json.loads(json.dumps(flat_config(TrainConfig(), nested=True)))
     assert sorted(saved) == CONFIG_JSON_KEYS.split()
     assert all(isinstance(saved[k], dict) for k in ("memory", "conditioning", "eval"))
+
+
+def test_library_functions_take_sections_not_the_whole_config():
+    """A function of a2/ takes the sections of TrainConfig it reads (a2/step.py the optim, objective and references
+    sections, ...), never the whole config: no parameter of a2/ is annotated TrainConfig, and a2/ imports no
+    TrainConfig."""
+    import ast
+    from pathlib import Path
+
+    whole = []
+    for path in sorted((Path(__file__).parents[1] / "a2").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "TrainConfig" for a in node.names):
+                whole.append(f"{path.name}: imports TrainConfig")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                whole += [f"{path.name}: {node.name}({a.arg})" for a in node.args.args + node.args.kwonlyargs
+                          if a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation)]
+    assert whole == []
