@@ -159,12 +159,13 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
 
     model.config = SimpleNamespace(patch_size=(1, 2, 2))
 
-    cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none", align_loss=False)
+    objective = SimpleNamespace(loss_on_references=False, loss_weighting="none")  # the sections forward_loss reads
+    references = SimpleNamespace(align_loss=False)
     cond = Conditioning("clean", clean=clean, keep=torch.ones(2), per_token=True)
     inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=torch.zeros(2, 512, 32), reference_images=None,
                   layout=make_layout("clean", 9, clean_frames=1))
-    loss, _ = train_a2.forward_loss(model, inputs, cfg.objective, cfg.references, None,
-                                    torch.autocast("cpu", enabled=False), torch.float32)
+    loss, _ = train_a2.forward_loss(model, inputs, objective, references, None, torch.autocast("cpu", enabled=False),
+                                    torch.float32)
     assert loss.item() == 0.0
     assert torch.equal(seen["x"][:, :, :1], clean) and torch.equal(seen["x"][:, :, 1:], x_t[:, :, 1:])
     assert (seen["t"][:, :6] == 0).all() and torch.equal(seen["t"][:, 6:], (sigmas[:, None] * 1000).expand(-1, 12))
