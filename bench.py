@@ -72,7 +72,17 @@ from a2.transformer import (
     preset_config,
     random_transformer,
 )
-from config import LORA_TARGETS, BenchConfig, MemoryConfig, TrainConfig, resolve_compile, with_recipe
+from config import (
+    LORA_TARGETS,
+    BenchConfig,
+    LoraConfig,
+    MemoryConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    ReferencesConfig,
+    resolve_compile,
+)
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
 
@@ -216,10 +226,10 @@ def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True,
     """bench.py --dry-run (MemoryConfig.dry_run): a2/trace.py's dry run of bench's step, the one train_a2.py --dry-run
     runs. layers: the model cut to this many blocks, planned as the whole (a2/memory.py cut_plan: the rule is per
     block; a quick check). trace False: the plan alone."""
-    run, train_cfg, cfg = bench_run(b)
+    run, sections, cfg = bench_run(b)
     cut = cut_config(cfg, layers or cfg["num_layers"])
     # (the target model of --align-refs runs beside the step, not in the trace)
-    return dry_run(train_cfg, run, lambda run: bench_model(b, run, cut, torch.bfloat16, "cpu").train(),
+    return dry_run(*sections, b.size, run, lambda run: bench_model(b, run, cut, torch.bfloat16, "cpu").train(),
                    config=cfg if layers else None, align_dim=b.align_dim, log=log, trace=trace)
 
 
@@ -288,14 +298,14 @@ def memory_table(b: BenchConfig, traced: dict[int, float] | None = None) -> list
     return lines
 
 
-def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
+def bench_run(b: BenchConfig) -> tuple[Run, tuple, dict]:
     """The run bench's step trains: the kind --layout names (default: A2's prefix kind with --refs elements, T2V
     with none; --align-refs N: Phantom's N appended references), planned by a2/conditioning.py's plan as train_a2.py
     plans a run, from the flags that ask for the kind (its reference layout, its first --frame-conditioning mode, the
     released model's own layout) on a random model of the preset shaped for it (36 channels where the kind
-    conditions on channels), its ModelInfo read from the preset, not a dir. Returns (Run, train_a2.py's TrainConfig
-    of the step, the transformer config). A shape or count the kind cannot take is a ConfigError (one line, exit 2
-    under run_cli)."""
+    conditions on channels), its ModelInfo read from the preset, not a dir. Returns (Run, the sections of train_a2.py's
+    config the step reads (step_sections), the transformer config). A shape or count the kind cannot take is a
+    ConfigError (one line, exit 2 under run_cli)."""
     kind = b.layout if b.layout != "default" else "phantom" if b.align_refs else "prefix" if b.refs else "t2v"
     d = KIND_DEFS[kind]
     lo, hi = d.references
@@ -323,12 +333,18 @@ def bench_run(b: BenchConfig) -> tuple[Run, TrainConfig, dict]:
         raise ConfigError(f"bench.py --layout {kind} --frames {b.frames}: {e}") from None
     run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
               encode_mode=kind_sampling(kind).encode_mode)
-    train_cfg = with_recipe(TrainConfig(model=b.preset, micro_batch=b.batch, training_type=b.mode,
-                                        lora_rank=b.lora_rank, lora_alpha=b.lora_rank,
-                                        align_loss=b.align_loss and b.align_refs > 0, resolution=b.size,
-                                        num_frames=b.frames, memory=b.memory, context_parallel=b.context_parallel,
-                                        fsdp=b.fsdp, ema_decay=b.ema_decay))[0]
-    return run, train_cfg, cfg
+    return run, step_sections(b), cfg
+
+
+def step_sections(b: BenchConfig) -> tuple:
+    """The sections of train_a2.py's config its step reads (train_a2.step_sections' order: memory, parallel, LoRA,
+    optim, objective, references), of bench's flags. The learning rate and sigma's distribution are any valid
+    values: a step costs the same whatever they are."""
+    return (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
+            LoraConfig(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
+            OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay),
+            ObjectiveConfig(sigma_sampling="logit_normal"),
+            ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))
 
 
 def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
@@ -359,7 +375,7 @@ def main(b: BenchConfig) -> dict:
     if b.context_parallel > 1 or b.fsdp:
         raise SystemExit("bench.py --context-parallel N and --fsdp go with --dry-run (one rank's plan and trace); time "
                          "them with train_a2.py under torchrun")
-    run, train_cfg, cfg = bench_run(b)
+    run, (_, _, _, optim, objective, references), cfg = bench_run(b)
     layout, info = run.layout, run.info
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -388,7 +404,7 @@ def main(b: BenchConfig) -> dict:
         index = torch.cuda.current_device() if device.index is None else device.index  # torch refuses a bare "cuda"
         torch.cuda.set_per_process_memory_fraction(min(1.0, b.memory.max_memory_gb * 2**30 / total), index)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, guard = make_optimizer(train_cfg, params, device)  # the trainer's AdamW, its guard and (--ema-decay) EMA
+    opt, guard = make_optimizer(optim, params, device)  # the trainer's AdamW, its guard and (--ema-decay) EMA
 
     # train_a2.py's step on the batch a precompute cache of this run would hold (zero posteriors, text, CLIP tokens)
     batch, enc = synthetic_batch(run, b.batch, h, w)
@@ -404,13 +420,13 @@ def main(b: BenchConfig) -> dict:
 
     def step():  # train_a2.py's: model_inputs, forward_loss, backward, optimizer_step
         n = next(steps)
-        inputs = model_inputs(batch, n, 0, train_cfg, run, enc, 0, device)
+        inputs = model_inputs(batch, n, 0, optim, objective, references, run, enc, 0, device)
         if target:  # the targets from the pixels each step, as train_a2.py without a cache
             with torch.no_grad():
                 inputs["align_targets"] = align.dino_targets(target, ref_images, reference_grid(run, h, w))
-        loss = forward_loss(model, inputs, train_cfg, run, amp, dtype)[0]
+        loss = forward_loss(model, inputs, objective, references, run, amp, dtype)[0]
         loss.backward()
-        optimizer_step(opt, params, guard, loss.detach(), n, train_cfg, 1)
+        optimizer_step(opt, params, guard, loss.detach(), n, optim, 1)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(b.warmup):

@@ -15,12 +15,11 @@ import tyro
 
 from a2.cli import ConfigError, OnOffAuto, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
-    EXTRACTION_KEYS,
-    FRAME_EXTRACTION,
     PUBLIC_TYPES,
     ClipProcessorConfig,
     ConditioningConfig,
     DatasetConfig,
+    DataSource,
     VaeProcessorConfig,
     check_extraction,
     check_frames,
@@ -177,14 +176,6 @@ def is_tiny(model: str) -> bool:
     return model == "tiny" or model.startswith("tiny-")
 
 
-def with_recipe(cfg):
-    """(cfg with the fields left out (None) filled from its model's recipe (RECIPES), what was filled): a copy, the
-    config as given stays. train_a2.py prints what was filled; the run dir's run.json and checkpoints hold the copy."""
-    recipe = RECIPES["tiny" if is_tiny(cfg.model) else "model"]
-    filled = {k: v for k, v in recipe.items() if getattr(cfg, k) is None}
-    return replace(cfg, **filled), filled
-
-
 @dataclass(frozen=True)
 class MemoryConfig:
     """How a training step fits on its GPU: the memory plan and the flags that force or replace its pieces, shared by
@@ -276,12 +267,9 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig(ModelConfig):
-    """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
-    sampling and learning rate left out are the model's recipe (RECIPES): A2-14B's at 480x832, 81 frames, or a
-    built-in tiny model's own."""
-
-    # model (a blank line after a section comment: tyro would show a comment right above a field as its help)
+class TrainModelConfig(ModelConfig):
+    """The model a run trains, the parts it is completed with, the expert of a Wan 2.2 pair and the paths the
+    references take."""
 
     e2v_type: Literal["auto", "dual", "vae", "clip"] = "auto"
     """Which paths the references take. dual: VAE latents and CLIP tokens (A2); vae: VAE only (no image branch); clip:
@@ -292,6 +280,12 @@ class TrainConfig(ModelConfig):
     is `transformer_2` (sigma < boundary_ratio). Only that expert is loaded, and sigma is drawn from --sigma-sampling's
     distribution truncated to the expert's range (inverse CDF), so the two experts together see exactly that
     distribution."""
+
+
+@dataclass
+class LoraConfig:
+    """What trains: a LoRA (its shape and where it goes) or all the transformer's weights."""
+
     training_type: Literal["lora", "full"] = "lora"
     """What trains. lora: a LoRA adapter on the frozen transformer; full: all transformer weights."""
     lora_rank: int = 32
@@ -310,6 +304,16 @@ class TrainConfig(ModelConfig):
     the model through the context blocks alone, so that is where it learns them, while the base's text-to-video stays
     as it was; it is also what the labs train (VideoX-Fun's VACE-Fun --trainable_modules vace, DiffSynth-Studio's VACE
     LoRAs --lora_base_model vace, VACE's paper on a frozen base)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Where a run computes and how it splits over ranks."""
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to train. auto: CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
+    mixed_precision: Literal["bf16", "no"] = "bf16"
+    """Computes in bf16 autocast on CUDA (fp32 master weights); ignored on the CPU."""
     fsdp: bool = False
     """Shards the transformer over the ranks (FSDP2 fully_shard per block, then the root; bf16 compute / fp32 reduce on
     CUDA) instead of DDP, for a model one GPU cannot hold: each rank keeps 1/N of the weights and gathers a block at a
@@ -323,37 +327,18 @@ class TrainConfig(ModelConfig):
     data-parallel ranks x this. Consecutive ranks form a group (one node), train the same samples with the same noise
     and timestep, and each holds 1/N of the sequence's activations. N must divide the attention heads (14B: 40, 1.3B:
     12). It works with DDP or --fsdp (sharded over all ranks); the global batch counts data-parallel ranks only."""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """Where to train. auto: CUDA when there is a GPU (each torchrun rank on its LOCAL_RANK GPU), else the CPU."""
-    memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
-    """How the step fits on each GPU (a2/memory.py): the plan, recomputation, offload, fp8, block swap, compilation,
-    the dry run."""
-    mixed_precision: Literal["bf16", "no"] = "bf16"
-    """Computes in bf16 autocast on CUDA (fp32 master weights); ignored on the CPU."""
-    # data
 
-    data_root: str | None = None
-    """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py)."""
+
+@dataclass(frozen=True)
+class DataConfig(DataSource):
+    """The training data: where it is and what it is (DataSource's flags, a dataset file's keys of the same names), how
+    its clips are sized, how it is loaded and cached."""
+
     dataset_config: str | None = None
     """A JSON dataset config (docs/dataset.md): one or more datasets, their weights, elements, processors and eval sets.
     It replaces --data-root, --manifest, --dataset-type, --elements, --sam, --cross-video and the frame-extraction flags
     (not read beside it); a conditioning flag that disagrees with its processors.vae is an error. --num-frames is read,
     and --resolution and --clip-size still size the validation videos and the memory plan: give the file's sizes."""
-    manifest: str | None = None
-    """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
-    train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
-    --data-root."""
-    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
-    """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
-    training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
-    OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
-    element images are built from their masks, boxes or photos (public_data.py; docs/public-datasets.md)."""
-    sam: str | None = None
-    """With --dataset-type phantom or humoset: a local transformers SAM dir (SamModel) that segments the box and photo
-    references onto white; without it, Phantom-Data's references are box crops."""
-    cross_video: bool = False
-    """With --dataset-type opens2v: takes each clip's subject and object from a paired clip of its cross-video cluster
-    (an index built with --cross-pairs) instead of from its own frame."""
     elements: tuple[str, ...] = ()
     """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see a2/elements.py). Empty:
     SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
@@ -362,9 +347,6 @@ class TrainConfig(ModelConfig):
     num_frames: int | None = None
     """The pixel frames (4k+1) of the whole sequence, reference frames included.
     Left out: the model's recipe (RECIPES)."""
-    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
-    """How element images and video frames condition the model (shared with infer.py and a dataset file's
-    processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
     skip_bad_samples: bool = False
     """Drops invalid samples (and says how many) instead of failing with the full list of problems."""
     num_workers: int = 2
@@ -376,23 +358,11 @@ class TrainConfig(ModelConfig):
     constructs the VAE, T5 or CLIP (unless validation videos need them)."""
     precompute: bool = False
     """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
-    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
-    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
-    whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
-    windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to
-    back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The windows are a
-    function of the clip alone (deterministic), and each is validated and cached as a sample."""
-    frame_stride: int = 1
-    """With --frame-extraction slide: the frames between window starts (musubi-tuner's default 1: every start)."""
-    frame_sample: int = 1
-    """With --frame-extraction uniform: the windows per clip (musubi-tuner's default 1: the first window, as head)."""
-    source_fps: float | None = None
-    """The frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
-    the clips to --target-fps before the windows are cut (head/chunk/slide/uniform). Default: the clips as they are."""
-    target_fps: float = 16.0
-    """The frame rate the clips are brought to with --source-fps: 16, the rate Wan 2.1/2.2 are trained at."""
 
-    # objective
+
+@dataclass
+class ObjectiveConfig:
+    """The flow-matching loss: how sigma is drawn and how the loss is weighted."""
 
     sigma_sampling: Literal["logit_normal", "uniform", "shifted"] | None = None
     """How the training sigma is drawn. logit_normal(0, 1): SD3's default, which puts the steps where flow matching
@@ -409,6 +379,18 @@ class TrainConfig(ModelConfig):
     """The per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
     loss_on_references: bool = True
     """Includes the reference latent frames in the loss (the model denoises them at inference too)."""
+    timestep_buckets: int = 0
+    """Stratifies the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
+    distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks and
+    accumulation. At a global batch of a few samples this evens out the sigmas each step sees. 0 (default): independent
+    draws, the distribution itself."""
+
+
+@dataclass
+class ReferencesConfig:
+    """What a sample's prompt and references go through in training: dropout, augmentation, RefAlign's alignment
+    loss."""
+
     text_dropout: float = 0.1
     """The probability of training a sample with the empty prompt (classifier-free guidance on text)."""
     reference_dropout: float = 0.0
@@ -437,13 +419,11 @@ class TrainConfig(ModelConfig):
     gate_from_timestep(t, 0, 1000, beta=3.0) in diffsynth/pipelines/wan_video_new6.py)."""
     align_gate_power: float = 3.0
     """The power of the timestep gate (see --align-gate-floor)."""
-    timestep_buckets: int = 0
-    """Stratifies the sigmas of each global batch over this many equal-probability buckets of the --sigma-sampling
-    distribution (every bucket once per N samples; a2/flow.py timestep_bucket), the same for every split over ranks and
-    accumulation. At a global batch of a few samples this evens out the sigmas each step sees. 0 (default): independent
-    draws, the distribution itself."""
 
-    # optimisation
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its schedule, the batch and the run's length."""
 
     lr: float | None = None
     """The AdamW peak learning rate (after warmup). Left out: the model's recipe (RECIPES)."""
@@ -482,7 +462,10 @@ class TrainConfig(ModelConfig):
     """A debug check: trains on the first N global batches only, each coming back with the same sigma, noise and
     dropout. The loss must fall far towards 0; a loop or conditioning bug shows here first."""
 
-    # run
+
+@dataclass
+class RunDirConfig:
+    """The run dir: where it is, its checkpoints, resuming and the logs."""
 
     output_dir: str = "runs"
     """The parent dir of the run dirs."""
@@ -503,6 +486,12 @@ class TrainConfig(ModelConfig):
     """Logs loss, lr, grad norm and throughput to metrics.jsonl every N steps (the one host sync of a step)."""
     tensorboard: bool = False
     """Also writes the logged values as TensorBoard scalars into run_dir/tb."""
+
+
+@dataclass
+class ValidationConfig:
+    """The eval loss on held-out samples and the validation videos."""
+
     eval_split: int = 0
     """Holds out this many clips of the training data (all their windows) for the eval loss, drawn with --seed and never
     trained on. 0 (default): none (an --eval-manifest or a dataset config's `eval` datasets can still be given)."""
@@ -536,63 +525,140 @@ class TrainConfig(ModelConfig):
     """Scores each validation video (a2/evaluate.py) into metrics.jsonl (and tensorboard) as val/<metric> at its step:
     motion, temporal consistency and CLIP-I with the model's own image encoder; DINO-I, CLIP-T and face similarity with
     the --eval.* dirs (loaded once, kept on the GPU in the training dtype)."""
+
+
+@dataclass
+class TrainConfig:
+    """E2V training on Wan / SkyReels-A2. Defaults are a LoRA; the size, frames, LoRA alpha and targets, sigma
+    sampling and learning rate left out are the model's recipe (RECIPES): A2-14B's at 480x832, 81 frames, or a
+    built-in tiny model's own."""
+
+    model: tyro.conf.OmitArgPrefixes[TrainModelConfig] = field(default_factory=TrainModelConfig)
+    """The model a run trains, the parts it is completed with, the expert of a Wan 2.2 pair and the paths the
+    references take."""
+    lora: tyro.conf.OmitArgPrefixes[LoraConfig] = field(default_factory=LoraConfig)
+    """What trains: a LoRA (its shape and where it goes) or all the transformer's weights."""
+    parallel: tyro.conf.OmitArgPrefixes[ParallelConfig] = field(default_factory=ParallelConfig)
+    """Where a run computes and how it splits over ranks."""
+    memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
+    """How the step fits on each GPU (a2/memory.py): the plan, recomputation, offload, fp8, block swap, compilation,
+    the dry run."""
+    data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
+    """The training data: where it is, what it is, how its clips are cut and sized, how it is loaded and cached."""
+    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
+    """How element images and video frames condition the model (shared with infer.py and a dataset file's
+    processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
+    objective: tyro.conf.OmitArgPrefixes[ObjectiveConfig] = field(default_factory=ObjectiveConfig)
+    """The flow-matching loss: how sigma is drawn and how the loss is weighted."""
+    references: tyro.conf.OmitArgPrefixes[ReferencesConfig] = field(default_factory=ReferencesConfig)
+    """What a sample's prompt and references go through in training: dropout, augmentation, RefAlign's alignment
+    loss."""
+    optim: tyro.conf.OmitArgPrefixes[OptimConfig] = field(default_factory=OptimConfig)
+    """The optimizer, its schedule, the batch and the run's length."""
+    rundir: tyro.conf.OmitArgPrefixes[RunDirConfig] = field(default_factory=RunDirConfig)
+    """The run dir: where it is, its checkpoints, resuming and the logs."""
+    validation: tyro.conf.OmitArgPrefixes[ValidationConfig] = field(default_factory=ValidationConfig)
+    """The eval loss on held-out samples and the validation videos."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """The local encoder dirs that score validation videos (--eval.clip-image, --eval.dino, --eval.clip-text,
     --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
 
+    def __post_init__(self):
+        # the fields left out (None) take the model's recipe (RECIPES) here, the one place it is applied: every
+        # TrainConfig (flags, Python, data.py validate) is the run it describes; `filled` says what it filled
+        recipe = RECIPES["tiny" if is_tiny(self.model.model) else "model"]
+        self.filled = {k: v for k, v in recipe.items() if getattr(getattr(self, SECTION_OF[k]), k) is None}
+        for name in {SECTION_OF[k] for k in self.filled}:  # new section objects: the ones given stay as they were
+            setattr(self, name, replace(getattr(self, name), **{k: v for k, v in self.filled.items()
+                                                                  if SECTION_OF[k] == name}))
 
-def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
-    """The datasets of a run: the JSON file if given, else one dataset from the flags."""
-    cfg = with_recipe(cfg)[0]
-    check_size(*cfg.resolution, cfg.num_frames)
-    if cfg.dataset_config:
-        cfgs = load_dataset_config(cfg.dataset_config)
-        keys = ("data_root", "manifest", "dataset_type", "sam", "cross_video", "elements", *EXTRACTION_KEYS)
-        beside = [k for k in keys
-                  if getattr(cfg, k) != TrainConfig.__dataclass_fields__[k].default]  # the file's keys, which it sets
+
+# the sections whose flags take no prefix, by name; memory and conditioning keep their nested fields in a run's
+# config.json, as eval does (--eval.*)
+SECTIONS = dict(model=TrainModelConfig, lora=LoraConfig, parallel=ParallelConfig, data=DataConfig,
+                objective=ObjectiveConfig, references=ReferencesConfig, optim=OptimConfig, rundir=RunDirConfig,
+                validation=ValidationConfig)
+SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}  # flag's field -> its section
+
+
+def from_flags(**flags) -> TrainConfig:
+    """A TrainConfig from its flags' names (lr=1e-3, memory=MemoryConfig(...)), as the CLI takes them: each goes
+    to its section; for Python callers and tests."""
+    parts = {name: {} for name in SECTIONS}
+    rest = {}
+    for k, v in flags.items():
+        (parts[SECTION_OF[k]] if k in SECTION_OF else rest)[k] = v
+    return TrainConfig(**{name: SECTIONS[name](**kw) for name, kw in parts.items()}, **rest)
+
+
+def with_flags(cfg: TrainConfig, **flags) -> TrainConfig:
+    """A copy of cfg with these flags changed (by their names, as from_flags takes them)."""
+    return from_flags(**{**flat_config(cfg, nested=False), **flags})
+
+
+def flat_config(cfg: TrainConfig, nested: bool = False) -> dict:
+    """cfg by flag name, as a run's config.json holds it (the layout of every run dir before the config had sections,
+    so old checkpoints compare key by key): the unprefixed sections flattened; memory, conditioning and eval as dicts
+    with nested=True (JSON), else as the section objects."""
+    out = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in SECTIONS:
+            out.update({g.name: getattr(v, g.name) for g in fields(v)})
+        else:
+            out[f.name] = asdict(v) if nested and hasattr(v, "__dataclass_fields__") else v
+    return out
+
+
+def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int,
+                    eval_manifest: str | None = None) -> list[DatasetConfig]:
+    """The datasets of a run (its data and conditioning sections, --clip-size, --eval-manifest): the JSON file if
+    given, else one dataset from the flags."""
+    check_size(*data.resolution, data.num_frames)
+    if data.dataset_config:
+        cfgs = load_dataset_config(data.dataset_config)
+        keys = [f.name for f in fields(DataSource)] + ["elements"]  # the file's keys, which it sets
+        beside = [k for k in keys if getattr(data, k) != getattr(DataConfig(), k)]
         if beside:  # for each of its datasets: a flag beside it would be ignored, and the run train other data
-            raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {cfg.dataset_config} "
+            raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {data.dataset_config} "
                               "describes the data (each dataset's keys of the same names); set them there, or drop "
                               "the flags")
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
-            flag, file = getattr(cfg.conditioning, f.name), getattr(cfgs[0].vae, f.name)
+            flag, file = getattr(c, f.name), getattr(cfgs[0].vae, f.name)
             if flag != getattr(ConditioningConfig(), f.name) and flag != file:
-                raise ConfigError(f"--{f.name.replace('_', '-')} {flag}: {cfg.dataset_config} sets processors.vae."
+                raise ConfigError(f"--{f.name.replace('_', '-')} {flag}: {data.dataset_config} sets processors.vae."
                                   f"{f.name} to {file!r}; set it in the file, or drop the flag")
-        return with_eval_manifest(cfg, cfgs)
-    if not cfg.data_root and not cfg.manifest:
+        return with_eval_manifest(eval_manifest, cfgs)
+    if not data.data_root and not data.manifest:
         raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
-    if cfg.dataset_type == "t2v" and cfg.elements:
+    if data.dataset_type == "t2v" and data.elements:
         raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
     # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
-    c = cfg.conditioning
-    no_elements = cfg.dataset_type == "t2v" or c.frame_conditioning != "full"
-    if cfg.dataset_type in PUBLIC_TYPES and (no_elements or not cfg.manifest):
-        raise ConfigError(f"--dataset-type {cfg.dataset_type} trains elements from an index: --manifest "
+    no_elements = data.dataset_type == "t2v" or c.frame_conditioning != "full"
+    if data.dataset_type in PUBLIC_TYPES and (no_elements or not data.manifest):
+        raise ConfigError(f"--dataset-type {data.dataset_type} trains elements from an index: --manifest "
                           "OUT/index.jsonl (data.py index) and --frame-conditioning full")
     if c.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
         raise ConfigError(f"--reference-layout {c.reference_layout} places element references: it needs element "
                           "images (--dataset-type e2v, --frame-conditioning full)")
-    elements = parse_elements(cfg.elements) if cfg.elements else A2_ELEMENTS
-    manifest = str(Path(cfg.manifest).resolve()) if cfg.manifest else None  # a CLI path: relative to the cwd
-    main = DatasetConfig(source="--manifest" if cfg.manifest and not cfg.data_root else "--data-root",
-        data_root=cfg.data_root or str(Path(manifest).parent), manifest=manifest,
-        target_resolution=tuple(cfg.resolution), frame_buckets=(),
-        elements=() if no_elements else elements,
-        dataset_type="t2v" if no_elements else cfg.dataset_type if cfg.dataset_type in PUBLIC_TYPES else "e2v",
-        sam=cfg.sam, cross_video=cfg.cross_video,
-        vae=VaeProcessorConfig(resolution=tuple(cfg.resolution), **asdict(c)),
-        clip=ClipProcessorConfig(resolution=(cfg.clip_size, cfg.clip_size)),
-        **{k: getattr(cfg, k) for k in EXTRACTION_KEYS})
-    return with_eval_manifest(cfg, [check_extraction(main, "--frame-extraction")])
+    elements = parse_elements(data.elements) if data.elements else A2_ELEMENTS
+    manifest = str(Path(data.manifest).resolve()) if data.manifest else None  # a CLI path: relative to the cwd
+    shared = {f.name: getattr(data, f.name) for f in fields(DataSource)}  # the flags a dataset file's entry shares
+    main = DatasetConfig(**{**shared, "data_root": data.data_root or str(Path(manifest).parent), "manifest": manifest,
+        "dataset_type": "t2v" if no_elements else data.dataset_type if data.dataset_type in PUBLIC_TYPES else "e2v"},
+        source="--manifest" if data.manifest and not data.data_root else "--data-root",
+        target_resolution=tuple(data.resolution), frame_buckets=(), elements=() if no_elements else elements,
+        vae=VaeProcessorConfig(resolution=tuple(data.resolution), **asdict(c)),
+        clip=ClipProcessorConfig(resolution=(clip_size, clip_size)))
+    return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
 
 
-def with_eval_manifest(cfg: TrainConfig, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
+def with_eval_manifest(eval_manifest: str | None, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
     """--eval-manifest: a held-out dataset listed like --manifest (relative paths beside it), read as the first
     dataset's settings read it (elements, sizes, frame extraction)."""
-    if not cfg.eval_manifest:
+    if not eval_manifest:
         return cfgs
-    manifest = Path(cfg.eval_manifest).resolve()
+    manifest = Path(eval_manifest).resolve()
     return cfgs + [replace(cfgs[0], data_root=str(manifest.parent), manifest=str(manifest), weight=1.0, eval=True,
                            source="--eval-manifest")]
 
@@ -854,7 +920,7 @@ class BenchConfig:
         return height_width(self.height, self.width, self.resolution, (64, 64))
 
 
-# ---------------------------------------------------------------- data.py's commands (a2/public_data.py's indexes)
+# ---------------------------------------------------------------- data.py's commands (a2/public_index.py's indexes)
 
 
 @dataclass

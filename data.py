@@ -24,7 +24,8 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
     exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
     if isinstance(CLI_COMMAND, Validate):  # the flags' and the dataset config's mistakes too (validate reads them)
-        run_cli(dataset_configs, CLI_COMMAND)
+        c = CLI_COMMAND
+        run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
 
 import codecs
 import hashlib
@@ -72,7 +73,7 @@ from a2.media import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import TEXT_TOKENS, detect_model
-from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
+from config import DataCommand, MakeSample, Validate, dataset_configs
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
 MASK_SUFFIX = "_vace_mask.png"
@@ -634,10 +635,11 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 
 
 def validate(a: Validate) -> E2VDataset:
-    cfgs = dataset_configs(a)
+    cfgs = dataset_configs(a.data, a.conditioning, a.model.clip_size, a.validation.eval_manifest)
     cfgs, layout, multiple = training_layout(a, cfgs)
-    frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
-    return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
+    frames = layout.clip_frames if layout else clip_frames(a.data.num_frames, cfgs[0].elements, cfgs[0].vae)
+    return E2VDataset(cfgs, frames, a.data.skip_bad_samples,
+                      global_batch=a.optim.micro_batch * a.optim.grad_accum * a.world_size,
                       size_multiple=multiple, layout=layout)
 
 
@@ -648,11 +650,12 @@ def training_layout(a: Validate, cfgs):
     references), so when --model is on this machine (a built-in model, a dir or a file) they are planned as training
     plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
-    if a.model in TINY_MODELS or Path(a.model).exists():
-        info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
-        cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
-        return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type), info.spatial_multiple
-    print(f"clip length by the elements' rule (--model {a.model} is not on this machine; a released model's own "
+    m = a.model
+    if m.model in TINY_MODELS or Path(m.model).exists():
+        info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
+        cfgs, elements = kind_datasets(cfgs, info, bool(a.data.elements or a.data.dataset_config))
+        return cfgs, plan(info, elements, cfgs[0].vae, a.data.num_frames, m.e2v_type), info.spatial_multiple
+    print(f"clip length by the elements' rule (--model {m.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return cfgs, None, 16
 
@@ -666,7 +669,7 @@ def run_command(a) -> None:
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):
-        run_cli(validate, with_recipe(a)[0])
+        run_cli(validate, a)
     else:
         public_index.run(a)
 

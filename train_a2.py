@@ -21,7 +21,8 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
     exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
                    "same command again")
     CLI_CONFIG = parse_cli(TrainConfig)
-    run_cli(dataset_configs, CLI_CONFIG)  # the flags' and the dataset config's mistakes too (main reads them again)
+    c = CLI_CONFIG  # the flags' and the dataset config's mistakes too (main reads them again)
+    run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
 
 import itertools
 import json
@@ -113,7 +114,7 @@ from a2.transformer import (
     is_e2v,
     load_transformer,
 )
-from config import TrainConfig, dataset_configs, is_tiny, resolve_compile, with_recipe
+from config import OptimConfig, TrainConfig, dataset_configs, flat_config, is_tiny, resolve_compile, with_flags
 from data import (
     BucketBatchSampler,
     DatasetError,
@@ -168,26 +169,27 @@ def on_rank0(fn, *args, **kwargs):
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     """All derived settings and every check that needs no data or weights: a bad config fails here, before any
     loading. The precompute cache, which hashes the data, is added by with_cache once the dataset is scanned."""
-    h, w = cfg.resolution  # the size's own check is dataset_configs'; the patch multiple needs the model
-    if cfg.micro_batch < 1 or cfg.grad_accum < 1:
+    h, w = cfg.data.resolution  # the size's own check is dataset_configs'; the patch multiple needs the model
+    if cfg.optim.micro_batch < 1 or cfg.optim.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
-    check_dir_to_write("--output-dir", cfg.output_dir)
+    check_dir_to_write("--output-dir", cfg.rundir.output_dir)
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
-    info = detect_model(model_path(cfg.model), cfg.image_encoder and model_path(cfg.image_encoder), cfg.components)
-    check_size(h, w, cfg.num_frames, info.spatial_multiple)
-    ds_cfgs, elements = kind_datasets(ds_cfgs, info, bool(cfg.elements or cfg.dataset_config))  # none given: the
-    # element specs its kind samples with too
-    layout = plan(info, elements, vae_cfg, cfg.num_frames, cfg.e2v_type)  # the kind, checked
-    check_flags(cfg.memory, cfg.training_type, cfg.fsdp, device, layout.context_blocks)  # (VACE: what reaches its
-    # context blocks)
-    if cfg.cache_dir and not layout.cacheable:
+    m = cfg.model
+    info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
+    check_size(h, w, cfg.data.num_frames, info.spatial_multiple)
+    # none given: the element specs its kind samples with too
+    ds_cfgs, elements = kind_datasets(ds_cfgs, info, bool(cfg.data.elements or cfg.data.dataset_config))
+    layout = plan(info, elements, vae_cfg, cfg.data.num_frames, m.e2v_type)  # the kind, checked
+    # (VACE: what reaches its context blocks)
+    check_flags(cfg.memory, cfg.lora.training_type, cfg.parallel.fsdp, device, layout.context_blocks)
+    if cfg.data.cache_dir and not layout.cacheable:
         raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
                           "builds its condition from pixels each step (random frames): train it without a cache")
-    if cfg.precompute and not cfg.cache_dir:
+    if cfg.data.precompute and not cfg.data.cache_dir:
         raise ConfigError("--precompute needs --cache-dir")
     check_reference_options(cfg, layout)
     check_extra_options(cfg)
-    if cfg.val_elements:  # read now, not after training and export
+    if cfg.validation.val_elements:  # read now, not after training and export
         if layout.images == "none":
             raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
         if layout.images == "elements" and not elements:  # Wan I2V's frames of the clip: no sampler takes them yet
@@ -195,74 +197,96 @@ def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
                               f"(--frame-conditioning {layout.frame_conditioning}), which neither validation nor "
                               "infer.py samples yet; drop them (--eval-split N measures a held-out loss)")
         try:
-            validation_inputs(cfg, layout, elements, info.name)
+            validation_inputs(cfg.validation.val_elements, cfg.data.resolution, cfg.model.clip_size, layout,
+                              elements, info.name)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--val-elements: {e}") from e
-    if (cfg.val_elements or cfg.val_every) and not cfg.val_prompt.strip():
+    if (cfg.validation.val_elements or cfg.validation.val_every) and not cfg.validation.val_prompt.strip():
         raise ConfigError("--val-prompt is empty: validation videos need a prompt")
-    dtype = torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision == "bf16" else torch.float32
-    return Run(world, cfg.micro_batch * cfg.grad_accum * world, layout, elements, info, info.subfolder(cfg.expert),
-               dtype, expert_sigma_range(cfg.expert, info.boundary_ratio), None,
+    dtype = torch.bfloat16 if device.type == "cuda" and cfg.parallel.mixed_precision == "bf16" else torch.float32
+    return Run(world, cfg.optim.micro_batch * cfg.optim.grad_accum * world, layout, elements, info,
+               info.subfolder(m.expert), dtype, expert_sigma_range(m.expert, info.boundary_ratio), None,
                resolve_compile(cfg.memory.compile, device.type),
-               bool(cfg.val_elements) or layout.images == "none" and cfg.val_every > 0,
+               bool(cfg.validation.val_elements) or layout.images == "none" and cfg.validation.val_every > 0,
                vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
 
 
 def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
     """--align-loss, --reference-augment and the dropouts against the run's kind, before any loading."""
-    if not all(0.0 <= p <= 1.0 for p in (cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout)) or \
-            cfg.joint_dropout and cfg.text_dropout + cfg.reference_dropout + cfg.joint_dropout > 1.0:
-        raise ConfigError(f"--text-dropout {cfg.text_dropout}, --reference-dropout {cfg.reference_dropout}, "
-                          f"--joint-dropout {cfg.joint_dropout}: probabilities in [0, 1], summing to at most 1 with "
+    r = cfg.references
+    if not all(0.0 <= p <= 1.0 for p in (r.text_dropout, r.reference_dropout, r.joint_dropout)) or \
+            r.joint_dropout and r.text_dropout + r.reference_dropout + r.joint_dropout > 1.0:
+        raise ConfigError(f"--text-dropout {r.text_dropout}, --reference-dropout {r.reference_dropout}, "
+                          f"--joint-dropout {r.joint_dropout}: probabilities in [0, 1], summing to at most 1 with "
                           "--joint-dropout (exclusive cases of one draw)")
-    if cfg.vace_lora_target and not layout.context_blocks:
-        raise ConfigError(f"--vace-lora-target {cfg.vace_lora_target}: the {layout.kind} kind's model has no VACE "
+    if cfg.lora.vace_lora_target and not layout.context_blocks:
+        raise ConfigError(f"--vace-lora-target {cfg.lora.vace_lora_target}: the {layout.kind} kind's model has no VACE "
                           "context blocks; drop it")
-    if cfg.reference_dropout and layout.context_blocks:
+    if cfg.references.reference_dropout and layout.context_blocks:
         raise ConfigError("--reference-dropout: VACE samples with its references in both guidance branches (it drops "
                           "the text alone), so no sample trains without them; drop it")
-    if cfg.reference_augment and not layout.takes_references:
+    if cfg.references.reference_augment and not layout.takes_references:
         raise ConfigError(f"--reference-augment: the {layout.kind} kind takes no reference images")
-    if cfg.reference_augment and cfg.cache_dir:
+    if cfg.references.reference_augment and cfg.data.cache_dir:
         raise ConfigError("--reference-augment augments the reference pixels each step; the precompute cache holds "
                           "latents of the images as read: drop --cache-dir (or the augmentation)")
-    if not cfg.align_loss:
+    if not cfg.references.align_loss:
         return
     if not layout.reference_tokens:
         raise ConfigError(f"--align-loss aligns reference tokens of the sequence (kinds "
                           f"{', '.join(align.aligned_kinds())}); the {layout.kind} kind has none (its references, if "
                           "any, are channels of video tokens)")
-    if not cfg.align_model:
+    if not cfg.references.align_model:
         raise ConfigError("--align-loss needs --align-model, a local DINOv3 dir (transformers' DINOv3ViTModel)")
-    if cfg.fsdp:
+    if cfg.parallel.fsdp:
         raise ConfigError("--align-loss is not tried with --fsdp (its projectors are not sharded): use DDP")
     try:
-        align.target_dim(cfg.align_model)
+        align.target_dim(cfg.references.align_model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def check_extra_options(cfg: TrainConfig) -> None:
     """--ema-decay, the eval loss and --timestep-buckets, checked before any data or weights load."""
-    if not 0.0 <= cfg.ema_decay < 1.0:
-        raise ConfigError(f"--ema-decay {cfg.ema_decay}: a decay in [0, 1) (0: no EMA), e.g. 0.999")
-    if cfg.eval_split < 0 or cfg.eval_every < 0 or cfg.eval_quantiles < 1 or cfg.timestep_buckets < 0:
-        raise ConfigError(f"--eval-split {cfg.eval_split}, --eval-every {cfg.eval_every}, --timestep-buckets "
-                          f"{cfg.timestep_buckets} must be >= 0 and --eval-quantiles {cfg.eval_quantiles} >= 1")
+    if not 0.0 <= cfg.optim.ema_decay < 1.0:
+        raise ConfigError(f"--ema-decay {cfg.optim.ema_decay}: a decay in [0, 1) (0: no EMA), e.g. 0.999")
+    v, buckets = cfg.validation, cfg.objective.timestep_buckets
+    if v.eval_split < 0 or v.eval_every < 0 or v.eval_quantiles < 1 or buckets < 0:
+        raise ConfigError(f"--eval-split {v.eval_split}, --eval-every {v.eval_every}, --timestep-buckets "
+                          f"{buckets} must be >= 0 and --eval-quantiles {v.eval_quantiles} >= 1")
 
 
 def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
-    if not cfg.cache_dir:
+    if not cfg.data.cache_dir:
         return run
     encoders = run.info.image_encoder_dir if run.layout.use_clip else None
-    cache = Path(cfg.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
-                                            str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
-                                            run.layout.kind, Path(cfg.align_model) if cfg.align_loss else None)
-    if not cfg.precompute and not (cache / "done").exists():
+    r = cfg.references
+    cache = Path(cfg.data.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
+                                                 str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
+                                                 run.layout.kind, Path(r.align_model) if r.align_loss else None)
+    if not cfg.data.precompute and not (cache / "done").exists():
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
     return replace(run, cache=cache)
+
+
+def run_datasets(cfg: TrainConfig) -> list:
+    """The run's datasets (config.dataset_configs) of its data and conditioning sections, --clip-size and
+    --eval-manifest."""
+    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest)
+
+
+def step_sections(cfg: TrainConfig) -> tuple:
+    """The sections a training step reads (a2/trace.py dry_run's): memory, parallel, LoRA, optim, objective,
+    references."""
+    return cfg.memory, cfg.parallel, cfg.lora, cfg.optim, cfg.objective, cfg.references
+
+
+def validation_sections(cfg: TrainConfig) -> tuple:
+    """What a validation video reads (a2/evaluate.py validate's): its section, eval's, parallel's, the size, the CLIP
+    size and the expert."""
+    return cfg.validation, cfg.eval, cfg.parallel, cfg.data.resolution, cfg.model.clip_size, cfg.model.expert
 
 
 def describe(run: Run) -> str:
@@ -275,14 +299,14 @@ def describe(run: Run) -> str:
 # ---------------------------------------------------------------- data position
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(optim: OptimConfig, step: int) -> float:
     """Linear warmup, then constant or cosine to 0 at max_steps (step counts from 0)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "cosine":
-        p = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
-    return cfg.lr
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.lr_schedule == "cosine":
+        p = (step - optim.warmup_steps) / max(1, optim.max_steps - optim.warmup_steps)
+        return optim.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+    return optim.lr
 
 
 def global_batches(sampler, start: int, overfit: int = 0):
@@ -322,15 +346,15 @@ def load_run_encoders(cfg: TrainConfig, run: Run, device, needed: bool) -> Encod
         for m in (enc.vae, enc.text_encoder, enc.image_encoder):
             if m is not None:
                 m.to(device)
-    if run.cache is not None and not cfg.precompute:
+    if run.cache is not None and not cfg.data.precompute:
         meta = torch.load(run.cache / "meta.pt", weights_only=True)
         enc.latents_config, enc.empty_text = meta["latents_config"], meta["empty_text"].to(device)
     elif needed:
         enc.latents_config = dict(latents_mean=list(enc.vae.config.latents_mean),
                                   latents_std=list(enc.vae.config.latents_std), scale_factor_spatial=vae_scale(enc.vae))
         enc.empty_text = encode_prompt(enc.tokenizer, enc.text_encoder, [""]).to(device)  # the CFG-dropout prompt
-    if cfg.align_loss and (run.cache is None or cfg.precompute):  # else the cache holds the targets
-        enc.align_target = align.load_target_model(cfg.align_model, device)
+    if cfg.references.align_loss and (run.cache is None or cfg.data.precompute):  # else the cache holds the targets
+        enc.align_target = align.load_target_model(cfg.references.align_model, device)
     return enc
 
 
@@ -340,18 +364,18 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     reads the weights; every rank gets a meta-device replica made trainable alike, and rank 0 also the weights to
     broadcast once it is sharded (a2/parallel.py shard_from_rank0). Returns (transformer, rank 0's weights or
     None)."""
-    torch.manual_seed(cfg.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
+    torch.manual_seed(cfg.optim.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = None
-    if rank == 0 or not cfg.fsdp:
-        frozen = cfg.training_type == "lora"  # (a LoRA's expansion weights are made fp32 by make_trainable)
+    if rank == 0 or not cfg.parallel.fsdp:
+        frozen = cfg.lora.training_type == "lora"  # (a LoRA's expansion weights are made fp32 by make_trainable)
         transformer = load_transformer(run.info.path, run.compute_dtype if frozen else torch.float32, run.subfolder)
         if run.layout.expand:
             log("expanding the T2V transformer to the E2V inputs (output unchanged at init)")
             transformer = expand_to_e2v(transformer, image_dim=run.info.image_encoder_dim if run.layout.image_branch
-                                        else None, seed=cfg.seed)
+                                        else None, seed=cfg.optim.seed)
         assert is_e2v(transformer) or not run.layout.channel
         prepare_trainable(transformer, cfg, run)
-    if not cfg.fsdp:
+    if not cfg.parallel.fsdp:
         return transformer, None
     return meta_replica(transformer, lambda model: prepare_trainable(model, cfg, run))
 
@@ -359,14 +383,15 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
 def prepare_trainable(transformer, cfg: TrainConfig, run: Run):
     """What the run trains of `transformer`, in place (a2/lora.py make_trainable; --align-loss: its projectors, a
     trainable fp32 submodule: optimised, reduced, checkpointed, planned, never exported), in training mode."""
+    lora, r = cfg.lora, cfg.references
     try:
-        make_trainable(transformer, run.layout, cfg.training_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                       lora_target(run.layout, cfg.lora_target, cfg.vace_lora_target))  # VACE: its context blocks
+        make_trainable(transformer, run.layout, lora.training_type, lora.lora_rank, lora.lora_alpha, lora.lora_dropout,
+                       lora_target(run.layout, lora.lora_target, lora.vace_lora_target))  # VACE: its context blocks
     except ValueError as e:  # a --lora-target with no original-Wan name
-        raise ConfigError(f"--lora-target {cfg.lora_target!r}: {e}") from None
-    if cfg.align_loss:
+        raise ConfigError(f"--lora-target {lora.lora_target!r}: {e}") from None
+    if r.align_loss:
         try:
-            align.install(transformer, align.target_dim(cfg.align_model), cfg.align_blocks, seed=cfg.seed)
+            align.install(transformer, align.target_dim(r.align_model), r.align_blocks, seed=cfg.optim.seed)
         except ValueError as e:  # a block the model lacks
             raise ConfigError(str(e)) from None
     return transformer.train()
@@ -418,7 +443,7 @@ def skip_step(step: int, state: TrainState, cfg: TrainConfig, run_dir: Path) -> 
     is checkpointed and the run stops with one line (--resume auto redoes the step)."""
     for line in state.failures.skip_step(step + 1):
         log(line)
-    if not cfg.skip_bad_samples:
+    if not cfg.data.skip_bad_samples:
         state.opt.zero_grad(set_to_none=True)  # the checkpoint holds the optimizer, not the step's partial gradients
         checkpoint(run_dir, step, state, cfg)
         raise DatasetError(state.failures.stop_message(step + 1))
@@ -431,19 +456,19 @@ def checkpoint(run_dir: Path, step: int, state: TrainState, cfg: TrainConfig) ->
     """Write ckpt-<step> (a2/runs.py: save_checkpoint), on every rank alike: DDP's rank 0 writes it and the others
     wait for it, and a write that fails (CheckpointError: a full disk) stops every rank, not rank 0 alone."""
     def save():
-        path = save_checkpoint(run_dir, step, state.transformer, state.opt, asdict(cfg), cfg.keep_last,
-                               state.failures.state_dict(), cfg.fsdp)
+        path = save_checkpoint(run_dir, step, state.transformer, state.opt, flat_config(cfg, nested=True),
+                               cfg.rundir.keep_last, state.failures.state_dict(), cfg.parallel.fsdp)
         log(f"checkpoint {path}")
         return path
 
-    return save() if cfg.fsdp else on_rank0(save)
+    return save() if cfg.parallel.fsdp else on_rank0(save)
 def open_run_dir(run_dir: Path, lock: RunLock, cfg: TrainConfig, run: Run, point: ResumePoint) -> None:
     """Create and lock the run dir; config.json (once per run, then a `resumes` entry per resume), metrics.jsonl cut
     back to the resumed step, run.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if lock.fd is None:
         lock.acquire()
-    record_start(run_dir, asdict(cfg), point, run.world)
+    record_start(run_dir, flat_config(cfg, nested=True), point, run.world)
     (run_dir / "run.json").write_text(json.dumps(asdict(run), indent=2, default=str))
 
 
@@ -459,18 +484,18 @@ def place_transformer(cfg: TrainConfig, run: Run, proc: Process, shapes: int):
     input shapes), decided before the weights move: where they go is part of it."""
     device = proc.device
     transformer, rank0_weights = build_transformer(cfg, run, proc.rank)
-    if cfg.fsdp:
+    if cfg.parallel.fsdp:
         shard_from_rank0(transformer, rank0_weights, device, run.compute_dtype)  # bf16 compute on CUDA
         del rank0_weights
     if proc.cp_group is not None:  # before the plan wraps the blocks' forward (the split hooks are the blocks')
         context_parallel(transformer, proc.cp_group)
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
-        f"({cfg.training_type}{', FSDP2' if cfg.fsdp else ''})")
+        f"({cfg.lora.training_type}{', FSDP2' if cfg.parallel.fsdp else ''})")
     # decided before the weights move to the GPU (a2/memory.py), for a rank's share of the tokens
-    plan = memory_plan(cfg.memory, transformer, step_shape(run.layout, run.info, cfg.resolution, cfg.micro_batch,
-                                                            cfg.context_parallel),
-                       cfg.training_type == "full", cfg.fsdp, device, run.compile, ema=cfg.ema_decay > 0)
+    shape = step_shape(run.layout, run.info, cfg.data.resolution, cfg.optim.micro_batch, cfg.parallel.context_parallel)
+    plan = memory_plan(cfg.memory, transformer, shape, cfg.lora.training_type == "full", cfg.parallel.fsdp, device,
+                       run.compile, ema=cfg.optim.ema_decay > 0)
     log(f"memory: {plan}")
     if run.compile:
         allow_recompiles(shapes)
@@ -483,19 +508,20 @@ def place_transformer(cfg: TrainConfig, run: Run, proc: Process, shapes: int):
 
 def make_loader(dataset, sampler, start_step: int, proc: Process, cfg: TrainConfig):
     """This rank's micro-batches from `start_step` on (the data position is the step)."""
+    o, workers = cfg.optim, cfg.data.num_workers
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=rank_micro_batches(sampler, start_step, proc.dp_rank, proc.dp_world, cfg.micro_batch,
-                                                 cfg.grad_accum, cfg.overfit_batches),
-        collate_fn=collate, num_workers=cfg.num_workers, pin_memory=proc.device.type == "cuda",
-        persistent_workers=cfg.num_workers > 0,
+        dataset, batch_sampler=rank_micro_batches(sampler, start_step, proc.dp_rank, proc.dp_world, o.micro_batch,
+                                                 o.grad_accum, o.overfit_batches),
+        collate_fn=collate, num_workers=workers, pin_memory=proc.device.type == "cuda",
+        persistent_workers=workers > 0,
         # forked workers of a process that runs CUDA and OpenMP threads can hang (seen on an H100); spawned cannot
-        multiprocessing_context=WorkerContext() if cfg.num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None)  # SIGTERM/SIGINT are the loop's
+        multiprocessing_context=WorkerContext() if workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if workers > 0 else None)  # SIGTERM/SIGINT are the loop's
 
 
 def hold_out(dataset, cfg: TrainConfig) -> list[int]:
     """The eval loss's samples (--eval-split), never trained on, named by their clips."""
-    held = held_out(dataset, cfg.eval_split, cfg.seed)
+    held = held_out(dataset, cfg.validation.eval_split, cfg.optim.seed)
     if held:
         clips = sorted({str(dataset.samples[i].video) for i in held})
         log(f"held out for the eval loss (never trained on): {len(held)} sample(s) of {len(clips)} clip(s): "
@@ -508,7 +534,7 @@ def open_metrics(run_dir: Path, cfg: TrainConfig, rank: int):
     if rank != 0:
         return None, None
     tb = None
-    if cfg.tensorboard:
+    if cfg.rundir.tensorboard:
         from torch.utils.tensorboard import SummaryWriter  # (tensorboard: optional, imported only when asked for)
 
         tb = SummaryWriter(run_dir / "tb")
@@ -523,19 +549,22 @@ def accumulate(step: int, data_iter, state: TrainState, cfg: TrainConfig, run: R
     step_loss = torch.zeros((), device=proc.device)
     refused, viz = False, None
     ddp = isinstance(state.model, DDP)
-    for j in range(cfg.grad_accum):
+    for j in range(cfg.optim.grad_accum):
         batch = next_batch(data_iter, step)
         refused = state.failures.refuses(batch, proc.ctrl) or refused  # a collective: every rank, every micro-batch
         if refused:
             continue
-        sync = j == cfg.grad_accum - 1
-        if cfg.fsdp:
+        sync = j == cfg.optim.grad_accum - 1
+        if cfg.parallel.fsdp:
             state.model.set_requires_gradient_sync(sync)  # FSDP2: reduce-scatter on the last micro-step only
         with state.model.no_sync() if ddp and not sync else nullcontext():
-            inputs = model_inputs(batch, step, j, cfg, run, enc, proc.dp_rank, proc.device)
-            loss, viz = forward_loss(state.model, inputs, cfg, run, proc.amp, state.transformer.dtype)
-            (loss * grad_scale(state.transformer) / cfg.grad_accum).backward()  # x CP size: DDP averages its ranks
-        step_loss += loss.detach() / cfg.grad_accum
+            inputs = model_inputs(batch, step, j, cfg.optim, cfg.objective, cfg.references, run, enc, proc.dp_rank,
+                                  proc.device)
+            loss, viz = forward_loss(state.model, inputs, cfg.objective, cfg.references, run, proc.amp,
+                                     state.transformer.dtype)
+            # x CP size: DDP averages its ranks
+            (loss * grad_scale(state.transformer) / cfg.optim.grad_accum).backward()
+        step_loss += loss.detach() / cfg.optim.grad_accum
         meter["seen"] += len(batch["prompts"]) * proc.dp_world
         meter["tokens"] += inputs["tokens"] * proc.dp_world
     return step_loss, viz, refused
@@ -546,7 +575,7 @@ def step_record(done: int, step_loss, grad_norm, state: TrainState, cfg: TrainCo
     """The metrics.jsonl record of step `done` (its loss read here: the step's only host sync), with throughput since
     the last record (`meter` restarts). Raises Diverged after too many non-finite steps."""
     value = step_loss.item()
-    _, skipped = state.guard.check(done, cfg.max_nonfinite_steps, state.last_ckpt)
+    _, skipped = state.guard.check(done, cfg.optim.max_nonfinite_steps, state.last_ckpt)
     dt = time.time() - meter["t0"]
     rec = dict(step=done, loss=value, lr=state.opt.param_groups[0]["lr"], grad_norm=float(grad_norm),
                skipped_steps=skipped, s_per_step=dt / (done - meter["logged"]), samples_per_s=meter["seen"] / dt,
@@ -571,16 +600,16 @@ def checkpoint_if_due(done: int, interrupted: bool, cfg: TrainConfig, state: Tra
     """The checkpoint decision after step `done`: every --ckpt-every steps, at the end and on a stop; never of
     non-finite weights (Diverged, naming the last good one), and postponed amid skipped non-finite steps so that it
     pushes out no earlier checkpoint. A checkpoint written becomes state.last_ckpt."""
-    if not (done % cfg.ckpt_every == 0 or done == cfg.max_steps or interrupted):
+    if not (done % cfg.rundir.ckpt_every == 0 or done == cfg.optim.max_steps or interrupted):
         return
-    streak, _ = state.guard.check(done, cfg.max_nonfinite_steps, state.last_ckpt)
+    streak, _ = state.guard.check(done, cfg.optim.max_nonfinite_steps, state.last_ckpt)
     finite = torch.tensor([float(params_finite(state.params))])
-    if cfg.fsdp and world > 1:  # each rank checked its shards
+    if cfg.parallel.fsdp and world > 1:  # each rank checked its shards
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
         raise Diverged(f"step {done}: weights not finite, not checkpointed; the last checkpoint with finite weights: "
                        f"{state.last_ckpt or 'none'}")
-    if streak and not interrupted and done != cfg.max_steps:
+    if streak and not interrupted and done != cfg.optim.max_steps:
         log(f"step {done} was not finite: checkpoint postponed")
         return
     state.last_ckpt = checkpoint(run_dir, done, state, cfg)
@@ -606,13 +635,13 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
     """AdamW over the trainable weights, its non-finite guard and the run's load-failure bookkeeping, restored from
     the checkpoint when resuming (what changed in the dataset since, said by path). Returns (state, start step)."""
     params = [p for p in transformer.parameters() if p.requires_grad]  # DTensor shards with --fsdp
-    opt, guard = make_optimizer(cfg, params, device)
-    failures = LoadFailures(cfg.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
+    opt, guard = make_optimizer(cfg.optim, params, device)
+    failures = LoadFailures(cfg.data.skip_bad_samples, [f"{s.video} ({s.id})" for s in dataset.samples],  # (data.py)
                             dataset.stamp)
     state = TrainState(transformer, model, params, opt, guard, failures, point.path)
     if not point.path:
         return state, 0
-    saved = load_checkpoint(point.path, transformer, opt, cfg.fsdp)
+    saved = load_checkpoint(point.path, transformer, opt, cfg.parallel.fsdp)
     for line in failures.load_state_dict(saved.get("load_failures", failures.state_dict())):
         log(line)  # whether the dataset changed since the checkpoint; the dropped samples, by path
     log(f"resumed from {point.path} at step {saved['step']}")
@@ -648,54 +677,56 @@ def left_as_found():
 
 @left_as_found()
 def main(cfg: TrainConfig) -> dict:
-    cfg, recipe = with_recipe(cfg)  # what the flags left out, from the model's recipe (config.RECIPES), said below
     # ---------------------------------------------------------------- distributed setup
-    if cfg.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
+    if cfg.model.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
         # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
-        model_path(cfg.model)
+        model_path(cfg.model.model)
     global RANK
     use_expandable_segments()  # before CUDA initialises
-    world, RANK, local_rank, device, ctrl = setup_distributed(cfg.device, cfg.fsdp and not cfg.memory.dry_run)
+    par, o = cfg.parallel, cfg.optim
+    world, RANK, local_rank, device, ctrl = setup_distributed(par.device, par.fsdp and not cfg.memory.dry_run)
     rank = RANK
     # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
-    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.memory.dry_run else cfg.context_parallel,
+    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.memory.dry_run else par.context_parallel,
                                                 device.type)
     use_cuda = device.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and cfg.mixed_precision == "bf16" else nullcontext()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and par.mixed_precision == "bf16" else nullcontext()
     proc = Process(rank, dp_rank, dp_world, device, amp, ctrl, cp_group)
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
-    ds_cfgs = dataset_configs(cfg)
+    ds_cfgs = run_datasets(cfg)
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
-    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements or cfg.dataset_config))[0]  # as planned
+    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.data.elements or cfg.data.dataset_config))[0]  # as planned
     if cfg.memory.dry_run:  # one rank's step traced at real size (a2/trace.py); the harness shards with --fsdp
-        result = dry_run(cfg, run, lambda run: build_transformer(replace(cfg, fsdp=False), run, 0)[0], log=log)
+        result = dry_run(*step_sections(cfg), cfg.data.resolution, run,
+                         lambda run: build_transformer(with_flags(cfg, fsdp=False), run, 0)[0], log=log)
         if not result["fits"]:
             sys.exit(3)
         return result
-    run_dir = Path(cfg.output_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(cfg.rundir.output_dir) / (cfg.rundir.run_name or time.strftime("%Y%m%d-%H%M%S"))
     lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
     on_rank0(lock_existing, run_dir, lock)
-    cp = f" (x context parallel {cfg.context_parallel})" if cfg.context_parallel > 1 else ""
-    log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {cfg.micro_batch} x accum "
-        f"{cfg.grad_accum} x world {run.world}{cp} | seed {cfg.seed} (noise keyed by seed, step, sample index)")
+    cp = f" (x context parallel {par.context_parallel})" if par.context_parallel > 1 else ""
+    log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {o.micro_batch} x accum "
+        f"{o.grad_accum} x world {run.world}{cp} | seed {o.seed} (noise keyed by seed, step, sample index)")
 
     # ---------------------------------------------------------------- data (validated before any model loads)
-    dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.skip_bad_samples, layout=run.layout,
+    dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.data.skip_bad_samples, layout=run.layout,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
     run = with_cache(cfg, run, dataset)
     held = hold_out(dataset, cfg)  # eval loss samples, never trained on
-    sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
+    sampler = BucketBatchSampler(dataset, run.global_batch, seed=o.seed, exclude=held)
     log(describe(run))
-    if recipe:
-        log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for the flags not given: "
-            + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))
-    if cfg.precompute:  # the cache alone: no run dir, no resume
+    if cfg.filled:  # what the flags left out, from the model's recipe (config.RECIPES)
+        log(f"{'tiny' if is_tiny(cfg.model.model) else 'the model'}'s recipe for the flags not given: "
+            + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.filled.items()))
+    if cfg.data.precompute:  # the cache alone: no run dir, no resume
         precompute(run, dataset, load_run_encoders(cfg, run, device, True), rank, world)
         lock.release()
         return dict(cache=run.cache)
     # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
-    point = on_rank0(plan_resume, cfg.resume, run_dir, asdict(cfg), run.world, named=cfg.run_name is not None)
+    point = on_rank0(plan_resume, cfg.rundir.resume, run_dir, flat_config(cfg, nested=True), run.world,
+                     named=cfg.rundir.run_name is not None)
     for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:
         log(f"resume: {line}")
     on_rank0(open_run_dir, run_dir, lock, cfg, run, point)  # every check passed: the run dir is made now, not before
@@ -710,11 +741,11 @@ def main(cfg: TrainConfig) -> dict:
         dataset.cache_dir = run.cache
         log(f"training from the precompute cache {run.cache}"
             + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
-    evaluators = load_val_evaluators(cfg, run, enc, proc)  # validation metrics
+    evaluators = load_val_evaluators(cfg.validation, cfg.eval, run, enc, proc)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
     transformer = place_transformer(cfg, run, proc, len(set(dataset.buckets)))  # planned, on device
-    ddp = world > 1 and not cfg.fsdp
+    ddp = world > 1 and not cfg.parallel.fsdp
     model = DDP(transformer, device_ids=[local_rank] if use_cuda else None) if ddp else transformer
 
     # ---------------------------------------------------------------- optimiser, resume, loader
@@ -733,36 +764,38 @@ def main(cfg: TrainConfig) -> dict:
     try:
         with stop_signals_blocked():  # a signal while the workers start waits, then is theirs to ignore
             data_iter = iter(loader)
-        bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, disable=rank != 0,
+        bar = tqdm(range(start_step, o.max_steps), initial=start_step, total=o.max_steps, disable=rank != 0,
                    desc="train")
         for step in bar:
-            random.seed(cfg.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-            torch.manual_seed(cfg.seed * 1000003 + step * 1009 + dp_rank)
+            random.seed(o.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
+            torch.manual_seed(o.seed * 1000003 + step * 1009 + dp_rank)
             for g in state.opt.param_groups:
-                g["lr"] = lr_at(cfg, step)
+                g["lr"] = lr_at(o, step)
             step_loss, viz, refused = accumulate(step, data_iter, state, cfg, run, enc, proc, meter)
             if refused:
                 skip_step(step, state, cfg, run_dir)
             else:
-                grad_norm = optimizer_step(state.opt, state.params, state.guard, step_loss, step, cfg, world)
+                grad_norm = optimizer_step(state.opt, state.params, state.guard, step_loss, step, o, world)
             state.opt.zero_grad(set_to_none=True)
             done = step + 1
             if rank == 0 and not refused:
                 for vis in visualizations:
                     visualize(done, viz, vis, enc.vae, run_dir)
-            if not refused and (done % cfg.log_every == 0 or done == cfg.max_steps or STOP["signal"] is not None):
+            if not refused and (done % cfg.rundir.log_every == 0 or done == o.max_steps or STOP["signal"] is not None):
                 rec = step_record(done, step_loss, grad_norm, state, cfg, meter, use_cuda)
                 losses.append(rec["loss"])
                 log_step(rec, metrics_file, tb)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
             interrupted = stop_agreed(world, ctrl)
             checkpoint_if_due(done, interrupted, cfg, state, run_dir, world)
-            if held and not interrupted and (cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.max_steps):
-                log_step(evaluate_held_out(done, cfg, run, state, enc, dataset, held, proc, log), metrics_file, tb)
-            if cfg.val_every and done % cfg.val_every == 0:
-                with ema_weights(state.opt, state.params, cfg.ema_decay > 0):  # the EMA, when kept, is validated
-                    log_step(validate(done, cfg, run, transformer, enc, run_dir, frozen, proc, evaluators, log),
-                             metrics_file, tb)
+            v = cfg.validation
+            if held and not interrupted and (v.eval_every and done % v.eval_every == 0 or done == o.max_steps):
+                log_step(evaluate_held_out(done, cfg.objective, o, v, par, run, state, enc, dataset, held, proc, log),
+                         metrics_file, tb)
+            if v.val_every and done % v.val_every == 0:
+                with ema_weights(state.opt, state.params, o.ema_decay > 0):  # the EMA, when kept, is validated
+                    log_step(validate(done, *validation_sections(cfg), run, transformer, enc, run_dir, frozen, proc,
+                                      evaluators, log), metrics_file, tb)
             if interrupted:
                 by = signal.Signals(STOP["signal"]).name if STOP["signal"] else "a signal to another rank"
                 log(f"stopped by {by} at step {done}, checkpoint {state.last_ckpt}: exit {EXIT_RESUMABLE} (resumable: "
@@ -775,14 +808,15 @@ def main(cfg: TrainConfig) -> dict:
         log(state.failures.summary())
 
     # ---------------------------------------------------------------- export
-    result = dict(run_dir=run_dir, step=step + 1 if cfg.max_steps > start_step else start_step, losses=losses,
+    result = dict(run_dir=run_dir, step=step + 1 if o.max_steps > start_step else start_step, losses=losses,
                   interrupted=interrupted)
     if not interrupted:
-        result.update(export(run_dir, state, cfg, run, rank, lambda model: prepare_trainable(model, cfg, run), log))
-        if cfg.val_elements and not cfg.val_every:
-            with ema_weights(state.opt, state.params, cfg.ema_decay > 0):
-                log_step(validate(cfg.max_steps, cfg, run, transformer, enc, run_dir, frozen, proc, evaluators, log),
-                         metrics_file, tb)
+        result.update(export(run_dir, state, cfg.model, cfg.lora, o, par, run, rank,
+                             lambda model: prepare_trainable(model, cfg, run), log))
+        if cfg.validation.val_elements and not cfg.validation.val_every:
+            with ema_weights(state.opt, state.params, o.ema_decay > 0):
+                log_step(validate(o.max_steps, *validation_sections(cfg), run, transformer, enc, run_dir, frozen, proc,
+                                  evaluators, log), metrics_file, tb)
     if metrics_file:
         metrics_file.close()
     if dist.is_initialized():

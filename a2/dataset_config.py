@@ -193,16 +193,49 @@ FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")  # a2.media.f
 
 
 @dataclass(frozen=True)
-class DatasetConfig:
+class DataSource:
+    """Where a dataset's clips are and how their frames are read: the keys a dataset file's entries (DatasetConfig)
+    and train_a2.py's data flags (config.DataConfig) share, declared once here."""
+
+    data_root: str | None = None
+    """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py); a manifest's relative paths are
+    read from it too."""
+    manifest: str | None = None
+    """A CSV/JSONL file listing the clips (`video`/`path` and `caption`/`prompt` columns), e.g. the T2V workflow's
+    train.jsonl of .npz clips (uint8 `frames`). Paths in it are relative to its dir, which is the default
+    --data-root."""
+    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
+    """What the data is. e2v: clips and element images (A2). t2v: clips and prompts only, no elements: text-to-video
+    training, where a T2V model (16 input channels) trains as it is, without expansion. opens2v / phantom / humoset:
+    OpenS2V-5M, Phantom-Data or HuMoSet as published, through the index of `data.py index` given as --manifest; the
+    element images are built from their masks, boxes or photos (a2/public_read.py; docs/public-datasets.md)."""
+    sam: str | None = None
+    """With --dataset-type phantom or humoset: a local transformers SAM dir (SamModel) that segments the box and photo
+    references onto white; without it, Phantom-Data's references are box crops."""
+    cross_video: bool = False
+    """With --dataset-type opens2v: takes each clip's subject and object from a paired clip of its cross-video cluster
+    (an index built with --cross-pairs) instead of from its own frame."""
+    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
+    """Which frames of a clip train. spread (default, a2's rule): one window per clip, its frames spread evenly over the
+    whole clip (a clip longer than the window is sped up, none of it is left out). head | chunk | slide | uniform:
+    windows of consecutive frames, each a sample of its own, as musubi-tuner cuts them: head the first; chunk back to
+    back; slide one every --frame-stride frames; uniform --frame-sample windows evenly spaced. The windows are a
+    function of the clip alone (deterministic), and each is validated and cached as a sample."""
+    frame_stride: int = 1
+    """With --frame-extraction slide: the frames between window starts (musubi-tuner's default 1: every start)."""
+    frame_sample: int = 1
+    """With --frame-extraction uniform: the windows per clip (musubi-tuner's default 1: the first window, as head)."""
+    source_fps: float | None = None
+    """The frame rate of the clips. Given, with --target-fps below it, frames are dropped (musubi-tuner's rule) to bring
+    the clips to --target-fps before the windows are cut (head/chunk/slide/uniform). Default: the clips as they are."""
+    target_fps: float = 16.0
+    """The frame rate the clips are brought to with --source-fps: 16, the rate Wan 2.1/2.2 are trained at."""
+
+
+@dataclass(frozen=True)
+class DatasetConfig(DataSource):
     """One dataset of a run (a JSON dataset config holds several)."""
 
-    data_root: str
-    """The dir of the samples (<id>.mp4, <id>.txt, <id><element suffix>); a manifest's relative paths are read from it
-    too."""
-    dataset_type: Literal[("e2v", "t2v") + PUBLIC_TYPES] = "e2v"
-    """What the samples are. e2v: clips and element images; t2v: clips and prompts only; opens2v / phantom / humoset: an
-    index of a public dataset written by `data.py index` (the manifest), whose element images are built from its
-    annotations (a2/public_read.py)."""
     weight: float = 1.0
     """How many times each sample is drawn per epoch (0.5: half of them, 2: twice)."""
     target_resolution: tuple[int, int] = (480, 832)
@@ -223,35 +256,10 @@ class DatasetConfig:
     """The settings of the CLIP path."""
     visualization: VisualizationConfig = field(default_factory=VisualizationConfig)
     """The visualisations written during training."""
-    manifest: str | None = None
-    """A CSV/JSONL file with video and caption columns, or a train.jsonl of .npz clips, read instead of scanning
-    data_root."""
-    frame_extraction: Literal[FRAME_EXTRACTION] = "spread"
-    """Which windows of a clip train. spread: one per clip, its frames spread evenly over the whole
-    clip; head | chunk | slide | uniform: musubi-tuner's windows of consecutive frames, each a sample
-    (a2.media.frame_windows)."""
-    frame_stride: int = 1
-    """With frame_extraction slide: the frames between window starts."""
-    frame_sample: int = 1
-    """With frame_extraction uniform: the windows per clip."""
-    source_fps: float | None = None
-    """The frame rate of the clips. With target_fps below it, frames are dropped to reach target_fps first
-    (a2.media.resampled_frames); None: the clips are used at their own rate."""
-    target_fps: float = 16.0
-    """The frame rate the clips are brought to when source_fps is given (Wan 2.1/2.2 14B are trained at 16 fps)."""
     eval: bool = False
     """Marks a held-out dataset: its samples are never trained on, only scored by the eval loss (--eval-every)."""
     source: str = ""
     """Where the dataset was defined (config file and entry, or flags), for messages; it is no part of the data."""
-    sam: str | None = None
-    """For public datasets: a local transformers SAM dir that segments the box and photo references (without it they are
-    box crops)."""
-    cross_video: bool = False
-    """For OpenS2V: takes subject and object from a paired clip of the same cross-video cluster (the index's
-    --cross-pairs)."""
-
-
-EXTRACTION_KEYS = ("frame_extraction", "frame_stride", "frame_sample", "source_fps", "target_fps")
 
 
 def check_extraction(c: DatasetConfig, where: str) -> DatasetConfig:
@@ -353,6 +361,8 @@ def _dataset_from_json(d: dict, where: str, base: Path) -> DatasetConfig:
                 where)
     if "data_root" not in d:
         raise ConfigError(f"{where}: missing key 'data_root'")
+    if not isinstance(d["data_root"], str):  # (DataSource's None is the flags' "not given")
+        raise ConfigError(f"{where}.data_root: expected str, got {d['data_root']!r}")
     _checked(DatasetConfig, d, where)
     procs = d.get("processors", {})
     _check_keys(procs, {"vae", "clip"}, f"{where}.processors")

@@ -44,7 +44,7 @@ from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_me
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
-from config import TrainConfig
+from config import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
 
 
 class Embedder:
@@ -290,17 +290,17 @@ def format_table(means: list[dict], models=("base", "lora"), notes=()) -> str:
 EVAL_KEY = 2**62  # the step key of the eval loss's draws (noise, posterior samples): no training step has it
 
 
-def eval_sigmas(cfg: TrainConfig, run: Run) -> list[float]:
+def eval_sigmas(objective: ObjectiveConfig, n: int, run: Run) -> list[float]:
     """The eval loss's sigmas: the quantiles (i + 1) / (n + 1), i < n = --eval-quantiles, of the --sigma-sampling
     distribution, truncated to the run's sigma range (a Wan 2.2 expert's) as training draws it."""
-    a, b = sigma_cdf(cfg, run.sigma_range[0]), sigma_cdf(cfg, run.sigma_range[1])
-    n = cfg.eval_quantiles
-    return [sigma_quantile(cfg, a + (b - a) * (i + 1) / (n + 1)) for i in range(n)]
+    a, b = sigma_cdf(objective, run.sigma_range[0]), sigma_cdf(objective, run.sigma_range[1])
+    return [sigma_quantile(objective, a + (b - a) * (i + 1) / (n + 1)) for i in range(n)]
 
 
 @torch.no_grad()
-def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, dataset, held: list[int],
-              proc: Process, prefix: str = "eval/") -> dict:
+def eval_loss(step: int, objective: ObjectiveConfig, optim: OptimConfig, validation: ValidationConfig,
+              parallel: ParallelConfig, run: Run, transformer, enc: Encoders, dataset, held: list[int], proc: Process,
+              prefix: str = "eval/") -> dict:
     """The loss of the held-out samples at eval_sigmas, as a metrics.jsonl record: <prefix>loss (the mean) and
     <prefix>loss@<sigma>. Each sample is the training step's model_inputs (its n-th sample of a one-sample batch at the
     fixed step key EVAL_KEY, dropout off: the same noise and posterior draws at every eval) and forward_loss with the
@@ -308,23 +308,24 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
     (--fsdp: every rank runs as many forwards, the extra ones discarded); each (sample, sigma) loss is computed by one
     rank and summed with zeros from the others, so the result is the same bit for bit at any world size."""
     rank, world, device = proc.dp_rank, proc.dp_world, proc.device
-    sigmas = eval_sigmas(cfg, run)
-    fixed = replace(cfg, micro_batch=1, text_dropout=0.0, reference_dropout=0.0, joint_dropout=0.0, overfit_batches=0,
-                    timestep_buckets=0, reference_augment=False, align_loss=False)  # the flow loss alone
+    sigmas = eval_sigmas(objective, validation.eval_quantiles, run)
+    # the flow loss alone: no dropout, augmentation, alignment loss or timestep buckets
+    objective, refs = replace(objective, timestep_buckets=0), ReferencesConfig(text_dropout=0.0)
+    optim = replace(optim, micro_batch=1, overfit_batches=0)
     one = replace(run, world=1)
     per = torch.zeros(len(held), len(sigmas), device=device)  # (N, Q)
     transformer.eval()  # (LoRA dropout)
     for n in range(rank, -(-len(held) // world) * world, world):
-        if n >= len(held) and not cfg.fsdp:
+        if n >= len(held) and not parallel.fsdp:
             break
         k = min(n, len(held) - 1)
         batch = collate([dataset[(held[k], 0)]])
         if "failed" in batch:
             raise DatasetError(f"eval loss at step {step}: {batch['failed'][0][1]}")
-        inputs = model_inputs(batch, EVAL_KEY, k, fixed, one, enc, 0, device)
+        inputs = model_inputs(batch, EVAL_KEY, k, optim, objective, refs, one, enc, 0, device)
         for q, sigma in enumerate(sigmas):
-            loss, _ = forward_loss(transformer, {**inputs, "sigmas": torch.full_like(inputs["sigmas"], sigma)}, fixed,
-                                   one, proc.amp, transformer.dtype)
+            loss, _ = forward_loss(transformer, {**inputs, "sigmas": torch.full_like(inputs["sigmas"], sigma)},
+                                   objective, refs, one, proc.amp, transformer.dtype)
             if n < len(held):
                 per[n, q] = loss
     transformer.train()
@@ -338,77 +339,85 @@ def eval_loss(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders,
                 **{f"{prefix}loss@{s:.3f}": v for s, v in zip(sigmas, means)})
 
 
-def evaluate_held_out(step: int, cfg: TrainConfig, run: Run, state: TrainState, enc: Encoders, dataset,
-                      held: list[int], proc: Process, log=print) -> dict:
+def evaluate_held_out(step: int, objective: ObjectiveConfig, optim: OptimConfig, validation: ValidationConfig,
+                      parallel: ParallelConfig, run: Run, state: TrainState, enc: Encoders, dataset, held: list[int],
+                      proc: Process, log=print) -> dict:
     """eval_loss of the trained weights (eval/...) and, with --ema-decay, of their EMA (eval_ema/...), announced and
     timed (the progress bar stops meanwhile)."""
     log(f"step {step}: eval loss of {len(held)} held-out sample(s) ...")
     t0 = time.perf_counter()
-    rec = eval_loss(step, cfg, run, state.transformer, enc, dataset, held, proc)
-    if cfg.ema_decay:
+    sections = objective, optim, validation, parallel, run
+    rec = eval_loss(step, *sections, state.transformer, enc, dataset, held, proc)
+    if optim.ema_decay:
         with ema_weights(state.opt, state.params):
-            rec.update(eval_loss(step, cfg, run, state.transformer, enc, dataset, held, proc, "eval_ema/"))
+            rec.update(eval_loss(step, *sections, state.transformer, enc, dataset, held, proc, "eval_ema/"))
     log(f"step {step}: eval loss {rec['eval/loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
     return rec
 
 
-def load_val_evaluators(cfg: TrainConfig, run: Run, enc: Encoders, proc: Process) -> Evaluators | None:
+def load_val_evaluators(validation: ValidationConfig, ev: EvalConfig, run: Run, enc: Encoders,
+                        proc: Process) -> Evaluators | None:
     """The metric encoders of the validation videos (--val-metrics, rank 0), loaded before training so that a bad
     --eval.* dir fails first. CLIP-I uses the run's own image encoder when it has one."""
-    if not cfg.val_metrics or proc.rank != 0 or not run.validates:
+    if not validation.val_metrics or proc.rank != 0 or not run.validates:
         return None
     clip = None
     if enc.image_encoder is not None:
         clip = Embedder(enc.image_encoder, enc.image_processor, proc.device,
                         next(enc.image_encoder.parameters()).dtype)
-    return load_evaluators(cfg.eval, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
+    return load_evaluators(ev, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
 
 
-def validation_inputs(cfg: TrainConfig, layout: Layout, elements, model_name: str) -> tuple:
+def validation_inputs(val_elements: tuple[str, ...], size: tuple[int, int], clip_size: int, layout: Layout, elements,
+                      model_name: str) -> tuple:
     """What validation samples from --val-elements: (the (Element, path) pairs, the layout of their element set (any
     the kind takes), VAE-path references, CLIP-path images, MAGREF's region, TI2V-5B's first frame), read by plan_run
     before any weights load too, so that a bad image fails then and not after training."""
-    h, w = cfg.resolution
+    h, w = size
     items, refs, clips, region, first_frame = [], None, None, None, None
     if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
-        if len(cfg.val_elements) != 1:
+        if len(val_elements) != 1:
             raise ValueError(f"{model_name} image-to-video takes one image (the first frame), not "
-                             f"{len(cfg.val_elements)}")
-        first_frame = load_first_frame(cfg.val_elements[0], (h, w))
-    elif cfg.val_elements:
-        items = pair_elements(cfg.val_elements, elements)
+                             f"{len(val_elements)}")
+        first_frame = load_first_frame(val_elements[0], (h, w))
+    elif val_elements:
+        items = pair_elements(val_elements, elements)
     layout = validation_layout(layout, tuple(e.repeat for e, _ in items))
     if items:
-        refs, clips, _, region = load_references(items, (h, w), (cfg.clip_size, cfg.clip_size), layout)
+        refs, clips, _, region = load_references(items, (h, w), (clip_size, clip_size), layout)
     return items, layout, refs, clips, region, first_frame
 
 
-def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, run_dir: Path, frozen: dict,
-             proc: Process, evaluators: Evaluators | None = None, log=print) -> dict | None:
+def validate(step: int, validation: ValidationConfig, ev: EvalConfig, parallel: ParallelConfig,
+             size: tuple[int, int], clip_size: int, expert: str | None, run: Run, transformer, enc: Encoders,
+             run_dir: Path, frozen: dict, proc: Process, evaluators: Evaluators | None = None,
+             log=print) -> dict | None:
     """A validation video from --val-elements and --val-prompt (text alone for T2V) into run_dir/samples/.
     Wan 2.2: the other (frozen) expert is loaded at the first validation into `frozen` and waits in host memory
     between validations (on the GPU it would add a whole model to every step). With `evaluators` (rank 0), returns
     the video's metrics as a metrics.jsonl record: step, val/<metric>."""
-    if not run.validates or (proc.rank >= cfg.context_parallel and not cfg.fsdp):  # FSDP, CP: all its ranks forward
-        return None
-    h, w = cfg.resolution
-    items, layout, refs, clips, region, first_frame = validation_inputs(cfg, run.layout, run.elements, run.info.name)
+    if not run.validates or (proc.rank >= parallel.context_parallel and not parallel.fsdp):  # FSDP, CP: all its
+        return None  # ranks forward
+    h, w = size
+    items, layout, refs, clips, region, first_frame = validation_inputs(validation.val_elements, size, clip_size,
+                                                                        run.layout, run.elements, run.info.name)
     transformer.eval()
     experts = {}
     high = transformer
     if run.info.two_experts:
         if "other" not in frozen:
-            other = "low" if cfg.expert == "high" else "high"
+            other = "low" if expert == "high" else "high"
             frozen["other"] = load_transformer(run.info.path, run.compute_dtype, EXPERTS[other]).eval()
         frozen["other"].to(proc.device)
-        high, low = (transformer, frozen["other"]) if cfg.expert == "high" else (frozen["other"], transformer)
+        high, low = (transformer, frozen["other"]) if expert == "high" else (frozen["other"], transformer)
         experts = dict(transformer_2=low, boundary_ratio=run.info.boundary_ratio)
     pipe = A2Pipeline(high, enc.vae, enc.tokenizer, enc.text_encoder, enc.image_encoder, enc.image_processor,
                       **experts, expand_timesteps=run.info.ti2v, model=run.info.name, info=run.info,
                       flow_shift=model_flow_shift(run.info.parts_dir))
     with proc.amp:  # the flags the user set; A2Pipeline fills the rest with the kind's own, as for infer.py
-        out = pipe(cfg.val_prompt, refs, clips, layout=layout, height=h, width=w, num_inference_steps=cfg.val_steps,
-                   guidance_scale=cfg.val_guidance_scale, flow_shift=cfg.val_flow_shift, first_frame=first_frame,
+        out = pipe(validation.val_prompt, refs, clips, layout=layout, height=h, width=w,
+                   num_inference_steps=validation.val_steps, guidance_scale=validation.val_guidance_scale,
+                   flow_shift=validation.val_flow_shift, first_frame=first_frame,
                    region=region, sample_mode=run.encode_mode, progress=False)
     transformer.train()
     if "other" in frozen:
@@ -419,8 +428,8 @@ def validate(step: int, cfg: TrainConfig, run: Run, transformer, enc: Encoders, 
         log(f"validation video: {path}")
     if evaluators is None or proc.rank != 0:
         return None
-    result = evaluate_video(out["video"][0], named_references(items, clips), cfg.val_prompt, evaluators,
-                            cfg.eval.faces, cfg.eval.max_frames)
+    result = evaluate_video(out["video"][0], named_references(items, clips), validation.val_prompt, evaluators,
+                            ev.faces, ev.max_frames)
     return dict(step=step, **flat_metrics(result, "val/"))
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
-from peft import LoraConfig
+from peft import LoraConfig as PeftLoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import get_pattern_key
 from safetensors import safe_open
@@ -55,7 +55,7 @@ from a2.transformer import (
     save_wan_checkpoint,
     wan_module_name,
 )
-from config import LORA_TARGETS, TrainConfig
+from config import LORA_TARGETS, LoraConfig, OptimConfig, ParallelConfig, TrainModelConfig
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -105,7 +105,7 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
         p.requires_grad_(True)
     if not own:
         keep_kv = layout.use_clip and not layout.expand  # an expansion's image K/V train in full (below)
-        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
+        transformer.add_adapter(PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
                                            target_modules=target if keep_kv else
                                            target.replace("|add_k_proj|add_v_proj", "")))
         if transformer.device.type != "meta":  # (a replica of a model checked so: FSDP's, a2/parallel.py)
@@ -406,8 +406,8 @@ def _key_format(path: Path) -> str:
 # ---------------------------------------------------------------- a training run's export (train_a2.py)
 
 
-def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metadata: dict | None = None,
-                   original_keys: str | None = None, log=print) -> Path:
+def export_weights(run_dir: Path, model, lora: LoraConfig, expert: str | None, tag: str = "",
+                   metadata: dict | None = None, original_keys: str | None = None, log=print) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), export_lora;
     full fine-tune -> a save_pretrained transformer dir, and the same weights as one bf16 file in original Wan keys,
@@ -419,13 +419,13 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
     checkpoint: its kind's Layout.original_export, Phantom-Wan.pth or RefAlign's refalign_model.safetensors): also
     transformer_original/<original_keys>, the weights in original-Wan keys as Phantom's own code
     loads them (torch.load), with the Wan config.json a2 reads them back with."""
-    if cfg.training_type == "lora":
+    if lora.training_type == "lora":
         if standin.installed(getattr(model, "module", model)):  # Stand-In's file, its keys (their loader reads it)
             return standin.export_lora(run_dir, getattr(model, "module", model),
-                                       (f"_{cfg.expert}" if cfg.expert else "") + tag, metadata)
+                                       (f"_{expert}" if expert else "") + tag, metadata)
         with align.without_projectors(model) as bare:  # (trainable, not LoRA: e2v_weights would take them)
-            return export_lora(run_dir, bare, cfg.expert, tag, metadata)[0]
-    out = run_dir / ((EXPERTS[cfg.expert] if cfg.expert else "transformer") + tag)
+            return export_lora(run_dir, bare, expert, tag, metadata)[0]
+    out = run_dir / ((EXPERTS[expert] if expert else "transformer") + tag)
     with align.without_projectors(model) as model:  # the alignment loss's projectors are no part of the model
         model.save_pretrained(out)
         comfy = save_wan_checkpoint(model.state_dict(), out.with_name(f"{out.name}_comfy.safetensors"))
@@ -442,7 +442,8 @@ def export_weights(run_dir: Path, model, cfg: TrainConfig, tag: str = "", metada
     return out
 
 
-def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: int, prepare, log=print) -> dict:
+def export(run_dir: Path, state: TrainState, model: TrainModelConfig, lora: LoraConfig, optim: OptimConfig,
+           parallel: ParallelConfig, run: Run, rank: int, prepare, log=print) -> dict:
     """The trained weights, and with --ema-decay their EMA beside them (tag _ema: pytorch_lora_weights_ema.safetensors
     + _ema_comfy, e2v_weights_ema, or transformer_ema/), exported from rank 0 (--fsdp: gathered first by
     a2/parallel.py gathered, a collective on every rank), each LoRA file with its base's metadata; a full fine-tune
@@ -450,13 +451,13 @@ def export(run_dir: Path, state: TrainState, cfg: TrainConfig, run: Run, rank: i
     EMA's would take the same transformer_original/ name). `prepare(model)` makes a gathered model trainable as the
     run's was (train_a2.py prepare_trainable)."""
     original_keys = run.layout.original_export if run.info.original_weights else None
-    metadata = base_metadata(state.transformer.config, run.info.name, run.layout.kind, cfg.model)
+    metadata = base_metadata(state.transformer.config, run.info.name, run.layout.kind, model.model)
     out = {}
-    for key, tag in (("weights", ""), ("ema_weights", "_ema"))[:2 if cfg.ema_decay else 1]:
+    for key, tag in (("weights", ""), ("ema_weights", "_ema"))[:2 if optim.ema_decay else 1]:
         with ema_weights(state.opt, state.params, enabled=bool(tag)):
-            trained = (gathered(state.transformer, prepare, cfg.training_type == "lora") if cfg.fsdp
+            trained = (gathered(state.transformer, prepare, lora.training_type == "lora") if parallel.fsdp
                        else state.transformer)
-            out[key] = None if rank else export_weights(run_dir, trained, cfg, tag, metadata,
+            out[key] = None if rank else export_weights(run_dir, trained, lora, model.expert, tag, metadata,
                                                         None if tag else original_keys, log)
         del trained
         log(f"exported {'the EMA weights ' if tag else ''}{out[key]}")

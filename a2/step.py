@@ -31,7 +31,7 @@ from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, ti
 from a2.pipeline import encode_prompt, image_tokens
 from a2.runs import NonFiniteSteps
 from a2.transformer import ModelInfo
-from config import TrainConfig
+from config import ObjectiveConfig, OptimConfig, ReferencesConfig
 
 
 @dataclass(frozen=True)
@@ -105,21 +105,22 @@ def h2d(x: torch.Tensor, device) -> torch.Tensor:
     return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
 
 
-def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Encoders, rank: int, device) -> dict:
+def model_inputs(batch, step: int, j: int, optim: OptimConfig, objective: ObjectiveConfig, references: ReferencesConfig,
+                 run: Run, enc: Encoders, rank: int, device) -> dict:
     """Everything the transformer and the loss take for this rank's j-th micro-batch of `step`: x0, noise, sigma,
     the Conditioning (a2/conditioning.py), text tokens, with text and reference dropout applied. Each sample draws
     from its own generator (a2/flow.py: sample_generator): sigma, dropout, noise, then the VAE posteriors, as A2's
     inference orders its draws."""
     cached = "posteriors" in batch
     b, _, _, height, width = batch["video_shape"] if cached else batch["video"].shape
-    ks = [(j * run.world + rank) * cfg.micro_batch + i for i in range(b)]
-    key = step % cfg.overfit_batches if cfg.overfit_batches else step  # overfit: the same draws every lap
-    gens = [sample_generator(cfg.seed, key, k) for k in ks]
+    ks = [(j * run.world + rank) * optim.micro_batch + i for i in range(b)]
+    key = step % optim.overfit_batches if optim.overfit_batches else step  # overfit: the same draws every lap
+    gens = [sample_generator(optim.seed, key, k) for k in ks]
     drop_text = [torch.rand((), generator=g).item() for g in gens]
     drop_refs = [torch.rand((), generator=g).item() for g in gens]
-    drop_text, drop_refs = dropouts(cfg, drop_text, drop_refs)
-    sigmas = h2d(torch.tensor([sample_sigma(cfg, g, *run.sigma_range, timestep_bucket(cfg.seed, key, k,
-                                                                                   cfg.timestep_buckets))
+    drop_text, drop_refs = dropouts(references, drop_text, drop_refs)
+    sigmas = h2d(torch.tensor([sample_sigma(objective, g, *run.sigma_range, timestep_bucket(optim.seed, key, k,
+                                                                                   objective.timestep_buckets))
                                for g, k in zip(gens, ks)]), device)  # (B,)
     layout = element_layout(run.layout, batch["repeats"])  # the batch's element set (its bucket's)
     with torch.no_grad():
@@ -132,8 +133,8 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         refs = None
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
-            if cfg.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
-                refs = augment_references(refs, [sample_generator(cfg.seed, key, k, stream=AUGMENT_STREAM)
+            if references.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
+                refs = augment_references(refs, [sample_generator(optim.seed, key, k, stream=AUGMENT_STREAM)
                                                  for k in ks])
             refs = refs if cached else h2d(refs, device)
         region = batch.get("region")  # magref: where the element images are on its canvas (B, H, W)
@@ -148,7 +149,7 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
         kept = h2d(torch.tensor([not d for d in drop_refs], dtype=torch.float32), device)  # (B,)
         cond = drop(cond, kept)
         targets = None
-        if cfg.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
+        if references.align_loss:  # DINOv3 features of the references the VAE encoded (their grid: the DiT's tokens)
             patch = run.info.patch_size
             _, _, grid = align.reference_spans(layout, (height // s // patch[1], width // s // patch[2]), patch)
             targets = h2d(batch["align"], device) if cached else align.dino_targets(enc.align_target, refs, grid)
@@ -157,17 +158,18 @@ def model_inputs(batch, step: int, j: int, cfg: TrainConfig, run: Run, enc: Enco
                 reference_images=batch.get("ref_vae"), align_targets=targets, layout=layout, references_kept=kept)
 
 
-def dropouts(cfg: TrainConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
+def dropouts(references: ReferencesConfig, u_text: list[float], u_refs: list[float]) -> tuple[list[bool], list[bool]]:
     """Which samples drop their prompt and their references, from each sample's two uniform draws: independently
     (--joint-dropout 0: u_text < --text-dropout, u_refs < --reference-dropout), or as exclusive cases of u_text alone
     (RefAlign's): [0, p_text) the prompt, then p_refs the references, then p_joint both."""
-    if not cfg.joint_dropout:
-        return [u < cfg.text_dropout for u in u_text], [u < cfg.reference_dropout for u in u_refs]
-    t, r, j = cfg.text_dropout, cfg.reference_dropout, cfg.joint_dropout
+    if not references.joint_dropout:
+        return [u < references.text_dropout for u in u_text], [u < references.reference_dropout for u in u_refs]
+    t, r, j = references.text_dropout, references.reference_dropout, references.joint_dropout
     return [u < t or t + r <= u < t + r + j for u in u_text], [t <= u < t + r + j for u in u_text]
 
 
-def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: torch.dtype):
+def forward_loss(model, inputs: dict, objective: ObjectiveConfig, references: ReferencesConfig, run: Run, amp,
+                 dtype: torch.dtype):
     """The flow-matching loss of one micro-batch (a2/flow.py) and the latents visualize() may show."""
     x0, sigmas, cond = inputs["x0"], inputs["sigmas"], inputs["cond"]
     x_t, target = noisy_latents(x0, inputs["noise"], sigmas)
@@ -176,7 +178,7 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
     layout = inputs["layout"]  # the batch's element set (model_inputs')
     prepare_model(getattr(model, "module", model), layout)  # (refalign: this set's reference tokens)
     spans = None
-    if cfg.align_loss:  # where the aligned blocks' outputs hold the references' tokens
+    if references.align_loss:  # where the aligned blocks' outputs hold the references' tokens
         spans = align.reference_spans(layout, (x_t.shape[3] // patch_size[1], x_t.shape[4] // patch_size[2]),
                                       patch_size)[:2]
     with amp, (align.capture(model, spans) if spans else nullcontext()) as features:
@@ -184,33 +186,33 @@ def forward_loss(model, inputs: dict, cfg: TrainConfig, run: Run, amp, dtype: to
                      encoder_hidden_states_image=None if cond.image is None else cond.image.to(dtype),
                      return_dict=False)[0]
     pred = video_prediction(pred, cond)
-    loss = flow_loss(pred, target, sigmas, cfg.loss_weighting, loss_start(cond, cfg.loss_on_references))
+    loss = flow_loss(pred, target, sigmas, objective.loss_weighting, loss_start(cond, objective.loss_on_references))
     if spans:
-        loss = loss + cfg.align_weight * align.align_loss(features, inputs["align_targets"], sigmas,
-                                                          inputs["references_kept"], cfg.align_gate_floor,
-                                                          cfg.align_gate_power)
+        loss = loss + references.align_weight * align.align_loss(features, inputs["align_targets"], sigmas,
+                                                          inputs["references_kept"], references.align_gate_floor,
+                                                          references.align_gate_power)
     s = sigmas.view(-1, 1, 1, 1, 1)
     viz = dict(input_latents=x0, noisy_latents=x_t, conditioned_latents=x_in, predicted_latents=x_t - s * pred,
                reference_images=inputs["reference_images"])
     return loss, viz
 
 
-def make_optimizer(cfg: TrainConfig, params, device) -> tuple[torch.optim.Optimizer, NonFiniteSteps]:
+def make_optimizer(optim: OptimConfig, params, device) -> tuple[torch.optim.Optimizer, NonFiniteSteps]:
     """AdamW over the trainable weights and its non-finite guard (fused: a non-finite step is skipped through its
     found_inf, on the device)."""
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=cfg.adam_eps,
-                            fused=True)
+    opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=(0.9, 0.999),
+                            eps=optim.adam_eps, fused=True)
     return opt, NonFiniteSteps(opt, device)
 
 
-def optimizer_step(opt, params, guard, step_loss, step: int, cfg: TrainConfig, world: int):
+def optimizer_step(opt, params, guard, step_loss, step: int, optim: OptimConfig, world: int):
     """Clip, step (skipped on the device when the loss or the norm is not finite) and update the EMA. Returns the
     gradient norm before clipping."""
     if world > 1:  # before the step: every rank sees the same loss, so all skip a non-finite step alike
         dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
     guard.before_step(step_loss, grad_norm)  # not finite: this step's update is skipped, on the device
     opt.step()
-    if cfg.ema_decay:
-        update_ema(opt, params, ema_decay(cfg.ema_decay, step))
+    if optim.ema_decay:
+        update_ema(opt, params, ema_decay(optim.ema_decay, step))
     return grad_norm

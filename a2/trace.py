@@ -83,7 +83,15 @@ from a2.memory import (
 from a2.parallel import context_parallel, emulated_ranks, shard, step_costs
 from a2.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS
-from config import TrainConfig, resolve_compile
+from config import (
+    LoraConfig,
+    MemoryConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    ReferencesConfig,
+    resolve_compile,
+)
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
 
@@ -406,13 +414,13 @@ def step_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch
         t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-def trace_steps(tracer: LiveBytes, model: torch.nn.Module, forward, cfg: TrainConfig, steps: int = 2) -> None:
+def trace_steps(tracer: LiveBytes, model: torch.nn.Module, forward, optim: OptimConfig, steps: int = 2) -> None:
     """`steps` training steps as train_a2.py's loop runs them, under `tracer`: forward() returns the loss, then
     backward and the trainer's optimizer_step (clipping, the non-finite guard, AdamW, the EMA with --ema-decay),
     gradients set to None. Two steps: the optimizer's state exists from the first step's end, so the second step is
     the steady state."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, guard = make_optimizer(cfg, params, torch.device("cpu"))
+    opt, guard = make_optimizer(optim, params, torch.device("cpu"))
     tracer.mark(params, "state")
     for step in range(steps):
         tracer.phase = "forward"
@@ -421,7 +429,7 @@ def trace_steps(tracer: LiveBytes, model: torch.nn.Module, forward, cfg: TrainCo
         loss.backward()
         tracer.mark([p.grad for p in params], "state")
         tracer.phase = "step"
-        optimizer_step(opt, params, guard, loss.detach(), step, cfg, 1)
+        optimizer_step(opt, params, guard, loss.detach(), step, optim, 1)
         del loss
         opt.zero_grad(set_to_none=True)
         tracer.mark(step_state(model, opt), "state")
@@ -490,8 +498,9 @@ def align_zeros(run: Run, b: int, h: int, w: int, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------- the dry run
 
 
-def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align_dim: int | None = None,
-            log=print, trace: bool = True) -> dict:
+def dry_run(memory: MemoryConfig, parallel: ParallelConfig, lora: LoraConfig, optim: OptimConfig,
+            objective: ObjectiveConfig, references: ReferencesConfig, size: tuple[int, int], run: Run, build,
+            config: dict | None = None, align_dim: int | None = None, log=print, trace: bool = True) -> dict:
     """--dry-run of train_a2.py and bench.py: one rank's training step at real size without a GPU, weights or data.
     build(run) makes the transformer to train (its trainable weights set) on fake tensors, for `run` as on CUDA
     (bf16 frozen weights); config: the whole model's config when build cuts it to fewer blocks (bench.py's tests:
@@ -505,45 +514,45 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
     traced peak by category beside the rule's terms, the compiled accounting (compiled_peak) with compiled blocks,
     and whether it fits. Returns the plan, the traced plan, the tracer, the estimates (GiB) and `fits`; trace False:
     the plan alone (built, split and sharded as for the trace, nothing run: bench.py --memory-table)."""
-    run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(cfg.memory.compile, "cuda"))
-    cp, ranks = cfg.context_parallel, cfg.memory.dry_run_ranks or cfg.context_parallel
+    run = replace(run, compute_dtype=torch.bfloat16, compile=resolve_compile(memory.compile, "cuda"))
+    cp, ranks = parallel.context_parallel, memory.dry_run_ranks or parallel.context_parallel
     if ranks % cp:
         raise ConfigError(f"--dry-run-ranks {ranks}: a multiple of --context-parallel {cp}")
-    if not cfg.fsdp and ranks != cp:
+    if not parallel.fsdp and ranks != cp:
         raise ConfigError(f"--dry-run-ranks {ranks}: without --fsdp a rank's step does not depend on the ranks beside "
                           "its context-parallel group; drop it")
-    shape, (h, w) = step_shape(run.layout, run.info, cfg.resolution, cfg.micro_batch, cp), cfg.resolution
-    full, cpu = cfg.training_type == "full", torch.device("cpu")
+    shape, (h, w) = step_shape(run.layout, run.info, size, optim.micro_batch, cp), size
+    full, cpu = lora.training_type == "full", torch.device("cpu")
     log(f"dry run: the step of the run's largest element set, {len(run.layout.repeats)} element(s), "
         f"{shape.tokens:,} tokens per rank" + (f" (of {shape.whole:,}: context parallel {cp})" if cp > 1 else "")
-        + (f", FSDP over {ranks} ranks" if cfg.fsdp else ""))
-    batch, enc = synthetic_batch(run, cfg.micro_batch, h, w)
+        + (f", FSDP over {ranks} ranks" if parallel.fsdp else ""))
+    batch, enc = synthetic_batch(run, optim.micro_batch, h, w)
     targets = None
-    if cfg.align_loss:
-        targets = align_zeros(run, cfg.micro_batch, h, w, align_dim or align.target_dim(cfg.align_model))
+    if references.align_loss:
+        targets = align_zeros(run, optim.micro_batch, h, w, align_dim or align.target_dim(references.align_model))
     tracer = LiveBytes("cpu", emulate_cuda=True)
-    with (emulated_ranks(ranks) if cfg.fsdp else contextlib.nullcontext()) as mesh, fake_tensors(), \
+    with (emulated_ranks(ranks) if parallel.fsdp else contextlib.nullcontext()) as mesh, fake_tensors(), \
             emulated_cuda("cpu"), fsdp_gathers(tracer), tracer:
         model = build(run)
         whole = dict(config or model.config)
         n, cut = whole["num_layers"], len(model.blocks)
         if cp > 1:  # one rank of the group, emulated in this process (a2/parallel.py)
             context_parallel(model, None, cp)
-        if cfg.fsdp:
+        if parallel.fsdp:
             shard(model, mesh, torch.bfloat16)
             tracer.keep_only([getattr(t, "_local_tensor", t) for t in [*model.parameters(), *model.buffers()]])
-        plan = memory_plan(cfg.memory, model, shape, full, cfg.fsdp, cpu, run.compile, ema=cfg.ema_decay > 0,
+        plan = memory_plan(memory, model, shape, full, parallel.fsdp, cpu, run.compile, ema=optim.ema_decay > 0,
                            dry_run=True, whole=whole if cut != n else None)
         if not trace:
             return dict(plan=plan, shape=shape)
         traced = cut_plan(plan, n, cut)
-        m = model_bytes(model, full, cfg.fsdp, ema=cfg.ema_decay > 0)  # the traced (cut) model's, before fp8
+        m = model_bytes(model, full, parallel.fsdp, ema=optim.ema_decay > 0)  # the traced (cut) model's, before fp8
         apply_plan(model, traced, cpu)
         k = round(traced.checkpoint_fraction * cut)
         kc = round(traced.checkpoint_fraction * len(getattr(model, "vace_blocks", ())))  # (as configure_blocks)
         watch_blocks(tracer, model, k, kc)
-        forward = partial(_step_loss, model, batch, enc, cfg, run, targets)
-        trace_steps(tracer, model, forward, cfg)
+        forward = partial(_step_loss, model, batch, enc, optim, objective, references, run, targets)
+        trace_steps(tracer, model, forward, optim)
     config_cut = cut_config(whole, cut)
     save = traced.save_attention
     rule = {c: step_memory(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks, c, kc)
@@ -553,14 +562,14 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
                                                                                       or ())) / GB
                 if run.compile else None)
     if cp > 1:
-        costs = step_costs(whole, shape.whole // cfg.micro_batch, shape.context, cp)
+        costs = step_costs(whole, shape.whole // optim.micro_batch, shape.context, cp)
         log(f"context parallel {cp}: {shape.tokens:,} tokens per rank; per rank forward attention cores "
-            f"{cfg.micro_batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
-            f"{cfg.micro_batch * costs['all_to_all_forward'] / 2**20:.0f} MiB forward + "
-            f"{cfg.micro_batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
+            f"{optim.micro_batch * (costs['self_core'] + costs['cross_core']) / 1e12:.1f} TFLOP, all-to-all per block "
+            f"{optim.micro_batch * costs['all_to_all_forward'] / 2**20:.0f} MiB forward + "
+            f"{optim.micro_batch * costs['all_to_all_backward'] / 2**20:.0f} MiB backward (+ the forward's again per "
             "recomputed block)")
     log(f"memory: {plan}" + (f"\n  traced with {cut} of its {n} blocks: {traced}" if cut != n else ""))
-    lines, fits = report(tracer, rule, estimate, traced, cfg.memory.max_memory_gb or 80.0, compiled)
+    lines, fits = report(tracer, rule, estimate, traced, memory.max_memory_gb or 80.0, compiled)
     log("\n".join(lines))
     host = step_estimate(config_cut, shape, m, k, save, traced.offload, traced.fp8, traced.swap_blocks)[1]
     return dict(plan=plan, traced_plan=traced, tracer=tracer, rule=rule[False], peak_gb=tracer.peak.total / GB,
@@ -568,12 +577,14 @@ def dry_run(cfg: TrainConfig, run: Run, build, config: dict | None = None, align
                 host_gb=host / GB, fits=fits, shape=shape)
 
 
-def _step_loss(model, batch, enc, cfg: TrainConfig, run: Run, targets):
+def _step_loss(model, batch, enc, optim: OptimConfig, objective: ObjectiveConfig, references: ReferencesConfig,
+               run: Run, targets):
     """The training step's loss (model_inputs + forward_loss) on synthetic_batch's shapes filled with zeros."""
     with unset_fake_temporarily():  # the inputs are real (small, latent-sized): the step's draws read values
         zeros, zeros_enc = zero_batch(batch, enc, run, model.config, targets)
-        inputs = model_inputs(zeros, 0, 0, cfg, run, zeros_enc, 0, torch.device("cpu"))
-    return forward_loss(model, inputs, cfg, run, torch.autocast("cpu", dtype=torch.bfloat16), torch.bfloat16)[0]
+        inputs = model_inputs(zeros, 0, 0, optim, objective, references, run, zeros_enc, 0, torch.device("cpu"))
+    return forward_loss(model, inputs, objective, references, run, torch.autocast("cpu", dtype=torch.bfloat16),
+                        torch.bfloat16)[0]
 
 
 def watch_blocks(tracer: LiveBytes, model, recomputed: int, recomputed_context: int = 0) -> None:

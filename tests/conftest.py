@@ -151,12 +151,12 @@ def args(data_dir, out, run, *extra, model="tiny", device="cpu"):
 
 
 def train_config(argv):
-    """A TrainConfig as train_a2.main takes it: the flags parsed, the model's recipe filled (config.with_recipe)."""
+    """A TrainConfig as train_a2.main takes it: the flags parsed, the model's recipe filled (its __post_init__)."""
     import tyro
 
-    from config import TrainConfig, with_recipe
+    from config import TrainConfig
 
-    return with_recipe(tyro.cli(TrainConfig, args=list(argv)))[0]
+    return tyro.cli(TrainConfig, args=list(argv))
 
 
 def train(*argv):

@@ -6,11 +6,13 @@ no projector."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import train_a2
 from a2 import align
 from a2.cli import ConfigError
 from tests.conftest import args, assert_rounding, launch, losses, max_diff, params, train, train_config
@@ -82,27 +84,27 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     training_align_loss, from diffsynth/pipelines/wan_video_new6.py, whose training_loss gates it with
     gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
 
-    import train_a2
     from a2.loader import collate
-    from config import dataset_configs
     from data import E2VDataset, kind_datasets
     from tests.their_refalign import training_align_loss
 
     cfg = train_config(args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
                                           *align_flags(dino_dir), "--text-dropout", "0", model="tiny-refalign"))
     device = torch.device("cpu")
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     model, _ = train_a2.build_transformer(cfg, run, 0)
-    ds = E2VDataset(kind_datasets(dataset_configs(cfg), run.info, False)[0], num_frames=9, verbose=False,
+    ds = E2VDataset(kind_datasets(train_a2.run_datasets(cfg), run.info, False)[0], num_frames=9, verbose=False,
                     layout=run.layout)
     seen = []
     ours = align.align_loss
     monkeypatch.setattr(align, "align_loss", lambda *a: seen.append((a, ours(*a))) or seen[-1][1])
     for step in range(2):  # two steps: two sigmas
-        inputs = train_a2.model_inputs(collate([ds[step]]), step, 0, cfg, run, enc, 0, device)
+        inputs = train_a2.model_inputs(collate([ds[step]]), step, 0, cfg.optim, cfg.objective, cfg.references, run,
+                                       enc, 0, device)
         with torch.no_grad():
-            train_a2.forward_loss(model, inputs, cfg, run, train_a2.nullcontext(), torch.float32)
+            train_a2.forward_loss(model, inputs, cfg.objective, cfg.references, run, train_a2.nullcontext(),
+                                  torch.float32)
     assert len(seen) == 2
     for (features, targets, sigmas, kept, *_), got in seen:
         assert kept.item() == 1 and targets.shape[1] == 3  # the three references, kept
@@ -194,23 +196,22 @@ def test_the_loss_reaches_only_the_chosen_blocks_and_projectors(data_dir, dino_d
     """The alignment loss of block 0 alone: gradients in block 0, the patch embedding and time/text embedders before
     it, and its projector; none in block 1 nor the output head (the model's later weights are the flow loss's)."""
 
-    import train_a2
     from a2.loader import collate
-    from config import dataset_configs
     from data import E2VDataset
 
     cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "g",
                                              "--training-type", "full", *align_flags(dino_dir, "0"),
                                              "--no-gradient-checkpointing", "--text-dropout", "0"))
     device = torch.device("cpu")
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     model, _ = train_a2.build_transformer(cfg, run, 0)
-    batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])
-    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, device)
-    flow_only, _ = train_a2.forward_loss(model, inputs, train_a2.replace(cfg, align_loss=False), run,
+    batch = collate([E2VDataset(train_a2.run_datasets(cfg), num_frames=9, verbose=False)[0]])
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0, device)
+    flow_only, _ = train_a2.forward_loss(model, inputs, cfg.objective, replace(cfg.references, align_loss=False), run,
                                          train_a2.nullcontext(), torch.float32)
-    both, _ = train_a2.forward_loss(model, inputs, cfg, run, train_a2.nullcontext(), torch.float32)
+    both, _ = train_a2.forward_loss(model, inputs, cfg.objective, cfg.references, run, train_a2.nullcontext(),
+                                    torch.float32)
     (both - flow_only).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads[f"{align.ATTRIBUTE}.mlps.0.2.weight"].abs().max() > 0
@@ -303,11 +304,9 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     """Augmentation draws from the sample's own stream (the same images at the same (seed, step, sample), others at
     another step), leaves the other draws (noise, sigma) unchanged, fills with white, and the VAE sees its result."""
 
-    import train_a2
     from a2.augment import augment_image, augment_references
     from a2.flow import sample_generator
     from a2.loader import collate
-    from config import dataset_configs
     from data import E2VDataset
 
     # a white reference stays one flat colour whatever is drawn (the colour jitter may dim it): warps fill with white
@@ -323,11 +322,12 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
 
     cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "x"))
     device = torch.device("cpu")
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
-    batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])
-    plain = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, device)
-    augmented = train_a2.model_inputs(batch, 0, 0, train_a2.replace(cfg, reference_augment=True), run, enc, 0, device)
+    batch = collate([E2VDataset(train_a2.run_datasets(cfg), num_frames=9, verbose=False)[0]])
+    plain = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0, device)
+    augmented = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective,
+                                      replace(cfg.references, reference_augment=True), run, enc, 0, device)
     assert torch.equal(plain["noise"], augmented["noise"]) and torch.equal(plain["sigmas"], augmented["sigmas"])
     assert torch.equal(plain["x0"], augmented["x0"])
     assert not torch.equal(plain["cond"].ref_latents, augmented["cond"].ref_latents)

@@ -81,14 +81,14 @@ def test_bench_times_train_a2s_step(monkeypatch):
     EMA."""
     seen, updates = [], []
 
-    def changed_loss(model, inputs, cfg, run, amp, dtype):
-        loss, viz = forward_loss(model, inputs, cfg, run, amp, dtype)
-        seen.append((run.layout.kind, cfg.align_loss, inputs["align_targets"], tuple(inputs["x0"].shape), loss))
+    def changed_loss(model, inputs, objective, references, run, amp, dtype):
+        loss, viz = forward_loss(model, inputs, objective, references, run, amp, dtype)
+        seen.append((run.layout.kind, references.align_loss, inputs["align_targets"], tuple(inputs["x0"].shape), loss))
         return 2 * loss, viz
 
-    def recorded_step(opt, params, guard, step_loss, step, cfg, world):
-        out = optimizer_step(opt, params, guard, step_loss, step, cfg, world)
-        updates.append((step, cfg.ema_decay, all("ema" in opt.state[p] for p in params)))
+    def recorded_step(opt, params, guard, step_loss, step, optim, world):
+        out = optimizer_step(opt, params, guard, step_loss, step, optim, world)
+        updates.append((step, optim.ema_decay, all("ema" in opt.state[p] for p in params)))
         return out
 
     monkeypatch.setattr(bench, "forward_loss", changed_loss)

@@ -2,7 +2,6 @@
 from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from a2.elements import pair_elements
 from a2.loader import collate
 from a2.pipeline import A2Pipeline, load_references
 from a2.step import Process
-from config import TrainConfig, dataset_configs
+from config import TrainConfig, from_flags, with_flags
 from data import E2VDataset, kind_datasets
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
@@ -93,9 +92,9 @@ def setup(data_dir, name, *flags, n=None, tmp_path=None):
         data_dir = masked_clips(data_dir, tmp_path)
     cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
-    ds_cfgs = dataset_configs(cfg)
+    ds_cfgs = train_a2.run_datasets(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements))[0]  # as train_a2.main reads the data
+    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.data.elements))[0]  # as train_a2.main reads the data
     ds = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
     batch = collate([ds[0]])
     batch["files"] = [str(p) for p in ds.samples[0].elements.values()]  # the images as a user names them, in order
@@ -121,7 +120,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     encode_vae = conditioning.encode_vae
     monkeypatch.setattr(conditioning, "encode_vae", lambda *a, **k: modes.append(a[2]) or encode_vae(*a, **k))
     cfg, run, enc, batch = setup(data_dir, name, n=n, tmp_path=tmp_path)
-    h, w = cfg.resolution
+    h, w = cfg.data.resolution
     kind = run.layout.kind
     assert kind == name.split("-")[0]
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
@@ -134,10 +133,11 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     refs = clips = region = None
     repeats, first_frame = (), None
     if run.layout.takes_references:  # infer.py's specs for the sample's files (a user's --elements on both sides)
-        specs = infer.element_specs(infer.InferConfig(element_specs=cfg.elements, conditioning=cfg.conditioning),
+        specs = infer.element_specs(infer.InferConfig(element_specs=cfg.data.elements, conditioning=cfg.conditioning),
                                     run.info)
         files = pair_elements(batch["files"], specs)
-        refs, clips, repeats, region = load_references(files, (h, w), (cfg.clip_size, cfg.clip_size), run.layout)
+        refs, clips, repeats, region = load_references(files, (h, w), (cfg.model.clip_size, cfg.model.clip_size),
+                                                       run.layout)
         assert n is None or len(repeats) == len(run.layout.repeats) == n  # both sides: n references
     elif kind == "inplace":  # Wan I2V: the sampler takes the first frame as the one reference of one frame
         refs, repeats = batch["video"][:, None, :, 0], (1,)
@@ -159,18 +159,20 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
 
     sampled = sample()
     sampling_modes, modes[:] = modes[:], []
-    train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0, torch.device("cpu"))
     assert set(sampling_modes) <= set(modes) == {run.encode_mode}  # the kind's one encode mode, on both sides
     if run.encode_mode == "sample":
         cfg, run, enc, batch = setup(data_dir, name, "--vae-sample-mode", "argmax", n=n, tmp_path=tmp_path)
         sampled = sample("argmax")
     assert sampled["timestep"].reshape(-1)[-1].item() == 1000.0 or kind == "incontext"  # sigma 1: x_t is the noise
 
-    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0,
+                                   torch.device("cpu"))
     c, t = inputs["x0"].shape[1], inputs["x0"].shape[2]
     inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :c, :t].clone(), torch.tensor([1.0])
     seen.clear()
-    train_a2.forward_loss(transformer, inputs, cfg, run, torch.autocast("cpu", enabled=False), torch.float32)
+    train_a2.forward_loss(transformer, inputs, cfg.objective, cfg.references, run,
+                          torch.autocast("cpu", enabled=False), torch.float32)
     (trained,) = seen
     for key in ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
         a, b = trained.get(key), sampled.get(key)
@@ -234,10 +236,11 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     cfg = train_config([*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
                                       *(["--val-elements", *images] if n else ["--dataset-type", "t2v"])])
     device = torch.device("cpu")
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
-    a2.evaluate.validate(1, cfg, run, transformer, enc, tmp_path, {}, Process(0, 0, 1, device))
+    a2.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, tmp_path, {},
+                         Process(0, 0, 1, device))
     given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
     assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
                                                         *given])) == 0
@@ -303,33 +306,33 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
     elements = [{"name": "subject", "suffixes": ["_person.png"]}]
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "processors": {"vae": {"concatenate_mask": False}}}]}))
-    cfg = TrainConfig(model="tiny", dataset_config=str(cfg_file), num_frames=21, resolution=(32, 32), device="cpu")
+    cfg = from_flags(model="tiny", dataset_config=str(cfg_file), num_frames=21, resolution=(32, 32), device="cpu")
     with pytest.raises(ConfigError, match=r"concatenate_mask false: .*\(Wan2.1 I2V\) takes 36 input channels"):
-        train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
     # a kind without a mask has nothing to concatenate: false is what it does
     vae = {"concatenate_mask": False, "reference_layout": "incontext"}
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "processors": {"vae": vae}}]}))
-    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
-    assert train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout.kind == "incontext"
+    cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
+    assert train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu")).layout.kind == "incontext"
 
 
 @pytest.mark.parametrize("layout", ["standin", "magref", "incontext"])
 def test_element_layouts_with_frame_conditioning_are_refused_in_one_line(data_dir, tmp_path, layout):
     """An element layout with --frame-conditioning (whose clips carry no elements) once trained the inplace kind
     silently; it is refused before any weights load, from the flags and from a dataset config alike."""
-    cfg = TrainConfig(model="tiny", data_root=str(data_dir),
+    cfg = from_flags(model="tiny", data_root=str(data_dir),
                       conditioning=ConditioningConfig(reference_layout=layout, frame_conditioning="first"),
                       num_frames=9, resolution=(32, 32), device="cpu")
     with pytest.raises(ConfigError, match=rf"^--reference-layout {layout} places element references: it needs "
                                           r"element images \(--dataset-type e2v, --frame-conditioning full\)$"):
-        dataset_configs(cfg)
+        train_a2.run_datasets(cfg)
     cfg_file = tmp_path / "ds.json"
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "processors": {"vae": {
         "reference_layout": layout, "frame_conditioning": "first"}}}]}))
     with pytest.raises(ConfigError, match=rf"processors.vae: reference_layout {layout} places element references; "
                                           r"frame_conditioning 'first' conditions on video frames \(use full\)$"):
-        dataset_configs(TrainConfig(model="tiny", dataset_config=str(cfg_file), device="cpu"))
+        train_a2.run_datasets(from_flags(model="tiny", dataset_config=str(cfg_file), device="cpu"))
 
 
 def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(data_dir, tmp_path, capsys):
@@ -358,20 +361,20 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "processors": {"vae": vae}}]}))
     assert load_dataset_config(cfg_file)[0].vae == VaeProcessorConfig(**vae)
-    cfg = TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+    cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
     assert (run.layout.kind, run.layout.combine, run.encode_mode) == ("incontext", "after", "sample")
-    same = replace(cfg, conditioning=ConditioningConfig(reference_layout="incontext"))  # agrees with the file
-    assert dataset_configs(same)[0].vae.reference_layout == "incontext"
-    other = replace(cfg, conditioning=ConditioningConfig(combine="before", reference_timestep="zero"))
+    same = with_flags(cfg, conditioning=ConditioningConfig(reference_layout="incontext"))  # agrees with the file
+    assert train_a2.run_datasets(same)[0].vae.reference_layout == "incontext"
+    other = with_flags(cfg, conditioning=ConditioningConfig(combine="before", reference_timestep="zero"))
     with pytest.raises(ConfigError, match=rf"^--reference-timestep zero: {cfg_file} sets processors.vae."
                                           r"reference_timestep to 'shared'; set it in the file, or drop the flag$"):
-        dataset_configs(other)
+        train_a2.run_datasets(other)
     # the data's own flags beside the file would be ignored (the file's datasets train): refused, all named
-    beside = replace(cfg, data_root=str(data_dir), elements=("subject=_person.png",), frame_extraction="head")
-    with pytest.raises(ConfigError, match=rf"^--data-root --elements --frame-extraction: {cfg_file} describes the "
+    beside = with_flags(cfg, data_root=str(data_dir), elements=("subject=_person.png",), frame_extraction="head")
+    with pytest.raises(ConfigError, match=rf"^--data-root --frame-extraction --elements: {cfg_file} describes the "
                                           r"data \(each dataset's keys of the same names\); set them there"):
-        dataset_configs(beside)
+        train_a2.run_datasets(beside)
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "processors": {"vae": {"vae_sample_mode": "mean"}}}]}))
     with pytest.raises(ConfigError, match=r"processors.vae.vae_sample_mode: 'mean' is not one of \('sample', "

@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+import train_a2
+from config import from_flags
 from tests.conftest import args, launch, train
 
 EVAL = ["--lr", "0", "--eval-split", "2", "--eval-every", "1", "--max-steps", "2"]  # lr 0: the weights stay put
@@ -25,12 +27,11 @@ def one_process(data_dir, tmp_path_factory):
 
 def test_eval_loss_is_the_same_across_evals_and_ranks(one_process, data_dir, tmp_path):
     from a2.flow import sigma_quantile
-    from config import TrainConfig, with_recipe
 
     got = evals(one_process)
     assert sorted(got) == [1, 2] and got[1] == got[2]  # the same weights: the same numbers, bit for bit
-    cfg = with_recipe(TrainConfig())[0]  # the tiny model's recipe, as the runs drew their sigmas
-    sigmas = [sigma_quantile(cfg, (i + 1) / 10) for i in range(9)]  # the quantiles 0.1 .. 0.9
+    cfg = from_flags()  # the tiny model's recipe, as the runs drew their sigmas
+    sigmas = [sigma_quantile(cfg.objective, (i + 1) / 10) for i in range(9)]  # the quantiles 0.1 .. 0.9
     assert sorted(k for k in got[1] if "@" in k) == sorted(f"eval/loss@{s:.3f}" for s in sigmas)
     assert f"eval/loss@{sigmas[4]:.3f}" in got[1] and len(set(got[1].values())) == 10  # each sigma its own loss
     assert got[1]["eval/loss"] == sum(got[1][f"eval/loss@{s:.3f}"] for s in sigmas) / 9
@@ -63,14 +64,13 @@ def test_held_out_clips_are_never_trained_on(data_dir):
 
 
 def test_eval_manifest_and_json_eval_datasets_are_held_out(data_dir, tmp_path):
-    from config import TrainConfig, dataset_configs
     from data import E2VDataset, held_out
 
     manifest = tmp_path / "eval.jsonl"
     manifest.write_text("".join(json.dumps({"video": str(data_dir / f"00{i}.mp4"), "caption": "a square",
                                             "subject": str(data_dir / f"00{i}_person.png")})
                                 + "\n" for i in (2, 3)))
-    cfgs = dataset_configs(TrainConfig(data_root=str(data_dir), eval_manifest=str(manifest), resolution=(32, 32)))
+    cfgs = train_a2.run_datasets(from_flags(data_root=str(data_dir), eval_manifest=str(manifest), resolution=(32, 32)))
     assert [c.eval for c in cfgs] == [False, True] and cfgs[1].elements == cfgs[0].elements
     ds = E2VDataset(cfgs, num_frames=9, verbose=False)
     assert [ds.samples[i].dataset for i in held_out(ds, 0, 0)] == [1, 1] and len(ds) == 6
@@ -78,7 +78,7 @@ def test_eval_manifest_and_json_eval_datasets_are_held_out(data_dir, tmp_path):
     config.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "target_resolution": [32, 32]}],
                                   "eval": [{"data_root": str(data_dir), "target_resolution": [32, 32],
                                             "frame_extraction": "head"}]}))
-    ds = E2VDataset(dataset_configs(TrainConfig(dataset_config=str(config))), num_frames=9, verbose=False)
+    ds = E2VDataset(train_a2.run_datasets(from_flags(dataset_config=str(config))), num_frames=9, verbose=False)
     held = held_out(ds, 0, 0)
     assert len(ds) == 8 and [ds.samples[i].dataset for i in held] == [1] * 4 and ds.samples[held[0]].windows
 

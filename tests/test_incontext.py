@@ -13,7 +13,7 @@ from a2.conditioning import Conditioning, make_layout, model_input, prepare_late
 from a2.dataset_config import ConditioningConfig, load_dataset_config
 from a2.loader import collate
 from a2.pipeline import A2Pipeline
-from config import TrainConfig, dataset_configs, with_recipe
+from config import from_flags
 from data import E2VDataset
 from tests.conftest import args, assert_rounding, losses, max_diff, params, train, train_config
 
@@ -33,7 +33,7 @@ def setup(data_dir, *extra, model="tiny-t2v"):  # noqa: F811
     """cfg, Run, Encoders and a one-sample batch, as train_a2.main builds them (CPU)."""
     cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "32",
                                       "--device", "cpu", *INCONTEXT, *extra])
-    ds_cfgs = dataset_configs(cfg)
+    ds_cfgs = train_a2.run_datasets(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     dataset = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
@@ -92,7 +92,8 @@ def test_model_input_timesteps_and_prediction_against_hand_built_tensors(tiny_t2
 @pytest.mark.parametrize("timestep", ["shared", "zero"])
 def test_loss_is_on_the_video_latents_only(data_dir, timestep):  # noqa: F811
     cfg, run, enc, batch = setup(data_dir, "--reference-timestep", timestep, "--reference-dropout", "0")
-    inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+    inputs = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0,
+                                   torch.device("cpu"))
     cond, sigmas = inputs["cond"], inputs["sigmas"]
     target = inputs["noise"] - inputs["x0"]
     seen = []
@@ -106,12 +107,14 @@ def test_loss_is_on_the_video_latents_only(data_dir, timestep):  # noqa: F811
 
     offset, junk = 0.0, torch.full((1, 16, 3, 4, 4), 50.0)
     amp = torch.autocast("cpu", enabled=False)
-    loss, _ = train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)
+    loss, _ = train_a2.forward_loss(Model(), inputs, cfg.objective, cfg.references, run, amp, torch.float32)
     assert loss.item() == 0.0
     junk = -junk
-    assert train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)[0].item() == 0.0
+    assert train_a2.forward_loss(Model(), inputs, cfg.objective, cfg.references, run, amp,
+                                 torch.float32)[0].item() == 0.0
     offset = 1.0  # the video frames do count
-    assert train_a2.forward_loss(Model(), inputs, cfg, run, amp, torch.float32)[0].item() == pytest.approx(1.0)
+    assert train_a2.forward_loss(Model(), inputs, cfg.objective, cfg.references, run, amp,
+                                 torch.float32)[0].item() == pytest.approx(1.0)
     hidden, t = seen[0]
     x_t = (1 - sigmas.view(-1, 1, 1, 1, 1)) * inputs["x0"] + sigmas.view(-1, 1, 1, 1, 1) * inputs["noise"]
     assert torch.equal(hidden[:, :, 3:], cond.ref_latents) and cond.ref_latents.abs().max() > 0  # clean: never noised
@@ -126,7 +129,8 @@ def test_reference_dropout_zeroes_the_references(data_dir):  # noqa: F811
     _, _, _, batch = setup(data_dir)
     for p, dropped in ((0.0, False), (1.0, True)):
         cfg, run, enc, _ = setup(data_dir, "--reference-dropout", str(p))
-        cond = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))["cond"]
+        cond = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0,
+                                     torch.device("cpu"))["cond"]
         assert cond.ref_latents.shape == (1, 16, 3, 4, 4) and (cond.ref_latents.abs().max() == 0) == dropped
 
 
@@ -182,8 +186,8 @@ def test_config_names_and_refusals(data_dir, tmp_path):  # noqa: F811
                                                   "processors": {"vae": vae}}]}))
     (ds,) = load_dataset_config(cfg_file)
     assert (ds.vae.reference_layout, ds.vae.reference_timestep) == ("incontext", "zero")
-    cfg = with_recipe(TrainConfig(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu"))[0]
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+    cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, device="cpu")
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
     assert (run.layout.kind, run.layout.clip_frames, run.layout.ref_latents) == ("incontext", 9, 1)
     for bad, message, els in (({"reference_layout": "time"}, "reference_layout: 'time' is not one of", elements),
                               ({"reference_layout": "incontext", "frame_conditioning": "first"}, "use full", elements),

@@ -14,9 +14,10 @@ import torch
 from PIL import Image
 
 import infer
+import train_a2
 from a2.cli import run_cli
 from a2.kinds import index_elements
-from config import Validate, dataset_configs
+from config import DataConfig, Validate
 from tests.conftest import ROOT
 
 
@@ -508,7 +509,7 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     lines = [json.loads(x) for x in index.read_text().splitlines()]
     del lines[1]["elements"]["background"]
     index.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cfg = replace(dataset_configs(Validate(dataset_type="opens2v", manifest=str(index)))[0],
+    cfg = replace(train_a2.run_datasets(Validate(data=DataConfig(dataset_type="opens2v", manifest=str(index))))[0],
                   elements=index_elements("magref"))
     for s in pr.list_index(index, cfg, 0, [], most=8):
         pr.check_public_sample(s, cfg, 9, "uniform")

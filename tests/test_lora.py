@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from config import LoraConfig
 from tests.conftest import train
 
 # every Linear the diffusers converter maps back outside the blocks
@@ -60,14 +61,14 @@ def musubi_from_original(sd):
 def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
     from a2.lora import COMFY_NAME, export_weights, load_lora
     from a2.pipeline import A2Pipeline
-    from config import LORA_TARGETS, TrainConfig
+    from config import LORA_TARGETS
 
     pipe = adapted_pipe(tiny_dir, LORA_TARGETS)  # the training default: block attention (+ image K/V) and FFN
     want = transformer_out(pipe.transformer)
     pipe.transformer.disable_lora()
     base = transformer_out(pipe.transformer)
     pipe.transformer.enable_lora()
-    exported = export_weights(tmp_path, pipe.transformer, TrainConfig())
+    exported = export_weights(tmp_path, pipe.transformer, LoraConfig(), None)
     comfy = tmp_path / COMFY_NAME
     original = load_file(comfy)
     assert all(k.startswith("diffusion_model.blocks.") for k in original)

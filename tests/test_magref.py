@@ -4,16 +4,17 @@ resize_and_pad's fit-and-centre with white padding and its 0/1 mask. On drawn pe
 photos' sizes (a landscape, a square and a portrait picture)."""
 
 import random
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
 
+import train_a2
 from a2.dataset_config import ConditioningConfig
 from a2.images import magref_canvas
 from a2.kinds import kind_sampling
+from config import from_flags, with_flags
 from tests.conftest import drawn_person
 
 PHOTOS = ((720, 1280), (1250, 1250), (1920, 1080))  # (h, w): the SkyReels-A2 photos' sizes (human, thing, env)
@@ -252,12 +253,10 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     are one line naming the fix."""
     import shutil
 
-    import train_a2
     from a2.cli import ConfigError
     from a2.conditioning import sampling_plan
     from a2.tiny import model_path
     from a2.transformer import UnsupportedModel, detect_model, load_transformer
-    from config import TrainConfig, dataset_configs
 
     d = model_path("tiny-magref")
     info = detect_model(d)
@@ -275,13 +274,13 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
         detect_model(bare, components=tmp_path / "no-such" / "Wan-AI" / "parts")
     assert "\n" not in str(e.value)
     assert detect_model(bare, components=d).components_dir == d
-    cfg = TrainConfig(model="tiny-t2v", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
+    cfg = from_flags(model="tiny-t2v", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(32, 64), device="cpu")
     with pytest.raises(ConfigError, match=r"16 input channels: reference_layout magref is MAGREF's Wan I2V layout"):
-        train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
-    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
+        train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
+    cfg = from_flags(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(48, 48), device="cpu", cache_dir=str(tmp_path / "c"))  # 3 elements: 16 px each
-    layout = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu")).layout  # a cache too
+    layout = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu")).layout  # a cache too
     assert (layout.kind, layout.clip_frames, layout.ref_latents, layout.use_clip) == ("magref", 8, 1, True)
     assert layout.cacheable
     with pytest.raises(ValueError, match="MAGREF's Wan I2V layout"):
@@ -299,22 +298,20 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
     import shutil
 
     import infer
-    import train_a2
     from a2.cli import ConfigError
     from a2.pipeline import A2Pipeline
-    from config import TrainConfig, dataset_configs
     from data import E2VDataset
 
     def plan(cfg):
-        return train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+        return train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
 
-    cfg = TrainConfig(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
+    cfg = from_flags(model="tiny-magref", data_root=str(data_dir), conditioning=MAGREF, num_frames=9,
                       resolution=(32, 32), device="cpu", elements=MAGREF_ELEMENTS)
     layout = plan(cfg).layout
     nine = tuple(f"e{i}=_e{i}.png" for i in range(9))
     with pytest.raises(ConfigError, match=r"^elements e0, e1, .*, e8: MAGREF's canvas places at most 8 .*got 9: "
                                           r"keep at most 8$"):
-        plan(replace(cfg, elements=nine, resolution=(480, 832)))
+        plan(with_flags(cfg, elements=nine, resolution=(480, 832)))
 
     strip = tmp_path / "strip.png"  # 3000x100: 16x0 px in a 16x32 block of a 32x32 canvas of two
     Image.new("RGB", (3000, 100), (10, 20, 30)).save(strip)
@@ -330,12 +327,12 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
                                      num_frames=9, device="cpu", conditioning=MAGREF))
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=rf"^--val-elements: {line}"):
-        plan(replace(cfg, val_elements=(person, str(strip))))
+        plan(with_flags(cfg, val_elements=(person, str(strip))))
 
     d = tmp_path / "data"
     shutil.copytree(data_dir, d)
     shutil.copy(strip, d / "001_object.png")
-    ds = E2VDataset(dataset_configs(replace(cfg, data_root=str(d))), layout.clip_frames, verbose=False,
+    ds = E2VDataset(train_a2.run_datasets(with_flags(cfg, data_root=str(d))), layout.clip_frames, verbose=False,
                     layout=layout)  # the sizes the scan read: left out before step 1, never loaded
     assert [str(p) for p in ds.left_out] == [f"001: {d / '001.mp4'}: {d / '001_object.png'}: a 3000x100 reference "
                                              f"is 16x0 px in its 16x32 block of MAGREF's 32x32 canvas (2 references), "

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from a2.transformer import UnsupportedModel, detect_model
+from config import from_flags
 from tests.conftest import args, assert_rounding, train
 
 
@@ -170,9 +171,8 @@ def test_expert_sigma_is_the_truncated_distribution(sampling):
     """Each expert's sigmas stay in its range and follow the configured distribution restricted to it: the same
     as rejection sampling from the unrestricted sampler (two-sample Kolmogorov-Smirnov)."""
     from a2.flow import sample_generator, sample_sigma
-    from config import TrainConfig, with_recipe
 
-    cfg = with_recipe(TrainConfig(sigma_sampling=sampling))[0]
+    cfg = from_flags(sigma_sampling=sampling).objective
     b, n = 0.875, 3000
     g = torch.Generator().manual_seed(1)
     free = np.array([sample_sigma(cfg, g) for _ in range(40 * n)])  # the unrestricted sampler

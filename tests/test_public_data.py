@@ -20,12 +20,13 @@ from PIL import Image
 
 import a2.public_index as pi
 import a2.public_read as pr
+import train_a2
 from a2.dataset_config import DatasetConfig
 from a2.elements import A2_ELEMENTS
 from a2.images import read_image, reference_pixels, resize_frames
 from a2.kinds import KIND_DEFS, index_elements, largest_element_set
 from a2.media import read_frames
-from config import TrainConfig, dataset_configs
+from config import DataConfig, from_flags
 from data import E2VDataset, Validate, validate
 from tests import public_fixture as pf
 from tests.conftest import MEDIA, drawn_person
@@ -127,9 +128,9 @@ def test_opens2v_clip_is_face_cut_of_the_cropped_frames_at_its_own_fps(opens2v):
 
 def test_train_config_and_validate_read_the_index(opens2v, capsys):
     index = str(opens2v["out"] / "index.jsonl")
-    cfgs = dataset_configs(TrainConfig(dataset_type="opens2v", manifest=index, resolution=SIZE))
+    cfgs = train_a2.run_datasets(from_flags(dataset_type="opens2v", manifest=index, resolution=SIZE))
     assert cfgs[0].dataset_type == "opens2v" and cfgs[0].elements == A2_ELEMENTS
-    ds = validate(Validate(dataset_type="opens2v", manifest=index, resolution=SIZE, num_frames=25))
+    ds = validate(Validate(data=DataConfig(dataset_type="opens2v", manifest=index, resolution=SIZE, num_frames=25)))
     out = capsys.readouterr().out
     assert len(ds) == 2 and "opens2v index built with: subject/object masks by word_tags" in out
     assert "elements: subject 2/2, object 2/2, background 2/2" in out

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+import train_a2
 from a2.transformer import UnsupportedModel, detect_model, diffusers_to_original, original_to_diffusers
 from tests import their_samplers as theirs
 from tests.conftest import train_config
@@ -590,9 +591,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     (both papers' unconditional: the references' latents all zero, the video's untouched)."""
 
     import infer
-    import train_a2
     from a2.loader import collate
-    from config import dataset_configs
     from data import E2VDataset
     from tests.conftest import args, train
 
@@ -621,12 +620,13 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     for model in (phantom_dir, v3_dir):
         cfg = train_config(["--model", str(model), "--data-root", str(data_dir), "--resolution", "32",
                                           "32", "--num-frames", "9", "--device", "cpu", "--elements", *FIT])
-        run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
-        batch = collate([E2VDataset(dataset_configs(cfg), num_frames=9, verbose=False)[0]])
+        run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
+        batch = collate([E2VDataset(train_a2.run_datasets(cfg), num_frames=9, verbose=False)[0]])
         enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
         for p, dropped in ((0.0, False), (1.0, True)):
-            cfg.reference_dropout = p
-            inputs = train_a2.model_inputs(batch, 0, 0, cfg, run, enc, 0, torch.device("cpu"))
+            cfg.references.reference_dropout = p
+            inputs = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0,
+                                           torch.device("cpu"))
             refs = inputs["cond"].ref_latents
             assert refs.shape[2] == run.layout.ref_latents and (refs.abs().max() == 0) == dropped
             assert inputs["x0"].shape[2] == 3 and inputs["x0"].abs().max() > 0

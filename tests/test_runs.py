@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -34,13 +33,13 @@ from a2.runs import (
     record_start,
     truncate_metrics,
 )
-from config import TrainConfig, with_recipe
+from config import flat_config, from_flags
 from tests.conftest import ROOT
 
 
 def config(**kw) -> dict:
     """A TrainConfig as a dict, as it reads back from JSON."""
-    return json.loads(json.dumps(asdict(with_recipe(TrainConfig(**kw))[0])))
+    return json.loads(json.dumps(flat_config(from_flags(**kw), nested=True)))
 
 
 def make_ckpt(run_dir, step, cfg=None, world=1, sharded=False, keep_last=100):

@@ -13,7 +13,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import train_a2
 from a2.dataset_config import ConditioningConfig
+from config import from_flags
 from tests.conftest import args, train
 
 H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
@@ -140,7 +142,6 @@ def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
 def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
     """The training step feeds what inference feeds (clean frame 0, timestep 0 on its tokens) and the loss ignores
     the prediction there."""
-    import train_a2
     from a2.conditioning import Conditioning, make_layout
     from a2.flow import noisy_latents
 
@@ -158,11 +159,13 @@ def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
 
     model.config = SimpleNamespace(patch_size=(1, 2, 2))
 
-    cfg = SimpleNamespace(loss_on_references=False, loss_weighting="none", align_loss=False)
+    objective = SimpleNamespace(loss_on_references=False, loss_weighting="none")  # the sections forward_loss reads
+    references = SimpleNamespace(align_loss=False)
     cond = Conditioning("clean", clean=clean, keep=torch.ones(2), per_token=True)
     inputs = dict(x0=x0, noise=noise, sigmas=sigmas, cond=cond, text=torch.zeros(2, 512, 32), reference_images=None,
                   layout=make_layout("clean", 9, clean_frames=1))
-    loss, _ = train_a2.forward_loss(model, inputs, cfg, None, torch.autocast("cpu", enabled=False), torch.float32)
+    loss, _ = train_a2.forward_loss(model, inputs, objective, references, None, torch.autocast("cpu", enabled=False),
+                                    torch.float32)
     assert loss.item() == 0.0
     assert torch.equal(seen["x"][:, :, :1], clean) and torch.equal(seen["x"][:, :, 1:], x_t[:, :, 1:])
     assert (seen["t"][:, :6] == 0).all() and torch.equal(seen["t"][:, 6:], (sigmas[:, None] * 1000).expand(-1, 12))
@@ -217,18 +220,16 @@ def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
 def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
     """The clean latent a training sample gets (a2.conditioning.encode) == what A2Pipeline builds from the same
     first frame (posterior mode)."""
-    import train_a2
     from a2.conditioning import encode
     from a2.loader import collate
     from a2.pipeline import A2Pipeline
     from data import E2VDataset
 
     pipe = A2Pipeline.from_pretrained(ti2v_dir)
-    from config import TrainConfig, dataset_configs
 
-    cfg = TrainConfig(model="tiny-ti2v", data_root=str(data_dir), resolution=(32, 32), num_frames=17,
+    cfg = from_flags(model="tiny-ti2v", data_root=str(data_dir), resolution=(32, 32), num_frames=17,
                       conditioning=ConditioningConfig(frame_conditioning="first"))
-    ds_cfgs = dataset_configs(cfg)
+    ds_cfgs = train_a2.run_datasets(cfg)
     run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
     batch = collate([E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False)[0]])
     with torch.no_grad():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from a2.trace import GB, LiveBytes, fake_tensors, trace_steps
+from config import OptimConfig
 
 
 def test_live_bytes_match_a_hand_count():
@@ -50,7 +51,7 @@ def tiny_lora_step(tracer):
     from peft import LoraConfig
 
     from a2.transformer import preset_config, random_transformer
-    from config import LORA_TARGETS, TrainConfig
+    from config import LORA_TARGETS
 
     cfg = preset_config("tiny")
     model = random_transformer(cfg, torch.float32, "cpu")
@@ -65,7 +66,7 @@ def tiny_lora_step(tracer):
         out = model(x, torch.full((1,), 500.0), text, encoder_hidden_states_image=image, return_dict=False)[0]
         return out.pow(2).mean()
 
-    trace_steps(tracer, model, forward, TrainConfig(lr=1e-3))
+    trace_steps(tracer, model, forward, OptimConfig(lr=1e-3))
     return model
 
 

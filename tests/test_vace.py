@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import infer
+import train_a2
 from a2 import vace
 from a2.conditioning import plan
 from a2.dataset_config import VaeProcessorConfig
@@ -437,9 +438,7 @@ def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_da
     """A control video or mask for a model without context blocks, a mask without its video, --vace-scale off VACE,
     --vace-lora-target off VACE, reference dropout on VACE (its guidance keeps the references), a preset VACE does not
     have: each a ConfigError / InputError of one line, before a transformer is loaded."""
-    import train_a2
     from a2.cli import InputError
-    from config import dataset_configs
     from tests.conftest import train_config
 
     def no_weights(*a, **k):
@@ -470,5 +469,5 @@ def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_da
                          "--reference-dropout: VACE samples with its references in both guidance branches")):
         cfg = train_config([*flags, *run])
         with pytest.raises(InputError, match=said) as e:
-            train_a2.plan_run(cfg, 1, dataset_configs(cfg), torch.device("cpu"))
+            train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
         assert "\n" not in str(e.value)
