@@ -90,7 +90,6 @@ def phantom_validation(odd_data, tmp_path_factory):
     import a2.evaluate
     import train_a2
     from a2.step import Process
-    from config import dataset_configs
     from tests.conftest import train_config
 
     first = sorted(odd_data.glob("*.mp4"))[0].stem
@@ -99,7 +98,7 @@ def phantom_validation(odd_data, tmp_path_factory):
                                                                                             "_object.png"))]
     device = torch.device("cpu")
     cfg = train_config(shared)
-    run = train_a2.plan_run(cfg, 1, dataset_configs(cfg), device)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
     out, made = tmp_path_factory.mktemp("validation"), {}
@@ -112,7 +111,8 @@ def phantom_validation(odd_data, tmp_path_factory):
         a2.evaluate.save_video = lambda path, v, fps=15, references=None: written.append(v) or path
         try:
             cfg = train_config([*shared, *flags])
-            a2.evaluate.validate(1, cfg, run, transformer, enc, out, {}, Process(0, 0, 1, device), log=lambda *_: 0)
+            a2.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, out, {},
+                                    Process(0, 0, 1, device), log=lambda *_: 0)
         finally:
             a2.evaluate.save_video = real
         made[flags] = written[0]
