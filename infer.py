@@ -43,7 +43,15 @@ from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.images import IMAGE_EXTS, read_image, resize_frames
 from a2.kinds import KIND_DEFS, element_kind, kind_elements, kind_sampling
-from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, read_base_metadata
+from a2.lora import (
+    LORA_FILES,
+    base_mismatch,
+    expansion_file,
+    load_expanded,
+    load_lora,
+    lora_file_problem,
+    read_base_metadata,
+)
 from a2.media import read_clip
 from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
@@ -164,13 +172,35 @@ def read_references(cfg: InferConfig, images, info=None, first_frame: bool = Fal
     (check_layout) and the images loaded as it takes them (errors name the file): dict(refs, clip_refs, repeats,
     region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Without `info` no layout: each
     element framed as A2's specs frame it."""
-    items = pair_elements(images, element_specs(cfg, info))
+    items = paired(cfg, info, images, "--elements", first_frame)
     layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame, seed)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
     refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, region=region, layout=layout,
                 elements=named_references(items, clip_refs), specs=tuple(e for e, _ in items))
+
+
+def paired(cfg: InferConfig, info, images, flag: str, first_frame: bool = False) -> list:
+    """The element images paired with the specs (element_specs), or one line in the user's terms: a model that
+    samples from references given none (ask for them), more images than its kind takes (the model, the kind, its
+    most and the fix). flag: where the images came from (--elements, an eval set's sample)."""
+    specs = element_specs(cfg, info)
+    kind = None if info is None else element_kind(info, cfg.conditioning)
+    if (kind is not None and not images and not first_frame and (info.e2v or info.native_kind)
+            and cfg.conditioning.frame_conditioning == "full"):
+        raise InputError(f"--model {cfg.model} ({info.name}) makes a video of reference images: give --elements "
+                         f"IMAGE [IMAGE ...] (1 to {min(KIND_DEFS[kind].references[1], len(specs))})")
+    if len(images) > len(specs):
+        if cfg.element_specs:
+            raise InputError(f"{flag}: {len(images)} images but --element-specs names {len(specs)} elements: give "
+                             "one spec per image, or fewer images")
+        most = KIND_DEFS[kind].references[1] if kind else len(specs)
+        where = f"--model {cfg.model} ({info.name}) samples as the {kind} kind, which" if kind else "A2's layout"
+        raise InputError(f"{flag}: {len(images)} images, but {where} takes at most {min(most, len(specs))} "
+                         f"references: give at most {min(most, len(specs))}"
+                         + (f" (or --element-specs with up to {most} elements)" if most > len(specs) else ""))
+    return pair_elements(images, specs)
 
 
 def element_specs(cfg: InferConfig, info) -> tuple:
@@ -286,7 +316,6 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
     """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
     prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
     layout planned here, before any weights load (errors name the sample); the images load when rendered."""
-    specs = element_specs(cfg, info)
     rows = []
     for sid, sample in read_eval_set(cfg.eval_set).items():
         where = f"{cfg.eval_set}: sample {sid}"
@@ -300,7 +329,7 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
             except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... for damaged files
                 raise InputError(f"{where}: {path}: not a readable image ({type(e).__name__}: {e})") from e
         try:
-            items = pair_elements(images, specs)
+            items = paired(cfg, info, images, "its img_paths")
             layout = check_layout(cfg, info, tuple(e for e, _ in items), False)
         except ValueError as e:
             raise InputError(f"{where}: {e}") from e
@@ -367,6 +396,9 @@ def main(cfg: InferConfig) -> int:
                        ("--compare", cfg.compare)):
         if path and not Path(path).exists():
             raise MissingInput(f"{flag} {path}: no such file or dir")
+        if path and flag.startswith("--lora") and (why := lora_file_problem(path)):
+            raise InputError(f"{flag} {path}: this {'dir' if Path(path).is_dir() else 'file'} is not a LoRA ({why}): "
+                             f"give {LORA_FILES}")
     for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
         if path:  # found now, not once the video is rendered
             check_dir_to_write(flag, path, itself=flag == "--out-dir")

@@ -470,11 +470,11 @@ def hub_snapshot(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline))
     except Exception as e:  # offline and absent, no network, no such repo, gated: one line, with the way out
         first = (str(e).splitlines() or [""])[0]
-        why = (f"not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
+        why = (f"is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
                f"(`hf download {repo_id}`, or unset HF_HUB_OFFLINE), or pass a local model dir" if offline else
                f"could not be downloaded ({type(e).__name__}: {first}); check the id and the network (gated repos "
                "need `hf auth login`), or pass a local model dir")
-        raise UnsupportedModel(f"{repo_id}: no such local dir, and as a Hugging Face Hub model it is {why}") from None
+        raise UnsupportedModel(f"{repo_id}: no such local dir, and the Hugging Face Hub model {why}") from None
 
 
 def local_or_hub(name) -> Path:
@@ -598,9 +598,11 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and dit_checkpoints(d)):
         return detect_phantom(d, components)
     if not d.is_dir():
+        from a2.tiny import TINY_MODELS  # a2.tiny builds on this module: its registry is read when named
+
         raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan "
-                               "checkpoint, or the name of a built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, "
-                               "tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3)")
+                               "checkpoint, a Hugging Face Hub id (org/name), or the name of a built-in model: "
+                               + ", ".join(TINY_MODELS) + ")")
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
                                "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, SkyReels-V3 R2V) or a Phantom-Wan checkpoint")

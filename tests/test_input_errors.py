@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 import infer
 from a2.cli import run_cli
@@ -54,7 +55,8 @@ def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mi
     ("no prompt", "Open-Domain_Eval.json: sample singleobj_1: no 'prompt'"),
     ("missing image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/none.jpg: reference image not found"),
     ("corrupt image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/notes.jpg: not a readable image"),
-    ("too many images", "Open-Domain_Eval.json: sample singleobj_1: 4 element images but only 3 element specs"),
+    ("too many images", "Open-Domain_Eval.json: sample singleobj_1: its img_paths: 4 images, but --model tiny "
+                        "(Wan2.1 I2V) samples as the prefix kind, which takes at most 3 references"),
     ("paths not a list", "Open-Domain_Eval.json: sample singleobj_1: 'img_paths' must be a list of paths"),
     ("not a set", "Open-Domain_Eval.json: expected {sample id: {prompt, img_paths, ...}}, got list"),
     ("not JSON", "Open-Domain_Eval.json: cannot read an OpenS2V-Eval set (Expecting property name"),
@@ -106,6 +108,66 @@ def test_a_missing_file_or_gpu_is_one_line_before_any_weights_load(tmp_path, cap
     if not torch.cuda.is_available():  # --device cuda where there is none (it was CUDA's own traceback)
         err = one_line_exit_2(capsys, dict(model="tiny", device="cuda", elements=good))
         assert err == "error: --device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)"
+
+
+@pytest.mark.parametrize("name, make, why", [
+    ("notes.txt", lambda p: p.write_text("my notes\n"), "this file is not a LoRA (a .txt file)"),
+    ("config.json", lambda p: p.write_text("{}"), "this file is not a LoRA (a .json file)"),
+    ("empty.safetensors", lambda p: p.write_bytes(b""), "this file is not a LoRA (an empty file)"),
+    ("text.safetensors", lambda p: p.write_text("hello\n"), "this file is not a LoRA (not a safetensors file: "),
+    ("model.safetensors", lambda p: save_file({"blocks.0.attn1.to_q.weight": torch.zeros(2, 2)}, p),
+     "this file is not a LoRA (1 tensors, none a LoRA weight (e.g. blocks.0.attn1.to_q.weight))"),
+    ("text.ckpt", lambda p: p.write_text("x\n"), "this file is not a LoRA (not a PyTorch checkpoint of tensors"),
+    ("run", lambda p: p.mkdir(), "this dir is not a LoRA (a dir without pytorch_lora_weights.safetensors or a "
+                                 "peft adapter_config.json)"),
+])
+def test_a_lora_flag_at_no_lora_is_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir, name,
+                                                                     make, why):
+    """--lora at a text file, a config.json, an empty or truncated file, a model's weights or a dir of no adapter:
+    one line naming the flag and the file, what it is, and what to give (it was safetensors' traceback)."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    make(tmp_path / name)
+    err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=elements(data_dir, "tiny"),
+                                       lora=(str(tmp_path / name),)))
+    assert err.startswith(f"error: --lora {tmp_path / name}: {why}"), err
+    assert err.endswith("give a LoRA .safetensors (a2's pytorch_lora_weights.safetensors, a ComfyUI / musubi-tuner "
+                        "file), a training run's dir, a peft adapter dir, or a Stand-In .ckpt"), err
+
+
+@pytest.mark.parametrize("model, images, want", [
+    ("tiny-v3", 5, "--elements: 5 images, but --model tiny-v3 (SkyReels-V3 R2V) samples as the v3 kind, which takes "
+                   "at most 4 references: give at most 4"),
+    ("tiny-magref", 9, "--elements: 9 images, but --model tiny-magref (MAGREF) samples as the magref kind, which "
+                       "takes at most 8 references: give at most 8"),
+    ("tiny-phantom", 5, "which takes at most 4 references: give at most 4"),
+    ("tiny-vace", 5, "which takes at most 4 references: give at most 4"),
+    ("tiny", 4, "--elements: 4 images, but --model tiny (Wan2.1 I2V) samples as the prefix kind, which takes at most "
+                "3 references: give at most 3 (or --element-specs with up to 8 elements)"),
+    ("tiny", 0, "--model tiny (Wan2.1 I2V) makes a video of reference images: give --elements IMAGE [IMAGE ...] "
+                "(1 to 3)"),
+    ("tiny-magref", 0, "--model tiny-magref (MAGREF) makes a video of reference images: give --elements"),
+    ("tiny-v3", 0, "--model tiny-v3 (SkyReels-V3 R2V) makes a video of reference images: give --elements IMAGE "
+                   "[IMAGE ...] (1 to 4)"),
+])
+def test_too_many_or_no_references_name_the_model_its_most_and_the_fix(tmp_path, capsys, monkeypatch, data_dir,
+                                                                         model, images, want):
+    """More element images than the model's kind takes (SkyReels-V3 and Phantom-Wan 4 by their code, MAGREF 8, A2's
+    three roles), or none on a model that samples from references: one line naming the model, the kind, the most it
+    takes and the fix, before any weights load."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    err = one_line_exit_2(capsys, dict(model=model, device="cpu", resolution=(32, 32), num_frames=17,
+                                       elements=(str(data_dir / "000_person.png"),) * images))
+    assert want in err, err
+
+
+def test_no_such_model_names_every_built_in_model(capsys):
+    """--model at no dir, no Hub id and no built-in name: the line lists the built-in models (a2/tiny.py's registry,
+    every one of them)."""
+    from a2.tiny import TINY_MODELS
+
+    err = one_line_exit_2(capsys, dict(model="tiny_v3", device="cpu", prompt="x"))
+    assert err.endswith("or the name of a built-in model: " + ", ".join(TINY_MODELS) + ")"), err
+    assert "tiny-vace-fun" in err and "tiny-refalign" in err
 
 
 def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
