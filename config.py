@@ -628,18 +628,19 @@ class InferConfig(ModelConfig):
     (a2.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
-    preset: Literal["v3-distilled", "diffusers"] | None = None
-    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-distilled:
-    SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). diffusers
-    (VACE): diffusers' WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the
-    references resized to multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out
-    is the model's own sampler's (its kind's Sampling, README "What each kind samples with"): SkyReels-A2 shift 8, 15
-    fps; Phantom-Wan guidance 7.5 / 5, Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, an empty negative
-    prompt, 24 fps; MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too), its negative prompt, 15 fps;
-    RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift 5, 20
-    steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999, shift 16, Wan's negative
-    prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12, seed 43); and the
-    references' VAE encode as each lab's."""
+    preset: Literal["v3-cfg", "diffusers"] | None = None
+    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-cfg: SkyReels-V3's
+    pipeline class's own defaults (WanSkyReelsA2WanT2VPipeline.__call__), 50 steps, guidance 7.5 / 5 (three forwards a
+    step), 105 frames; without it V3 samples as its generate_video.py does. diffusers (VACE): diffusers'
+    WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the references resized to
+    multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out is the model's own
+    sampler's (its kind's Sampling, docs/kinds.md): SkyReels-A2 shift 8, 15 fps; Phantom-Wan guidance 7.5 / 5, Wan's
+    Chinese negative prompt, 16 fps; SkyReels-V3 as its generate_video.py, 8 steps, guidance 1 (one forward a step), an
+    empty negative prompt, 121 frames (5 s at 24 fps); MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too),
+    its negative prompt, 15 fps; RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on
+    linspace(1, 0), shift 5, 20 steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999,
+    shift 16, Wan's negative prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12,
+    seed 43); and the references' VAE encode as each lab's."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """The text prompt of the video."""
     negative_prompt: str | None = None
@@ -653,13 +654,13 @@ class InferConfig(ModelConfig):
     """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
     num_frames: int | None = None
     """The pixel frames (4k+1) generated in all, reference frames included (default 81, A2's, of which 12 are
-    references; a built-in tiny model: 33; --preset v3-distilled: 121)."""
+    references; SkyReels-V3: 121, its generate_video.py's 5 s; a built-in tiny model: 33; --preset v3-cfg: 105)."""
     steps: int | None = None
-    """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20; a built-in tiny
-    model: 10; a --preset's own)."""
+    """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20, SkyReels-V3 8; a
+    built-in tiny model: 10; a --preset's own)."""
     guidance_scale: float | None = None
     """The classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5; the
-    reference-guided kinds 7.5)."""
+    reference-guided kinds 7.5, SkyReels-V3 1)."""
     guidance_scale_img: float | None = None
     """The reference guidance of the in-context kinds, as Phantom-Wan, SkyReels-V3 and RefAlign sample (a third forward
     with zero references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same

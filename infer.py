@@ -81,7 +81,7 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
         source["size"] = "tiny model's default" if tiny else "default"
     num_frames, steps = cfg.num_frames, cfg.steps
     if num_frames is None:
-        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode is not None else
+        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode and mode.num_frames else
                                         (recipe["num_frames"], "tiny model's default") if tiny else
                                         (recipe["num_frames"], "default"))
     if steps is None and tiny and mode is None:  # a preset's steps are its own (A2Pipeline fills them)
@@ -93,6 +93,19 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
         raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
     return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
                    device=device), source
+
+
+def own_frames(cfg: InferConfig, source: dict[str, str], info) -> tuple[InferConfig, dict[str, str]]:
+    """--num-frames left out (and no --preset's) on a real model whose lab's entry point renders its own length
+    (Sampling.num_frames: SkyReels-V3's generate_video.py, 5 s at 24 fps): that length. A built-in tiny model keeps
+    its smoke-test frames, as it keeps its steps."""
+    if "frames" not in source or source["frames"].startswith("--preset") or is_tiny(cfg.model):
+        return cfg, source
+    kind = element_kind(info, cfg.conditioning)
+    frames = kind_sampling(kind, info.name).num_frames
+    if frames is None:
+        return cfg, source
+    return replace(cfg, num_frames=frames), {**source, "frames": f"the {kind} kind's own"}
 
 
 def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> str:
@@ -404,6 +417,7 @@ def main(cfg: InferConfig) -> int:
             check_dir_to_write(flag, path, itself=flag == "--out-dir")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
                                                and model_path(cfg.image_encoder), cfg.components))
+    cfg, source = own_frames(cfg, source, info)
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
     first_frame = as_input_error(read_first_frame, cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):

@@ -450,7 +450,7 @@ def test_export_elements_of_no_index_is_one_line_exit_2(tmp_path, capsys):
 
 def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
     """--model's help (infer.py and train_a2.py, as --help prints it) names every built-in model and no other; the
-    built-in model's banner says what it renders and why (v3-distilled: 121 frames, 8 steps)."""
+    built-in model's banner says what it renders and why."""
     import re
 
     import tyro
@@ -469,9 +469,17 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
         "default), 10 steps (tiny model's default)")
 
 
-def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch):
-    """--preset v3-distilled on the built-in tiny-v3: the banner names the frames and steps the preset sets, and
-    those are the ones rendered (the latents' frames, the steps the pipeline samples)."""
+@pytest.mark.parametrize("model, preset, latents, said", [
+    ("tiny-v3", "v3-cfg", (105 - 1) // 4 + 1, "105 frames (--preset v3-cfg), 50 steps (--preset v3-cfg)"),
+    ("tiny-vace", "diffusers", (33 - 1) // 4 + 1 + 1,
+     "33 frames (tiny model's default), 50 steps (--preset diffusers)"),
+])
+def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch, model, preset, latents,
+                                                 said):
+    """--preset on a built-in tiny model: the banner names the frames and steps the preset sets (SkyReels-V3's class
+    defaults: 97 + 8 frames, 50 steps; diffusers' VACE sets no frames: the tiny model's), and those are the ones
+    rendered (the latents' frames: VACE's reference latent on top of the video's; the steps the pipeline samples). A
+    preset without frames was a traceback."""
     asked, generate = [], infer.generate
 
     def recorded(*a, **k):
@@ -481,12 +489,11 @@ def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, mon
 
     monkeypatch.setattr(infer, "generate", recorded)
     out = tmp_path / "v3.pt"
-    assert infer.main(infer.InferConfig(model="tiny-v3", preset="v3-distilled", resolution=(32, 32), decode="none",
-                                        elements=elements(data_dir, "tiny-v3")[:1], save_latents=str(out))) == 0
-    said = capsys.readouterr().out
-    assert ("--model tiny-v3: a built-in model, sampled at 32x32, 121 frames (--preset v3-distilled), 8 steps "
-            "(--preset v3-distilled);") in said, said
-    assert asked == [8] and torch.load(out)["latents"].shape[2] == (121 - 1) // 4 + 1  # the video's latent frames
+    assert infer.main(infer.InferConfig(model=model, preset=preset, resolution=(32, 32), decode="none",
+                                        elements=elements(data_dir, model)[:1], save_latents=str(out))) == 0
+    printed = capsys.readouterr().out
+    assert f"--model {model}: a built-in model, sampled at 32x32, {said};" in printed, printed
+    assert asked == [50] and torch.load(out)["latents"].shape[2] == latents
 
 
 def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):
