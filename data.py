@@ -341,11 +341,12 @@ class E2VDataset(torch.utils.data.Dataset):
         samples, loose = scan(cfgs, num_frames, frame_sampling, why, most, bool(layout and layout.context_blocks))
         problems = loose + [p for s in samples for p in s.problems]
         errors, warnings = [p for p in problems if not p.warning], [p for p in problems if p.warning]
+        refused = None
         if errors and not skip_bad_samples:  # the problems counted, then the warnings (samples kept) after them
-            raise DatasetError(f"{len(errors)} problem(s) in the dataset"
-                               + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
-                               + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
-                               + "\n(--skip-bad-samples drops the samples with a problem instead)")
+            refused = DatasetError(f"{len(errors)} problem(s) in the dataset"
+                                   + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
+                                   + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
+                                   + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]
         # what the run's kind cannot take, named and left out before step 1: the element set (a2.kinds.Kind
@@ -355,15 +356,20 @@ class E2VDataset(torch.utils.data.Dataset):
         self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
         self.samples = [s for s, why in zip(self.samples, refusals) if not why]
         self.buckets = [b for b, why in zip(self.buckets, refusals) if not why]
-        if verbose:
-            print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
+        if verbose:  # what the rest of the data would train, also when a problem stops it (said after, in one block)
+            print("\n".join(self.summary([] if refused else problems, sum(s.bad for s in samples), global_batch,
+                                          refused is not None)))
+        if refused is not None:
+            raise refused
         if not self.samples:
             raise DatasetError("no valid samples left in " + ", ".join(c.data_root for c in cfgs))
 
-    def summary(self, problems: list[Problem], skipped: int, global_batch: int) -> list[str]:
-        """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
+    def summary(self, problems: list[Problem], skipped: int, global_batch: int, refused: bool = False) -> list[str]:
+        """Samples per dataset and element, per bucket, and the buckets that never fill a global batch. refused: the
+        bad samples stop the run (their problems are said by the error): the summary is of the others."""
         lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
-                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")
+                 + (f" besides the {skipped} with a problem (below)" if refused and skipped else
+                    f"; skipped {skipped} bad sample(s)" if skipped else "")
                  + (f"; left out {len(self.left_out)} the kind cannot take" if self.left_out else "")]
         lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
         lines += [f"  left out: {p}" for p in self.left_out]

@@ -263,8 +263,20 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
     return replace(run, cache=cache)
 
 
-def describe(run: Run) -> str:
-    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {run.layout.describe()} | "
+def data_layout(run: Run, dataset: E2VDataset):
+    """The run's layout for the largest element set its data holds (its buckets'), the one the header describes: a
+    plan covers the kind's most references, the data may hold fewer (Phantom's 4, clips of 3)."""
+    sets = [tuple(e.repeat for e in dataset.cfgs[s.dataset].elements if e.name in names)
+            for s, (_, _, _, names) in zip(dataset.samples, dataset.buckets)]
+    try:
+        return element_layout(run.layout, max(sets, key=len)) if sets else run.layout
+    except ValueError:  # a set the kind cannot take is left out by the dataset
+        return run.layout
+
+
+def describe(run: Run, layout=None) -> str:
+    """The run's header line; layout: the one the data samples in (data_layout), else the plan's."""
+    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {(layout or run.layout).describe()} | "
             f"{str(run.compute_dtype)[6:]} frozen weights"
             + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else "")
             + f" | blocks {'compiled' if run.compile else 'eager'}")
@@ -679,7 +691,7 @@ def main(cfg: TrainConfig) -> dict:
     run = with_cache(cfg, run, dataset)
     held = hold_out(dataset, cfg)  # eval loss samples, never trained on
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=cfg.seed, exclude=held)
-    log(describe(run))
+    log(describe(run, data_layout(run, dataset)))
     if recipe:
         log(f"{'tiny' if is_tiny(cfg.model) else 'the model'}'s recipe for the flags not given: "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items()))

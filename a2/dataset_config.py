@@ -6,6 +6,7 @@ and a2/cli.py, a2/elements.py only."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -265,7 +266,10 @@ def _check_keys(d: dict, allowed, where: str):
         raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
     unknown = sorted(set(d) - set(allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        close = {k: m[0] for k in unknown if (m := difflib.get_close_matches(k, allowed, n=1, cutoff=0.6))}
+        raise ConfigError(f"{where}: unknown key(s) {unknown}"
+                          + "".join(f"; did you mean {m!r} for {k!r}?" for k, m in close.items())
+                          + f"; allowed: {sorted(allowed)}")
 
 
 def _hw(v, where: str) -> tuple[int, int]:

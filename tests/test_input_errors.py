@@ -594,3 +594,50 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     out = capsys.readouterr().out
     logged = [json.loads(x) for x in (tmp_path / "runs" / "magref" / "metrics.jsonl").read_text().splitlines()]
     assert out.count("left out:") == 1 and [r["step"] for r in logged if "loss" in r] == [1, 2], out
+
+
+def test_the_run_header_counts_the_references_the_data_holds(data_dir, tmp_path, capsys):
+    """Phantom-Wan plans for its most references (4); the data's clips hold 3: the header's sequence says 3, the
+    latents the step trains with (not the plan's maximum)."""
+    from tests.conftest import args, train
+
+    train(*args(data_dir, tmp_path, "phantom", "--max-steps", "1", "--num-frames", "17", model="tiny-phantom"))
+    header = next(x for x in capsys.readouterr().out.splitlines() if "| sequence: " in x)
+    assert "sequence: (then 3 reference latents, posterior means, Phantom-Wan's layout) a 17-frame clip" in header
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"datasets": [{"data_root": "d", "target_resolutoin": [32, 32]}]},
+     "datasets[0]: unknown key(s) ['target_resolutoin']; did you mean 'target_resolution' for 'target_resolutoin'?"),
+    ({"dataset": []}, "unknown key(s) ['dataset']; did you mean 'datasets' for 'dataset'?"),
+    ({"datasets": [{"data_root": "d", "elements": [{"name": "subject", "sufixes": ["_p.png"]}]}]},
+     "elements[0]: unknown key(s) ['sufixes']; did you mean 'suffixes' for 'sufixes'?"),
+])
+def test_an_unknown_dataset_key_says_the_close_one(tmp_path, capsys, config, want):
+    """A misspelt key of a dataset JSON: one line naming it and the key it is close to (difflib), exit 2."""
+    import data
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and want in err, err
+
+
+def test_validate_prints_its_summary_also_when_it_finds_a_problem(data_dir, tmp_path, capsys):
+    """docs/dataset.md: validate lists every problem, then the samples per element and per bucket. With an unreadable
+    clip the summary of the others is printed too (it was not), and the problem is said once."""
+    import shutil
+
+    import data
+
+    d = tmp_path / "d"
+    shutil.copytree(data_dir, d)
+    (d / "001.mp4").write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--data-root", str(d), "--resolution", "32", "32", "--num-frames", "17"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "001.mp4: unreadable video" in err and "001.mp4" not in out
+    assert out.splitlines()[0] == "dataset: 3 samples from 1 dataset(s) besides the 1 with a problem (below)", out
+    assert "  bucket 5 frames 32x32 [subject, object, background]: 3 samples" in out
