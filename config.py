@@ -541,8 +541,9 @@ class TrainConfig(ModelConfig):
     --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
 
 
-def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
-    """The datasets of a run: the JSON file if given, else one dataset from the flags."""
+def dataset_configs(cfg: TrainConfig, resolution_given: bool = False) -> list[DatasetConfig]:
+    """The datasets of a run: the JSON file if given, else one dataset from the flags. resolution_given: --resolution
+    was typed (not the recipe's): a file whose datasets train at another size refuses it, as the other data flags."""
     cfg = with_recipe(cfg)[0]
     check_size(*cfg.resolution, cfg.num_frames)
     if cfg.dataset_config:
@@ -554,6 +555,12 @@ def dataset_configs(cfg: TrainConfig) -> list[DatasetConfig]:
             raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {cfg.dataset_config} "
                               "describes the data (each dataset's keys of the same names); set them there, or drop "
                               "the flags")
+        other = next((c for c in cfgs if resolution_given and tuple(c.target_resolution) != tuple(cfg.resolution)),
+                     None)
+        if other is not None:  # the file's size trains: a typed size beside it would be silently another experiment
+            raise ConfigError(f"--resolution {cfg.resolution[0]} {cfg.resolution[1]}: {other.source} trains at "
+                              f"target_resolution {list(other.target_resolution)}; set the size in the file, or drop "
+                              "the flag")
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
             flag, file = getattr(cfg.conditioning, f.name), getattr(cfgs[0].vae, f.name)
             if flag != getattr(ConditioningConfig(), f.name) and flag != file:

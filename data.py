@@ -873,8 +873,10 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
     return root
 
 
-def validate(a: Validate) -> E2VDataset:
-    cfgs = dataset_configs(a)
+def validate(a: Validate, recipe: dict | None = None) -> E2VDataset:
+    """`data.py validate`: what training reads with these flags. recipe: what with_recipe filled (a --resolution
+    typed beside a dataset config is checked against it)."""
+    cfgs = dataset_configs(a, resolution_given=recipe is not None and "resolution" not in recipe)
     cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.skip_bad_samples, global_batch=a.micro_batch * a.grad_accum * a.world_size,
@@ -906,7 +908,7 @@ def run_command(a) -> None:
     if isinstance(a, MakeSample):
         print(make_synthetic_dataset(a.out, a.num_samples, a.num_frames, (a.height, a.width)))
     elif isinstance(a, Validate):
-        run_cli(validate, with_recipe(a)[0])
+        run_cli(validate, *with_recipe(a))
     else:
         public_data.run(a)
 

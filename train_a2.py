@@ -670,7 +670,7 @@ def main(cfg: TrainConfig) -> dict:
     proc = Process(rank, dp_rank, dp_world, device, amp, ctrl, cp_group)
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
-    ds_cfgs = dataset_configs(cfg)
+    ds_cfgs = dataset_configs(cfg, resolution_given="resolution" not in recipe)
     run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
     ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.elements or cfg.dataset_config))[0]  # as planned
     if cfg.memory.dry_run:  # one rank's step traced at real size (a2/trace.py); the harness shards with --fsdp

@@ -641,3 +641,32 @@ def test_validate_prints_its_summary_also_when_it_finds_a_problem(data_dir, tmp_
     assert e.value.code == 2 and "001.mp4: unreadable video" in err and "001.mp4" not in out
     assert out.splitlines()[0] == "dataset: 3 samples from 1 dataset(s) besides the 1 with a problem (below)", out
     assert "  bucket 5 frames 32x32 [subject, object, background]: 3 samples" in out
+
+
+@pytest.mark.parametrize("flags, refused", [(["--resolution", "64", "64"], True), (["--resolution", "32", "32"], False),
+                                            ([], False)])
+def test_a_typed_resolution_beside_a_dataset_config_of_another_size_is_refused(data_dir, tmp_path, capsys, flags,
+                                                                                refused):
+    """--dataset-config trains at its datasets' target_resolution: a --resolution typed beside it that differs is
+    refused in one line naming both (it trained at the file's size, silently); the same size, or none typed (the
+    recipe's), is no conflict."""
+    import data
+
+    (tmp_path / "c.json").write_text(json.dumps({"datasets": [
+        {"data_root": str(data_dir), "target_resolution": [32, 32], "elements": [
+            {"name": "subject", "suffixes": ["_person.png"]}]}]}))
+    argv = ["validate", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17", *flags]
+    if not refused:
+        data._cli(argv)
+        assert "bucket 13 frames 32x32 [subject]: 4 samples" in capsys.readouterr().out
+        return
+    with pytest.raises(SystemExit) as e:
+        data._cli(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: --resolution 64 64: {tmp_path / 'c.json'}: datasets[0] trains at target_resolution [32, 32]; set "
+        "the size in the file, or drop the flag\n")
+    from tests.conftest import train  # train_a2.py: the same rule, before anything loads
+
+    with pytest.raises(ValueError, match=r"^--resolution 64 64: .*c\.json: datasets\[0\] trains at target_resolution"):
+        train("--model", "tiny", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17", *flags,
+              "--output-dir", str(tmp_path / "runs"))
