@@ -400,9 +400,10 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
     return load_first_frame(cfg.image, (cfg.height, cfg.width))
 
 
-def main(cfg: InferConfig) -> int:
+def check_inputs(cfg: InferConfig):
+    """The flags resolved and every input mistake (a missing or unreadable file, a size or LoRA the model cannot
+    take) said in one line before any weights load. Returns (cfg, source, info, first_frame)."""
     cfg, source = resolve(cfg)
-    # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
     check_size(cfg.height, cfg.width, cfg.num_frames)
     for flag, path in (*(("--lora", p) for p in cfg.lora), ("--lora-high", cfg.lora_high), ("--lora-low", cfg.lora_low),
                        ("--transformer", cfg.transformer), ("--transformer-2", cfg.transformer_2),
@@ -431,7 +432,6 @@ def main(cfg: InferConfig) -> int:
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
             raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
-    rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
             raise InputError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
@@ -441,24 +441,13 @@ def main(cfg: InferConfig) -> int:
         if cfg.save_latents or cfg.compare or cfg.decode == "none" or cfg.control_video or cfg.mask:
             raise InputError("--prompts-file / --eval-set write videos from their rows' elements: they take no "
                              "--save-latents / --compare / --decode none / --control-video / --mask")
-        if opens2v_set(cfg):
-            rows = read_opens2v_set(cfg, info)
-        else:
-            rows = as_input_error(read_rows, cfg.eval_set or cfg.prompts_file)
-        for row in rows if not opens2v_set(cfg) else ():  # every row's images read and checked before any model
-            try:
-                row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
-            except FileNotFoundError as e:
-                raise MissingInput(f"{row['line']}: {e}") from e
-            except ValueError as e:
-                raise InputError(f"{row['line']}: {e}") from e
-        items = [n for row in rows for n in row["elements"]]
-        layouts = [row["layout"] for row in rows]
-    else:
-        refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
-        control = as_input_error(read_control, cfg, refs["layout"])
-        items = list(refs["elements"])
-        layouts = [refs["layout"]]
+    return cfg, source, info, first_frame
+
+
+def load_pipeline(cfg: InferConfig, info, source, layouts, items, repeats=None) -> tuple[A2Pipeline, int]:
+    """(The pipeline of --model with --transformer(s) and every LoRA loaded, this process's rank), after the checks
+    that need the planned `layouts` (one per video); prints what was loaded and what is rendered. items: the element
+    names the videos take; repeats: one video's element frames (said beside them), None for several videos."""
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
@@ -467,7 +456,7 @@ def main(cfg: InferConfig) -> int:
     dtype = getattr(torch, cfg.dtype)
     rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
     # Stand-In's packed reference tokens (its K/V cache) are not split: one process
-    if dist.is_initialized() and (rows is not None or any(lay.reference_grid is not None for lay in layouts)):
+    if dist.is_initialized() and (repeats is None or any(lay.reference_grid is not None for lay in layouts)):
         raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
                          "run --prompts-file / --eval-set / Stand-In in one process")
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
@@ -485,16 +474,15 @@ def main(cfg: InferConfig) -> int:
              + (f" (from {cfg.transformer_2})" if cfg.transformer_2 else "") if pipe.transformer_2 is not None else "")
           + (f"; image encoder {info.image_encoder_dir}" if pipe.image_encoder is not None else "; no image encoder"))
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
-        print("elements: " + ", ".join(dict.fromkeys(items))
-              + (f" (repeats {refs['repeats']})" if rows is None else ""))
+        print("elements: " + ", ".join(dict.fromkeys(items)) + (f" (repeats {repeats})" if repeats is not None else ""))
     lay = layouts[0] if layouts else None
     if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
         steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
         print(size_banner(cfg, steps, source))
-    if rows is None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are of its frames
+    if repeats is not None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are frames
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.video_frames}")
-    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, info.name
+    adapters, kind, family = [], lay.kind if lay else None, info.name
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
         if note:
@@ -521,19 +509,28 @@ def main(cfg: InferConfig) -> int:
     for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():
         if model is not None:
             context_parallel(model, dist.group.WORLD)
-    if rows is not None and opens2v_set(cfg):
-        render_opens2v_set(cfg, pipe, rows, info)
-        return 0
-    if rows is not None:
-        evaluators = None
-        if cfg.eval_set:
-            evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
-        scores = evaluate(cfg, pipe, rows, evaluators)
-        if cfg.eval_set:
-            means = write_metrics(Path(cfg.out_dir), scores)
-            print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
-                  + format_table(means, notes=evaluators.notes))
-        return 0
+    return pipe, rank
+
+
+def read_row_references(cfg: InferConfig, info, rows: list[dict]) -> list[dict]:
+    """Each row of a prompt list or a2's .jsonl eval set with its element images (its own, else --elements) read and
+    its layout planned, before any model loads; a mistake names the row."""
+    for row in rows:
+        try:
+            row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
+        except FileNotFoundError as e:
+            raise MissingInput(f"{row['line']}: {e}") from e
+        except ValueError as e:
+            raise InputError(f"{row['line']}: {e}") from e
+    return rows
+
+
+def one_video(cfg: InferConfig, info, source, first_frame) -> int:
+    """infer.py's main job: one video of --elements (or --image, or the prompt alone) and --prompt, written to --out;
+    --save-latents / --compare keep or check the latents (exit 1 when they differ past --tolerance)."""
+    refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
+    control = as_input_error(read_control, cfg, refs["layout"])
+    pipe, rank = load_pipeline(cfg, info, source, [refs["layout"]], list(refs["elements"]), refs["repeats"])
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
                    region=refs["region"], control=control)
     if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
@@ -553,6 +550,44 @@ def main(cfg: InferConfig) -> int:
     if cfg.compare and not compare_runs(out, cfg.compare, cfg.tolerance):
         return 1
     return 0
+
+
+def prompt_list(cfg: InferConfig, info, source) -> int:
+    """--prompts-file: each prompt without and with the LoRA, same seed, side by side, into --out-dir."""
+    rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.prompts_file))
+    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                         [n for row in rows for n in row["elements"]])[0]
+    evaluate(cfg, pipe, rows)
+    return 0
+
+
+def eval_set(cfg: InferConfig, info, source) -> int:
+    """--eval-set: an OpenS2V-Eval set rendered one video per sample (scored by a2.opens2v), or a2's .jsonl rendered
+    without and with the LoRA and scored by a2/evaluate.py into --out-dir's metrics.csv / .jsonl."""
+    if opens2v_set(cfg):
+        rows = read_opens2v_set(cfg, info)
+        pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                             [n for row in rows for n in row["elements"]])[0]
+        render_opens2v_set(cfg, pipe, rows, info)
+        return 0
+    rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.eval_set))
+    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                         [n for row in rows for n in row["elements"]])[0]
+    evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
+    scores = evaluate(cfg, pipe, rows, evaluators)
+    means = write_metrics(Path(cfg.out_dir), scores)
+    print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
+          + format_table(means, notes=evaluators.notes))
+    return 0
+
+
+def main(cfg: InferConfig) -> int:
+    cfg, source, info, first_frame = check_inputs(cfg)
+    if cfg.eval_set:
+        return eval_set(cfg, info, source)
+    if cfg.prompts_file:
+        return prompt_list(cfg, info, source)
+    return one_video(cfg, info, source, first_frame)
 
 
 if __name__ == "__main__":
