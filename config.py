@@ -360,8 +360,8 @@ class TrainConfig(ModelConfig):
     resolution: tuple[int, int] | None = None
     """The training (height, width) in pixels, multiples of 16. Left out: the model's recipe (RECIPES)."""
     num_frames: int | None = None
-    """The pixel frames (4k+1) of the whole sequence, reference frames included.
-    Left out: the model's recipe (RECIPES)."""
+    """The pixel frames (4k+1) of the whole sequence, reference frames included (A2's prefix; Wan VACE's references
+    come on top: its --num-frames is the clip). Left out: the model's recipe (RECIPES)."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
     """How element images and video frames condition the model (shared with infer.py and a dataset file's
     processors.vae; with --dataset-config the file's values hold, and a flag that disagrees is an error)."""
@@ -626,7 +626,8 @@ class InferConfig(ModelConfig):
     Without it (and --mask) VACE samples from the references alone (R2V)."""
     mask: str | None = None
     """The mask of --control-video, white where VACE generates (Wan's src_mask, read from its first channel): a video
-    of its frames, or one image for all of them. Without it the whole control video is to transform."""
+    of its frames (a video file, or a .npz of uint8 `frames` as --control-video takes), or one image for all of them.
+    Without it the whole control video is to transform."""
     image: str | None = None
     """The first frame of a Wan 2.2 TI2V-5B image-to-video, resized to --height x --width with Lanczos (as diffusers'
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
@@ -660,8 +661,9 @@ class InferConfig(ModelConfig):
     resolution: tuple[int, int] | None = None
     """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
     num_frames: int | None = None
-    """The pixel frames (4k+1) generated in all, reference frames included (default 81, A2's, of which 12 are
-    references; SkyReels-V3: 121, its generate_video.py's 5 s; a built-in tiny model: 33; --preset v3-cfg: 105)."""
+    """The pixel frames (4k+1) generated in all, reference frames included where the kind places them in the sequence
+    (A2: 12 of the default 81); Wan VACE's reference frames come on top (its --num-frames is the video). Left out:
+    81; SkyReels-V3 121, its generate_video.py's 5 s; a built-in tiny model 33; --preset v3-cfg 105."""
     steps: int | None = None
     """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20, SkyReels-V3 8; a
     built-in tiny model: 10; a --preset's own)."""
@@ -676,11 +678,13 @@ class InferConfig(ModelConfig):
     """The CFG scale of a Wan 2.2 A14B pair's low-noise expert, as diffusers' Wan pipelines (default:
     --guidance-scale)."""
     seed: int | None = None
-    """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the model's
-    own sampler's, 42; MAGREF 3407; Stand-In and RefAlign 0)."""
+    """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement. Left out: the kind's
+    own (docs/kinds.md): 42 (A2, Phantom-Wan, SkyReels-V3); MAGREF 3407; Stand-In and RefAlign 0; Wan VACE 2025;
+    Wan2.2-VACE-Fun 43."""
     flow_shift: float | None = None
-    """The sampler's sigma shift. Default: the model's own sampler's (SkyReels-A2 8, Phantom-Wan / V3 / RefAlign /
-    Stand-In 5, MAGREF 3, as their scripts fix it); a Wan base model's, the one its dir's scheduler config ships."""
+    """The sampler's sigma shift. Left out: the kind's own (docs/kinds.md), as its lab's script fixes it: SkyReels-A2 8,
+    Phantom-Wan / V3 / RefAlign / Stand-In 5, MAGREF 3, Wan VACE 16, Wan2.2-VACE-Fun 12; a Wan base model's, the one
+    its dir's scheduler config ships."""
     scheduler: Literal["unipc", "euler"] | None = None
     """The sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
     schedule: Literal["model", "flowmatch"] = "model"
@@ -717,8 +721,8 @@ class InferConfig(ModelConfig):
     out: str = "outputs/a2.mp4"
     """The output mp4 path."""
     fps: int | None = None
-    """The frames per second of the written mp4 (default: the model's own: A2 and MAGREF 15, Phantom-Wan and RefAlign
-    16, V3 24, Stand-In 25)."""
+    """The frames per second of the written mp4. Left out: the kind's own (docs/kinds.md): A2 and MAGREF 15,
+    Phantom-Wan, RefAlign and Wan VACE 16, SkyReels-V3 24, Stand-In 25."""
     side_by_side: bool = True
     """Shows the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None

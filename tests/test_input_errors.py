@@ -670,3 +670,25 @@ def test_a_typed_resolution_beside_a_dataset_config_of_another_size_is_refused(d
     with pytest.raises(ValueError, match=r"^--resolution 64 64: .*c\.json: datasets\[0\] trains at target_resolution"):
         train("--model", "tiny", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17", *flags,
               "--output-dir", str(tmp_path / "runs"))
+
+
+def test_infer_help_names_vaces_defaults_and_what_its_frames_count(capsys, monkeypatch):
+    """infer.py --help, as printed: --seed, --flow-shift and --fps name Wan VACE's own (vace_wan_inference.py
+    --base_seed 2025, Wan2.1 generate.py --sample_shift 16, shared_config.py 16 fps), and the values A2Pipeline fills
+    for a VACE model are those; --num-frames says VACE's references come on top; --mask takes a .npz."""
+    import re
+
+    import tyro
+
+    from a2.kinds import kind_sampling
+    from config import InferConfig
+    from tests.test_cli import help_text, option_help
+
+    said = help_text(capsys, monkeypatch, lambda a: tyro.cli(InferConfig, args=a), [])
+    flat = {flag: re.sub(r"\s+", " ", option_help(said, flag)) for flag in ("--seed", "--flow-shift", "--fps",
+                                                                          "--num-frames", "--mask")}
+    assert "Wan VACE 2025" in flat["--seed"] and "Wan VACE 16" in flat["--flow-shift"], flat
+    assert "Wan VACE 16" in flat["--fps"] and "Wan VACE's reference frames come on top" in flat["--num-frames"], flat
+    assert ".npz" in flat["--mask"], flat
+    own = kind_sampling("vace", "Wan2.1 VACE")
+    assert (own.seed, own.flow_shift, own.fps) == (2025, 16.0, 16)
