@@ -856,7 +856,7 @@ class BenchConfig:
 
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
-        check_frames(self.frames)
+        check_frames(self.frames, "--frames")
         if self.compare_run and not (Path(self.compare_run) / "metrics.jsonl").is_file():
             raise ConfigError(f"--compare-run {self.compare_run}: no metrics.jsonl there (a train_a2.py run dir)")
 

@@ -116,9 +116,25 @@ def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> 
             + "; --resolution, --num-frames and --steps set them")
 
 
-def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
-    """Print max |Δ| and PSNR (over the saved tensor's range) per tensor; True when all are within tolerance."""
-    saved = torch.load(saved_path, map_location="cpu", weights_only=True)
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov")  # the containers save_video's H.264 goes in
+
+
+def read_saved(path: str) -> dict:
+    """A --save-latents file (its latents and condition), read before anything renders; a mistake is one line."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zipfile and torch raise many types for a file that is not torch's
+        raise InputError(f"--compare {path}: not a --save-latents file ({type(e).__name__}): give the file an "
+                         "earlier `infer.py --save-latents FILE` wrote") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("latents"), torch.Tensor):
+        raise InputError(f"--compare {path}: a torch file without the latents a --save-latents file holds: give the "
+                         "file an earlier `infer.py --save-latents FILE` wrote")
+    return saved
+
+
+def compare_runs(current: dict, saved: dict, tolerance: float) -> bool:
+    """Print max |Δ| and PSNR (over the saved tensor's range) per tensor against a --save-latents file's (read_saved);
+    True when all are within tolerance."""
     ok = True
     for key in ("latents", "condition"):
         a, b = current.get(key), saved.get(key)
@@ -413,6 +429,11 @@ def check_inputs(cfg: InferConfig):
         if path and flag.startswith("--lora") and (why := lora_file_problem(path)):
             raise InputError(f"{flag} {path}: this {'dir' if Path(path).is_dir() else 'file'} is not a LoRA ({why}): "
                              f"give {LORA_FILES}")
+    if cfg.compare:
+        read_saved(cfg.compare)
+    if cfg.out and Path(cfg.out).suffix.lower() not in VIDEO_SUFFIXES:  # found now, not once the video is rendered
+        raise InputError(f"--out {cfg.out}: writes an H.264 video: name it {' / '.join(VIDEO_SUFFIXES)} (e.g. "
+                         f"{Path(cfg.out).with_suffix('.mp4')})")
     for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
         if path:  # found now, not once the video is rendered
             check_dir_to_write(flag, path, itself=flag == "--out-dir")
@@ -547,7 +568,7 @@ def one_video(cfg: InferConfig, info, source, first_frame) -> int:
         torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None
                     else out["condition"].cpu(), "config": asdict(cfg)}, cfg.save_latents)
         print(f"wrote {cfg.save_latents}")
-    if cfg.compare and not compare_runs(out, cfg.compare, cfg.tolerance):
+    if cfg.compare and not compare_runs(out, read_saved(cfg.compare), cfg.tolerance):
         return 1
     return 0
 

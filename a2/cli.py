@@ -122,6 +122,13 @@ def tyro_error_line(box: str) -> str:
     title = rows[0].strip("─- ") if rows else ""
     rows = list(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:])))
     body = re.sub(r"^Error parsing [A-Z]\w*: ", "", " ".join(rows).rstrip("."))  # a config class: its own check
+    typed = re.fullmatch(r"Error parsing (--[\w.-]+): no type matching (.+) could be instantiated from \[(.*)\]", body)
+    if typed:  # tyro's type algebra ({None}|{INT INT}) as what the flag takes and what it got
+        takes = " or ".join(t.strip("{}") for t in typed[2].split("|") if t != "{None}")
+        return f"{typed[1]} {typed[3].replace(chr(39), '').replace(',', '')}: expected {takes}"
+    literal = re.fullmatch(r"Error parsing (--[\w.-]+): invalid literal for (int|float)\(\).*: '(.*)'", body)
+    if literal:
+        return f"{literal[1]} {literal[3]}: expected {'a whole number' if literal[2] == 'int' else 'a number'}"
     if title == "Required options":  # "Missing from PROG:", then "--flag METAVAR" or a positional's "METAVAR" rows
         body = "missing " + ", ".join(dict.fromkeys(r.split()[0] for r in rows if r.startswith("--")
                                                     or re.fullmatch(r"[A-Z][A-Z_]*", r)))

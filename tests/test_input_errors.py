@@ -36,8 +36,8 @@ def one_line_exit_2(capsys, cfg: dict) -> str:
 @pytest.mark.parametrize("mistake, want", [
     ("missing", "nope.png: element 'subject' image not found"),
     ("text", "notes.png: element 'subject' is not a readable image"),
-    ("size", "height and width must be positive multiples of 16, got 60x60"),
-    ("frames", "num_frames must be 4k+1 (e.g. 17, 49, 81), got 20"),
+    ("size", "--height 60 --width 60: height and width must be positive multiples of 16, got 60x60"),
+    ("frames", "--num-frames 20: num_frames must be 4k+1 (e.g. 17, 49, 81), got 20; the nearest: 17 or 21"),
 ])
 def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mistake, want):
     (tmp_path / "notes.png").write_text("not a picture\n")
@@ -692,3 +692,68 @@ def test_infer_help_names_vaces_defaults_and_what_its_frames_count(capsys, monke
     assert ".npz" in flat["--mask"], flat
     own = kind_sampling("vace", "Wan2.1 VACE")
     assert (own.seed, own.flow_shift, own.fps) == (2025, 16.0, 16)
+
+
+# ---------------------------------------------------------------- a newcomer's walk: each mistake one line, exit 2
+
+
+@pytest.mark.parametrize("mistake, want", [
+    ("elements dir", "{data}: element 'subject' is a dir, not an image: give image files (e.g. {data}/000_background"
+                     ".png)"),
+    ("out not a video", "--out {tmp}/out.txt: writes an H.264 video: name it .mp4 / .mkv / .mov (e.g. {tmp}/out.mp4)"),
+    ("compare not latents", "--compare {tmp}/notes.txt: not a --save-latents file (UnpicklingError): give the file an "
+                            "earlier `infer.py --save-latents FILE` wrote"),
+    ("compare other torch file", "--compare {tmp}/other.pt: a torch file without the latents a --save-latents file "
+                                 "holds: give the file an earlier `infer.py --save-latents FILE` wrote"),
+    ("frames", "--num-frames 18: num_frames must be 4k+1 (e.g. 17, 49, 81), got 18; the nearest: 17 or 21"),
+    ("size", "--resolution 30 30: height and width must be positive multiples of 16, got 30x30"),
+])
+def test_infer_newcomer_mistakes_are_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir,
+                                                                      mistake, want):
+    """What a first hour of infer.py meets: a dir given as an element image, an --out that is no video file (it was
+    pyav's traceback after rendering), a --compare file that is not a --save-latents file (a KeyError after
+    rendering), frames and a size the VAE cannot take (the line names the flag): one line, before any weights load."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    torch.save({"step": 1}, tmp_path / "other.pt")
+    cfg = {"elements dir": dict(elements=(str(data_dir),)), "out not a video": dict(out=str(tmp_path / "out.txt")),
+           "compare not latents": dict(compare=str(tmp_path / "notes.txt")),
+           "compare other torch file": dict(compare=str(tmp_path / "other.pt")), "frames": dict(num_frames=18),
+           "size": dict(resolution=(30, 30))}[mistake]
+    err = one_line_exit_2(capsys, {**dict(model="tiny", device="cpu", elements=elements(data_dir, "tiny"),
+                                          resolution=(32, 32), num_frames=17), **cfg})
+    assert err == "error: " + want.format(data=data_dir, tmp=tmp_path), err
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--resolution", "32"], "--resolution 32: expected INT INT"),
+    (["--lr", "abc"], "--lr abc: expected FLOAT"),
+    (["--micro-batch", "1.5"], "--micro-batch 1.5: expected a whole number"),
+])
+def test_a_bad_flag_value_says_what_the_flag_takes(capsys, argv, want):
+    """A value of the wrong type: the flag, the value and what it takes, not tyro's type algebra ({None}|{INT INT})
+    or Python's int() message."""
+    from a2.cli import parse_cli
+    from config import TrainConfig
+
+    with pytest.raises(SystemExit) as e:
+        parse_cli(TrainConfig, args=["--model", "tiny", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {want}\n"
+
+
+def test_resume_at_a_dir_that_is_no_checkpoint_says_what_to_give(data_dir, tmp_path):
+    """--resume at a dir that holds no run, and at a run dir instead of one of its checkpoints: one line saying what
+    --resume takes (it said "incomplete: its writer was stopped", of a dir no writer wrote)."""
+    from a2.runs import ResumeError
+    from tests.conftest import args, train
+
+    flags = args(data_dir, tmp_path, "r", "--max-steps", "1", "--num-frames", "17")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ResumeError, match=r"^--resume \S+notes: not a checkpoint \(no manifest\.json\): give a run's "
+                                          r"ckpt-<step> dir, or --resume auto with the run's --run-name$"):
+        train(*flags, "--resume", str(tmp_path / "notes"))
+    train(*flags, "--ckpt-every", "1")
+    with pytest.raises(ResumeError, match=r"^--resume \S+/r: not a checkpoint \(no manifest\.json\): a run dir; give "
+                                          r"one of its checkpoints \(ckpt-0000001\), or --resume auto with "
+                                          r"--output-dir \S+ --run-name r$"):
+        train(*flags, "--resume", str(tmp_path / "r"))
