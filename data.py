@@ -75,7 +75,7 @@ from a2.media import (
     resampled_frames,
 )
 from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import TEXT_TOKENS, detect_model
+from a2.transformer import HUB_ID, TEXT_TOKENS, detect_model
 from config import DataCommand, MakeSample, Validate, dataset_configs, with_recipe
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
@@ -890,7 +890,7 @@ def training_layout(a: Validate, cfgs):
     references), so when --model is on this machine (a built-in model, a dir or a file) they are planned as training
     plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
-    if a.model in TINY_MODELS or Path(a.model).exists():
+    if a.model in TINY_MODELS or Path(a.model).exists() or not HUB_ID.fullmatch(a.model):  # no Hub id: said
         info = detect_model(model_path(a.model), a.image_encoder and model_path(a.image_encoder), a.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.elements or a.dataset_config))
         return cfgs, plan(info, elements, cfgs[0].vae, a.num_frames, a.e2v_type), info.spatial_multiple

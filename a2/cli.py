@@ -144,6 +144,23 @@ def unknown_line(unknown: list[str], known: list[str]) -> str:
     return f"{what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
 
 
+def user_words(line: str, argv: list[str]) -> str:
+    """tyro's line for a mistyped command (a subcommand name) or a positional argument given as a --flag, in the words
+    of what was typed."""
+    missing = re.fullmatch(r"Missing subcommand: Expected one of \{(.*)\}", line)
+    given = next((a for a in argv if not a.startswith("-")), None)
+    if missing and given:
+        commands = [c.strip() for c in missing[1].split(",")]
+        close = difflib.get_close_matches(given, commands, n=1, cutoff=0.6)
+        return (f"unknown command {given!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; the commands: {', '.join(commands)}")
+    positional = re.fullmatch(r"Missing value for argument '(\w+)'.*", line)
+    if positional and f"--{positional[1]}" in argv:
+        name = positional[1]
+        return f"--{name}: {name.upper()} is given without a flag name here (a positional argument): drop --{name}"
+    return line
+
+
 def parse_cli(cls, args=None, **kwargs):
     """tyro.cli(cls) for a script's __main__, before its heavy imports: a config error (InputError) and a bad value
     (tyro's box) are one line, an unknown option one line naming the closest known ones (tyro's own answer quotes
@@ -160,7 +177,7 @@ def parse_cli(cls, args=None, **kwargs):
                 flags = [a.partition("=")[0] for a in (sys.argv[1:] if args is None else args) if a.startswith("--")]
                 typos = [f for f in flags if f not in known and f.replace("no-", "", 1) not in known]  # --no-flag
                 line = f"{unknown_line(typos, known)}; {line}; --help lists the options" if typos else line
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {user_words(line, sys.argv[1:] if args is None else list(args))}", file=sys.stderr)
         else:
             sys.stderr.write(said.getvalue())
         raise

@@ -757,3 +757,23 @@ def test_resume_at_a_dir_that_is_no_checkpoint_says_what_to_give(data_dir, tmp_p
                                           r"one of its checkpoints \(ckpt-0000001\), or --resume auto with "
                                           r"--output-dir \S+ --run-name r$"):
         train(*flags, "--resume", str(tmp_path / "r"))
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["valdate", "--data-root", "d"], "unknown command 'valdate' (did you mean validate?); the commands: make-sample, "
+                                      "validate, index, export-elements"),
+    (["make-sample", "--out", "d"], "--out: OUT is given without a flag name here (a positional argument): drop --out"),
+    (["validate", "--data-root", "{data}", "--model", "tiny_v3", "--num-frames", "17"],
+     "tiny_v3: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan checkpoint, a Hugging Face "
+     "Hub id (org/name), or the name of a built-in model: tiny, "),
+])
+def test_data_newcomer_mistakes_are_one_line(data_dir, capsys, argv, want):
+    """data.py: a misspelt command says the close one; a positional argument given as a --flag says to drop the flag
+    name (tyro said "Missing value for argument 'out'" of a value that was there); a --model that is no dir, no Hub
+    id and no built-in name is refused (validate went on with the elements' rule, as for a Hub id)."""
+    import data
+
+    with pytest.raises(SystemExit) as e:
+        data._cli([a.format(data=data_dir) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {want}"), err
