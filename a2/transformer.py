@@ -907,7 +907,9 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     if not conditioned:
         if info.e2v:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
-                                   "(no elements, no frame conditioning) needs a T2V model")
+                                   "(no elements, no frame conditioning) needs a T2V model (e.g. tiny-t2v, "
+                                   "Wan2.1-T2V); or give the data its element images (--elements, or \"elements\" "
+                                   "in each dataset of a --dataset-config)")
         return "none"
     if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
         return vae_path_only(where, e2v_type, "E2V there (no channel conditioning)")

@@ -424,6 +424,7 @@ def test_validate_reads_manifests_and_json_configs_like_train(synth, tmp_path, c
                          "batch (8) per epoch: never trained" in out
     code, _, err = validate(capsys, "--manifest", str(tmp_path / "m.jsonl"), "--dataset-type", "t2v")
     assert code == 2 and "T2V-only training (no elements, no frame conditioning) needs a T2V model" in err
+    assert "or give the data its element images (--elements, or \"elements\" in each dataset" in err  # the fix
 
 
 def test_validate_reads_the_clip_length_of_the_models_layout(synth, capsys):
