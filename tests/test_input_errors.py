@@ -777,3 +777,22 @@ def test_data_newcomer_mistakes_are_one_line(data_dir, capsys, argv, want):
         data._cli([a.format(data=data_dir) for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {want}"), err
+
+
+def test_a_hub_id_that_cannot_be_downloaded_reads_as_a_sentence(monkeypatch):
+    """--model org/name that is no local dir and cannot be fetched: one line that says so in a sentence (it read
+    "...as a Hugging Face Hub model it is could not be downloaded...")."""
+    import huggingface_hub
+
+    from a2.transformer import UnsupportedModel, hub_snapshot
+
+    def refuse(repo, **kw):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(UnsupportedModel) as e:
+        hub_snapshot("org/nosuchmodel")
+    assert str(e.value) == ("org/nosuchmodel: no such local dir, and the Hugging Face Hub model could not be "
+                            "downloaded (ConnectionError: Name or service not known); check the id and the network "
+                            "(gated repos need `hf auth login`), or pass a local model dir")
