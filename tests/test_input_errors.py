@@ -796,3 +796,29 @@ def test_a_hub_id_that_cannot_be_downloaded_reads_as_a_sentence(monkeypatch):
     assert str(e.value) == ("org/nosuchmodel: no such local dir, and the Hugging Face Hub model could not be "
                             "downloaded (ConnectionError: Name or service not known); check the id and the network "
                             "(gated repos need `hf auth login`), or pass a local model dir")
+
+
+def test_an_index_clip_is_checked_against_the_frames_its_video_holds(tmp_path, media):
+    """An OpenS2V-5M-shaped index whose clip range (num_frames, from face_cut) runs past its video's end (a cut or
+    replaced file): the clip is checked against the frames the file holds from its start, not the index's count, so
+    a bucket longer than the file is refused before step 1 naming both (it passed, and failed at load), and a bucket
+    the file fills trains on its own frames."""
+    import a2.public_data as pd_
+    from a2.media import read_frames
+
+    f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
+    frames = np.stack([np.asarray(Image.fromarray(x).resize((64, 48))) for x in f])
+    pd_.synthetic_opens2v(tmp_path, frames, np.full((20, 10, 3), 200, np.uint8), num_clips=1)
+    pd_.index_opens2v(pd_.IndexOpenS2V(str(tmp_path), str(tmp_path / "index")))
+    index = tmp_path / "index" / "index.jsonl"
+    line = json.loads(index.read_text().splitlines()[0])
+    own = 20 - int(line.get("start") or 0)  # the frames the video holds from the clip's start
+    index.write_text(json.dumps({**line, "num_frames": 40}) + "\n")
+    cfg = dataset_configs(Validate(dataset_type="opens2v", manifest=str(index)))[0]
+    short, fits = (next(s for s in pd_.list_index(index, cfg, 0, [])) for _ in range(2))
+    pd_.check_public_sample(short, cfg, own + 3, "uniform")
+    assert [p.what for p in short.problems] == [
+        f"{own} frames (from frame {line.get('start') or 0}; its index lists 40, past the video's end), shorter than "
+        f"the smallest bucket ({own + 3})"]
+    pd_.check_public_sample(fits, cfg, 9, "uniform")
+    assert fits.problems == [] and fits.num_frames == own
