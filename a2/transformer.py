@@ -482,6 +482,13 @@ def hub_snapshot(repo_id: str, parts: tuple[str, ...] = (), what: str | None = N
                                + ("" if what else ", or pass a local model dir")) from None
 
 
+def not_a_model(name, built_in=()) -> str:
+    """The line for a --model that is no file or dir (built_in: the built-in names a2.tiny.model_path offers)."""
+    return (f"{name}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan checkpoint, a Hugging "
+            "Face Hub id (org/name), or the name of a built-in model" + (": " + ", ".join(built_in) if built_in else "")
+            + ")")
+
+
 def local_or_hub(name) -> Path:
     """A local path as it is, else a Hugging Face Hub id (org/name) resolved through the Hub cache (hub_snapshot)."""
     path = Path(name)
@@ -610,11 +617,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and dit_checkpoints(d)):
         return detect_phantom(d, components)
     if not d.is_dir():
-        from a2.tiny import TINY_MODELS  # a2.tiny builds on this module: its registry is read when named
-
-        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan "
-                               "checkpoint, a Hugging Face Hub id (org/name), or the name of a built-in model: "
-                               + ", ".join(TINY_MODELS) + ")")
+        raise UnsupportedModel(not_a_model(d))
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
                                "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, SkyReels-V3 R2V) or a Phantom-Wan checkpoint")
