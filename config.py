@@ -345,8 +345,8 @@ class DataConfig(DataSource):
     resolution: tuple[int, int] | None = None
     """The training (height, width) in pixels, multiples of 16. Left out: the model's recipe (RECIPES)."""
     num_frames: int | None = None
-    """The pixel frames (4k+1) of the whole sequence, reference frames included.
-    Left out: the model's recipe (RECIPES)."""
+    """The pixel frames (4k+1) of the whole sequence, reference frames included (A2's prefix; Wan VACE's references
+    come on top: its --num-frames is the clip). Left out: the model's recipe (RECIPES)."""
     skip_bad_samples: bool = False
     """Drops invalid samples (and says how many) instead of failing with the full list of problems."""
     num_workers: int = 2
@@ -610,10 +610,11 @@ def flat_config(cfg: TrainConfig, nested: bool = False) -> dict:
     return out
 
 
-def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int,
-                    eval_manifest: str | None = None) -> list[DatasetConfig]:
+def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int, eval_manifest: str | None = None,
+                    resolution_given: bool = False) -> list[DatasetConfig]:
     """The datasets of a run (its data and conditioning sections, --clip-size, --eval-manifest): the JSON file if
-    given, else one dataset from the flags."""
+    given, else one dataset from the flags. resolution_given: --resolution was typed (not the recipe's): a file whose
+    datasets train at another size refuses it, as the other data flags."""
     check_size(*data.resolution, data.num_frames)
     if data.dataset_config:
         cfgs = load_dataset_config(data.dataset_config)
@@ -623,6 +624,12 @@ def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int,
             raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {data.dataset_config} "
                               "describes the data (each dataset's keys of the same names); set them there, or drop "
                               "the flags")
+        other = next((d for d in cfgs if resolution_given and tuple(d.target_resolution) != tuple(data.resolution)),
+                     None)
+        if other is not None:  # the file's size trains: a typed size beside it would be silently another experiment
+            raise ConfigError(f"--resolution {data.resolution[0]} {data.resolution[1]}: {other.source} trains at "
+                              f"target_resolution {list(other.target_resolution)}; set the size in the file, or drop "
+                              "the flag")
         for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
             flag, file = getattr(c, f.name), getattr(cfgs[0].vae, f.name)
             if flag != getattr(ConditioningConfig(), f.name) and flag != file:
@@ -685,7 +692,8 @@ class InferConfig(ModelConfig):
     Without it (and --mask) VACE samples from the references alone (R2V)."""
     mask: str | None = None
     """The mask of --control-video, white where VACE generates (Wan's src_mask, read from its first channel): a video
-    of its frames, or one image for all of them. Without it the whole control video is to transform."""
+    of its frames (a video file, or a .npz of uint8 `frames` as --control-video takes), or one image for all of them.
+    Without it the whole control video is to transform."""
     image: str | None = None
     """The first frame of a Wan 2.2 TI2V-5B image-to-video, resized to --height x --width with Lanczos (as diffusers'
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
@@ -694,18 +702,19 @@ class InferConfig(ModelConfig):
     (a2.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
-    preset: Literal["v3-distilled", "diffusers"] | None = None
-    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-distilled:
-    SkyReels-V3's released generate_video, 8 steps, guidance 1 (one forward a step), 121 frames (5 s). diffusers
-    (VACE): diffusers' WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the
-    references resized to multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out
-    is the model's own sampler's (its kind's Sampling, README "What each kind samples with"): SkyReels-A2 shift 8, 15
-    fps; Phantom-Wan guidance 7.5 / 5, Wan's Chinese negative prompt, 16 fps; SkyReels-V3 7.5 / 5, an empty negative
-    prompt, 24 fps; MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too), its negative prompt, 15 fps;
-    RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on linspace(1, 0), shift 5, 20
-    steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999, shift 16, Wan's negative
-    prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12, seed 43); and the
-    references' VAE encode as each lab's."""
+    preset: Literal["v3-cfg", "diffusers"] | None = None
+    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-cfg: SkyReels-V3's
+    pipeline class's own defaults (WanSkyReelsA2WanT2VPipeline.__call__), 50 steps, guidance 7.5 / 5 (three forwards a
+    step), 105 frames; without it V3 samples as its generate_video.py does. diffusers (VACE): diffusers'
+    WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the references resized to
+    multiples of 8 (Lanczos) and placed in reverse order. Without a preset every flag left out is the model's own
+    sampler's (its kind's Sampling, docs/kinds.md): SkyReels-A2 shift 8, 15 fps; Phantom-Wan guidance 7.5 / 5, Wan's
+    Chinese negative prompt, 16 fps; SkyReels-V3 as its generate_video.py, 8 steps, guidance 1 (one forward a step), an
+    empty negative prompt, 121 frames (5 s at 24 fps); MAGREF 40 steps, shift 3, seed 3407 (its canvas placement too),
+    its negative prompt, 15 fps; RefAlign Euler, 7.5 / 5, seed 0, 16 fps; Stand-In, chosen by its --lora file, Euler on
+    linspace(1, 0), shift 5, 20 steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999,
+    shift 16, Wan's negative prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12,
+    seed 43); and the references' VAE encode as each lab's."""
     prompt: str = "A man is holding a teddy bear in the forest."
     """The text prompt of the video."""
     negative_prompt: str | None = None
@@ -718,14 +727,15 @@ class InferConfig(ModelConfig):
     resolution: tuple[int, int] | None = None
     """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
     num_frames: int | None = None
-    """The pixel frames (4k+1) generated in all, reference frames included (default 81, A2's, of which 12 are
-    references; a built-in tiny model: 33; --preset v3-distilled: 121)."""
+    """The pixel frames (4k+1) generated in all, reference frames included where the kind places them in the sequence
+    (A2: 12 of the default 81); Wan VACE's reference frames come on top (its --num-frames is the video). Left out:
+    81; SkyReels-V3 121, its generate_video.py's 5 s; a built-in tiny model 33; --preset v3-cfg 105."""
     steps: int | None = None
-    """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20; a built-in tiny
-    model: 10; a --preset's own)."""
+    """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20, SkyReels-V3 8; a
+    built-in tiny model: 10; a --preset's own)."""
     guidance_scale: float | None = None
     """The classifier-free guidance scale (1: no guidance, one forward per step; default: the model's own, 5; the
-    reference-guided kinds 7.5)."""
+    reference-guided kinds 7.5, SkyReels-V3 1)."""
     guidance_scale_img: float | None = None
     """The reference guidance of the in-context kinds, as Phantom-Wan, SkyReels-V3 and RefAlign sample (a third forward
     with zero references). Default: theirs (5) on their models; else off (text CFG only, references in both: the same
@@ -734,11 +744,13 @@ class InferConfig(ModelConfig):
     """The CFG scale of a Wan 2.2 A14B pair's low-noise expert, as diffusers' Wan pipelines (default:
     --guidance-scale)."""
     seed: int | None = None
-    """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement (default: the model's
-    own sampler's, 42; MAGREF 3407; Stand-In and RefAlign 0)."""
+    """Seeds the initial noise, the condition's VAE posterior sample and MAGREF's canvas placement. Left out: the kind's
+    own (docs/kinds.md): 42 (A2, Phantom-Wan, SkyReels-V3); MAGREF 3407; Stand-In and RefAlign 0; Wan VACE 2025;
+    Wan2.2-VACE-Fun 43."""
     flow_shift: float | None = None
-    """The sampler's sigma shift. Default: the model's own sampler's (SkyReels-A2 8, Phantom-Wan / V3 / RefAlign /
-    Stand-In 5, MAGREF 3, as their scripts fix it); a Wan base model's, the one its dir's scheduler config ships."""
+    """The sampler's sigma shift. Left out: the kind's own (docs/kinds.md), as its lab's script fixes it: SkyReels-A2 8,
+    Phantom-Wan / V3 / RefAlign / Stand-In 5, MAGREF 3, Wan VACE 16, Wan2.2-VACE-Fun 12; a Wan base model's, the one
+    its dir's scheduler config ships."""
     scheduler: Literal["unipc", "euler"] | None = None
     """The sampler: UniPC multistep (A2's) or flow-matching Euler (default: the model's own; Stand-In's Euler)."""
     schedule: Literal["model", "flowmatch"] = "model"
@@ -775,8 +787,8 @@ class InferConfig(ModelConfig):
     out: str = "outputs/a2.mp4"
     """The output mp4 path."""
     fps: int | None = None
-    """The frames per second of the written mp4 (default: the model's own: A2 and MAGREF 15, Phantom-Wan and RefAlign
-    16, V3 24, Stand-In 25)."""
+    """The frames per second of the written mp4. Left out: the kind's own (docs/kinds.md): A2 and MAGREF 15,
+    Phantom-Wan, RefAlign and Wan VACE 16, SkyReels-V3 24, Stand-In 25."""
     side_by_side: bool = True
     """Shows the reference images left of each frame, as A2's infer.py does."""
     save_latents: str | None = None
@@ -910,7 +922,7 @@ class BenchConfig:
 
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
-        check_frames(self.frames)
+        check_frames(self.frames, "--frames")
         if self.compare_run and not (Path(self.compare_run) / "metrics.jsonl").is_file():
             raise ConfigError(f"--compare-run {self.compare_run}: no metrics.jsonl there (a train_a2.py run dir)")
 

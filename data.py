@@ -72,7 +72,7 @@ from a2.media import (
     resampled_frames,
 )
 from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import TEXT_TOKENS, detect_model
+from a2.transformer import HUB_ID, TEXT_TOKENS, detect_model
 from config import DataCommand, MakeSample, Validate, dataset_configs
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
@@ -338,11 +338,12 @@ class E2VDataset(torch.utils.data.Dataset):
         samples, loose = scan(cfgs, num_frames, frame_sampling, why, most, bool(layout and layout.context_blocks))
         problems = loose + [p for s in samples for p in s.problems]
         errors, warnings = [p for p in problems if not p.warning], [p for p in problems if p.warning]
+        refused = None
         if errors and not skip_bad_samples:  # the problems counted, then the warnings (samples kept) after them
-            raise DatasetError(f"{len(errors)} problem(s) in the dataset"
-                               + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
-                               + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
-                               + "\n(--skip-bad-samples drops the samples with a problem instead)")
+            refused = DatasetError(f"{len(errors)} problem(s) in the dataset"
+                                   + (f", and {len(warnings)} warning(s)" if warnings else "") + ":\n  "
+                                   + "\n  ".join([*map(str, errors), *(f"warning: {p}" for p in warnings)])
+                                   + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]
         # what the run's kind cannot take, named and left out before step 1: the element set (a2.kinds.Kind
@@ -352,15 +353,20 @@ class E2VDataset(torch.utils.data.Dataset):
         self.left_out = [Problem(s.id, s.video, why, s.where) for s, why in zip(self.samples, refusals) if why]
         self.samples = [s for s, why in zip(self.samples, refusals) if not why]
         self.buckets = [b for b, why in zip(self.buckets, refusals) if not why]
-        if verbose:
-            print("\n".join(self.summary(problems, sum(s.bad for s in samples), global_batch)))
+        if verbose:  # what the rest of the data would train, also when a problem stops it (said after, in one block)
+            print("\n".join(self.summary([] if refused else problems, sum(s.bad for s in samples), global_batch,
+                                          refused is not None)))
+        if refused is not None:
+            raise refused
         if not self.samples:
             raise DatasetError("no valid samples left in " + ", ".join(c.data_root for c in cfgs))
 
-    def summary(self, problems: list[Problem], skipped: int, global_batch: int) -> list[str]:
-        """Samples per dataset and element, per bucket, and the buckets that never fill a global batch."""
+    def summary(self, problems: list[Problem], skipped: int, global_batch: int, refused: bool = False) -> list[str]:
+        """Samples per dataset and element, per bucket, and the buckets that never fill a global batch. refused: the
+        bad samples stop the run (their problems are said by the error): the summary is of the others."""
         lines = [f"dataset: {len(self.samples)} samples from {len(self.cfgs)} dataset(s)"
-                 + (f"; skipped {skipped} bad sample(s)" if skipped else "")
+                 + (f" besides the {skipped} with a problem (below)" if refused and skipped else
+                    f"; skipped {skipped} bad sample(s)" if skipped else "")
                  + (f"; left out {len(self.left_out)} the kind cannot take" if self.left_out else "")]
         lines += [f"  {'warning' if p.warning else 'skipped'}: {p}" for p in problems]
         lines += [f"  left out: {p}" for p in self.left_out]
@@ -635,7 +641,10 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 
 
 def validate(a: Validate) -> E2VDataset:
-    cfgs = dataset_configs(a.data, a.conditioning, a.model.clip_size, a.validation.eval_manifest)
+    """`data.py validate`: what training reads with these flags (a --resolution typed beside a dataset config is
+    held against it, as training holds it)."""
+    cfgs = dataset_configs(a.data, a.conditioning, a.model.clip_size, a.validation.eval_manifest,
+                           resolution_given="resolution" not in a.filled)
     cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.data.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.data.skip_bad_samples,
@@ -651,7 +660,7 @@ def training_layout(a: Validate, cfgs):
     plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     m = a.model
-    if m.model in TINY_MODELS or Path(m.model).exists():
+    if m.model in TINY_MODELS or Path(m.model).exists() or not HUB_ID.fullmatch(m.model):  # no Hub id: said
         info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.data.elements or a.data.dataset_config))
         return cfgs, plan(info, elements, cfgs[0].vae, a.data.num_frames, m.e2v_type), info.spatial_multiple

@@ -43,7 +43,15 @@ from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
 from a2.images import IMAGE_EXTS, read_image, resize_frames
 from a2.kinds import KIND_DEFS, kind_elements, kind_sampling
-from a2.lora import base_mismatch, expansion_file, load_expanded, load_lora, read_base_metadata
+from a2.lora import (
+    LORA_FILES,
+    base_mismatch,
+    expansion_file,
+    load_expanded,
+    load_lora,
+    lora_file_problem,
+    read_base_metadata,
+)
 from a2.media import read_clip
 from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
@@ -73,7 +81,7 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
         source["size"] = "tiny model's default" if tiny else "default"
     num_frames, steps = cfg.num_frames, cfg.steps
     if num_frames is None:
-        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode is not None else
+        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode and mode.num_frames else
                                         (recipe["num_frames"], "tiny model's default") if tiny else
                                         (recipe["num_frames"], "default"))
     if steps is None and tiny and mode is None:  # a preset's steps are its own (A2Pipeline fills them)
@@ -87,6 +95,19 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
                    device=device), source
 
 
+def own_frames(cfg: InferConfig, source: dict[str, str], info) -> tuple[InferConfig, dict[str, str]]:
+    """--num-frames left out (and no --preset's) on a real model whose lab's entry point renders its own length
+    (Sampling.num_frames: SkyReels-V3's generate_video.py, 5 s at 24 fps): that length. A built-in tiny model keeps
+    its smoke-test frames, as it keeps its steps."""
+    if "frames" not in source or source["frames"].startswith("--preset") or is_tiny(cfg.model):
+        return cfg, source
+    kind = element_kind(info, cfg.conditioning)
+    frames = kind_sampling(kind, info.name).num_frames
+    if frames is None:
+        return cfg, source
+    return replace(cfg, num_frames=frames), {**source, "frames": f"the {kind} kind's own"}
+
+
 def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> str:
     """What a built-in model renders and, for each of size / frames / steps the flags left out, where it came from."""
     said = [(f"{cfg.height}x{cfg.width}", "size"), (f"{cfg.num_frames} frames", "frames"), (f"{steps} steps", "steps")]
@@ -95,9 +116,25 @@ def size_banner(cfg: InferConfig, steps: int | None, source: dict[str, str]) -> 
             + "; --resolution, --num-frames and --steps set them")
 
 
-def compare_runs(current: dict, saved_path: str, tolerance: float) -> bool:
-    """Print max |Δ| and PSNR (over the saved tensor's range) per tensor; True when all are within tolerance."""
-    saved = torch.load(saved_path, map_location="cpu", weights_only=True)
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov")  # the containers save_video's H.264 goes in
+
+
+def read_saved(path: str) -> dict:
+    """A --save-latents file (its latents and condition), read before anything renders; a mistake is one line."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zipfile and torch raise many types for a file that is not torch's
+        raise InputError(f"--compare {path}: not a --save-latents file ({type(e).__name__}): give the file an "
+                         "earlier `infer.py --save-latents FILE` wrote") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("latents"), torch.Tensor):
+        raise InputError(f"--compare {path}: a torch file without the latents a --save-latents file holds: give the "
+                         "file an earlier `infer.py --save-latents FILE` wrote")
+    return saved
+
+
+def compare_runs(current: dict, saved: dict, tolerance: float) -> bool:
+    """Print max |Δ| and PSNR (over the saved tensor's range) per tensor against a --save-latents file's (read_saved);
+    True when all are within tolerance."""
     ok = True
     for key in ("latents", "condition"):
         a, b = current.get(key), saved.get(key)
@@ -164,13 +201,35 @@ def read_references(cfg: InferConfig, images, info=None, first_frame: bool = Fal
     (check_layout) and the images loaded as it takes them (errors name the file): dict(refs, clip_refs, repeats,
     region, elements (name -> CLIP-path image, for evaluate_video), specs, layout). Without `info` no layout: each
     element framed as A2's specs frame it."""
-    items = pair_elements(images, element_specs(cfg, info))
+    items = paired(cfg, info, images, "--elements", first_frame)
     layout = None if info is None else check_layout(cfg, info, tuple(e for e, _ in items), first_frame, seed)
     if not items:
         return dict(refs=None, clip_refs=None, repeats=(), region=None, elements={}, specs=(), layout=layout)
     refs, clip_refs, repeats, region = load_references(items, (cfg.height, cfg.width), (cfg.clip_size,) * 2, layout)
     return dict(refs=refs, clip_refs=clip_refs, repeats=repeats, region=region, layout=layout,
                 elements=named_references(items, clip_refs), specs=tuple(e for e, _ in items))
+
+
+def paired(cfg: InferConfig, info, images, flag: str, first_frame: bool = False) -> list:
+    """The element images paired with the specs (element_specs), or one line in the user's terms: a model that
+    samples from references given none (ask for them), more images than its kind takes (the model, the kind, its
+    most and the fix). flag: where the images came from (--elements, an eval set's sample)."""
+    specs = element_specs(cfg, info)
+    kind = None if info is None else element_kind(info, cfg.conditioning)
+    if (kind is not None and not images and not first_frame and (info.e2v or info.native_kind)
+            and cfg.conditioning.frame_conditioning == "full"):
+        raise InputError(f"--model {cfg.model} ({info.name}) makes a video of reference images: give --elements "
+                         f"IMAGE [IMAGE ...] (1 to {min(KIND_DEFS[kind].references[1], len(specs))})")
+    if len(images) > len(specs):
+        if cfg.element_specs:
+            raise InputError(f"{flag}: {len(images)} images but --element-specs names {len(specs)} elements: give "
+                             "one spec per image, or fewer images")
+        most = KIND_DEFS[kind].references[1] if kind else len(specs)
+        where = f"--model {cfg.model} ({info.name}) samples as the {kind} kind, which" if kind else "A2's layout"
+        raise InputError(f"{flag}: {len(images)} images, but {where} takes at most {min(most, len(specs))} "
+                         f"references: give at most {min(most, len(specs))}"
+                         + (f" (or --element-specs with up to {most} elements)" if most > len(specs) else ""))
+    return pair_elements(images, specs)
 
 
 def element_specs(cfg: InferConfig, info) -> tuple:
@@ -286,7 +345,6 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
     """An OpenS2V-Eval set as downloaded (`Open-Domain_Eval.json` beside its Images/): a row per sample id with its
     prompt and reference images (by position onto the model's elements). Every image is opened and every sample's
     layout planned here, before any weights load (errors name the sample); the images load when rendered."""
-    specs = element_specs(cfg, info)
     rows = []
     for sid, sample in read_eval_set(cfg.eval_set).items():
         where = f"{cfg.eval_set}: sample {sid}"
@@ -300,7 +358,7 @@ def read_opens2v_set(cfg: InferConfig, info) -> list[dict]:
             except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... for damaged files
                 raise InputError(f"{where}: {path}: not a readable image ({type(e).__name__}: {e})") from e
         try:
-            items = pair_elements(images, specs)
+            items = paired(cfg, info, images, "its img_paths")
             layout = check_layout(cfg, info, tuple(e for e, _ in items), False)
         except ValueError as e:
             raise InputError(f"{where}: {e}") from e
@@ -358,20 +416,30 @@ def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
     return load_first_frame(cfg.image, (cfg.height, cfg.width))
 
 
-def main(cfg: InferConfig) -> int:
+def check_inputs(cfg: InferConfig):
+    """The flags resolved and every input mistake (a missing or unreadable file, a size or LoRA the model cannot
+    take) said in one line before any weights load. Returns (cfg, source, info, first_frame)."""
     cfg, source = resolve(cfg)
-    # input mistakes (a missing or unreadable file, a size the model cannot take) end in one line before any loading
     check_size(cfg.height, cfg.width, cfg.num_frames)
     for flag, path in (*(("--lora", p) for p in cfg.lora), ("--lora-high", cfg.lora_high), ("--lora-low", cfg.lora_low),
                        ("--transformer", cfg.transformer), ("--transformer-2", cfg.transformer_2),
                        ("--compare", cfg.compare)):
         if path and not Path(path).exists():
             raise MissingInput(f"{flag} {path}: no such file or dir")
+        if path and flag.startswith("--lora") and (why := lora_file_problem(path)):
+            raise InputError(f"{flag} {path}: this {'dir' if Path(path).is_dir() else 'file'} is not a LoRA ({why}): "
+                             f"give {LORA_FILES}")
+    if cfg.compare:
+        read_saved(cfg.compare)
+    if cfg.out and Path(cfg.out).suffix.lower() not in VIDEO_SUFFIXES:  # found now, not once the video is rendered
+        raise InputError(f"--out {cfg.out}: writes an H.264 video: name it {' / '.join(VIDEO_SUFFIXES)} (e.g. "
+                         f"{Path(cfg.out).with_suffix('.mp4')})")
     for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
         if path:  # found now, not once the video is rendered
             check_dir_to_write(flag, path, itself=flag == "--out-dir")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
                                                and model_path(cfg.image_encoder), cfg.components))
+    cfg, source = own_frames(cfg, source, info)
     check_size(cfg.height, cfg.width, cfg.num_frames, info.spatial_multiple)
     first_frame = as_input_error(read_first_frame, cfg, info)
     if first_frame is not None and (cfg.prompts_file or cfg.eval_set):
@@ -385,7 +453,6 @@ def main(cfg: InferConfig) -> int:
         if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
             raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
-    rows = None
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
             raise InputError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
@@ -395,24 +462,13 @@ def main(cfg: InferConfig) -> int:
         if cfg.save_latents or cfg.compare or cfg.decode == "none" or cfg.control_video or cfg.mask:
             raise InputError("--prompts-file / --eval-set write videos from their rows' elements: they take no "
                              "--save-latents / --compare / --decode none / --control-video / --mask")
-        if opens2v_set(cfg):
-            rows = read_opens2v_set(cfg, info)
-        else:
-            rows = as_input_error(read_rows, cfg.eval_set or cfg.prompts_file)
-        for row in rows if not opens2v_set(cfg) else ():  # every row's images read and checked before any model
-            try:
-                row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
-            except FileNotFoundError as e:
-                raise MissingInput(f"{row['line']}: {e}") from e
-            except ValueError as e:
-                raise InputError(f"{row['line']}: {e}") from e
-        items = [n for row in rows for n in row["elements"]]
-        layouts = [row["layout"] for row in rows]
-    else:
-        refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
-        control = as_input_error(read_control, cfg, refs["layout"])
-        items = list(refs["elements"])
-        layouts = [refs["layout"]]
+    return cfg, source, info, first_frame
+
+
+def load_pipeline(cfg: InferConfig, info, source, layouts, items, repeats=None) -> tuple[A2Pipeline, int]:
+    """(The pipeline of --model with --transformer(s) and every LoRA loaded, this process's rank), after the checks
+    that need the planned `layouts` (one per video); prints what was loaded and what is rendered. items: the element
+    names the videos take; repeats: one video's element frames (said beside them), None for several videos."""
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
@@ -421,7 +477,7 @@ def main(cfg: InferConfig) -> int:
     dtype = getattr(torch, cfg.dtype)
     rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
     # Stand-In's packed reference tokens (its K/V cache) are not split: one process
-    if dist.is_initialized() and (rows is not None or any(lay.reference_grid is not None for lay in layouts)):
+    if dist.is_initialized() and (repeats is None or any(lay.reference_grid is not None for lay in layouts)):
         raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
                          "run --prompts-file / --eval-set / Stand-In in one process")
     transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
@@ -439,16 +495,15 @@ def main(cfg: InferConfig) -> int:
              + (f" (from {cfg.transformer_2})" if cfg.transformer_2 else "") if pipe.transformer_2 is not None else "")
           + (f"; image encoder {info.image_encoder_dir}" if pipe.image_encoder is not None else "; no image encoder"))
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
-        print("elements: " + ", ".join(dict.fromkeys(items))
-              + (f" (repeats {refs['repeats']})" if rows is None else ""))
+        print("elements: " + ", ".join(dict.fromkeys(items)) + (f" (repeats {repeats})" if repeats is not None else ""))
     lay = layouts[0] if layouts else None
     if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
         steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
         print(size_banner(cfg, steps, source))
-    if rows is None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are of its frames
+    if repeats is not None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are frames
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.video_frames}")
-    adapters, kind, family = [], layouts[0].kind if layouts and layouts[0] else None, info.name
+    adapters, kind, family = [], lay.kind if lay else None, info.name
     for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
         note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
         if note:
@@ -475,19 +530,28 @@ def main(cfg: InferConfig) -> int:
     for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():
         if model is not None:
             context_parallel(model, dist.group.WORLD)
-    if rows is not None and opens2v_set(cfg):
-        render_opens2v_set(cfg, pipe, rows, info)
-        return 0
-    if rows is not None:
-        evaluators = None
-        if cfg.eval_set:
-            evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
-        scores = evaluate(cfg, pipe, rows, evaluators)
-        if cfg.eval_set:
-            means = write_metrics(Path(cfg.out_dir), scores)
-            print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
-                  + format_table(means, notes=evaluators.notes))
-        return 0
+    return pipe, rank
+
+
+def read_row_references(cfg: InferConfig, info, rows: list[dict]) -> list[dict]:
+    """Each row of a prompt list or a2's .jsonl eval set with its element images (its own, else --elements) read and
+    its layout planned, before any model loads; a mistake names the row."""
+    for row in rows:
+        try:
+            row.update(read_references(cfg, row.get("images", cfg.elements), info, seed=row.get("seed")))
+        except FileNotFoundError as e:
+            raise MissingInput(f"{row['line']}: {e}") from e
+        except ValueError as e:
+            raise InputError(f"{row['line']}: {e}") from e
+    return rows
+
+
+def one_video(cfg: InferConfig, info, source, first_frame) -> int:
+    """infer.py's main job: one video of --elements (or --image, or the prompt alone) and --prompt, written to --out;
+    --save-latents / --compare keep or check the latents (exit 1 when they differ past --tolerance)."""
+    refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
+    control = as_input_error(read_control, cfg, refs["layout"])
+    pipe, rank = load_pipeline(cfg, info, source, [refs["layout"]], list(refs["elements"]), refs["repeats"])
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
                    region=refs["region"], control=control)
     if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
@@ -504,9 +568,47 @@ def main(cfg: InferConfig) -> int:
         torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None
                     else out["condition"].cpu(), "config": asdict(cfg)}, cfg.save_latents)
         print(f"wrote {cfg.save_latents}")
-    if cfg.compare and not compare_runs(out, cfg.compare, cfg.tolerance):
+    if cfg.compare and not compare_runs(out, read_saved(cfg.compare), cfg.tolerance):
         return 1
     return 0
+
+
+def prompt_list(cfg: InferConfig, info, source) -> int:
+    """--prompts-file: each prompt without and with the LoRA, same seed, side by side, into --out-dir."""
+    rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.prompts_file))
+    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                         [n for row in rows for n in row["elements"]])[0]
+    evaluate(cfg, pipe, rows)
+    return 0
+
+
+def eval_set(cfg: InferConfig, info, source) -> int:
+    """--eval-set: an OpenS2V-Eval set rendered one video per sample (scored by a2.opens2v), or a2's .jsonl rendered
+    without and with the LoRA and scored by a2/evaluate.py into --out-dir's metrics.csv / .jsonl."""
+    if opens2v_set(cfg):
+        rows = read_opens2v_set(cfg, info)
+        pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                             [n for row in rows for n in row["elements"]])[0]
+        render_opens2v_set(cfg, pipe, rows, info)
+        return 0
+    rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.eval_set))
+    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
+                         [n for row in rows for n in row["elements"]])[0]
+    evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
+    scores = evaluate(cfg, pipe, rows, evaluators)
+    means = write_metrics(Path(cfg.out_dir), scores)
+    print(f"wrote {Path(cfg.out_dir) / 'metrics.csv'} and metrics.jsonl ({len(scores)} rows + means)\n"
+          + format_table(means, notes=evaluators.notes))
+    return 0
+
+
+def main(cfg: InferConfig) -> int:
+    cfg, source, info, first_frame = check_inputs(cfg)
+    if cfg.eval_set:
+        return eval_set(cfg, info, source)
+    if cfg.prompts_file:
+        return prompt_list(cfg, info, source)
+    return one_video(cfg, info, source, first_frame)
 
 
 if __name__ == "__main__":

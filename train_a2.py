@@ -273,8 +273,9 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
 
 def run_datasets(cfg: TrainConfig) -> list:
     """The run's datasets (config.dataset_configs) of its data and conditioning sections, --clip-size and
-    --eval-manifest."""
-    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest)
+    --eval-manifest; a --resolution typed (not the recipe's) is held against a dataset file's."""
+    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
+                           resolution_given="resolution" not in cfg.filled)
 
 
 def step_sections(cfg: TrainConfig) -> tuple:
@@ -289,8 +290,20 @@ def validation_sections(cfg: TrainConfig) -> tuple:
     return cfg.validation, cfg.eval, cfg.parallel, cfg.data.resolution, cfg.model.clip_size, cfg.model.expert
 
 
-def describe(run: Run) -> str:
-    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {run.layout.describe()} | "
+def data_layout(run: Run, dataset: E2VDataset):
+    """The run's layout for the largest element set its data holds (its buckets'), the one the header describes: a
+    plan covers the kind's most references, the data may hold fewer (Phantom's 4, clips of 3)."""
+    sets = [tuple(e.repeat for e in dataset.cfgs[s.dataset].elements if e.name in names)
+            for s, (_, _, _, names) in zip(dataset.samples, dataset.buckets)]
+    try:
+        return element_layout(run.layout, max(sets, key=len)) if sets else run.layout
+    except ValueError:  # a set the kind cannot take is left out by the dataset
+        return run.layout
+
+
+def describe(run: Run, layout=None) -> str:
+    """The run's header line; layout: the one the data samples in (data_layout), else the plan's."""
+    return (f"model {run.info.path}: {run.info.name}, {run.subfolder}/, {(layout or run.layout).describe()} | "
             f"{str(run.compute_dtype)[6:]} frozen weights"
             + (f" | sigma in [{run.sigma_range[0]}, {run.sigma_range[1]}]" if run.sigma_range != (0.0, 1.0) else "")
             + f" | blocks {'compiled' if run.compile else 'eager'}")
@@ -716,7 +729,7 @@ def main(cfg: TrainConfig) -> dict:
     run = with_cache(cfg, run, dataset)
     held = hold_out(dataset, cfg)  # eval loss samples, never trained on
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=o.seed, exclude=held)
-    log(describe(run))
+    log(describe(run, data_layout(run, dataset)))
     if cfg.filled:  # what the flags left out, from the model's recipe (config.RECIPES)
         log(f"{'tiny' if is_tiny(cfg.model.model) else 'the model'}'s recipe for the flags not given: "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.filled.items()))

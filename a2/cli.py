@@ -122,6 +122,13 @@ def tyro_error_line(box: str) -> str:
     title = rows[0].strip("─- ") if rows else ""
     rows = list(itertools.takewhile(lambda r: not rule(r), itertools.dropwhile(rule, rows[1:])))
     body = re.sub(r"^Error parsing [A-Z]\w*: ", "", " ".join(rows).rstrip("."))  # a config class: its own check
+    typed = re.fullmatch(r"Error parsing (--[\w.-]+): no type matching (.+) could be instantiated from \[(.*)\]", body)
+    if typed:  # tyro's type algebra ({None}|{INT INT}) as what the flag takes and what it got
+        takes = " or ".join(t.strip("{}") for t in typed[2].split("|") if t != "{None}")
+        return f"{typed[1]} {typed[3].replace(chr(39), '').replace(',', '')}: expected {takes}"
+    literal = re.fullmatch(r"Error parsing (--[\w.-]+): invalid literal for (int|float)\(\).*: '(.*)'", body)
+    if literal:
+        return f"{literal[1]} {literal[3]}: expected {'a whole number' if literal[2] == 'int' else 'a number'}"
     if title == "Required options":  # "Missing from PROG:", then "--flag METAVAR" or a positional's "METAVAR" rows
         body = "missing " + ", ".join(dict.fromkeys(r.split()[0] for r in rows if r.startswith("--")
                                                     or re.fullmatch(r"[A-Z][A-Z_]*", r)))
@@ -135,6 +142,23 @@ def unknown_line(unknown: list[str], known: list[str]) -> str:
     close = dict.fromkeys(m for f in flags for m in difflib.get_close_matches(f, known, n=2, cutoff=0.6))
     what = f"unknown option {' '.join(flags)}" if flags else f"unexpected argument {' '.join(unknown)}"
     return f"{what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+
+
+def user_words(line: str, argv: list[str]) -> str:
+    """tyro's line for a mistyped command (a subcommand name) or a positional argument given as a --flag, in the words
+    of what was typed."""
+    missing = re.fullmatch(r"Missing subcommand: Expected one of \{(.*)\}", line)
+    given = next((a for a in argv if not a.startswith("-")), None)
+    if missing and given:
+        commands = [c.strip() for c in missing[1].split(",")]
+        close = difflib.get_close_matches(given, commands, n=1, cutoff=0.6)
+        return (f"unknown command {given!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; the commands: {', '.join(commands)}")
+    positional = re.fullmatch(r"Missing value for argument '(\w+)'.*", line)
+    if positional and f"--{positional[1]}" in argv:
+        name = positional[1]
+        return f"--{name}: {name.upper()} is given without a flag name here (a positional argument): drop --{name}"
+    return line
 
 
 def parse_cli(cls, args=None, **kwargs):
@@ -153,7 +177,7 @@ def parse_cli(cls, args=None, **kwargs):
                 flags = [a.partition("=")[0] for a in (sys.argv[1:] if args is None else args) if a.startswith("--")]
                 typos = [f for f in flags if f not in known and f.replace("no-", "", 1) not in known]  # --no-flag
                 line = f"{unknown_line(typos, known)}; {line}; --help lists the options" if typos else line
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {user_words(line, sys.argv[1:] if args is None else list(args))}", file=sys.stderr)
         else:
             sys.stderr.write(said.getvalue())
         raise

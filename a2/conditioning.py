@@ -358,11 +358,13 @@ def make_layout(kind: str, num_frames: int, repeats=(), **settings) -> Layout:
     return Layout(kind, num_frames, clip, l_ref, repeats, **settings)
 
 
-def element_layout(layout: Layout, repeats) -> Layout:
+def element_layout(layout: Layout, repeats, sampled: bool = False) -> Layout:
     """The run's layout for one element set (a bucket's: its elements' repeats, in position order), from the same
     plan: the same clip and settings, the references, their latents and the tokens of the set. A prefix sequence
-    keeps its clip and holds the set's reference latents before it (fewer elements: a shorter sequence). Raises
-    ValueError when the kind cannot take the set (element_refusal)."""
+    keeps its clip and holds the set's reference latents before it (fewer elements: a shorter sequence), as a bucket
+    trains it. sampled: as a video is sampled instead (validation, infer.py's sampling_plan): --num-frames stays the
+    whole sequence, so fewer references leave more video frames (SkyReels-A2's infer.py renders its 81 frames
+    whatever the references). Raises ValueError when the kind cannot take the set (element_refusal)."""
     repeats = tuple(repeats)
     if not layout.takes_references or repeats == layout.repeats:
         return layout
@@ -370,7 +372,7 @@ def element_layout(layout: Layout, repeats) -> Layout:
     if why:
         raise ValueError(why)
     num_frames = layout.clip_frames if layout.definition.extends else layout.num_frames
-    if layout.kind == "prefix":
+    if layout.kind == "prefix" and not sampled:
         num_frames = VAE_T * (num_latent_frames(layout.clip_frames) + num_ref_latents(repeats, layout.combine) - 1) + 1
     derived = ("kind", "num_frames", "clip_frames", "ref_latents", "repeats")
     return make_layout(layout.kind, num_frames, repeats,
@@ -529,7 +531,7 @@ def validation_layout(layout: Layout, repeats=()) -> Layout:
     I2V's first frame: one reference of one frame builds the same mask | condition) and a clean run from one first
     frame. It is sampled as infer.py samples it with no --seed: MAGREF's canvas placed by the kind's own seed, from
     which the noise is drawn."""
-    layout = element_layout(layout, repeats)
+    layout = element_layout(layout, repeats, sampled=True)
     if layout.kind == "inplace":
         return make_layout("prefix", layout.num_frames, repeats, combine=layout.combine, e2v_type=layout.e2v_type,
                            image_branch=layout.image_branch, expand=layout.expand, per_token=layout.per_token)

@@ -6,6 +6,7 @@ and a2/cli.py, a2/elements.py only."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -31,23 +32,29 @@ def height_width(height: int | None, width: int | None, resolution: tuple[int, i
                               "disagree: give one of them")
     given = [v for v in (resolution or (height, width)) if v is not None]
     if any(v <= 0 or v % 16 for v in given):  # every model's grid is a multiple of 16; a Wan 2.2 VAE's 32, told later
-        raise ConfigError(f"height and width must be positive multiples of 16, got {'x'.join(map(str, given))}")
+        flags = (f"--resolution {resolution[0]} {resolution[1]}" if resolution is not None else
+                 " ".join(f"--{k} {v}" for k, v in (("height", height), ("width", width)) if v is not None))
+        raise ConfigError(f"{flags}: height and width must be positive multiples of 16, got "
+                          f"{'x'.join(map(str, given))}")
     if resolution is not None:
         return tuple(resolution)
     return (default[0] if height is None else height, default[1] if width is None else width)
 
 
-def check_frames(num_frames: int) -> None:
+def check_frames(num_frames: int, flag: str = "--num-frames") -> None:
     """The frame counts a Wan VAE takes: 4k+1 (its time stride is 4: one latent frame, then one per 4)."""
     if num_frames < 1 or (num_frames - 1) % 4:
-        raise ConfigError(f"num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}")
+        near = max(1, (num_frames - 1) // 4 * 4 + 1)
+        raise ConfigError(f"{flag} {num_frames}: num_frames must be 4k+1 (e.g. 17, 49, 81), got {num_frames}; "
+                          f"the nearest: {near} or {near + 4}")
 
 
 def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
     """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
     TI2V-5B: 16 x 2 = 32), F = 4k+1. A ConfigError: one line, exit 2 under run_cli."""
     if height % multiple or width % multiple or height <= 0 or width <= 0:
-        raise ConfigError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+        raise ConfigError(f"--resolution {height} {width}: height and width must be positive multiples of "
+                          f"{multiple}, got {height}x{width}")
     check_frames(num_frames)
 
 
@@ -280,7 +287,10 @@ def _check_keys(d: dict, allowed, where: str):
         raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
     unknown = sorted(set(d) - set(allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        close = {k: m[0] for k in unknown if (m := difflib.get_close_matches(k, allowed, n=1, cutoff=0.6))}
+        raise ConfigError(f"{where}: unknown key(s) {unknown}"
+                          + "".join(f"; did you mean {m!r} for {k!r}?" for k, m in close.items())
+                          + f"; allowed: {sorted(allowed)}")
 
 
 def _hw(v, where: str) -> tuple[int, int]:

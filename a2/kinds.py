@@ -75,7 +75,8 @@ class Sampling:
     guidance_scale: float = 5.0
     guidance_scale_img: float | None = None  # the appended kinds' reference guidance (a third forward); None: off
     negative_prompt: str = A2_NEGATIVE_PROMPT
-    num_frames: int | None = None  # None: the caller's (81 pixel frames)
+    num_frames: int | None = None  # the frames the lab's entry point renders when --num-frames is left out (V3's 121,
+    # a real model's; a built-in tiny model keeps its own); None: the caller's (81 pixel frames)
     fps: int = 15
     seed: int = 42
     noise_on_cpu: bool = False  # the noise drawn with a CPU generator whatever the device (DiffSynth's rand_device)
@@ -166,10 +167,15 @@ _A2 = Sampling(flow_shift=8.0)
 # configs/shared_config.py (Wan's negative prompt, 16 fps); its FlowUniPC from 0.999, the references' posterior mean
 _PHANTOM = Sampling(schedule="phantom", flow_shift=5.0, encode_mode="argmax", guidance_scale=7.5,
                     guidance_scale_img=5.0, negative_prompt=WAN_NEGATIVE_PROMPT, fps=16)
-# SkyReels-V3's WanSkyReelsA2WanT2VPipeline.__call__ defaults (50 steps, 7.5 / 5, its UniPC shift 5 on diffusers
-# 0.34); its generate_video.py samples the distilled mode (8 steps, guidance 1, 5 s at 24 fps)
-_V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", guidance_scale=7.5,
-               guidance_scale_img=5.0, negative_prompt="", fps=24)
+# SkyReels-V3's entry point: generate_video.py (--seed 42 :171-175, --duration 5 :151-155, 24 fps :342) ->
+# ReferenceToVideoPipeline.generate_video (reference_to_video_pipeline.py:768-790: 8 steps, guidance 1.0 / 1.0, an
+# empty negative prompt, duration * 24 + 1 = 121 frames) -> WanSkyReelsA2WanT2VPipeline.__call__ (its UniPC shift 5
+# on diffusers 0.34). Guidance 1 is one forward a step (do_classifier_free_guidance: guidance_scale > 1, :367-368),
+# so the reference guidance is off. --preset v3-cfg: that class's own defaults (:399-402: 97 + 8 = 105 frames, 50
+# steps, 7.5 / 5; three forwards a step)
+_V3 = Sampling(schedule="diffusers034", flow_shift=5.0, encode_mode="sample", steps=8, guidance_scale=1.0,
+               guidance_scale_img=None, negative_prompt="", num_frames=121, fps=24)
+_V3_CFG = replace(_V3, steps=50, guidance_scale=7.5, guidance_scale_img=5.0, num_frames=105)
 # Wan's VACE code: Wan2.1 generate.py (--sample_shift 16 :76-81, --sample_steps 50, --sample_guide_scale 5 :242) and
 # wan/vace.py (its config's negative prompt :353, FlowUniPC from sigma 0.999, WanVAE.encode's mean, the reference
 # latents dropped before the decode :280-293), shared_config.py (16 fps); ali-vilab/VACE vace_wan_inference.py
@@ -199,8 +205,7 @@ KIND_DEFS = {k.name: k for k in (
          sequence="(then {ref_latents} reference latents, posterior means, Phantom-Wan's layout) "),
     Kind("v3", "time", (1, V3_SLOTS), native=True, one_frame=True, slots=V3_SLOTS, sampling=_V3, background=True,
          elements=RELEASED_ELEMENTS[:V3_SLOTS],
-         modes=(("v3-distilled", replace(_V3, steps=8, guidance_scale=1.0, guidance_scale_img=None,
-                                         num_frames=121)),),
+         modes=(("v3-cfg", _V3_CFG),),
          sequence=f"(then {{references}} reference latents in {V3_SLOTS} slots, SkyReels-V3's layout) "),
     # MAGREF generate.py (--sample_steps 40, --sample_shift 3, --sample_guide_scale 5, --base_seed 3407, --frame_num
     # 81) and configs (magref_14B.py: "镜头晃动，" + Wan's negative prompt; shared_config.py: 15 fps): Wan's FlowUniPC

@@ -384,6 +384,43 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
             + f", scale {scale:g}")
 
 
+LORA_FILES = ("a LoRA .safetensors (a2's pytorch_lora_weights.safetensors, a ComfyUI / musubi-tuner file), a training "
+              "run's dir, a peft adapter dir, or a Stand-In .ckpt")
+
+
+def lora_file_problem(path) -> str | None:
+    """Why `path` is no LoRA file or dir load_lora (or Stand-In's loader) reads, in the user's terms; None when it
+    is one. Reads the file's keys only (a safetensors header; a torch file's pickle), so a text file, a config.json,
+    an empty or truncated file or a dir of no adapter is named before any model loads."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "adapter_config.json").is_file():
+            return None
+        inside = next((path / n for n in (DIFFUSERS_NAME, "pytorch_lora_weights.bin") if (path / n).is_file()), None)
+        if inside is None:
+            return f"a dir without {DIFFUSERS_NAME} or a peft adapter_config.json"
+        path = inside
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            with safe_open(path, "pt") as fh:
+                keys = list(fh.keys())
+        elif suffix in (".ckpt", ".pt", ".pth", ".bin"):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+            keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)] if isinstance(state, dict) else []
+        else:
+            return f"a {suffix or 'suffix-less'} file"
+    except Exception as e:  # safetensors, zipfile and pickle raise many types for a file that is not theirs
+        if not path.stat().st_size:
+            return "an empty file"
+        return ("not a safetensors file: " + " ".join(str(e).split())[:80] if suffix == ".safetensors" else
+                f"not a PyTorch checkpoint of tensors ({type(e).__name__})")
+    if not any("lora" in k.lower() for k in keys):
+        return f"{len(keys)} tensors, none a LoRA weight" + (f" (e.g. {keys[0]})" if keys else "")
+    return None
+
+
 def _vace_keys(path: Path) -> bool:
     """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
     if not path.is_file():

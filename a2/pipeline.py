@@ -50,6 +50,9 @@ def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (
     images = []
     for element, path in items:
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{path}: element '{element.name}' is a dir, not an image: give image files (e.g. "
+                             f"{next(iter(sorted(path.glob('*.png'))), path / 'subject.png')})")
         if not path.is_file():
             raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
         try:

@@ -319,7 +319,10 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
     try:
         listed, size = probe_video(s.video)
         size = cropped(np.broadcast_to(np.uint8(0), (*size, 3)), s.crop).shape[:2]  # checked as the load checks it
-        s.num_frames = s.num_frames or max(0, (listed or decodable_frames(s.video)) - s.start)
+        own = max(0, listed - s.start) if listed else 0  # what the file holds from the clip's start
+        claimed = s.num_frames if s.num_frames and own and own < s.num_frames else 0  # the index's range runs past
+        # the file's end (another file under the same name, a cut video): the clip is what the file holds
+        s.num_frames = (own if claimed else s.num_frames) or own or max(0, decodable_frames(s.video) - s.start)
         s.size = tuple(int(v) for v in size)
         frame = s.size if s.crop is None else None  # a box is in the whole frame of the clip's own video
         sizes = {name: element_size(ref, frame if ref.get("video") == str(s.video) else None)
@@ -329,9 +332,10 @@ def check_public_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling
         s.problems.append(Problem(s.id, s.video, f"unreadable video ({type(ex).__name__}: {ex})", s.where))
         return s
     if not clip_length(cfg, num_frames, s.num_frames):
-        s.problems.append(Problem(s.id, s.video, f"{s.num_frames} frames (from frame {s.start}), shorter than the "
-                                                 f"smallest bucket ({min(frame_buckets(cfg, num_frames))}){short_why}",
-                                  s.where))
+        index = f"; its index lists {claimed}, past the video's end" if claimed else ""
+        s.problems.append(Problem(s.id, s.video, f"{s.num_frames} frames (from frame {s.start}{index}), shorter than "
+                                                 f"the smallest bucket ({min(frame_buckets(cfg, num_frames))})"
+                                                 f"{short_why}", s.where))
     return s
 
 

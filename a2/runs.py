@@ -501,6 +501,12 @@ def plan_resume(resume: str | None, run_dir: Path, current: dict, world_size: in
                                                      "starting at step 0"])
     else:
         ckpt, skipped = Path(resume), []
+        if ckpt.is_dir() and not ckpt.name.startswith(_CKPT_PREFIX) and not (ckpt / MANIFEST).exists():
+            inside = [p.name for _, p in checkpoints(ckpt)]  # a run dir given for one of its checkpoints
+            raise ResumeError(f"--resume {ckpt}: not a checkpoint (no {MANIFEST}): "
+                              + (f"a run dir; give one of its checkpoints ({', '.join(inside)}), or --resume auto "
+                                 f"with --output-dir {ckpt.parent} --run-name {ckpt.name}" if inside else
+                                 f"give a run's {_CKPT_PREFIX}<step> dir, or --resume auto with the run's --run-name"))
         problem = checkpoint_problem(ckpt)
         if problem:
             raise ResumeError(f"--resume {ckpt}: {problem}")

@@ -36,8 +36,10 @@ import torch
 from a2.transformer import (
     RANDOM_WEIGHTS,
     VACE_FUN_BOUNDARY,
+    UnsupportedModel,
     diffusers_to_original,
     local_or_hub,
+    not_a_model,
     original_wan_config,
     preset_config,
     transformer_class,
@@ -377,7 +379,10 @@ def model_path(name) -> Path:
     dir, or a Hugging Face Hub id (`Skywork/SkyReels-A2`) resolved through the Hub cache (a2.transformer)."""
     if str(name) in TINY_MODELS:
         return tiny_model_dir(str(name))
-    return local_or_hub(name)
+    path = local_or_hub(name)
+    if not path.exists() and len(path.parts) == 1:  # a bare name, no file, no Hub id: a built-in name mistyped?
+        raise UnsupportedModel(not_a_model(name, TINY_MODELS))  # every one offered, from the registry
+    return path
 
 
 if __name__ == "__main__":

@@ -505,22 +505,34 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name; a path that exists locally wins
 
 
-def hub_snapshot(repo_id: str) -> Path:
-    """The dir of `repo_id` in the Hub cache, downloaded there on first use. HF_HUB_OFFLINE / HF_HUB_CACHE are read
-    when called (huggingface_hub reads them once, at import); offline and not cached is one line saying what to do."""
+def hub_snapshot(repo_id: str, parts: tuple[str, ...] = (), what: str | None = None) -> Path:
+    """The dir of `repo_id` in the Hub cache, downloaded there on first use (parts: only these subdirs, as
+    huggingface_hub's allow_patterns: a model's VAE and text encoder without the transformer it never reads).
+    HF_HUB_OFFLINE / HF_HUB_CACHE are read when called (huggingface_hub reads them once, at import); offline and not
+    cached is one line saying what to do, after `what` (default: the id is no local dir either)."""
     from huggingface_hub import constants, snapshot_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
     cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    patterns = [f"{p}/*" for p in parts] or None
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline))
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=offline, allow_patterns=patterns))
     except Exception as e:  # offline and absent, no network, no such repo, gated: one line, with the way out
         first = (str(e).splitlines() or [""])[0]
-        why = (f"not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
-               f"(`hf download {repo_id}`, or unset HF_HUB_OFFLINE), or pass a local model dir" if offline else
+        get = f"hf download {repo_id}" + "".join(f" --include '{p}'" for p in patterns or ())
+        why = (f"is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set: download it once with network "
+               f"(`{get}`, or unset HF_HUB_OFFLINE)" if offline else
                f"could not be downloaded ({type(e).__name__}: {first}); check the id and the network (gated repos "
-               "need `hf auth login`), or pass a local model dir")
-        raise UnsupportedModel(f"{repo_id}: no such local dir, and as a Hugging Face Hub model it is {why}") from None
+               "need `hf auth login`)")
+        raise UnsupportedModel(f"{what or f'{repo_id}: no such local dir, and the Hugging Face Hub model'} {why}"
+                               + ("" if what else ", or pass a local model dir")) from None
+
+
+def not_a_model(name, built_in=()) -> str:
+    """The line for a --model that is no file or dir (built_in: the built-in names a2.tiny.model_path offers)."""
+    return (f"{name}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan checkpoint, a Hugging "
+            "Face Hub id (org/name), or the name of a built-in model" + (": " + ", ".join(built_in) if built_in else "")
+            + ")")
 
 
 def local_or_hub(name) -> Path:
@@ -567,13 +579,20 @@ def parts_dir(path: Path, d: Path, components=None, parts=COMPONENTS, default: s
     """The diffusers Wan parts dir (`parts`: vae/, text_encoder/, tokenizer/, ...) an original-key checkpoint at
     `path` (dir `d`) runs with: `components`, else `d` when it holds them, else `default` from the Hub (T2V: Wan 2.1's
     VAE and UMT5, those of Phantom-Wan, RefAlign, Wan2.1-VACE and Wan2.2-VACE-Fun alike; MAGREF: Wan2.1 I2V's)."""
-    comp = local_or_hub(components) if components else d if all((d / c).is_dir() for c in parts) else None
-    comp = Path(comp or local_or_hub(default))
+    listed = ", ".join(f"{c}/" for c in parts)
+    if components:
+        comp = local_or_hub(components)
+    elif all((d / c).is_dir() for c in parts):
+        comp = d
+    else:  # the parts alone (and the scheduler config the shift is read from): not the transformer it never reads
+        comp = hub_snapshot(default, parts + ("scheduler",), what=(
+            f"{path}: its Wan {family} parts ({listed} in diffusers format) are not beside it: --components DIR names "
+            f"a dir holding them; else they come from {default} on the Hugging Face Hub, which"))
     missing = [c for c in parts if not (comp / c).is_dir()]
     if missing:
         raise UnsupportedModel(f"{path}: the Wan {family} parts dir {comp} has no {', '.join(missing)}/; this "
-                               f"checkpoint runs with {default}'s: put them beside it (or have the Hub cache hold "
-                               "that id)")
+                               f"checkpoint runs with {default}'s ({listed}): give them with --components DIR, or put "
+                               "them beside it")
     return comp
 
 
@@ -644,9 +663,7 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     if d.is_file() or (d.is_dir() and not (d / "model_index.json").exists() and dit_checkpoints(d)):
         return detect_phantom(d, components)
     if not d.is_dir():
-        raise UnsupportedModel(f"{d}: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan "
-                               "checkpoint, or the name of a built-in tiny model: tiny, tiny-t2v, tiny-wan22-t2v, "
-                               "tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3)")
+        raise UnsupportedModel(not_a_model(d))
     if not (d / "model_index.json").exists():
         raise UnsupportedModel(f"{d}: no model_index.json; expected a diffusers-format model dir (SkyReels-A2, "
                                "Wan2.1 I2V/T2V, Wan 2.2 A14B T2V/I2V, SkyReels-V3 R2V) or a Phantom-Wan checkpoint")
@@ -946,7 +963,9 @@ def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
     if not conditioned:
         if info.e2v:
             raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
-                                   "(no elements, no frame conditioning) needs a T2V model")
+                                   "(no elements, no frame conditioning) needs a T2V model (e.g. tiny-t2v, "
+                                   "Wan2.1-T2V); or give the data its element images (--elements, or \"elements\" "
+                                   "in each dataset of a --dataset-config)")
         return "none"
     if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
         return vae_path_only(where, e2v_type, "E2V there (no channel conditioning)")

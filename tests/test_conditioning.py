@@ -201,6 +201,9 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
 VALIDATION = {
     "t2v": ("tiny-t2v", [], 0),
     "prefix": ("tiny", ["--num-frames", "21"], 3),  # the sequence: A2's three elements' 9 frames and the clip
+    # fewer images than A2's elements: --num-frames is the whole sequence in both (its 1 reference frame and 17 video
+    # frames), not the run's 9-frame clip
+    "prefix-one": ("tiny", ["--num-frames", "21"], 1),
     "incontext": ("tiny-t2v", ["--reference-layout", "incontext", "--num-frames", "9"], 2),
     "clean": ("tiny-ti2v", ["--frame-conditioning", "first", "--num-frames", "9"], 1),  # the image: the first frame
     "phantom": ("tiny-phantom", [], 2),

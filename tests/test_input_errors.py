@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 import infer
 import train_a2
@@ -36,8 +37,8 @@ def one_line_exit_2(capsys, cfg: dict) -> str:
 @pytest.mark.parametrize("mistake, want", [
     ("missing", "nope.png: element 'subject' image not found"),
     ("text", "notes.png: element 'subject' is not a readable image"),
-    ("size", "height and width must be positive multiples of 16, got 60x60"),
-    ("frames", "num_frames must be 4k+1 (e.g. 17, 49, 81), got 20"),
+    ("size", "--height 60 --width 60: height and width must be positive multiples of 16, got 60x60"),
+    ("frames", "--num-frames 20: num_frames must be 4k+1 (e.g. 17, 49, 81), got 20; the nearest: 17 or 21"),
 ])
 def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mistake, want):
     (tmp_path / "notes.png").write_text("not a picture\n")
@@ -55,7 +56,8 @@ def test_infer_input_mistakes_are_one_line_exit_2(tmp_path, capsys, data_dir, mi
     ("no prompt", "Open-Domain_Eval.json: sample singleobj_1: no 'prompt'"),
     ("missing image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/none.jpg: reference image not found"),
     ("corrupt image", "Open-Domain_Eval.json: sample singleobj_1: {root}/Images/notes.jpg: not a readable image"),
-    ("too many images", "Open-Domain_Eval.json: sample singleobj_1: 4 element images but only 3 element specs"),
+    ("too many images", "Open-Domain_Eval.json: sample singleobj_1: its img_paths: 4 images, but --model tiny "
+                        "(Wan2.1 I2V) samples as the prefix kind, which takes at most 3 references"),
     ("paths not a list", "Open-Domain_Eval.json: sample singleobj_1: 'img_paths' must be a list of paths"),
     ("not a set", "Open-Domain_Eval.json: expected {sample id: {prompt, img_paths, ...}}, got list"),
     ("not JSON", "Open-Domain_Eval.json: cannot read an OpenS2V-Eval set (Expecting property name"),
@@ -107,6 +109,66 @@ def test_a_missing_file_or_gpu_is_one_line_before_any_weights_load(tmp_path, cap
     if not torch.cuda.is_available():  # --device cuda where there is none (it was CUDA's own traceback)
         err = one_line_exit_2(capsys, dict(model="tiny", device="cuda", elements=good))
         assert err == "error: --device cuda: PyTorch sees no CUDA GPU here (--device cpu, or auto)"
+
+
+@pytest.mark.parametrize("name, make, why", [
+    ("notes.txt", lambda p: p.write_text("my notes\n"), "this file is not a LoRA (a .txt file)"),
+    ("config.json", lambda p: p.write_text("{}"), "this file is not a LoRA (a .json file)"),
+    ("empty.safetensors", lambda p: p.write_bytes(b""), "this file is not a LoRA (an empty file)"),
+    ("text.safetensors", lambda p: p.write_text("hello\n"), "this file is not a LoRA (not a safetensors file: "),
+    ("model.safetensors", lambda p: save_file({"blocks.0.attn1.to_q.weight": torch.zeros(2, 2)}, p),
+     "this file is not a LoRA (1 tensors, none a LoRA weight (e.g. blocks.0.attn1.to_q.weight))"),
+    ("text.ckpt", lambda p: p.write_text("x\n"), "this file is not a LoRA (not a PyTorch checkpoint of tensors"),
+    ("run", lambda p: p.mkdir(), "this dir is not a LoRA (a dir without pytorch_lora_weights.safetensors or a "
+                                 "peft adapter_config.json)"),
+])
+def test_a_lora_flag_at_no_lora_is_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir, name,
+                                                                     make, why):
+    """--lora at a text file, a config.json, an empty or truncated file, a model's weights or a dir of no adapter:
+    one line naming the flag and the file, what it is, and what to give (it was safetensors' traceback)."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    make(tmp_path / name)
+    err = one_line_exit_2(capsys, dict(model="tiny", device="cpu", elements=elements(data_dir, "tiny"),
+                                       lora=(str(tmp_path / name),)))
+    assert err.startswith(f"error: --lora {tmp_path / name}: {why}"), err
+    assert err.endswith("give a LoRA .safetensors (a2's pytorch_lora_weights.safetensors, a ComfyUI / musubi-tuner "
+                        "file), a training run's dir, a peft adapter dir, or a Stand-In .ckpt"), err
+
+
+@pytest.mark.parametrize("model, images, want", [
+    ("tiny-v3", 5, "--elements: 5 images, but --model tiny-v3 (SkyReels-V3 R2V) samples as the v3 kind, which takes "
+                   "at most 4 references: give at most 4"),
+    ("tiny-magref", 9, "--elements: 9 images, but --model tiny-magref (MAGREF) samples as the magref kind, which "
+                       "takes at most 8 references: give at most 8"),
+    ("tiny-phantom", 5, "which takes at most 4 references: give at most 4"),
+    ("tiny-vace", 5, "which takes at most 4 references: give at most 4"),
+    ("tiny", 4, "--elements: 4 images, but --model tiny (Wan2.1 I2V) samples as the prefix kind, which takes at most "
+                "3 references: give at most 3 (or --element-specs with up to 8 elements)"),
+    ("tiny", 0, "--model tiny (Wan2.1 I2V) makes a video of reference images: give --elements IMAGE [IMAGE ...] "
+                "(1 to 3)"),
+    ("tiny-magref", 0, "--model tiny-magref (MAGREF) makes a video of reference images: give --elements"),
+    ("tiny-v3", 0, "--model tiny-v3 (SkyReels-V3 R2V) makes a video of reference images: give --elements IMAGE "
+                   "[IMAGE ...] (1 to 4)"),
+])
+def test_too_many_or_no_references_name_the_model_its_most_and_the_fix(tmp_path, capsys, monkeypatch, data_dir,
+                                                                         model, images, want):
+    """More element images than the model's kind takes (SkyReels-V3 and Phantom-Wan 4 by their code, MAGREF 8, A2's
+    three roles), or none on a model that samples from references: one line naming the model, the kind, the most it
+    takes and the fix, before any weights load."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    err = one_line_exit_2(capsys, dict(model=model, device="cpu", resolution=(32, 32), num_frames=17,
+                                       elements=(str(data_dir / "000_person.png"),) * images))
+    assert want in err, err
+
+
+def test_no_such_model_names_every_built_in_model(capsys):
+    """--model at no dir, no Hub id and no built-in name: the line lists the built-in models (a2/tiny.py's registry,
+    every one of them)."""
+    from a2.tiny import TINY_MODELS
+
+    err = one_line_exit_2(capsys, dict(model="tiny_v3", device="cpu", prompt="x"))
+    assert err.endswith("or the name of a built-in model: " + ", ".join(TINY_MODELS) + ")"), err
+    assert "tiny-vace-fun" in err and "tiny-refalign" in err
 
 
 def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
@@ -389,7 +451,7 @@ def test_export_elements_of_no_index_is_one_line_exit_2(tmp_path, capsys):
 
 def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monkeypatch):
     """--model's help (infer.py and train_a2.py, as --help prints it) names every built-in model and no other; the
-    built-in model's banner says what it renders and why (v3-distilled: 121 frames, 8 steps)."""
+    built-in model's banner says what it renders and why."""
     import re
 
     import tyro
@@ -408,9 +470,17 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
         "default), 10 steps (tiny model's default)")
 
 
-def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch):
-    """--preset v3-distilled on the built-in tiny-v3: the banner names the frames and steps the preset sets, and
-    those are the ones rendered (the latents' frames, the steps the pipeline samples)."""
+@pytest.mark.parametrize("model, preset, latents, said", [
+    ("tiny-v3", "v3-cfg", (105 - 1) // 4 + 1, "105 frames (--preset v3-cfg), 50 steps (--preset v3-cfg)"),
+    ("tiny-vace", "diffusers", (33 - 1) // 4 + 1 + 1,
+     "33 frames (tiny model's default), 50 steps (--preset diffusers)"),
+])
+def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, monkeypatch, model, preset, latents,
+                                                 said):
+    """--preset on a built-in tiny model: the banner names the frames and steps the preset sets (SkyReels-V3's class
+    defaults: 97 + 8 frames, 50 steps; diffusers' VACE sets no frames: the tiny model's), and those are the ones
+    rendered (the latents' frames: VACE's reference latent on top of the video's; the steps the pipeline samples). A
+    preset without frames was a traceback."""
     asked, generate = [], infer.generate
 
     def recorded(*a, **k):
@@ -420,12 +490,11 @@ def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, mon
 
     monkeypatch.setattr(infer, "generate", recorded)
     out = tmp_path / "v3.pt"
-    assert infer.main(infer.InferConfig(model="tiny-v3", preset="v3-distilled", resolution=(32, 32), decode="none",
-                                        elements=elements(data_dir, "tiny-v3")[:1], save_latents=str(out))) == 0
-    said = capsys.readouterr().out
-    assert ("--model tiny-v3: a built-in model, sampled at 32x32, 121 frames (--preset v3-distilled), 8 steps "
-            "(--preset v3-distilled);") in said, said
-    assert asked == [8] and torch.load(out)["latents"].shape[2] == (121 - 1) // 4 + 1  # the video's latent frames
+    assert infer.main(infer.InferConfig(model=model, preset=preset, resolution=(32, 32), decode="none",
+                                        elements=elements(data_dir, model)[:1], save_latents=str(out))) == 0
+    printed = capsys.readouterr().out
+    assert f"--model {model}: a built-in model, sampled at 32x32, {said};" in printed, printed
+    assert asked == [50] and torch.load(out)["latents"].shape[2] == latents
 
 
 def test_eval_split_names_its_clips_and_each_eval_shows_progress_and_time(data_dir, tmp_path, capsys):
@@ -528,3 +597,235 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     out = capsys.readouterr().out
     logged = [json.loads(x) for x in (tmp_path / "runs" / "magref" / "metrics.jsonl").read_text().splitlines()]
     assert out.count("left out:") == 1 and [r["step"] for r in logged if "loss" in r] == [1, 2], out
+
+
+def test_the_run_header_counts_the_references_the_data_holds(data_dir, tmp_path, capsys):
+    """Phantom-Wan plans for its most references (4); the data's clips hold 3: the header's sequence says 3, the
+    latents the step trains with (not the plan's maximum)."""
+    from tests.conftest import args, train
+
+    train(*args(data_dir, tmp_path, "phantom", "--max-steps", "1", "--num-frames", "17", model="tiny-phantom"))
+    header = next(x for x in capsys.readouterr().out.splitlines() if "| sequence: " in x)
+    assert "sequence: (then 3 reference latents, posterior means, Phantom-Wan's layout) a 17-frame clip" in header
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"datasets": [{"data_root": "d", "target_resolutoin": [32, 32]}]},
+     "datasets[0]: unknown key(s) ['target_resolutoin']; did you mean 'target_resolution' for 'target_resolutoin'?"),
+    ({"dataset": []}, "unknown key(s) ['dataset']; did you mean 'datasets' for 'dataset'?"),
+    ({"datasets": [{"data_root": "d", "elements": [{"name": "subject", "sufixes": ["_p.png"]}]}]},
+     "elements[0]: unknown key(s) ['sufixes']; did you mean 'suffixes' for 'sufixes'?"),
+])
+def test_an_unknown_dataset_key_says_the_close_one(tmp_path, capsys, config, want):
+    """A misspelt key of a dataset JSON: one line naming it and the key it is close to (difflib), exit 2."""
+    import data
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and want in err, err
+
+
+def test_validate_prints_its_summary_also_when_it_finds_a_problem(data_dir, tmp_path, capsys):
+    """docs/dataset.md: validate lists every problem, then the samples per element and per bucket. With an unreadable
+    clip the summary of the others is printed too (it was not), and the problem is said once."""
+    import shutil
+
+    import data
+
+    d = tmp_path / "d"
+    shutil.copytree(data_dir, d)
+    (d / "001.mp4").write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:
+        data._cli(["validate", "--data-root", str(d), "--resolution", "32", "32", "--num-frames", "17"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "001.mp4: unreadable video" in err and "001.mp4" not in out
+    assert out.splitlines()[0] == "dataset: 3 samples from 1 dataset(s) besides the 1 with a problem (below)", out
+    assert "  bucket 5 frames 32x32 [subject, object, background]: 3 samples" in out
+
+
+@pytest.mark.parametrize("flags, refused", [(["--resolution", "64", "64"], True), (["--resolution", "32", "32"], False),
+                                            ([], False)])
+def test_a_typed_resolution_beside_a_dataset_config_of_another_size_is_refused(data_dir, tmp_path, capsys, flags,
+                                                                                refused):
+    """--dataset-config trains at its datasets' target_resolution: a --resolution typed beside it that differs is
+    refused in one line naming both (it trained at the file's size, silently); the same size, or none typed (the
+    recipe's), is no conflict."""
+    import data
+
+    (tmp_path / "c.json").write_text(json.dumps({"datasets": [
+        {"data_root": str(data_dir), "target_resolution": [32, 32], "elements": [
+            {"name": "subject", "suffixes": ["_person.png"]}]}]}))
+    argv = ["validate", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17", *flags]
+    if not refused:
+        data._cli(argv)
+        assert "bucket 13 frames 32x32 [subject]: 4 samples" in capsys.readouterr().out
+        return
+    with pytest.raises(SystemExit) as e:
+        data._cli(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: --resolution 64 64: {tmp_path / 'c.json'}: datasets[0] trains at target_resolution [32, 32]; set "
+        "the size in the file, or drop the flag\n")
+    from tests.conftest import train  # train_a2.py: the same rule, before anything loads
+
+    with pytest.raises(ValueError, match=r"^--resolution 64 64: .*c\.json: datasets\[0\] trains at target_resolution"):
+        train("--model", "tiny", "--dataset-config", str(tmp_path / "c.json"), "--num-frames", "17", *flags,
+              "--output-dir", str(tmp_path / "runs"))
+
+
+def test_infer_help_names_vaces_defaults_and_what_its_frames_count(capsys, monkeypatch):
+    """infer.py --help, as printed: --seed, --flow-shift and --fps name Wan VACE's own (vace_wan_inference.py
+    --base_seed 2025, Wan2.1 generate.py --sample_shift 16, shared_config.py 16 fps), and the values A2Pipeline fills
+    for a VACE model are those; --num-frames says VACE's references come on top; --mask takes a .npz."""
+    import re
+
+    import tyro
+
+    from a2.kinds import kind_sampling
+    from config import InferConfig
+    from tests.test_cli import help_text, option_help
+
+    said = help_text(capsys, monkeypatch, lambda a: tyro.cli(InferConfig, args=a), [])
+    flat = {flag: re.sub(r"\s+", " ", option_help(said, flag)) for flag in ("--seed", "--flow-shift", "--fps",
+                                                                          "--num-frames", "--mask")}
+    assert "Wan VACE 2025" in flat["--seed"] and "Wan VACE 16" in flat["--flow-shift"], flat
+    assert "Wan VACE 16" in flat["--fps"] and "Wan VACE's reference frames come on top" in flat["--num-frames"], flat
+    assert ".npz" in flat["--mask"], flat
+    own = kind_sampling("vace", "Wan2.1 VACE")
+    assert (own.seed, own.flow_shift, own.fps) == (2025, 16.0, 16)
+
+
+# ---------------------------------------------------------------- a newcomer's walk: each mistake one line, exit 2
+
+
+@pytest.mark.parametrize("mistake, want", [
+    ("elements dir", "{data}: element 'subject' is a dir, not an image: give image files (e.g. {data}/000_background"
+                     ".png)"),
+    ("out not a video", "--out {tmp}/out.txt: writes an H.264 video: name it .mp4 / .mkv / .mov (e.g. {tmp}/out.mp4)"),
+    ("compare not latents", "--compare {tmp}/notes.txt: not a --save-latents file (UnpicklingError): give the file an "
+                            "earlier `infer.py --save-latents FILE` wrote"),
+    ("compare other torch file", "--compare {tmp}/other.pt: a torch file without the latents a --save-latents file "
+                                 "holds: give the file an earlier `infer.py --save-latents FILE` wrote"),
+    ("frames", "--num-frames 18: num_frames must be 4k+1 (e.g. 17, 49, 81), got 18; the nearest: 17 or 21"),
+    ("size", "--resolution 30 30: height and width must be positive multiples of 16, got 30x30"),
+])
+def test_infer_newcomer_mistakes_are_one_line_before_any_weights_load(tmp_path, capsys, monkeypatch, data_dir,
+                                                                      mistake, want):
+    """What a first hour of infer.py meets: a dir given as an element image, an --out that is no video file (it was
+    pyav's traceback after rendering), a --compare file that is not a --save-latents file (a KeyError after
+    rendering), frames and a size the VAE cannot take (the line names the flag): one line, before any weights load."""
+    monkeypatch.setattr(infer.A2Pipeline, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    torch.save({"step": 1}, tmp_path / "other.pt")
+    cfg = {"elements dir": dict(elements=(str(data_dir),)), "out not a video": dict(out=str(tmp_path / "out.txt")),
+           "compare not latents": dict(compare=str(tmp_path / "notes.txt")),
+           "compare other torch file": dict(compare=str(tmp_path / "other.pt")), "frames": dict(num_frames=18),
+           "size": dict(resolution=(30, 30))}[mistake]
+    err = one_line_exit_2(capsys, {**dict(model="tiny", device="cpu", elements=elements(data_dir, "tiny"),
+                                          resolution=(32, 32), num_frames=17), **cfg})
+    assert err == "error: " + want.format(data=data_dir, tmp=tmp_path), err
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--resolution", "32"], "--resolution 32: expected INT INT"),
+    (["--lr", "abc"], "--lr abc: expected FLOAT"),
+    (["--micro-batch", "1.5"], "--micro-batch 1.5: expected a whole number"),
+])
+def test_a_bad_flag_value_says_what_the_flag_takes(capsys, argv, want):
+    """A value of the wrong type: the flag, the value and what it takes, not tyro's type algebra ({None}|{INT INT})
+    or Python's int() message."""
+    from a2.cli import parse_cli
+    from config import TrainConfig
+
+    with pytest.raises(SystemExit) as e:
+        parse_cli(TrainConfig, args=["--model", "tiny", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {want}\n"
+
+
+def test_resume_at_a_dir_that_is_no_checkpoint_says_what_to_give(data_dir, tmp_path):
+    """--resume at a dir that holds no run, and at a run dir instead of one of its checkpoints: one line saying what
+    --resume takes (it said "incomplete: its writer was stopped", of a dir no writer wrote)."""
+    from a2.runs import ResumeError
+    from tests.conftest import args, train
+
+    flags = args(data_dir, tmp_path, "r", "--max-steps", "1", "--num-frames", "17")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ResumeError, match=r"^--resume \S+notes: not a checkpoint \(no manifest\.json\): give a run's "
+                                          r"ckpt-<step> dir, or --resume auto with the run's --run-name$"):
+        train(*flags, "--resume", str(tmp_path / "notes"))
+    train(*flags, "--ckpt-every", "1")
+    with pytest.raises(ResumeError, match=r"^--resume \S+/r: not a checkpoint \(no manifest\.json\): a run dir; give "
+                                          r"one of its checkpoints \(ckpt-0000001\), or --resume auto with "
+                                          r"--output-dir \S+ --run-name r$"):
+        train(*flags, "--resume", str(tmp_path / "r"))
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["valdate", "--data-root", "d"], "unknown command 'valdate' (did you mean validate?); the commands: make-sample, "
+                                      "validate, index, export-elements"),
+    (["make-sample", "--out", "d"], "--out: OUT is given without a flag name here (a positional argument): drop --out"),
+    (["validate", "--data-root", "{data}", "--model", "tiny_v3", "--num-frames", "17"],
+     "tiny_v3: not a directory (expected a diffusers-format Wan model dir, a Phantom-Wan checkpoint, a Hugging Face "
+     "Hub id (org/name), or the name of a built-in model: tiny, "),
+])
+def test_data_newcomer_mistakes_are_one_line(data_dir, capsys, argv, want):
+    """data.py: a misspelt command says the close one; a positional argument given as a --flag says to drop the flag
+    name (tyro said "Missing value for argument 'out'" of a value that was there); a --model that is no dir, no Hub
+    id and no built-in name is refused (validate went on with the elements' rule, as for a Hub id)."""
+    import data
+
+    with pytest.raises(SystemExit) as e:
+        data._cli([a.format(data=data_dir) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {want}"), err
+
+
+def test_a_hub_id_that_cannot_be_downloaded_reads_as_a_sentence(monkeypatch):
+    """--model org/name that is no local dir and cannot be fetched: one line that says so in a sentence (it read
+    "...as a Hugging Face Hub model it is could not be downloaded...")."""
+    import huggingface_hub
+
+    from a2.transformer import UnsupportedModel, hub_snapshot
+
+    def refuse(repo, **kw):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(UnsupportedModel) as e:
+        hub_snapshot("org/nosuchmodel")
+    assert str(e.value) == ("org/nosuchmodel: no such local dir, and the Hugging Face Hub model could not be "
+                            "downloaded (ConnectionError: Name or service not known); check the id and the network "
+                            "(gated repos need `hf auth login`), or pass a local model dir")
+
+
+def test_an_index_clip_is_checked_against_the_frames_its_video_holds(tmp_path, media):
+    """An OpenS2V-5M-shaped index whose clip range (num_frames, from face_cut) runs past its video's end (a cut or
+    replaced file): the clip is checked against the frames the file holds from its start, not the index's count, so
+    a bucket longer than the file is refused before step 1 naming both (it passed, and failed at load), and a bucket
+    the file fills trains on its own frames."""
+    import a2.public_read as pr
+    import train_a2
+    from a2.media import read_frames
+    from a2.public_index import index_opens2v
+    from config import DataConfig, IndexOpenS2V
+    from tests.public_fixture import synthetic_opens2v
+
+    f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
+    frames = np.stack([np.asarray(Image.fromarray(x).resize((64, 48))) for x in f])
+    synthetic_opens2v(tmp_path, frames, np.full((20, 10, 3), 200, np.uint8), num_clips=1)
+    index_opens2v(IndexOpenS2V(str(tmp_path), str(tmp_path / "index")))
+    index = tmp_path / "index" / "index.jsonl"
+    line = json.loads(index.read_text().splitlines()[0])
+    own = 20 - int(line.get("start") or 0)  # the frames the video holds from the clip's start
+    index.write_text(json.dumps({**line, "num_frames": 40}) + "\n")
+    cfg = train_a2.run_datasets(Validate(data=DataConfig(dataset_type="opens2v", manifest=str(index))))[0]
+    short, fits = (next(s for s in pr.list_index(index, cfg, 0, [])) for _ in range(2))
+    pr.check_public_sample(short, cfg, own + 3, "uniform")
+    assert [p.what for p in short.problems] == [
+        f"{own} frames (from frame {line.get('start') or 0}; its index lists 40, past the video's end), shorter than "
+        f"the smallest bucket ({own + 3})"]
+    pr.check_public_sample(fits, cfg, 9, "uniform")
+    assert fits.problems == [] and fits.num_frames == own

@@ -429,8 +429,8 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     latents are equal bit for bit. Both are fed the same text-encoder outputs (a2's encode_prompt on the tiny UMT5).
     Phantom (generate.py: its prompt, references, size, frames and --base_seed, whose default is random): three passes
     at 7.5 / 5, 50 steps, Wan's negative prompt, the noise for T + L frames; V3 (generate_video.py: prompt,
-    references, size, frames; seed 42): its distilled entry point (--preset v3-distilled: 8 steps, one pass, empty
-    negative prompt), and its pipeline class's own defaults (v3-cfg: 50 steps, three passes at 7.5 / 5)."""
+    references, size, frames; seed 42): its entry point with no sampling flag, a2's default (8 steps, one pass, empty
+    negative prompt), and its pipeline class's own defaults (--preset v3-cfg: 50 steps, three passes at 7.5 / 5)."""
     import infer
     from a2.pipeline import A2Pipeline, encode_prompt
 
@@ -450,7 +450,7 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
     cfg = infer.InferConfig(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt, height=32,
                             width=48, num_frames=frames, seed=3 if kind == "phantom" else None, device="cpu",
                             decode="none", save_latents=str(tmp_path / "a2.pt"),
-                            preset="v3-distilled" if kind == "v3" else None)
+                            preset="v3-cfg" if kind == "v3-cfg" else None)
     assert infer.main(cfg) == 0
     ours, a2_calls, seen[:] = torch.load(tmp_path / "a2.pt"), list(seen), []
     pipe = A2Pipeline.from_pretrained(model)
@@ -548,7 +548,7 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
     assert [v.name for v in (r["run_dir"] / "samples").glob("*.mp4")] == ["step-0000003.mp4"]
     diffusers_file, comfy_file = r["weights"], r["run_dir"] / "pytorch_lora_weights_comfy.safetensors"
     base = dict(model=model, elements=els, element_specs=FIT, height=32, width=32, num_frames=9, steps=2,
-                device="cpu", out=str(tmp_path / "v.mp4"), preset=None if kind == "phantom" else "v3-distilled")
+                device="cpu", out=str(tmp_path / "v.mp4"), preset=None)
     assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape[2] == run["layout"]["ref_latents"]
@@ -600,7 +600,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     assert (r["weights"] / "config.json").exists()
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png"))
     base = dict(model=str(v3_dir), elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
-                out=str(tmp_path / "v.mp4"), preset="v3-distilled", save_latents=str(tmp_path / "a.pt"))
+                out=str(tmp_path / "v.mp4"), save_latents=str(tmp_path / "a.pt"))
     assert infer.main(infer.InferConfig(**base)) == 0
     assert infer.main(infer.InferConfig(**dict(base, transformer=str(r["weights"]), save_latents=None),
                                         compare=str(tmp_path / "a.pt"))) == 1  # the fine-tuned weights sample
@@ -635,7 +635,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
 def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     """What infer.py leaves out is the kind's own sampler's (Phantom's 7.5 / 5 and Wan's negative prompt as its
     configs/shared_config.py has it, V3's empty one), filled by A2Pipeline: infer.py passes only the flags given; a
-    --preset is one of the lab's own entry points (V3's distilled one) and no other model takes it; a2's
+    --preset is another of the lab's own entry points (V3's pipeline class defaults) and no other model takes it; a2's
     fit_pad_white framing is both labs' (odd pads too), and it is an element preprocess mode the configs accept."""
     import numpy as np
 
@@ -651,11 +651,17 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
         layout = infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False)
         return cfg, layout, kind_sampling(layout.kind, info.name, cfg.preset)
 
-    _, _, d = own(v3_dir, preset="v3-distilled")
-    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (8, 1.0, None, 24, "")
-    assert infer.resolve(infer.InferConfig(preset="v3-distilled"))[0].num_frames == 121
-    _, _, v = own(v3_dir)
-    assert (v.steps, v.guidance_scale, v.guidance_scale_img, v.fps) == (50, 7.5, 5.0, 24)
+    _, _, d = own(v3_dir)  # generate_video.py: 8 steps, guidance 1 (one pass: no reference guidance), 24 fps
+    assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (
+        theirs.V3_DISTILLED_STEPS, 1.0, None, 24, "")
+    frames = lambda model, **f: infer.own_frames(*infer.resolve(infer.InferConfig(model=str(model), **f)),  # noqa: E731
+                                                 detect_model(model))[0].num_frames
+    assert frames(v3_dir) == 5 * 24 + 1  # generate_video.py: --duration 5 at 24 fps
+    assert frames(v3_dir, num_frames=9) == 9 and frames(phantom_dir) == 81
+    assert frames(v3_dir, preset="v3-cfg") == 97 + 8  # the class's num_frames default
+    _, _, v = own(v3_dir, preset="v3-cfg")
+    assert (v.steps, v.guidance_scale, v.guidance_scale_img, v.fps) == (theirs.V3_STEPS, theirs.V3_GUIDE,
+                                                                        theirs.V3_GUIDE_IMG, 24)
     cfg, layout, p = own(phantom_dir, steps=3, fps=30)
     assert (p.steps, p.guidance_scale, p.guidance_scale_img, p.seed, p.fps) == (50, 7.5, 5.0, 42, 16)
     assert p.negative_prompt == theirs.WAN_NEGATIVE
@@ -664,8 +670,8 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     assert (asked["num_inference_steps"], asked["fps"]) == (3, 30)  # given: passed; the rest left to the pipeline
     assert all(asked[k] is None for k in ("guidance_scale", "guidance_scale_img", "negative_prompt", "seed",
                                           "scheduler", "schedule", "flow_shift", "sample_mode"))
-    with pytest.raises(ValueError, match="--preset v3-distilled: the phantom kind samples in its own way"):
-        own(phantom_dir, preset="v3-distilled")
+    with pytest.raises(ValueError, match="--preset v3-cfg: the phantom kind samples in its own way"):
+        own(phantom_dir, preset="v3-cfg")
     nine = infer.resolve(infer.InferConfig(num_frames=9))[0]
     five = parse_elements([f"r{i}=_r{i}.png" for i in range(5)])  # infer.py takes any count the kind takes, no other
     with pytest.raises(ValueError, match="the phantom kind takes 1 to 4 element image.s. a sample, this one has 5"):

@@ -471,3 +471,39 @@ def test_vace_mistakes_are_one_line_before_any_weights_load(sources, vace_run_da
         with pytest.raises(InputError, match=said) as e:
             train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
         assert "\n" not in str(e.value)
+
+
+def test_wans_own_release_dir_names_its_missing_parts_and_fetches_them_alone(layouts, tmp_path, monkeypatch):
+    """Wan2.1-VACE as Wan-AI ships it: the DiT in original keys with its config.json, the VAE and T5 as .pth files a2
+    does not read. Offline without its Wan T2V parts: one line naming the dir, the parts (vae/, text_encoder/,
+    tokenizer/) and --components, not a Hub id called "no such local dir". Online they are fetched alone
+    (huggingface_hub's allow_patterns: not the 1.3B transformer it never reads); --components supplies them."""
+    import shutil
+
+    import huggingface_hub
+
+    from a2.transformer import UnsupportedModel, detect_model
+
+    d = tmp_path / "Wan2.1-VACE-1.3B"
+    d.mkdir()
+    for f in layouts["original"].iterdir():
+        if f.is_file():  # the checkpoint and its config.json, none of the diffusers parts' dirs
+            shutil.copy(f, d / f.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UnsupportedModel) as e:
+        detect_model(d)
+    said = str(e.value)
+    assert said.startswith(f"{d}: its Wan T2V parts (vae/, text_encoder/, tokenizer/ in diffusers format) are not "
+                           "beside it: --components DIR names a dir holding them; else they come from "
+                           "Wan-AI/Wan2.1-T2V-1.3B-Diffusers on the Hugging Face Hub, which is not in the Hugging Face "
+                           "cache"), said
+    assert "\n" not in said and "no such local dir" not in said
+    assert detect_model(d, components=str(layouts["diffusers"])).components_dir == layouts["diffusers"]
+    asked = {}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.update(kw, repo=repo) or str(layouts["diffusers"]))
+    assert detect_model(d).components_dir == layouts["diffusers"]
+    assert asked["repo"] == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    assert sorted(asked["allow_patterns"]) == ["scheduler/*", "text_encoder/*", "tokenizer/*", "vae/*"]

@@ -23,7 +23,9 @@ WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，
 V3_MAX_REFS = 4  # MAX_ALLOWED_REF_IMG_LENGTH
 V3_SEED = 42  # generate_video.py --seed
 V3_STEPS, V3_GUIDE, V3_GUIDE_IMG = 50, 7.5, 5.0  # WanSkyReelsA2WanT2VPipeline.__call__'s defaults (:400-402)
-V3_DISTILLED_STEPS = 8  # ReferenceToVideoPipeline.generate_video (:782-787): guidance 1 (one pass), negative ""
+# what the entry point runs: generate_video.py:289 -> ReferenceToVideoPipeline.generate_video (:768-790): 8 steps,
+# guidance 1.0 / 1.0 (one pass: do_classifier_free_guidance is guidance_scale > 1, :367-368), negative ""
+V3_DISTILLED_STEPS = 8
 
 
 def fit_pad_white(image: Image.Image, width: int, height: int) -> Image.Image:
@@ -177,8 +179,9 @@ def v3_sample(transformer, vae, refs: list[Image.Image], text: torch.Tensor, tex
               guidance: float = 1.0, guidance_img: float = 1.0) -> dict:
     """WanSkyReelsA2WanT2VPipeline.__call__ (reference_to_video_pipeline.py:391-657) after resize_ref_images
     (:660-693), under its pinned diffusers 0.34 schedule. guidance 1.0 (ReferenceToVideoPipeline.generate_video's,
-    with 8 steps: the distilled preset) runs one pass; > 1 runs three. Returns condition (1, 16, 4, h, w: the
-    references, then zero slots), initial (1, 16, T, h, w) and latents (the final T frames, all decoded)."""
+    with 8 steps: what its entry point runs, a2's default) runs one pass; > 1 runs three. Returns condition (1, 16,
+    4, h, w: the references, then zero slots), initial (1, 16, T, h, w) and latents (the final T frames, all
+    decoded)."""
     if len(refs) > V3_MAX_REFS:
         raise ValueError(f"{len(refs)} references; SkyReels-V3 takes at most {V3_MAX_REFS}")
     t_lat, h, w = (num_frames - 1) // 4 + 1, height // 8, width // 8
