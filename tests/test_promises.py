@@ -354,7 +354,7 @@ def test_a_local_dir_named_like_a_hub_id_wins(tmp_path, monkeypatch):
     assert detect_model(model_path("Skywork/SkyReels-A2")).name == "Wan2.1 I2V"
     from a2.transformer import UnsupportedModel
 
-    with pytest.raises(UnsupportedModel, match="Skywork/SkyReels-A3: no such local dir, and as a Hugging Face Hub"):
+    with pytest.raises(UnsupportedModel, match="SkyReels-A3: no such local dir, and the Hugging Face Hub model"):
         model_path("Skywork/SkyReels-A3")  # the same id without the dir: the Hub, offline
 
 

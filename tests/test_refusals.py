@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.conftest import drawn_person
 
@@ -19,8 +21,10 @@ def files(tmp_path_factory):
     drawn_person((40, 28)).save(d / "me.png")
     (d / "prompts.txt").write_text("a man\n")
     (d / "eval.jsonl").write_text('{"prompt": "a man"}\n')
-    (d / "lora").mkdir()  # a run dir given as --lora: only its existence is read before the refusals
-    (d / "saved.pt").write_bytes(b"")
+    (d / "lora").mkdir()  # a run dir given as --lora: only its file's keys are read before the refusals
+    save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 32)},
+              d / "lora" / "pytorch_lora_weights.safetensors")
+    torch.save({"latents": torch.zeros(1, 16, 1, 2, 2)}, d / "saved.pt")  # a --save-latents file's shape of keys
     return d
 
 
@@ -96,4 +100,6 @@ def test_sizes_refused_on_either_side(model, multiple, size, files, monkeypatch,
     Wan 2.1's 16 when the flags are parsed, TI2V-5B's 32 once main has read the model dir."""
     argv = ["--model", model, "--height", str(size[0]), "--width", str(size[1]), "--elements", str(files / "me.png")]
     said = f"height and width must be positive multiples of {multiple}, got {size[0]}x{size[1]}"
+    if model != "tiny-ti2v":  # refused as the flags are parsed, naming them
+        said = f"--height {size[0]} --width {size[1]}: {said}"
     refused(monkeypatch, argv[:-2] if model == "tiny-ti2v" else argv, said, None if model == "tiny-ti2v" else capsys)
