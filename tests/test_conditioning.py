@@ -308,6 +308,7 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
     cfg_file = tmp_path / "ds.json"
     elements = [{"name": "subject", "suffixes": ["_person.png"]}]
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "target_resolution": [32, 32],
                                                   "processors": {"vae": {"concatenate_mask": False}}}]}))
     cfg = from_flags(model="tiny", dataset_config=str(cfg_file), num_frames=21, resolution=(32, 32), device="cpu")
     with pytest.raises(ConfigError, match=r"concatenate_mask false: .*\(Wan2.1 I2V\) takes 36 input channels"):
@@ -315,7 +316,7 @@ def test_concatenate_mask_false_is_refused_in_one_line(data_dir, tmp_path):
     # a kind without a mask has nothing to concatenate: false is what it does
     vae = {"concatenate_mask": False, "reference_layout": "incontext"}
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
-                                                  "processors": {"vae": vae}}]}))
+                                                  "target_resolution": [32, 32], "processors": {"vae": vae}}]}))
     cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
     assert train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu")).layout.kind == "incontext"
 
@@ -362,7 +363,7 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     elements = [{"name": "subject", "suffixes": ["_person.png"]}]
     vae = {"reference_layout": "incontext", "combine": "after", "vae_sample_mode": "sample"}
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
-                                                  "processors": {"vae": vae}}]}))
+                                                  "target_resolution": [32, 32], "processors": {"vae": vae}}]}))
     assert load_dataset_config(cfg_file)[0].vae == VaeProcessorConfig(**vae)
     cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
     run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
@@ -379,6 +380,7 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
                                           r"data \(each dataset's keys of the same names\); set them there"):
         train_a2.run_datasets(beside)
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
+                                                  "target_resolution": [32, 32],
                                                   "processors": {"vae": {"vae_sample_mode": "mean"}}}]}))
     with pytest.raises(ConfigError, match=r"processors.vae.vae_sample_mode: 'mean' is not one of \('sample', "
                                           r"'argmax', None\)$"):
