@@ -35,7 +35,7 @@ KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3",
 
 
 def resolve_compile(compile: bool | None, device_type: str) -> bool:
-    """--compile as given, else on with CUDA and off on the CPU (TrainConfig.compile)."""
+    """--compile as given, else on with CUDA and off on the CPU (MemoryConfig.compile)."""
     return device_type == "cuda" if compile is None else compile
 
 

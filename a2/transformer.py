@@ -957,7 +957,7 @@ def vae_path_only(where: str, e2v_type: str, what: str, error: type = Unsupporte
 
 
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
-    """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
+    """The reference paths of a run (TrainModelConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
     where = f"{info.path} ({info.name})"
     if not conditioned:
