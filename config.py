@@ -660,6 +660,14 @@ def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int, eva
     return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
 
 
+def run_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
+    """The datasets of a run (dataset_configs) of its data and conditioning sections, --clip-size and --eval-manifest;
+    a --resolution typed (not the recipe's) is held against a dataset file's. train_a2.py and data.py validate, before
+    their heavy imports and after."""
+    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
+                           resolution_given="resolution" not in cfg.filled)
+
+
 def with_eval_manifest(eval_manifest: str | None, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
     """--eval-manifest: a held-out dataset listed like --manifest (relative paths beside it), read as the first
     dataset's settings read it (elements, sizes, frame extraction)."""

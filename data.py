@@ -19,13 +19,12 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
     from a2.cli import exit_on_signal, parse_cli, run_cli
-    from config import DataCommand, Validate, dataset_configs
+    from config import DataCommand, Validate, run_datasets
 
     exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
     if isinstance(CLI_COMMAND, Validate):  # the flags' and the dataset config's mistakes too (validate reads them)
-        c = CLI_COMMAND
-        run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
+        run_cli(run_datasets, CLI_COMMAND)
 
 import codecs
 import hashlib
@@ -73,7 +72,7 @@ from a2.media import (
 )
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import HUB_ID, TEXT_TOKENS, detect_model
-from config import DataCommand, MakeSample, Validate, dataset_configs
+from config import DataCommand, MakeSample, Validate, run_datasets
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
 MASK_SUFFIX = "_vace_mask.png"
@@ -643,8 +642,7 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 def validate(a: Validate) -> E2VDataset:
     """`data.py validate`: what training reads with these flags (a --resolution typed beside a dataset config is
     held against it, as training holds it)."""
-    cfgs = dataset_configs(a.data, a.conditioning, a.model.clip_size, a.validation.eval_manifest,
-                           resolution_given="resolution" not in a.filled)
+    cfgs = run_datasets(a)
     cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.data.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.data.skip_bad_samples,

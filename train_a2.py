@@ -16,13 +16,12 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
     from a2.cli import exit_on_signal, parse_cli, run_cli
-    from config import TrainConfig, dataset_configs
+    from config import TrainConfig, run_datasets
 
     exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
                    "same command again")
     CLI_CONFIG = parse_cli(TrainConfig)
-    c = CLI_CONFIG  # the flags' and the dataset config's mistakes too (main reads them again)
-    run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
+    run_cli(run_datasets, CLI_CONFIG)  # the flags' and the dataset config's mistakes too (main reads them again)
 
 import itertools
 import json
@@ -114,7 +113,7 @@ from a2.transformer import (
     is_e2v,
     load_transformer,
 )
-from config import OptimConfig, TrainConfig, dataset_configs, flat_config, is_tiny, resolve_compile, with_flags
+from config import OptimConfig, TrainConfig, flat_config, is_tiny, resolve_compile, run_datasets, with_flags
 from data import (
     BucketBatchSampler,
     DatasetError,
@@ -269,13 +268,6 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
     return replace(run, cache=cache)
-
-
-def run_datasets(cfg: TrainConfig) -> list:
-    """The run's datasets (config.dataset_configs) of its data and conditioning sections, --clip-size and
-    --eval-manifest; a --resolution typed (not the recipe's) is held against a dataset file's."""
-    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
-                           resolution_given="resolution" not in cfg.filled)
 
 
 def step_sections(cfg: TrainConfig) -> tuple:
