@@ -318,7 +318,7 @@ class E2VDataset(torch.utils.data.Dataset):
     """Samples for training. Items are picked by (index, seed) pairs from BucketBatchSampler so that
     random frame windows are a function of the data order seed, not of the worker.
 
-    num_frames: the clip length (config.clip_frames); with auto_frame_buckets a shorter clip goes to the
+    num_frames: the clip length (a2.conditioning.clip_frames); with auto_frame_buckets a shorter clip goes to the
     largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one).
     size_multiple: what aspect buckets' height and width are multiples of (the model's VAE x patch: 16, TI2V-5B 32)."""
 
