@@ -71,7 +71,7 @@ from a2.media import (
     resampled_frames,
 )
 from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import HUB_ID, TEXT_TOKENS, detect_model
+from a2.transformer import TEXT_TOKENS, detect_model, is_hub_id
 from config import DataCommand, MakeSample, Validate, run_datasets
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
@@ -658,7 +658,7 @@ def training_layout(a: Validate, cfgs):
     plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     m = a.model
-    if m.model in TINY_MODELS or Path(m.model).exists() or not HUB_ID.fullmatch(m.model):  # no Hub id: said
+    if m.model in TINY_MODELS or not is_hub_id(m.model):  # a Hub id is not downloaded for this: said
         info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
         cfgs, elements = kind_datasets(cfgs, info, bool(a.data.elements or a.data.dataset_config))
         return cfgs, plan(info, elements, cfgs[0].vae, a.data.num_frames, m.e2v_type), info.spatial_multiple

@@ -535,12 +535,14 @@ def not_a_model(name, built_in=()) -> str:
             + ")")
 
 
+def is_hub_id(name) -> bool:
+    """`name` is read from the Hugging Face Hub: an org/name that is no local path (a local one wins)."""
+    return not Path(name).exists() and bool(HUB_ID.fullmatch(str(name)))
+
+
 def local_or_hub(name) -> Path:
     """A local path as it is, else a Hugging Face Hub id (org/name) resolved through the Hub cache (hub_snapshot)."""
-    path = Path(name)
-    if path.exists() or not HUB_ID.fullmatch(str(name)):
-        return path
-    return hub_snapshot(str(name))
+    return hub_snapshot(str(name)) if is_hub_id(name) else Path(name)
 
 
 def detect_phantom(path: Path, components=None) -> ModelInfo:
