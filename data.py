@@ -47,7 +47,7 @@ from tqdm import tqdm
 from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
 from a2.conditioning import clip_frames, element_layout, element_refusal, plan
-from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, element_kind
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, check_size, element_kind
 from a2.elements import A2_ELEMENTS, Element
 from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
 from a2.kinds import KIND_DEFS, kind_elements, largest_element_set
@@ -650,6 +650,17 @@ def validate(a: Validate) -> E2VDataset:
                       size_multiple=multiple, layout=layout)
 
 
+def model_layout(model, data, cfgs: list[DatasetConfig]):
+    """The model of a run's model section (`model`: TrainModelConfig) and the layout it trains the data section's
+    datasets in (train_a2.py plan_run and data.py validate alike): (info, cfgs as its kind reads them (kind_datasets),
+    the element set planned, the Layout), the size checked against the model's patch multiple (TI2V-5B: 32)."""
+    info = detect_model(model_path(model.model), model.image_encoder and model_path(model.image_encoder),
+                        model.components)
+    check_size(*data.resolution, data.num_frames, info.spatial_multiple)
+    cfgs, elements = kind_datasets(cfgs, info, bool(data.elements or data.dataset_config))
+    return info, cfgs, elements, plan(info, elements, cfgs[0].vae, data.num_frames, model.e2v_type)
+
+
 def training_layout(a: Validate, cfgs):
     """The datasets, the Layout and the aspect buckets' size multiple train_a2.py plans with these flags (clip length,
     the element specs the model's kind takes, how element images become references; TI2V-5B's buckets are multiples
@@ -659,9 +670,8 @@ def training_layout(a: Validate, cfgs):
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     m = a.model
     if m.model in TINY_MODELS or not is_hub_id(m.model):  # a Hub id is not downloaded for this: said
-        info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
-        cfgs, elements = kind_datasets(cfgs, info, bool(a.data.elements or a.data.dataset_config))
-        return cfgs, plan(info, elements, cfgs[0].vae, a.data.num_frames, m.e2v_type), info.spatial_multiple
+        info, cfgs, _, layout = model_layout(m, a.data, cfgs)
+        return cfgs, layout, info.spatial_multiple
     print(f"clip length by the elements' rule (--model {m.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return cfgs, None, 16
