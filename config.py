@@ -35,7 +35,7 @@ KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3",
 
 
 def resolve_compile(compile: bool | None, device_type: str) -> bool:
-    """--compile as given, else on with CUDA and off on the CPU (TrainConfig.compile)."""
+    """--compile as given, else on with CUDA and off on the CPU (MemoryConfig.compile)."""
     return device_type == "cuda" if compile is None else compile
 
 
@@ -658,6 +658,14 @@ def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int, eva
         vae=VaeProcessorConfig(resolution=tuple(data.resolution), **asdict(c)),
         clip=ClipProcessorConfig(resolution=(clip_size, clip_size)))
     return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
+
+
+def run_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
+    """The datasets of a run (dataset_configs) of its data and conditioning sections, --clip-size and --eval-manifest;
+    a --resolution typed (not the recipe's) is held against a dataset file's. train_a2.py and data.py validate, before
+    their heavy imports and after."""
+    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
+                           resolution_given="resolution" not in cfg.filled)
 
 
 def with_eval_manifest(eval_manifest: str | None, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
     from a2.cli import exit_on_signal, parse_cli, run_cli
-    from config import DataCommand, Validate, dataset_configs
+    from config import DataCommand, Validate, run_datasets
 
     exit_on_signal("nothing is left half-written (make-sample: the files written so far are kept); run it again")
     CLI_COMMAND = parse_cli(DataCommand, description=__doc__)
     if isinstance(CLI_COMMAND, Validate):  # the flags' and the dataset config's mistakes too (validate reads them)
-        c = CLI_COMMAND
-        run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
+        run_cli(run_datasets, CLI_COMMAND)
 
 import codecs
 import hashlib
@@ -48,7 +47,7 @@ from tqdm import tqdm
 from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
 from a2.conditioning import clip_frames, element_layout, element_refusal, plan
-from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, element_kind
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, check_size, element_kind
 from a2.elements import A2_ELEMENTS, Element
 from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
 from a2.kinds import KIND_DEFS, kind_elements, largest_element_set
@@ -72,8 +71,8 @@ from a2.media import (
     resampled_frames,
 )
 from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import HUB_ID, TEXT_TOKENS, detect_model
-from config import DataCommand, MakeSample, Validate, dataset_configs
+from a2.transformer import TEXT_TOKENS, detect_model, is_hub_id
+from config import DataCommand, MakeSample, Validate, run_datasets
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
 MASK_SUFFIX = "_vace_mask.png"
@@ -319,7 +318,7 @@ class E2VDataset(torch.utils.data.Dataset):
     """Samples for training. Items are picked by (index, seed) pairs from BucketBatchSampler so that
     random frame windows are a function of the data order seed, not of the worker.
 
-    num_frames: the clip length (config.clip_frames); with auto_frame_buckets a shorter clip goes to the
+    num_frames: the clip length (a2.conditioning.clip_frames); with auto_frame_buckets a shorter clip goes to the
     largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one).
     size_multiple: what aspect buckets' height and width are multiples of (the model's VAE x patch: 16, TI2V-5B 32)."""
 
@@ -643,13 +642,23 @@ def make_synthetic_dataset(root, num_samples: int = 4, num_frames: int = 17, siz
 def validate(a: Validate) -> E2VDataset:
     """`data.py validate`: what training reads with these flags (a --resolution typed beside a dataset config is
     held against it, as training holds it)."""
-    cfgs = dataset_configs(a.data, a.conditioning, a.model.clip_size, a.validation.eval_manifest,
-                           resolution_given="resolution" not in a.filled)
+    cfgs = run_datasets(a)
     cfgs, layout, multiple = training_layout(a, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.data.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.data.skip_bad_samples,
                       global_batch=a.optim.micro_batch * a.optim.grad_accum * a.world_size,
                       size_multiple=multiple, layout=layout)
+
+
+def model_layout(model, data, cfgs: list[DatasetConfig]):
+    """The model of a run's model section (`model`: TrainModelConfig) and the layout it trains the data section's
+    datasets in (train_a2.py plan_run and data.py validate alike): (info, cfgs as its kind reads them (kind_datasets),
+    the element set planned, the Layout), the size checked against the model's patch multiple (TI2V-5B: 32)."""
+    info = detect_model(model_path(model.model), model.image_encoder and model_path(model.image_encoder),
+                        model.components)
+    check_size(*data.resolution, data.num_frames, info.spatial_multiple)
+    cfgs, elements = kind_datasets(cfgs, info, bool(data.elements or data.dataset_config))
+    return info, cfgs, elements, plan(info, elements, cfgs[0].vae, data.num_frames, model.e2v_type)
 
 
 def training_layout(a: Validate, cfgs):
@@ -660,10 +669,9 @@ def training_layout(a: Validate, cfgs):
     plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
     length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
     m = a.model
-    if m.model in TINY_MODELS or Path(m.model).exists() or not HUB_ID.fullmatch(m.model):  # no Hub id: said
-        info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
-        cfgs, elements = kind_datasets(cfgs, info, bool(a.data.elements or a.data.dataset_config))
-        return cfgs, plan(info, elements, cfgs[0].vae, a.data.num_frames, m.e2v_type), info.spatial_multiple
+    if m.model in TINY_MODELS or not is_hub_id(m.model):  # a Hub id is not downloaded for this: said
+        info, cfgs, _, layout = model_layout(m, a.data, cfgs)
+        return cfgs, layout, info.spatial_multiple
     print(f"clip length by the elements' rule (--model {m.model} is not on this machine; a released model's own "
           "layout can read longer clips)")
     return cfgs, None, 16

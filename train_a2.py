@@ -16,13 +16,12 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before the heavy imports below (torch...)
     from a2.cli import exit_on_signal, parse_cli, run_cli
-    from config import TrainConfig, dataset_configs
+    from config import TrainConfig, run_datasets
 
     exit_on_signal("stopped before the first step (the step loop checkpoints on a signal); nothing is lost: run the "
                    "same command again")
     CLI_CONFIG = parse_cli(TrainConfig)
-    c = CLI_CONFIG  # the flags' and the dataset config's mistakes too (main reads them again)
-    run_cli(dataset_configs, c.data, c.conditioning, c.model.clip_size, c.validation.eval_manifest)
+    run_cli(run_datasets, CLI_CONFIG)  # the flags' and the dataset config's mistakes too (main reads them again)
 
 import itertools
 import json
@@ -49,10 +48,8 @@ from a2.conditioning import (
     element_layout,
     encode,
     lora_target,
-    plan,
     vae_scale,
 )
-from a2.dataset_config import check_size
 from a2.ema import ema_weights
 from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
 from a2.kinds import kind_sampling
@@ -108,13 +105,12 @@ from a2.tiny import TINY_MODELS, model_path
 from a2.trace import dry_run
 from a2.transformer import (
     allow_recompiles,
-    detect_model,
     expand_to_e2v,
     expert_sigma_range,
     is_e2v,
     load_transformer,
 )
-from config import OptimConfig, TrainConfig, dataset_configs, flat_config, is_tiny, resolve_compile, with_flags
+from config import OptimConfig, TrainConfig, flat_config, is_tiny, resolve_compile, run_datasets, with_flags
 from data import (
     BucketBatchSampler,
     DatasetError,
@@ -122,6 +118,7 @@ from data import (
     cache_key,
     held_out,
     kind_datasets,
+    model_layout,
     rank_slice,
     write_cache,
 )
@@ -169,17 +166,13 @@ def on_rank0(fn, *args, **kwargs):
 def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
     """All derived settings and every check that needs no data or weights: a bad config fails here, before any
     loading. The precompute cache, which hashes the data, is added by with_cache once the dataset is scanned."""
-    h, w = cfg.data.resolution  # the size's own check is dataset_configs'; the patch multiple needs the model
     if cfg.optim.micro_batch < 1 or cfg.optim.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
     check_dir_to_write("--output-dir", cfg.rundir.output_dir)
     vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
     m = cfg.model
-    info = detect_model(model_path(m.model), m.image_encoder and model_path(m.image_encoder), m.components)
-    check_size(h, w, cfg.data.num_frames, info.spatial_multiple)
-    # none given: the element specs its kind samples with too
-    ds_cfgs, elements = kind_datasets(ds_cfgs, info, bool(cfg.data.elements or cfg.data.dataset_config))
-    layout = plan(info, elements, vae_cfg, cfg.data.num_frames, m.e2v_type)  # the kind, checked
+    # the kind, checked; none given: the element specs its kind samples with too
+    info, ds_cfgs, elements, layout = model_layout(m, cfg.data, ds_cfgs)
     # (VACE: what reaches its context blocks)
     check_flags(cfg.memory, cfg.lora.training_type, cfg.parallel.fsdp, device, layout.context_blocks)
     if cfg.data.cache_dir and not layout.cacheable:
@@ -269,13 +262,6 @@ def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
         raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
                                 "--precompute first")
     return replace(run, cache=cache)
-
-
-def run_datasets(cfg: TrainConfig) -> list:
-    """The run's datasets (config.dataset_configs) of its data and conditioning sections, --clip-size and
-    --eval-manifest; a --resolution typed (not the recipe's) is held against a dataset file's."""
-    return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
-                           resolution_given="resolution" not in cfg.filled)
 
 
 def step_sections(cfg: TrainConfig) -> tuple:

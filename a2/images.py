@@ -177,7 +177,7 @@ def reference_pixels(layout, images, elements, size: tuple[int, int], clip_size:
                      names: list[str] | None = None):
     """Element images (RGB, read_image's, in position order) as `layout`'s kind frames them (Kind.framing, the one
     place): (vae (N, 3, H, W) and clip (N, 3, h, w) in [-1, 1], region (H, W) bool or None), by training (data.py)
-    and sampling (load_references) alike. `elements`: their config.Elements; size=(H, W) the video's.
+    and sampling (load_references) alike. `elements`: their a2.elements.Element rows; size=(H, W) the video's.
 
     element (and layout None): each image framed to the video's size by its element's VAE preprocess, no region.
     face: Stand-In's reference as its FaceProcessor crop, fit_pad_white (white pad to square, Lanczos) at the

@@ -535,12 +535,14 @@ def not_a_model(name, built_in=()) -> str:
             + ")")
 
 
+def is_hub_id(name) -> bool:
+    """`name` is read from the Hugging Face Hub: an org/name that is no local path (a local one wins)."""
+    return not Path(name).exists() and bool(HUB_ID.fullmatch(str(name)))
+
+
 def local_or_hub(name) -> Path:
     """A local path as it is, else a Hugging Face Hub id (org/name) resolved through the Hub cache (hub_snapshot)."""
-    path = Path(name)
-    if path.exists() or not HUB_ID.fullmatch(str(name)):
-        return path
-    return hub_snapshot(str(name))
+    return hub_snapshot(str(name)) if is_hub_id(name) else Path(name)
 
 
 def detect_phantom(path: Path, components=None) -> ModelInfo:
@@ -957,7 +959,7 @@ def vae_path_only(where: str, e2v_type: str, what: str, error: type = Unsupporte
 
 
 def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
-    """The reference paths of a run (TrainConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
+    """The reference paths of a run (TrainModelConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
     take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
     where = f"{info.path} ({info.name})"
     if not conditioned:

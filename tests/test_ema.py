@@ -13,7 +13,7 @@ from tests.conftest import args, launch, max_diff, train
 
 EMA = ["--ema-decay", "0.9"]
 # full fine-tuning, 2 ranks x micro 1 x accumulation 2 (one process: micro 2 x accumulation 2); adam-eps: see
-# TrainConfig.adam_eps
+# OptimConfig.adam_eps
 FULL = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-eps", "1e-4", "--ckpt-every", "2",
         "--max-steps", "4", *EMA]
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import args, launch, losses, max_diff, train
 
-# micro-batch 1 x accumulation 2 x 2 ranks; adam-eps: see TrainConfig.adam_eps
+# micro-batch 1 x accumulation 2 x 2 ranks; adam-eps: see OptimConfig.adam_eps
 STEPS = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-eps", "1e-4", "--ckpt-every", "2"]
 
 
@@ -153,7 +153,7 @@ def test_fsdp_compile_follows_eager(runs, data_dir, tmp_path):
             assert sorted(got) == [1, 2] and max(abs(got[s] - want[s]) for s in got) <= tol, (run, key, got, want)
 
 
-# LoRA, global batch 4, 4 steps, checkpoints at 2 and 4; adam-eps: see TrainConfig.adam_eps; alpha = rank (scale 1),
+# LoRA, global batch 4, 4 steps, checkpoints at 2 and 4; adam-eps: see OptimConfig.adam_eps; alpha = rank (scale 1),
 # not the tiny recipe's 10x, which at lr 1e-2 diverges by step 4 (loss 20) where fp32 summation order shows
 LORA = ["--lr", "1e-2", "--lora-alpha", "32", "--adam-eps", "1e-4", "--ckpt-every", "2", "--max-steps", "4"]
 

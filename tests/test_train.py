@@ -18,7 +18,7 @@ from tests.conftest import args, children, launch, losses, max_diff, params, tra
 
 
 def test_ddp_equals_one_process_and_accumulation(data_dir, tmp_path):
-    steps = ["--max-steps", "3", "--lr", "1e-2", "--adam-eps", "1e-4"]  # see TrainConfig.adam_eps
+    steps = ["--max-steps", "3", "--lr", "1e-2", "--adam-eps", "1e-4"]  # see OptimConfig.adam_eps
     p = launch(args(data_dir, tmp_path, "ddp", "--micro-batch", "1", *steps), nproc=2)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-4000:]
