@@ -364,7 +364,7 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
     vae = {"reference_layout": "incontext", "combine": "after", "vae_sample_mode": "sample"}
     cfg_file.write_text(json.dumps({"datasets": [{"data_root": str(data_dir), "elements": elements,
                                                   "target_resolution": [32, 32], "processors": {"vae": vae}}]}))
-    assert load_dataset_config(cfg_file)[0].vae == VaeProcessorConfig(**vae)
+    assert load_dataset_config(cfg_file)[0].vae == VaeProcessorConfig(**vae, resolution=(32, 32))
     cfg = from_flags(model="tiny-t2v", dataset_config=str(cfg_file), num_frames=9, resolution=(32, 32), device="cpu")
     run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
     assert (run.layout.kind, run.layout.combine, run.encode_mode) == ("incontext", "after", "sample")
