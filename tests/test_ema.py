@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import args, launch, max_diff, train
+from tests.conftest import args, assert_rounding, launch, max_diff, train
 
 EMA = ["--ema-decay", "0.9"]
 # full fine-tuning, 2 ranks x micro 1 x accumulation 2 (one process: micro 2 x accumulation 2); adam-eps: see
@@ -163,5 +163,5 @@ def test_the_loops_ema_follows_the_warm_up_schedule(data_dir, tmp_path):
         decay = min(0.9, (1 + s) / (10 + s))
         for i, name in names.items():
             want = ema[s - 1][i] + (1 - decay) * (weights[s][name] - ema[s - 1][i])
-            assert torch.allclose(ema[s][i], want, rtol=0, atol=1e-6), (s, name)
+            assert_rounding(ema[s][i], want, 8)  # the update's own op order (lerp) against this formula's
         assert max((ema[s][i] - ema[s - 1][i]).abs().max().item() for i in names) > 1e-4  # it moved
