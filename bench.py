@@ -75,7 +75,7 @@ from a2.transformer import (
 from config import (
     LORA_TARGETS,
     BenchConfig,
-    LoraConfig,
+    LoraSection,
     MemoryConfig,
     ObjectiveConfig,
     OptimConfig,
@@ -341,7 +341,7 @@ def step_sections(b: BenchConfig) -> tuple:
     optim, objective, references), of bench's flags. The learning rate and sigma's distribution are any valid
     values: a step costs the same whatever they are."""
     return (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
-            LoraConfig(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
+            LoraSection(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
             OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay),
             ObjectiveConfig(sigma_sampling="logit_normal"),
             ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))

@@ -202,7 +202,7 @@ FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")  # a2.media.f
 @dataclass(frozen=True)
 class DataSource:
     """Where a dataset's clips are and how their frames are read: the keys a dataset file's entries (DatasetConfig)
-    and train_a2.py's data flags (config.DataConfig) share, declared once here."""
+    and train_a2.py's data flags (DataConfig, the data section) share, declared once here."""
 
     data_root: str | None = None
     """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py); a manifest's relative paths are
@@ -445,6 +445,37 @@ def load_dataset_config(path) -> list[DatasetConfig]:
             raise ConfigError(f"{c.source}.processors.vae: differs from datasets[0]'s; all datasets of one run must "
                               "share processors.vae (resolution, combine, frame conditioning)")
     return cfgs
+
+
+@dataclass(frozen=True)
+class DataConfig(DataSource):
+    """The training data: where it is and what it is (DataSource's flags, a dataset file's keys of the same names), how
+    its clips are sized, how it is loaded and cached."""
+
+    dataset_config: str | None = None
+    """A JSON dataset config (docs/dataset.md): one or more datasets, their weights, elements, processors and eval sets.
+    It replaces --data-root, --manifest, --dataset-type, --elements, --sam, --cross-video and the frame-extraction flags
+    (not read beside it); a conditioning flag that disagrees with its processors.vae is an error. --num-frames is read,
+    and --resolution and --clip-size still size the validation videos and the memory plan: give the file's sizes."""
+    elements: tuple[str, ...] = ()
+    """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see a2/elements.py). Empty:
+    SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
+    resolution: tuple[int, int] | None = None
+    """The training (height, width) in pixels, multiples of 16. Left out: the model's recipe (RECIPES)."""
+    num_frames: int | None = None
+    """The pixel frames (4k+1) of the whole sequence, reference frames included (A2's prefix; Wan VACE's references
+    come on top: its --num-frames is the clip). Left out: the model's recipe (RECIPES)."""
+    skip_bad_samples: bool = False
+    """Drops invalid samples (and says how many) instead of failing with the full list of problems."""
+    num_workers: int = 2
+    """The DataLoader worker processes per rank (0: load in the training process). They ignore SIGTERM/SIGINT: the
+    training process handles those."""
+    cache_dir: str | None = None
+    """The precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
+    into a subdir named by a hash of everything they depend on; without it, training reads them from there and never
+    constructs the VAE, T5 or CLIP (unless validation videos need them)."""
+    precompute: bool = False
+    """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
 
 
 help_from_docstrings(globals())

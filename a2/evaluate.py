@@ -42,9 +42,9 @@ from a2.loader import collate
 from a2.media import DatasetError
 from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
+from a2.sections import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
-from config import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
 
 
 class Embedder:

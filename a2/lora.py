@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
-from peft import LoraConfig as PeftLoraConfig
+from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import get_pattern_key
 from safetensors import safe_open
@@ -43,6 +43,7 @@ from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
 from a2.ema import ema_weights
 from a2.parallel import gathered
+from a2.sections import LORA_TARGETS, LoraSection, OptimConfig, ParallelConfig, TrainModelConfig
 from a2.step import Run, TrainState
 from a2.transformer import (
     EXPERTS,
@@ -55,7 +56,6 @@ from a2.transformer import (
     save_wan_checkpoint,
     wan_module_name,
 )
-from config import LORA_TARGETS, LoraConfig, OptimConfig, ParallelConfig, TrainModelConfig
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -105,9 +105,9 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
         p.requires_grad_(True)
     if not own:
         keep_kv = layout.use_clip and not layout.expand  # an expansion's image K/V train in full (below)
-        transformer.add_adapter(PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
-                                           target_modules=target if keep_kv else
-                                           target.replace("|add_k_proj|add_v_proj", "")))
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
+                                       target_modules=target if keep_kv else
+                                       target.replace("|add_k_proj|add_v_proj", "")))
         if transformer.device.type != "meta":  # (a replica of a model checked so: FSDP's, a2/parallel.py)
             check_lora_export(transformer)  # export writes original-Wan keys too: a target with none fails now
     if layout.expand:
@@ -443,7 +443,7 @@ def _key_format(path: Path) -> str:
 # ---------------------------------------------------------------- a training run's export (train_a2.py)
 
 
-def export_weights(run_dir: Path, model, lora: LoraConfig, expert: str | None, tag: str = "",
+def export_weights(run_dir: Path, model, lora: LoraSection, expert: str | None, tag: str = "",
                    metadata: dict | None = None, original_keys: str | None = None, log=print) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), export_lora;
@@ -479,7 +479,7 @@ def export_weights(run_dir: Path, model, lora: LoraConfig, expert: str | None, t
     return out
 
 
-def export(run_dir: Path, state: TrainState, model: TrainModelConfig, lora: LoraConfig, optim: OptimConfig,
+def export(run_dir: Path, state: TrainState, model: TrainModelConfig, lora: LoraSection, optim: OptimConfig,
            parallel: ParallelConfig, run: Run, rank: int, prepare, log=print) -> dict:
     """The trained weights, and with --ema-decay their EMA beside them (tag _ema: pytorch_lora_weights_ema.safetensors
     + _ema_comfy, e2v_weights_ema, or transformer_ema/), exported from rank 0 (--fsdp: gathered first by

@@ -87,8 +87,8 @@ import torch
 from a2.cli import ConfigError
 from a2.fp8 import fp8_bytes, quantize_base_weights, scaled_mm_supported
 from a2.offload import apply_offload, frozen_tensors
+from a2.sections import MemoryConfig
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks
-from config import MemoryConfig
 
 GB = 2**30  # a GiB: every figure the rule and the dry run print
 COMPILED_D, COMPILED_F = 24.0, 4.0  # a compiled block not recomputed keeps L·(24d + 4f) bytes (H100, bench.py)

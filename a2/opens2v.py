@@ -27,7 +27,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before torch loads
     from a2.cli import parse_cli
-    from config import OpenS2VConfig
+    from a2.sections import OpenS2VConfig
 
     CLI_CONFIG = parse_cli(OpenS2VConfig, prog="python3 -m a2.opens2v")
 

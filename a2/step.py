@@ -30,8 +30,8 @@ from a2.ema import ema_decay, update_ema
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, timestep_bucket
 from a2.pipeline import encode_prompt, image_tokens
 from a2.runs import NonFiniteSteps
+from a2.sections import ObjectiveConfig, OptimConfig, ReferencesConfig
 from a2.transformer import ModelInfo
-from config import ObjectiveConfig, OptimConfig, ReferencesConfig
 
 
 @dataclass(frozen=True)
