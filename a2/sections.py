@@ -305,7 +305,7 @@ class ReferencesConfig:
     prompt and the references are dropped independently."""
     reference_augment: bool = False
     """Augment each reference image every step before it is encoded (RefAlign's: flip, rotation up to 45 degrees,
-    shear, scale/translate, perspective, colour/brightness jitter, blur; white fill, a2/augment.py), drawn from the
+    shear, scale/translate, perspective, colour/brightness jitter, blur; white fill, a2/align.py), drawn from the
     sample's seed. It needs the pixels: not with --cache-dir, whose latents are of the images as read."""
     align_loss: bool = False
     """Add RefAlign's reference-alignment loss (a2/align.py): the reference tokens after --align-blocks, through

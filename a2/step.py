@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from a2 import align
-from a2.augment import AUGMENT_STREAM, augment_references
+from a2.align import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
     Layout,
     PosteriorCache,
