@@ -34,7 +34,6 @@ from PIL import Image
 
 from a2.conditioning import Layout, validation_layout
 from a2.elements import pair_elements
-from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
@@ -43,7 +42,7 @@ from a2.media import DatasetError
 from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
 from a2.sections import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
-from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
+from a2.step import Encoders, Process, Run, TrainState, ema_weights, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
 
 

@@ -41,10 +41,9 @@ from torch._subclasses.fake_tensor import is_fake
 from a2 import align, standin
 from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
-from a2.ema import ema_weights
 from a2.parallel import gathered
 from a2.sections import LORA_TARGETS, LoraSection, OptimConfig, ParallelConfig, TrainModelConfig
-from a2.step import Run, TrainState
+from a2.step import Run, TrainState, ema_weights
 from a2.transformer import (
     EXPERTS,
     diffusers_to_original,

@@ -444,7 +444,7 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict |
     DTensors). other: bytes allocated on the GPU besides the transformer (encoders); whole: the config of the same
     model uncut, whose blocks (and VACE's context blocks) are each like the mean of the model's own (a dry run's model
     cut to a few blocks, planned as the whole: cut_config); ema: --ema-decay keeps a copy of the trainable weights
-    (a2/ema.py); compute_dtype: what FSDP gathers each block in."""
+    (a2/step.py); compute_dtype: what FSDP gathers each block in."""
     def frozen_bytes(blocks):  # (the mean block's frozen bytes, the same in fp8)
         block = block_fp8 = 0.0
         for b in blocks:

@@ -350,7 +350,7 @@ class OptimConfig:
     non-finite."""
     ema_decay: float = 0.0
     """Keeps an EMA of the trained weights with this decay (e.g. 0.999), warmed up as min(decay, (1+t)/(10+t)) after
-    step t (a2/ema.py). It is kept on the device (--fsdp: sharded like the weights), checkpointed and resumed, used for
+    step t (a2/step.py). It is kept on the device (--fsdp: sharded like the weights), checkpointed and resumed, used for
     the validation videos and the eval loss (eval_ema/...), and exported beside the weights (..._ema.safetensors or
     transformer_ema/). 0 (default): off; it costs one more copy of the trained weights."""
     micro_batch: int = 1
