@@ -1,9 +1,9 @@
 """Every CLI's config (tyro): TrainConfig, InferConfig, BenchConfig, DemoConfig, data.py's commands, made of the
 sections library code reads (a2/sections.py; the data and conditioning sections beside the dataset file,
-a2/dataset_config.py), and the run's datasets made of a TrainConfig's flags or its dataset file (dataset_configs).
-It imports tyro, the standard library and a2 modules that import only those (a2/cli.py: parse_cli and the one-line
-errors; a2/elements.py: the --elements grammar; a2/dataset_config.py, a2/sections.py), so that each script parses
-its flags (parse_cli) before its heavy imports: --help, a typo or a config error answer at once.
+a2/dataset_config.py), the model's recipe (RECIPES) and a TrainConfig's datasets (run_datasets). It imports tyro,
+the standard library and a2 modules that import only those (a2/cli.py: parse_cli and the one-line errors;
+a2/dataset_config.py, a2/sections.py), so that each script parses its flags (parse_cli) before its heavy imports:
+--help, a typo or a config error answer at once.
 """
 
 from __future__ import annotations
@@ -16,20 +16,13 @@ import tyro
 
 from a2.cli import ConfigError, check_dir_to_write, help_from_docstrings
 from a2.dataset_config import (
-    PUBLIC_TYPES,
-    ClipProcessorConfig,
     ConditioningConfig,
     DataConfig,
     DatasetConfig,
-    DataSource,
-    VaeProcessorConfig,
-    check_extraction,
     check_frames,
-    check_size,
+    dataset_configs,
     height_width,
-    load_dataset_config,
 )
-from a2.elements import A2_ELEMENTS, parse_elements
 from a2.sections import (
     LORA_TARGETS,
     EvalConfig,
@@ -192,72 +185,12 @@ def flat_config(cfg: TrainConfig, nested: bool = False) -> dict:
     return out
 
 
-def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int, eval_manifest: str | None = None,
-                    resolution_given: bool = False) -> list[DatasetConfig]:
-    """The datasets of a run (its data and conditioning sections, --clip-size, --eval-manifest): the JSON file if
-    given, else one dataset from the flags. resolution_given: --resolution was typed (not the recipe's): a file whose
-    datasets train at another size refuses it, as the other data flags."""
-    check_size(*data.resolution, data.num_frames)
-    if data.dataset_config:
-        cfgs = load_dataset_config(data.dataset_config)
-        keys = [f.name for f in fields(DataSource)] + ["elements"]  # the file's keys, which it sets
-        beside = [k for k in keys if getattr(data, k) != getattr(DataConfig(), k)]
-        if beside:  # for each of its datasets: a flag beside it would be ignored, and the run train other data
-            raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {data.dataset_config} "
-                              "describes the data (each dataset's keys of the same names); set them there, or drop "
-                              "the flags")
-        other = next((d for d in cfgs if resolution_given and tuple(d.target_resolution) != tuple(data.resolution)),
-                     None)
-        if other is not None:  # the file's size trains: a typed size beside it would be silently another experiment
-            raise ConfigError(f"--resolution {data.resolution[0]} {data.resolution[1]}: {other.source} trains at "
-                              f"target_resolution {list(other.target_resolution)}; set the size in the file, or drop "
-                              "the flag")
-        for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
-            flag, file = getattr(c, f.name), getattr(cfgs[0].vae, f.name)
-            if flag != getattr(ConditioningConfig(), f.name) and flag != file:
-                raise ConfigError(f"--{f.name.replace('_', '-')} {flag}: {data.dataset_config} sets processors.vae."
-                                  f"{f.name} to {file!r}; set it in the file, or drop the flag")
-        return with_eval_manifest(eval_manifest, cfgs)
-    if not data.data_root and not data.manifest:
-        raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
-    if data.dataset_type == "t2v" and data.elements:
-        raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
-    # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
-    no_elements = data.dataset_type == "t2v" or c.frame_conditioning != "full"
-    if data.dataset_type in PUBLIC_TYPES and (no_elements or not data.manifest):
-        raise ConfigError(f"--dataset-type {data.dataset_type} trains elements from an index: --manifest "
-                          "OUT/index.jsonl (data.py index) and --frame-conditioning full")
-    if c.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
-        raise ConfigError(f"--reference-layout {c.reference_layout} places element references: it needs element "
-                          "images (--dataset-type e2v, --frame-conditioning full)")
-    elements = parse_elements(data.elements) if data.elements else A2_ELEMENTS
-    manifest = str(Path(data.manifest).resolve()) if data.manifest else None  # a CLI path: relative to the cwd
-    shared = {f.name: getattr(data, f.name) for f in fields(DataSource)}  # the flags a dataset file's entry shares
-    main = DatasetConfig(**{**shared, "data_root": data.data_root or str(Path(manifest).parent), "manifest": manifest,
-        "dataset_type": "t2v" if no_elements else data.dataset_type if data.dataset_type in PUBLIC_TYPES else "e2v"},
-        source="--manifest" if data.manifest and not data.data_root else "--data-root",
-        target_resolution=tuple(data.resolution), frame_buckets=(), elements=() if no_elements else elements,
-        vae=VaeProcessorConfig(resolution=tuple(data.resolution), **asdict(c)),
-        clip=ClipProcessorConfig(resolution=(clip_size, clip_size)))
-    return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
-
-
 def run_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
     """The datasets of a run (dataset_configs) of its data and conditioning sections, --clip-size and --eval-manifest;
     a --resolution typed (not the recipe's) is held against a dataset file's. train_a2.py and data.py validate, before
     their heavy imports and after."""
     return dataset_configs(cfg.data, cfg.conditioning, cfg.model.clip_size, cfg.validation.eval_manifest,
                            resolution_given="resolution" not in cfg.filled)
-
-
-def with_eval_manifest(eval_manifest: str | None, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
-    """--eval-manifest: a held-out dataset listed like --manifest (relative paths beside it), read as the first
-    dataset's settings read it (elements, sizes, frame extraction)."""
-    if not eval_manifest:
-        return cfgs
-    manifest = Path(eval_manifest).resolve()
-    return cfgs + [replace(cfgs[0], data_root=str(manifest.parent), manifest=str(manifest), weight=1.0, eval=True,
-                           source="--eval-manifest")]
 
 
 # ---------------------------------------------------------------- inference (infer.py)
