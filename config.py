@@ -350,6 +350,38 @@ class InferConfig(ModelConfig):
 
 
 @dataclass
+class BenchTiming:
+    """How bench.py times the step (or the loader) and where the result goes."""
+
+    steps: int = 5
+    """The timed training steps (with --data-root: timed samples)."""
+    warmup: int = 2
+    """The untimed steps run first (compilation, allocator warmup)."""
+    peak_tflops: float | None = None
+    """The device's peak dense TFLOP/s for MFU (default: looked up from the GPU name; none on the CPU)."""
+    out: str | None = None
+    """Appends the result as one JSON line to this file."""
+    compare_run: str | None = None
+    """A train_a2.py run dir at the same shape and settings: also prints its median s/step (metrics.jsonl, after the
+    first logged interval) against this step's, as the training loop's overhead over the bare step."""
+
+
+
+@dataclass
+class BenchOther:
+    """What bench.py measures instead of the step's time: the attention backends' error, the memory table."""
+
+    check_backends: tuple[str, ...] = ()
+    """Checks these attention backends instead of timing: the relative L2 error of the output and the gradients under
+    bf16 autocast with each of them against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train
+    right?)."""
+    memory_table: bool = False
+    """Prints docs/memory.md's memory table instead of timing: the rule's plan for each row of bench.py's MEMORY_GRID
+    (A2-14B and SkyReels-V3, LoRA and full, 480p and 720p, context parallel 1-8, FSDP, 24-141 GiB cards); with
+    --dry-run also each plan traced at full size (minutes a row)."""
+
+
+@dataclass
 class BenchConfig:
     """Time a training step (or the data loader) at a real shape with random weights."""
 
@@ -385,17 +417,15 @@ class BenchConfig:
     memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
     """How the step fits (train_a2.py's section, the same flags): --memory auto plans it on CUDA as train_a2.py does, so
     the figures are the defaults'; --memory manual, and the CPU, take the flags."""
+    timing: tyro.conf.OmitArgPrefixes[BenchTiming] = field(default_factory=BenchTiming)
+    """How the step (or the loader) is timed and where the result goes."""
+    other: tyro.conf.OmitArgPrefixes[BenchOther] = field(default_factory=BenchOther)
+    """What bench.py measures instead of the step's time."""
     ema_decay: float = 0.0
     """Times the step with train_a2.py's EMA of the trained weights at this decay (--ema-decay; 0: none)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype (bfloat16: autocast; frozen LoRA base weights are stored in it). auto: bfloat16 on a GPU, float32
     on the CPU."""
-    steps: int = 5
-    """The timed training steps (with --data-root: timed samples)."""
-    warmup: int = 2
-    """The untimed steps run first (compilation, allocator warmup)."""
-    out: str | None = None
-    """Appends the result as one JSON line to this file."""
     data_root: str | None = None
     """Times the data loader instead of the transformer (decode, frame sampling, resize, element images) over this E2V
     dataset dir at frames x height x width with A2's elements: samples/s over --steps samples after --warmup."""
@@ -409,12 +439,6 @@ class BenchConfig:
     masks on the fly)."""
     clips: int = 20000
     """The records in --opens2v's part JSON."""
-    check_backends: tuple[str, ...] = ()
-    """Checks these attention backends instead of timing: the relative L2 error of the output and the gradients under
-    bf16 autocast with each of them against an fp32 reference, on the preset cut to 2 blocks (does the fast kernel train
-    right?)."""
-    peak_tflops: float | None = None
-    """The device's peak dense TFLOP/s for MFU (default: looked up from the GPU name; none on the CPU)."""
     context_parallel: int = 1
     """With --dry-run: plans and traces one rank of a context-parallel group of N (a2/parallel.py, emulated in one
     process), at its share of the tokens (the whole sequence for heads / N in self-attention), with the rank's attention
@@ -435,19 +459,13 @@ class BenchConfig:
     align_blocks: tuple[int, ...] = tuple(range(9))
     """The blocks whose reference tokens are aligned (RefAlign: the first nine; a tiny preset has fewer, and the list is
     clipped)."""
-    memory_table: bool = False
-    """Prints docs/memory.md's memory table instead of timing: the rule's plan for each row of bench.py's MEMORY_GRID
-    (A2-14B and SkyReels-V3, LoRA and full, 480p and 720p, context parallel 1-8, FSDP, 24-141 GiB cards); with
-    --dry-run also each plan traced at full size (minutes a row)."""
-    compare_run: str | None = None
-    """A train_a2.py run dir at the same shape and settings: also prints its median s/step (metrics.jsonl, after the
-    first logged interval) against this step's, as the training loop's overhead over the bare step."""
 
     def __post_init__(self):
         height_width(self.height, self.width, self.resolution, (64, 64))  # they agree, multiples of 16 (told now)
         check_frames(self.frames, "--frames")
-        if self.compare_run and not (Path(self.compare_run) / "metrics.jsonl").is_file():
-            raise ConfigError(f"--compare-run {self.compare_run}: no metrics.jsonl there (a train_a2.py run dir)")
+        run = self.timing.compare_run
+        if run and not (Path(run) / "metrics.jsonl").is_file():
+            raise ConfigError(f"--compare-run {run}: no metrics.jsonl there (a train_a2.py run dir)")
 
     @property
     def size(self) -> tuple[int, int]:
