@@ -127,8 +127,7 @@ def test_every_cli_takes_the_same_flags():
         assert p == want, f"{name}: lost {sorted(set(want) - set(p))}, new {sorted(set(p) - set(want))}"
 
 
-# every command but infer.py, whose --help is still one box of 44 options (its sections are not made yet)
-@pytest.mark.parametrize("command", [c for c in FLAGS if c != "infer.py"])
+@pytest.mark.parametrize("command", FLAGS)
 def test_help_groups_are_sections_of_at_most_25(command):
     """--help shows each section under its own title; none is a box of more than 25 options."""
     groups = {g.title: len(g._group_actions) for g in all_commands()[command]._action_groups if g._group_actions}
