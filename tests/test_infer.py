@@ -113,7 +113,7 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
         "--model tiny-t2v: a built-in model, sampled at 64x64 (tiny model's default), 33 frames (tiny model's "
         "default), 10 steps (tiny model's default);")
     given, source = parsed("--resolution", "32", "48", "--num-frames", "17", "--steps", "2")
-    assert (given.height, given.width, given.num_frames, given.steps, source) == (32, 48, 17, 2, {})
+    assert (given.height, given.width, given.num_frames, given.sampling.steps, source) == (32, 48, 17, 2, {})
     for model in ("random-1.3B", "/models/SkyReels-A2"):
         real, source = parsed("--model", model)
         # the steps: the model's own sampler's, filled by A2Pipeline
