@@ -117,7 +117,7 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
     for model in ("random-1.3B", "/models/SkyReels-A2"):
         real, source = parsed("--model", model)
         # the steps: the model's own sampler's, filled by A2Pipeline
-        assert (real.height, real.width, real.num_frames, real.steps) == (480, 832, 81, None)
+        assert (real.height, real.width, real.num_frames, real.sampling.steps) == (480, 832, 81, None)
         assert source == dict(size="default", frames="default")
     for cls in (infer.InferConfig, TrainConfig):
         with pytest.raises(SystemExit):
