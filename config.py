@@ -158,13 +158,13 @@ SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls
 
 def sectioned(cls, sections: dict, flags: dict):
     """A cls from its flags' names, as the CLI takes them: a field of one of `sections` (its field name -> its class)
-    goes to that section, the others (a nested section whole too) to cls itself."""
+    goes to that section, the others to cls itself, as does a section given whole (sampling=InferSampling(...))."""
     section_of = {f.name: name for name, sec in sections.items() for f in fields(sec)}
     parts = {name: {} for name in sections}
     rest = {}
     for k, v in flags.items():
         (parts[section_of[k]] if k in section_of else rest)[k] = v
-    return cls(**{name: sections[name](**kw) for name, kw in parts.items()}, **rest)
+    return cls(**{name: sections[name](**kw) for name, kw in parts.items() if kw or name not in rest}, **rest)
 
 
 def from_flags(**flags) -> TrainConfig:
