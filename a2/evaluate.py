@@ -7,8 +7,9 @@
 
 Per element: CLIP-I / DINO-I = cosine of the image embeddings of the element image (after its own CLIP-path
 preprocessing, `a2.pipeline.load_references`) and of each scored frame, mean and max over frames; face_sim the same
-with a face-embedding model, for the elements named as faces. Per video: CLIP-T = mean cosine of the prompt's and the
-frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
+over the frames with a face, of a face model, for the elements named as faces (a2/opens2v.py's face-similarity path,
+which OpenS2V's cur_score shares). Per video: CLIP-T = mean cosine of the prompt's and the frames' CLIP embeddings;
+temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
 Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
 DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
 With the OpenS2V-Eval flags (--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb) the
@@ -40,7 +41,7 @@ from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
 from a2.loader import collate
 from a2.media import DatasetError
-from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
+from a2.opens2v import FaceSim, Scorers, face_sim, flows, load_scorers, tiny_encoder_note, video_metrics
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
@@ -92,7 +93,7 @@ class Evaluators:
 
     clip: Embedder | None = None
     dino: Embedder | None = None
-    face: Embedder | None = None
+    face: Embedder | FaceSim | None = None
     clip_t: Embedder | None = None
     tokenizer: object = None
     opens2v: Scorers | None = None  # OpenS2V-Eval's metrics under their names
@@ -102,10 +103,13 @@ class Evaluators:
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
     """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
     image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
-    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
+    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face; or
+    OpenS2V-Weight's (a2.opens2v.FaceSim)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} ({flag}): no such model dir")
+    if (path / "face_extractor").is_dir():  # OpenS2V-Weight: cur_score's face model, as a face model for face_sim
+        return FaceSim.load(path, device)
     if (path / "model.pt2").is_file():  # torch.export.save of a program with a dynamic batch and size
         return Embedder(torch.export.load(path / "model.pt2").module().to(device), None, device)
     if (path / "model.pt").is_file():  # TorchScript, as many face models ship
@@ -216,12 +220,8 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
             continue
         for name, ref in zip(names, enc(refs[[list(elements).index(n) for n in names]])):
             cos = emb @ ref
-            found = torch.isfinite(cos)  # a face model's rows are NaN where it finds no face
-            if found.any():
-                cos = cos[found]
-                per_element[name].update({f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
-            if key == "face_sim":
-                per_element[name]["face_frames"] = found.float().mean().item()
+            per_element[name].update(face_sim(cos) if key == "face_sim" else
+                                     {f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
         scored = [per_element[n][f"{key}_mean"] for n in names if f"{key}_mean" in per_element[n]]
         if scored:
             per_video[key] = float(np.mean(scored))

@@ -249,6 +249,7 @@ class IRBackbone(nn.Module):
 
     def __init__(self, units=(3, 13, 30, 3), widths=(64, 128, 256, 512), dim: int = 512):
         super().__init__()
+        self.dim = dim
         self.input_layer = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.PReLU(64))
         body, cin = [], 64
         for n, cout in zip(units, widths):
@@ -263,10 +264,10 @@ class IRBackbone(nn.Module):
 
 
 class FaceSim:
-    """get_facesim.py: the largest face insightface finds (det_size 320; retried on a 1.25x grey-padded image when
-    none), aligned with insightface's norm_crop to 224, resized to 112, embedded by CurricularFace; cur_score = mean
-    over the frames with a face of max(0, cosine) to the reference's embedding (zeros left out), arc_score the same
-    with insightface's own recognition embedding (zeros kept, as their loop keeps them).
+    """get_facesim.py's face model: the largest face insightface finds (det_size 320; retried on a 1.25x grey-padded
+    image when none), aligned with insightface's norm_crop to 224, resized to 112, embedded by CurricularFace. Called
+    on images it is a face model of the one face-similarity path (below; --eval.face takes its dir too); `faces` adds
+    insightface's own recognition embedding, arc_score's.
 
     `detect(image_bgr) -> (kps (5, 2), embedding) | None` and `align(image_bgr, kps) -> (224, 224, 3) BGR` default to
     insightface; the tests give stand-ins."""
@@ -324,24 +325,54 @@ class FaceSim:
         e = self.cur(x.div(255).sub(0.5).div(0.5).to(self.device))[0].float().cpu()
         return e / e.norm()
 
-    def __call__(self, reference_rgb: np.ndarray, frames: np.ndarray) -> dict | None:
-        """{cur_score, arc_score} of the frames against the reference; None when the reference has no face."""
-        ref_face, ref_arc = self.face(reference_rgb)
-        if ref_face is None:
-            return None
-        ref_cur = self.embed(ref_face)
-        cur, arc = [], []
-        for frame in frames:
-            face, emb = self.face(frame)
-            if face is None:
-                continue
-            c = max(0.0, F.cosine_similarity(ref_cur, self.embed(face), dim=-1).item())
-            a = max(0.0, F.cosine_similarity(torch.as_tensor(ref_arc).float(), torch.as_tensor(emb).float(),
-                                             dim=-1).item())
-            if c != 0.0:
-                cur.append(c)
-            arc.append(a)
-        return dict(cur_score=float(np.mean(cur)) if cur else 0.0, arc_score=float(np.mean(arc)) if arc else 0.0)
+    def faces(self, images: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit CurricularFace (N, 512) and insightface (N, D) embeddings of each image's face, NaN rows where
+        none is found."""
+        found = [self.face(image) for image in images]
+        arc_dim = next((len(a) for _, a in found if a is not None), 1)
+        return (nan_rows([None if f is None else self.embed(f) for f, _ in found], self.cur.dim),
+                nan_rows([None if a is None else F.normalize(torch.as_tensor(a).float(), dim=0) for _, a in found],
+                         arc_dim))
+
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        return self.faces(images)[0]
+
+
+def nan_rows(rows: list, dim: int) -> torch.Tensor:
+    """Vectors stacked (N, dim), a NaN row for each None (no face found)."""
+    return torch.stack([torch.full((dim,), np.nan) if r is None else r for r in rows])
+
+
+# Face similarity, one path: a face model maps images (N, H, W, 3) uint8 RGB to unit embeddings, NaN rows where it
+# finds no face (FaceSim, or an exported model through a2.evaluate.Embedder), and a score reads the cosines (N,) of a
+# reference's face to each frame's, NaN where either has none. Two scores read them, and differ by definition:
+# - a2's face_sim (--eval.face): face_frames, the share of frames with a face; face_sim_mean / face_sim_max, the mean
+#   / max cosine over them;
+# - OpenS2V's cur_score (get_facesim.py, --eval.facesim on FaceSim): each cosine clipped at 0, the mean over the
+#   frames with a face leaving the zeros out, as their loop does (0 when none); no score when the reference has none.
+
+
+def face_sim(cos: torch.Tensor) -> dict[str, float]:
+    found = cos[torch.isfinite(cos)]
+    more = dict(face_sim_mean=found.mean().item(), face_sim_max=found.max().item()) if len(found) else {}
+    return dict(face_frames=len(found) / len(cos), **more)
+
+
+def cur_score(cos: torch.Tensor) -> float:
+    kept = cos[torch.isfinite(cos)].clamp(min=0)
+    kept = kept[kept != 0]
+    return kept.mean().item() if len(kept) else 0.0
+
+
+def facesim_record(sim: FaceSim, reference: np.ndarray, frames: np.ndarray) -> dict | None:
+    """get_facesim.py's record of a video: cur_score, and arc_score, the same on insightface's embedding but with the
+    zeros kept (their check of a zero tests the list, not the score); None when the reference has no face."""
+    (ref_cur, ref_arc), (cur, arc) = sim.faces(reference[None]), sim.faces(frames)
+    if not torch.isfinite(ref_cur).all():
+        return None
+    arc_cos = (arc * ref_arc).sum(-1).clamp(min=0)  # (N, 1) NaN when no frame has a face
+    arc_cos = arc_cos[torch.isfinite(arc_cos)]
+    return dict(cur_score=cur_score(cur @ ref_cur[0]), arc_score=arc_cos.mean().item() if len(arc_cos) else 0.0)
 
 
 def face_reference(sample: dict) -> Path | None:
@@ -640,7 +671,7 @@ def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=(
     if scorers.gme is not None:
         out["gme_score"] = scorers.gme(prompt, some)
     if scorers.face is not None:
-        found = [r["cur_score"] for r in (scorers.face(ref, some) for ref in face_refs) if r is not None]
+        found = [r["cur_score"] for r in (facesim_record(scorers.face, ref, some) for ref in face_refs) if r]
         if found:
             out["cur_score"] = float(np.mean(found))
     return out
@@ -686,7 +717,7 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
         if PROXY_FILE in todo:
             refs = [load_image(p) for p in sample["images"]]
             results[PROXY_FILE][sid] = {PROXY_KEY: subject_clip_i_proxy(scorers.aes, refs, some)}
-        if "facesim" in todo and (found := scorers.face(load_image(face), some)) is not None:
+        if "facesim" in todo and (found := facesim_record(scorers.face, load_image(face), some)):
             results["facesim"][sid] = found
         if "gmescore" in todo:
             results["gmescore"][sid] = dict(gme_score=scorers.gme(sample["prompt"], some))

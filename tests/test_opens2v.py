@@ -303,13 +303,37 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
 
     sim = opens2v.FaceSim(tiny, detect, align)
     black = np.zeros_like(face)
-    same = sim(face, np.stack([face, black, face]))
+    same = opens2v.facesim_record(sim, face, np.stack([face, black, face]))
     assert same["cur_score"] == pytest.approx(1.0, abs=1e-6)  # frames without a face are left out
-    mixed = sim(face, np.stack([face, other]))
-    c_other = max(0.0, torch.nn.functional.cosine_similarity(sim.embed(face), sim.embed(other), dim=0).item())
-    expected = np.mean([1.0, c_other] if c_other != 0.0 else [1.0])
+    assert same["arc_score"] == pytest.approx(1.0, abs=1e-6)
+    mixed = opens2v.facesim_record(sim, face, np.stack([face, other]))
+    c_other = torch.nn.functional.cosine_similarity(sim.embed(face), sim.embed(other), dim=0).item()
+    a_other = max(0.0, torch.nn.functional.cosine_similarity(*(torch.from_numpy(x[:4, :4, ::-1].astype(np.float32))
+                                                                .ravel() for x in (face, other)), dim=0).item())
+    expected = np.mean([1.0, c_other] if c_other > 0 else [1.0])  # their loop leaves out the zeros of max(0, cos)
     assert mixed["cur_score"] == pytest.approx(expected, abs=1e-6)
-    assert sim(black, np.stack([face])) is None  # no face in the reference, even padded
+    assert mixed["arc_score"] == pytest.approx((1.0 + a_other) / 2, abs=1e-6)  # ... but keeps arc_score's zeros
+    assert opens2v.facesim_record(sim, black, np.stack([face])) is None  # no face in the reference, even padded
+    assert opens2v.facesim_record(sim, face, np.stack([black])) == dict(cur_score=0.0, arc_score=0.0)
+
+    cos = torch.tensor([0.5, float("nan"), -0.2, 0.0])  # a frame without a face is NaN
+    assert opens2v.cur_score(cos) == pytest.approx(0.5)  # max(0, cos), its zeros left out as their loop does
+    assert opens2v.face_sim(cos) == pytest.approx(dict(face_frames=0.75, face_sim_mean=0.1, face_sim_max=0.5))
+
+    # the same face model, cosines and "no face" as a2's face_sim (--eval.face takes an OpenS2V-Weight dir), read by
+    # the one path: face_sim over the frames with a face, cur_score of OpenS2V on the same cosines
+    from a2.evaluate import Evaluators, evaluate_video
+
+    ev = Evaluators(face=sim, opens2v=opens2v.Scorers(face=sim, motion=False))
+    reference = torch.from_numpy(face).permute(2, 0, 1).float() / 127.5 - 1  # the CLIP path's [-1, 1]
+    r = evaluate_video(torch.from_numpy(np.stack([face, black, other])), {"subject": reference}, "x", ev,
+                       faces=("subject",))
+    subject = r["elements"]["subject"]
+    assert subject["face_frames"] == pytest.approx(2 / 3)
+    assert subject["face_sim_mean"] == pytest.approx((1 + c_other) / 2, abs=1e-6)
+    assert subject["face_sim_max"] == pytest.approx(1.0, abs=1e-6)
+    # cur_score on their 32 evenly spaced frames of 3: the face 16 times, black 15 (no face), the other once
+    assert r["video"]["cur_score"] == pytest.approx((16 + c_other) / 17 if c_other > 0 else 1.0, abs=1e-6)
 
 
 def tiny_gme():
