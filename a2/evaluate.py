@@ -41,49 +41,21 @@ from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
 from a2.loader import collate
 from a2.media import DatasetError
-from a2.opens2v import FaceSim, Scorers, face_sim, flows, load_scorers, tiny_encoder_note, video_metrics
+from a2.opens2v import (
+    Embedder,
+    FaceSim,
+    Scorers,
+    face_sim,
+    flows,
+    load_scorers,
+    pooled,
+    tiny_encoder_note,
+    video_metrics,
+)
 from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
 from config import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
-
-
-class Embedder:
-    """Images (N, H, W, 3) uint8 -> L2-normalised embeddings (N, D) float32 on the CPU.
-
-    A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
-    embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
-    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
-    the face itself; its non-finite rows mean "no face found"."""
-
-    def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
-        self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
-
-    @torch.no_grad()
-    def __call__(self, images: np.ndarray) -> torch.Tensor:
-        out = []
-        for i in range(0, len(images), self.batch):
-            chunk = images[i:i + self.batch]
-            if self.processor is None:
-                x = torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2).float() / 255
-                e = self.model(x.to(self.device))
-            else:
-                x = self.processor(images=list(chunk), return_tensors="pt").pixel_values
-                e = image_features(self.model, x.to(self.device, self.dtype))
-            out.append(F.normalize(e.float(), dim=-1).cpu())
-        return torch.cat(out)
-
-
-def _pooled(out) -> torch.Tensor:
-    """transformers < 5 returns the features as a tensor, >= 5 as an output whose pooler_output holds them."""
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
-def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    if hasattr(model, "get_image_features"):  # CLIPModel: the projected embedding shared with the text tower
-        return _pooled(model.get_image_features(pixel_values=pixel_values))
-    out = model(pixel_values=pixel_values)
-    return out.image_embeds if getattr(out, "image_embeds", None) is not None else out.pooler_output
 
 
 @dataclass
@@ -230,7 +202,7 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
         tokens = ev.tokenizer([prompt], padding=True, truncation=True, return_tensors="pt",
                               max_length=model.config.text_config.max_position_embeddings)
         with torch.no_grad():
-            text = _pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
+            text = pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
         per_video["clip_t"] = (ev.clip_t(frames) @ F.normalize(text.float(), dim=-1).cpu()[0]).mean().item()
     return {"video": per_video, "elements": per_element}
 

@@ -196,12 +196,50 @@ def pil_image_processor(module: str, name: str):
         return getattr(importlib.import_module("transformers"), name)
 
 
+class Embedder:
+    """Images (N, H, W, 3) uint8 -> L2-normalised embeddings (N, D) float32 on the CPU.
+
+    A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
+    embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
+    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
+    the face itself; its non-finite rows mean "no face found"."""
+
+    def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
+        self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        out = []
+        for i in range(0, len(images), self.batch):
+            chunk = images[i:i + self.batch]
+            if self.processor is None:
+                x = torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2).float() / 255
+                e = self.model(x.to(self.device))
+            else:
+                x = self.processor(images=list(chunk), return_tensors="pt").pixel_values
+                e = image_features(self.model, x.to(self.device, self.dtype))
+            out.append(F.normalize(e.float(), dim=-1).cpu())
+        return torch.cat(out)
+
+
+def pooled(out) -> torch.Tensor:
+    """transformers < 5 returns the features as a tensor, >= 5 as an output whose pooler_output holds them."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "get_image_features"):  # CLIPModel: the projected embedding shared with the text tower
+        return pooled(model.get_image_features(pixel_values=pixel_values))
+    out = model(pixel_values=pixel_values)
+    return out.image_embeds if getattr(out, "image_embeds", None) is not None else out.pooler_output
+
+
 class Aesthetics:
-    """aes_score of frames: CLIPImageProcessor -> CLIPVisionModelWithProjection image_embeds, L2-normalised -> MLP,
-    mean over the frames (get_aesscore.py, fp32)."""
+    """aes_score of frames: their CLIP's unit image embeddings (CLIPVisionModelWithProjection image_embeds, fp32, the
+    32 frames in one batch as theirs) through the MLP, mean over the frames (get_aesscore.py)."""
 
     def __init__(self, clip, processor, mlp: AestheticMLP, device="cpu"):
-        self.clip, self.processor, self.mlp, self.device = clip.eval(), processor, mlp.eval(), device
+        self.embed, self.mlp = Embedder(clip.eval(), processor, device, batch=METRIC_FRAMES), mlp.eval()
 
     @classmethod
     def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
@@ -210,14 +248,7 @@ class Aesthetics:
         clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
         mlp = AestheticMLP(clip.config.projection_dim)
         mlp.load_state_dict(torch.load(mlp_path, map_location="cpu", weights_only=True))
-        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir),
-                   mlp.to(device), device)
-
-    @torch.no_grad()
-    def embed(self, frames: np.ndarray) -> torch.Tensor:
-        x = self.processor(images=list(frames), return_tensors="pt").pixel_values.to(self.device)
-        e = self.clip(pixel_values=x).image_embeds  # (N, 768)
-        return e / torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir), mlp, device)
 
     @torch.no_grad()
     def __call__(self, frames: np.ndarray) -> float:
@@ -344,7 +375,7 @@ def nan_rows(rows: list, dim: int) -> torch.Tensor:
 
 
 # Face similarity, one path: a face model maps images (N, H, W, 3) uint8 RGB to unit embeddings, NaN rows where it
-# finds no face (FaceSim, or an exported model through a2.evaluate.Embedder), and a score reads the cosines (N,) of a
+# finds no face (FaceSim, or an exported model through Embedder), and a score reads the cosines (N,) of a
 # reference's face to each frame's, NaN where either has none. Two scores read them, and differ by definition:
 # - a2's face_sim (--eval.face): face_frames, the share of frames with a face; face_sim_mean / face_sim_max, the mean
 #   / max cosine over them;
@@ -652,7 +683,8 @@ def load_scorers(cfg, device="cpu", gme_dtype=torch.float16) -> Scorers:
                if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
-    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", cfg.aes_clip),
+    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.embed.model, "aes_score and the subject proxy",
+                                                       cfg.aes_clip),
                            s.gme and tiny_encoder_note(s.gme.model, "gme_score", cfg.gme)) if n]
     return s
 

@@ -413,8 +413,9 @@ def vace_layers(shapes: dict, num_layers: int, wan: dict, where) -> list[int]:
 def original_config(files: list[Path], config_path: Path | None = None) -> dict:
     """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
     read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's
-    releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names
-    must be exactly those of that config: one line naming the checkpoint and what differs otherwise."""
+    releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names,
+    read by diffusers' converter as load_original reads them, must be exactly those of that config: one line naming
+    the checkpoint and what differs otherwise."""
     where = files[0] if len(files) == 1 else files[0].parent
     shapes = _checkpoint_shapes(files)
     if any(".attn1.to_q." in k for k in shapes):
@@ -448,9 +449,11 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
         raise UnsupportedModel(f"{where}: {config_path} does not describe these weights (config vs tensors: "
                                f"{wrong or {'num_heads': heads, 'dim': dim}}); use the config.json of this model")
     with torch.device("meta"):
-        expected = diffusers_to_original(transformer_class(cfg)(**cfg).state_dict())
-    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-    bad = [k for k in set(expected) & set(shapes) if tuple(expected[k].shape) != shapes[k]]
+        expected = transformer_class(cfg)(**cfg).state_dict()
+    names = original_to_diffusers({k: k for k in shapes})  # as load_original will name them: diffusers name -> own
+    missing = sorted(wan_module_name(k) for k in set(expected) - set(names))
+    extra = sorted(names[k] for k in set(names) - set(expected))
+    bad = [names[k] for k in set(expected) & set(names) if tuple(expected[k].shape) != shapes[names[k]]]
     if missing or extra or bad:
         raise UnsupportedModel(f"{where}: not a complete original-Wan checkpoint of a {cfg['num_layers']}-block "
                                f"{dim}-wide model: {len(missing)} missing {missing[:3]}, {len(extra)} unexpected "

@@ -220,7 +220,7 @@ def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
     assert [k for k in opens2v.AestheticMLP().state_dict()] == [
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
     scorer = tiny_aesthetics()
-    clip, processor, mlp = scorer.clip, scorer.processor, scorer.mlp
+    clip, processor, mlp = scorer.embed.model, scorer.embed.processor, scorer.mlp
     frames = (np.random.default_rng(0).random((3, 40, 56, 3)) * 255).astype(np.uint8)
     # written out: the projected embedding of each processed frame, unit length, through the MLP, mean over frames
     x = processor(images=list(frames), return_tensors="pt").pixel_values
@@ -257,8 +257,8 @@ def test_training_validation_logs_their_metrics_per_step(tiny_dir, tmp_path):
     from tests.conftest import args, train
 
     aes = tiny_aesthetics()  # saved as a user's dirs are: a CLIP dir and the MLP's state dict
-    aes.clip.save_pretrained(tmp_path / "clip")
-    aes.processor.save_pretrained(tmp_path / "clip")
+    aes.embed.model.save_pretrained(tmp_path / "clip")
+    aes.embed.processor.save_pretrained(tmp_path / "clip")
     torch.save(aes.mlp.state_dict(), tmp_path / "aesthetic-model.pth")
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
     images = [str(data / f"000_{name}.png") for name in ("person", "object", "background")]
