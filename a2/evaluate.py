@@ -49,6 +49,7 @@ from a2.opens2v import (
     flows,
     load_scorers,
     pooled,
+    sample_frames,
     tiny_encoder_note,
     video_metrics,
 )
@@ -126,7 +127,7 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
                 (ev.clip_t, "CLIP-T", cfg.clip_text, "no --eval.clip-text CLIPModel dir"),
                 (ev.face, "face similarity (face_sim)", cfg.face, "no --eval.face model dir"))
     ev.notes = [n for enc, metrics, where, _ in encoders if enc is not None and (n := tiny_encoder_note(
-        enc.model, metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
+        getattr(enc, "model", None), metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
     for line in ev.notes + [f"skipping {metrics}: {why}" for enc, metrics, _, why in encoders if enc is None]:
         print(f"evaluate: {line}")
     return ev
@@ -173,7 +174,7 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
     frames = every_frame = video_frames(video)
     if max_frames and len(frames) > max_frames:
-        frames = frames[np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
+        frames = sample_frames(frames, max_frames)  # as OpenS2V's metrics sample theirs
     refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
     flow = flows(every_frame)  # every frame, as motion_fb
     per_video = {"motion": motion_magnitude(flow)}

@@ -355,27 +355,38 @@ def _shards(index: Path) -> list[Path]:
     return [index.parent / f for f in sorted(set(weight_map.values()))]
 
 
-def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
-    """name -> shape of every tensor of a checkpoint, without reading the tensors (safetensors headers, a .pth
-    memory-mapped); a ComfyUI prefix is removed."""
+def weights_in(path: Path, shapes_only: bool = False) -> dict:
+    """The tensors of a weights file by name (shapes_only: their shapes, without reading them): safetensors, or a torch
+    pickle, maybe under "state_dict" (weights_only: a pickle cannot run code here; a zip one memory-mapped, a legacy
+    one loaded). Values that are no tensor are left out; ValueError when it holds no dict."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
+    if path.suffix.lower() == ".safetensors":
+        if not shapes_only:
+            return load_file(path)
+        with safe_open(path, "pt") as fh:
+            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    try:
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # a legacy (not zip) pickle cannot be memory-mapped
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: holds a {type(sd).__name__}, not a state dict")
+    return {k: tuple(v.shape) if shapes_only else v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
+    """name -> shape of every tensor of a checkpoint, without reading the tensors; a ComfyUI prefix is removed."""
     shapes = {}
     for f in files:
         if not f.exists():
             raise UnsupportedModel(f"{f}: missing (listed by the checkpoint's index)")
-        if f.suffix == ".safetensors":
-            with safe_open(f, "pt") as fh:
-                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
-        else:
-            try:  # a zip-format .pth is memory-mapped (only the keys and shapes are read); a legacy one loads
-                sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            except RuntimeError:
-                sd = torch.load(f, map_location="cpu", weights_only=True)
-            sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
-            if not isinstance(sd, dict):
-                raise UnsupportedModel(f"{f}: holds a {type(sd).__name__}, not a state dict")
-            shapes.update({k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+        try:
+            shapes.update(weights_in(f, shapes_only=True))
+        except ValueError as e:
+            raise UnsupportedModel(str(e)) from e
     return {ORIGINAL_PREFIX.sub("", k): v for k, v in shapes.items()}
 
 
@@ -466,12 +477,7 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
 def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32) -> WanTransformer3DModel:
     """WanTransformer3DModel of `config` (original_config) with an original-Wan checkpoint's weights, every
     parameter assigned (strict)."""
-    from safetensors.torch import load_file
-
-    sd = {}
-    for f in files:
-        part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-        sd.update(part.get("state_dict", part))
+    sd = {k: v for f in files for k, v in weights_in(f).items()}
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
     model.load_state_dict(original_to_diffusers(sd), strict=True)

@@ -273,7 +273,7 @@ def test_training_validation_logs_their_metrics_per_step(tiny_dir, tmp_path):
     assert video.shape[0] == 9  # 21 frames - 12 reference frames: the video the metrics were computed on (as a tensor)
 
 
-def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs():
+def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs(tmp_path, monkeypatch):
     with torch.device("meta"):
         ir101 = opens2v.IRBackbone()
     sd = ir101.state_dict()
@@ -334,6 +334,14 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
     assert subject["face_sim_max"] == pytest.approx(1.0, abs=1e-6)
     # cur_score on their 32 evenly spaced frames of 3: the face 16 times, black 15 (no face), the other once
     assert r["video"]["cur_score"] == pytest.approx((16 + c_other) / 17 if c_other > 0 else 1.0, abs=1e-6)
+
+    # --eval.face takes an OpenS2V-Weight dir (face_extractor/ beside the backbone): their face model for face_sim
+    from a2.evaluate import load_evaluators
+    from config import EvalConfig
+
+    (tmp_path / "face_extractor").mkdir()
+    monkeypatch.setattr(opens2v.FaceSim, "load", classmethod(lambda cls, d, device="cpu": sim))
+    assert load_evaluators(EvalConfig(face=str(tmp_path))).face is sim
 
 
 def tiny_gme():
