@@ -57,9 +57,6 @@ WEIGHTS = {
                          gme_score=0.15, natural_score=0.30),
 }
 WEIGHTS["Single-Domain"] = WEIGHTS["Open-Domain"]
-# v1.0 (the repository's first merge_result.py): one motion metric; the demo's model_name_Open-Domain.json total
-WEIGHTS_V10 = {"Open-Domain": dict(aes_score=0.12, motion=0.12, facesim_cur=0.20, gme_score=0.12, nexus_score=0.20,
-                                   natural_score=0.24)}
 
 # (low, high, clip below low too): each per-video value is clipped to high (and to low where marked), averaged over
 # the videos that have it, then mapped (avg - low) / (high - low)
