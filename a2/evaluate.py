@@ -111,8 +111,6 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     ev.clip = clip
     if cfg.dino:
         ev.dino = load_embedder(cfg.dino, "--eval.dino", device, dtype)
-    if cfg.face:
-        ev.face = load_embedder(cfg.face, "--eval.face", device, dtype)
     if cfg.clip_text:
         ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
         if not hasattr(ev.clip_t.model, "get_text_features"):
@@ -121,6 +119,8 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
         ev.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
         ev.opens2v = load_scorers(cfg, device, dtype)
+    if cfg.face:  # the same dir as --eval.facesim: its face model, loaded once
+        ev.face = ev.opens2v.face if cfg.face == cfg.facesim else load_embedder(cfg.face, "--eval.face", device, dtype)
     clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
     encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir, "no CLIP image encoder (--eval.clip-image)"),
                 (ev.dino, "DINO-I and temporal_dino", cfg.dino, "no --eval.dino DINOv2 dir"),

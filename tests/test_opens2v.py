@@ -341,8 +341,11 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
     from config import EvalConfig
 
     (tmp_path / "face_extractor").mkdir()
-    monkeypatch.setattr(opens2v.FaceSim, "load", classmethod(lambda cls, d, device="cpu": sim))
+    loads = []
+    monkeypatch.setattr(opens2v.FaceSim, "load", classmethod(lambda cls, d, device="cpu": loads.append(d) or sim))
     assert load_evaluators(EvalConfig(face=str(tmp_path))).face is sim
+    both = load_evaluators(EvalConfig(face=str(tmp_path), facesim=str(tmp_path)))
+    assert both.face is both.opens2v.face is sim and len(loads) == 2  # the one dir for both: loaded once
 
 
 def tiny_gme():
