@@ -516,18 +516,13 @@ def load_pipeline(cfg: InferConfig, info, source, rows: list[dict], repeats=None
         print("warning: --reference-layout standin without a Stand-In LoRA file (--lora Stand-In_wan2.1_T2V_14B.ckpt, "
               "or a2's standin_lora.ckpt): the reference image is not attended to by trained weights")
     for i, path in enumerate(cfg.lora):
-        if standin.is_lora_file(path):
-            print(f"Stand-In LoRA {path}: rank {standin.load_lora(pipe.transformer, path)}, reference tokens only")
-            continue
         adapters.append("default" if i == 0 else f"lora{i}")
         print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=adapters[-1], force=cfg.force))
+    adapters = [a for a in adapters if a in (getattr(pipe.transformer, "peft_config", None) or {})]  # (Stand-In: none)
     if len(adapters) > 1:  # load_lora activates its own adapter alone
         pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
-    for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
-        if path and standin.is_lora_file(path):  # Stand-In_wan2.2_T2V_A14B_high / _low.ckpt, one per expert
-            model = pipe.transformer_2 if name == "low" else pipe.transformer
-            print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
-        elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
+    for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):  # the experts' files hold the same keys:
+        if path:  # the flag says which expert
             print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low",
                                  force=cfg.force))
     for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():

@@ -349,13 +349,15 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
 
     A file whose pairs do not all fit the transformer (trained on another base: a module it lacks, other widths) is
     refused in one line; force=True loads the pairs that fit. diffusers only warns when no key matched the model,
-    so that is an error here."""
+    so that is an error here. A Stand-In file installs its reference LoRA instead of an adapter (a2.standin)."""
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
     target = "transformer_2" if low_expert else "transformer"
     model = getattr(pipe, target)
+    if standin.is_lora_file(path_):
+        return f"Stand-In LoRA {path}: rank {standin.load_lora(model, path_)} on the {target}, reference tokens only"
     if peft_dir:
         source = peft_dir_state_dict(path_)
     elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
