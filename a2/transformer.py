@@ -451,7 +451,10 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
                                f"{wrong or {'num_heads': heads, 'dim': dim}}); use the config.json of this model")
     with torch.device("meta"):
         expected = transformer_class(cfg)(**cfg).state_dict()
-    names = original_to_diffusers({k: k for k in shapes})  # as load_original will name them: diffusers name -> own
+    try:  # as load_original will name them: diffusers name -> own
+        names = original_to_diffusers({k: k for k in shapes})
+    except Exception as e:  # keys the converter reshapes too (Wan-Animate's motion encoder, face adapter)
+        raise UnsupportedModel(f"{where}: not a Wan / VACE checkpoint a2 reads ({type(e).__name__}: {e})") from e
     missing = sorted(wan_module_name(k) for k in set(expected) - set(names))
     extra = sorted(names[k] for k in set(names) - set(expected))
     bad = [names[k] for k in set(expected) & set(names) if tuple(expected[k].shape) != shapes[names[k]]]
