@@ -43,8 +43,8 @@ class EvalConfig:
     face: str | None = None
     """The encoder of face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt
     (TorchScript), a module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself
-    (non-finite rows: no face); or a transformers image model dir, which embeds whole images (for face-crop references
-    and videos)."""
+    (non-finite rows: no face); or an OpenS2V-Weight dir (--eval.facesim's face model); or a transformers image model
+    dir, which embeds whole images (for face-crop references and videos)."""
     faces: tuple[str, ...] = ("subject",)
     """The elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0
