@@ -1,0 +1,125 @@
+"""Holes a fresh planned-mutation audit found: one realistic bug each that the suite let pass. Each test holds the
+behaviour against something outside a2's tables (a lab's file, the user's flag, the README's sentence, an
+independent count) and captures what the entry point really did."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import drawn_person
+from tests.spy import video_file
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def infer_run(argv, out):
+    """infer.main on argv as its __main__ parses it, writing out.mp4 and out.pt: (the --save-latents file (final
+    latents, the condition the transformer was given), the video file's (fps, frames, (height, width)))."""
+    import infer
+    from a2.cli import parse_cli
+    from config import InferConfig
+
+    cfg = parse_cli(InferConfig, args=[*argv, "--device", "cpu", "--out", f"{out}.mp4", "--save-latents",
+                                       f"{out}.pt"])
+    assert infer.main(cfg) == 0
+    return torch.load(f"{out}.pt", weights_only=False), video_file(f"{out}.mp4")
+
+
+@pytest.fixture(scope="module")
+def a2_elements(tmp_path_factory):
+    """SkyReels-A2's three elements (subject, object, background) as files of other aspects than the video's."""
+    d = tmp_path_factory.mktemp("a2_elements")
+    for name, size, bg in (("person", (40, 28), "white"), ("object", (23, 41), "white"), ("background", (30, 50),
+                                                                                         "scene")):
+        drawn_person(size, seed=len(name), background=bg).save(d / f"{name}.png")
+    return [str(d / f"{n}.png") for n in ("person", "object", "background")]
+
+
+def test_the_smoke_videos_frames_are_the_sequence_less_the_references(a2_elements, tmp_path):
+    """README (the smoke block): infer.py's video of the tiny model, its default 33 frames and A2's three elements,
+    has 21 frames: SkyReels-A2 decodes every latent and drops the reference frames, 4 pixel frames per reference
+    latent (its own 81 = 12 reference frames + a 69-frame clip), so 33 - 12. The written file is counted."""
+    said = re.search(r"infer\.py's video: \d+ pixels wide, \d+ high, (\d+) frames", README.read_text())
+    assert said, "the README's smoke sentence about infer.py's video moved"
+    _, (_, frames, _) = infer_run(["--model", "tiny", "--resolution", "32", "32", "--steps", "1", "--elements",
+                                   *a2_elements], tmp_path / "smoke")
+    assert frames == int(said[1]) == 33 - 12
+
+
+def test_the_vae_sample_mode_flag_reaches_the_encode(a2_elements, tmp_path):
+    """--vae-sample-mode (the user's flag) changes the condition infer.py hands the transformer: the tiny model is a
+    Wan2.1 I2V model, which diffusers' WanImageToVideoPipeline encodes by the posterior's mode (pipeline_wan_i2v.py:
+    retrieve_latents "argmax"); `sample` draws the posterior as SkyReels-A2 does (models/pipeline_a2.py:49-56). A flag
+    dropped between the CLI and the pipeline leaves the condition bit-identical (the same ops on the same pixels).
+    The tiny VAE's posterior is narrow (its log-variance clamped at -30: std 3e-7), so the draw moves the condition
+    by a few float32 steps and the final latents not visibly: the condition is what is compared."""
+    run = ["--model", "tiny", "--resolution", "32", "48", "--num-frames", "21", "--steps", "2", "--elements",
+           *a2_elements]
+    base, _ = infer_run(run, tmp_path / "mode")
+    drawn, _ = infer_run([*run, "--vae-sample-mode", "sample"], tmp_path / "sample")
+    assert base["condition"].shape == drawn["condition"].shape
+    assert not torch.equal(base["condition"], drawn["condition"])
+
+
+VACE_RUN = ["--model", "tiny-vace", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def vace_sources(tmp_path_factory):
+    """A reference, a control video of 9 random frames at 32x96 (twice the video's 32x48 aspect) and the same frames'
+    middle 32x48 (what a centre crop keeps), and box masks at the video's size: white (255) and grey 150."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("vace_sources")
+    drawn_person((40, 28)).save(d / "ref.png")
+    frames = (np.random.default_rng(7).random((9, 32, 96, 3)) * 255).astype(np.uint8)
+    np.savez(d / "wide.npz", frames=frames)
+    np.savez(d / "middle.npz", frames=np.ascontiguousarray(frames[:, :, 24:72]))
+    for name, grey in (("white", 255), ("grey", 150)):
+        m = np.zeros((32, 48), np.uint8)
+        m[8:24, 12:36] = grey
+        Image.fromarray(m).save(d / f"{name}.png")
+    return d
+
+
+def test_a_control_video_of_another_aspect_is_centre_cropped(vace_sources, tmp_path):
+    """--control-video's help: its frames are "centre-cropped to the size and resized": a 32x96 video on a 32x48
+    sample is its middle 32x48, so it samples bit for bit as a file of that middle alone (the same resize of the
+    same pixels)."""
+    d = vace_sources
+    run = [*VACE_RUN, "--elements", str(d / "ref.png")]
+    wide, _ = infer_run([*run, "--control-video", str(d / "wide.npz")], tmp_path / "wide")
+    middle, _ = infer_run([*run, "--control-video", str(d / "middle.npz")], tmp_path / "middle")
+    assert torch.equal(wide["latents"], middle["latents"])
+
+
+def test_a_grey_mask_above_half_is_generated_as_white(vace_sources, tmp_path):
+    """Wan's VACE reads --mask as a [0, 1] picture (wan/vace.py prepare_source: the src_mask image / 255) and
+    generates where it is above 0.5 (vace_encode_frames / vace_encode_masks: torch.where(m > 0.5, 1, 0)): a box of
+    grey 150 (0.59) samples bit for bit as the same box in white. A mask read on another scale puts the threshold
+    elsewhere (grey 191 in [-1, 1]) and keeps the grey box."""
+    d = vace_sources
+    run = [*VACE_RUN, "--elements", str(d / "ref.png"), "--control-video", str(d / "middle.npz")]
+    white, _ = infer_run([*run, "--mask", str(d / "white.png")], tmp_path / "white")
+    grey, _ = infer_run([*run, "--mask", str(d / "grey.png")], tmp_path / "grey")
+    assert torch.equal(white["latents"], grey["latents"])
+
+
+def test_a_built_in_v3_renders_the_smoke_frames_not_v3s_five_seconds(tmp_path):
+    """--num-frames' help: left out, "SkyReels-V3 121, its generate_video.py's 5 s; a built-in tiny model 33": the
+    built-in tiny V3 model, sampled with no --num-frames, writes a 33-frame video (its references are latent slots
+    after the video's, not frames of it), as every built-in model keeps its smoke-test frames."""
+    from config import InferConfig
+
+    said = re.search(r"a built-in tiny model (\d+)", InferConfig.__dataclass_fields__["num_frames"].metadata["help"])
+    assert said, "the --num-frames help no longer says a built-in model's frames"
+    person = tmp_path / "me.png"
+    drawn_person((40, 28)).save(person)
+    _, (_, frames, _) = infer_run(["--model", "tiny-v3", "--resolution", "32", "48", "--steps", "1", "--elements",
+                                   str(person)], tmp_path / "v3")
+    assert frames == int(said[1]) == 33
