@@ -123,3 +123,45 @@ def test_a_built_in_v3_renders_the_smoke_frames_not_v3s_five_seconds(tmp_path):
     _, (_, frames, _) = infer_run(["--model", "tiny-v3", "--resolution", "32", "48", "--steps", "1", "--elements",
                                    str(person)], tmp_path / "v3")
     assert frames == int(said[1]) == 33
+
+
+# ---------------------------------------------------------------- memory terms against the trace
+
+
+@pytest.fixture(scope="module")
+def dry_runs(data_dir, tmp_path_factory):
+    """train_a2.py --dry-run on the tiny model (its real step traced on fake tensors, ~4 s each), by extra flags:
+    the trace's bytes by phase and category and the rule's for the same plan."""
+    from tests.conftest import args, train
+
+    out, made = tmp_path_factory.mktemp("dry"), {}
+
+    def run(*flags):
+        if flags not in made:
+            r = train(*args(data_dir, out, "dry", "--dry-run", "--max-memory-gb", "2", *flags))
+            made[flags] = ({p: peak.by_category() for p, peak in r["tracer"].phases().items()}, r["rule"])
+        return made[flags]
+    return run
+
+
+def test_the_ema_copy_is_in_the_rule_as_the_trace_holds_it(dry_runs):
+    """--ema-decay keeps an fp32 copy of every trainable weight in the optimizer's state (a2/ema.py): the traced
+    step's "state" at the optimizer step grows by exactly those bytes, and the rule's by the same (both count whole
+    fp32 tensors of the same weights; the tiny model's 219k LoRA weights give 0.9 MB, a term no per-phase tolerance
+    of the real-size checks would see go)."""
+    (traced, rule), (traced_ema, rule_ema) = dry_runs(), dry_runs("--ema-decay", "0.99")
+    grown = traced_ema["step"]["state"] - traced["step"]["state"]
+    assert grown > 0
+    assert rule_ema["step"]["state"] - rule["step"]["state"] == grown
+
+
+def test_swapped_blocks_on_the_gpu_are_the_two_the_trace_fetches(dry_runs):
+    """--swap-blocks 2: the trace holds two swapped blocks' fp8 weights on the device at once (the one in use and
+    the next, fetched ahead) in the forward and backward; the rule's "swapped" term is within 5% of that peak (its
+    per-block bytes are the mean block's, the trace's each tensor rounded up to the allocator's 512-byte blocks:
+    1.6% on the tiny model's small tensors), and one block's worth would be half."""
+    traced, rule = dry_runs("--memory", "manual", "--swap-blocks", "2", "--fp8-base")
+    peak = max(c["swapped"] for c in traced.values())
+    assert peak > 0
+    for phase in ("forward", "backward"):
+        assert abs(rule[phase]["swapped"] / peak - 1) <= 0.05, (phase, rule[phase]["swapped"], peak)
