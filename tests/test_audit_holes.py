@@ -165,3 +165,25 @@ def test_swapped_blocks_on_the_gpu_are_the_two_the_trace_fetches(dry_runs):
     assert peak > 0
     for phase in ("forward", "backward"):
         assert abs(rule[phase]["swapped"] / peak - 1) <= 0.05, (phase, rule[phase]["swapped"], peak)
+
+
+def test_the_heads_kept_bytes_are_its_tensors(dry_runs):
+    """What the rule adds at the forward's end (its "forward end" kept less its "forward" kept: the head, which a
+    LoRA step keeps for the backward) is norm_out's input and proj_out's output (16 latent channels x a 1x2x2 patch
+    per token) at 4 bytes a value: the element counts here are the tiny model's own tensors in a forward at the dry
+    run's 24 tokens, not the rule's formula (the 4-byte width is the rule's fp32 accounting). Exact: whole tensors."""
+    from a2.tiny import model_path
+    from a2.transformer import load_transformer
+
+    _, rule = dry_runs()
+    model = load_transformer(model_path("tiny"), torch.float32)
+    seen = {}
+    model.norm_out.register_forward_pre_hook(lambda _m, a: seen.__setitem__("norm_in", a[0].numel()))
+    model.proj_out.register_forward_hook(lambda _m, _a, out: seen.__setitem__("proj_out", out.numel()))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the dry run's shape: 32x32, 21 frames -> 6 latent frames of 4x4, 2x2 patches: 24 tokens
+        model(hidden_states=torch.randn(1, 36, 6, 4, 4, generator=g), timestep=torch.tensor([500]),
+              encoder_hidden_states=torch.randn(1, 512, 32, generator=g),
+              encoder_hidden_states_image=torch.randn(1, 257, 32, generator=g))
+    assert seen["proj_out"] == 24 * 64
+    assert rule["forward end"]["kept"] - rule["forward"]["kept"] == 4 * (seen["norm_in"] + seen["proj_out"])
