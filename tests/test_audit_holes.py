@@ -187,3 +187,61 @@ def test_the_heads_kept_bytes_are_its_tensors(dry_runs):
               encoder_hidden_states_image=torch.randn(1, 257, 32, generator=g))
     assert seen["proj_out"] == 24 * 64
     assert rule["forward end"]["kept"] - rule["forward"]["kept"] == 4 * (seen["norm_in"] + seen["proj_out"])
+
+
+# ---------------------------------------------------------------- the data train_a2.main builds
+
+
+def test_training_reads_a_grey_clip_mask_as_wan_thresholds_it(tmp_path, monkeypatch):
+    """A VACE run's clip mask (<clip>_vace_mask.png, white where VACE generates) is read by the dataset
+    train_a2.main builds as Wan's VACE reads a mask (the picture / 255, generated where above 0.5: wan/vace.py
+    prepare_source, vace_encode_masks): a box of grey 150 (0.59) is all generated, grey 100 (0.39) all kept. The
+    dataset is captured from main itself (one step at lr 0), its item read as the loader reads it."""
+    from PIL import Image
+
+    import train_a2
+    from data import make_synthetic_dataset
+    from tests.conftest import args, train
+
+    data = make_synthetic_dataset(tmp_path / "e2v", num_samples=2, num_frames=9, size=(32, 32))
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 4:16], mask[8:24, 16:28] = 150, 100
+    for clip in sorted(data.glob("*.mp4")):
+        Image.fromarray(mask).save(data / f"{clip.stem}_vace_mask.png")
+    built = []
+
+    class Captured(train_a2.E2VDataset):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(self)
+
+    monkeypatch.setattr(train_a2, "E2VDataset", Captured)
+    train(*args(data, tmp_path, "run", "--num-frames", "9", "--max-steps", "1", "--lr", "0", model="tiny-vace"))
+    (ds,) = built
+    region = ds[0]["region"]  # (F, H, W), 1 where VACE generates
+    want = torch.from_numpy(mask / 255 > 0.5).float().expand_as(region)
+    assert torch.equal(region, want)
+
+
+def test_vaces_mask_channels_are_wans_for_a_mask_off_the_8px_grid():
+    """VACE's context of a control video and a mask whose edges do not fall on the 8x8 pixel cells (each pixel drawn
+    at random): a2's (a2/vace.py encode) is Wan's (vace_encode_frames + vace_encode_masks, wan/vace.py:139-207,
+    written out in tests/their_vace.py wan_context: each 8x8 cell row-major as 64 channels). A box on the cell grid
+    makes every cell uniform, so the order of a cell's pixels in the channels shows only off it. Within 1e-5 of
+    latents of size ~1: the same VAE encodes of the same pixels; the mask channels exact."""
+    from a2 import vace
+    from a2.conditioning import encode_vae
+    from a2.pipeline import A2Pipeline
+    from a2.tiny import model_path
+    from tests import their_vace as theirs
+
+    vae = A2Pipeline.from_pretrained(model_path("tiny-vace")).vae
+    g = torch.Generator().manual_seed(3)
+    frames = torch.rand(1, 3, 9, 32, 48, generator=g) * 2 - 1
+    mask = (torch.rand(1, 9, 32, 48, generator=g) > 0.5).float()
+    ours, _ = vace.encode(lambda x: encode_vae(vae, x, "argmax"), frames.new_zeros(1, 0, 3, 32, 48), 9, frames,
+                          mask)
+    want = theirs.wan_context(vae, frames[0], mask, None)
+    assert ours[0].shape == want.shape
+    assert torch.equal(ours[0, 32:], want[32:])  # the 64 mask channels
+    torch.testing.assert_close(ours[0], want, atol=1e-5, rtol=0)
