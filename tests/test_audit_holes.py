@@ -245,3 +245,29 @@ def test_vaces_mask_channels_are_wans_for_a_mask_off_the_8px_grid():
     assert ours[0].shape == want.shape
     assert torch.equal(ours[0, 32:], want[32:])  # the 64 mask channels
     torch.testing.assert_close(ours[0], want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- LoRA files
+
+
+def test_a_lora_dir_in_diffusers_bin_form_loads_as_its_safetensors(tmp_path):
+    """diffusers writes and reads a LoRA dir's weights as pytorch_lora_weights.safetensors or, without safetensors,
+    pytorch_lora_weights.bin (diffusers.loaders.lora_base LORA_WEIGHT_NAME / LORA_WEIGHT_NAME_SAFE): infer.py --lora
+    takes the .bin dir, and the same weights in either form sample the same latents (the same ops on the same
+    values), unlike the model without them."""
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    weights = {f"transformer.blocks.{b}.attn1.{p}.lora_{ab}.weight": torch.randn(shape, generator=g) * 0.1
+               for b in (0, 1) for p in ("to_q", "to_v") for ab, shape in (("A", (4, 128)), ("B", (128, 4)))}
+    (tmp_path / "safe").mkdir()
+    (tmp_path / "bin").mkdir()
+    save_file(weights, tmp_path / "safe" / LORA_WEIGHT_NAME_SAFE)
+    torch.save(weights, tmp_path / "bin" / LORA_WEIGHT_NAME)
+    run = ["--model", "tiny-t2v", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2", "--prompt", "a man"]
+    safe, _ = infer_run([*run, "--lora", str(tmp_path / "safe")], tmp_path / "safe_run")
+    binary, _ = infer_run([*run, "--lora", str(tmp_path / "bin")], tmp_path / "bin_run")
+    assert torch.equal(safe["latents"], binary["latents"])
+    base, _ = infer_run(run, tmp_path / "base_run")  # the LoRA acts: its weights were loaded, not skipped
+    assert (base["latents"] - safe["latents"]).abs().max().item() > 1e-5
