@@ -1,6 +1,7 @@
-"""Holes a fresh planned-mutation audit found: one realistic bug each that the suite let pass. Each test holds the
-behaviour against something outside a2's tables (a lab's file, the user's flag, the README's sentence, an
-independent count) and captures what the entry point really did."""
+"""Holes a fresh planned-mutation audit found (a realistic one-line bug the suite let pass, each test failing with
+it planted), and the memory rule's terms checked one by one against a tiny dry run's trace. Each test holds the
+behaviour against something outside a2's tables (a lab's file, the user's flag, the README's sentence, a trace or
+a count of the model's own tensors) and captures what the entry point really did."""
 
 from __future__ import annotations
 
