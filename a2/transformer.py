@@ -410,13 +410,14 @@ def vace_layers(shapes: dict, num_layers: int, wan: dict, where) -> list[int]:
     return layers
 
 
-def original_config(files: list[Path], config_path: Path | None = None) -> dict:
+def original_config(files: list[Path], config_path: Path | None = None, shapes: dict | None = None) -> dict:
     """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
     read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's
     releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names
-    must be exactly those of that config: one line naming the checkpoint and what differs otherwise."""
+    must be exactly those of that config: one line naming the checkpoint and what differs otherwise. `shapes`: the
+    names and shapes once converted to original names (a2/kaleido.py), instead of the files'."""
     where = files[0] if len(files) == 1 else files[0].parent
-    shapes = _checkpoint_shapes(files)
+    shapes = _checkpoint_shapes(files) if shapes is None else shapes
     if any(".attn1.to_q." in k for k in shapes):
         raise UnsupportedModel(f"{where}: diffusers key names (attn1.to_q); a diffusers transformer goes in "
                                "<dir>/transformer/ with its config.json, beside model_index.json and the other parts")
@@ -460,18 +461,21 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
 
 
 @torch.no_grad()
-def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32) -> WanTransformer3DModel:
+def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32,
+                  sd: dict | None = None) -> WanTransformer3DModel:
     """WanTransformer3DModel of `config` (original_config) with an original-Wan checkpoint's weights, every
-    parameter assigned (strict)."""
+    parameter assigned (strict); `sd`: those weights already read, in diffusers names (a2/kaleido.py)."""
     from safetensors.torch import load_file
 
-    sd = {}
-    for f in files:
-        part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-        sd.update(part.get("state_dict", part))
+    if sd is None:
+        sd = {}
+        for f in files:
+            part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+            sd.update(part.get("state_dict", part))
+        sd = original_to_diffusers(sd)
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
-    model.load_state_dict(original_to_diffusers(sd), strict=True)
+    model.load_state_dict(sd, strict=True)
     for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=...) keeps them
         p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
     return model.eval()
@@ -658,7 +662,11 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     SkyReels-V3 R2V: a diffusers dir whose transformer is their class (V3_CLASSES), the modules of
     WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
+    from a2 import kaleido  # a released model's own format, in its own module (which reads this one's tables)
+
     d = Path(model_dir)
+    if kaleido.checkpoint(d) is not None:
+        return kaleido.detect(d, components)
     if d.is_dir() and not (d / "model_index.json").exists() and all((d / s).is_dir() for s in
                                                                      ORIGINAL_EXPERTS.values()):
         return detect_vace_fun(d, components)
@@ -801,6 +809,14 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
         if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
             return random_transformer(config, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return transformer_class(config).from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
+    from a2 import kaleido
+
+    if (sat := kaleido.checkpoint(model_dir)) is not None:  # Kaleido's SAT checkpoint
+        if fake_mode_active():
+            with unset_fake_temporarily():
+                config = kaleido.config(sat, kaleido.read(sat))
+            return random_transformer(config, dtype, "cpu")
+        return kaleido.load(sat, dtype)
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
