@@ -1,0 +1,160 @@
+"""The kaleido kind against Kaleido's own code (zai-org/Kaleido @ 4c6c757, written out in tests/their_kaleido.py) on
+tiny-kaleido, the tiny T2V model in the release's SAT layout: its converted weights' forward, infer.py's sampling as
+their sample_video.py samples, and a2's training loss as their RFLoss."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import their_kaleido as theirs
+import torch
+from PIL import Image
+
+from a2 import kaleido
+from a2.tiny import model_path
+
+# float32 rounding of their numerics against diffusers' (the float64 sinusoid, float32 RoPE angles, their own
+# LayerNorm / RMSNorm order) on values of size ~1: a few float32 steps, relative
+FORWARD_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kaleido_dir():
+    return model_path("tiny-kaleido")
+
+
+@pytest.fixture(scope="module")
+def sat(kaleido_dir):
+    """The release's tensors as their load_checkpoint reads them: the `module` dict of <latest>/mp_rank_00."""
+    return torch.load(kaleido_dir / "model" / "1" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+
+
+def test_release_layout_is_detected_and_its_fused_tensors_split(kaleido_dir, sat):
+    """The tiny release holds SAT's names as their converter writes them (fused q|k|v of 3·dim rows, k|v of 2·dim),
+    and a2 reads the dir as Kaleido with those tensors split back into the blocks' own."""
+    from a2.transformer import detect_model, load_transformer
+
+    assert (kaleido_dir / "model" / "latest").read_text() == "1"
+    qkv = sat["model.diffusion_model.transformer.layers.0.attention.query_key_value.weight"]
+    kv = sat["model.diffusion_model.transformer.layers.0.cross_attention.key_value.weight"]
+    dim = sat["model.diffusion_model.transformer.layers.0.attention.dense.weight"].shape[0]
+    assert qkv.shape[0] == 3 * dim and kv.shape[0] == 2 * dim
+    info = detect_model(kaleido_dir)
+    assert (info.name, info.native_kind) == ("Kaleido", "kaleido")
+    m = load_transformer(kaleido_dir)
+    a = m.blocks[0].attn1
+    assert torch.equal(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]), qkv)
+    assert torch.equal(torch.cat([m.blocks[0].attn2.to_k.weight, m.blocks[0].attn2.to_v.weight]), kv)
+    assert torch.equal(kaleido.original_to_sat(kaleido.sat_to_original(dict(sat)))[
+        "model.diffusion_model.transformer.layers.0.attention.query_key_value.weight"], qkv)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_converted_weights_forward_as_their_model(kaleido_dir, sat, n):
+    """a2's transformer loaded from the release, given the kind's model input (the references before the video,
+    prepare_model's RoPE), against their DiffusionTransformer.forward on the SAT tensors themselves: the video's
+    velocity within FORWARD_RTOL of its size, for 1 and 3 references and two timesteps in one batch."""
+    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, video_prediction
+    from a2.transformer import load_transformer
+
+    m = load_transformer(kaleido_dir)
+    heads = m.config.num_attention_heads
+    g = torch.Generator().manual_seed(n)
+    b, t, c, h, w = 2, 3, 16, 4, 6
+    x, refs = torch.randn(b, t, c, h, w, generator=g), torch.randn(b, n, c, h, w, generator=g)
+    text, timestep = torch.randn(b, 512, m.config.text_dim, generator=g), torch.tensor([700.0, 250.0])
+    them = theirs.forward(sat, heads, x, timestep, text, refs)
+    layout = make_layout("kaleido", 4 * (t - 1) + 1, (1,) * n)
+    cond = Conditioning("kaleido", ref_latents=refs.transpose(1, 2))
+    prepare_model(m, layout)
+    x_in, ts = model_input(x.transpose(1, 2), cond, timestep)
+    with torch.no_grad():
+        ours = video_prediction(m(hidden_states=x_in, timestep=ts, encoder_hidden_states=text,
+                                  return_dict=False)[0], cond).transpose(1, 2)
+    assert ours.shape == them.shape
+    assert (ours - them).abs().max() <= FORWARD_RTOL * them.abs().max()
+
+
+def reference_images(tmp_path, sizes):
+    images = []
+    for i, (w, h) in enumerate(sizes):
+        rng = np.random.RandomState(20 + i)
+        images.append(Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)))
+        images[-1].save(tmp_path / f"ref{i}.png")
+    return images
+
+
+def test_infer_samples_as_their_sample_video(kaleido_dir, tmp_path, monkeypatch):
+    """infer.py on the tiny release (by path, with only what their prompt file and yaml say: prompt, references,
+    size, frames; no sampling flag) against their sample_video.py sampler at its configs' defaults (50 Euler steps on
+    the float64 shifted linspace, guidance 6 with the references in both branches, their negative prompt, seed 1234,
+    the CPU noise drawn frames first): the reference latents and the initial noise equal, the final latents within
+    1e-5 of theirs (float32: the forward's rounding, FORWARD_RTOL, over 50 steps). Both get the same text states
+    (a2's encode_prompt on the tiny UMT5)."""
+    import infer
+    from a2.pipeline import A2Pipeline, encode_prompt
+
+    images = reference_images(tmp_path, [(301, 97), (97, 301), (96, 64)])
+    prompt, height, width, frames = "a hiker on a mountain", 32, 48, 9
+    seen, call = [], A2Pipeline.__call__
+
+    def recorded(self, *a, **kw):  # the first forward's input, through infer.py's own pipeline
+        handle = self.transformer.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(kwargs["hidden_states"]), with_kwargs=True)
+        try:
+            return call(self, *a, **kw)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(A2Pipeline, "__call__", recorded)
+    cfg = infer.InferConfig(model=str(kaleido_dir), elements=tuple(str(tmp_path / f"ref{i}.png") for i in range(3)),
+                            prompt=prompt, height=height, width=width, num_frames=frames, device="cpu",
+                            decode="none", save_latents=str(tmp_path / "a2.pt"))
+    assert infer.main(cfg) == 0
+    ours = torch.load(tmp_path / "a2.pt")
+    pipe = A2Pipeline.from_pretrained(kaleido_dir)
+    text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, theirs.NEGATIVE))
+    sat = torch.load(kaleido_dir / "model" / "1" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    them = theirs.sample(sat, pipe.transformer.config.num_attention_heads, pipe.vae, images, text, null,
+                         (frames - 1) // 4 + 1, height, width)
+    assert len(seen) == 2 * theirs.STEPS  # two passes a step (text CFG), 50 steps
+    assert seen[0].shape[2] == 3 + them["initial"].shape[2]  # the three references first
+    assert torch.equal(seen[0][:, :, 3:], them["initial"])  # the noise: their draw, frames first
+    # their pixels (x - 127.5) / 127.5 against a2's x * 2 / 255 - 1: the last bit, through the VAE encoder a few
+    # float32 steps of the latents' size
+    eps = torch.finfo(torch.float32).eps
+    assert (seen[0][:, :, :3] - them["condition"]).abs().max() <= 16 * eps * them["condition"].abs().max()
+    assert (ours["latents"] - them["latents"]).abs().max() <= 1e-5  # measured 1.9e-6 on latents of size 4.2
+
+
+def test_negative_prompt_and_schedule_are_theirs():
+    """The kind's sampling as their yaml and RFSampler say: the negative prompt is their yaml's (Wan's without
+    "poorly drawn faces"), and the sigmas a2's Euler scheduler steps through (schedule kaleido, shift 7) are their
+    make_hunyuan_timesteps' within float32 rounding, from 1 to exactly 0."""
+    from a2.kinds import kind_sampling, schedule_sigmas
+    from a2.pipeline import make_scheduler
+
+    own = kind_sampling("kaleido")
+    assert own.negative_prompt == theirs.NEGATIVE
+    assert (own.steps, own.guidance_scale, own.seed, own.fps) == (theirs.STEPS, theirs.GUIDANCE, theirs.SEED, 16)
+    sched = make_scheduler(own.scheduler, own.flow_shift)
+    sched.set_timesteps(sigmas=schedule_sigmas(own.schedule, own.steps))
+    ref = theirs.sigmas()
+    assert sched.sigmas[0] == 1 and sched.sigmas[-1] == 0
+    assert torch.allclose(sched.sigmas, ref, rtol=0, atol=2 ** -23)
+
+
+def test_training_shift_is_their_schedule_shift():
+    """kaleido.training_shift(h, w) is RFLoss's exp(mu) as their time_shift applies it: the shift map at that shift
+    equals their time_shift on the same sigma (480x832: L = 1560 tokens a frame)."""
+    s = torch.tensor([0.1, 0.5, 0.93])
+    shift = kaleido.training_shift(480, 832)
+    ours = shift * s / (1 + (shift - 1) * s)
+    assert torch.allclose(ours, theirs.shifted_sigma(s, 60, 104), rtol=1e-6, atol=0)
+
+
+def test_tiny_release_config_is_the_tiny_t2v(kaleido_dir):
+    wan = json.loads((kaleido_dir / "model" / "config.json").read_text())
+    assert wan["_class_name"] == "WanModel" and wan["in_dim"] == 16
