@@ -169,6 +169,25 @@ RECIPES = {
     "tiny": dict(resolution=(64, 64), num_frames=33, lora_alpha=320.0, lora_target=LORA_TARGETS + r"|proj_out",
                  sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
 }  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
+# Kaleido's training yaml (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6, sat's warmup 0.01 of
+# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas shifted by exp(mu) of the size's
+# latent tokens: a2/kaleido.py training_shift, 2.05593 at 480x832; tiny-kaleido at 64x64: 1.58308)
+RECIPES["kaleido"] = dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", sigma_shift=2.05593, lr=5e-6,
+                          warmup_steps=50)
+RECIPES["tiny-kaleido"] = dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted", sigma_shift=1.58308)
+
+
+def recipe_of(model: str) -> dict:
+    """The recipe of --model: Kaleido's (its built-in tiny, or a dir holding its SAT release: a2/kaleido.py), a
+    built-in tiny model's, else a real model's."""
+    if model == "tiny-kaleido":
+        return RECIPES[model]
+    if not is_tiny(model) and Path(model).is_dir():
+        from a2 import kaleido  # torch: only for a local dir, which the run loads next
+
+        if kaleido.checkpoint(model) is not None:
+            return RECIPES["kaleido"]
+    return RECIPES["tiny" if is_tiny(model) else "model"]
 
 
 def is_tiny(model: str) -> bool:
@@ -364,16 +383,17 @@ class DataConfig(DataSource):
 class ObjectiveConfig:
     """The flow-matching loss: how sigma is drawn and how the loss is weighted."""
 
-    sigma_sampling: Literal["logit_normal", "uniform", "shifted"] | None = None
+    sigma_sampling: Literal["logit_normal", "uniform", "shifted", "logit_normal_shifted"] | None = None
     """How the training sigma is drawn. logit_normal(0, 1): SD3's default, which puts the steps where flow matching
-    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule.
+    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule;
+    logit_normal_shifted: the logit-normal draw mapped so (Kaleido's RFLoss, its shift by the training size).
     Left out: the model's recipe (RECIPES)."""
     logit_mean: float = 0.0
     """The mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
     logit_std: float = 1.0
     """The standard deviation of that normal (--sigma-sampling logit_normal)."""
     sigma_shift: float | None = None
-    """The shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise).
+    """The shift of --sigma-sampling shifted and logit_normal_shifted (1: none; larger: more steps at high noise).
     Left out: the model's recipe (RECIPES)."""
     loss_weighting: Literal["none", "cosmap"] = "none"
     """The per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
@@ -566,7 +586,7 @@ class TrainConfig:
     def __post_init__(self):
         # the fields left out (None) take the model's recipe (RECIPES) here, the one place it is applied: every
         # TrainConfig (flags, Python, data.py validate) is the run it describes; `filled` says what it filled
-        recipe = RECIPES["tiny" if is_tiny(self.model.model) else "model"]
+        recipe = recipe_of(self.model.model)
         self.filled = {k: v for k, v in recipe.items() if getattr(getattr(self, SECTION_OF[k]), k) is None}
         for name in {SECTION_OF[k] for k in self.filled}:  # new section objects: the ones given stay as they were
             setattr(self, name, replace(getattr(self, name), **{k: v for k, v in self.filled.items()

@@ -158,3 +158,50 @@ def test_training_shift_is_their_schedule_shift():
 def test_tiny_release_config_is_the_tiny_t2v(kaleido_dir):
     wan = json.loads((kaleido_dir / "model" / "config.json").read_text())
     assert wan["_class_name"] == "WanModel" and wan["in_dim"] == 16
+
+
+def test_training_loss_is_their_rfloss(kaleido_dir, sat):
+    """a2's training loss (a2/step.py forward_loss) on tiny-kaleido with the objective its recipe fills (config.py:
+    logit_normal_shifted at the 64x64 shift) against their RFLoss on the same clip, references, text and noise:
+    each sample's sigma drawn by a2's sample_sigma from its generator and by their RFSampling (LogisticNormal) from
+    the same seed, then shifted by each, and the loss within 1e-5 relative (float32: the forward's rounding)."""
+    from contextlib import nullcontext
+
+    from a2.conditioning import Conditioning, make_layout
+    from a2.flow import sample_sigma
+    from a2.step import forward_loss
+    from a2.transformer import load_transformer
+    from config import ReferencesConfig, from_flags
+
+    objective = from_flags(model="tiny-kaleido").objective
+    assert objective.sigma_sampling == "logit_normal_shifted"
+    m = load_transformer(kaleido_dir)
+    b, t, c, h, w, n = 3, 3, 16, 8, 8, 2  # 64x64 px: the tiny recipe's size
+    g = torch.Generator().manual_seed(7)
+    x0, refs = torch.randn(b, t, c, h, w, generator=g), torch.randn(b, n, c, h, w, generator=g)
+    text, noise = torch.randn(b, 512, m.config.text_dim, generator=g), torch.randn(b, t, c, h, w, generator=g)
+    seeds = [11, 12, 13]
+    ours_sigma = torch.tensor([sample_sigma(objective, torch.Generator().manual_seed(s)) for s in seeds])
+    raw = []
+    for s in seeds:  # RFSampling: LogisticNormal(0, 1) on the global generator
+        torch.manual_seed(s)
+        raw.append(torch.distributions.LogisticNormal(torch.tensor([0.0]), torch.tensor([1.0])).sample((1,))[:, 0])
+    raw = torch.cat(raw)
+    assert torch.allclose(ours_sigma, theirs.shifted_sigma(raw, h, w), rtol=1e-5, atol=0)
+    inputs = dict(x0=x0.transpose(1, 2), noise=noise.transpose(1, 2), sigmas=ours_sigma,
+                  cond=Conditioning("kaleido", ref_latents=refs.transpose(1, 2)), text=text,
+                  layout=make_layout("kaleido", 4 * (t - 1) + 1, (1,) * n), reference_images=None)
+    with torch.no_grad():
+        ours, _ = forward_loss(m, inputs, objective, ReferencesConfig(), None, nullcontext(), torch.float32)
+        them = theirs.rf_loss(sat, m.config.num_attention_heads, x0, refs, text, raw, noise)
+    assert abs(ours.item() - them.item()) <= 1e-5 * them.item()
+
+
+def test_recipe_shift_is_their_size_shift():
+    """The recipes' sigma_shift (config.py: Kaleido at 480x832, tiny-kaleido at 64x64) is their RFLoss's exp(mu) at
+    that size to the digits written."""
+    from config import RECIPES
+
+    for name, (height, width) in (("kaleido", (480, 832)), ("tiny-kaleido", (64, 64))):
+        assert abs(RECIPES[name]["sigma_shift"] - kaleido.training_shift(height, width)) < 1e-5
+        assert RECIPES[name]["resolution"] == (height, width)
