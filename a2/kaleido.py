@@ -25,20 +25,9 @@ from pathlib import Path
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
-from a2.transformer import (
-    Z_DIM,
-    ModelInfo,
-    UnsupportedModel,
-    load_original,
-    original_config,
-    original_to_diffusers,
-    parts_dir,
-)
-
 OFFSET = 80  # max_h = max_w of the model yaml (:85-86): the references' row and column offset, in tokens
 CHECKPOINT = "mp_rank_00_model_states.pt"  # SAT's file of model-parallel rank 0 (get_checkpoint_name)
 PREFIX = "model.diffusion_model."  # SAT's names of the DiT inside its engine
-COMPONENTS = "Wan-AI/Wan2.1-T2V-14B-Diffusers"  # Kaleido's VAE and UMT5 are Wan2.1's (its release ships their .pth)
 
 
 class KaleidoRope(WanRotaryPosEmbed):
@@ -180,32 +169,3 @@ def read(file: Path) -> dict:
         sd = {k: v for k, v in sd.items() if k.startswith(PREFIX)}
     return sat_to_original(sd)
 
-
-def config(file: Path, sd: dict) -> dict:
-    """The diffusers config of the converted weights `sd` (original_config: widths and depth from the shapes, 128-wide
-    heads as every Wan 2.1 model's unless a Wan config.json sits beside the `latest` tracker: a2's tiny-kaleido)."""
-    return original_config([file], file.parent.parent / "config.json", {k: tuple(v.shape) for k, v in sd.items()})
-
-
-def detect(path: Path, components=None) -> ModelInfo:
-    """A Kaleido release (checkpoint(path) is its SAT file): a Wan2.1 T2V DiT (checked here from its converted names
-    and shapes) and the Wan T2V parts it runs with in diffusers format (`components`, else beside it, else
-    Wan2.1-T2V-14B-Diffusers': Kaleido's Wan2.1_VAE.pth and umt5-xxl are those models')."""
-    file = checkpoint(path)
-    if not file.is_file():
-        raise UnsupportedModel(f"{path}: its `latest` names {file.parent.name}, but {file} is missing; pass the "
-                               "Kaleido-14B-S2V dir after its merge_kaleido.py")
-    cfg = config(file, read(file))
-    if (cfg["in_channels"], cfg["out_channels"], cfg["image_dim"]) != (Z_DIM, Z_DIM, None):
-        raise UnsupportedModel(f"{file}: a SAT checkpoint with in/out channels {cfg['in_channels']}/"
-                               f"{cfg['out_channels']}; Kaleido is a Wan2.1 T2V model (16 in, 16 out, no image branch)")
-    d = Path(path).parent if Path(path).is_file() else Path(path)
-    return ModelInfo(Path(path), "Kaleido", Z_DIM, False, None, None, None, native_kind="kaleido",
-                     original_weights=(file,), components_dir=parts_dir(path, d, components, default=COMPONENTS))
-
-
-def load(file: Path, dtype: torch.dtype = torch.float32):
-    """WanTransformer3DModel with the weights of Kaleido's SAT checkpoint `file`, converted (sat_to_original, then
-    diffusers' converter)."""
-    sd = read(file)
-    return load_original([file], config(file, sd), dtype, original_to_diffusers(sd))

@@ -23,6 +23,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from a2 import kaleido
 from a2.cli import InputError
 from a2.fake import fake_mode_active
 
@@ -503,6 +504,7 @@ PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 MAGREF_COMPONENTS = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 # SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
 V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
+KALEIDO_COMPONENTS = "Wan-AI/Wan2.1-T2V-14B-Diffusers"  # Kaleido is a Wan2.1-T2V-14B fine-tune
 COMPONENTS = ("vae", "text_encoder", "tokenizer")
 
 
@@ -649,6 +651,30 @@ def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:
                      original_weights=tuple(files), components_dir=comp)
 
 
+def kaleido_config(file: Path, sd: dict) -> dict:
+    """The diffusers config of Kaleido's SAT checkpoint `file`, its weights `sd` converted to original names
+    (a2/kaleido.py read): original_config of their shapes, heads 128 wide as every Wan 2.1 model's unless a Wan
+    config.json sits beside the `latest` tracker (a2's tiny-kaleido)."""
+    return original_config([file], file.parent.parent / "config.json", {k: tuple(v.shape) for k, v in sd.items()})
+
+
+def detect_kaleido(path: Path, components=None) -> ModelInfo:
+    """A Kaleido release (a2/kaleido.py checkpoint: SAT's `latest` and its mp_rank_00 file): a Wan2.1 T2V DiT,
+    checked from its converted names and shapes, and the Wan T2V parts it runs with in diffusers format
+    (`components`, else beside it, else KALEIDO_COMPONENTS': its Wan2.1_VAE.pth and umt5-xxl are those models')."""
+    file = kaleido.checkpoint(path)
+    if not file.is_file():
+        raise UnsupportedModel(f"{path}: its `latest` names {file.parent.name}, but {file} is missing; pass the "
+                               "Kaleido-14B-S2V dir as merge_kaleido.py leaves it")
+    cfg = kaleido_config(file, kaleido.read(file))
+    if (cfg["in_channels"], cfg["out_channels"], cfg["image_dim"]) != (Z_DIM, Z_DIM, None):
+        raise UnsupportedModel(f"{file}: a SAT checkpoint with in/out channels {cfg['in_channels']}/"
+                               f"{cfg['out_channels']}; Kaleido is a Wan2.1 T2V model (16 in, 16 out, no image branch)")
+    d = path.parent if path.is_file() else path
+    return ModelInfo(path, "Kaleido", Z_DIM, False, None, None, None, native_kind="kaleido", original_weights=(file,),
+                     components_dir=parts_dir(path, d, components, default=KALEIDO_COMPONENTS))
+
+
 def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
 
@@ -662,11 +688,9 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     SkyReels-V3 R2V: a diffusers dir whose transformer is their class (V3_CLASSES), the modules of
     WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
-    from a2 import kaleido  # a released model's own format, in its own module (which reads this one's tables)
-
     d = Path(model_dir)
     if kaleido.checkpoint(d) is not None:
-        return kaleido.detect(d, components)
+        return detect_kaleido(d, components)
     if d.is_dir() and not (d / "model_index.json").exists() and all((d / s).is_dir() for s in
                                                                      ORIGINAL_EXPERTS.values()):
         return detect_vace_fun(d, components)
@@ -809,14 +833,13 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
         if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
             return random_transformer(config, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return transformer_class(config).from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
-    from a2 import kaleido
-
     if (sat := kaleido.checkpoint(model_dir)) is not None:  # Kaleido's SAT checkpoint
+        with unset_fake_temporarily():
+            sd = kaleido.read(sat)
+            config = kaleido_config(sat, sd)
         if fake_mode_active():
-            with unset_fake_temporarily():
-                config = kaleido.config(sat, kaleido.read(sat))
             return random_transformer(config, dtype, "cpu")
-        return kaleido.load(sat, dtype)
+        return load_original([sat], config, dtype, original_to_diffusers(sd))
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
