@@ -205,3 +205,49 @@ def test_recipe_shift_is_their_size_shift():
     for name, (height, width) in (("kaleido", (480, 832)), ("tiny-kaleido", (64, 64))):
         assert abs(RECIPES[name]["sigma_shift"] - kaleido.training_shift(height, width)) < 1e-5
         assert RECIPES[name]["resolution"] == (height, width)
+
+
+def kaleido_layout(data_dir, root):
+    """The synthetic dataset's clips in Kaleido's training layout (data_video.py SFTDataset): videos/<id>.mp4,
+    labels/<id>.txt, references/<id>/ref1.png.. (the person, object and background images, in that order); clip 001
+    has two references only."""
+    import shutil
+
+    for sub in ("videos", "labels"):
+        (root / sub).mkdir(parents=True)
+    for video in sorted(data_dir.glob("*.mp4")):
+        i = video.stem
+        shutil.copy(video, root / "videos" / f"{i}.mp4")
+        shutil.copy(data_dir / f"{i}.txt", root / "labels" / f"{i}.txt")
+        (root / "references" / i).mkdir(parents=True)
+        for n, suffix in enumerate(("_person.png", "_object.png", "_background.png")[: 2 if i == "001" else 3], 1):
+            shutil.copy(data_dir / f"{i}{suffix}", root / "references" / i / f"ref{n}.png")
+    return root
+
+
+@pytest.mark.parametrize("training", ["lora", "full"])
+def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
+    """Kaleido's data layout through a2/kaleido.py's manifest (the caption: labels' first line; the references:
+    ref1.. in order, as ref0..), then train_a2.py on the tiny release in its kind: the run is the kaleido kind with
+    the clips' references before the video (3, and 2 for the clip that has two), its recipe's shifted logit-normal,
+    and the loss falls over the steps on one clip (the same draws every step, --overfit-batches 1)."""
+    from tests.conftest import args, train
+
+    root = kaleido_layout(data_dir, tmp_path / "kaleido-data")
+    rows = kaleido.dataset_rows(root)
+    assert [r["id"] for r in rows] == sorted(p.stem for p in data_dir.glob("*.mp4"))
+    assert rows[0]["caption"] == (data_dir / f"{rows[0]['id']}.txt").read_text().splitlines()[0]
+    assert [k for k in rows[1] if k.startswith("ref")] == ["ref0", "ref1"]
+    manifest = kaleido.write_manifest(root, tmp_path / "kaleido.jsonl")
+    flags = args(data_dir, tmp_path, training, "--manifest", str(manifest), "--num-frames", "9", "--max-steps", "6",
+                 "--warmup-steps", "0", "--lr", "1e-3" if training == "lora" else "1e-4", "--overfit-batches", "1",
+                 "--val-every", "0", *(["--training-type", "full"] if training == "full" else []),
+                 model=str(kaleido_dir))
+    r = train(*flags)
+    run = json.loads((r["run_dir"] / "run.json").read_text())
+    assert run["layout"]["kind"] == "kaleido" and run["layout"]["ref_latents"] in (2, 3)
+    config = json.loads((r["run_dir"] / "config.json").read_text())
+    assert config["sigma_sampling"] == "logit_normal_shifted"
+    losses = [json.loads(line)["loss"] for line in (r["run_dir"] / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == 6 and losses[-1] < losses[0]
