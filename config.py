@@ -7,6 +7,7 @@ its flags (parse_cli) before its heavy imports: --help, a typo or a config error
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -170,11 +171,20 @@ RECIPES = {
                  sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
 }  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
 # Kaleido's training yaml (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6, sat's warmup 0.01 of
-# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas shifted by exp(mu) of the size's
-# latent tokens: a2/kaleido.py training_shift, 2.05593 at 480x832; tiny-kaleido at 64x64: 1.58308)
-RECIPES["kaleido"] = dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", sigma_shift=2.05593, lr=5e-6,
-                          warmup_steps=50)
-RECIPES["tiny-kaleido"] = dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted", sigma_shift=1.58308)
+# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size:
+# rf_shift, filled in TrainConfig.__post_init__)
+RECIPES["kaleido"] = {k: v for k, v in dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", lr=5e-6,
+                                             warmup_steps=50).items() if k != "sigma_shift"}
+RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted").items()
+                           if k != "sigma_shift"}
+
+
+def rf_shift(height: int, width: int) -> float:
+    """Kaleido's RFLoss shift at a training size (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): exp(mu), mu =
+    get_lin_function(y1=0.5, y2=1.15) of the latent tokens a frame (Wan 2.1: VAE stride 8, patch 2x2); its time_shift
+    e^mu / (e^mu + 1/s - 1) is the shift map at shift e^mu (480x832: 2.056; 64x64: 1.583)."""
+    tokens = (height // 8) * (width // 8) // 4
+    return math.exp(0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256))
 
 
 def recipe_of(model: str) -> dict:
@@ -591,6 +601,10 @@ class TrainConfig:
         for name in {SECTION_OF[k] for k in self.filled}:  # new section objects: the ones given stay as they were
             setattr(self, name, replace(getattr(self, name), **{k: v for k, v in self.filled.items()
                                                                   if SECTION_OF[k] == name}))
+        o = self.objective
+        if o.sigma_sampling == "logit_normal_shifted" and o.sigma_shift is None and self.data.resolution:
+            self.objective = replace(o, sigma_shift=rf_shift(*self.data.resolution))  # RFLoss's, by the run's size
+            self.filled["sigma_shift"] = self.objective.sigma_shift
 
 
 # the sections whose flags take no prefix, by name; memory and conditioning keep their nested fields in a run's

@@ -40,7 +40,7 @@ def sigma_cdf(cfg, s: float) -> float:
 
 def shift_sigma(cfg, s):
     """logit_normal_shifted: the logit-normal draw s moved by the shift map shift·s / (1 + (shift - 1) s) at
-    --sigma-shift (Kaleido's RFLoss: its time_shift at exp(mu), a2/kaleido.py training_shift), computed as theirs in
+    --sigma-shift (Kaleido's RFLoss: its time_shift at exp(mu), config.py rf_shift), computed as theirs in
     the draw's float32; the other distributions as they are. Returns a float."""
     if cfg.sigma_sampling == "logit_normal_shifted":
         s = cfg.sigma_shift * s / (1 + (cfg.sigma_shift - 1) * s)

@@ -14,13 +14,13 @@ What is particular to it, read from the lab's code (zai-org/Kaleido @ 4c6c757):
   inverts the lab's own Wan -> SAT converter (convert_ckpt_init_wan2sat.py:30-120) and a2 reads the result as any
   original-Wan checkpoint (diffusers' converter);
 - training: RFLoss's sigma, sigmoid(N(0, 1)) shifted by exp(mu) with mu linear in the latent tokens per frame
-  (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): `training_shift`.
+  (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): --sigma-sampling logit_normal_shifted at config.py's rf_shift;
+  their data layout: dataset_rows / write_manifest below.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -66,14 +66,6 @@ def prepare(transformer, references: int) -> None:
     if not isinstance(transformer.rope, KaleidoRope):
         transformer.rope.__class__ = KaleidoRope
     transformer.rope.references = references
-
-
-def training_shift(height: int, width: int, patch: tuple[int, int, int] = (1, 2, 2), vae_stride: int = 8) -> float:
-    """RFLoss's sigma shift at a training size: exp(mu), mu = 0.5 + 0.65 (L - 256) / 3840 for L latent tokens per
-    frame (get_lin_function(y1=0.5, y2=1.15) of h·w / (p_h·p_w), loss.py:581-583); its time_shift(mu, s) =
-    e^mu / (e^mu + 1/s - 1) is the usual shift·s / (1 + (shift - 1) s) at shift e^mu (480x832: 2.06)."""
-    tokens = (height // vae_stride) * (width // vae_stride) // (patch[1] * patch[2])
-    return math.exp(0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256))
 
 
 # ---------------------------------------------------------------- the SAT checkpoint
@@ -161,6 +153,16 @@ def checkpoint(path) -> Path | None:
         if tracker.is_file():
             return d / tracker.read_text().strip() / CHECKPOINT
     return None
+
+
+def save(d, sd: dict) -> Path:
+    """Weights `sd` in Wan original names as a SAT load dir `d` (their --load): `latest` naming iteration 1 and
+    1/mp_rank_00_model_states.pt = {"module": SAT names} (original_to_sat). Returns the file."""
+    d = Path(d)
+    (d / "1").mkdir(parents=True, exist_ok=True)
+    (d / "latest").write_text("1")
+    torch.save({"module": {k: v.contiguous() for k, v in original_to_sat(sd).items()}}, d / "1" / CHECKPOINT)
+    return d / "1" / CHECKPOINT
 
 
 def read(file: Path) -> dict:

@@ -258,6 +258,7 @@ KIND_DEFS = {k.name: k for k in (
          noise_frames_first=True, elements=RELEASED_ELEMENTS[:3], sampling=Sampling(
              scheduler="euler", schedule="kaleido", flow_shift=7.0, encode_mode="argmax", guidance_scale=6.0,
              negative_prompt=KALEIDO_NEGATIVE_PROMPT, fps=16, seed=1234, noise_on_cpu=True, decode="video_only"),
+         original_export="mp_rank_00_model_states.pt",  # in SAT's load dir, as the release (a2/kaleido.py save)
          sequence="({ref_latents} clean reference latents first, posterior means, each at RoPE time i, rows and "
                   "columns past 80: Kaleido's layout) "),
     Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=STANDIN_SIZE,

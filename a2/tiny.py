@@ -304,11 +304,8 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
         out_dir.mkdir(parents=True)
         for name, part in parts.items():
             part.save_pretrained(out_dir / name)
-        (out_dir / "model" / "1").mkdir(parents=True)
-        (out_dir / "model" / "latest").write_text("1")
+        kaleido.save(out_dir / "model", diffusers_to_original(transformer.state_dict()))
         (out_dir / "model" / "config.json").write_text(json.dumps(original_wan_config(transformer.config), indent=2))
-        sd = kaleido.original_to_sat(diffusers_to_original(transformer.state_dict()))
-        torch.save({"module": {k: v.contiguous() for k, v in sd.items()}}, out_dir / "model" / "1" / kaleido.CHECKPOINT)
         torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
         return out_dir
     experts = {"high_noise_model": transformer, "low_noise_model": parts.pop("transformer_2", None)}

@@ -147,12 +147,16 @@ def test_negative_prompt_and_schedule_are_theirs():
 
 
 def test_training_shift_is_their_schedule_shift():
-    """kaleido.training_shift(h, w) is RFLoss's exp(mu) as their time_shift applies it: the shift map at that shift
-    equals their time_shift on the same sigma (480x832: L = 1560 tokens a frame)."""
+    """config.rf_shift(h, w), which a kaleido run's recipe fills as --sigma-shift at its size, is RFLoss's exp(mu) as
+    their time_shift applies it: the shift map at that shift equals their time_shift on the same sigmas (480x832: L =
+    1560 tokens a frame; 64x64: 16)."""
+    from config import rf_shift
+
     s = torch.tensor([0.1, 0.5, 0.93])
-    shift = kaleido.training_shift(480, 832)
-    ours = shift * s / (1 + (shift - 1) * s)
-    assert torch.allclose(ours, theirs.shifted_sigma(s, 60, 104), rtol=1e-6, atol=0)
+    for height, width in ((480, 832), (64, 64)):
+        shift = rf_shift(height, width)
+        ours = shift * s / (1 + (shift - 1) * s)
+        assert torch.allclose(ours, theirs.shifted_sigma(s, height // 8, width // 8), rtol=1e-6, atol=0)
 
 
 def test_tiny_release_config_is_the_tiny_t2v(kaleido_dir):
@@ -197,14 +201,20 @@ def test_training_loss_is_their_rfloss(kaleido_dir, sat):
     assert abs(ours.item() - them.item()) <= 1e-5 * them.item()
 
 
-def test_recipe_shift_is_their_size_shift():
-    """The recipes' sigma_shift (config.py: Kaleido at 480x832, tiny-kaleido at 64x64) is their RFLoss's exp(mu) at
-    that size to the digits written."""
-    from config import RECIPES
+def test_recipe_fills_their_shift_at_the_runs_size():
+    """A kaleido run (the tiny's name, or a dir holding a Kaleido release) takes the shifted logit-normal, at the shift
+    of its own size (RFLoss's shift follows the size), the training yaml's rate and size on the release; a
+    --sigma-shift given stays."""
+    from config import from_flags, rf_shift
 
-    for name, (height, width) in (("kaleido", (480, 832)), ("tiny-kaleido", (64, 64))):
-        assert abs(RECIPES[name]["sigma_shift"] - kaleido.training_shift(height, width)) < 1e-5
-        assert RECIPES[name]["resolution"] == (height, width)
+    cfg = from_flags(model="tiny-kaleido")
+    assert cfg.objective.sigma_shift == rf_shift(*cfg.data.resolution) and cfg.data.resolution == (64, 64)
+    assert from_flags(model="tiny-kaleido", resolution=(32, 48)).objective.sigma_shift == rf_shift(32, 48)
+    assert from_flags(model="tiny-kaleido", sigma_shift=3.0).objective.sigma_shift == 3.0
+    release = from_flags(model=str(model_path("tiny-kaleido")))
+    assert (release.optim.lr, release.data.resolution, release.objective.sigma_sampling) == (
+        5e-6, (480, 832), "logit_normal_shifted")
+    assert abs(release.objective.sigma_shift - 2.0559) < 1e-4
 
 
 def kaleido_layout(data_dir, root):
@@ -251,3 +261,11 @@ def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
     losses = [json.loads(line)["loss"] for line in (r["run_dir"] / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert len(losses) == 6 and losses[-1] < losses[0]
+    if training == "full":  # the trained DiT also as Kaleido's SAT load dir, which a2 (and their --load) reads back
+        from a2.transformer import detect_model, load_transformer
+
+        original = r["run_dir"] / "transformer_original"
+        assert (original / "latest").read_text() == "1"
+        assert detect_model(original, components=kaleido_dir).native_kind == "kaleido"
+        trained, back = load_transformer(r["weights"]).state_dict(), load_transformer(original).state_dict()
+        assert trained.keys() == back.keys() and all(torch.equal(trained[k], back[k]) for k in trained)
