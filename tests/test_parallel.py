@@ -1,8 +1,9 @@
 """Context parallel (a2/parallel.py) on CPU/gloo: the forward and the gradients of a model split over 2 and 4 ranks
 equal one process's, for every way the references enter the sequence (t2v, A2's channel prefix with CLIP tokens,
-Phantom's and SkyReels-V3's frames, Kaleido's before the video at their own RoPE positions, in-context references at timestep 0 (per-token timesteps), Stand-In's reference
-tokens with their attention restriction and LoRA) and a token count no rank count divides. One process group per
-size runs all of them (a group costs more to start than the tiny forwards)."""
+Phantom's and SkyReels-V3's frames, Kaleido's before the video at their own RoPE positions, in-context references at
+timestep 0 (per-token timesteps), Stand-In's reference tokens with their attention restriction and LoRA) and a token
+count no rank count divides. One process group per size runs all of them (a group costs more to start than the tiny
+forwards)."""
 
 from __future__ import annotations
 
