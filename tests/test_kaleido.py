@@ -269,3 +269,26 @@ def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
         assert detect_model(original, components=kaleido_dir).native_kind == "kaleido"
         trained, back = load_transformer(r["weights"]).state_dict(), load_transformer(original).state_dict()
         assert trained.keys() == back.keys() and all(torch.equal(trained[k], back[k]) for k in trained)
+
+
+def test_fsdp_and_context_parallel_train_as_one_process(kaleido_dir, data_dir, tmp_path):
+    """Full fine-tuning of tiny-kaleido on 2 gloo ranks, sharded (--fsdp) and with its sequence split
+    (--context-parallel 2, one sample over both ranks), against one process with the same global batch: the same
+    losses (float32: the summation order of the reduced gradients and of the split attention, 1e-5)."""
+    from tests.conftest import args, launch
+
+    common = ["--training-type", "full", "--num-frames", "9", "--max-steps", "2", "--warmup-steps", "0",
+              "--lr", "1e-4", "--val-every", "0"]
+    procs = {name: launch(args(data_dir, tmp_path, name, *common, *extra, model=str(kaleido_dir)), nproc=n)
+             for name, n, extra in (("one", 1, ["--grad-accum", "2"]), ("fsdp", 2, ["--fsdp"]),
+                                    ("cp", 2, ["--context-parallel", "2", "--grad-accum", "2"]))}
+    losses = {}
+    for name, p in procs.items():
+        log, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, log[-4000:]
+        rows = map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+        losses[name] = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses["one"]) == [1, 2]
+    for name in ("fsdp", "cp"):
+        assert losses[name].keys() == losses["one"].keys()
+        assert max(abs(losses[name][s] - losses["one"][s]) for s in losses["one"]) <= 1e-5, (name, losses)
