@@ -292,3 +292,18 @@ def test_fsdp_and_context_parallel_train_as_one_process(kaleido_dir, data_dir, t
     for name in ("fsdp", "cp"):
         assert losses[name].keys() == losses["one"].keys()
         assert max(abs(losses[name][s] - losses["one"][s]) for s in losses["one"]) <= 1e-5, (name, losses)
+
+
+def test_memory_plans_train_alike(kaleido_dir, data_dir, tmp_path):
+    """LoRA on tiny-kaleido with every block recomputed (the CPU default), with their self-attention kept
+    (--save-attention) and with none recomputed: the same losses (the recompute replays the forward Kaleido's RoPE
+    module gave, whose per-call reference count prepare_model sets before it)."""
+    from tests.conftest import args, train
+
+    losses = {}
+    for name, extra in (("all", ()), ("sac", ("--save-attention",)), ("none", ("--no-gradient-checkpointing",))):
+        r = train(*args(data_dir, tmp_path, name, "--num-frames", "9", "--max-steps", "3", "--val-every", "0",
+                        *extra, model=str(kaleido_dir)))
+        losses[name] = r["losses"]
+    assert len(losses["all"]) == 3 and losses["sac"] == losses["all"]
+    assert max(abs(a - b) for a, b in zip(losses["none"], losses["all"])) <= 1e-6, losses
