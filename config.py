@@ -32,7 +32,7 @@ from a2.elements import A2_ELEMENTS, parse_elements
 
 # a2/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
 KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",
-              "standin")
+              "standin", "kaleido")
 
 
 def resolve_compile(compile: bool | None, device_type: str) -> bool:

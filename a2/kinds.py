@@ -248,6 +248,12 @@ KIND_DEFS = {k.name: k for k in (
          original_export="diffusion_pytorch_model.safetensors",  # Wan-AI's Wan2.1-VACE file, beside its config.json
          cache_fields=(("version", 4),),
          sequence="{ref_latents} reference latents (VACE's context, scale {context_scale:g}) + "),
+    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=STANDIN_SIZE,
+         elements=A2_ELEMENTS[:1], sampling=Sampling(
+             scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
+             negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True, timestep_in_dtype=True),
+         framing="face", roles=True, cache_fields=(("version", 2), ("reference_size", STANDIN_SIZE)),
+         sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
     # Kaleido's sample_video.py with its sampling yaml and model yaml (zai-org/Kaleido @ 4c6c757): RFSampler (Euler)
     # on its float64 shifted linspace at shift_scale 7 (sampling.py:889-926: 1 - s / (7 + s - 7 s), to exactly 0), 50
     # steps, VanillaCFG 6 with the references in both branches (sample_video.py:293-294), its negative prompt, sat's
@@ -261,12 +267,6 @@ KIND_DEFS = {k.name: k for k in (
          original_export="mp_rank_00_model_states.pt",  # in SAT's load dir, as the release (a2/kaleido.py save)
          sequence="({ref_latents} clean reference latents first, posterior means, each at RoPE time i, rows and "
                   "columns past 80: Kaleido's layout) "),
-    Kind("standin", "tokens", (1, 1), one_frame=True, slots=1, encode_mean=True, reference_size=STANDIN_SIZE,
-         elements=A2_ELEMENTS[:1], sampling=Sampling(
-             scheduler="euler", schedule="flowmatch", flow_shift=5.0, encode_mode="argmax", steps=20,
-             negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True, timestep_in_dtype=True),
-         framing="face", roles=True, cache_fields=(("version", 2), ("reference_size", STANDIN_SIZE)),
-         sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
 )}
 KINDS = tuple(KIND_DEFS)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean
