@@ -50,7 +50,6 @@ from a2.conditioning import (
     lora_target,
     vae_scale,
 )
-from a2.ema import ema_weights
 from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
 from a2.kinds import kind_sampling
 from a2.loader import (
@@ -96,6 +95,7 @@ from a2.step import (  # the step: the loop, the eval loss, both dry runs and be
     Process,
     Run,
     TrainState,
+    ema_weights,
     forward_loss,
     make_optimizer,
     model_inputs,
