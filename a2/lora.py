@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch._subclasses.fake_tensor import is_fake
 
-from a2 import align, standin
+from a2 import align, kaleido, standin
 from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
 from a2.parallel import gathered
@@ -465,7 +465,9 @@ def export_weights(run_dir: Path, model, lora: LoraSection, expert: str | None, 
             original.mkdir(exist_ok=True)
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
             sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
-            if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
+            if original_keys == kaleido.CHECKPOINT:  # Kaleido's SAT load dir (sample_video.py's --load)
+                kaleido.save(original, sd)
+            elif original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
                 save_file(sd, original / original_keys)
             else:
                 torch.save(sd, original / original_keys)

@@ -23,6 +23,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from a2 import kaleido
 from a2.cli import InputError
 from a2.fake import fake_mode_active
 
@@ -411,14 +412,15 @@ def vace_layers(shapes: dict, num_layers: int, wan: dict, where) -> list[int]:
     return layers
 
 
-def original_config(files: list[Path], config_path: Path | None = None) -> dict:
+def original_config(files: list[Path], config_path: Path | None = None, shapes: dict | None = None) -> dict:
     """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
     read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's
     releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names,
     read by diffusers' converter as load_original reads them, must be exactly those of that config: one line naming
-    the checkpoint and what differs otherwise."""
+    the checkpoint and what differs otherwise. `shapes`: the names and shapes once converted to original names
+    (a2/kaleido.py), instead of the files'."""
     where = files[0] if len(files) == 1 else files[0].parent
-    shapes = _checkpoint_shapes(files)
+    shapes = _checkpoint_shapes(files) if shapes is None else shapes
     if any(".attn1.to_q." in k for k in shapes):
         raise UnsupportedModel(f"{where}: diffusers key names (attn1.to_q); a diffusers transformer goes in "
                                "<dir>/transformer/ with its config.json, beside model_index.json and the other parts")
@@ -467,13 +469,15 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
 
 
 @torch.no_grad()
-def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32) -> WanTransformer3DModel:
+def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32,
+                  sd: dict | None = None) -> WanTransformer3DModel:
     """WanTransformer3DModel of `config` (original_config) with an original-Wan checkpoint's weights, every
-    parameter assigned (strict)."""
-    sd = {k: v for f in files for k, v in weights_in(f).items()}
+    parameter assigned (strict); `sd`: those weights already read, in diffusers names (a2/kaleido.py)."""
+    if sd is None:
+        sd = original_to_diffusers({k: v for f in files for k, v in weights_in(f).items()})
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
-    model.load_state_dict(original_to_diffusers(sd), strict=True)
+    model.load_state_dict(sd, strict=True)
     for name, p in model.named_parameters():  # as from_pretrained(torch_dtype=...) keeps them
         p.data = p.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
     return model.eval()
@@ -501,6 +505,7 @@ PHANTOM_COMPONENTS = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 MAGREF_COMPONENTS = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 # SkyReels-V3 R2V's transformer classes: its code's class, and the name its released config.json carries
 V3_CLASSES = ("SkyReelsA2WanI2v3DModel", "SkyReelsC1WanI2v3DModel")
+KALEIDO_COMPONENTS = "Wan-AI/Wan2.1-T2V-14B-Diffusers"  # Kaleido is a Wan2.1-T2V-14B fine-tune
 COMPONENTS = ("vae", "text_encoder", "tokenizer")
 
 
@@ -647,6 +652,30 @@ def detect_magref(path: Path, files: list[Path], components=None) -> ModelInfo:
                      original_weights=tuple(files), components_dir=comp)
 
 
+def kaleido_config(file: Path, sd: dict) -> dict:
+    """The diffusers config of Kaleido's SAT checkpoint `file`, its weights `sd` converted to original names
+    (a2/kaleido.py read): original_config of their shapes, heads 128 wide as every Wan 2.1 model's unless a Wan
+    config.json sits beside the `latest` tracker (a2's tiny-kaleido)."""
+    return original_config([file], file.parent.parent / "config.json", {k: tuple(v.shape) for k, v in sd.items()})
+
+
+def detect_kaleido(path: Path, components=None) -> ModelInfo:
+    """A Kaleido release (a2/kaleido.py checkpoint: SAT's `latest` and its mp_rank_00 file): a Wan2.1 T2V DiT,
+    checked from its converted names and shapes, and the Wan T2V parts it runs with in diffusers format
+    (`components`, else beside it, else KALEIDO_COMPONENTS': its Wan2.1_VAE.pth and umt5-xxl are those models')."""
+    file = kaleido.checkpoint(path)
+    if not file.is_file():
+        raise UnsupportedModel(f"{path}: its `latest` names {file.parent.name}, but {file} is missing; pass the "
+                               "Kaleido-14B-S2V dir as merge_kaleido.py leaves it")
+    cfg = kaleido_config(file, kaleido.read(file))
+    if (cfg["in_channels"], cfg["out_channels"], cfg["image_dim"]) != (Z_DIM, Z_DIM, None):
+        raise UnsupportedModel(f"{file}: a SAT checkpoint with in/out channels {cfg['in_channels']}/"
+                               f"{cfg['out_channels']}; Kaleido is a Wan2.1 T2V model (16 in, 16 out, no image branch)")
+    d = path.parent if path.is_file() else path
+    return ModelInfo(path, "Kaleido", Z_DIM, False, None, None, None, native_kind="kaleido", original_weights=(file,),
+                     components_dir=parts_dir(path, d, components, default=KALEIDO_COMPONENTS))
+
+
 def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     """Read a diffusers-format model dir's configs and say which supported model it is, or raise UnsupportedModel.
 
@@ -661,6 +690,8 @@ def detect_model(model_dir, image_encoder=None, components=None) -> ModelInfo:
     WanTransformer3DModel under another name (16 channels: the references are appended on the time axis).
     Names (built-in tiny models, Hub ids) are resolved to dirs by a2.tiny.model_path before this, for both."""
     d = Path(model_dir)
+    if kaleido.checkpoint(d) is not None:
+        return detect_kaleido(d, components)
     if d.is_dir() and not (d / "model_index.json").exists() and all((d / s).is_dir() for s in
                                                                      ORIGINAL_EXPERTS.values()):
         return detect_vace_fun(d, components)
@@ -803,6 +834,13 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
         if (model_dir / subfolder / RANDOM_WEIGHTS).exists():
             return random_transformer(config, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return transformer_class(config).from_pretrained(model_dir, subfolder=subfolder, torch_dtype=dtype)
+    if (sat := kaleido.checkpoint(model_dir)) is not None:  # Kaleido's SAT checkpoint
+        with unset_fake_temporarily():
+            sd = kaleido.read(sat)
+            config = kaleido_config(sat, sd)
+        if fake_mode_active():
+            return random_transformer(config, dtype, "cpu")
+        return load_original([sat], config, dtype, original_to_diffusers(sd))
     checkpoints = dit_checkpoints(model_dir)
     if len(checkpoints) == 1:  # Phantom-Wan, MAGREF: an original-Wan checkpoint (detect_phantom checked it)
         d = model_dir.parent if model_dir.is_file() else model_dir
