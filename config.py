@@ -8,6 +8,7 @@ a2/dataset_config.py, a2/sections.py), so that each script parses its flags (par
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -46,7 +47,7 @@ from a2.sections import resolve_compile as resolve_compile  # for train_a2.py an
 
 # a2/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
 KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",
-              "standin")
+              "standin", "kaleido")
 
 
 # ---------------------------------------------------------------- demo (demo.py)
@@ -95,6 +96,34 @@ RECIPES = {
     "tiny": dict(resolution=(64, 64), num_frames=33, lora_alpha=320.0, lora_target=LORA_TARGETS + r"|proj_out",
                  sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
 }  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
+# Kaleido's training yaml (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6, sat's warmup 0.01 of
+# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size:
+# rf_shift, filled in TrainConfig.__post_init__)
+RECIPES["kaleido"] = {k: v for k, v in dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", lr=5e-6,
+                                             warmup_steps=50).items() if k != "sigma_shift"}
+RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted").items()
+                           if k != "sigma_shift"}
+
+
+def rf_shift(height: int, width: int) -> float:
+    """Kaleido's RFLoss shift at a training size (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): exp(mu), mu =
+    get_lin_function(y1=0.5, y2=1.15) of the latent tokens a frame (Wan 2.1: VAE stride 8, patch 2x2); its time_shift
+    e^mu / (e^mu + 1/s - 1) is the shift map at shift e^mu (480x832: 2.056; 64x64: 1.583)."""
+    tokens = (height // 8) * (width // 8) // 4
+    return math.exp(0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256))
+
+
+def recipe_of(model: str) -> dict:
+    """The recipe of --model: Kaleido's (its built-in tiny, or a dir holding its SAT release: a2/kaleido.py), a
+    built-in tiny model's, else a real model's."""
+    if model == "tiny-kaleido":
+        return RECIPES[model]
+    if not is_tiny(model) and Path(model).is_dir():
+        from a2 import kaleido  # torch: only for a local dir, which the run loads next
+
+        if kaleido.checkpoint(model) is not None:
+            return RECIPES["kaleido"]
+    return RECIPES["tiny" if is_tiny(model) else "model"]
 
 
 def is_tiny(model: str) -> bool:
@@ -141,11 +170,15 @@ class TrainConfig:
     def __post_init__(self):
         # the fields left out (None) take the model's recipe (RECIPES) here, the one place it is applied: every
         # TrainConfig (flags, Python, data.py validate) is the run it describes; `filled` says what it filled
-        recipe = RECIPES["tiny" if is_tiny(self.model.model) else "model"]
+        recipe = recipe_of(self.model.model)
         self.filled = {k: v for k, v in recipe.items() if getattr(getattr(self, SECTION_OF[k]), k) is None}
         for name in {SECTION_OF[k] for k in self.filled}:  # new section objects: the ones given stay as they were
             setattr(self, name, replace(getattr(self, name), **{k: v for k, v in self.filled.items()
                                                                   if SECTION_OF[k] == name}))
+        o = self.objective
+        if o.sigma_sampling == "logit_normal_shifted" and o.sigma_shift is None and self.data.resolution:
+            self.objective = replace(o, sigma_shift=rf_shift(*self.data.resolution))  # RFLoss's, by the run's size
+            self.filled["sigma_shift"] = self.objective.sigma_shift
 
 
 # the sections whose flags take no prefix, by name; memory and conditioning keep their nested fields in a run's

@@ -23,6 +23,9 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
              first frame on the channel axis: mask (4) = the region mask (where the images' pixels are) on latent
              frame 0, condition = VAE(canvas, zeros); CLIP tokens of the squashed canvas; x0 = VAE(cat([canvas,
              clip])), so latent frame 0 holds the canvas (the sampler's first 4 frames are dropped, as MAGREF's).
+  kaleido    Kaleido as released (its SAT weights: a2/kaleido.py): each reference alone as a 1-frame clip, its posterior
+             mean, cat([references, x_t], dim=2) at the sample's timestep, reference i at RoPE (i, 80 + y, 80 + x)
+             (kaleido.prepare, through prepare_model); the prediction's first L_ref frames dropped.
   standin    Stand-In (Wan T2V + its reference LoRA): one element, framed as Stand-In's 512x512 face crop whatever
              the video's size (layout.reference_size, the face framing of a2/images.py reference_pixels), its clean
              latent (64x64) packed after x_t on the time axis, in whole latent frames of the video's grid (standin.py:
@@ -61,7 +64,7 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils.torch_utils import randn_tensor
 
-from a2 import align, standin, vace
+from a2 import align, kaleido, standin, vace
 from a2.cli import ConfigError
 from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
 from a2.elements import RELEASED_ELEMENTS
@@ -744,6 +747,8 @@ def prepare_model(transformer, layout: Layout, rank: int | None = None) -> None:
         vace.install(transformer, layout.context_scale)
     if layout.reference_grid is not None:
         standin.prepare(transformer, layout.reference_grid, rank)
+    if layout.definition.prepended:  # Kaleido's RoPE positions of this call's references (a2/kaleido.py)
+        kaleido.prepare(transformer, layout.ref_latents)
 
 
 def lora_target(layout: Layout, target: str, blocks: str | None = None) -> str:
@@ -808,7 +813,7 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     if not d.appended:
         return x, timestep
     refs = cond.ref_latents.to(x.dtype)  # phantom / v3: the reference slots, the same in every step's input
-    x = torch.cat([x, refs], dim=2)
+    x = torch.cat([refs, x] if d.prepended else [x, refs], dim=2)  # kaleido: before the video
     if cond.reference_timestep == "shared" and timestep.dim() < 2:
         return x, timestep
     p_t, p_h, p_w = patch_size
@@ -819,15 +824,17 @@ def model_input(x_t: torch.Tensor, cond: Conditioning, timestep: torch.Tensor,
     if timestep.shape[1] != video:
         raise ValueError(f"per-token timestep of {timestep.shape[1]} tokens for {video} video tokens")
     sample = timestep.amax(dim=1, keepdim=True) if cond.reference_timestep == "shared" else timestep.new_zeros(())
-    return x, torch.cat([timestep, sample.expand(x_t.shape[0], ref)], dim=1)
+    parts = [timestep, sample.expand(x_t.shape[0], ref)]
+    return x, torch.cat(parts[::-1] if d.prepended else parts, dim=1)
 
 
 def video_prediction(pred: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-    """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped
-    (Stand-In's forward returns the video's alone)."""
+    """The model output for the video latents: in the appended kinds the last L_ref (reference) frames dropped, the
+    first where they come first (kaleido; Stand-In's forward returns the video's alone)."""
     if not cond.definition.appended:
         return pred
-    return pred[:, :, : pred.shape[2] - cond.ref_latents.shape[2]]
+    n = cond.ref_latents.shape[2]
+    return pred[:, :, n:] if cond.definition.prepended else pred[:, :, : pred.shape[2] - n]
 
 
 def loss_start(cond: Conditioning, on_references: bool = False) -> int:
@@ -845,6 +852,9 @@ def initial_latents(layout: Layout, shape: tuple[int, ...], generator=None, devi
     the solver is elementwise, so sampling the first T frames alone gives the same video latents bit for bit."""
     extra = layout.ref_latents if layout.definition.noise_with_references else 0
     b, c, t, h, w = shape
+    if layout.definition.noise_frames_first:  # Kaleido's torch.randn(B, T, C, h, w)
+        return randn_tensor((b, t, c, h, w), generator=generator, device=device,
+                            dtype=torch.float32).transpose(1, 2).contiguous()
     return randn_tensor((b, c, t + extra, h, w), generator=generator, device=device, dtype=torch.float32)[:, :, :t]
 
 

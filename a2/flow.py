@@ -29,18 +29,30 @@ def sigma_cdf(cfg, s: float) -> float:
     """P(sigma <= s) under cfg's sigma distribution (cfg: sigma_sampling, logit_mean/std, sigma_shift)."""
     if s <= 0.0 or s >= 1.0:
         return min(max(s, 0.0), 1.0)
-    if cfg.sigma_sampling == "logit_normal":
+    if cfg.sigma_sampling == "logit_normal_shifted":  # the logit-normal's CDF at the shift's preimage
+        s = s / (cfg.sigma_shift - (cfg.sigma_shift - 1) * s)
+    if cfg.sigma_sampling.startswith("logit_normal"):
         return 0.5 * (1 + math.erf((math.log(s / (1 - s)) - cfg.logit_mean) / (cfg.logit_std * math.sqrt(2))))
     if cfg.sigma_sampling == "uniform":
         return s
     return s / (cfg.sigma_shift - (cfg.sigma_shift - 1) * s)  # shifted: the inverse of the shift map
 
 
+def shift_sigma(cfg, s):
+    """logit_normal_shifted: the logit-normal draw s moved by the shift map shift·s / (1 + (shift - 1) s) at
+    --sigma-shift (Kaleido's RFLoss: its time_shift at exp(mu), config.py rf_shift), computed as theirs in
+    the draw's float32; the other distributions as they are. Returns a float."""
+    if cfg.sigma_sampling == "logit_normal_shifted":
+        s = cfg.sigma_shift * s / (1 + (cfg.sigma_shift - 1) * s)
+    return float(s)
+
+
 def sigma_quantile(cfg, u: float) -> float:
     """The inverse of sigma_cdf: u in [0, 1] -> sigma."""
-    if cfg.sigma_sampling == "logit_normal":
+    if cfg.sigma_sampling.startswith("logit_normal"):
         z = math.sqrt(2) * torch.erfinv(torch.tensor(2 * u - 1, dtype=torch.float64)).item()
-        return 1 / (1 + math.exp(-(cfg.logit_mean + cfg.logit_std * z))) if math.isfinite(z) else float(z > 0)
+        s = 1 / (1 + math.exp(-(cfg.logit_mean + cfg.logit_std * z))) if math.isfinite(z) else float(z > 0)
+        return shift_sigma(cfg, s)
     if cfg.sigma_sampling == "uniform":
         return u
     return cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # shifted
@@ -65,8 +77,8 @@ def sample_sigma(cfg, g: torch.Generator, lo: float = 0.0, hi: float = 1.0, buck
     `bucket` b of cfg.timestep_buckets N (timestep_bucket): the uniform draw is confined to [b/N, (b+1)/N) of
     that CDF range, so the sigma lies in the b-th of N equal-probability buckets."""
     if bucket is None and lo <= 0.0 and hi >= 1.0:
-        if cfg.sigma_sampling == "logit_normal":
-            return torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)).item()
+        if cfg.sigma_sampling.startswith("logit_normal"):
+            return shift_sigma(cfg, torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn((), generator=g)))
         return sigma_quantile(cfg, torch.rand((), generator=g).item())
     a, b = sigma_cdf(cfg, lo), sigma_cdf(cfg, hi)
     u = torch.rand((), generator=g, dtype=torch.float64).item()

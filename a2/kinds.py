@@ -40,14 +40,18 @@ WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，�
                        "画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"  # noqa: RUF001
                        "杂乱的背景，三条腿，背景人很多，倒着走")  # noqa: RUF001
 MAGREF_NEGATIVE_PROMPT = "镜头晃动，" + WAN_NEGATIVE_PROMPT  # noqa: RUF001 (magref/configs/magref_14B.py: "camera shake, ")
-SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch")
+# Kaleido's sampling yaml (configs/sampling/sample_wanvae_concat_14b.yaml:13): Wan's without "poorly drawn faces, "
+KALEIDO_NEGATIVE_PROMPT = WAN_NEGATIVE_PROMPT.replace("画得不好的脸部，", "")  # noqa: RUF001
+SCHEDULES = ("diffusers", "phantom", "diffusers034", "flowmatch", "kaleido")
 def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
     """The unshifted sigmas of a schedule (None: diffusers' own default). diffusers 0.37 moved its UniPC default
     start to 1 - 1e-6 (timesteps differ by 1 in places): the released models sampled with the earlier ones.
     phantom: Phantom-Wan's FlowUniPC, from its float32 training sigma_max 0.999 to 0. diffusers034: diffusers 0.34's
     use_flow_sigmas default, which SkyReels-V3 pins. flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0,
     extra_one_step=True), Stand-In's Euler sampler: torch's float32 linspace(1, 0, steps + 1) without the 0 (diffusers'
-    FlowMatchEuler default ends near 0.005 instead). Fed to set_timesteps(sigmas=), which shifts them."""
+    FlowMatchEuler default ends near 0.005 instead). kaleido: its RFSampler's hunyuan schedule, 1 - s for numpy's
+    float64 s = linspace(0, 1, steps + 1) (sgm/modules/diffusionmodules/sampling.py:889-898), from 1 to exactly 0
+    (the 0 is the scheduler's terminal). Fed to set_timesteps(sigmas=), which shifts them."""
     if schedule == "diffusers":
         return None
     if schedule == "phantom":
@@ -56,6 +60,8 @@ def schedule_sigmas(schedule: str, steps: int) -> np.ndarray | None:
         return np.flip(1.0 - np.linspace(1, 1 / 1000, steps + 1))[:-1].copy()
     if schedule == "flowmatch":  # torch's linspace, not numpy's: float32 values that can differ in the last bit
         return torch.linspace(1.0, 0.0, steps + 1)[:-1].numpy()
+    if schedule == "kaleido":
+        return 1.0 - np.linspace(0.0, 1.0, steps + 1)[:-1]
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
 
 
@@ -136,6 +142,11 @@ class Kind:
     roles: bool = False
     # a public index's background png is one of its references, in the last slot (the lab trained with backgrounds)
     background: bool = False
+    # the references' latent frames come before the video's on the time axis (time axis), each at its own RoPE
+    # position: Kaleido's (a2/kaleido.py: prepare); else after them
+    prepended: bool = False
+    # the sampler's noise is drawn frames first, (B, T, C, h, w), then laid out (B, C, T, h, w) (Kaleido's torch.randn)
+    noise_frames_first: bool = False
 
     def takes(self, n: int) -> bool:
         """One sample of this kind can hold n element images."""
@@ -243,6 +254,19 @@ KIND_DEFS = {k.name: k for k in (
              negative_prompt=WAN_NEGATIVE_PROMPT, fps=25, seed=0, noise_on_cpu=True, timestep_in_dtype=True),
          framing="face", roles=True, cache_fields=(("version", 2), ("reference_size", STANDIN_SIZE)),
          sequence="(then Stand-In's reference tokens of a {size} image: time -1, t 0, self-only attention) "),
+    # Kaleido's sample_video.py with its sampling yaml and model yaml (zai-org/Kaleido @ 4c6c757): RFSampler (Euler)
+    # on its float64 shifted linspace at shift_scale 7 (sampling.py:889-926: 1 - s / (7 + s - 7 s), to exactly 0), 50
+    # steps, VanillaCFG 6 with the references in both branches (sample_video.py:293-294), its negative prompt, sat's
+    # seed 1234 (sat/arguments.py:182; their draw follows the model's build, a2 seeds right before it), CPU float32
+    # noise of (1, T, C, h, w) (diffusion_video.py:320), 16 fps, the whole video decoded (sample_video.py:322-330);
+    # each reference alone, its posterior mean (wan_vae.py:516-542), Lanczos fit on white (sample_video.py:212-228)
+    Kind("kaleido", "time", (1, 3), native=True, one_frame=True, encode_mean=True, prepended=True,
+         noise_frames_first=True, elements=RELEASED_ELEMENTS[:3], sampling=Sampling(
+             scheduler="euler", schedule="kaleido", flow_shift=7.0, encode_mode="argmax", guidance_scale=6.0,
+             negative_prompt=KALEIDO_NEGATIVE_PROMPT, fps=16, seed=1234, noise_on_cpu=True, decode="video_only"),
+         original_export="mp_rank_00_model_states.pt",  # in SAT's load dir, as the release (a2/kaleido.py save)
+         sequence="({ref_latents} clean reference latents first, posterior means, each at RoPE time i, rows and "
+                  "columns past 80: Kaleido's layout) "),
 )}
 KINDS = tuple(KIND_DEFS)
 # the base model's own sampler where it differs from the kind's: diffusers' Wan I2V pipelines take the posterior mean

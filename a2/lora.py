@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch._subclasses.fake_tensor import is_fake
 
-from a2 import align, standin
+from a2 import align, kaleido, standin
 from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
 from a2.parallel import gathered
@@ -54,6 +54,7 @@ from a2.transformer import (
     original_wan_config,
     save_wan_checkpoint,
     wan_module_name,
+    weights_in,
 )
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
@@ -347,13 +348,15 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
 
     A file whose pairs do not all fit the transformer (trained on another base: a module it lacks, other widths) is
     refused in one line; force=True loads the pairs that fit. diffusers only warns when no key matched the model,
-    so that is an error here."""
+    so that is an error here. A Stand-In file installs its reference LoRA instead of an adapter (a2.standin)."""
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
     target = "transformer_2" if low_expert else "transformer"
     model = getattr(pipe, target)
+    if standin.is_lora_file(path_):
+        return f"Stand-In LoRA {path}: rank {standin.load_lora(model, path_)} on the {target}, reference tokens only"
     if peft_dir:
         source = peft_dir_state_dict(path_)
     elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
@@ -400,16 +403,10 @@ def lora_file_problem(path) -> str | None:
             return f"a dir without {DIFFUSERS_NAME} or a peft adapter_config.json"
         path = inside
     suffix = path.suffix.lower()
+    if suffix not in (".safetensors", ".ckpt", ".pt", ".pth", ".bin"):
+        return f"a {suffix or 'suffix-less'} file"
     try:
-        if suffix == ".safetensors":
-            with safe_open(path, "pt") as fh:
-                keys = list(fh.keys())
-        elif suffix in (".ckpt", ".pt", ".pth", ".bin"):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            state = state.get("state_dict", state) if isinstance(state, dict) else state
-            keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)] if isinstance(state, dict) else []
-        else:
-            return f"a {suffix or 'suffix-less'} file"
+        keys = list(weights_in(path, shapes_only=True))
     except Exception as e:  # safetensors, zipfile and pickle raise many types for a file that is not theirs
         if not path.stat().st_size:
             return "an empty file"
@@ -422,10 +419,7 @@ def lora_file_problem(path) -> str | None:
 
 def _vace_keys(path: Path) -> bool:
     """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
-    if not path.is_file():
-        return False
-    with safe_open(path, "pt") as fh:
-        return any(k.startswith("diffusion_model.vace_blocks.") for k in fh.keys())
+    return path.is_file() and any(k.startswith("diffusion_model.vace_blocks.") for k in weights_in(path, True))
 
 
 def _key_format(path: Path) -> str:
@@ -471,7 +465,9 @@ def export_weights(run_dir: Path, model, lora: LoraSection, expert: str | None, 
             original.mkdir(exist_ok=True)
             (original / "config.json").write_text(json.dumps(original_wan_config(model.config), indent=2))
             sd = {k: v.detach().cpu().contiguous() for k, v in diffusers_to_original(model.state_dict()).items()}
-            if original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
+            if original_keys == kaleido.CHECKPOINT:  # Kaleido's SAT load dir (sample_video.py's --load)
+                kaleido.save(original, sd)
+            elif original_keys.endswith(".safetensors"):  # (RefAlign's pipeline reads safetensors)
                 save_file(sd, original / original_keys)
             else:
                 torch.save(sd, original / original_keys)

@@ -43,8 +43,8 @@ class EvalConfig:
     face: str | None = None
     """The encoder of face similarity: a dir with model.pt2 (torch.export, dynamic batch and size) or model.pt
     (TorchScript), a module (B, 3, H, W) RGB in [0, 1] -> (B, D) embeddings that finds and aligns the face itself
-    (non-finite rows: no face); or a transformers image model dir, which embeds whole images (for face-crop references
-    and videos)."""
+    (non-finite rows: no face); or an OpenS2V-Weight dir (--eval.facesim's face model); or a transformers image model
+    dir, which embeds whole images (for face-crop references and videos)."""
     faces: tuple[str, ...] = ("subject",)
     """The elements scored by --eval.face (A2's subject is a person)."""
     max_frames: int = 0
@@ -268,16 +268,17 @@ class ParallelConfig:
 class ObjectiveConfig:
     """The flow-matching loss: how sigma is drawn and how the loss is weighted."""
 
-    sigma_sampling: Literal["logit_normal", "uniform", "shifted"] | None = None
+    sigma_sampling: Literal["logit_normal", "uniform", "shifted", "logit_normal_shifted"] | None = None
     """How the training sigma is drawn. logit_normal(0, 1): SD3's default, which puts the steps where flow matching
-    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule.
+    learns most; uniform; shifted: uniform u mapped by shift·u/(1+(shift-1)·u), the sampler's schedule;
+    logit_normal_shifted: the logit-normal draw mapped so (Kaleido's RFLoss, its shift by the training size).
     Left out: the model's recipe (RECIPES)."""
     logit_mean: float = 0.0
     """The mean of the normal whose sigmoid is sigma (--sigma-sampling logit_normal)."""
     logit_std: float = 1.0
     """The standard deviation of that normal (--sigma-sampling logit_normal)."""
     sigma_shift: float | None = None
-    """The shift of --sigma-sampling shifted (1: uniform; larger: more steps at high noise).
+    """The shift of --sigma-sampling shifted and logit_normal_shifted (1: none; larger: more steps at high noise).
     Left out: the model's recipe (RECIPES)."""
     loss_weighting: Literal["none", "cosmap"] = "none"
     """The per-sample loss weight over sigma: none (plain MSE) or cosmap (SD3's 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""

@@ -84,7 +84,8 @@ TINY_MODELS = {"tiny": {}, "tiny-t2v": dict(t2v=True), "tiny-wan22-t2v": dict(t2
                "random-5B": dict(preset="5B", ti2v=True), "tiny-phantom": dict(t2v=True, released="phantom"),
                "tiny-v3": dict(t2v=True, released="v3"), "tiny-magref": dict(released="magref"),
                "tiny-refalign": dict(t2v=True, released="refalign"), "tiny-vace": dict(t2v=True, vace=True),
-               "tiny-vace-fun": dict(t2v=True, wan22=True, vace=True)}
+               "tiny-vace-fun": dict(t2v=True, wan22=True, vace=True),
+               "tiny-kaleido": dict(t2v=True, released="kaleido")}
 VACE_FLOW_SHIFT = 3.0  # the scheduler_config.json of Wan-AI's Wan2.1-VACE-*-diffusers (Wan's own CLI samples at 16)
 
 # Wan 2.2 TI2V-5B. Its VAE (Wan2.2-TI2V-5B-Diffusers: base_dim 160, decoder_base_dim 256,
@@ -280,7 +281,11 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
       and the Wan T2V parts in diffusers format.
     vace-fun: the tiny VACE pair as alibaba-pai/Wan2.2-VACE-Fun-A14B ships it: high_noise_model/ and low_noise_model/
       (a2's transformer and transformer_2), each a config.json and diffusion_pytorch_model.safetensors, the VAE .pth
-      beside them (a stand-in), and the Wan T2V parts in diffusers format."""
+      beside them (a stand-in), and the Wan T2V parts in diffusers format.
+    kaleido: the tiny T2V model as zai-org/Kaleido-14B-S2V ships its DiT: SAT's model/latest and
+      model/1/mp_rank_00_model_states.pt ({"module": SAT names, fused q|k|v and k|v}: a2/kaleido.py original_to_sat),
+      a Wan config.json beside `latest` (the tiny heads are 32 wide; the release has none: 128), Wan2.1_VAE.pth
+      beside (a stand-in), and the Wan T2V parts in diffusers format."""
     from diffusers import WanPipeline
     from safetensors.torch import save_file
 
@@ -293,6 +298,16 @@ def save_released(out_dir: Path, parts: dict, released: str) -> Path:
         (out_dir / "transformer" / "config.json").write_text(json.dumps(cfg, indent=2))
         return out_dir
     transformer = parts.pop("transformer")
+    if released == "kaleido":
+        from a2 import kaleido
+
+        out_dir.mkdir(parents=True)
+        for name, part in parts.items():
+            part.save_pretrained(out_dir / name)
+        kaleido.save(out_dir / "model", diffusers_to_original(transformer.state_dict()))
+        (out_dir / "model" / "config.json").write_text(json.dumps(original_wan_config(transformer.config), indent=2))
+        torch.save({"encoder.conv1.weight": torch.zeros(1)}, out_dir / "Wan2.1_VAE.pth")
+        return out_dir
     experts = {"high_noise_model": transformer, "low_noise_model": parts.pop("transformer_2", None)}
     parts.pop("boundary_ratio", None)
     out_dir.mkdir(parents=True)

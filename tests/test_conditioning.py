@@ -47,6 +47,8 @@ KINDS = {
     # mask (<id>_vace_mask.png) the sampler is given with the clip outside it as its control video
     "vace": ("tiny-vace", ["--num-frames", "9"]),
     "vace-mask": ("tiny-vace", ["--num-frames", "9"]),
+    # Kaleido: its references' latent frames before the video's, each at its own RoPE position
+    "kaleido": ("tiny-kaleido", ["--num-frames", "9"]),
 }
 
 
@@ -55,7 +57,7 @@ KINDS = {
 SUFFIXES = ("_person.png", "_object.png", "_background.png")
 COUNTS = [("prefix", 1), ("prefix", 8), ("incontext-shared", 1), ("incontext-shared", 8), ("phantom", 1),
           ("phantom", 4), ("v3", 1), ("v3", 4), ("refalign", 1), ("refalign", 3), ("magref", 1), ("magref", 8),
-          ("vace", 1), ("vace", 4)]
+          ("vace", 1), ("vace", 4), ("kaleido", 1), ("kaleido", 3)]
 
 
 def count_flags(name, n):
@@ -170,7 +172,8 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     inputs = train_a2.model_inputs(batch, 0, 0, cfg.optim, cfg.objective, cfg.references, run, enc, 0,
                                    torch.device("cpu"))
     c, t = inputs["x0"].shape[1], inputs["x0"].shape[2]
-    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :c, :t].clone(), torch.tensor([1.0])
+    first = run.layout.ref_latents if run.layout.definition.prepended else 0  # Kaleido's references come first
+    inputs["noise"], inputs["sigmas"] = sampled["hidden_states"][:, :c, first:first + t].clone(), torch.tensor([1.0])
     seen.clear()
     train_a2.forward_loss(transformer, inputs, cfg.objective, cfg.references, run,
                           torch.autocast("cpu", enabled=False), torch.float32)
@@ -213,6 +216,7 @@ VALIDATION = {
     "magref": ("tiny-magref", [], 2),
     "standin": ("tiny-t2v", ["--reference-layout", "standin", "--num-frames", "9"], 1),
     "vace": ("tiny-vace", [], 2),
+    "kaleido": ("tiny-kaleido", [], 2),
 }
 
 

@@ -369,7 +369,8 @@ def test_every_visualized_tensor_is_one_training_writes(tmp_path):
 # docs/howto.md's sections: each built-in tiny model's (a2/tiny.py TINY_MODELS) and the kinds its heading names
 HOWTOS = {"howto-tiny": {"prefix"}, "howto-tiny-t2v": {"t2v"}, "howto-tiny-phantom": {"phantom"},
           "howto-tiny-v3": {"v3"}, "howto-tiny-magref": {"magref"}, "howto-tiny-refalign": {"refalign"},
-          "howto-tiny-ti2v": {"clean"}, "howto-tiny-wan22": {"t2v", "prefix"}, "howto-tiny-vace": {"vace"}}
+          "howto-tiny-ti2v": {"clean"}, "howto-tiny-wan22": {"t2v", "prefix"}, "howto-tiny-vace": {"vace"},
+          "howto-tiny-kaleido": {"kaleido"}}
 
 
 def test_every_tiny_model_has_a_howto():

@@ -1,8 +1,9 @@
 """Context parallel (a2/parallel.py) on CPU/gloo: the forward and the gradients of a model split over 2 and 4 ranks
 equal one process's, for every way the references enter the sequence (t2v, A2's channel prefix with CLIP tokens,
-Phantom's and SkyReels-V3's frames, in-context references at timestep 0 (per-token timesteps), Stand-In's reference
-tokens with their attention restriction and LoRA) and a token count no rank count divides. One process group per
-size runs all of them (a group costs more to start than the tiny forwards)."""
+Phantom's and SkyReels-V3's frames, Kaleido's before the video at their own RoPE positions, in-context references at
+timestep 0 (per-token timesteps), Stand-In's reference tokens with their attention restriction and LoRA) and a token
+count no rank count divides. One process group per size runs all of them (a group costs more to start than the tiny
+forwards)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from a2 import standin
+from a2 import kaleido, standin
 from a2.conditioning import Conditioning, model_input
 from a2.parallel import context_parallel
 from a2.tiny import TINY_BUILD
@@ -41,6 +42,8 @@ def _model(kind: str):
                 # the LoRA path untested
                 p.data.normal_(0, 0.02, generator=g)
         standin.packed_forward(model, (8, 6))
+    if kind == "kaleido":  # its RoPE for 2 references before the video
+        kaleido.prepare(model, 2)
     return model.train()
 
 
@@ -57,7 +60,7 @@ def _inputs(kind: str):
                             ref_latents=torch.randn(1, 16, 1, h, w, generator=g),
                             image=torch.randn(1, 2 * CLIP_TOKENS, 32, generator=g))
         image = cond.image
-    elif kind in ("phantom", "v3", "incontext"):  # v3: 4 slots, the last two empty
+    elif kind in ("phantom", "v3", "incontext", "kaleido"):  # v3: 4 slots, the last two empty; kaleido's first
         refs = torch.randn(1, 16, 4 if kind == "v3" else 2, h, w, generator=g)
         if kind == "v3":
             refs[:, :, 2:] = 0
@@ -81,7 +84,7 @@ def _step(model, kind: str, device="cpu"):
     return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-KINDS = ("t2v", "prefix", "phantom", "v3", "incontext", "standin", "uneven")
+KINDS = ("t2v", "prefix", "phantom", "v3", "incontext", "standin", "kaleido", "uneven")
 
 
 def _rank(rank: int, world: int, init: str, backend: str = "gloo", forward: float = FORWARD, grads: float = GRADS):

@@ -21,6 +21,7 @@ import torch
 
 from tests.conftest import drawn_person
 from tests.spy import run_infer, video_file
+from tests.their_kaleido import NEGATIVE as KALEIDO_NEG
 from tests.their_samplers import fit_pad_white, pixels
 from tests.their_vace import wan_reference
 
@@ -46,6 +47,12 @@ def flowmatch(steps):
     """DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) (Stand-In pipelines/wan_video.py:85, RefAlign
     wan_video_new3.py:828): linspace(1, 0, steps + 1) without the 0, before the shift."""
     return np.linspace(1.0, 0, steps + 1)[:-1]
+
+
+def hunyuan(steps):
+    """Kaleido's RFSampler (sgm/modules/diffusionmodules/sampling.py:889-898, 926): 1 - s / (7 + s - 7 s) for
+    s = linspace(0, 1, steps + 1), which is the shift 7 of 1 - s: unshifted, 1 - s without the final 0."""
+    return 1.0 - np.linspace(0.0, 1.0, steps + 1)[:-1]
 
 
 def a2_timesteps(steps):
@@ -133,6 +140,16 @@ LABS = {
         fps=16,  # wan/configs/shared_config.py:18
         latent_frames=21 + 2,  # generate.py:84-85 frame_num 81, the references' latents on top (wan/vace.py:380-387)
         framing="wan_reference")),  # wan/vace.py:249-277 bilinear fit, centred on white
+    "kaleido": ("tiny-kaleido", [], dict(  # zai-org/Kaleido @ 4c6c757 sample_video.py with its two yaml configs
+        scheduler="FlowMatchEulerDiscreteScheduler", shift=7.0,  # sampling.py:908 RFSampler shift_scale 7, Euler :959
+        schedule=hunyuan, grid=hunyuan,  # sampling.py:926 make_hunyuan_timesteps (hunyuan_schedule: True)
+        steps=50,  # dit_crossattn_14B_wanvae.yaml sampler_config num_steps 50
+        guidance=(6.0,),  # dit_crossattn_14B_wanvae.yaml VanillaCFG scale 6 (the references in both branches)
+        negative=KALEIDO_NEG,  # sample_wanvae_concat_14b.yaml:13 sample_neg_prompt
+        seed=1234,  # sat/arguments.py:182 --seed 1234
+        fps=16,  # sample_wanvae_concat_14b.yaml:19 sampling_fps
+        latent_frames=2 + 21,  # the 2 references' latents, then sampling_num_frames 21 (81 frames)
+        framing="fit_pad_white")),  # sample_video.py:212-228 Lanczos fit, white pad
 }
 
 

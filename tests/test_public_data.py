@@ -447,6 +447,7 @@ OPENS2V_KINDS = {
     "incontext": ("tiny-t2v", 9, ("--reference-layout", "incontext")),
     "phantom": ("tiny-phantom", 9, ()),
     "vace": ("tiny-vace", 9, ()),
+    "kaleido": ("tiny-kaleido", 9, ()),
 }
 
 
@@ -467,6 +468,7 @@ OPENS2V_SETS = {
 }
 OPENS2V_SETS["incontext"] = OPENS2V_SETS["magref"]
 OPENS2V_SETS["vace"] = OPENS2V_SETS["phantom"]  # up to 4 references, no background (as VideoX-Fun's subjects)
+OPENS2V_SETS["kaleido"] = [_R[:1], _R[:2], _R[:3], _R[:1]]  # up to 3 references (SFTDataset's ref1..3), no background
 
 
 @pytest.mark.parametrize("kind", [k for k, d in KIND_DEFS.items() if d.references[1] and not d.roles])
