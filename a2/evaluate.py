@@ -32,8 +32,6 @@ import torch.nn.functional as F
 import transformers
 from PIL import Image
 
-from a2.conditioning import Layout, validation_layout
-from a2.elements import pair_elements
 from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
@@ -41,7 +39,8 @@ from a2.kinds import model_flow_shift
 from a2.loader import collate
 from a2.media import DatasetError
 from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
-from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
+from a2.pipeline import A2Pipeline, decode_vae, save_video
+from a2.plan import validation_inputs
 from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
 from config import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
@@ -366,26 +365,6 @@ def load_val_evaluators(validation: ValidationConfig, ev: EvalConfig, run: Run, 
         clip = Embedder(enc.image_encoder, enc.image_processor, proc.device,
                         next(enc.image_encoder.parameters()).dtype)
     return load_evaluators(ev, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
-
-
-def validation_inputs(val_elements: tuple[str, ...], size: tuple[int, int], clip_size: int, layout: Layout, elements,
-                      model_name: str) -> tuple:
-    """What validation samples from --val-elements: (the (Element, path) pairs, the layout of their element set (any
-    the kind takes), VAE-path references, CLIP-path images, MAGREF's region, TI2V-5B's first frame), read by plan_run
-    before any weights load too, so that a bad image fails then and not after training."""
-    h, w = size
-    items, refs, clips, region, first_frame = [], None, None, None, None
-    if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
-        if len(val_elements) != 1:
-            raise ValueError(f"{model_name} image-to-video takes one image (the first frame), not "
-                             f"{len(val_elements)}")
-        first_frame = load_first_frame(val_elements[0], (h, w))
-    elif val_elements:
-        items = pair_elements(val_elements, elements)
-    layout = validation_layout(layout, tuple(e.repeat for e, _ in items))
-    if items:
-        refs, clips, _, region = load_references(items, (h, w), (clip_size, clip_size), layout)
-    return items, layout, refs, clips, region, first_frame
 
 
 def validate(step: int, validation: ValidationConfig, ev: EvalConfig, parallel: ParallelConfig,

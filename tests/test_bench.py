@@ -66,7 +66,7 @@ def test_bench_vace_trains_its_context_blocks_and_refuses_what_misses_them(capsy
     """bench.py --layout vace builds the preset's VACE model (1.3B's 15 context blocks, a hint every 2nd block), its
     LoRA on the context blocks as train_a2.py's default; --swap-blocks, whose hooks do not reach them, is refused in
     one line (exit 2)."""
-    run, _, cfg = bench.bench_run(BenchConfig(preset="1.3B", layout="vace", refs=3, frames=81))
+    run, _, cfg = bench.bench_plan(BenchConfig(preset="1.3B", layout="vace", refs=3, frames=81))
     assert cfg["vace_layers"] == list(range(0, 30, 2)) and run.layout.context_blocks
     assert forward_flops(cfg, 1000, 512)[0] > forward_flops({**cfg, "vace_layers": []}, 1000, 512)[0]
     with pytest.raises(SystemExit) as e:

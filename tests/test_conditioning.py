@@ -12,14 +12,15 @@ import a2.evaluate
 import infer
 import train_a2
 from a2.cli import ConfigError
-from a2.conditioning import validation_layout
 from a2.dataset_config import ConditioningConfig
 from a2.elements import pair_elements
+from a2.images import load_references
 from a2.loader import collate
-from a2.pipeline import A2Pipeline, load_references
+from a2.pipeline import A2Pipeline
+from a2.plan import validation_layout
 from a2.step import Process
 from config import TrainConfig, from_flags, with_flags
-from data import E2VDataset, kind_datasets
+from data import E2VDataset
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
 # kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
@@ -92,10 +93,8 @@ def setup(data_dir, name, *flags, n=None, tmp_path=None):
         data_dir = masked_clips(data_dir, tmp_path)
     cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
-    ds_cfgs = train_a2.run_datasets(cfg)
-    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.data.elements))[0]  # as train_a2.main reads the data
-    ds = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
+    ds = E2VDataset(run.datasets, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
     batch = collate([ds[0]])
     batch["files"] = [str(p) for p in ds.samples[0].elements.values()]  # the images as a user names them, in order
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)

@@ -556,7 +556,7 @@ def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_trained(tmp_path, media, capsys):
-    """An OpenS2V-5M-shaped index (tests/public_fixture.py's part, on tests/media's hiker clip) read by MAGREF at
+    """An OpenS2V-5M-shaped index (public_index.synthetic_opens2v's part, on tests/media's hiker clip) read by MAGREF at
     64x64: a clip's 168x112 background is 22x14 px in its 22x64 block of a 3-reference canvas, under a token (16 px).
     The sizes the scan reads are the images the loader makes; `data.py validate` names the clip (left out) and
     training leaves it out before step 1 (it stopped the run at the step that drew it); the clip without the
@@ -564,8 +564,8 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     import a2.public_index as pi
     import a2.public_read as pr
     import data
+    from a2 import public_index as pf
     from a2.media import read_frames
-    from tests import public_fixture as pf
     from tests.conftest import train
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
@@ -809,9 +809,8 @@ def test_an_index_clip_is_checked_against_the_frames_its_video_holds(tmp_path, m
     import a2.public_read as pr
     import train_a2
     from a2.media import read_frames
-    from a2.public_index import index_opens2v
+    from a2.public_index import index_opens2v, synthetic_opens2v
     from config import DataConfig, IndexOpenS2V
-    from tests.public_fixture import synthetic_opens2v
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
     frames = np.stack([np.asarray(Image.fromarray(x).resize((64, 48))) for x in f])
