@@ -56,12 +56,10 @@ import torch
 
 from a2 import align
 from a2.cli import run_cli
-from a2.conditioning import clip_frames, lora_target, num_latent_frames
-from a2.dataset_config import ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
-from a2.elements import A2_ELEMENTS
+from a2.conditioning import lora_target, num_latent_frames
 from a2.lora import make_trainable
 from a2.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
-from a2.plan import bench_plan, preset_info
+from a2.plan import bench_datasets, bench_plan, preset_info
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from a2.transformer import (
@@ -134,13 +132,8 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
     from a2.loader import WorkerContext, collate
     from data import BucketBatchSampler, E2VDataset
 
-    size = b.size
-    cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
-                        elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
-                        dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
-    # a public dataset's clip is what A2's reference latents leave of --frames (81 -> 69), as train_a2.py reads it
-    frames = clip_frames(b.frames, cfg.elements, cfg.vae) if manifest else b.frames
-    dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
+    cfgs, frames = bench_datasets(b, manifest, dataset_type)
+    dataset = E2VDataset(cfgs, num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
                                          multiprocessing_context=WorkerContext() if b.num_workers else None,

@@ -7,7 +7,8 @@ sampling (infer.py, A2Pipeline.plan) all plan here, so none of them can drift fr
   sampling_plan    the same for one sampling call; validation_layout, validation_inputs: a run's validation video
   kind_datasets    the datasets as the model's kind reads them; model_layout: the model and layout of a run's flags
   plan_training    a training run: its Layout plus the checks of the flags -> Run; with_cache once the data is read
-  bench_plan       bench.py's run: a preset's random model in the kind --layout names, and the sections its step reads
+  bench_plan       bench.py's run: a preset's random model in the kind --layout names, and the sections its step reads;
+                   bench_datasets: its loader's data
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from a2 import align
 from a2.cli import ConfigError, check_dir_to_write
-from a2.conditioning import VAE_T, Layout, element_layout, element_refusal, make_layout
+from a2.conditioning import VAE_T, Layout, clip_frames, element_layout, element_refusal, make_layout
 from a2.dataset_config import (
     CONDITIONING_CHOICES,
     PUBLIC_TYPES,
@@ -46,7 +47,16 @@ from a2.transformer import (
     is_hub_id,
     preset_config,
 )
-from config import LoraConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, resolve_compile
+from config import (
+    DataConfig,
+    LoraConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    ReferencesConfig,
+    dataset_configs,
+    resolve_compile,
+)
 
 
 @dataclass(frozen=True)
@@ -498,3 +508,13 @@ def bench_plan(b) -> tuple[Run, tuple, dict]:
                 ObjectiveConfig(sigma_sampling="logit_normal"),
                 ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))
     return run, sections, cfg
+
+
+def bench_datasets(b, manifest: str | None = None, dataset_type: str = "e2v") -> tuple[list[DatasetConfig], int]:
+    """bench.py's loader data (--data-root, or a public dataset's index `manifest`) as training reads it from these
+    data flags (config.dataset_configs: A2's elements, --frames x --height x --width), and the clip length it reads: a
+    public dataset's is what A2's reference latents leave of --frames (81 -> 69)."""
+    data = DataConfig(data_root=b.data_root, manifest=manifest, dataset_type=dataset_type, resolution=b.size,
+                      num_frames=b.frames)
+    cfgs = dataset_configs(data, ConditioningConfig(), clip_size=512)
+    return cfgs, clip_frames(b.frames, cfgs[0].elements, cfgs[0].vae) if manifest else b.frames
