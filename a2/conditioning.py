@@ -39,10 +39,9 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
-  plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
-                       From a2.dataset_config.ConditioningConfig (flags and processors.vae alike); sampling_plan is
-                       the same plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it
-                       is given.
+  make_layout          -> Layout: frames, latents and tokens of a kind; which kind a model takes from which flags,
+                       and the one message when it cannot, is a2/plan.py's (plan_layout, sampling_plan); the
+                       pipeline samples what it is given.
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
   drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).

@@ -64,7 +64,7 @@ def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> 
 @dataclass(frozen=True)
 class ConditioningConfig:
     """How element images and video frames condition the transformer. train_a2.py and infer.py take these flags, a
-    dataset JSON file the same keys in processors.vae; a2.conditioning.plan decides the run's kind from them once."""
+    dataset JSON file the same keys in processors.vae; a2.plan.plan_layout decides the run's kind from them once."""
 
     reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
     """Where the element images enter the transformer. channel: A2's mask and reference latents on the channel axis
@@ -104,7 +104,7 @@ class ConditioningConfig:
 def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
     """The conditioning kind (a2/kinds.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
     ask for, with element images or without: the one place they decide it (a released model's weights choose their
-    own instead: a2.conditioning.plan). A --reference-layout other than channel names its kind; frame conditioning
+    own instead: a2.plan.plan_layout). A --reference-layout other than channel names its kind; frame conditioning
     gives a TI2V-5B clean leading frames and any other model Wan I2V's frames in place; else A2's channel prefix
     with elements, text-to-video without. (A TI2V-5B's first frame may come beside in-context references when
     sampling.)"""

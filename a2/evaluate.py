@@ -6,7 +6,7 @@
     #  "elements": {"subject": {"clip_i_mean", "clip_i_max", "dino_i_mean", "dino_i_max", "face_sim_mean", ...}}}
 
 Per element: CLIP-I / DINO-I = cosine of the image embeddings of the element image (after its own CLIP-path
-preprocessing, `a2.pipeline.load_references`) and of each scored frame, mean and max over frames; face_sim the same
+preprocessing, `a2.images.load_references`) and of each scored frame, mean and max over frames; face_sim the same
 with a face-embedding model, for the elements named as faces. Per video: CLIP-T = mean cosine of the prompt's and the
 frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
 Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
@@ -156,7 +156,7 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
 
 
 def named_references(items, clip_refs: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """`a2.pipeline.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
+    """`a2.images.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
     `items` are the (Element, path) pairs they were loaded from (load_references orders them by position)."""
     if clip_refs is None:
         return {}
@@ -191,7 +191,7 @@ def _adjacent(frames: torch.Tensor) -> float:
 def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], prompt: str, ev: Evaluators,
                    faces=(), max_frames: int = 0) -> dict:
     """Score one generated video (see the module docstring); `elements`: name -> the element's CLIP-path image
-    (3, h, w) in [-1, 1] as `a2.pipeline.load_references` makes it (`named_references`);
+    (3, h, w) in [-1, 1] as `a2.images.load_references` makes it (`named_references`);
     faces: names of the elements scored with the face model; max_frames > 0 scores that many evenly spaced frames.
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
     frames = every_frame = video_frames(video)
