@@ -158,24 +158,10 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
 
 def bench_opens2v(b: BenchConfig) -> dict:
     """Index throughput on a synthetic OpenS2V-5M part, then the loader on its index (BenchConfig.opens2v)."""
-    import numpy as np
-    from PIL import Image
-
     from a2 import public_index
-    from a2.media import read_frames
 
-    root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
-    part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
-    if not part.is_file():
-        hiker = read_frames(media / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
-        frames = np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in hiker])  # OpenS2V is 720p
-        fx = public_index.synthetic_opens2v(root, frames, np.ascontiguousarray(hiker[0, :, ::-1]))  # any picture
-        rec = next(iter(fx["records"].values()))
-        bg = next((root / "Background" / "total_part1").glob("*.png"))
-        keys = [f"clip{i:06d}_part1_step6" for i in range(b.clips)]
-        public_index.write_part(part, ((k, rec) for k in keys))
-        for k in keys[:8]:  # the loader's clips need their background png
-            shutil.copy(bg, bg.with_name(f"{k}.png"))
+    root = Path(b.opens2v)
+    part = public_index.synthetic_part(root, b.clips, Path(__file__).resolve().parent / "tests" / "media" / "hiker.mp4")
     out = root / "index"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

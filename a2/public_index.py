@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from collections import Counter
 from itertools import islice
@@ -33,10 +34,7 @@ from a2.cli import InputError, MissingInput, run_cli
 from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS
 from a2.images import IMAGE_EXTS
-from a2.media import (
-    VIDEO_EXTS,
-    Problem,
-)
+from a2.media import VIDEO_EXTS, Problem, read_frames
 from a2.public_read import (
     PHANTOM_CANVAS,
     list_index,
@@ -598,3 +596,23 @@ def write_part(path: Path, records) -> None:
         for i, (key, rec) in enumerate(records):
             f.write(("," if i else "") + json.dumps(key) + ": " + json.dumps(rec, indent=1))
         f.write("}")
+
+
+def synthetic_part(root: Path, clips: int, clip: Path) -> Path:
+    """A synthetic OpenS2V-5M part of `clips` records under root (bench.py --opens2v), unless one is there: `clip`
+    (tests/media/hiker.mp4) played back and forth to 81 frames at 1280x720 (OpenS2V's size), its first frame mirrored
+    as the person (any picture), one record repeated, the first 8 clips with their background png (the loader's).
+    Returns the part JSON."""
+    part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
+    if part.is_file():
+        return part
+    frames = read_frames(clip, [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
+    fx = synthetic_opens2v(root, np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in frames]),
+                           np.ascontiguousarray(frames[0, :, ::-1]))
+    rec = next(iter(fx["records"].values()))
+    bg = next((root / "Background" / "total_part1").glob("*.png"))
+    keys = [f"clip{i:06d}_part1_step6" for i in range(clips)]
+    write_part(part, ((k, rec) for k in keys))
+    for k in keys[:8]:
+        shutil.copy(bg, bg.with_name(f"{k}.png"))
+    return part
