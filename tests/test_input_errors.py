@@ -546,13 +546,14 @@ def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
 
 
 def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
-    """bench.py --data-root on a dir that is not there: one line, exit 2 (as bench.py's __main__ runs it)."""
+    """bench.py --data-root on a dir that is not there: one line naming the flag, as training says it (bench reads
+    its data flags as training does), exit 2 (as bench.py's __main__ runs it)."""
     import bench
 
     with pytest.raises(SystemExit) as e:
         run_cli(bench.bench_loader, bench.BenchConfig(data_root=str(tmp_path / "none")))
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"error: datasets[0]: data_root {tmp_path / 'none'} is not a directory\n"
+    assert capsys.readouterr().err == f"error: --data-root: data_root {tmp_path / 'none'} is not a directory\n"
 
 
 def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_trained(tmp_path, media, capsys):
