@@ -22,7 +22,7 @@ checkpointing recomputes: the forward of each recomputed block, less its self-at
 The step is train_a2.py's (a2/step.py: model_inputs + forward_loss, the kind's conditioning, its loss, --align-refs'
 alignment loss, then optimizer_step: clipping, AdamW, --ema-decay's EMA) on the batch a precompute cache of the run
 would hold (a2/trace.py synthetic_batch, zero posteriors and tokens): --layout any kind of a2/conditioning.py, planned
-by its plan as train_a2.py plans a run (a2/plan.py bench_plan); the model made trainable by a2/lora.py make_trainable.
+by a2/plan.py as a training run is (bench_plan); the model made trainable by a2/lora.py make_trainable.
 --layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas a frame of --frames.
 --layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
 layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries

@@ -80,11 +80,7 @@ class Run:
     datasets: tuple[DatasetConfig, ...] = ()  # the run's datasets as its kind reads them (kind_datasets)
 
 
-
-
 # ---------------------------------------------------------------- the layout: model x conditioning flags
-
-
 
 
 def plan_layout(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout:
@@ -215,8 +211,8 @@ def vae_path_only(where: str, e2v_type: str, what: str, error: type = Unsupporte
     return "vae"
 
 
-
 # ---------------------------------------------------------------- sampling and validation
+
 
 def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame: bool = False,
                   image_branch: bool | None = None, reference_lora: bool = False, seed: int | None = None,
@@ -285,8 +281,8 @@ def validation_inputs(val_elements: tuple[str, ...], size: tuple[int, int], clip
     return items, layout, refs, clips, region, first_frame
 
 
-
 # ---------------------------------------------------------------- a training run
+
 
 def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
     """The datasets as the model's kind (element_kind; info: its ModelInfo) reads them, and the element
@@ -305,8 +301,8 @@ def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[Da
 
 def model_layout(model, data, cfgs: list[DatasetConfig]):
     """The model of a run's model section (`model`: TrainModelConfig) and the layout it trains the data section's
-    datasets in (train_a2.py plan_run and data.py validate alike): (info, cfgs as its kind reads them (kind_datasets),
-    the element set planned, the Layout), the size checked against the model's patch multiple (TI2V-5B: 32)."""
+    datasets in (plan_training and training_layout alike): (info, cfgs as its kind reads them (kind_datasets), the
+    element set planned, the Layout), the size checked against the model's patch multiple (TI2V-5B: 32)."""
     info = detect_model(model_path(model.model), model.image_encoder and model_path(model.image_encoder),
                         model.components)
     check_size(*data.resolution, data.num_frames, info.spatial_multiple)
@@ -455,7 +451,6 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset, clip_frames: int
                         + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
                         for s in dataset.samples])
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
 
 
 # ---------------------------------------------------------------- bench.py
