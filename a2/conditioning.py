@@ -181,7 +181,7 @@ def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefi
 
 @dataclass(frozen=True)
 class Layout:
-    """What the kind means for one run (plan) or one sampling call (sampling_plan), computed once."""
+    """What the kind means for one run or one sampling call (a2/plan.py: plan_layout, sampling_plan), computed once."""
 
     kind: str  # a KIND_DEFS name (module docstring)
     num_frames: int  # pixel frames of the latent sequence (leading kinds: references + clip, 4·(L_ref + T) - 3;
