@@ -111,7 +111,7 @@ def model_inputs(batch, step: int, j: int, optim: OptimConfig, objective: Object
         refs = None
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
-            if references.reference_augment:  # (plan_training: never from the cache) the sample's own augmentation stream
+            if references.reference_augment:  # (a2/plan.py: never from the cache) the sample's augmentation stream
                 refs = augment_references(refs, [sample_generator(optim.seed, key, k, stream=AUGMENT_STREAM)
                                                  for k in ks])
             refs = refs if cached else h2d(refs, device)
