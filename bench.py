@@ -121,7 +121,7 @@ def check_backends(b: BenchConfig) -> dict:
 
     ref_out, ref_grad = run("native", bf16=False)  # fp32 SDPA: the reference
     res = {}
-    for backend in b.check_backends:
+    for backend in b.other.check_backends:
         out, grad = run(backend, bf16=True)
         res[backend] = dict(out_rel_err=rel(out, ref_out), grad_rel_err=rel(grad, ref_grad))
         print(f"{backend}: output rel err {res[backend]['out_rel_err']:.2e}, grads {res[backend]['grad_rel_err']:.2e}")
@@ -139,19 +139,19 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
                                          multiprocessing_context=WorkerContext() if b.num_workers else None,
                                          persistent_workers=b.num_workers > 0)
     n, t0, epoch = 0, None, 0
-    while n < b.warmup + b.steps:
+    while n < b.timing.warmup + b.timing.steps:
         sampler.set_epoch(epoch)  # the sampler is positional: a new epoch starts its batches again
         epoch += 1
         for batch in loader:
             n, shape = n + 1, tuple(batch["video"].shape)
-            if n == b.warmup:
+            if n == b.timing.warmup:
                 t0 = time.perf_counter()
-            if n == b.warmup + b.steps:
+            if n == b.timing.warmup + b.timing.steps:
                 break
     dt = time.perf_counter() - t0
     del loader  # shut the workers down before exit (a worker killed mid-batch at exit aborts noisily)
     res = dict(data=b.data_root or manifest, shape=f"{b.frames}x{b.size[0]}x{b.size[1]}", num_workers=b.num_workers,
-               samples_per_s=b.steps / dt, video=shape)
+               samples_per_s=b.timing.steps / dt, video=shape)
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
     return res
 
@@ -333,7 +333,7 @@ def main(b: BenchConfig) -> dict:
                  v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     ref_images = torch.rand(b.batch, len(layout.repeats), 3, h, w, device=device) * 2 - 1
-    steps = iter(range(b.warmup + b.steps))
+    steps = iter(range(b.timing.warmup + b.timing.steps))
 
     def step():  # train_a2.py's: model_inputs, forward_loss, backward, optimizer_step
         n = next(steps)
@@ -346,18 +346,18 @@ def main(b: BenchConfig) -> dict:
         optimizer_step(opt, params, guard, loss.detach(), n, optim, 1)
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(b.warmup):
+    for _ in range(b.timing.warmup):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     rss0 = proc_bytes("/proc/self/status", "VmRSS")
     t0 = time.perf_counter()
-    for _ in range(b.steps):
+    for _ in range(b.timing.steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dt, rss = (time.perf_counter() - t0) / b.steps, proc_bytes("/proc/self/status", "VmRSS")
+    dt, rss = (time.perf_counter() - t0) / b.timing.steps, proc_bytes("/proc/self/status", "VmRSS")
 
     linear, core = forward_flops(cfg, tokens, shape.context, packed, b.lora_rank)
     model_flops = b.batch * (3 * (linear + core) if b.mode == "full" else 2 * linear + 3 * core)
@@ -368,7 +368,7 @@ def main(b: BenchConfig) -> dict:
     self_core = layers * 4 * tokens * tokens * cfg["num_attention_heads"] * cfg["attention_head_dim"]
     hardware_flops = model_flops + b.batch * recomputed * (linear + core - (self_core if save else 0))
     tflops = model_flops / dt / 1e12
-    peak = b.peak_tflops
+    peak = b.timing.peak_tflops
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
@@ -386,21 +386,21 @@ def main(b: BenchConfig) -> dict:
     res.update(backend=b.memory.attention_backend or "default", compile=compile, checkpointing=fraction,
                save_attention=save and fraction > 0, offload=plan.offload, swap_blocks=plan.swap_blocks, fp8=plan.fp8,
                ema=b.ema_decay, memory_cap_gb=b.memory.max_memory_gb if device.type == "cuda" else None)
-    if b.compare_run:
-        res.update(loop_overhead(b.compare_run, dt))
+    if b.timing.compare_run:
+        res.update(loop_overhead(b.timing.compare_run, dt))
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
-    if b.out:
-        with open(b.out, "a") as f:
+    if b.timing.out:
+        with open(b.timing.out, "a") as f:
             f.write(json.dumps(res) + "\n")
     return res
 
 
 if __name__ == "__main__":
     b = CLI_CONFIG
-    if b.memory_table:
+    if b.other.memory_table:
         print("\n".join(memory_table(b)))
         raise SystemExit(0)
     if b.memory.dry_run:  # an input mistake (a model, data or size it cannot take): its one line, exit 2
         raise SystemExit(0 if run_cli(bench_dry_run, b)["fits"] else 3)
-    run_cli(check_backends if b.check_backends else bench_opens2v if b.opens2v else bench_loader if b.data_root else
-            main, b)
+    run_cli(check_backends if b.other.check_backends else bench_opens2v if b.opens2v else
+            bench_loader if b.data_root else main, b)

@@ -235,6 +235,10 @@ def element_specs(cfg: InferConfig, info) -> tuple:
     return A2_ELEMENTS if info is None else kind_elements(element_kind(info, cfg.conditioning))
 
 
+def lora_paths(cfg: InferConfig) -> list[str]:
+    return [p for p in (*cfg.lora, cfg.lora_high, cfg.lora_low) if p]
+
+
 def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | None = None):
     """The conditioning plan of a2/plan.py, the one train_a2.py makes (sampling_plan): a model that cannot
     take these inputs (or flags) fails here, in one line, before any weights load. seed: the row's (else --seed)."""
@@ -243,8 +247,7 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
         raise ConfigError(f"--frame-conditioning {c.frame_conditioning}: infer.py conditions on element images "
                           "(full), or on a first frame given with --image (first, Wan 2.2 TI2V-5B)")
     return sampling_plan(info, specs, c, cfg.num_frames, first_frame=first_frame, preset=cfg.preset,
-                         reference_lora=any(p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high,
-                                                                                  cfg.lora_low)),
+                         reference_lora=any(map(standin.is_lora_file, lora_paths(cfg))),
                          seed=cfg.seed if seed is None else seed)
 
 
@@ -306,7 +309,7 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
     """Each row without and (a LoRA loaded) with the LoRA, from the row's seed, side by side in one mp4 per row;
     with `evaluators`, each render scored (a2/evaluate.py). Returns the metric rows (a2.evaluate.metric_rows)."""
     out_dir = Path(cfg.out_dir)
-    models = ("base", "lora") if (cfg.lora or cfg.lora_high or cfg.lora_low) else ("base",)
+    models = ("base", "lora") if lora_paths(cfg) else ("base",)
     paths, index, scores = [], [], []
     for i, row in enumerate(rows):
         refs, seed = row["refs"], row.get("seed", cfg.seed)
@@ -444,14 +447,14 @@ def check_inputs(cfg: InferConfig):
     if not info.two_experts and (cfg.lora_high or cfg.lora_low):
         raise InputError(f"{info.path} ({info.name}) has one transformer: --lora-high/--lora-low are for Wan 2.2 "
                          "A14B; use --lora")
-    for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # before the layout check, which would name the model
-        if path and (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
+    for path in lora_paths(cfg):  # before the layout check, which would name the model
+        if (info.e2v or info.ti2v or info.native_kind) and standin.is_lora_file(path):
             raise InputError(f"{path}: a Stand-In LoRA on {info.path} ({info.name}); Stand-In is a LoRA on Wan T2V: "
                              f"load it on its base ({standin.BASES}) with --reference-layout standin")
     if cfg.prompts_file or cfg.eval_set:
         if cfg.prompts_file and cfg.eval_set:
             raise InputError("give --prompts-file (videos) or --eval-set (videos and metrics), not both")
-        if cfg.prompts_file and not (cfg.lora or cfg.lora_high or cfg.lora_low):
+        if cfg.prompts_file and not lora_paths(cfg):
             raise InputError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
                              "--lora-high / --lora-low)")
         if cfg.save_latents or cfg.compare or cfg.decode == "none" or cfg.control_video or cfg.mask:
@@ -460,10 +463,11 @@ def check_inputs(cfg: InferConfig):
     return cfg, source, info, first_frame
 
 
-def load_pipeline(cfg: InferConfig, info, source, layouts, items, repeats=None) -> tuple[A2Pipeline, int]:
+def load_pipeline(cfg: InferConfig, info, source, rows: list[dict], repeats=None) -> tuple[A2Pipeline, int]:
     """(The pipeline of --model with --transformer(s) and every LoRA loaded, this process's rank), after the checks
-    that need the planned `layouts` (one per video); prints what was loaded and what is rendered. items: the element
-    names the videos take; repeats: one video's element frames (said beside them), None for several videos."""
+    that need the videos' planned `rows` (each its layout and element names); prints what was loaded and what is
+    rendered. repeats: one video's element frames (said beside them), None for several videos."""
+    layouts, items = [row["layout"] for row in rows], [n for row in rows for n in row["elements"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
     if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
         raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
@@ -499,27 +503,21 @@ def load_pipeline(cfg: InferConfig, info, source, layouts, items, repeats=None) 
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
               f"references take {lay.num_frames - lay.video_frames}")
     adapters, kind, family = [], lay.kind if lay else None, info.name
-    for path in (*cfg.lora, cfg.lora_high, cfg.lora_low):  # trained on another base or kind: one line each
-        note = path and base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
+    for path in lora_paths(cfg):  # trained on another base or kind: one line each
+        note = base_mismatch(path, read_base_metadata(path), pipe.transformer.config, family, kind)
         if note:
             print(note)
-    if lay is not None and lay.reference_grid is not None and not any(
-            p and standin.is_lora_file(p) for p in (*cfg.lora, cfg.lora_high, cfg.lora_low)):
+    if lay is not None and lay.reference_grid is not None and not any(map(standin.is_lora_file, lora_paths(cfg))):
         print("warning: --reference-layout standin without a Stand-In LoRA file (--lora Stand-In_wan2.1_T2V_14B.ckpt, "
               "or a2's standin_lora.ckpt): the reference image is not attended to by trained weights")
     for i, path in enumerate(cfg.lora):
-        if standin.is_lora_file(path):
-            print(f"Stand-In LoRA {path}: rank {standin.load_lora(pipe.transformer, path)}, reference tokens only")
-            continue
         adapters.append("default" if i == 0 else f"lora{i}")
         print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=adapters[-1], force=cfg.force))
+    adapters = [a for a in adapters if a in (getattr(pipe.transformer, "peft_config", None) or {})]  # (Stand-In: none)
     if len(adapters) > 1:  # load_lora activates its own adapter alone
         pipe.transformer.set_adapters(adapters, [cfg.lora_scale] * len(adapters))
-    for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):
-        if path and standin.is_lora_file(path):  # Stand-In_wan2.2_T2V_A14B_high / _low.ckpt, one per expert
-            model = pipe.transformer_2 if name == "low" else pipe.transformer
-            print(f"Stand-In LoRA {path} on the {name}-noise expert: rank {standin.load_lora(model, path)}")
-        elif path:  # both experts' files hold `transformer.*` keys (diffusers' format); the flag says which expert
+    for path, name in ((cfg.lora_high, "high"), (cfg.lora_low, "low")):  # the experts' files hold the same keys:
+        if path:  # the flag says which expert
             print(as_input_error(load_lora, pipe, path, cfg.lora_scale, adapter=name, low_expert=name == "low",
                                  force=cfg.force))
     for model in (pipe.transformer, pipe.transformer_2) if dist.is_initialized() else ():
@@ -546,7 +544,7 @@ def one_video(cfg: InferConfig, info, source, first_frame) -> int:
     --save-latents / --compare keep or check the latents (exit 1 when they differ past --tolerance)."""
     refs = as_input_error(read_references, cfg, cfg.elements, info, first_frame is not None)
     control = as_input_error(read_control, cfg, refs["layout"])
-    pipe, rank = load_pipeline(cfg, info, source, [refs["layout"]], list(refs["elements"]), refs["repeats"])
+    pipe, rank = load_pipeline(cfg, info, source, [refs], refs["repeats"])
     out = generate(cfg, pipe, cfg.prompt, refs["refs"], refs["clip_refs"], refs["layout"], first_frame=first_frame,
                    region=refs["region"], control=control)
     if rank:  # the ranks of a split sample hold the same result: rank 0 writes it
@@ -571,9 +569,7 @@ def one_video(cfg: InferConfig, info, source, first_frame) -> int:
 def prompt_list(cfg: InferConfig, info, source) -> int:
     """--prompts-file: each prompt without and with the LoRA, same seed, side by side, into --out-dir."""
     rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.prompts_file))
-    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
-                         [n for row in rows for n in row["elements"]])[0]
-    evaluate(cfg, pipe, rows)
+    evaluate(cfg, load_pipeline(cfg, info, source, rows)[0], rows)
     return 0
 
 
@@ -582,13 +578,10 @@ def eval_set(cfg: InferConfig, info, source) -> int:
     without and with the LoRA and scored by a2/evaluate.py into --out-dir's metrics.csv / .jsonl."""
     if opens2v_set(cfg):
         rows = read_opens2v_set(cfg, info)
-        pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
-                             [n for row in rows for n in row["elements"]])[0]
-        render_opens2v_set(cfg, pipe, rows, info)
+        render_opens2v_set(cfg, load_pipeline(cfg, info, source, rows)[0], rows, info)
         return 0
     rows = read_row_references(cfg, info, as_input_error(read_rows, cfg.eval_set))
-    pipe = load_pipeline(cfg, info, source, [row["layout"] for row in rows],
-                         [n for row in rows for n in row["elements"]])[0]
+    pipe = load_pipeline(cfg, info, source, rows)[0]
     evaluators = load_evaluators(cfg.eval, info.image_encoder_dir, cfg.device)
     scores = evaluate(cfg, pipe, rows, evaluators)
     means = write_metrics(Path(cfg.out_dir), scores)

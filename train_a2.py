@@ -49,7 +49,6 @@ from a2.conditioning import (
     lora_target,
     vae_scale,
 )
-from a2.ema import ema_weights
 from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
 from a2.loader import (
     LoaderError,
@@ -94,6 +93,7 @@ from a2.step import (  # the step: the loop, the eval loss, both dry runs and be
     Encoders,
     Process,
     TrainState,
+    ema_weights,
     forward_loss,
     make_optimizer,
     model_inputs,

@@ -1,14 +1,14 @@
 """The dataset config: the video sizes a run takes, the conditioning flags (ConditioningConfig, a dataset file's
 processors.vae), the VAE, CLIP and visualization settings of a dataset, and the JSON dataset file (docs/dataset.md)
-read into DatasetConfigs (load_dataset_config). config.py's TrainConfig and InferConfig take ConditioningConfig's
-flags; config.dataset_configs makes a run's datasets of its flags or its file. It imports tyro, the standard library
-and a2/cli.py, a2/elements.py only."""
+read into DatasetConfigs (load_dataset_config); the data section of a training run (DataConfig) and its datasets
+(dataset_configs: of its flags or its file). config.py's TrainConfig and InferConfig take ConditioningConfig's flags.
+It imports tyro, the standard library and a2/cli.py, a2/elements.py only."""
 
 from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hints
@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Union, get_args, get_origin, get_type_hin
 import tyro
 
 from a2.cli import ConfigError, help_from_docstrings, read_text
-from a2.elements import A2_ELEMENTS, PREPROCESS_MODES, Element, check_elements
+from a2.elements import A2_ELEMENTS, PREPROCESS_MODES, Element, check_elements, parse_elements
 
 # ---------------------------------------------------------------- video sizes
 
@@ -205,7 +205,7 @@ FRAME_EXTRACTION = ("spread", "head", "chunk", "slide", "uniform")  # a2.media.f
 @dataclass(frozen=True)
 class DataSource:
     """Where a dataset's clips are and how their frames are read: the keys a dataset file's entries (DatasetConfig)
-    and train_a2.py's data flags (config.DataConfig) share, declared once here."""
+    and train_a2.py's data flags (DataConfig, the data section) share, declared once here."""
 
     data_root: str | None = None
     """The E2V dataset dir: <id>.mp4, <id>.txt, <id><element suffix> (see data.py); a manifest's relative paths are
@@ -447,6 +447,97 @@ def load_dataset_config(path) -> list[DatasetConfig]:
             raise ConfigError(f"{c.source}.processors.vae: differs from datasets[0]'s; all datasets of one run must "
                               "share processors.vae (resolution, combine, frame conditioning)")
     return cfgs
+
+
+@dataclass(frozen=True)
+class DataConfig(DataSource):
+    """The training data: where it is and what it is (DataSource's flags, a dataset file's keys of the same names), how
+    its clips are sized, how it is loaded and cached."""
+
+    dataset_config: str | None = None
+    """A JSON dataset config (docs/dataset.md): one or more datasets, their weights, elements, processors and eval sets.
+    It replaces --data-root, --manifest, --dataset-type, --elements, --sam, --cross-video and the frame-extraction flags
+    (not read beside it); a conditioning flag that disagrees with its processors.vae is an error. --num-frames is read,
+    and --resolution and --clip-size still size the validation videos and the memory plan: give the file's sizes."""
+    elements: tuple[str, ...] = ()
+    """The element specs, one per element: NAME=SUFFIX[,SUFFIX...][:key=value,...] (see a2/elements.py). Empty:
+    SkyReels-A2's subject/object/background (none with --dataset-type t2v)."""
+    resolution: tuple[int, int] | None = None
+    """The training (height, width) in pixels, multiples of 16. Left out: the model's recipe (RECIPES)."""
+    num_frames: int | None = None
+    """The pixel frames (4k+1) of the whole sequence, reference frames included (A2's prefix; Wan VACE's references
+    come on top: its --num-frames is the clip). Left out: the model's recipe (RECIPES)."""
+    skip_bad_samples: bool = False
+    """Drops invalid samples (and says how many) instead of failing with the full list of problems."""
+    num_workers: int = 2
+    """The DataLoader worker processes per rank (0: load in the training process). They ignore SIGTERM/SIGINT: the
+    training process handles those."""
+    cache_dir: str | None = None
+    """The precompute cache root. With --precompute the dataset's VAE posteriors, T5 and CLIP embeddings are encoded
+    into a subdir named by a hash of everything they depend on; without it, training reads them from there and never
+    constructs the VAE, T5 or CLIP (unless validation videos need them)."""
+    precompute: bool = False
+    """Encodes the dataset into --cache-dir (sharded over ranks; a killed run resumes) and exits."""
+
+
+def dataset_configs(data: DataConfig, c: ConditioningConfig, clip_size: int, eval_manifest: str | None = None,
+                    resolution_given: bool = False) -> list[DatasetConfig]:
+    """The datasets of a run (its data and conditioning sections, --clip-size, --eval-manifest): the JSON file if
+    given, else one dataset from the flags. resolution_given: --resolution was typed (not the recipe's): a file whose
+    datasets train at another size refuses it, as the other data flags."""
+    check_size(*data.resolution, data.num_frames)
+    if data.dataset_config:
+        cfgs = load_dataset_config(data.dataset_config)
+        keys = [f.name for f in fields(DataSource)] + ["elements"]  # the file's keys, which it sets
+        beside = [k for k in keys if getattr(data, k) != getattr(DataConfig(), k)]
+        if beside:  # for each of its datasets: a flag beside it would be ignored, and the run train other data
+            raise ConfigError(f"{' '.join('--' + k.replace('_', '-') for k in beside)}: {data.dataset_config} "
+                              "describes the data (each dataset's keys of the same names); set them there, or drop "
+                              "the flags")
+        other = next((d for d in cfgs if resolution_given and tuple(d.target_resolution) != tuple(data.resolution)),
+                     None)
+        if other is not None:  # the file's size trains: a typed size beside it would be silently another experiment
+            raise ConfigError(f"--resolution {data.resolution[0]} {data.resolution[1]}: {other.source} trains at "
+                              f"target_resolution {list(other.target_resolution)}; set the size in the file, or drop "
+                              "the flag")
+        for f in fields(ConditioningConfig):  # decided once: the file's processors.vae, not a flag beside it
+            flag, file = getattr(c, f.name), getattr(cfgs[0].vae, f.name)
+            if flag != getattr(ConditioningConfig(), f.name) and flag != file:
+                raise ConfigError(f"--{f.name.replace('_', '-')} {flag}: {data.dataset_config} sets processors.vae."
+                                  f"{f.name} to {file!r}; set it in the file, or drop the flag")
+        return with_eval_manifest(eval_manifest, cfgs)
+    if not data.data_root and not data.manifest:
+        raise ConfigError("give --data-root DIR, --manifest FILE or --dataset-config FILE.json")
+    if data.dataset_type == "t2v" and data.elements:
+        raise ConfigError("--dataset-type t2v trains without elements; drop --elements")
+    # no element images: text-to-video, or frames of the clip itself as the condition (Wan I2V)
+    no_elements = data.dataset_type == "t2v" or c.frame_conditioning != "full"
+    if data.dataset_type in PUBLIC_TYPES and (no_elements or not data.manifest):
+        raise ConfigError(f"--dataset-type {data.dataset_type} trains elements from an index: --manifest "
+                          "OUT/index.jsonl (data.py index) and --frame-conditioning full")
+    if c.reference_layout != "channel" and no_elements:  # else the elements would be dropped, another kind trained
+        raise ConfigError(f"--reference-layout {c.reference_layout} places element references: it needs element "
+                          "images (--dataset-type e2v, --frame-conditioning full)")
+    elements = parse_elements(data.elements) if data.elements else A2_ELEMENTS
+    manifest = str(Path(data.manifest).resolve()) if data.manifest else None  # a CLI path: relative to the cwd
+    shared = {f.name: getattr(data, f.name) for f in fields(DataSource)}  # the flags a dataset file's entry shares
+    main = DatasetConfig(**{**shared, "data_root": data.data_root or str(Path(manifest).parent), "manifest": manifest,
+        "dataset_type": "t2v" if no_elements else data.dataset_type if data.dataset_type in PUBLIC_TYPES else "e2v"},
+        source="--manifest" if data.manifest and not data.data_root else "--data-root",
+        target_resolution=tuple(data.resolution), frame_buckets=(), elements=() if no_elements else elements,
+        vae=VaeProcessorConfig(resolution=tuple(data.resolution), **asdict(c)),
+        clip=ClipProcessorConfig(resolution=(clip_size, clip_size)))
+    return with_eval_manifest(eval_manifest, [check_extraction(main, "--frame-extraction")])
+
+
+def with_eval_manifest(eval_manifest: str | None, cfgs: list[DatasetConfig]) -> list[DatasetConfig]:
+    """--eval-manifest: a held-out dataset listed like --manifest (relative paths beside it), read as the first
+    dataset's settings read it (elements, sizes, frame extraction)."""
+    if not eval_manifest:
+        return cfgs
+    manifest = Path(eval_manifest).resolve()
+    return cfgs + [replace(cfgs[0], data_root=str(manifest.parent), manifest=str(manifest), weight=1.0, eval=True,
+                           source="--eval-manifest")]
 
 
 help_from_docstrings(globals())

@@ -7,8 +7,9 @@
 
 Per element: CLIP-I / DINO-I = cosine of the image embeddings of the element image (after its own CLIP-path
 preprocessing, `a2.images.load_references`) and of each scored frame, mean and max over frames; face_sim the same
-with a face-embedding model, for the elements named as faces. Per video: CLIP-T = mean cosine of the prompt's and the
-frames' CLIP embeddings; temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
+over the frames with a face, of a face model, for the elements named as faces (a2/opens2v.py's face-similarity path,
+which OpenS2V's cur_score shares). Per video: CLIP-T = mean cosine of the prompt's and the frames' CLIP embeddings;
+temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
 Frames go through each encoder's own image processor (shortest-edge resize + centre crop, as DreamBooth's CLIP-I /
 DINO). Encoders come from local dirs only; one whose dir is not given is skipped with one message at load time.
 With the OpenS2V-Eval flags (--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme, --eval.motion-fb) the
@@ -32,56 +33,28 @@ import torch.nn.functional as F
 import transformers
 from PIL import Image
 
-from a2.ema import ema_weights
 from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
 from a2.loader import collate
 from a2.media import DatasetError
-from a2.opens2v import Scorers, flows, load_scorers, tiny_encoder_note, video_metrics
+from a2.opens2v import (
+    Embedder,
+    FaceSim,
+    Scorers,
+    face_sim,
+    flows,
+    load_scorers,
+    pooled,
+    sample_frames,
+    tiny_encoder_note,
+    video_metrics,
+)
 from a2.pipeline import A2Pipeline, decode_vae, save_video
 from a2.plan import validation_inputs
-from a2.step import Encoders, Process, Run, TrainState, forward_loss, model_inputs
+from a2.sections import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
+from a2.step import Encoders, Process, Run, TrainState, ema_weights, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
-from config import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
-
-
-class Embedder:
-    """Images (N, H, W, 3) uint8 -> L2-normalised embeddings (N, D) float32 on the CPU.
-
-    A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
-    embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
-    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
-    the face itself; its non-finite rows mean "no face found"."""
-
-    def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
-        self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
-
-    @torch.no_grad()
-    def __call__(self, images: np.ndarray) -> torch.Tensor:
-        out = []
-        for i in range(0, len(images), self.batch):
-            chunk = images[i:i + self.batch]
-            if self.processor is None:
-                x = torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2).float() / 255
-                e = self.model(x.to(self.device))
-            else:
-                x = self.processor(images=list(chunk), return_tensors="pt").pixel_values
-                e = image_features(self.model, x.to(self.device, self.dtype))
-            out.append(F.normalize(e.float(), dim=-1).cpu())
-        return torch.cat(out)
-
-
-def _pooled(out) -> torch.Tensor:
-    """transformers < 5 returns the features as a tensor, >= 5 as an output whose pooler_output holds them."""
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
-def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    if hasattr(model, "get_image_features"):  # CLIPModel: the projected embedding shared with the text tower
-        return _pooled(model.get_image_features(pixel_values=pixel_values))
-    out = model(pixel_values=pixel_values)
-    return out.image_embeds if getattr(out, "image_embeds", None) is not None else out.pooler_output
 
 
 @dataclass
@@ -91,7 +64,7 @@ class Evaluators:
 
     clip: Embedder | None = None
     dino: Embedder | None = None
-    face: Embedder | None = None
+    face: Embedder | FaceSim | None = None
     clip_t: Embedder | None = None
     tokenizer: object = None
     opens2v: Scorers | None = None  # OpenS2V-Eval's metrics under their names
@@ -101,10 +74,13 @@ class Evaluators:
 def load_embedder(path, flag: str, device="cpu", dtype=torch.float32) -> Embedder:
     """A dir holding a transformers image model (config.json naming its class, preprocessor_config.json), or
     image_encoder/ + image_processor/ (a diffusers model dir, e.g. SkyReels-A2), or a face model: model.pt2
-    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face."""
+    (torch.export) or model.pt (TorchScript), (B, 3, H, W) RGB in [0, 1] -> (B, D), non-finite rows: no face; or
+    OpenS2V-Weight's (a2.opens2v.FaceSim)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} ({flag}): no such model dir")
+    if (path / "face_extractor").is_dir():  # OpenS2V-Weight: cur_score's face model, as a face model for face_sim
+        return FaceSim.load(path, device)
     if (path / "model.pt2").is_file():  # torch.export.save of a program with a dynamic batch and size
         return Embedder(torch.export.load(path / "model.pt2").module().to(device), None, device)
     if (path / "model.pt").is_file():  # TorchScript, as many face models ship
@@ -133,8 +109,6 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
     ev.clip = clip
     if cfg.dino:
         ev.dino = load_embedder(cfg.dino, "--eval.dino", device, dtype)
-    if cfg.face:
-        ev.face = load_embedder(cfg.face, "--eval.face", device, dtype)
     if cfg.clip_text:
         ev.clip_t = load_embedder(cfg.clip_text, "--eval.clip-text", device, dtype)
         if not hasattr(ev.clip_t.model, "get_text_features"):
@@ -143,13 +117,15 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
         ev.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.clip_text)
     if cfg.aes_clip or cfg.aes_mlp or cfg.facesim or cfg.gme or cfg.motion_fb:
         ev.opens2v = load_scorers(cfg, device, dtype)
+    if cfg.face:  # the same dir as --eval.facesim: its face model, loaded once
+        ev.face = ev.opens2v.face if cfg.face == cfg.facesim else load_embedder(cfg.face, "--eval.face", device, dtype)
     clip_dir = cfg.clip_image or default_clip_dir or "the model's image encoder"
     encoders = ((ev.clip, "CLIP-I and temporal_clip", clip_dir, "no CLIP image encoder (--eval.clip-image)"),
                 (ev.dino, "DINO-I and temporal_dino", cfg.dino, "no --eval.dino DINOv2 dir"),
                 (ev.clip_t, "CLIP-T", cfg.clip_text, "no --eval.clip-text CLIPModel dir"),
                 (ev.face, "face similarity (face_sim)", cfg.face, "no --eval.face model dir"))
     ev.notes = [n for enc, metrics, where, _ in encoders if enc is not None and (n := tiny_encoder_note(
-        enc.model, metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
+        getattr(enc, "model", None), metrics, where))] + (ev.opens2v.notes if ev.opens2v is not None else [])
     for line in ev.notes + [f"skipping {metrics}: {why}" for enc, metrics, _, why in encoders if enc is None]:
         print(f"evaluate: {line}")
     return ev
@@ -196,7 +172,7 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
     frames = every_frame = video_frames(video)
     if max_frames and len(frames) > max_frames:
-        frames = frames[np.linspace(0, len(frames) - 1, max_frames).round().astype(int)]
+        frames = sample_frames(frames, max_frames)  # as OpenS2V's metrics sample theirs
     refs = tensor_to_uint8(torch.stack(list(elements.values()))) if elements else None
     flow = flows(every_frame)  # every frame, as motion_fb
     per_video = {"motion": motion_magnitude(flow)}
@@ -215,12 +191,8 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
             continue
         for name, ref in zip(names, enc(refs[[list(elements).index(n) for n in names]])):
             cos = emb @ ref
-            found = torch.isfinite(cos)  # a face model's rows are NaN where it finds no face
-            if found.any():
-                cos = cos[found]
-                per_element[name].update({f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
-            if key == "face_sim":
-                per_element[name]["face_frames"] = found.float().mean().item()
+            per_element[name].update(face_sim(cos) if key == "face_sim" else
+                                     {f"{key}_mean": cos.mean().item(), f"{key}_max": cos.max().item()})
         scored = [per_element[n][f"{key}_mean"] for n in names if f"{key}_mean" in per_element[n]]
         if scored:
             per_video[key] = float(np.mean(scored))
@@ -229,7 +201,7 @@ def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], promp
         tokens = ev.tokenizer([prompt], padding=True, truncation=True, return_tensors="pt",
                               max_length=model.config.text_config.max_position_embeddings)
         with torch.no_grad():
-            text = _pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
+            text = pooled(model.get_text_features(**tokens.to(ev.clip_t.device)))
         per_video["clip_t"] = (ev.clip_t(frames) @ F.normalize(text.float(), dim=-1).cpu()[0]).mean().item()
     return {"video": per_video, "elements": per_element}
 

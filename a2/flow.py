@@ -18,7 +18,7 @@ import torch
 
 def sample_generator(seed: int, step: int, k: int, device="cpu", stream: int = 0) -> torch.Generator:
     """The generator of the k-th sample of the global batch at `step`: independent of rank and split. A `stream`
-    other than 0 is another independent generator of the same sample (reference augmentation: a2/augment.py), so
+    other than 0 is another independent generator of the same sample (reference augmentation: a2/align.py), so
     an option's draws leave the others' unchanged."""
     s = int(np.random.SeedSequence([seed, step, k] + ([stream] if stream else [])).generate_state(
         1, dtype=np.uint64)[0] >> 1)

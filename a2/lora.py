@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders import WanLoraLoaderMixin
-from peft import LoraConfig as PeftLoraConfig
+from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.utils.other import get_pattern_key
 from safetensors import safe_open
@@ -41,9 +41,9 @@ from torch._subclasses.fake_tensor import is_fake
 from a2 import align, standin
 from a2.cli import InputError
 from a2.conditioning import kind_weights, prepare_model
-from a2.ema import ema_weights
 from a2.parallel import gathered
-from a2.step import Run, TrainState
+from a2.sections import LORA_TARGETS, LoraSection, OptimConfig, ParallelConfig, TrainModelConfig
+from a2.step import Run, TrainState, ema_weights
 from a2.transformer import (
     EXPERTS,
     diffusers_to_original,
@@ -54,8 +54,8 @@ from a2.transformer import (
     original_wan_config,
     save_wan_checkpoint,
     wan_module_name,
+    weights_in,
 )
-from config import LORA_TARGETS, LoraConfig, OptimConfig, ParallelConfig, TrainModelConfig
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights
@@ -105,9 +105,9 @@ def make_trainable(transformer, layout, training_type: str, rank: int, alpha: fl
         p.requires_grad_(True)
     if not own:
         keep_kv = layout.use_clip and not layout.expand  # an expansion's image K/V train in full (below)
-        transformer.add_adapter(PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
-                                           target_modules=target if keep_kv else
-                                           target.replace("|add_k_proj|add_v_proj", "")))
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True,
+                                       target_modules=target if keep_kv else
+                                       target.replace("|add_k_proj|add_v_proj", "")))
         if transformer.device.type != "meta":  # (a replica of a model checked so: FSDP's, a2/parallel.py)
             check_lora_export(transformer)  # export writes original-Wan keys too: a target with none fails now
     if layout.expand:
@@ -348,13 +348,15 @@ def load_lora(pipe, path: str, scale: float = 1.0, adapter: str = "default", low
 
     A file whose pairs do not all fit the transformer (trained on another base: a module it lacks, other widths) is
     refused in one line; force=True loads the pairs that fit. diffusers only warns when no key matched the model,
-    so that is an error here."""
+    so that is an error here. A Stand-In file installs its reference LoRA instead of an adapter (a2.standin)."""
     path_ = Path(path)
     if not path_.exists():
         raise FileNotFoundError(f"--lora {path}: no such file or dir")
     peft_dir = path_.is_dir() and (path_ / "adapter_config.json").exists()
     target = "transformer_2" if low_expert else "transformer"
     model = getattr(pipe, target)
+    if standin.is_lora_file(path_):
+        return f"Stand-In LoRA {path}: rank {standin.load_lora(model, path_)} on the {target}, reference tokens only"
     if peft_dir:
         source = peft_dir_state_dict(path_)
     elif _vace_keys(path_):  # diffusers' converter refuses VACE's keys
@@ -401,16 +403,10 @@ def lora_file_problem(path) -> str | None:
             return f"a dir without {DIFFUSERS_NAME} or a peft adapter_config.json"
         path = inside
     suffix = path.suffix.lower()
+    if suffix not in (".safetensors", ".ckpt", ".pt", ".pth", ".bin"):
+        return f"a {suffix or 'suffix-less'} file"
     try:
-        if suffix == ".safetensors":
-            with safe_open(path, "pt") as fh:
-                keys = list(fh.keys())
-        elif suffix in (".ckpt", ".pt", ".pth", ".bin"):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            state = state.get("state_dict", state) if isinstance(state, dict) else state
-            keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)] if isinstance(state, dict) else []
-        else:
-            return f"a {suffix or 'suffix-less'} file"
+        keys = list(weights_in(path, shapes_only=True))
     except Exception as e:  # safetensors, zipfile and pickle raise many types for a file that is not theirs
         if not path.stat().st_size:
             return "an empty file"
@@ -423,10 +419,7 @@ def lora_file_problem(path) -> str | None:
 
 def _vace_keys(path: Path) -> bool:
     """A LoRA file with keys of VACE's context blocks (original Wan keys: diffusion_model.vace_blocks.N...)."""
-    if not path.is_file():
-        return False
-    with safe_open(path, "pt") as fh:
-        return any(k.startswith("diffusion_model.vace_blocks.") for k in fh.keys())
+    return path.is_file() and any(k.startswith("diffusion_model.vace_blocks.") for k in weights_in(path, True))
 
 
 def _key_format(path: Path) -> str:
@@ -443,7 +436,7 @@ def _key_format(path: Path) -> str:
 # ---------------------------------------------------------------- a training run's export (train_a2.py)
 
 
-def export_weights(run_dir: Path, model, lora: LoraConfig, expert: str | None, tag: str = "",
+def export_weights(run_dir: Path, model, lora: LoraSection, expert: str | None, tag: str = "",
                    metadata: dict | None = None, original_keys: str | None = None, log=print) -> Path:
     """LoRA -> pytorch_lora_weights.safetensors (diffusers format, load_lora_weights reads it) and
     pytorch_lora_weights_comfy.safetensors (original Wan keys: ComfyUI), export_lora;
@@ -479,7 +472,7 @@ def export_weights(run_dir: Path, model, lora: LoraConfig, expert: str | None, t
     return out
 
 
-def export(run_dir: Path, state: TrainState, model: TrainModelConfig, lora: LoraConfig, optim: OptimConfig,
+def export(run_dir: Path, state: TrainState, model: TrainModelConfig, lora: LoraSection, optim: OptimConfig,
            parallel: ParallelConfig, run: Run, rank: int, prepare, log=print) -> dict:
     """The trained weights, and with --ema-decay their EMA beside them (tag _ema: pytorch_lora_weights_ema.safetensors
     + _ema_comfy, e2v_weights_ema, or transformer_ema/), exported from rank 0 (--fsdp: gathered first by

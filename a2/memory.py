@@ -87,8 +87,8 @@ import torch
 from a2.cli import ConfigError
 from a2.fp8 import fp8_bytes, quantize_base_weights, scaled_mm_supported
 from a2.offload import apply_offload, frozen_tensors
+from a2.sections import MemoryConfig
 from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks
-from config import MemoryConfig
 
 GB = 2**30  # a GiB: every figure the rule and the dry run print
 COMPILED_D, COMPILED_F = 24.0, 4.0  # a compiled block not recomputed keeps L·(24d + 4f) bytes (H100, bench.py)
@@ -444,7 +444,7 @@ def model_bytes(model, full: bool, fsdp: bool, other: float = 0.0, whole: dict |
     DTensors). other: bytes allocated on the GPU besides the transformer (encoders); whole: the config of the same
     model uncut, whose blocks (and VACE's context blocks) are each like the mean of the model's own (a dry run's model
     cut to a few blocks, planned as the whole: cut_config); ema: --ema-decay keeps a copy of the trainable weights
-    (a2/ema.py); compute_dtype: what FSDP gathers each block in."""
+    (a2/step.py); compute_dtype: what FSDP gathers each block in."""
     def frozen_bytes(blocks):  # (the mean block's frozen bytes, the same in fp8)
         block = block_fp8 = 0.0
         for b in blocks:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # --help, a flag typo or a config error answer before torch loads
     from a2.cli import parse_cli
-    from config import OpenS2VConfig
+    from a2.sections import OpenS2VConfig
 
     CLI_CONFIG = parse_cli(OpenS2VConfig, prog="python3 -m a2.opens2v")
 
@@ -57,9 +57,6 @@ WEIGHTS = {
                          gme_score=0.15, natural_score=0.30),
 }
 WEIGHTS["Single-Domain"] = WEIGHTS["Open-Domain"]
-# v1.0 (the repository's first merge_result.py): one motion metric; the demo's model_name_Open-Domain.json total
-WEIGHTS_V10 = {"Open-Domain": dict(aes_score=0.12, motion=0.12, facesim_cur=0.20, gme_score=0.12, nexus_score=0.20,
-                                   natural_score=0.24)}
 
 # (low, high, clip below low too): each per-video value is clipped to high (and to low where marked), averaged over
 # the videos that have it, then mapped (avg - low) / (high - low)
@@ -196,12 +193,50 @@ def pil_image_processor(module: str, name: str):
         return getattr(importlib.import_module("transformers"), name)
 
 
+class Embedder:
+    """Images (N, H, W, 3) uint8 -> L2-normalised embeddings (N, D) float32 on the CPU.
+
+    A transformers model with its image processor: CLIPModel / CLIPVisionModelWithProjection (projected
+    embedding), CLIPVisionModel / Dinov2Model (pooler output: the final-layernormed CLS token). Or, processor None,
+    an exported (torch.export / TorchScript) face model taking (B, 3, H, W) RGB in [0, 1], which finds and aligns
+    the face itself; its non-finite rows mean "no face found"."""
+
+    def __init__(self, model, processor=None, device="cpu", dtype=torch.float32, batch: int = 16):
+        self.model, self.processor, self.device, self.dtype, self.batch = model, processor, device, dtype, batch
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        out = []
+        for i in range(0, len(images), self.batch):
+            chunk = images[i:i + self.batch]
+            if self.processor is None:
+                x = torch.from_numpy(np.ascontiguousarray(chunk)).permute(0, 3, 1, 2).float() / 255
+                e = self.model(x.to(self.device))
+            else:
+                x = self.processor(images=list(chunk), return_tensors="pt").pixel_values
+                e = image_features(self.model, x.to(self.device, self.dtype))
+            out.append(F.normalize(e.float(), dim=-1).cpu())
+        return torch.cat(out)
+
+
+def pooled(out) -> torch.Tensor:
+    """transformers < 5 returns the features as a tensor, >= 5 as an output whose pooler_output holds them."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "get_image_features"):  # CLIPModel: the projected embedding shared with the text tower
+        return pooled(model.get_image_features(pixel_values=pixel_values))
+    out = model(pixel_values=pixel_values)
+    return out.image_embeds if getattr(out, "image_embeds", None) is not None else out.pooler_output
+
+
 class Aesthetics:
-    """aes_score of frames: CLIPImageProcessor -> CLIPVisionModelWithProjection image_embeds, L2-normalised -> MLP,
-    mean over the frames (get_aesscore.py, fp32)."""
+    """aes_score of frames: their CLIP's unit image embeddings (CLIPVisionModelWithProjection image_embeds, fp32, the
+    32 frames in one batch as theirs) through the MLP, mean over the frames (get_aesscore.py)."""
 
     def __init__(self, clip, processor, mlp: AestheticMLP, device="cpu"):
-        self.clip, self.processor, self.mlp, self.device = clip.eval(), processor, mlp.eval(), device
+        self.embed, self.mlp = Embedder(clip.eval(), processor, device, batch=METRIC_FRAMES), mlp.eval()
 
     @classmethod
     def load(cls, clip_dir, mlp_path, device="cpu") -> Aesthetics:
@@ -210,14 +245,7 @@ class Aesthetics:
         clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, torch_dtype=torch.float32).to(device)
         mlp = AestheticMLP(clip.config.projection_dim)
         mlp.load_state_dict(torch.load(mlp_path, map_location="cpu", weights_only=True))
-        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir),
-                   mlp.to(device), device)
-
-    @torch.no_grad()
-    def embed(self, frames: np.ndarray) -> torch.Tensor:
-        x = self.processor(images=list(frames), return_tensors="pt").pixel_values.to(self.device)
-        e = self.clip(pixel_values=x).image_embeds  # (N, 768)
-        return e / torch.linalg.vector_norm(e, dim=-1, keepdim=True)
+        return cls(clip, pil_image_processor("clip", "CLIPImageProcessor").from_pretrained(clip_dir), mlp, device)
 
     @torch.no_grad()
     def __call__(self, frames: np.ndarray) -> float:
@@ -249,6 +277,7 @@ class IRBackbone(nn.Module):
 
     def __init__(self, units=(3, 13, 30, 3), widths=(64, 128, 256, 512), dim: int = 512):
         super().__init__()
+        self.dim = dim
         self.input_layer = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.PReLU(64))
         body, cin = [], 64
         for n, cout in zip(units, widths):
@@ -263,10 +292,10 @@ class IRBackbone(nn.Module):
 
 
 class FaceSim:
-    """get_facesim.py: the largest face insightface finds (det_size 320; retried on a 1.25x grey-padded image when
-    none), aligned with insightface's norm_crop to 224, resized to 112, embedded by CurricularFace; cur_score = mean
-    over the frames with a face of max(0, cosine) to the reference's embedding (zeros left out), arc_score the same
-    with insightface's own recognition embedding (zeros kept, as their loop keeps them).
+    """get_facesim.py's face model: the largest face insightface finds (det_size 320; retried on a 1.25x grey-padded
+    image when none), aligned with insightface's norm_crop to 224, resized to 112, embedded by CurricularFace. Called
+    on images it is a face model of the one face-similarity path (below; --eval.face takes its dir too); `faces` adds
+    insightface's own recognition embedding, arc_score's.
 
     `detect(image_bgr) -> (kps (5, 2), embedding) | None` and `align(image_bgr, kps) -> (224, 224, 3) BGR` default to
     insightface; the tests give stand-ins."""
@@ -324,24 +353,54 @@ class FaceSim:
         e = self.cur(x.div(255).sub(0.5).div(0.5).to(self.device))[0].float().cpu()
         return e / e.norm()
 
-    def __call__(self, reference_rgb: np.ndarray, frames: np.ndarray) -> dict | None:
-        """{cur_score, arc_score} of the frames against the reference; None when the reference has no face."""
-        ref_face, ref_arc = self.face(reference_rgb)
-        if ref_face is None:
-            return None
-        ref_cur = self.embed(ref_face)
-        cur, arc = [], []
-        for frame in frames:
-            face, emb = self.face(frame)
-            if face is None:
-                continue
-            c = max(0.0, F.cosine_similarity(ref_cur, self.embed(face), dim=-1).item())
-            a = max(0.0, F.cosine_similarity(torch.as_tensor(ref_arc).float(), torch.as_tensor(emb).float(),
-                                             dim=-1).item())
-            if c != 0.0:
-                cur.append(c)
-            arc.append(a)
-        return dict(cur_score=float(np.mean(cur)) if cur else 0.0, arc_score=float(np.mean(arc)) if arc else 0.0)
+    def faces(self, images: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit CurricularFace (N, 512) and insightface (N, D) embeddings of each image's face, NaN rows where
+        none is found."""
+        found = [self.face(image) for image in images]
+        arc_dim = next((len(a) for _, a in found if a is not None), 1)
+        return (nan_rows([None if f is None else self.embed(f) for f, _ in found], self.cur.dim),
+                nan_rows([None if a is None else F.normalize(torch.as_tensor(a).float(), dim=0) for _, a in found],
+                         arc_dim))
+
+    def __call__(self, images: np.ndarray) -> torch.Tensor:
+        return self.faces(images)[0]
+
+
+def nan_rows(rows: list, dim: int) -> torch.Tensor:
+    """Vectors stacked (N, dim), a NaN row for each None (no face found)."""
+    return torch.stack([torch.full((dim,), np.nan) if r is None else r for r in rows])
+
+
+# Face similarity, one path: a face model maps images (N, H, W, 3) uint8 RGB to unit embeddings, NaN rows where it
+# finds no face (FaceSim, or an exported model through Embedder), and a score reads the cosines (N,) of a
+# reference's face to each frame's, NaN where either has none. Two scores read them, and differ by definition:
+# - a2's face_sim (--eval.face): face_frames, the share of frames with a face; face_sim_mean / face_sim_max, the mean
+#   / max cosine over them;
+# - OpenS2V's cur_score (get_facesim.py, --eval.facesim on FaceSim): each cosine clipped at 0, the mean over the
+#   frames with a face leaving the zeros out, as their loop does (0 when none); no score when the reference has none.
+
+
+def face_sim(cos: torch.Tensor) -> dict[str, float]:
+    found = cos[torch.isfinite(cos)]
+    more = dict(face_sim_mean=found.mean().item(), face_sim_max=found.max().item()) if len(found) else {}
+    return dict(face_frames=len(found) / len(cos), **more)
+
+
+def cur_score(cos: torch.Tensor) -> float:
+    kept = cos[torch.isfinite(cos)].clamp(min=0)
+    kept = kept[kept != 0]
+    return kept.mean().item() if len(kept) else 0.0
+
+
+def facesim_record(sim: FaceSim, reference: np.ndarray, frames: np.ndarray) -> dict | None:
+    """get_facesim.py's record of a video: cur_score, and arc_score, the same on insightface's embedding but with the
+    zeros kept (their check of a zero tests the list, not the score); None when the reference has no face."""
+    (ref_cur, ref_arc), (cur, arc) = sim.faces(reference[None]), sim.faces(frames)
+    if not torch.isfinite(ref_cur).all():
+        return None
+    arc_cos = (arc * ref_arc).sum(-1).clamp(min=0)  # (N, 1) NaN when no frame has a face
+    arc_cos = arc_cos[torch.isfinite(arc_cos)]
+    return dict(cur_score=cur_score(cur @ ref_cur[0]), arc_score=arc_cos.mean().item() if len(arc_cos) else 0.0)
 
 
 def face_reference(sample: dict) -> Path | None:
@@ -621,7 +680,8 @@ def load_scorers(cfg, device="cpu", gme_dtype=torch.float16) -> Scorers:
                if v is None]
     if skipped:
         print("not computed (encoder not given): " + "; ".join(skipped))
-    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.clip, "aes_score and the subject proxy", cfg.aes_clip),
+    s.notes = [n for n in (s.aes and tiny_encoder_note(s.aes.embed.model, "aes_score and the subject proxy",
+                                                       cfg.aes_clip),
                            s.gme and tiny_encoder_note(s.gme.model, "gme_score", cfg.gme)) if n]
     return s
 
@@ -640,7 +700,7 @@ def video_metrics(frames: np.ndarray, prompt: str, scorers: Scorers, face_refs=(
     if scorers.gme is not None:
         out["gme_score"] = scorers.gme(prompt, some)
     if scorers.face is not None:
-        found = [r["cur_score"] for r in (scorers.face(ref, some) for ref in face_refs) if r is not None]
+        found = [r["cur_score"] for r in (facesim_record(scorers.face, ref, some) for ref in face_refs) if r]
         if found:
             out["cur_score"] = float(np.mean(found))
     return out
@@ -686,7 +746,7 @@ def score_videos(video_dir, samples: dict[str, dict], json_dir, scorers: Scorers
         if PROXY_FILE in todo:
             refs = [load_image(p) for p in sample["images"]]
             results[PROXY_FILE][sid] = {PROXY_KEY: subject_clip_i_proxy(scorers.aes, refs, some)}
-        if "facesim" in todo and (found := scorers.face(load_image(face), some)) is not None:
+        if "facesim" in todo and (found := facesim_record(scorers.face, load_image(face), some)):
             results["facesim"][sid] = found
         if "gmescore" in todo:
             results["gmescore"][sid] = dict(gme_score=scorers.gme(sample["prompt"], some))

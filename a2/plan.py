@@ -27,9 +27,11 @@ from a2.dataset_config import (
     CONDITIONING_CHOICES,
     PUBLIC_TYPES,
     ConditioningConfig,
+    DataConfig,
     DatasetConfig,
     VaeProcessorConfig,
     check_size,
+    dataset_configs,
     element_kind,
     kind_of,
 )
@@ -37,6 +39,7 @@ from a2.elements import RELEASED_ELEMENTS, Element, pair_elements
 from a2.images import MAGREF_GRIDS, load_first_frame, load_references
 from a2.kinds import KIND_DEFS, kind_elements, kind_sampling, largest_element_set
 from a2.memory import check_flags
+from a2.sections import LoraSection, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, resolve_compile
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
     TI2V_Z_DIM,
@@ -46,16 +49,6 @@ from a2.transformer import (
     expert_sigma_range,
     is_hub_id,
     preset_config,
-)
-from config import (
-    DataConfig,
-    LoraConfig,
-    ObjectiveConfig,
-    OptimConfig,
-    ParallelConfig,
-    ReferencesConfig,
-    dataset_configs,
-    resolve_compile,
 )
 
 
@@ -498,7 +491,7 @@ def bench_plan(b) -> tuple[Run, tuple, dict]:
     run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
               encode_mode=kind_sampling(kind).encode_mode)
     sections = (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
-                LoraConfig(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
+                LoraSection(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
                 OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay),
                 ObjectiveConfig(sigma_sampling="logit_normal"),
                 ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))

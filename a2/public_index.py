@@ -43,7 +43,7 @@ from a2.public_read import (
     more_than_kinds_take,
     rle_of,
 )
-from config import ExportElements, IndexHumoSet, IndexOpenS2V, IndexPhantom
+from a2.sections import ExportElements, IndexHumoSet, IndexOpenS2V, IndexPhantom
 
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
 # Phantom-Data names no element: a phrase of these words (or a box of these classes) is the person, A2's subject

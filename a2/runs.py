@@ -339,7 +339,7 @@ def load_checkpoint(ckpt: Path, model, opt, fsdp: bool = False) -> dict:
         # code (dcp wraps its errors)
         trained = StateDictOptions(ignore_frozen_params=True, strict=False)  # a LoRA's: the adapter alone
         # dcp reads the entries the optimizer's state already has: get_state_dict makes AdamW's (torch's zero step at
-        # learning rate 0), and an EMA (a2/ema.py) gets its entry here, which the load then overwrites
+        # learning rate 0), and an EMA (a2/step.py) gets its entry here, which the load then overwrites
         get_state_dict(model, opt, options=trained)
         if any(k.startswith("optim.state.") and k.endswith(".ema") for k in saved):
             for p in (p for g in opt.param_groups for p in g["params"]):

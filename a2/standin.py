@@ -36,7 +36,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from torch import nn
 
-from a2.transformer import VideoOnlyCrossAttnProcessor, embed, rotate, unpatchify
+from a2.transformer import VideoOnlyCrossAttnProcessor, embed, rotate, unpatchify, weights_in
 
 RANK = 128  # Stand-In's released LoRAs
 ROPE_THETA = 10000.0  # Wan's (diffusers' WanRotaryPosEmbed default)
@@ -320,22 +320,13 @@ BASES = ("Stand-In_wan2.1_T2V_14B.ckpt on Wan2.1-T2V-14B; Stand-In_wan2.2_T2V_A1
          "Wan2.2-T2V-A14B's high-/low-noise expert")
 
 
-def read_lora(path) -> dict[str, torch.Tensor]:
+def read_lora(path, shapes_only: bool = False) -> dict[str, torch.Tensor]:
     """A Stand-In LoRA file (.ckpt as released: a torch pickle, maybe under "state_dict"; or .safetensors), tensors
     only (weights_only: a pickle cannot run code here)."""
-    path = Path(path)
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return weights_in(Path(path), shapes_only)
     except Exception as e:  # missing, truncated, or a pickle holding more than tensors
         raise ValueError(f"{path}: not a readable Stand-In LoRA ({type(e).__name__}: {e})") from e
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a Stand-In LoRA (a dict of tensors expected)")
-    return state
 
 
 def load_lora(transformer, path) -> int:
@@ -391,12 +382,7 @@ def is_lora_file(path) -> bool:
     path = Path(path)
     if not path.is_file() or path.suffix not in (".ckpt", ".pt", ".pth", ".safetensors"):
         return False
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as fh:
-            return any(THEIR_KEY.fullmatch(k) for k in fh.keys())
-    return any(THEIR_KEY.fullmatch(k) for k in read_lora(path))
+    return any(THEIR_KEY.fullmatch(k) for k in read_lora(path, shapes_only=True))
 
 
 def lora_state_dict(transformer) -> dict[str, torch.Tensor]:

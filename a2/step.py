@@ -1,10 +1,10 @@
 """One training step: the inputs of a micro-batch (every draw keyed by seed, step and sample), its loss, and the
-optimizer's update. What train_a2.py's loop, its eval loss, both dry runs (a2/trace.py) and bench.py run, so that
-what is measured is what trains."""
+optimizer's update with the EMA of the trained weights (--ema-decay). What train_a2.py's loop, its eval loss, both dry
+runs (a2/trace.py) and bench.py run, so that what is measured is what trains."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from a2 import align
-from a2.augment import AUGMENT_STREAM, augment_references
+from a2.align import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
     PosteriorCache,
     drop,
@@ -24,12 +24,11 @@ from a2.conditioning import (
     prepare_model,
     video_prediction,
 )
-from a2.ema import ema_decay, update_ema
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, timestep_bucket
 from a2.pipeline import encode_prompt, image_tokens
 from a2.plan import Run
 from a2.runs import NonFiniteSteps
-from config import ObjectiveConfig, OptimConfig, ReferencesConfig
+from a2.sections import ObjectiveConfig, OptimConfig, ReferencesConfig
 
 
 @dataclass
@@ -194,3 +193,64 @@ def optimizer_step(opt, params, guard, step_loss, step: int, optim: OptimConfig,
     if optim.ema_decay:
         update_ema(opt, params, ema_decay(optim.ema_decay, step))
     return grad_norm
+
+
+# ---------------------------------------------------------------- the EMA of the trained weights (--ema-decay)
+# EMA of the trained weights (--ema-decay), kept in the optimizer's state.
+#
+#     ema <- decay_t * ema + (1 - decay_t) * weights,   decay_t = min(decay, (1 + t) / (10 + t))   after step t
+#
+# The warm-up (1 + t) / (10 + t) is diffusers' EMAModel rule (the one SimpleTuner and most diffusion trainers use):
+# early on, when the weights move fast and an EMA of decay 0.9999 would stay at the initialisation for thousands of
+# steps, it follows them closely (t = 0: 0.1, t = 90: 0.91, t = 990: 0.991) and reaches `decay` after about 10 / (1 -
+# decay) steps. Each weight's EMA is one more entry, "ema", of its optimizer state, beside AdamW's moments, so it lives
+# where they live (the device; with --fsdp a DTensor sharded exactly like its weight), and every checkpoint and resume
+# that restores the optimizer restores it (DDP: optimizer.pt; --fsdp: the sharded optimizer state, reshardable), bit for
+# bit. It starts at the weights after the weight's first update (AdamW creates a weight's state there): before it a
+# weight has not moved, and after it the 0.1 of the first decay would have weighted the initial value, a difference that
+# the warm-up forgets within a few steps. A weight that never gets a gradient never moves: it is its own EMA.
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """The decay of the update after optimizer step `step` (0-based): the warm-up of the comment above."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (the same storage), a tensor itself: the EMA is elementwise, so shards update alone."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tracked(opt: torch.optim.Optimizer, params) -> list[torch.Tensor]:
+    """The weights that have optimizer state (have been updated)."""
+    return [p for p in params if "step" in opt.state.get(p, {})]
+
+
+@torch.no_grad()
+def update_ema(opt: torch.optim.Optimizer, params, decay: float) -> None:
+    """After opt.step(): every updated weight's EMA moves towards it by 1 - decay (one fused foreach kernel)."""
+    tracked = _tracked(opt, params)
+    for p in tracked:
+        if "ema" not in opt.state[p]:
+            opt.state[p]["ema"] = p.detach().clone()
+    if tracked:
+        torch._foreach_lerp_([_local(opt.state[p]["ema"]) for p in tracked], [_local(p.detach()) for p in tracked],
+                             1.0 - decay)
+
+
+@contextmanager
+def ema_weights(opt: torch.optim.Optimizer, params, enabled: bool = True):
+    """Inside: the weights hold their EMA (validation, export); after: the trained weights again, bit for bit.
+    Costs one copy of the updated weights (of this rank's shards) while inside."""
+    tracked = [p for p in _tracked(opt, params) if "ema" in opt.state[p]] if enabled else []
+    weights = [_local(p.detach()) for p in tracked]
+    saved = [w.clone() for w in weights]
+    with torch.no_grad():
+        if weights:
+            torch._foreach_copy_(weights, [_local(opt.state[p]["ema"]) for p in tracked])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            if weights:
+                torch._foreach_copy_(weights, saved)

@@ -81,10 +81,8 @@ from a2.memory import (
     step_shape,
 )
 from a2.parallel import context_parallel, emulated_ranks, shard, step_costs
-from a2.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS
-from config import (
-    LoraConfig,
+from a2.sections import (
+    LoraSection,
     MemoryConfig,
     ObjectiveConfig,
     OptimConfig,
@@ -92,6 +90,8 @@ from config import (
     ReferencesConfig,
     resolve_compile,
 )
+from a2.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.transformer import CLIP_TOKENS, TEXT_TOKENS
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
 
@@ -498,7 +498,7 @@ def align_zeros(run: Run, b: int, h: int, w: int, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------- the dry run
 
 
-def dry_run(memory: MemoryConfig, parallel: ParallelConfig, lora: LoraConfig, optim: OptimConfig,
+def dry_run(memory: MemoryConfig, parallel: ParallelConfig, lora: LoraSection, optim: OptimConfig,
             objective: ObjectiveConfig, references: ReferencesConfig, size: tuple[int, int], run: Run, build,
             config: dict | None = None, align_dim: int | None = None, log=print, trace: bool = True) -> dict:
     """--dry-run of train_a2.py and bench.py: one rank's training step at real size without a GPU, weights or data.

@@ -249,47 +249,37 @@ class ModelInfo:
 
 # ---------------------------------------------------------------- original Wan checkpoints (Phantom-Wan)
 
-# original Wan (Wan2.1 repo's WanModel, Phantom-Wan, ComfyUI) name -> diffusers WanTransformer3DModel name, of a
-# module or a parameter: inside a block, then at the top level. The rest of a key (.weight / .bias) is kept. Read the
-# other way (DIFFUSERS_*) for the exports in original names; reading them, diffusers' converter (original_to_diffusers).
-# The original block's `norm3` is the cross-attention norm (diffusers' `norm2`); its norm1/norm2 carry no weights.
-ORIGINAL_BLOCK = {
-    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
-    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
-    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
-    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
-    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
-    "cross_attn.norm_k_img": "attn2.norm_added_k",
-    "norm3": "norm2", "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2", "modulation": "scale_shift_table",
-    "before_proj": "proj_in", "after_proj": "proj_out",  # VACE's context blocks (vace_blocks.N) have these too
+# a2's names for export only (diffusers_to_original, wan_module_name): diffusers WanTransformer3DModel name -> original
+# Wan (Wan2.1 repo's WanModel, Phantom-Wan, ComfyUI) name, of a module or a parameter, inside a block, then at the top
+# level; the rest of a key (.weight / .bias) is kept. Reading original names is diffusers' converter's
+# (original_to_diffusers). The original block's `norm3` is the cross-attention norm (diffusers' `norm2`); its
+# norm1/norm2 carry no weights.
+WAN_BLOCK = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o", "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o", "attn2.norm_q": "cross_attn.norm_q", "attn2.norm_k": "cross_attn.norm_k",
+    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "attn2.norm_added_k": "cross_attn.norm_k_img",
+    "norm2": "norm3", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "scale_shift_table": "modulation",
+    "proj_in": "before_proj", "proj_out": "after_proj",  # VACE's context blocks (vace_blocks.N) have these too
 }
-ORIGINAL_TOP = {
+EMB_POS = "condition_embedder.image_embedder.pos_embed"  # FLF2V's image position embedding (img_emb.emb_pos)
+WAN_TOP = {
     "patch_embedding": "patch_embedding",
-    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
-    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
-    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
-    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
-    "time_projection.1": "condition_embedder.time_proj",
-    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
-    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
-    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
-    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
-    "head.head": "proj_out", "head.modulation": "scale_shift_table",
-    "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed",  # FLF2V's image position embedding
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+    "proj_out": "head.head", "scale_shift_table": "head.modulation", EMB_POS: "img_emb.emb_pos",
     "vace_patch_embedding": "vace_patch_embedding",
 }
-DIFFUSERS_BLOCK = {v: k for k, v in ORIGINAL_BLOCK.items()}  # the same tables read the other way
-DIFFUSERS_TOP = {v: k for k, v in ORIGINAL_TOP.items()}
 HEAD_DIM = 128  # every released Wan 2.1 model's attention head width (1.3B: 1536 / 12, 14B: 5120 / 40)
-
-
-def _rename(key: str, block: dict, top: dict) -> str:
-    m = re.fullmatch(r"((?:vace_)?blocks\.\d+\.)(.+)", key)  # a transformer block or a VACE context block
-    prefix, rest, table = (m[1], m[2], block) if m else ("", key, top)
-    for src, dst in table.items():
-        if rest == src or rest.startswith(src + "."):
-            return prefix + dst + rest[len(src):]
-    raise KeyError(key)
 
 
 ORIGINAL_PREFIX = re.compile(r"^(model\.)?diffusion_model\.")  # ComfyUI's whole-checkpoint / model files' keys
@@ -303,7 +293,7 @@ def original_to_diffusers(sd: dict) -> dict:
     it does not know keeps its name (original_config has checked the names against the model's)."""
     out = convert_wan_transformer_to_diffusers({ORIGINAL_PREFIX.sub("", k): v for k, v in sd.items()})
     if "img_emb.emb_pos" in out:  # FLF2V's image position embedding, which diffusers 0.42's converter leaves as it is
-        out[ORIGINAL_TOP["img_emb.emb_pos"]] = out.pop("img_emb.emb_pos")
+        out[EMB_POS] = out.pop("img_emb.emb_pos")
     return out
 
 
@@ -355,27 +345,38 @@ def _shards(index: Path) -> list[Path]:
     return [index.parent / f for f in sorted(set(weight_map.values()))]
 
 
-def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
-    """name -> shape of every tensor of a checkpoint, without reading the tensors (safetensors headers, a .pth
-    memory-mapped); a ComfyUI prefix is removed."""
+def weights_in(path: Path, shapes_only: bool = False) -> dict:
+    """The tensors of a weights file by name (shapes_only: their shapes, without reading them): safetensors, or a torch
+    pickle, maybe under "state_dict" (weights_only: a pickle cannot run code here; a zip one memory-mapped, a legacy
+    one loaded). Values that are no tensor are left out; ValueError when it holds no dict."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
+    if path.suffix.lower() == ".safetensors":
+        if not shapes_only:
+            return load_file(path)
+        with safe_open(path, "pt") as fh:
+            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    try:
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # a legacy (not zip) pickle cannot be memory-mapped
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: holds a {type(sd).__name__}, not a state dict")
+    return {k: tuple(v.shape) if shapes_only else v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple]:
+    """name -> shape of every tensor of a checkpoint, without reading the tensors; a ComfyUI prefix is removed."""
     shapes = {}
     for f in files:
         if not f.exists():
             raise UnsupportedModel(f"{f}: missing (listed by the checkpoint's index)")
-        if f.suffix == ".safetensors":
-            with safe_open(f, "pt") as fh:
-                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
-        else:
-            try:  # a zip-format .pth is memory-mapped (only the keys and shapes are read); a legacy one loads
-                sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            except RuntimeError:
-                sd = torch.load(f, map_location="cpu", weights_only=True)
-            sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
-            if not isinstance(sd, dict):
-                raise UnsupportedModel(f"{f}: holds a {type(sd).__name__}, not a state dict")
-            shapes.update({k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+        try:
+            shapes.update(weights_in(f, shapes_only=True))
+        except ValueError as e:
+            raise UnsupportedModel(str(e)) from e
     return {ORIGINAL_PREFIX.sub("", k): v for k, v in shapes.items()}
 
 
@@ -413,8 +414,9 @@ def vace_layers(shapes: dict, num_layers: int, wan: dict, where) -> list[int]:
 def original_config(files: list[Path], config_path: Path | None = None) -> dict:
     """The diffusers WanTransformer3DModel config of an original-Wan checkpoint: the widths, depth and image branch
     read from the tensors' shapes; heads and eps from a Wan config.json beside it when there is one (Phantom's
-    releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names
-    must be exactly those of that config: one line naming the checkpoint and what differs otherwise."""
+    releases ship none; every Wan 2.1 model has 128-wide heads), checked against the shapes. Then the key names,
+    read by diffusers' converter as load_original reads them, must be exactly those of that config: one line naming
+    the checkpoint and what differs otherwise."""
     where = files[0] if len(files) == 1 else files[0].parent
     shapes = _checkpoint_shapes(files)
     if any(".attn1.to_q." in k for k in shapes):
@@ -448,9 +450,14 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
         raise UnsupportedModel(f"{where}: {config_path} does not describe these weights (config vs tensors: "
                                f"{wrong or {'num_heads': heads, 'dim': dim}}); use the config.json of this model")
     with torch.device("meta"):
-        expected = diffusers_to_original(transformer_class(cfg)(**cfg).state_dict())
-    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-    bad = [k for k in set(expected) & set(shapes) if tuple(expected[k].shape) != shapes[k]]
+        expected = transformer_class(cfg)(**cfg).state_dict()
+    try:  # as load_original will name them: diffusers name -> own
+        names = original_to_diffusers({k: k for k in shapes})
+    except Exception as e:  # keys the converter reshapes too (Wan-Animate's motion encoder, face adapter)
+        raise UnsupportedModel(f"{where}: not a Wan / VACE checkpoint a2 reads ({type(e).__name__}: {e})") from e
+    missing = sorted(wan_module_name(k) for k in set(expected) - set(names))
+    extra = sorted(names[k] for k in set(names) - set(expected))
+    bad = [names[k] for k in set(expected) & set(names) if tuple(expected[k].shape) != shapes[names[k]]]
     if missing or extra or bad:
         raise UnsupportedModel(f"{where}: not a complete original-Wan checkpoint of a {cfg['num_layers']}-block "
                                f"{dim}-wide model: {len(missing)} missing {missing[:3]}, {len(extra)} unexpected "
@@ -463,12 +470,7 @@ def original_config(files: list[Path], config_path: Path | None = None) -> dict:
 def load_original(files: list[Path], config: dict, dtype: torch.dtype = torch.float32) -> WanTransformer3DModel:
     """WanTransformer3DModel of `config` (original_config) with an original-Wan checkpoint's weights, every
     parameter assigned (strict)."""
-    from safetensors.torch import load_file
-
-    sd = {}
-    for f in files:
-        part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-        sd.update(part.get("state_dict", part))
+    sd = {k: v for f in files for k, v in weights_in(f).items()}
     model = transformer_class(config)(**config)
     keep = set(model._keep_in_fp32_modules)
     model.load_state_dict(original_to_diffusers(sd), strict=True)
@@ -951,7 +953,12 @@ def allow_recompiles(shapes: int) -> None:
 
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
-    return _rename(name, DIFFUSERS_BLOCK, DIFFUSERS_TOP)
+    m = re.fullmatch(r"((?:vace_)?blocks\.\d+\.)(.+)", name)  # a transformer block or a VACE context block
+    prefix, rest, table = (m[1], m[2], WAN_BLOCK) if m else ("", name, WAN_TOP)
+    for src, dst in table.items():
+        if rest == src or rest.startswith(src + "."):
+            return prefix + dst + rest[len(src):]
+    raise KeyError(name)
 
 
 def save_wan_checkpoint(state_dict: dict[str, torch.Tensor], path: Path) -> Path:

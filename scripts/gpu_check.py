@@ -28,8 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TIMES = ROOT / "scripts" / "gpu_times.json"
 DOC = ROOT / "docs" / "gpu.md"
-QUICK_LIMIT_S = 360  # quick fits in 6 minutes of one call, its start and the speed rows' 4 minutes beside it
-SPEED_LIMIT_S = 240
 TEXT = 6000  # characters of a failure's text kept (its end: the assertion and the last frames)
 
 # the GPU-only paths, one test each

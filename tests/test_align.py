@@ -1,4 +1,4 @@
-"""RefAlign's reference-alignment loss (a2/align.py), reference augmentation (a2/augment.py) and the joint dropout:
+"""RefAlign's reference-alignment loss (a2/align.py), reference augmentation (a2/align.py too) and the joint dropout:
 the loss against a hand computation, the DINOv3 targets on the DiT's grid (a tiny random DINOv3ViTModel), where each
 kind's reference tokens are, and in training: weight 0 trains bit for bit as without it, the loss reaches only the
 chosen blocks and the projectors, DDP == one process, resume == uninterrupted, the cache == the pixels, the export has
@@ -304,7 +304,7 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     """Augmentation draws from the sample's own stream (the same images at the same (seed, step, sample), others at
     another step), leaves the other draws (noise, sigma) unchanged, fills with white, and the VAE sees its result."""
 
-    from a2.augment import augment_image, augment_references
+    from a2.align import augment_image, augment_references
     from a2.flow import sample_generator
     from a2.loader import collate
     from data import E2VDataset

@@ -12,7 +12,7 @@ from a2.kinds import KINDS, V3_SLOTS
 from a2.step import forward_loss, optimizer_step
 from a2.transformer import preset_config
 from bench import BenchConfig, forward_flops, main
-from config import MemoryConfig
+from config import BenchTiming, MemoryConfig
 
 
 def test_flops_match_the_stated_real_shapes():
@@ -27,9 +27,9 @@ def test_flops_match_the_stated_real_shapes():
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_bench_runs_on_cpu(mode):
-    r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode=mode, steps=1, warmup=1,
-                         dtype="float32", device="cpu", memory=MemoryConfig(save_attention=mode == "lora"),
-                         peak_tflops=1.0))
+    r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode=mode, dtype="float32",
+                         device="cpu", memory=MemoryConfig(save_attention=mode == "lora"),
+                         timing=BenchTiming(steps=1, warmup=1, peak_tflops=1.0)))
     assert r["hfu"] > r["mfu"] > 0  # the recomputed forward is hardware work on top of the model FLOPs
     assert r["tokens"] == 3 * 2 * 2 and r["s_per_step"] > 0 and r["tflops"] > 0
 
@@ -37,8 +37,8 @@ def test_bench_runs_on_cpu(mode):
 def test_bench_runs_each_memory_piece_on_cpu():
     """bench.py with offload, block swap and fp8 (the flags, as --memory manual): the plan is reported with host
     memory, and the step is timed (that they change no result is tests/test_offload.py's and test_fp8.py's)."""
-    r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode="lora", steps=1, warmup=1,
-                         dtype="float32", device="cpu", peak_tflops=1.0, memory=MemoryConfig(
+    r = main(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=2, mode="lora", dtype="float32",
+                         device="cpu", timing=BenchTiming(steps=1, warmup=1, peak_tflops=1.0), memory=MemoryConfig(
                              save_attention=True, offload_activations=True, swap_blocks=1, fp8_base=True)))
     assert (r["offload"], r["swap_blocks"], r["fp8"]) == (True, 1, True)
     assert "1 blocks swapped to host" in r["plan"] and r["host_gb"] > 0 and r["s_per_step"] > 0
@@ -57,7 +57,7 @@ def test_bench_runs_every_kind(kind):
     the preset with its context blocks (their FLOPs counted: a hint after each of tiny's 2 blocks)."""
     assert set(KIND_TOKENS) == set(KINDS)
     r = main(BenchConfig(preset="tiny-ti2v" if kind == "clean" else "tiny", frames=9, height=32, width=32, refs=2,
-                         layout=kind, steps=1, warmup=0, dtype="float32", device="cpu"))
+                         layout=kind, dtype="float32", device="cpu", timing=BenchTiming(steps=1, warmup=0)))
     assert r["layout"] == kind and (r["tokens"], r["reference_tokens"]) == KIND_TOKENS[kind]
     assert r["s_per_step"] > 0 and r["forward_pflop"] > 0
 
@@ -93,8 +93,8 @@ def test_bench_times_train_a2s_step(monkeypatch):
 
     monkeypatch.setattr(bench, "forward_loss", changed_loss)
     monkeypatch.setattr(bench, "optimizer_step", recorded_step)
-    main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, steps=2, warmup=1, dtype="float32",
-                     device="cpu", ema_decay=0.9))
+    main(BenchConfig(preset="tiny", frames=9, height=32, width=32, align_refs=2, dtype="float32", device="cpu",
+                     ema_decay=0.9, timing=BenchTiming(steps=2, warmup=1)))
     assert len(seen) == 3 and updates == [(0, 0.9, True), (1, 0.9, True), (2, 0.9, True)]  # warmup + timed steps
     kind, aligned, targets, x0, loss = seen[-1]
     assert (kind, aligned, x0) == ("phantom", True, (1, 16, 3, 4, 4))  # the video's 3 latents (then 2 references)

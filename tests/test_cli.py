@@ -109,7 +109,7 @@ def test_resolution_is_one_name_across_clis():
 
 HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script imports after parsing its flags
 # config.py's own modules: tyro and the standard library only (anything heavy they imported would be listed above)
-LIGHT = ("a2", "a2.cli", "a2.elements", "a2.dataset_config")
+LIGHT = ("a2", "a2.cli", "a2.elements", "a2.dataset_config", "a2.sections")
 
 
 @pytest.mark.parametrize("script, argv, typo, mistakes", [

@@ -21,7 +21,7 @@ FULL = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-
 def test_ema_recurrence_and_swap():
     """After optimizer step t: ema = lerp(ema, w, 1 - min(d, (1+t)/(10+t))), starting at the weights after the first
     step; ema_weights puts the EMA in and the trained weights back, bit for bit."""
-    from a2.ema import ema_decay, ema_weights, update_ema
+    from a2.step import ema_decay, ema_weights, update_ema
 
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 4)

@@ -18,7 +18,7 @@ from a2.elements import Element
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
 from a2.images import load_references
 from a2.opens2v import flows, tiny_encoder_note
-from config import EvalConfig, LoraConfig
+from config import EvalConfig, LoraSection
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     from config import LORA_TARGETS
     from tests.test_lora import adapted_pipe
 
-    lora = export_weights(tmp_path / "lora", adapted_pipe(tiny_dir, LORA_TARGETS).transformer, LoraConfig(), None)
+    lora = export_weights(tmp_path / "lora", adapted_pipe(tiny_dir, LORA_TARGETS).transformer, LoraSection(), None)
     dirs = save_tiny_evaluators(tmp_path / "evaluators")
     (tmp_path / "set" / "img").mkdir(parents=True)
     for name, array in (("me", disk()), ("bear", stripes()), ("forest", stripes(32)[::-1].copy())):

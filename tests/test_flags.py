@@ -127,7 +127,8 @@ def test_every_cli_takes_the_same_flags():
         assert p == want, f"{name}: lost {sorted(set(want) - set(p))}, new {sorted(set(p) - set(want))}"
 
 
-@pytest.mark.parametrize("command", ["train_a2.py", "data.py validate"])
+# every command but infer.py, whose --help is still one box of 44 options (its sections are not made yet)
+@pytest.mark.parametrize("command", [c for c in FLAGS if c != "infer.py"])
 def test_help_groups_are_sections_of_at_most_25(command):
     """--help shows each section under its own title; none is a box of more than 25 options."""
     groups = {g.title: len(g._group_actions) for g in all_commands()[command]._action_groups if g._group_actions}

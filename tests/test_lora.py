@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from config import LoraConfig
+from config import LoraSection
 from tests.conftest import train
 
 # every Linear the diffusers converter maps back outside the blocks
@@ -68,7 +68,7 @@ def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
     pipe.transformer.disable_lora()
     base = transformer_out(pipe.transformer)
     pipe.transformer.enable_lora()
-    exported = export_weights(tmp_path, pipe.transformer, LoraConfig(), None)
+    exported = export_weights(tmp_path, pipe.transformer, LoraSection(), None)
     comfy = tmp_path / COMFY_NAME
     original = load_file(comfy)
     assert all(k.startswith("diffusion_model.blocks.") for k in original)

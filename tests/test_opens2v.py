@@ -55,7 +55,8 @@ def test_merge_of_the_demo_files_is_their_normalised_metrics_and_which_weights_m
     total, missing = opens2v.total_score(metrics, "Open-Domain")
     assert missing == [] and total == pytest.approx(0.5959962472265614, rel=1e-12)  # v1.1, not their 0.636
     # 0.6356867755593165 is the v1.0 weighting (one motion metric, 0.12) with the smoothness in the motion slot
-    v10 = opens2v.WEIGHTS_V10["Open-Domain"]
+    # v1.0's weights (the repository's first eval/v1.0_backup/merge_result.py), which no a2 code scores with
+    v10 = dict(aes_score=0.12, motion=0.12, facesim_cur=0.20, gme_score=0.12, nexus_score=0.20, natural_score=0.24)
     old = sum(w * metrics["motion_smoothness" if m == "motion" else m] for m, w in v10.items())
     assert old == pytest.approx(theirs["total_score"], rel=1e-12)
     assert total != pytest.approx(theirs["total_score"], abs=0.01)
@@ -220,7 +221,7 @@ def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
     assert [k for k in opens2v.AestheticMLP().state_dict()] == [
         f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
     scorer = tiny_aesthetics()
-    clip, processor, mlp = scorer.clip, scorer.processor, scorer.mlp
+    clip, processor, mlp = scorer.embed.model, scorer.embed.processor, scorer.mlp
     frames = (np.random.default_rng(0).random((3, 40, 56, 3)) * 255).astype(np.uint8)
     # written out: the projected embedding of each processed frame, unit length, through the MLP, mean over frames
     x = processor(images=list(frames), return_tensors="pt").pixel_values
@@ -257,8 +258,8 @@ def test_training_validation_logs_their_metrics_per_step(tiny_dir, tmp_path):
     from tests.conftest import args, train
 
     aes = tiny_aesthetics()  # saved as a user's dirs are: a CLIP dir and the MLP's state dict
-    aes.clip.save_pretrained(tmp_path / "clip")
-    aes.processor.save_pretrained(tmp_path / "clip")
+    aes.embed.model.save_pretrained(tmp_path / "clip")
+    aes.embed.processor.save_pretrained(tmp_path / "clip")
     torch.save(aes.mlp.state_dict(), tmp_path / "aesthetic-model.pth")
     data = make_synthetic_dataset(tmp_path / "data", num_samples=2, num_frames=17, size=(32, 32))
     images = [str(data / f"000_{name}.png") for name in ("person", "object", "background")]
@@ -273,7 +274,7 @@ def test_training_validation_logs_their_metrics_per_step(tiny_dir, tmp_path):
     assert video.shape[0] == 9  # 21 frames - 12 reference frames: the video the metrics were computed on (as a tensor)
 
 
-def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs():
+def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as_theirs(tmp_path, monkeypatch):
     with torch.device("meta"):
         ir101 = opens2v.IRBackbone()
     sd = ir101.state_dict()
@@ -303,13 +304,48 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
 
     sim = opens2v.FaceSim(tiny, detect, align)
     black = np.zeros_like(face)
-    same = sim(face, np.stack([face, black, face]))
+    same = opens2v.facesim_record(sim, face, np.stack([face, black, face]))
     assert same["cur_score"] == pytest.approx(1.0, abs=1e-6)  # frames without a face are left out
-    mixed = sim(face, np.stack([face, other]))
-    c_other = max(0.0, torch.nn.functional.cosine_similarity(sim.embed(face), sim.embed(other), dim=0).item())
-    expected = np.mean([1.0, c_other] if c_other != 0.0 else [1.0])
+    assert same["arc_score"] == pytest.approx(1.0, abs=1e-6)
+    mixed = opens2v.facesim_record(sim, face, np.stack([face, other]))
+    c_other = torch.nn.functional.cosine_similarity(sim.embed(face), sim.embed(other), dim=0).item()
+    a_other = max(0.0, torch.nn.functional.cosine_similarity(*(torch.from_numpy(x[:4, :4, ::-1].astype(np.float32))
+                                                                .ravel() for x in (face, other)), dim=0).item())
+    expected = np.mean([1.0, c_other] if c_other > 0 else [1.0])  # their loop leaves out the zeros of max(0, cos)
     assert mixed["cur_score"] == pytest.approx(expected, abs=1e-6)
-    assert sim(black, np.stack([face])) is None  # no face in the reference, even padded
+    assert mixed["arc_score"] == pytest.approx((1.0 + a_other) / 2, abs=1e-6)  # ... but keeps arc_score's zeros
+    assert opens2v.facesim_record(sim, black, np.stack([face])) is None  # no face in the reference, even padded
+    assert opens2v.facesim_record(sim, face, np.stack([black])) == dict(cur_score=0.0, arc_score=0.0)
+
+    cos = torch.tensor([0.5, float("nan"), -0.2, 0.0])  # a frame without a face is NaN
+    assert opens2v.cur_score(cos) == pytest.approx(0.5)  # max(0, cos), its zeros left out as their loop does
+    assert opens2v.face_sim(cos) == pytest.approx(dict(face_frames=0.75, face_sim_mean=0.1, face_sim_max=0.5))
+
+    # the same face model, cosines and "no face" as a2's face_sim (--eval.face takes an OpenS2V-Weight dir), read by
+    # the one path: face_sim over the frames with a face, cur_score of OpenS2V on the same cosines
+    from a2.evaluate import Evaluators, evaluate_video
+
+    ev = Evaluators(face=sim, opens2v=opens2v.Scorers(face=sim, motion=False))
+    reference = torch.from_numpy(face).permute(2, 0, 1).float() / 127.5 - 1  # the CLIP path's [-1, 1]
+    r = evaluate_video(torch.from_numpy(np.stack([face, black, other])), {"subject": reference}, "x", ev,
+                       faces=("subject",))
+    subject = r["elements"]["subject"]
+    assert subject["face_frames"] == pytest.approx(2 / 3)
+    assert subject["face_sim_mean"] == pytest.approx((1 + c_other) / 2, abs=1e-6)
+    assert subject["face_sim_max"] == pytest.approx(1.0, abs=1e-6)
+    # cur_score on their 32 evenly spaced frames of 3: the face 16 times, black 15 (no face), the other once
+    assert r["video"]["cur_score"] == pytest.approx((16 + c_other) / 17 if c_other > 0 else 1.0, abs=1e-6)
+
+    # --eval.face takes an OpenS2V-Weight dir (face_extractor/ beside the backbone): their face model for face_sim
+    from a2.evaluate import load_evaluators
+    from config import EvalConfig
+
+    (tmp_path / "face_extractor").mkdir()
+    loads = []
+    monkeypatch.setattr(opens2v.FaceSim, "load", classmethod(lambda cls, d, device="cpu": loads.append(d) or sim))
+    assert load_evaluators(EvalConfig(face=str(tmp_path))).face is sim
+    both = load_evaluators(EvalConfig(face=str(tmp_path), facesim=str(tmp_path)))
+    assert both.face is both.opens2v.face is sim and len(loads) == 2  # the one dir for both: loaded once
 
 
 def tiny_gme():

@@ -138,6 +138,9 @@ def test_phantom_checkpoint_as_released(phantom_dir, tmp_path):
     (lambda sd: sd.update({"blocks.0.self_attn.alpha": torch.zeros(1)}), ["1 unexpected", "self_attn.alpha"]),
     (lambda sd: sd.update({"blocks.0.ffn.2.bias": torch.zeros(3)}), ["1 of another shape", "ffn.2.bias"]),
     (lambda sd: [sd.pop(k) for k in list(sd) if k.startswith("blocks.0.")], ["not an original Wan"]),
+    # a key diffusers' converter reshapes as it renames (Wan-Animate's motion encoder): no Wan a2 reads
+    (lambda sd: sd.update({"motion_encoder.enc.net_app.convs.1.conv1.1.bias": torch.zeros(1, 3, 1, 1)}),
+     ["not a Wan / VACE checkpoint a2 reads"]),
 ])
 def test_bad_phantom_checkpoints_fail_in_one_line_before_loading(phantom_dir, tmp_path, monkeypatch, break_it, words):
     sd = original_sd(phantom_dir)
