@@ -116,6 +116,22 @@ def test_bench_compares_no_kind_name():
     assert not re.findall(rf'[=!]=\s*"({names})"|"({names})"\s*[=!]=|in\s*\([^)]*"({names})"', source)
 
 
+def test_bench_plans_with_the_planner():
+    """bench.py asks a2/plan.py for its run (bench_plan: the preset's ModelInfo, the kind's flags, the sections its step
+    reads) and its loader's data (bench_datasets), as training plans: it constructs no ModelInfo, no training section
+    and no dataset config of its own, and imports no test module, so it cannot drift from a training run."""
+    import ast
+
+    tree = ast.parse(Path(bench.__file__).read_text())
+    made = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    by_hand = {"ModelInfo", "DatasetConfig", "DataConfig", "VaeProcessorConfig", "ClipProcessorConfig", "LoraSection",
+               "OptimConfig", "ObjectiveConfig", "ReferencesConfig", "ParallelConfig", "TrainConfig"}
+    assert made & by_hand == set()
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert [m for m in imported if m.split(".")[0] == "tests"] == []
+
+
 def test_bench_dry_run_traces_each_kinds_step():
     """bench.py --dry-run traces the same step as the timed one: Stand-In's 1024 reference tokens beside the video's
     make its traced step larger than T2V's at the same shape; MAGREF's and TI2V's (clean) steps trace too."""
