@@ -31,7 +31,7 @@ import random
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
-from a2.cli import ConfigError, check_dir_to_write, exit_on_signal, run_cli
+from a2.cli import ConfigError, check_dir_to_write, exit_on_signal, left_as_found, run_cli
 from a2.conditioning import (
     Layout,
     PosteriorCache,
@@ -647,34 +647,7 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
     return state, saved["step"]
 
 
-@contextmanager
-def left_as_found():
-    """main()'s decorator: main leaves the process as it found it on every exit (a return, an exception, a stop), so
-    that a caller (a notebook, a test) keeps no SIGTERM/SIGINT handler of a run that has ended and can call main
-    again: the handlers main installs are restored, the STOP flags cleared, the environment variables it set
-    (PYTORCH_CUDA_ALLOC_CONF, read once when CUDA initialises) put back, and the process group main created is
-    destroyed. After an exception with several ranks the group is left to the process's exit: destroying it would
-    wait for the other ranks' collectives, which may never come."""
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    environ = dict(os.environ)
-    created = not dist.is_initialized()
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        STOP.update(signal=None, loop=False)
-        for name in os.environ.keys() - environ.keys():
-            del os.environ[name]
-        os.environ.update(environ)
-        for signum, handler in handlers.items():
-            if signal.getsignal(signum) is not handler:  # (only the main thread may set one; main set them there)
-                signal.signal(signum, handler)
-        if created and dist.is_initialized() and not (failed and dist.get_world_size() > 1):
-            dist.destroy_process_group()
-
-
-@left_as_found()
+@left_as_found(lambda: STOP.update(signal=None, loop=False))  # (its STOP flags cleared on every exit)
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
     if cfg.model.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
