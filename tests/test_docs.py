@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, assert_their_motion
 
@@ -557,3 +558,23 @@ def test_a_dry_run_plans_for_an_80_gib_card_by_default():
                                   memory=MemoryConfig(dry_run=True)), layers=2, log=printed.append)
     assert r["plan"].budget_gb == 80 and r["fits"]
     assert "fits: 80.0 GiB card" in "\n".join(printed)
+
+
+def test_lora_scale_scales_an_ordinary_lora(tmp_path):
+    """docs/interop.md: "`--lora-scale` scales the ordinary ones": at 0 the LoRA adds exact zeros (the base model's
+    latents bit for bit: the same ops on the same values), at 1 and at 0.5 it changes them, each differently."""
+    from a2.lora import export_lora
+    from a2.tiny import model_path
+    from config import LORA_TARGETS
+    from tests.conftest import drawn_person
+    from tests.test_lora import adapted_pipe
+    from tests.test_promises import sample
+
+    lora, _ = export_lora(tmp_path / "run", adapted_pipe(model_path("tiny"), LORA_TARGETS).transformer)
+    drawn_person((40, 28)).save(tmp_path / "me.png")
+    run = ["--model", "tiny", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2", "--device", "cpu",
+           "--elements", str(tmp_path / "me.png")]
+    base, _ = sample(run, tmp_path / "base")
+    at = {s: sample([*run, "--lora", str(lora), "--lora-scale", s], tmp_path / s)[0] for s in ("0", "0.5", "1")}
+    assert torch.equal(at["0"], base)
+    assert min((at[a] - at[b]).abs().max().item() for a, b in (("0", "0.5"), ("0.5", "1"), ("0", "1"))) > 1e-4

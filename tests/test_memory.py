@@ -290,6 +290,13 @@ TERM_CASES = {
     "A2 (3 CLIP images), no recomputation, few tokens": (dict(refs=3, **FEW), dict(gradient_checkpointing=False), 2,
                                                          ("forward end", "backward", "step"),
                                                          "cross-attention's keys and values of 1,283 keys (CONTEXT_D)"),
+    "A2 (3 CLIP images), every block recomputed": (dict(refs=3, **P480), dict(), 2,
+                                                   ("forward end", "recompute", "step"),
+                                                   "the image cross-attention's output in a recomputed block"),
+    "A2 (3 CLIP images), every block recomputed, few tokens": (dict(refs=3, **FEW), dict(), 2,
+                                                               ("forward end", "backward", "recompute", "step"),
+                                                               "cross-attention's keys and values in a recomputed "
+                                                               "block"),
     "LoRA, context parallel 2": (dict(refs=0, context_parallel=2, **P480), dict(), 2,
                                  ("forward", "recompute", "step"), "the all-to-all's exchange in the forward"),
     "LoRA, FSDP over 2 ranks, few tokens": (dict(refs=0, fsdp=True, **FEW), dict(dry_run_ranks=2), 2,
