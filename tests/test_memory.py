@@ -262,6 +262,13 @@ def test_readme_memory_table_is_the_commands_output():
 # these phases hold). A phase not held is one where the rule is known to differ (the backward through recomputed
 # blocks: the rule counts a backward through blocks not recomputed, 0.4-0.7 GiB over; a forward at few tokens: 20-30
 # MB of casts and norms the rule does not count; the forward under FSDP: gathers that come and go).
+# Not held (each removed, every case still passes): terms under 1% + 8 MiB of their phase wherever the phase agrees
+# (the context's share outside the blocks, 2·Lc·d; the head's gathered output, 4·L·64; VACE's embedding kept and the
+# hint alive at a hinted last block, 0.11 GiB of 14-15 GiB), and terms of phases held nowhere: the gradients and
+# autocast's copies at the recompute phase (full fine-tuning at 32 tokens holds every block's gradient there, 3%
+# over the rule), offload's blocks kept at the forward's end (the rule counts 0.19 GiB more than the trace), FSDP's
+# gathers in the forward and full fine-tuning's reduce-scatter (6-25% apart), VACE's context gradients under full
+# fine-tuning (the context phase 4% apart).
 P480, FEW = dict(frames=81, height=480, width=832), dict(frames=5, height=64, width=64)  # 32,760 tokens; 32
 ALL = ("forward", "forward end", "backward", "step")  # the phases of a step without recomputation
 TERM_CASES = {
@@ -315,6 +322,9 @@ TERM_CASES = {
                                                   ("forward", "forward end", "backward", "context", "step"),
                                                   "the context blocks' weights and what they keep, the context "
                                                   "blocks' backward (the phase context), frozen blocks"),
+    "VACE (2 context blocks of 3 blocks), every block recomputed": (
+        dict(refs=3, layout="vace", **P480), dict(), 3, ("forward", "forward end", "recompute", "context", "step"),
+        "the forward at the last context block: its context input and the hints made before it"),
     "VACE (3 context blocks), half recomputed": (dict(refs=3, layout="vace", **P480), dict(checkpoint_fraction=0.5),
                                                  6, ("forward", "forward end", "backward", "recompute", "context",
                                                      "step"), "the hints and their gradients, the recomputed context "
