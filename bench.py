@@ -73,6 +73,7 @@ from a2.transformer import (
     random_transformer,
 )
 from config import (
+    ADAMW,
     LORA_TARGETS,
     BenchConfig,
     LoraSection,
@@ -342,7 +343,7 @@ def step_sections(b: BenchConfig) -> tuple:
     values: a step costs the same whatever they are."""
     return (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
             LoraSection(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
-            OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay),
+            OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay, **ADAMW),
             ObjectiveConfig(sigma_sampling="logit_normal"),
             ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))
 

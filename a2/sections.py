@@ -332,8 +332,12 @@ class OptimConfig:
 
     lr: float | None = None
     """The AdamW peak learning rate (after warmup). Left out: the model's recipe (RECIPES)."""
-    weight_decay: float = 0.0
-    """The AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
+    weight_decay: float | None = None
+    """The AdamW decoupled weight decay (per step, multiplied by the learning rate), on every trainable weight.
+    Left out: the model's recipe (RECIPES): 0; Kaleido's 1e-4."""
+    adam_betas: tuple[float, float] | None = None
+    """The AdamW betas (the moments' decays), e.g. --adam-betas 0.9 0.95. Left out: the model's recipe (RECIPES):
+    torch's (0.9, 0.999); Kaleido's (0.9, 0.95)."""
     adam_eps: float = 1e-8
     """The AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions), which
     Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
@@ -342,8 +346,9 @@ class OptimConfig:
     Left out: the model's recipe (RECIPES)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """The learning rate after warmup: constant, or cosine decay to 0 at --max-steps."""
-    max_grad_norm: float = 1.0
-    """Clips the global gradient L2 norm to this (the norm is logged as grad_norm, before clipping)."""
+    max_grad_norm: float | None = None
+    """Clips the global gradient L2 norm to this (the norm is logged as grad_norm, before clipping). Left out: the
+    model's recipe (RECIPES): 1; Kaleido's 0.1."""
     max_nonfinite_steps: int = 3
     """Stops a diverged run: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
     device, no extra sync), and after this many in a row the run stops (exit 1) naming its last checkpoint with finite
