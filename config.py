@@ -29,6 +29,7 @@ from a2.sections import (
     EvalConfig,
     ExportElements,
     IndexHumoSet,
+    IndexKaleido,
     IndexOpenS2V,
     IndexPhantom,
     LoraSection,
@@ -548,14 +549,17 @@ class Validate(TrainConfig):
     makes the global batch that each bucket must fill to be trained."""
 
 
-IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
-    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+IndexCommand = (Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")]
+                | Annotated[IndexPhantom, tyro.conf.subcommand("phantom")]
+                | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+                | Annotated[IndexKaleido, tyro.conf.subcommand("kaleido")])
 
 # `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
 DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
                | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand, description=(
-                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet) for training."))]
+                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet), or Kaleido's training "
+                   "layout, for training."))]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
 
 

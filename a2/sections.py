@@ -507,6 +507,23 @@ class IndexHumoSet:
 
 
 @dataclass
+class IndexKaleido:
+    """Index Kaleido's training layout (zai-org/Kaleido data_video.py SFTDataset): videos/<id>.mp4, labels/<id>.txt
+    (its first line the caption), references/<id>/ref1.png, ref2.png, ref3.png. OUT/index.jsonl is a manifest
+    (--manifest OUT/index.jsonl, no --dataset-type) whose references are the kaleido kind's, in that order."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir (videos/, labels/, references/)."""
+    out: tyro.conf.Positional[str]
+    """The dir for index.jsonl, report.txt and the per-part files."""
+
+    def rule(self) -> str:
+        return ("videos/<id>.mp4, caption: labels/<id>.txt's first line; references: references/<id>/ref1..3.png "
+                "those present, in that order (ref0.. of the manifest); a clip without a label or a reference is "
+                "dropped")
+
+
+@dataclass
 class ExportElements:
     """Write the element images training builds from an index: DIR/<clip key>/<element>.png + DIR/produced.json."""
 

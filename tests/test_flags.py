@@ -92,6 +92,8 @@ FLAGS = {
         --help --parquet --videos -h""",
     "data.py index humoset": """
         --help -h""",
+    "data.py index kaleido": """
+        --help -h""",
     "data.py export-elements": """
         --cross-video --help --limit --manifest --no-cross-video --out --sam -h""",
     "demo.py": """
