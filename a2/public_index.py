@@ -501,7 +501,8 @@ def index_kaleido(a: IndexKaleido):
         try:
             caption = (label.read_text().splitlines() or [""])[0].strip()
         except FileNotFoundError:
-            lines.add("clips dropped: label missing", key, label, "label not found (a2 trains no empty caption)")
+            lines.add("clips dropped: label missing", key, label, "label not found (a2 trains no empty caption): "
+                      "write the clip's caption there")
             return None
         except (OSError, UnicodeDecodeError) as e:
             lines.add("clips dropped: label unreadable", key, label, f"label unreadable ({e})")
@@ -513,8 +514,8 @@ def index_kaleido(a: IndexKaleido):
         refs = [root / "references" / key / f"ref{i}.png" for i in range(1, 4)]
         present = [p for p in refs if p.is_file()]
         if not present:
-            lines.add("clips dropped: no reference", key, refs[0], "no ref1.png, ref2.png or ref3.png in its "
-                      "references dir")
+            lines.add("clips dropped: no reference", key, refs[0], "no ref1.png, ref2.png or ref3.png in "
+                      f"references/{key}/" + ("" if refs[0].parent.is_dir() else " (no such dir)"))
             return None
         for p in refs[:refs.index(present[-1])]:
             if p not in present:
