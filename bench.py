@@ -22,7 +22,7 @@ checkpointing recomputes: the forward of each recomputed block, less its self-at
 The step is train_a2.py's (a2/step.py: model_inputs + forward_loss, the kind's conditioning, its loss, --align-refs'
 alignment loss, then optimizer_step: clipping, AdamW, --ema-decay's EMA) on the batch a precompute cache of the run
 would hold (a2/trace.py synthetic_batch, zero posteriors and tokens): --layout any kind of a2/conditioning.py, planned
-by its plan as train_a2.py plans a run (bench_run); the model made trainable by a2/lora.py make_trainable.
+by a2/plan.py as a training run is (bench_plan); the model made trainable by a2/lora.py make_trainable.
 --layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas a frame of --frames.
 --layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
 layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
@@ -55,42 +55,27 @@ from pathlib import Path
 import torch
 
 from a2 import align
-from a2.cli import ConfigError, run_cli
-from a2.conditioning import clip_frames, lora_target, num_latent_frames, plan
-from a2.dataset_config import CONDITIONING_CHOICES, ClipProcessorConfig, DatasetConfig, VaeProcessorConfig
-from a2.elements import A2_ELEMENTS, Element
-from a2.kinds import KIND_DEFS, kind_sampling
+from a2.cli import run_cli
+from a2.conditioning import lora_target, num_latent_frames
 from a2.lora import make_trainable
 from a2.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
+from a2.plan import bench_datasets, bench_plan, preset_info
 from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from a2.transformer import (
     CLIP_TOKENS,
     TEXT_TOKENS,
-    TI2V_Z_DIM,
-    ModelInfo,
     preset_config,
     random_transformer,
 )
 from config import (
-    ADAMW,
     LORA_TARGETS,
     BenchConfig,
-    LoraSection,
     MemoryConfig,
-    ObjectiveConfig,
-    OptimConfig,
-    ParallelConfig,
-    ReferencesConfig,
     resolve_compile,
 )
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
-
-
-def preset_vae_scale(cfg: dict) -> int:
-    """Spatial compression of the VAE a preset's latents come from: Wan 2.2's 48-channel VAE (5B) 16, else 8."""
-    return 16 if cfg["out_channels"] == TI2V_Z_DIM else 8
 
 
 def forward_flops(cfg: dict, tokens: int, context: int, ref_tokens: int = 0, rank: int = 0) -> tuple[float, float]:
@@ -116,7 +101,7 @@ def check_backends(b: BenchConfig) -> dict:
     model = random_transformer(cfg, torch.float32, device)
     torch.manual_seed(0)
     with torch.device(device):
-        s = preset_vae_scale(cfg)
+        s = preset_info(b.preset, cfg).vae_scale
         t_lat, h, w = num_latent_frames(b.frames), b.size[0] // s, b.size[1] // s
         x = torch.randn(1, cfg["in_channels"], t_lat, h, w)
         text = torch.randn(1, TEXT_TOKENS, cfg["text_dim"])
@@ -147,13 +132,8 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
     from a2.loader import WorkerContext, collate
     from data import BucketBatchSampler, E2VDataset
 
-    size = b.size
-    cfg = DatasetConfig(data_root=b.data_root or str(Path(manifest).parent), target_resolution=size, frame_buckets=(),
-                        elements=A2_ELEMENTS, vae=VaeProcessorConfig(resolution=size), manifest=manifest,
-                        dataset_type=dataset_type, clip=ClipProcessorConfig(resolution=(512, 512)))
-    # a public dataset's clip is what A2's reference latents leave of --frames (81 -> 69), as train_a2.py reads it
-    frames = clip_frames(b.frames, cfg.elements, cfg.vae) if manifest else b.frames
-    dataset = E2VDataset([cfg], num_frames=frames, verbose=False)
+    cfgs, frames = bench_datasets(b, manifest, dataset_type)
+    dataset = E2VDataset(cfgs, num_frames=frames, verbose=False)
     sampler = BucketBatchSampler(dataset, 1, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=b.num_workers,
                                          multiprocessing_context=WorkerContext() if b.num_workers else None,
@@ -178,25 +158,10 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
 
 def bench_opens2v(b: BenchConfig) -> dict:
     """Index throughput on a synthetic OpenS2V-5M part, then the loader on its index (BenchConfig.opens2v)."""
-    import numpy as np
-    from PIL import Image
-
     from a2 import public_index
-    from a2.media import read_frames
-    from tests import public_fixture  # the synthetic part the tests index (and tests/media's clip)
 
-    root, media = Path(b.opens2v), Path(__file__).resolve().parent / "tests" / "media"
-    part = root / "Jsons" / "mask_and_bbox_High-Quality" / "total_part1.json"
-    if not part.is_file():
-        hiker = read_frames(media / "hiker.mp4", [i if (i // 48) % 2 == 0 else 48 - i % 48 for i in range(81)])
-        frames = np.stack([np.asarray(Image.fromarray(f).resize((1280, 720))) for f in hiker])  # OpenS2V is 720p
-        fx = public_fixture.synthetic_opens2v(root, frames, np.ascontiguousarray(hiker[0, :, ::-1]))  # any picture
-        rec = next(iter(fx["records"].values()))
-        bg = next((root / "Background" / "total_part1").glob("*.png"))
-        keys = [f"clip{i:06d}_part1_step6" for i in range(b.clips)]
-        public_fixture.write_part(part, ((k, rec) for k in keys))
-        for k in keys[:8]:  # the loader's clips need their background png
-            shutil.copy(bg, bg.with_name(f"{k}.png"))
+    root = Path(b.opens2v)
+    part = public_index.synthetic_part(root, b.clips, Path(__file__).resolve().parent / "tests" / "media" / "hiker.mp4")
     out = root / "index"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
@@ -227,7 +192,7 @@ def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True,
     """bench.py --dry-run (MemoryConfig.dry_run): a2/trace.py's dry run of bench's step, the one train_a2.py --dry-run
     runs. layers: the model cut to this many blocks, planned as the whole (a2/memory.py cut_plan: the rule is per
     block; a quick check). trace False: the plan alone."""
-    run, sections, cfg = bench_run(b)
+    run, sections, cfg = bench_plan(b)
     cut = cut_config(cfg, layers or cfg["num_layers"])
     # (the target model of --align-refs runs beside the step, not in the trace)
     return dry_run(*sections, b.size, run, lambda run: bench_model(b, run, cut, torch.bfloat16, "cpu").train(),
@@ -299,55 +264,6 @@ def memory_table(b: BenchConfig, traced: dict[int, float] | None = None) -> list
     return lines
 
 
-def bench_run(b: BenchConfig) -> tuple[Run, tuple, dict]:
-    """The run bench's step trains: the kind --layout names (default: A2's prefix kind with --refs elements, T2V
-    with none; --align-refs N: Phantom's N appended references), planned by a2/conditioning.py's plan as train_a2.py
-    plans a run, from the flags that ask for the kind (its reference layout, its first --frame-conditioning mode, the
-    released model's own layout) on a random model of the preset shaped for it (36 channels where the kind
-    conditions on channels), its ModelInfo read from the preset, not a dir. Returns (Run, the sections of train_a2.py's
-    config the step reads (step_sections), the transformer config). A shape or count the kind cannot take is a
-    ConfigError (one line, exit 2 under run_cli)."""
-    kind = b.layout if b.layout != "default" else "phantom" if b.align_refs else "prefix" if b.refs else "t2v"
-    d = KIND_DEFS[kind]
-    lo, hi = d.references
-    n = min(max(b.align_refs or b.refs, lo), hi)  # --refs within what one sample of the kind holds
-    if b.align_refs and (n != b.align_refs or not d.reference_tokens):
-        raise ConfigError(f"bench.py --align-refs {b.align_refs}: the {kind} kind holds {lo} to {hi} references"
-               + ("" if d.reference_tokens else ", none of them tokens of the sequence")
-               + f"; aligned kinds: {', '.join(align.aligned_kinds())}")
-    try:
-        cfg = preset_config(b.preset, e2v=d.channel, vace=d.context)
-    except ValueError as e:
-        raise ConfigError(f"bench.py --preset {b.preset} --layout {kind}: {e}") from None
-    info = ModelInfo(Path(f"random-{b.preset}"), f"random {b.preset}", cfg["in_channels"],
-                     cfg["image_dim"] is not None, None, cfg["image_dim"], None, z_dim=cfg["out_channels"],
-                     vae_scale=preset_vae_scale(cfg), patch_size=tuple(cfg["patch_size"]),
-                     expand_timesteps=cfg["out_channels"] == TI2V_Z_DIM,
-                     native_kind=kind if d.native else None)
-    layouts = CONDITIONING_CHOICES["reference_layout"]
-    vae = VaeProcessorConfig(resolution=b.size, reference_layout=kind if kind in layouts else "channel",
-                             frame_conditioning=d.frame_conditioning[0])
-    elements = tuple(Element(f"ref{i}", (f"_ref{i}.png",)) for i in range(n if hi else 0))
-    try:
-        layout = plan(info, elements, vae, b.frames)
-    except ValueError as e:
-        raise ConfigError(f"bench.py --layout {kind} --frames {b.frames}: {e}") from None
-    run = Run(1, b.batch, layout, elements, info, "transformer", torch.float32, (0.0, 1.0), None, False,
-              encode_mode=kind_sampling(kind).encode_mode)
-    return run, step_sections(b), cfg
-
-
-def step_sections(b: BenchConfig) -> tuple:
-    """The sections of train_a2.py's config its step reads (train_a2.step_sections' order: memory, parallel, LoRA,
-    optim, objective, references), of bench's flags. The learning rate and sigma's distribution are any valid
-    values: a step costs the same whatever they are."""
-    return (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
-            LoraSection(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
-            OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay, **ADAMW),
-            ObjectiveConfig(sigma_sampling="logit_normal"),
-            ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))
-
-
 def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
     """The references' token grid (rows, cols) at h x w pixels: DINOv3's targets are resized to it (a2/align.py)."""
     s, patch = run.info.vae_scale, run.info.patch_size
@@ -376,7 +292,7 @@ def main(b: BenchConfig) -> dict:
     if b.context_parallel > 1 or b.fsdp:
         raise SystemExit("bench.py --context-parallel N and --fsdp go with --dry-run (one rank's plan and trace); time "
                          "them with train_a2.py under torchrun")
-    run, (_, _, _, optim, objective, references), cfg = bench_run(b)
+    run, (_, _, _, optim, objective, references), cfg = bench_plan(b)
     layout, info = run.layout, run.info
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

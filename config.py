@@ -25,6 +25,7 @@ from a2.dataset_config import (
     height_width,
 )
 from a2.sections import (
+    ADAMW,
     LORA_TARGETS,
     EvalConfig,
     ExportElements,
@@ -91,8 +92,7 @@ class DemoConfig:
 # demo.png): its blocks add their outputs through gates of ~0.1 and its output head is random, so the LoRA takes a
 # larger alpha and the head (proj_out); its sampler spends most of its steps at high noise (its scheduler's shift is
 # 8, A2's), where the shapes are placed, so training draws its sigmas the same way; a rate ten times a real model's.
-# Both take torch's AdamW betas, no weight decay and clipping at 1.
-ADAMW = dict(adam_betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+# Both take a2's AdamW (ADAMW: torch's betas, no weight decay, clipping at 1).
 RECIPES = {
     "model": dict(resolution=(480, 832), num_frames=81, lora_alpha=32.0, lora_target=LORA_TARGETS,
                   sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None, **ADAMW),

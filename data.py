@@ -28,14 +28,12 @@ if __name__ == "__main__":  # --help, a flag typo or a config error answer befor
         run_cli(run_datasets, CLI_COMMAND)
 
 import codecs
-import hashlib
-import json
 import os
 import random
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -47,11 +45,11 @@ from tqdm import tqdm
 
 from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
-from a2.conditioning import clip_frames, element_layout, element_refusal, plan
-from a2.dataset_config import PUBLIC_TYPES, DatasetConfig, check_size, element_kind
+from a2.conditioning import clip_frames, element_layout, element_refusal
+from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
 from a2.elements import A2_ELEMENTS, Element
 from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
-from a2.kinds import KIND_DEFS, kind_elements, largest_element_set
+from a2.kinds import KIND_DEFS
 from a2.loader import collate
 from a2.media import (
     VIDEO_EXTS,
@@ -71,8 +69,8 @@ from a2.media import (
     read_clip,
     resampled_frames,
 )
-from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import TEXT_TOKENS, detect_model, is_hub_id
+from a2.plan import training_layout
+from a2.transformer import TEXT_TOKENS
 from config import DataCommand, MakeSample, Validate, run_datasets
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
@@ -224,21 +222,6 @@ def check_sample(s: Sample, cfg: DatasetConfig, num_frames: int, sampling: str, 
                 f"unreadable video ({type(ex).__name__}: {ex})")
         s.problems.append(Problem(s.id, s.video, what, s.where))
     return s
-
-
-def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
-    """The datasets as the model's kind (element_kind; info: its ModelInfo) reads them, and the element
-    set a run plans for. With no elements given (--elements or a dataset config), each dataset of element images
-    takes the specs its kind takes when sampling too (a2.kinds.kind_elements: SkyReels-A2's roles, a released
-    model's references framed as its lab's; on a public-dataset index a kind without roles takes every kept mask of a
-    clip, largest first, up to its maximum, and the background png where it uses one: index_elements), and the run
-    plans the largest set one sample holds (largest_element_set). Given elements: `cfgs` and theirs unchanged."""
-    if given:
-        return cfgs, cfgs[0].elements
-    kind = element_kind(info, cfgs[0].vae)
-    cfgs = [replace(c, elements=kind_elements(kind, c.dataset_type in PUBLIC_TYPES)) if c.elements else c
-            for c in cfgs]
-    return cfgs, largest_element_set(kind, cfgs[0].elements)
 
 
 def scan(cfgs: list[DatasetConfig], num_frames: int, sampling: str = "uniform",
@@ -481,31 +464,6 @@ class E2VDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------- precompute cache (train_a2.py --precompute)
 
 
-def cache_key(model_dir: Path, image_src: Path | None, dataset: E2VDataset, clip_frames: int, dtype: str,
-              e2v_type: str, prefix_frames: int, kind: str | None = None, align_model: Path | None = None) -> str:
-    """Name of the precompute cache: a hash of everything the encodings depend on (encoder files, every data
-    file, captions, the dataset/processor configs, clip length, layout kind, dtype). Any change -> a new dir (the
-    kind too: Phantom-Wan shares Wan2.1-T2V-1.3B's encoders, and encodes a reference as one frame where the incontext
-    kind on that T2V model encodes `repeat` frames into the same one latent)."""
-    def stat(p: Path):
-        st = p.stat()
-        return [str(p.resolve()), st.st_size, st.st_mtime_ns]
-
-    dirs = [model_dir / d for d in ("vae", "text_encoder", "tokenizer")]
-    dirs += [image_src / d for d in ("image_encoder", "image_processor")] if image_src else []
-    dirs += [align_model] if align_model else []  # --align-loss: the DINOv3 targets are cached too
-    key = dict(**dict(KIND_DEFS[kind].cache_fields if kind else (("version", 2),)),  # the kind's own fields
-               encoders=[stat(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()],
-               datasets=[{k: v for k, v in asdict(c).items() if k != "source"} for c in dataset.cfgs],
-               clip_frames=clip_frames, dtype=dtype,
-               frame_sampling=dataset.frame_sampling, e2v_type=e2v_type, prefix_frames=prefix_frames, kind=kind,
-               samples=[[stat(s.video), s.prompt, {k: stat(Path(v)) for k, v in s.elements.items()}]
-                        + ([stat(s.mask)] if s.mask else [])
-                        + ([s.start, s.crop, s.refs] if s.refs else []) + ([list(s.windows[0])] if s.windows else [])
-                        for s in dataset.samples])
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def write_cache(cache: Path, dataset: E2VDataset, encode, rank: int = 0, world: int = 1):
     """Encode this rank's share of the samples into cache/samples/<index>.pt (skipping those already there, so a
     killed precompute resumes); `encode(batch) -> dict` runs the encoders on a one-sample batch."""
@@ -644,38 +602,11 @@ def validate(a: Validate) -> E2VDataset:
     """`data.py validate`: what training reads with these flags (a --resolution typed beside a dataset config is
     held against it, as training holds it)."""
     cfgs = run_datasets(a)
-    cfgs, layout, multiple = training_layout(a, cfgs)
+    cfgs, layout, multiple = training_layout(a.model, a.data, cfgs)
     frames = layout.clip_frames if layout else clip_frames(a.data.num_frames, cfgs[0].elements, cfgs[0].vae)
     return E2VDataset(cfgs, frames, a.data.skip_bad_samples,
                       global_batch=a.optim.micro_batch * a.optim.grad_accum * a.world_size,
                       size_multiple=multiple, layout=layout)
-
-
-def model_layout(model, data, cfgs: list[DatasetConfig]):
-    """The model of a run's model section (`model`: TrainModelConfig) and the layout it trains the data section's
-    datasets in (train_a2.py plan_run and data.py validate alike): (info, cfgs as its kind reads them (kind_datasets),
-    the element set planned, the Layout), the size checked against the model's patch multiple (TI2V-5B: 32)."""
-    info = detect_model(model_path(model.model), model.image_encoder and model_path(model.image_encoder),
-                        model.components)
-    check_size(*data.resolution, data.num_frames, info.spatial_multiple)
-    cfgs, elements = kind_datasets(cfgs, info, bool(data.elements or data.dataset_config))
-    return info, cfgs, elements, plan(info, elements, cfgs[0].vae, data.num_frames, model.e2v_type)
-
-
-def training_layout(a: Validate, cfgs):
-    """The datasets, the Layout and the aspect buckets' size multiple train_a2.py plans with these flags (clip length,
-    the element specs the model's kind takes, how element images become references; TI2V-5B's buckets are multiples
-    of 32). They depend on the model (Phantom-Wan, SkyReels-V3, RefAlign and MAGREF weights take their own layouts and
-    references), so when --model is on this machine (a built-in model, a dir or a file) they are planned as training
-    plans them; a Hub id is not downloaded for this: the datasets as the flags give them, no layout (None), the clip
-    length by the elements' rule (said), and multiples of 16 (the Wan 2.1 VAE's stride 8 x patch 2)."""
-    m = a.model
-    if m.model in TINY_MODELS or not is_hub_id(m.model):  # a Hub id is not downloaded for this: said
-        info, cfgs, _, layout = model_layout(m, a.data, cfgs)
-        return cfgs, layout, info.spatial_multiple
-    print(f"clip length by the elements' rule (--model {m.model} is not on this machine; a released model's own "
-          "layout can read longer clips)")
-    return cfgs, None, 16
 
 
 def _cli(argv: list[str]):

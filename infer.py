@@ -37,11 +37,10 @@ from PIL import Image
 
 from a2 import standin
 from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, run_cli
-from a2.conditioning import sampling_plan
 from a2.dataset_config import check_size, element_kind, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
-from a2.images import IMAGE_EXTS, read_image, resize_frames
+from a2.images import IMAGE_EXTS, load_first_frame, load_references, read_image, resize_frames
 from a2.kinds import KIND_DEFS, kind_elements, kind_sampling
 from a2.lora import (
     LORA_FILES,
@@ -55,12 +54,8 @@ from a2.lora import (
 from a2.media import read_clip
 from a2.opens2v import read_eval_set
 from a2.parallel import context_parallel, sampling_group
-from a2.pipeline import (
-    A2Pipeline,
-    load_first_frame,
-    load_references,
-    save_video,
-)
+from a2.pipeline import A2Pipeline, save_video
+from a2.plan import sampling_plan
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import detect_model, load_transformer
 from config import RECIPES, InferConfig, is_tiny
@@ -245,7 +240,7 @@ def lora_paths(cfg: InferConfig) -> list[str]:
 
 
 def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | None = None):
-    """The conditioning plan of a2/conditioning.py, the one train_a2.py makes (sampling_plan): a model that cannot
+    """The conditioning plan of a2/plan.py, the one train_a2.py makes (sampling_plan): a model that cannot
     take these inputs (or flags) fails here, in one line, before any weights load. seed: the row's (else --seed)."""
     c = cfg.conditioning
     if c.frame_conditioning not in ("full", "first") or c.frame_conditioning == "first" and not first_frame:

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,17 +41,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
-from a2.cli import ConfigError, check_dir_to_write, exit_on_signal, run_cli
+from a2.cli import ConfigError, exit_on_signal, run_cli
 from a2.conditioning import (
-    Layout,
     PosteriorCache,
     element_layout,
     encode,
     lora_target,
     vae_scale,
 )
-from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, validation_inputs, visualize
-from a2.kinds import kind_sampling
+from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
 from a2.loader import (
     LoaderError,
     LoadFailures,
@@ -63,7 +61,7 @@ from a2.loader import (
     stop_workers,
 )
 from a2.lora import export, make_trainable
-from a2.memory import apply_plan, check_flags, memory_plan, step_shape, use_expandable_segments
+from a2.memory import apply_plan, memory_plan, step_shape, use_expandable_segments
 from a2.parallel import (
     context_parallel,
     data_parallel,
@@ -77,6 +75,7 @@ from a2.pipeline import (
     image_tokens,
     load_encoders,
 )
+from a2.plan import Run, plan_training, with_cache
 from a2.runs import (
     EXIT_RESUMABLE,
     CheckpointError,
@@ -93,7 +92,6 @@ from a2.runs import (
 from a2.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
     Encoders,
     Process,
-    Run,
     TrainState,
     ema_weights,
     forward_loss,
@@ -106,19 +104,15 @@ from a2.trace import dry_run
 from a2.transformer import (
     allow_recompiles,
     expand_to_e2v,
-    expert_sigma_range,
     is_e2v,
     load_transformer,
 )
-from config import OptimConfig, TrainConfig, flat_config, is_tiny, resolve_compile, run_datasets, with_flags
+from config import OptimConfig, TrainConfig, flat_config, is_tiny, run_datasets, with_flags
 from data import (
     BucketBatchSampler,
     DatasetError,
     E2VDataset,
-    cache_key,
     held_out,
-    kind_datasets,
-    model_layout,
     rank_slice,
     write_cache,
 )
@@ -163,105 +157,11 @@ def on_rank0(fn, *args, **kwargs):
 # ---------------------------------------------------------------- the run: what a config derives
 
 
-def plan_run(cfg: TrainConfig, world: int, ds_cfgs, device) -> Run:
-    """All derived settings and every check that needs no data or weights: a bad config fails here, before any
-    loading. The precompute cache, which hashes the data, is added by with_cache once the dataset is scanned."""
-    if cfg.optim.micro_batch < 1 or cfg.optim.grad_accum < 1:
-        raise ConfigError("micro_batch and grad_accum must be >= 1")
-    check_dir_to_write("--output-dir", cfg.rundir.output_dir)
-    vae_cfg = ds_cfgs[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
-    m = cfg.model
-    # the kind, checked; none given: the element specs its kind samples with too
-    info, ds_cfgs, elements, layout = model_layout(m, cfg.data, ds_cfgs)
-    # (VACE: what reaches its context blocks)
-    check_flags(cfg.memory, cfg.lora.training_type, cfg.parallel.fsdp, device, layout.context_blocks)
-    if cfg.data.cache_dir and not layout.cacheable:
-        raise ConfigError(f"--cache-dir: the {layout.kind} kind (frame conditioning {layout.frame_conditioning}) "
-                          "builds its condition from pixels each step (random frames): train it without a cache")
-    if cfg.data.precompute and not cfg.data.cache_dir:
-        raise ConfigError("--precompute needs --cache-dir")
-    check_reference_options(cfg, layout)
-    check_extra_options(cfg)
-    if cfg.validation.val_elements:  # read now, not after training and export
-        if layout.images == "none":
-            raise ConfigError("--val-elements: this run trains without elements (text only); drop them")
-        if layout.images == "elements" and not elements:  # Wan I2V's frames of the clip: no sampler takes them yet
-            raise ConfigError(f"--val-elements: the {layout.kind} kind conditions on frames of the clip "
-                              f"(--frame-conditioning {layout.frame_conditioning}), which neither validation nor "
-                              "infer.py samples yet; drop them (--eval-split N measures a held-out loss)")
-        try:
-            validation_inputs(cfg.validation.val_elements, cfg.data.resolution, cfg.model.clip_size, layout,
-                              elements, info.name)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"--val-elements: {e}") from e
-    if (cfg.validation.val_elements or cfg.validation.val_every) and not cfg.validation.val_prompt.strip():
-        raise ConfigError("--val-prompt is empty: validation videos need a prompt")
-    dtype = torch.bfloat16 if device.type == "cuda" and cfg.parallel.mixed_precision == "bf16" else torch.float32
-    return Run(world, cfg.optim.micro_batch * cfg.optim.grad_accum * world, layout, elements, info,
-               info.subfolder(m.expert), dtype, expert_sigma_range(m.expert, info.boundary_ratio), None,
-               resolve_compile(cfg.memory.compile, device.type),
-               bool(cfg.validation.val_elements) or layout.images == "none" and cfg.validation.val_every > 0,
-               vae_cfg.vae_sample_mode or kind_sampling(layout.kind, info.name).encode_mode)
-
-
-def check_reference_options(cfg: TrainConfig, layout: Layout) -> None:
-    """--align-loss, --reference-augment and the dropouts against the run's kind, before any loading."""
-    r = cfg.references
-    if not all(0.0 <= p <= 1.0 for p in (r.text_dropout, r.reference_dropout, r.joint_dropout)) or \
-            r.joint_dropout and r.text_dropout + r.reference_dropout + r.joint_dropout > 1.0:
-        raise ConfigError(f"--text-dropout {r.text_dropout}, --reference-dropout {r.reference_dropout}, "
-                          f"--joint-dropout {r.joint_dropout}: probabilities in [0, 1], summing to at most 1 with "
-                          "--joint-dropout (exclusive cases of one draw)")
-    if cfg.lora.vace_lora_target and not layout.context_blocks:
-        raise ConfigError(f"--vace-lora-target {cfg.lora.vace_lora_target}: the {layout.kind} kind's model has no VACE "
-                          "context blocks; drop it")
-    if cfg.references.reference_dropout and layout.context_blocks:
-        raise ConfigError("--reference-dropout: VACE samples with its references in both guidance branches (it drops "
-                          "the text alone), so no sample trains without them; drop it")
-    if cfg.references.reference_augment and not layout.takes_references:
-        raise ConfigError(f"--reference-augment: the {layout.kind} kind takes no reference images")
-    if cfg.references.reference_augment and cfg.data.cache_dir:
-        raise ConfigError("--reference-augment augments the reference pixels each step; the precompute cache holds "
-                          "latents of the images as read: drop --cache-dir (or the augmentation)")
-    if not cfg.references.align_loss:
-        return
-    if not layout.reference_tokens:
-        raise ConfigError(f"--align-loss aligns reference tokens of the sequence (kinds "
-                          f"{', '.join(align.aligned_kinds())}); the {layout.kind} kind has none (its references, if "
-                          "any, are channels of video tokens)")
-    if not cfg.references.align_model:
-        raise ConfigError("--align-loss needs --align-model, a local DINOv3 dir (transformers' DINOv3ViTModel)")
-    if cfg.parallel.fsdp:
-        raise ConfigError("--align-loss is not tried with --fsdp (its projectors are not sharded): use DDP")
-    try:
-        align.target_dim(cfg.references.align_model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_extra_options(cfg: TrainConfig) -> None:
-    """--ema-decay, the eval loss and --timestep-buckets, checked before any data or weights load."""
-    if not 0.0 <= cfg.optim.ema_decay < 1.0:
-        raise ConfigError(f"--ema-decay {cfg.optim.ema_decay}: a decay in [0, 1) (0: no EMA), e.g. 0.999")
-    v, buckets = cfg.validation, cfg.objective.timestep_buckets
-    if v.eval_split < 0 or v.eval_every < 0 or v.eval_quantiles < 1 or buckets < 0:
-        raise ConfigError(f"--eval-split {v.eval_split}, --eval-every {v.eval_every}, --timestep-buckets "
-                          f"{buckets} must be >= 0 and --eval-quantiles {v.eval_quantiles} >= 1")
-
-
-def with_cache(cfg: TrainConfig, run: Run, dataset) -> Run:
-    """The run with its precompute cache subdir: a hash of everything the encodings depend on (data.cache_key)."""
-    if not cfg.data.cache_dir:
-        return run
-    encoders = run.info.image_encoder_dir if run.layout.use_clip else None
-    r = cfg.references
-    cache = Path(cfg.data.cache_dir) / cache_key(run.info.parts_dir, encoders, dataset, run.layout.clip_frames,
-                                                 str(run.compute_dtype), run.layout.e2v_type, run.layout.prefix_frames,
-                                                 run.layout.kind, Path(r.align_model) if r.align_loss else None)
-    if not cfg.data.precompute and not (cache / "done").exists():
-        raise FileNotFoundError(f"{cache}: no precompute cache for this config; run the same command with "
-                                "--precompute first")
-    return replace(run, cache=cache)
+def plan_run(cfg: TrainConfig, world: int, datasets, device) -> Run:
+    """The run of cfg on `world` data-parallel ranks (a2/plan.py plan_training, on the sections it reads): a bad config
+    fails here, before any data or weights load."""
+    return plan_training(cfg.model, cfg.data, cfg.rundir, cfg.optim, cfg.memory, cfg.lora, cfg.parallel, cfg.references,
+                         cfg.objective, cfg.validation, world, datasets, device)
 
 
 def step_sections(cfg: TrainConfig) -> tuple:
@@ -674,45 +574,84 @@ def left_as_found():
             dist.destroy_process_group()
 
 
-@left_as_found()
-def main(cfg: TrainConfig) -> dict:
-    # ---------------------------------------------------------------- distributed setup
+def start_process(cfg: TrainConfig) -> tuple[int, int, Process]:
+    """The process group (torchrun's, or this process alone) and this rank's Process: its device, autocast and, with
+    context parallel, the group of ranks that shares each sample (a2/parallel.py; data and batch count dp ranks only).
+    Returns (world, local rank, Process)."""
+    global RANK
     if cfg.model.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
         # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
         model_path(cfg.model.model)
-    global RANK
     use_expandable_segments()  # before CUDA initialises
-    par, o = cfg.parallel, cfg.optim
-    world, RANK, local_rank, device, ctrl = setup_distributed(par.device, par.fsdp and not cfg.memory.dry_run)
-    rank = RANK
-    # context parallel: a group of ranks shares each sample (a2/parallel.py); data and batch count dp ranks only
-    dp_rank, dp_world, cp_group = data_parallel(world, rank, 1 if cfg.memory.dry_run else par.context_parallel,
-                                                device.type)
-    use_cuda = device.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and par.mixed_precision == "bf16" else nullcontext()
-    proc = Process(rank, dp_rank, dp_world, device, amp, ctrl, cp_group)
+    par, dry = cfg.parallel, cfg.memory.dry_run
+    world, RANK, local_rank, device, ctrl = setup_distributed(par.device, par.fsdp and not dry)
+    dp_rank, dp_world, cp_group = data_parallel(world, RANK, 1 if dry else par.context_parallel, device.type)
+    bf16 = device.type == "cuda" and par.mixed_precision == "bf16"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
+    return world, local_rank, Process(RANK, dp_rank, dp_world, device, amp, ctrl, cp_group)
+
+
+def trace_step(cfg: TrainConfig, run: Run) -> dict:
+    """--dry-run: one rank's step traced at real size (a2/trace.py; the harness shards with --fsdp); exit 3 when the
+    plan does not fit."""
+    result = dry_run(*step_sections(cfg), cfg.data.resolution, run,
+                     lambda run: build_transformer(with_flags(cfg, fsdp=False), run, 0)[0], log=log)
+    if not result["fits"]:
+        sys.exit(3)
+    return result
+
+
+def lock_run_dir(cfg: TrainConfig, run: Run, world: int) -> tuple[Path, RunLock]:
+    """The run dir (--run-name, else the start time) and its lock, held by rank 0 at once when the dir exists (one in
+    use fails here, naming its holder); the run's first log line."""
+    o, cp = cfg.optim, cfg.parallel.context_parallel
+    run_dir = Path(cfg.rundir.output_dir) / (cfg.rundir.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    lock = RunLock(run_dir)
+    on_rank0(lock_existing, run_dir, lock)
+    log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {o.micro_batch} x accum "
+        f"{o.grad_accum} x world {run.world}{f' (x context parallel {cp})' if cp > 1 else ''} | seed {o.seed} "
+        "(noise keyed by seed, step, sample index)")
+    return run_dir, lock
+
+
+def run_encoders(cfg: TrainConfig, run: Run, device) -> tuple[Encoders, list]:
+    """The encoders the run needs (none from a precompute cache, unless validation or a vae_decode dump decodes) and
+    its visualizations: every dataset's enabled block (deduplicated), not the first's alone."""
+    visualizations = list({repr(d.visualization): d.visualization for d in run.datasets
+                           if d.visualization.enabled}.values())
+    needed = run.cache is None or run.validates or any(p["type"] == "vae_decode" for v in visualizations
+                                                       for p in v.processors)
+    enc = load_run_encoders(cfg, run, device, needed)
+    if run.cache is not None:
+        log(f"training from the precompute cache {run.cache}"
+            + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
+    return enc, visualizations
+
+
+def seed_step(o: OptimConfig, step: int, dp_rank: int, opt) -> None:
+    """The step's learning rate, and its seeds: anything left random in the step is keyed by (seed, step, rank)."""
+    random.seed(o.seed * 1000003 + step)
+    torch.manual_seed(o.seed * 1000003 + step * 1009 + dp_rank)
+    for g in opt.param_groups:
+        g["lr"] = lr_at(o, step)
+
+
+@left_as_found()
+def main(cfg: TrainConfig) -> dict:
+    # ---------------------------------------------------------------- distributed setup
+    world, local_rank, proc = start_process(cfg)
+    rank, device, use_cuda, o, par = proc.rank, proc.device, proc.device.type == "cuda", cfg.optim, cfg.parallel
 
     # ---------------------------------------------------------------- the run's settings (no data or weights yet)
-    ds_cfgs = run_datasets(cfg)
-    run = plan_run(cfg, dp_world, ds_cfgs, device)  # a bad config fails here, before the data is scanned
-    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.data.elements or cfg.data.dataset_config))[0]  # as planned
-    if cfg.memory.dry_run:  # one rank's step traced at real size (a2/trace.py); the harness shards with --fsdp
-        result = dry_run(*step_sections(cfg), cfg.data.resolution, run,
-                         lambda run: build_transformer(with_flags(cfg, fsdp=False), run, 0)[0], log=log)
-        if not result["fits"]:
-            sys.exit(3)
-        return result
-    run_dir = Path(cfg.rundir.output_dir) / (cfg.rundir.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    lock = RunLock(run_dir)  # rank 0's: a run dir in use fails at once, naming its holder
-    on_rank0(lock_existing, run_dir, lock)
-    cp = f" (x context parallel {par.context_parallel})" if par.context_parallel > 1 else ""
-    log(f"run dir {run_dir} | world {world} | global batch {run.global_batch} = micro {o.micro_batch} x accum "
-        f"{o.grad_accum} x world {run.world}{cp} | seed {o.seed} (noise keyed by seed, step, sample index)")
+    run = plan_run(cfg, proc.dp_world, run_datasets(cfg), device)  # a bad config fails here, before any data is read
+    if cfg.memory.dry_run:
+        return trace_step(cfg, run)
+    run_dir, lock = lock_run_dir(cfg, run, world)
 
     # ---------------------------------------------------------------- data (validated before any model loads)
-    dataset = E2VDataset(ds_cfgs, run.layout.clip_frames, cfg.data.skip_bad_samples, layout=run.layout,
+    dataset = E2VDataset(run.datasets, run.layout.clip_frames, cfg.data.skip_bad_samples, layout=run.layout,
                          verbose=rank == 0, global_batch=run.global_batch, size_multiple=run.info.spatial_multiple)
-    run = with_cache(cfg, run, dataset)
+    run = with_cache(cfg.data, cfg.references, run, dataset)
     held = hold_out(dataset, cfg)  # eval loss samples, never trained on
     sampler = BucketBatchSampler(dataset, run.global_batch, seed=o.seed, exclude=held)
     log(describe(run, data_layout(run, dataset)))
@@ -731,15 +670,9 @@ def main(cfg: TrainConfig) -> dict:
     on_rank0(open_run_dir, run_dir, lock, cfg, run, point)  # every check passed: the run dir is made now, not before
 
     # ---------------------------------------------------------------- encoders
-    # every dataset's visualization block is read (the dumps of each enabled one, deduplicated), not the first's
-    visualizations = list({repr(d.visualization): d.visualization for d in ds_cfgs if d.visualization.enabled}.values())
-    needed = run.cache is None or run.validates or any(p["type"] == "vae_decode" for v in visualizations
-                                                       for p in v.processors)
-    enc = load_run_encoders(cfg, run, device, needed)
+    enc, visualizations = run_encoders(cfg, run, device)
     if run.cache is not None:
         dataset.cache_dir = run.cache
-        log(f"training from the precompute cache {run.cache}"
-            + ("" if enc.vae is None else " (encoders loaded for validation/visualisation)"))
     evaluators = load_val_evaluators(cfg.validation, cfg.eval, run, enc, proc)  # validation metrics
 
     # ---------------------------------------------------------------- transformer: DDP or FSDP2
@@ -766,10 +699,7 @@ def main(cfg: TrainConfig) -> dict:
         bar = tqdm(range(start_step, o.max_steps), initial=start_step, total=o.max_steps, disable=rank != 0,
                    desc="train")
         for step in bar:
-            random.seed(o.seed * 1000003 + step)  # anything left random in the step is keyed by (seed, step, rank)
-            torch.manual_seed(o.seed * 1000003 + step * 1009 + dp_rank)
-            for g in state.opt.param_groups:
-                g["lr"] = lr_at(o, step)
+            seed_step(o, step, proc.dp_rank, state.opt)
             step_loss, viz, refused = accumulate(step, data_iter, state, cfg, run, enc, proc, meter)
             if refused:
                 skip_step(step, state, cfg, run_dir)
@@ -785,7 +715,7 @@ def main(cfg: TrainConfig) -> dict:
                 losses.append(rec["loss"])
                 log_step(rec, metrics_file, tb)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", sps=f"{rec['samples_per_s']:.2f}")
-            interrupted = stop_agreed(world, ctrl)
+            interrupted = stop_agreed(world, proc.ctrl)
             checkpoint_if_due(done, interrupted, cfg, state, run_dir, world)
             v = cfg.validation
             if held and not interrupted and (v.eval_every and done % v.eval_every == 0 or done == o.max_steps):

@@ -42,10 +42,9 @@ A run's layout has one `kind` (its row of data: a2/kinds.py, KIND_DEFS):
 
 The pieces, each branching on the kind inside this file (as DiT's training_losses branches on its enums):
 
-  plan(info, ...)      -> Layout: is the kind allowed for this model; frames, latents and tokens; the one message.
-                       From a2.dataset_config.ConditioningConfig (flags and processors.vae alike); sampling_plan is
-                       the same plan for one sampling call (infer.py, A2Pipeline.plan); the pipeline samples what it
-                       is given.
+  make_layout          -> Layout: frames, latents and tokens of a kind; which kind a model takes from which flags,
+                       and the one message when it cannot, is a2/plan.py's (plan_layout, sampling_plan); the
+                       pipeline samples what it is given.
   encode(vae, ...)     the training encode: x0 and the Conditioning, the VAE calls in the order a cache replays.
   prepare_latents      the conditioning encoder shared by training and sampling.
   drop(cond, keep)     reference dropout (training) and guidance's reference-free branch (sampling).
@@ -66,11 +65,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from a2 import align, kaleido, standin, vace
 from a2.cli import ConfigError
-from a2.dataset_config import ConditioningConfig, VaeProcessorConfig, kind_of
-from a2.elements import RELEASED_ELEMENTS
-from a2.images import MAGREF_GRIDS
-from a2.kinds import KIND_DEFS, KINDS, Kind, kind_sampling
-from a2.transformer import resolve_e2v_type, vae_path_only
+from a2.dataset_config import kind_of
+from a2.kinds import KIND_DEFS, KINDS, Kind
 
 VAE_T = 4  # Wan VAE temporal compression: latent t>0 holds pixel frames 4t-3 .. 4t
 VAE_S = 8  # and spatial (Wan 2.1's VAE; Wan 2.2's is 16: vae_scale)
@@ -188,7 +184,7 @@ def conditioning_frame_indices(mode: str, num_frames: int, index: int = 0, prefi
 
 @dataclass(frozen=True)
 class Layout:
-    """What the kind means for one run (plan) or one sampling call (sampling_plan), computed once."""
+    """What the kind means for one run or one sampling call (a2/plan.py: plan_layout, sampling_plan), computed once."""
 
     kind: str  # a KIND_DEFS name (module docstring)
     num_frames: int  # pixel frames of the latent sequence (leading kinds: references + clip, 4·(L_ref + T) - 3;
@@ -402,146 +398,6 @@ def clip_frames(num_frames: int, elements, vae) -> int:
         return make_layout(kind, num_frames, [e.repeat for e in elements], combine=vae.combine).clip_frames
     except ValueError as e:
         raise ConfigError(f"--num-frames {num_frames}: {e}") from None
-
-
-def plan(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout:
-    """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
-    take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
-    kind = kind_of(vae, elements, info.ti2v)
-    where = f"{info.path} ({info.name})"
-    if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].context):
-        raise ConfigError(f"--vace-scale {vae.vace_scale:g} scales the hints of VACE's context blocks; {where} is no "
-                          "VACE model: drop it")
-    if info.native_kind and KIND_DEFS[info.native_kind].native:  # a released S2V model: its layout and no other
-        check_native_flags(info, vae, elements, e2v_type)
-        try:
-            return make_layout(info.native_kind, num_frames, [e.repeat for e in elements], e2v_type="vae",
-                               context_scale=vae.vace_scale)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    if info.native_kind and kind == "prefix":  # MAGREF's weights take its canvas where the flags ask for A2's default
-        kind = info.native_kind
-    d = KIND_DEFS[kind]
-    if not vae.concatenate_mask and d.channel:
-        raise ConfigError(f"processors.vae.concatenate_mask false: {where} takes {info.in_channels} input channels"
-                          + (" (noisy 16 | mask 4 | condition 16)" if info.e2v else ", expanded to 36 with the mask")
-                          + f"; the {kind} kind always concatenates the mask: set it true")
-    if info.ti2v and d.channel:
-        raise ConfigError(f"{where} takes the latents alone: element references go in context "
-                          f"(--reference-layout incontext), not in the {kind} kind's channels")
-    clean, prefix_frames = 0, vae.prefix_frames
-    if info.ti2v and vae.frame_conditioning != "full":
-        if vae.frame_conditioning not in ("first", "prefix"):
-            raise ConfigError(f"{where}: --frame-conditioning {vae.frame_conditioning} is not a run of leading "
-                              "latent frames; use first or prefix")
-        n = prefix_frames if vae.frame_conditioning == "prefix" else 1
-        if (n - 1) % VAE_T or not 1 <= n < num_frames:
-            raise ConfigError(f"{where}: --prefix-frames {n} must be 4k+1 (whole latent frames) and fewer than the "
-                              f"clip's {num_frames} frames")
-        clean = n
-    elif vae.frame_conditioning == "prefix" and not 1 <= prefix_frames < num_frames:
-        raise ConfigError(f"--prefix-frames {prefix_frames}: needs 1 <= prefix frames < the clip's {num_frames}")
-    if vae.frame_conditioning not in d.frame_conditioning:  # else another kind would train silently
-        raise ConfigError(f"{where}: the {kind} kind takes no --frame-conditioning {vae.frame_conditioning}: drop it")
-    if kind == "magref":  # MAGREF's canvas is a Wan I2V first frame
-        if not info.e2v:
-            raise ConfigError(f"{where} takes {info.in_channels} input channels: reference_layout magref is MAGREF's "
-                              "Wan I2V layout (noisy 16 | mask 4 | canvas 16); use a Wan 2.1 I2V or MAGREF model")
-        check_canvas([e.name for e in elements])
-    if d.packed and (info.e2v or info.ti2v or info.native_kind):  # Stand-In's packed reference
-        raise ConfigError(f"{where}: reference_layout {vae.reference_layout} is Stand-In's, a LoRA on Wan T2V "
-                          "(Wan2.1-T2V-14B, a Wan2.2-T2V-A14B expert); use a Wan T2V model")
-    if d.reference_tokens:  # the references are tokens of the sequence: the model's own input layer
-        if info.e2v:
-            raise ConfigError(f"{where} takes {info.in_channels} input channels (noisy | mask | condition): "
-                              f"reference_layout {vae.reference_layout} is for T2V models; use reference_layout "
-                              "channel")
-        e2v_type = vae_path_only(where, e2v_type, f"reference_layout {vae.reference_layout}", ConfigError)
-    else:
-        e2v_type = resolve_e2v_type(info, e2v_type, d.conditioned)  # UnsupportedModel: the model cannot take it
-    expand = d.channel and not info.e2v
-    image_branch = info.image_branch or (expand and e2v_type != "vae")
-    try:
-        return make_layout(kind, num_frames, [e.repeat for e in elements] if d.references[1] else (),
-                           combine=vae.combine, frame_conditioning=vae.frame_conditioning,
-                           frame_index=vae.frame_index, prefix_frames=prefix_frames, clean_frames=clean,
-                           reference_timestep=vae.reference_timestep, e2v_type=e2v_type, image_branch=image_branch,
-                           use_clip=d.clip and e2v_type != "vae" and image_branch, expand=expand, per_token=info.ti2v)
-    except ValueError as e:
-        raise ConfigError(f"--num-frames {num_frames}: {e}") from None
-
-
-def check_canvas(names: list[str]) -> None:
-    """MAGREF's canvas holds at most 8 elements, else a ConfigError naming them. Whether each fits its block (a token,
-    16 px, on each side once placed) depends on its image's aspect, so magref_canvas checks that as it loads them."""
-    n, most = len(names), max(MAGREF_GRIDS)
-    if n > most:
-        raise ConfigError(f"elements {', '.join(names)}: MAGREF's canvas places at most {most} references (a 2x4 "
-                          f"grid), got {n}: keep at most {most}")
-
-
-def check_native_flags(info, vae, elements, e2v_type: str) -> None:
-    """A ConfigError naming the model dir and the fix when the flags ask a released model (info.native_kind, a
-    Kind.native) for another layout than its own, or give it no references."""
-    native, where = info.native_kind, f"{info.path} ({info.name})"
-    if not elements:
-        raise ConfigError(f"{where} takes element references in its {native} layout: give element images "
-                          "(a dataset with elements); text-to-video training needs a Wan T2V model")
-    asked = (f"--reference-layout {vae.reference_layout}" if vae.reference_layout != "channel"
-             else f"--frame-conditioning {vae.frame_conditioning}" if vae.frame_conditioning != "full" else None)
-    if asked:
-        raise ConfigError(f"{where} takes its own {native} layout, not {asked}: drop {asked}")
-    if vae.reference_timestep != "shared":
-        raise ConfigError(f"{where}: the {native} layout gives the references the sample's timestep: drop "
-                          f"--reference-timestep {vae.reference_timestep}")
-    vae_path_only(where, e2v_type, f"its {native} layout", ConfigError)
-
-
-def sampling_plan(info, elements, conditioning, num_frames: int, *, first_frame: bool = False,
-                  image_branch: bool | None = None, reference_lora: bool = False, seed: int | None = None,
-                  preset: str | None = None) -> Layout:
-    """The Layout one sampling call takes (infer.py, and A2Pipeline.plan for library callers): `plan`, the one
-    train_a2.py makes, for these elements (Elements, or their frame counts in position order) and a
-    ConditioningConfig, plus what only sampling has. first_frame: Wan 2.2 TI2V-5B's --image (frame conditioning
-    first). image_branch: the pipeline has a CLIP image encoder (None: the model dir's, info.image_encoder_dir).
-    reference_lora: a Stand-In reference LoRA is loaded, so the references take its layout unless another is asked.
-    seed: MAGREF's canvas placement follows it (None: the kind's own sampler's seed, as infer.py samples with no
-    --seed). Raises ConfigError naming the model and what does not fit."""
-    if elements and isinstance(elements[0], int):  # frame counts alone: unnamed references, one per count
-        elements = tuple(replace(RELEASED_ELEMENTS[i % len(RELEASED_ELEMENTS)], name=f"ref{i}", repeat=r, position=i)
-                         for i, r in enumerate(elements))
-    changes = {}
-    if reference_lora and conditioning.reference_layout == "channel":
-        changes["reference_layout"] = "standin"
-    if first_frame:
-        changes["frame_conditioning"] = "first"
-    vae = replace(VaeProcessorConfig(**{f.name: getattr(conditioning, f.name) for f in fields(ConditioningConfig)}),
-                  **changes)
-    image_branch = info.image_encoder_dir is not None if image_branch is None else image_branch
-    layout = plan(info, tuple(elements), vae, num_frames, e2v_type="auto" if image_branch else "vae")
-    why = element_refusal(layout, len(elements))  # any count the kind takes, and no other
-    if why:
-        raise ConfigError(f"{info.path} ({info.name}): {why}")
-    own = kind_sampling(layout.kind, info.name, preset)
-    if own.seeded_placement:  # with no seed given, the one the kind's own sampler runs with (infer.py's default)
-        layout = replace(layout, placement_seed=own.seed if seed is None else seed)
-    return replace(layout, reference_multiple=own.reference_multiple, reversed_references=own.reversed_references)
-
-
-def validation_layout(layout: Layout, repeats=()) -> Layout:
-    """The layout a run's validation video is sampled with for element images of `repeats` frames: the run's own for
-    that element set (element_layout), except that an inplace run samples from its images as leading references (Wan
-    I2V's first frame: one reference of one frame builds the same mask | condition) and a clean run from one first
-    frame. It is sampled as infer.py samples it with no --seed: MAGREF's canvas placed by the kind's own seed, from
-    which the noise is drawn."""
-    layout = element_layout(layout, repeats, sampled=True)
-    if layout.kind == "inplace":
-        return make_layout("prefix", layout.num_frames, repeats, combine=layout.combine, e2v_type=layout.e2v_type,
-                           image_branch=layout.image_branch, expand=layout.expand, per_token=layout.per_token)
-    if layout.kind == "clean":
-        return replace(layout, clean_frames=1)
-    own = KIND_DEFS[layout.kind].sampling
-    return replace(layout, placement_seed=own.seed) if own.seeded_placement else layout
 
 
 # ---------------------------------------------------------------- the encoded conditioning

@@ -30,12 +30,9 @@ def height_width(height: int | None, width: int | None, resolution: tuple[int, i
         if any(v is not None and v != r for v, r in zip((height, width), resolution)):
             raise ConfigError(f"--resolution {resolution[0]} {resolution[1]} and --height {height} --width {width} "
                               "disagree: give one of them")
-    given = [v for v in (resolution or (height, width)) if v is not None]
-    if any(v <= 0 or v % 16 for v in given):  # every model's grid is a multiple of 16; a Wan 2.2 VAE's 32, told later
-        flags = (f"--resolution {resolution[0]} {resolution[1]}" if resolution is not None else
-                 " ".join(f"--{k} {v}" for k, v in (("height", height), ("width", width)) if v is not None))
-        raise ConfigError(f"{flags}: height and width must be positive multiples of 16, got "
-                          f"{'x'.join(map(str, given))}")
+    flags = (f"--resolution {resolution[0]} {resolution[1]}" if resolution is not None else
+             " ".join(f"--{k} {v}" for k, v in (("height", height), ("width", width)) if v is not None))
+    check_sides(flags, [v for v in (resolution or (height, width)) if v is not None])  # a Wan 2.2 VAE's 32: later
     if resolution is not None:
         return tuple(resolution)
     return (default[0] if height is None else height, default[1] if width is None else width)
@@ -49,12 +46,18 @@ def check_frames(num_frames: int, flag: str = "--num-frames") -> None:
                           f"the nearest: {near} or {near + 4}")
 
 
+def check_sides(what: str, sides, multiple: int = 16) -> None:
+    """Video sides a Wan model's grid takes: positive multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan
+    2.2 TI2V-5B: 16 x 2 = 32; every model's is a multiple of 16), else a ConfigError naming `what` (the flags, a dataset
+    file's key): one line, exit 2 under run_cli."""
+    if any(v <= 0 or v % multiple for v in sides):
+        raise ConfigError(f"{what}: height and width must be positive multiples of {multiple}, got "
+                          f"{'x'.join(map(str, sides))}")
+
+
 def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> None:
-    """The shapes a Wan model can take: H, W multiples of `multiple` = VAE x patch (Wan 2.1: 8 x 2 = 16, Wan 2.2
-    TI2V-5B: 16 x 2 = 32), F = 4k+1. A ConfigError: one line, exit 2 under run_cli."""
-    if height % multiple or width % multiple or height <= 0 or width <= 0:
-        raise ConfigError(f"--resolution {height} {width}: height and width must be positive multiples of "
-                          f"{multiple}, got {height}x{width}")
+    """The shapes a Wan model can take: H, W (check_sides), F = 4k+1."""
+    check_sides(f"--resolution {height} {width}", (height, width), multiple)
     check_frames(num_frames)
 
 
@@ -64,7 +67,7 @@ def check_size(height: int, width: int, num_frames: int, multiple: int = 16) -> 
 @dataclass(frozen=True)
 class ConditioningConfig:
     """How element images and video frames condition the transformer. train_a2.py and infer.py take these flags, a
-    dataset JSON file the same keys in processors.vae; a2.conditioning.plan decides the run's kind from them once."""
+    dataset JSON file the same keys in processors.vae; a2.plan.plan_layout decides the run's kind from them once."""
 
     reference_layout: Literal["channel", "incontext", "magref", "standin"] = "channel"
     """Where the element images enter the transformer. channel: A2's mask and reference latents on the channel axis
@@ -104,7 +107,7 @@ class ConditioningConfig:
 def kind_of(c: ConditioningConfig, elements, ti2v: bool = False) -> str:
     """The conditioning kind (a2/kinds.py: KIND_DEFS) that the flags or a dataset file's processors.vae `c`
     ask for, with element images or without: the one place they decide it (a released model's weights choose their
-    own instead: a2.conditioning.plan). A --reference-layout other than channel names its kind; frame conditioning
+    own instead: a2.plan.plan_layout). A --reference-layout other than channel names its kind; frame conditioning
     gives a TI2V-5B clean leading frames and any other model Wan I2V's frames in place; else A2's channel prefix
     with elements, text-to-video without. (A TI2V-5B's first frame may come beside in-context references when
     sampling.)"""
@@ -296,8 +299,7 @@ def _check_keys(d: dict, allowed, where: str):
 def _hw(v, where: str) -> tuple[int, int]:
     if not (isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int) for x in v)):
         raise ConfigError(f"{where}: expected [height, width], got {v!r}")
-    if v[0] % 16 or v[1] % 16 or min(v) <= 0:
-        raise ConfigError(f"{where}: height and width must be positive multiples of 16, got {v}")
+    check_sides(where, v)
     return (v[0], v[1])
 
 

@@ -6,7 +6,7 @@
     #  "elements": {"subject": {"clip_i_mean", "clip_i_max", "dino_i_mean", "dino_i_max", "face_sim_mean", ...}}}
 
 Per element: CLIP-I / DINO-I = cosine of the image embeddings of the element image (after its own CLIP-path
-preprocessing, `a2.pipeline.load_references`) and of each scored frame, mean and max over frames; face_sim the same
+preprocessing, `a2.images.load_references`) and of each scored frame, mean and max over frames; face_sim the same
 over the frames with a face, of a face model, for the elements named as faces (a2/opens2v.py's face-similarity path,
 which OpenS2V's cur_score shares). Per video: CLIP-T = mean cosine of the prompt's and the frames' CLIP embeddings;
 temporal_* = mean cosine of adjacent frames' embeddings; motion = `motion_magnitude`.
@@ -33,8 +33,6 @@ import torch.nn.functional as F
 import transformers
 from PIL import Image
 
-from a2.conditioning import Layout, validation_layout
-from a2.elements import pair_elements
 from a2.flow import sigma_cdf, sigma_quantile
 from a2.images import tensor_to_uint8
 from a2.kinds import model_flow_shift
@@ -52,7 +50,8 @@ from a2.opens2v import (
     tiny_encoder_note,
     video_metrics,
 )
-from a2.pipeline import A2Pipeline, decode_vae, load_first_frame, load_references, save_video
+from a2.pipeline import A2Pipeline, decode_vae, save_video
+from a2.plan import validation_inputs
 from a2.sections import EvalConfig, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, ValidationConfig
 from a2.step import Encoders, Process, Run, TrainState, ema_weights, forward_loss, model_inputs
 from a2.transformer import EXPERTS, load_transformer
@@ -133,7 +132,7 @@ def load_evaluators(cfg, default_clip_dir=None, device="cpu", dtype=torch.float3
 
 
 def named_references(items, clip_refs: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """`a2.pipeline.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
+    """`a2.images.load_references`' CLIP-path images (1, N, 3, h, w) by element name, for evaluate_video;
     `items` are the (Element, path) pairs they were loaded from (load_references orders them by position)."""
     if clip_refs is None:
         return {}
@@ -168,7 +167,7 @@ def _adjacent(frames: torch.Tensor) -> float:
 def evaluate_video(video: torch.Tensor, elements: dict[str, torch.Tensor], prompt: str, ev: Evaluators,
                    faces=(), max_frames: int = 0) -> dict:
     """Score one generated video (see the module docstring); `elements`: name -> the element's CLIP-path image
-    (3, h, w) in [-1, 1] as `a2.pipeline.load_references` makes it (`named_references`);
+    (3, h, w) in [-1, 1] as `a2.images.load_references` makes it (`named_references`);
     faces: names of the elements scored with the face model; max_frames > 0 scores that many evenly spaced frames.
     Returns {"video": {metric: float}, "elements": {name: {metric: float}}}; skipped metrics are absent."""
     frames = every_frame = video_frames(video)
@@ -338,26 +337,6 @@ def load_val_evaluators(validation: ValidationConfig, ev: EvalConfig, run: Run, 
         clip = Embedder(enc.image_encoder, enc.image_processor, proc.device,
                         next(enc.image_encoder.parameters()).dtype)
     return load_evaluators(ev, run.info.image_encoder_dir, proc.device, run.compute_dtype, clip=clip)
-
-
-def validation_inputs(val_elements: tuple[str, ...], size: tuple[int, int], clip_size: int, layout: Layout, elements,
-                      model_name: str) -> tuple:
-    """What validation samples from --val-elements: (the (Element, path) pairs, the layout of their element set (any
-    the kind takes), VAE-path references, CLIP-path images, MAGREF's region, TI2V-5B's first frame), read by plan_run
-    before any weights load too, so that a bad image fails then and not after training."""
-    h, w = size
-    items, refs, clips, region, first_frame = [], None, None, None, None
-    if layout.images == "first_frame":  # TI2V-5B image-to-video: the one image is the first frame
-        if len(val_elements) != 1:
-            raise ValueError(f"{model_name} image-to-video takes one image (the first frame), not "
-                             f"{len(val_elements)}")
-        first_frame = load_first_frame(val_elements[0], (h, w))
-    elif val_elements:
-        items = pair_elements(val_elements, elements)
-    layout = validation_layout(layout, tuple(e.repeat for e, _ in items))
-    if items:
-        refs, clips, _, region = load_references(items, (h, w), (clip_size, clip_size), layout)
-    return items, layout, refs, clips, region, first_frame
 
 
 def validate(step: int, validation: ValidationConfig, ev: EvalConfig, parallel: ParallelConfig,

@@ -5,6 +5,7 @@ element images with these functions."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -254,3 +255,39 @@ def resize_frames(frames: np.ndarray, mode: str, size: tuple[int, int]) -> torch
     x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
     x = x.permute(1, 0, 2, 3).contiguous()  # (3, F, h, w), rearranged while still 1 byte per value
     return x.to(torch.float32).mul_(2 / 255).sub_(1)
+
+
+def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), layout=None):
+    """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats, region), in position
+    order, as `layout`'s kind takes them (reference_pixels; None: each element framed to the size):
+    the magref kind's vae is its one canvas (N = 1) and region (1, H, W) where the images are on it, else None.
+
+    Errors name the file: a missing or unreadable image, or one MAGREF's canvas cannot hold, stops here, before any
+    model is loaded."""
+    items = sorted(items, key=lambda it: it[0].position)
+    images = []
+    for element, path in items:
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{path}: element '{element.name}' is a dir, not an image: give image files (e.g. "
+                             f"{next(iter(sorted(path.glob('*.png'))), path / 'subject.png')})")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
+        try:
+            images.append(read_image(path))
+        except ValueError as e:
+            raise ValueError(f"{path}: element '{element.name}' is {e}") from e
+    vae, clip, region = reference_pixels(layout, images, [e for e, _ in items], size, clip_size,
+                                         [str(p) for _, p in items])
+    repeats = tuple(e.repeat for e, _ in items)
+    return vae[None], clip[None], repeats, None if region is None else region[None]
+
+
+def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
+    """An image file as the (1, 3, H, W) first frame of 5B image-to-video, resized to size=(H, W) with Lanczos as
+    diffusers' VideoProcessor does. Raises ValueError naming the file."""
+    try:
+        image = read_image(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: first frame image is {e}") from e
+    return pil_to_tensor(image.resize((size[1], size[0]), Image.LANCZOS))[None]

@@ -130,7 +130,7 @@ class Kind:
     # the element specs it takes when none are given (--elements, --element-specs, a dataset config), in training and
     # sampling alike (kind_elements): SkyReels-A2's roles, or a released model's references framed as its lab's
     elements: tuple = A2_ELEMENTS
-    # what its precompute cache's name hashes beside the data (data.cache_key): version 2, A2's pad/crop-then-resize
+    # what its precompute cache's name hashes beside the data (a2.plan.cache_key): version 2, A2's pad/crop-then-resize
     # framing; magref 3, its canvas of the images as read and the region mask; standin its reference's size; vace 4,
     # VACE's framing and its context's encodes (a masked clip's mask file is hashed with the clip's files)
     cache_fields: tuple[tuple[str, object], ...] = (("version", 2),)

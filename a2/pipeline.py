@@ -1,6 +1,6 @@
 """A2Pipeline: Elements-to-Video inference on Wan: element images, prompt and image encoding, the denoising loop,
 decoding, video files. The conditioning (what the transformer is given, per kind) is a2/conditioning.py's, shared
-with training, and so is how element images become references (reference_pixels), for data.py and load_references.
+with training, and so is how element images become references (a2/images.py: reference_pixels, load_references).
 """
 
 from __future__ import annotations
@@ -26,44 +26,15 @@ from a2.conditioning import (
     prepare_latents,
     prepare_model,
     restore,
-    sampling_plan,
     vae_scale,
     video_prediction,
 )
 from a2.dataset_config import ConditioningConfig, check_size
-from a2.images import pil_to_tensor, preprocess_image, read_image, reference_pixels, tensor_to_uint8
+from a2.images import preprocess_image, tensor_to_uint8
 from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
+from a2.plan import sampling_plan
 from a2.tiny import model_path
 from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
-
-# ---------------------------------------------------------------- element images
-
-
-def load_references(items, size: tuple[int, int], clip_size: tuple[int, int] = (512, 512), layout=None):
-    """[(Element, image path), ...] -> (vae (1, N, 3, H, W), clip (1, N, 3, h, w), repeats, region), in position
-    order, as `layout`'s kind takes them (a2.images.reference_pixels; None: each element framed to the size):
-    the magref kind's vae is its one canvas (N = 1) and region (1, H, W) where the images are on it, else None.
-
-    Errors name the file: a missing or unreadable image, or one MAGREF's canvas cannot hold, stops here, before any
-    model is loaded."""
-    items = sorted(items, key=lambda it: it[0].position)
-    images = []
-    for element, path in items:
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"{path}: element '{element.name}' is a dir, not an image: give image files (e.g. "
-                             f"{next(iter(sorted(path.glob('*.png'))), path / 'subject.png')})")
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: element '{element.name}' image not found")
-        try:
-            images.append(read_image(path))
-        except ValueError as e:
-            raise ValueError(f"{path}: element '{element.name}' is {e}") from e
-    vae, clip, region = reference_pixels(layout, images, [e for e, _ in items], size, clip_size,
-                                         [str(p) for _, p in items])
-    repeats = tuple(e.repeat for e, _ in items)
-    return vae[None], clip[None], repeats, None if region is None else region[None]
-
 
 # ---------------------------------------------------------------- text and image encoders
 
@@ -132,16 +103,6 @@ def decode_vae(vae, latents: torch.Tensor) -> torch.Tensor:
     mean, std = latent_stats(vae, latents.device, torch.float32)
     z = latents.float() / (1.0 / std) + mean  # diffusers' Wan pipelines: latents / (1 / std) + mean
     return vae.decode(z.to(vae_param.device, vae_param.dtype), return_dict=False)[0].float().clamp(-1, 1)
-
-
-def load_first_frame(path, size: tuple[int, int]) -> torch.Tensor:
-    """An image file as the (1, 3, H, W) first frame of 5B image-to-video, resized to size=(H, W) with Lanczos as
-    diffusers' VideoProcessor does. Raises ValueError naming the file."""
-    try:
-        image = read_image(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: first frame image is {e}") from e
-    return pil_to_tensor(image.resize((size[1], size[0]), Image.LANCZOS))[None]
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -248,7 +209,7 @@ class A2Pipeline(WanLoraLoaderMixin):
 
     def plan(self, num_frames: int, elements=(), conditioning: ConditioningConfig | None = None, *,
              first_frame: bool = False, seed: int | None = None) -> Layout:
-        """The layout a call samples in, for library callers: a2.conditioning.sampling_plan on this model, the plan
+        """The layout a call samples in, for library callers: a2.plan.sampling_plan on this model, the plan
         infer.py and train_a2.py make. elements: Elements or their frame counts (A2's: (1, 4, 4)); first_frame:
         a TI2V-5B image-to-video call; seed: the call's, which MAGREF's canvas placement follows."""
         if self.info is None:

@@ -373,6 +373,11 @@ class OptimConfig:
     dropout. The loss must fall far towards 0; a loop or conditioning bug shows here first."""
 
 
+# a2's AdamW, the recipe of every model whose own names no other (config.py RECIPES): torch's betas, no weight decay,
+# clipping at 1; and what a step built outside a run (bench.py, its dry run) takes
+ADAMW = dict(adam_betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+
+
 @dataclass
 class RunDirConfig:
     """The run dir: where it is, its checkpoints, resuming and the logs."""

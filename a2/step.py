@@ -14,7 +14,6 @@ import torch.distributed as dist
 from a2 import align
 from a2.align import AUGMENT_STREAM, augment_references
 from a2.conditioning import (
-    Layout,
     PosteriorCache,
     drop,
     element_layout,
@@ -25,32 +24,11 @@ from a2.conditioning import (
     prepare_model,
     video_prediction,
 )
-from a2.elements import Element
 from a2.flow import flow_loss, noisy_latents, sample_generator, sample_sigma, timestep_bucket
 from a2.pipeline import encode_prompt, image_tokens
+from a2.plan import Run
 from a2.runs import NonFiniteSteps
 from a2.sections import ObjectiveConfig, OptimConfig, ReferencesConfig
-from a2.transformer import ModelInfo
-
-
-@dataclass(frozen=True)
-class Run:
-    """What a run derives from its config and model dir, computed once by plan_run, printed at start and saved
-    as run.json beside config.json. Never written back into the config."""
-
-    world: int
-    global_batch: int  # micro_batch x grad_accum x world
-    layout: Layout  # the conditioning kind and what it derives (a2/conditioning.py: plan)
-    elements: tuple[Element, ...]
-    info: ModelInfo  # what detect_model read from the model dir
-    subfolder: str  # the transformer trained: transformer, or a Wan 2.2 expert's transformer_2
-    compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
-    sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
-    cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
-    compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
-    validates: bool = False  # it renders validation videos: from --val-elements, or from the prompt alone when it
-    # trains T2V (with --val-every)
-    encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
 
 
 @dataclass
@@ -132,7 +110,7 @@ def model_inputs(batch, step: int, j: int, optim: OptimConfig, objective: Object
         refs = None
         if layout.takes_references:
             refs = torch.empty(batch["ref_shape"], device="meta") if cached else batch["ref_vae"]
-            if references.reference_augment:  # (plan_run: never from the cache) the sample's own augmentation stream
+            if references.reference_augment:  # (a2/plan.py: never from the cache) the sample's augmentation stream
                 refs = augment_references(refs, [sample_generator(optim.seed, key, k, stream=AUGMENT_STREAM)
                                                  for k in ks])
             refs = refs if cached else h2d(refs, device)

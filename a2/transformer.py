@@ -989,41 +989,6 @@ def allow_recompiles(shapes: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * shapes + 8)
 
 
-def vae_path_only(where: str, e2v_type: str, what: str, error: type = UnsupportedModel) -> str:
-    """"vae", the E2V type where nothing takes CLIP tokens (`what`: the model's E2V, a kind's layout), or the one-line
-    `error` when --e2v-type asks for them."""
-    if e2v_type in ("dual", "clip"):
-        raise error(f"{where} has no CLIP image branch: {what} uses the VAE path only (--e2v-type vae or auto), "
-                    f"not {e2v_type}")
-    return "vae"
-
-
-def resolve_e2v_type(info: ModelInfo, e2v_type: str, conditioned: bool) -> str:
-    """The reference paths of a run (TrainModelConfig.e2v_type, `auto` resolved), or a clear error when the model cannot
-    take them. conditioned: the run has elements or frame conditioning (not plain T2V)."""
-    where = f"{info.path} ({info.name})"
-    if not conditioned:
-        if info.e2v:
-            raise UnsupportedModel(f"{where} takes 36 input channels (noisy | mask | condition); T2V-only training "
-                                   "(no elements, no frame conditioning) needs a T2V model (e.g. tiny-t2v, "
-                                   "Wan2.1-T2V); or give the data its element images (--elements, or \"elements\" "
-                                   "in each dataset of a --dataset-config)")
-        return "none"
-    if info.ti2v:  # its first frame replaces latent frame 0; element references go in context
-        return vae_path_only(where, e2v_type, "E2V there (no channel conditioning)")
-    if info.e2v and not info.image_branch:  # Wan 2.2 I2V A14B
-        return vae_path_only(where, e2v_type, "E2V there")
-    if not info.e2v:  # a T2V base is expanded to the E2V inputs
-        if info.two_experts:
-            raise UnsupportedModel(f"{where}: E2V would expand the trained expert to 36 input channels while the other "
-                                   "keeps 16, and the pair could not be sampled; train T2V here (a dataset config "
-                                   "without elements), or E2V on Wan 2.2 I2V A14B")
-        if e2v_type != "vae" and info.image_encoder_dir is None:
-            raise UnsupportedModel(f"{where} is a T2V model: E2V training expands it and needs a CLIP image encoder "
-                                   "(--image-encoder DIR) or --e2v-type vae")
-    return "dual" if e2v_type == "auto" else e2v_type
-
-
 def wan_module_name(name: str) -> str:
     """diffusers WanTransformer3DModel module name -> the original Wan one (KeyError when Wan has no such module)."""
     m = re.fullmatch(r"((?:vace_)?blocks\.\d+\.)(.+)", name)  # a transformer block or a VACE context block

@@ -85,7 +85,7 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
 
     from a2.loader import collate
-    from data import E2VDataset, kind_datasets
+    from data import E2VDataset
     from tests.their_refalign import training_align_loss
 
     cfg = train_config(args(data_dir, data_dir.parent / "unused", "r", "--num-frames", "9",
@@ -94,7 +94,7 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     model, _ = train_a2.build_transformer(cfg, run, 0)
-    ds = E2VDataset(kind_datasets(train_a2.run_datasets(cfg), run.info, False)[0], num_frames=9, verbose=False,
+    ds = E2VDataset(run.datasets, num_frames=9, verbose=False,
                     layout=run.layout)
     seen = []
     ours = align.align_loss

@@ -66,7 +66,7 @@ def test_bench_vace_trains_its_context_blocks_and_refuses_what_misses_them(capsy
     """bench.py --layout vace builds the preset's VACE model (1.3B's 15 context blocks, a hint every 2nd block), its
     LoRA on the context blocks as train_a2.py's default; --swap-blocks, whose hooks do not reach them, is refused in
     one line (exit 2)."""
-    run, _, cfg = bench.bench_run(BenchConfig(preset="1.3B", layout="vace", refs=3, frames=81))
+    run, _, cfg = bench.bench_plan(BenchConfig(preset="1.3B", layout="vace", refs=3, frames=81))
     assert cfg["vace_layers"] == list(range(0, 30, 2)) and run.layout.context_blocks
     assert forward_flops(cfg, 1000, 512)[0] > forward_flops({**cfg, "vace_layers": []}, 1000, 512)[0]
     with pytest.raises(SystemExit) as e:
@@ -114,6 +114,22 @@ def test_bench_compares_no_kind_name():
     names = "|".join(KINDS)
     source = (Path(bench.__file__)).read_text()
     assert not re.findall(rf'[=!]=\s*"({names})"|"({names})"\s*[=!]=|in\s*\([^)]*"({names})"', source)
+
+
+def test_bench_plans_with_the_planner():
+    """bench.py asks a2/plan.py for its run (bench_plan: the preset's ModelInfo, the kind's flags, the sections its step
+    reads) and its loader's data (bench_datasets), as training plans: it constructs no ModelInfo, no training section
+    and no dataset config of its own, and imports no test module, so it cannot drift from a training run."""
+    import ast
+
+    tree = ast.parse(Path(bench.__file__).read_text())
+    made = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    by_hand = {"ModelInfo", "DatasetConfig", "DataConfig", "VaeProcessorConfig", "ClipProcessorConfig", "LoraSection",
+               "OptimConfig", "ObjectiveConfig", "ReferencesConfig", "ParallelConfig", "TrainConfig"}
+    assert made & by_hand == set()
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert [m for m in imported if m.split(".")[0] == "tests"] == []
 
 
 def test_bench_dry_run_traces_each_kinds_step():

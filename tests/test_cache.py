@@ -55,7 +55,7 @@ def test_cache_key_covers_the_preprocessing(tmp_path):
 
     from a2.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
-    from data import cache_key
+    from a2.plan import cache_key
 
     for d in ("vae", "text_encoder", "tokenizer"):
         (tmp_path / d).mkdir()

@@ -12,14 +12,15 @@ import a2.evaluate
 import infer
 import train_a2
 from a2.cli import ConfigError
-from a2.conditioning import validation_layout
 from a2.dataset_config import ConditioningConfig
 from a2.elements import pair_elements
+from a2.images import load_references
 from a2.loader import collate
-from a2.pipeline import A2Pipeline, load_references
+from a2.pipeline import A2Pipeline
+from a2.plan import validation_layout
 from a2.step import Process
 from config import TrainConfig, from_flags, with_flags
-from data import E2VDataset, kind_datasets
+from data import E2VDataset
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
 # kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
@@ -94,10 +95,8 @@ def setup(data_dir, name, *flags, n=None, tmp_path=None):
         data_dir = masked_clips(data_dir, tmp_path)
     cfg = train_config(["--model", model, "--data-root", str(data_dir), "--resolution", "32", "64",
                                       "--device", "cpu", "--text-dropout", "0", *extra, *flags])
-    ds_cfgs = train_a2.run_datasets(cfg)
-    run = train_a2.plan_run(cfg, 1, ds_cfgs, torch.device("cpu"))
-    ds_cfgs = kind_datasets(ds_cfgs, run.info, bool(cfg.data.elements))[0]  # as train_a2.main reads the data
-    ds = E2VDataset(ds_cfgs, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
+    ds = E2VDataset(run.datasets, num_frames=run.layout.clip_frames, verbose=False, layout=run.layout)
     batch = collate([ds[0]])
     batch["files"] = [str(p) for p in ds.samples[0].elements.values()]  # the images as a user names them, in order
     enc = train_a2.load_run_encoders(cfg, run, torch.device("cpu"), needed=True)
@@ -471,10 +470,10 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
 
 def test_no_kind_name_is_compared_outside_the_kind_definitions():
     """Every kind's defaults come from its definition (a2/kinds.py: KIND_DEFS; a2/conditioning.py: the Layout's
-    properties): no project module outside those two compares a kind name, or a kind set, except the weights'
-    detection (a2/transformer.py names the released layouts it reads; a2/tiny.py builds them) and bench.py's own
-    --layout flag (its choices, config.KIND_NAMES, are held equal to KIND_DEFS by tests/test_cli.py). A dataset type
-    that shares a name (t2v) is not a kind."""
+    properties; a2/plan.py: which kind a model takes from which flags): no project module outside those compares a
+    kind name, or a kind set, except the weights' detection (a2/transformer.py names the released layouts it reads;
+    a2/tiny.py builds them) and bench.py's own --layout flag (its choices, config.KIND_NAMES, are held equal to
+    KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is not a kind."""
     import re
     from pathlib import Path
 
@@ -484,7 +483,7 @@ def test_no_kind_name_is_compared_outside_the_kind_definitions():
     compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
                           r"|\b[A-Z_]*KINDS\b")
     root = Path(__file__).resolve().parents[1]
-    allowed = {"a2/conditioning.py", "a2/kinds.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    allowed = {"a2/conditioning.py", "a2/plan.py", "a2/kinds.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
     found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
              for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
              for i, line in enumerate(f.read_text().splitlines(), 1)
@@ -494,7 +493,7 @@ def test_no_kind_name_is_compared_outside_the_kind_definitions():
     assert compared.search('if layout.kind == "magref":') and compared.search("kind not in CHANNEL_KINDS")
     # inside the definitions a kind is named only where it is particular (A2's mini-video, MAGREF's canvas, the
     # frame kinds' validation layout): what differs as data is read from its Kind row
-    inside = [line for line in (root / "a2" / "conditioning.py").read_text().splitlines()
+    inside = [line for f in ("conditioning.py", "plan.py") for line in (root / "a2" / f).read_text().splitlines()
               if re.search(r"""\bkind\b\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b|\b[A-Z_]+_KINDS\b""", line.split("#")[0])]
     assert len(inside) <= 20, "\n".join(inside)
 

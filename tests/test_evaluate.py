@@ -16,8 +16,8 @@ from PIL import Image
 
 from a2.elements import Element
 from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
+from a2.images import load_references
 from a2.opens2v import flows, tiny_encoder_note
-from a2.pipeline import load_references
 from config import EvalConfig, LoraSection
 
 

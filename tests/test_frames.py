@@ -14,7 +14,8 @@ import torch
 from a2.dataset_config import DatasetConfig
 from a2.images import resize_frames
 from a2.media import _decode, displayed
-from data import DatasetError, E2VDataset, cache_key
+from a2.plan import cache_key
+from data import DatasetError, E2VDataset
 from tests.conftest import args, losses, train
 
 F = 17  # clip frames of the windows

@@ -546,17 +546,18 @@ def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
 
 
 def test_bench_loader_input_mistake_is_one_line_exit_2(tmp_path, capsys):
-    """bench.py --data-root on a dir that is not there: one line, exit 2 (as bench.py's __main__ runs it)."""
+    """bench.py --data-root on a dir that is not there: one line naming the flag, as training says it (bench reads
+    its data flags as training does), exit 2 (as bench.py's __main__ runs it)."""
     import bench
 
     with pytest.raises(SystemExit) as e:
         run_cli(bench.bench_loader, bench.BenchConfig(data_root=str(tmp_path / "none")))
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"error: datasets[0]: data_root {tmp_path / 'none'} is not a directory\n"
+    assert capsys.readouterr().err == f"error: --data-root: data_root {tmp_path / 'none'} is not a directory\n"
 
 
 def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_trained(tmp_path, media, capsys):
-    """An OpenS2V-5M-shaped index (tests/public_fixture.py's part, on tests/media's hiker clip) read by MAGREF at
+    """An OpenS2V-5M-shaped index (public_index.synthetic_opens2v's part, on tests/media's hiker clip) read by MAGREF at
     64x64: a clip's 168x112 background is 22x14 px in its 22x64 block of a 3-reference canvas, under a token (16 px).
     The sizes the scan reads are the images the loader makes; `data.py validate` names the clip (left out) and
     training leaves it out before step 1 (it stopped the run at the step that drew it); the clip without the
@@ -564,8 +565,8 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     import a2.public_index as pi
     import a2.public_read as pr
     import data
+    from a2 import public_index as pf
     from a2.media import read_frames
-    from tests import public_fixture as pf
     from tests.conftest import train
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
@@ -809,9 +810,8 @@ def test_an_index_clip_is_checked_against_the_frames_its_video_holds(tmp_path, m
     import a2.public_read as pr
     import train_a2
     from a2.media import read_frames
-    from a2.public_index import index_opens2v
+    from a2.public_index import index_opens2v, synthetic_opens2v
     from config import DataConfig, IndexOpenS2V
-    from tests.public_fixture import synthetic_opens2v
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
     frames = np.stack([np.asarray(Image.fromarray(x).resize((64, 48))) for x in f])

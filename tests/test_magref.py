@@ -254,7 +254,7 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     import shutil
 
     from a2.cli import ConfigError
-    from a2.conditioning import sampling_plan
+    from a2.plan import sampling_plan
     from a2.tiny import model_path
     from a2.transformer import UnsupportedModel, detect_model, load_transformer
 
@@ -348,8 +348,7 @@ def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(tmp
     from a2.conditioning import make_layout
     from a2.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
-    from a2.images import pil_to_tensor, read_image
-    from a2.pipeline import load_references
+    from a2.images import load_references, pil_to_tensor, read_image
     from data import E2VDataset, make_synthetic_dataset
 
     subject = A2_ELEMENTS[0]

@@ -380,7 +380,8 @@ def test_a_library_call_samples_as_infer_does(element_paths, monkeypatch):
     sampler it returns is Phantom's generate.py's (the LABS row), with nothing passed but the prompt, the
     references and the layout."""
     from a2.elements import RELEASED_ELEMENTS
-    from a2.pipeline import A2Pipeline, load_references
+    from a2.images import load_references
+    from a2.pipeline import A2Pipeline
     from a2.tiny import model_path
 
     pipe = A2Pipeline.from_pretrained(model_path("tiny-phantom"))

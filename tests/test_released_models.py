@@ -491,28 +491,28 @@ def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny
     """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
     the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
     from a2.cli import ConfigError
-    from a2.conditioning import plan, sampling_plan
     from a2.dataset_config import ConditioningConfig, VaeProcessorConfig
     from a2.elements import A2_ELEMENTS, Element
+    from a2.plan import plan_layout, sampling_plan
 
     five = tuple(Element(f"e{i}", (f"_{i}.png",), position=i) for i in range(5))
     p, v = detect_model(phantom_dir), detect_model(v3_dir)
     vae = VaeProcessorConfig()
-    assert plan(p, A2_ELEMENTS, vae, 9).kind == "phantom" and plan(v, A2_ELEMENTS, vae, 9).kind == "v3"
-    lay = plan(p, five, vae, 9)
+    assert plan_layout(p, A2_ELEMENTS, vae, 9).kind == "phantom" and plan_layout(v, A2_ELEMENTS, vae, 9).kind == "v3"
+    lay = plan_layout(p, five, vae, 9)
     assert (lay.ref_latents, lay.repeats, lay.latent_frames) == (5, (1,) * 5, 3 + 5)
-    assert plan(v, A2_ELEMENTS, vae, 9).latent_frames == 3 + 4
+    assert plan_layout(v, A2_ELEMENTS, vae, 9).latent_frames == 3 + 4
     with pytest.raises(ConfigError) as e:
-        plan(v, five, vae, 9)
+        plan_layout(v, five, vae, 9)
     one_line(e, str(v3_dir), "v3 kind holds at most 4", "keep at most 4")
     with pytest.raises(ConfigError) as e:
-        plan(p, A2_ELEMENTS, VaeProcessorConfig(reference_layout="incontext"), 9)
+        plan_layout(p, A2_ELEMENTS, VaeProcessorConfig(reference_layout="incontext"), 9)
     one_line(e, str(phantom_dir), "own phantom layout", "drop --reference-layout incontext")
     with pytest.raises(ConfigError) as e:
-        plan(v, (), vae, 9)
+        plan_layout(v, (), vae, 9)
     one_line(e, str(v3_dir), "v3 layout", "element images")
     with pytest.raises(ConfigError) as e:
-        plan(p, A2_ELEMENTS, vae, 9, e2v_type="dual")
+        plan_layout(p, A2_ELEMENTS, vae, 9, e2v_type="dual")
     one_line(e, str(phantom_dir), "no CLIP image branch", "--e2v-type vae")
     with pytest.raises(ConfigError, match="at most 4"):
         sampling_plan(v, (1,) * 5, ConditioningConfig(), 9)

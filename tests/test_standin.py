@@ -235,7 +235,8 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
     packed after the video's 60x104 ones in one latent frame (zero padded) and read back exactly, 32x32 = 1024
     reference tokens (at time -1, past the 30x52 token grid), as their model was trained.
     A reference latent that does not fit in whole frames of a small video takes several (4x6 latents: 171 frames)."""
-    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, sampling_plan
+    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model
+    from a2.plan import sampling_plan
     from a2.tiny import model_path
     from a2.transformer import detect_model
 
@@ -339,7 +340,8 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path):
     The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused.
     The references are two drawn persons, a landscape and a square picture (framed to 512x512 as read)."""
     from a2.conditioning import make_layout
-    from a2.pipeline import A2Pipeline, load_references
+    from a2.images import load_references
+    from a2.pipeline import A2Pipeline
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v")
     their_file(tiny_t2v(), tmp_path / "standin.ckpt")

@@ -218,8 +218,9 @@ def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     from a2.conditioning import make_layout, prepare_latents
     from a2.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
+    from a2.images import load_references
     from a2.loader import collate
-    from a2.pipeline import A2Pipeline, load_references
+    from a2.pipeline import A2Pipeline
     from data import E2VDataset
 
     ds = E2VDataset([DatasetConfig(str(data_dir), target_resolution=(32, 32))], num_frames=9, verbose=False)

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 import infer
 import train_a2
 from a2 import vace
-from a2.conditioning import plan
 from a2.dataset_config import VaeProcessorConfig
 from a2.elements import RELEASED_ELEMENTS
 from a2.images import read_image, vace_frame
 from a2.kinds import WAN_NEGATIVE_PROMPT
 from a2.lora import export_lora, read_original
 from a2.parallel import UlyssesAttnProcessor, context_parallel
+from a2.plan import plan_layout
 from a2.tiny import build_tiny, model_path, save_tiny, tiny_model_dir
 from a2.transformer import (
     UnsupportedModel,
@@ -335,7 +335,7 @@ def test_detection_and_loading_of_every_layout(layouts):
             model = load_transformer(d, torch.float32, info.subfolder(expert))
             assert isinstance(model, WanVACETransformer3DModel) and model.config.vace_layers == [0, 1]
             weights[layout, expert] = model.state_dict()
-        layout = plan(info, RELEASED_ELEMENTS[:2], VaeProcessorConfig(), 9)  # its weights choose the kind
+        layout = plan_layout(info, RELEASED_ELEMENTS[:2], VaeProcessorConfig(), 9)  # its weights choose the kind
         assert (layout.kind, layout.ref_latents, layout.clip_frames, layout.num_frames) == ("vace", 2, 9, 17)
     for a, b in (("diffusers", "original"), ("fun-diffusers", "fun-original")):
         for expert in ("high", "low") if "fun" in a else (None,):
