@@ -25,10 +25,12 @@ from a2.dataset_config import (
     height_width,
 )
 from a2.sections import (
+    ADAMW,
     LORA_TARGETS,
     EvalConfig,
     ExportElements,
     IndexHumoSet,
+    IndexKaleido,
     IndexOpenS2V,
     IndexPhantom,
     LoraSection,
@@ -90,19 +92,24 @@ class DemoConfig:
 # demo.png): its blocks add their outputs through gates of ~0.1 and its output head is random, so the LoRA takes a
 # larger alpha and the head (proj_out); its sampler spends most of its steps at high noise (its scheduler's shift is
 # 8, A2's), where the shapes are placed, so training draws its sigmas the same way; a rate ten times a real model's.
+# Both take a2's AdamW (ADAMW: torch's betas, no weight decay, clipping at 1).
 RECIPES = {
     "model": dict(resolution=(480, 832), num_frames=81, lora_alpha=32.0, lora_target=LORA_TARGETS,
-                  sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None),
+                  sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None, **ADAMW),
     "tiny": dict(resolution=(64, 64), num_frames=33, lora_alpha=320.0, lora_target=LORA_TARGETS + r"|proj_out",
-                 sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
+                 sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10, **ADAMW),
 }  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
 # Kaleido's training yaml (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6, sat's warmup 0.01 of
-# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size:
-# rf_shift, filled in TrainConfig.__post_init__)
+# its 5000 iterations, 480x832, 81 frames; AdamW betas (0.9, 0.95) and weight decay 1e-4 :84-91, gradient clipping
+# 0.1 :65) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size: rf_shift, filled in
+# TrainConfig.__post_init__). Its tiny model takes the same optimizer at the tiny rate. Not taken: its gradient
+# accumulation 8 (:63), a global batch that also scales with its GPUs (--grad-accum is the user's), and sat's
+# weight-decay groups (biases and norms undecayed: sat/training/deepspeed_training.py:698-726), 5e-10 a step here.
+KALEIDO_ADAMW = dict(adam_betas=(0.9, 0.95), weight_decay=1e-4, max_grad_norm=0.1)
 RECIPES["kaleido"] = {k: v for k, v in dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", lr=5e-6,
-                                             warmup_steps=50).items() if k != "sigma_shift"}
-RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted").items()
-                           if k != "sigma_shift"}
+                                             warmup_steps=50, **KALEIDO_ADAMW).items() if k != "sigma_shift"}
+RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted",
+                                                  **KALEIDO_ADAMW).items() if k != "sigma_shift"}
 
 
 def rf_shift(height: int, width: int) -> float:
@@ -597,14 +604,17 @@ class Validate(TrainConfig):
     makes the global batch that each bucket must fill to be trained."""
 
 
-IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
-    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+IndexCommand = (Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")]
+                | Annotated[IndexPhantom, tyro.conf.subcommand("phantom")]
+                | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+                | Annotated[IndexKaleido, tyro.conf.subcommand("kaleido")])
 
 # `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
 DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
                | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand, description=(
-                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet) for training."))]
+                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet), or Kaleido's training "
+                   "layout, for training."))]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
 
 

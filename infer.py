@@ -36,7 +36,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from a2 import standin
-from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, run_cli
+from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, left_as_found, run_cli
 from a2.dataset_config import check_size, element_kind, height_width
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
 from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
@@ -599,6 +599,7 @@ def eval_set(cfg: InferConfig, info, source) -> int:
     return 0
 
 
+@left_as_found()  # under torchrun: the process group sampling_group starts is destroyed as main ends
 def main(cfg: InferConfig) -> int:
     cfg, source, info, first_frame = check_inputs(cfg)
     if cfg.eval_set:

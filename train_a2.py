@@ -31,7 +31,7 @@ import random
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from a2 import align
-from a2.cli import ConfigError, exit_on_signal, run_cli
+from a2.cli import ConfigError, exit_on_signal, left_as_found, run_cli
 from a2.conditioning import (
     PosteriorCache,
     element_layout,
@@ -547,33 +547,6 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
     return state, saved["step"]
 
 
-@contextmanager
-def left_as_found():
-    """main()'s decorator: main leaves the process as it found it on every exit (a return, an exception, a stop), so
-    that a caller (a notebook, a test) keeps no SIGTERM/SIGINT handler of a run that has ended and can call main
-    again: the handlers main installs are restored, the STOP flags cleared, the environment variables it set
-    (PYTORCH_CUDA_ALLOC_CONF, read once when CUDA initialises) put back, and the process group main created is
-    destroyed. After an exception with several ranks the group is left to the process's exit: destroying it would
-    wait for the other ranks' collectives, which may never come."""
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    environ = dict(os.environ)
-    created = not dist.is_initialized()
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        STOP.update(signal=None, loop=False)
-        for name in os.environ.keys() - environ.keys():
-            del os.environ[name]
-        os.environ.update(environ)
-        for signum, handler in handlers.items():
-            if signal.getsignal(signum) is not handler:  # (only the main thread may set one; main set them there)
-                signal.signal(signum, handler)
-        if created and dist.is_initialized() and not (failed and dist.get_world_size() > 1):
-            dist.destroy_process_group()
-
-
 def start_process(cfg: TrainConfig) -> tuple[int, int, Process]:
     """The process group (torchrun's, or this process alone) and this rank's Process: its device, autocast and, with
     context parallel, the group of ranks that shares each sample (a2/parallel.py; data and batch count dp ranks only).
@@ -636,7 +609,7 @@ def seed_step(o: OptimConfig, step: int, dp_rank: int, opt) -> None:
         g["lr"] = lr_at(o, step)
 
 
-@left_as_found()
+@left_as_found(lambda: STOP.update(signal=None, loop=False))  # (its STOP flags cleared on every exit)
 def main(cfg: TrainConfig) -> dict:
     # ---------------------------------------------------------------- distributed setup
     world, local_rank, proc = start_process(cfg)

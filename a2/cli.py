@@ -1,7 +1,7 @@
 """How every script meets its user: its flags parsed by tyro before the heavy imports (parse_cli), a mistake in
 what the user gave (flags, config, data) said in one line with exit status 2 (InputError, run_cli), a stop signal
-said in one line (exit_on_signal), and a text file read as its writer meant it. It imports tyro and the standard
-library only."""
+said in one line (exit_on_signal), a main that leaves the process as it found it (left_as_found), and a text file read
+as its writer meant it. It imports tyro and the standard library only (torch inside left_as_found, once main runs)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import contextlib
 import difflib
 import io
 import itertools
+import os
+import random
 import re
 import signal
 import sys
@@ -86,6 +88,44 @@ def exit_on_signal(hint: str) -> None:
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, stop)
+
+
+@contextlib.contextmanager
+def left_as_found(reset=lambda: None):
+    """A main()'s decorator: main leaves the process as it found it on every exit (a return, an exception, a stop),
+    so that a caller (a notebook, a test) keeps no SIGTERM/SIGINT handler of a run that has ended and can call main
+    again: the handlers main installs are restored, the environment variables it set (PYTORCH_CUDA_ALLOC_CONF, read
+    once when CUDA initialises) put back, the global random generators it reseeds (`random`'s, torch's CPU one and,
+    where CUDA was initialised before main, each GPU's) restored, so that what the caller draws next does not depend
+    on main's last seed, the process group main created destroyed, and reset() called (a script's own flags).
+    After an exception with several ranks the group is left to the process's exit: destroying it would wait for the
+    other ranks' collectives, which may never come."""
+    import torch
+    import torch.distributed as dist
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    environ = dict(os.environ)
+    cuda = torch.cuda.is_initialized()  # (not initialised here: main sets the allocator's variable first)
+    rng = random.getstate(), torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+    created = not dist.is_initialized()
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        reset()
+        for name in os.environ.keys() - environ.keys():
+            del os.environ[name]
+        os.environ.update(environ)
+        for signum, handler in handlers.items():
+            if signal.getsignal(signum) is not handler:  # (only the main thread may set one; main set them there)
+                signal.signal(signum, handler)
+        random.setstate(rng[0])
+        torch.random.set_rng_state(rng[1])
+        if cuda:
+            torch.cuda.set_rng_state_all(rng[2])
+        if created and dist.is_initialized() and not (failed and dist.get_world_size() > 1):
+            dist.destroy_process_group()
 
 
 def run_cli(main, *args):

@@ -24,6 +24,7 @@ class Record:
     predictions: list = field(default_factory=list)  # per forward, the video prediction the guidance combines
     step_inputs: list = field(default_factory=list)  # per scheduler step, the model output it was given
     references: torch.Tensor | None = None  # what reached the pipeline as the VAE-path references
+    clip_references: torch.Tensor | None = None  # and as the CLIP-path images
     layout: object = None
     out: Path | None = None
 
@@ -93,6 +94,7 @@ def run_infer(monkeypatch, argv: list[str]) -> Record:
 
     def call(self, prompt, references=None, *a, **kw):
         rec.references, rec.layout = references, kw.get("layout")
+        rec.clip_references = a[0] if a else kw.get("clip_references")
 
         def hook(_module, args, kwargs):
             x, t = kwargs["hidden_states"], kwargs["timestep"]

@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, assert_their_motion
 
@@ -60,6 +61,7 @@ def cli_flags() -> dict[str, set[str]]:
             "a2.opens2v": of(config.OpenS2VConfig), "data.py make-sample": of(config.MakeSample),
             "data.py validate": of(config.Validate), "data.py index opens2v": of(config.IndexOpenS2V),
             "data.py index phantom": of(config.IndexPhantom), "data.py index humoset": of(config.IndexHumoSet),
+            "data.py index kaleido": of(config.IndexKaleido),
             "data.py export-elements": of(config.ExportElements),
             "torchrun": {o for a in get_args_parser()._actions for o in a.option_strings}}
 
@@ -491,3 +493,90 @@ def test_the_loopback_smoke_command_trains_on_two_nodes(tmp_path):
     run = work / "runs" / "smoke"
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000003"] and not list(run.glob(".tmp-*"))
     assert (run / "pytorch_lora_weights.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- sentences that state a behaviour, held
+
+
+def test_the_default_elements_and_an_options_defaults_are_the_docs(tmp_path):
+    """docs/dataset.md: "An option left out is `repeat=1`, `vae=resize`, `clip=pad_white`, not required.
+    `--elements` left out: SkyReels-A2's three, `subject=...`, `object=...`, `background=...`": the specs are read
+    from that sentence and parsed, so the defaults and the doc cannot part."""
+    from a2.elements import A2_ELEMENTS, parse_elements
+
+    text = " ".join((ROOT / "docs" / "dataset.md").read_text().split())
+    sentence = text.split("An option left out is ", 1)[1].split("(none with", 1)[0]
+    left_out = re.match(r"`repeat=(\d+)`, `vae=(\w+)`, `clip=(\w+)`, not required", sentence)
+    (e,) = parse_elements(["subject=_p.png"])
+    assert (str(e.repeat), e.vae_preprocess, e.clip_preprocess, e.required) == (*left_out.groups(), False)
+    specs = re.findall(r"`((?:subject|object|background)=[^`]+)`", sentence.replace(", ", ","))
+    assert len(specs) == 3 and tuple(parse_elements(specs)) == A2_ELEMENTS, specs
+
+
+def test_infer_tiles_the_references_left_of_the_video_unless_told_not_to(tmp_path):
+    """README: "`infer.mp4` shows the reference images tiled to the left of the video (as A2's own `infer.py`
+    does; `--no-side-by-side` writes the video alone)": the default file is (references + 1) tiles of the video's
+    width, its first tile the subject as framed, its last the video `--no-side-by-side` writes alone (same seed; the
+    tiles are compared through the encoder, which rounds each file apart: within 6 of 255 levels on average)."""
+    import av
+    import numpy as np
+
+    import infer
+    from a2.cli import parse_cli
+    from a2.images import preprocess_image
+    from config import InferConfig
+    from tests.conftest import drawn_person
+
+    h, w = 32, 48
+    paths = []
+    for i, size in enumerate(((40, 28), (40, 28), (28, 40))):
+        paths.append(str(tmp_path / f"e{i}.png"))
+        drawn_person(size, seed=i).save(paths[-1])
+    run = ["--model", "tiny", "--resolution", str(h), str(w), "--num-frames", "21", "--steps", "2", "--device", "cpu",
+           "--elements", *paths]
+
+    def frames(name, *extra):
+        assert infer.main(parse_cli(InferConfig, args=[*run, *extra, "--out", str(tmp_path / name)])) == 0
+        with av.open(str(tmp_path / name)) as f:
+            return np.stack([fr.to_ndarray(format="rgb24") for fr in f.decode(video=0)]).astype(np.float32)
+
+    tiled, alone = frames("tiled.mp4"), frames("alone.mp4", "--no-side-by-side")
+    assert alone.shape[1:3] == (h, w) and tiled.shape[1:3] == (h, 4 * w) and len(tiled) == len(alone)
+    assert np.abs(tiled[:, :, 3 * w:] - alone).mean() < 6
+    from PIL import Image
+
+    subject = np.asarray(preprocess_image(Image.open(paths[0]), "pad_white", (h, w)), dtype=np.float32)
+    assert np.abs(tiled[:, :, :w] - subject).mean() < 6 < np.abs(alone - subject).mean()
+
+
+def test_a_dry_run_plans_for_an_80_gib_card_by_default():
+    """docs/memory.md: a dry run exits 0 "if it fits `--max-memory-gb` (default 80), 3 if not": without the flag the
+    plan's budget and the printed card are 80 GiB (the 1.3B step cut to 2 blocks, a second on fake tensors)."""
+    from bench import BenchConfig, bench_dry_run
+    from config import MemoryConfig
+
+    printed = []
+    r = bench_dry_run(BenchConfig(preset="1.3B", refs=0, frames=5, height=64, width=64,
+                                  memory=MemoryConfig(dry_run=True)), layers=2, log=printed.append)
+    assert r["plan"].budget_gb == 80 and r["fits"]
+    assert "fits: 80.0 GiB card" in "\n".join(printed)
+
+
+def test_lora_scale_scales_an_ordinary_lora(tmp_path):
+    """docs/interop.md: "`--lora-scale` scales the ordinary ones": at 0 the LoRA adds exact zeros (the base model's
+    latents bit for bit: the same ops on the same values), at 1 and at 0.5 it changes them, each differently."""
+    from a2.lora import export_lora
+    from a2.tiny import model_path
+    from config import LORA_TARGETS
+    from tests.conftest import drawn_person
+    from tests.test_lora import adapted_pipe
+    from tests.test_promises import sample
+
+    lora, _ = export_lora(tmp_path / "run", adapted_pipe(model_path("tiny"), LORA_TARGETS).transformer)
+    drawn_person((40, 28)).save(tmp_path / "me.png")
+    run = ["--model", "tiny", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2", "--device", "cpu",
+           "--elements", str(tmp_path / "me.png")]
+    base, _ = sample(run, tmp_path / "base")
+    at = {s: sample([*run, "--lora", str(lora), "--lora-scale", s], tmp_path / s)[0] for s in ("0", "0.5", "1")}
+    assert torch.equal(at["0"], base)
+    assert min((at[a] - at[b]).abs().max().item() for a, b in (("0", "0.5"), ("0.5", "1"), ("0", "1"))) > 1e-4

@@ -1,18 +1,21 @@
 """train_a2.main and infer.main leave the process as they found it on every exit: a return, an input error, a
 failure mid-run and a stop signal. What main may touch, compared before and after: the SIGTERM / SIGINT handlers,
-train_a2's STOP flags and RANK, the default process group, the environment (every variable), torch's default dtype,
+train_a2's STOP flags and RANK, the default process group, the environment (every variable), the global random
+generators (`random`'s, torch's and numpy's: train_a2.main reseeds the first two each step), torch's default dtype,
 its thread count and grad mode, and the working directory. A notebook or a test calls main again in the same process:
 whatever one run leaves is the next one's starting point."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 
-from tests.conftest import args, drawn_person, train
+from tests.conftest import args, drawn_person, train_config
 
 
 def state() -> dict:
@@ -23,7 +26,8 @@ def state() -> dict:
     return dict(handlers={s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)},
                 stop=dict(train_a2.STOP), rank=train_a2.RANK, group=dist.is_initialized(), environ=dict(os.environ),
                 dtype=torch.get_default_dtype(), threads=torch.get_num_threads(), grad=torch.is_grad_enabled(),
-                cwd=os.getcwd())
+                cwd=os.getcwd(), random=random.getstate(), torch_rng=torch.random.get_rng_state().tolist(),
+                numpy_rng=np.random.get_state()[1].tolist())
 
 
 def assert_as_found(before: dict) -> None:
@@ -41,14 +45,18 @@ def test_train_main_leaves_nothing(exit_path, data_dir, tmp_path, monkeypatch):
     import train_a2
     from a2.cli import InputError
 
+    (tmp_path / "file").write_text("")
+    # parsed before: tyro's cache draws from `random` (its eviction), outside main
+    cfg = train_config(args(data_dir, tmp_path / "file" if exit_path == "input error" else tmp_path, "r", "--fsdp",
+                            "--max-steps", "2"))
+    random.seed(12345)  # a caller's own draws go on from where they were after main
+    torch.manual_seed(12345)
     before = state()
-    run = args(data_dir, tmp_path, "r", "--fsdp", "--max-steps", "2")
     if exit_path == "return":
-        assert train(*run)["step"] == 2
+        assert train_a2.main(cfg)["step"] == 2
     elif exit_path == "input error":
-        (tmp_path / "file").write_text("")
         with pytest.raises(InputError, match="is a file, not a dir to write into"):  # refused once the group exists
-            train(*args(data_dir, tmp_path / "file", "r", "--fsdp"))
+            train_a2.main(cfg)
     else:
         real = train_a2.optimizer_step
 
@@ -62,9 +70,9 @@ def test_train_main_leaves_nothing(exit_path, data_dir, tmp_path, monkeypatch):
             m.setattr(train_a2, "optimizer_step", step)
             if exit_path == "failure":
                 with pytest.raises(RuntimeError, match="an error in the loop"):
-                    train(*run)
+                    train_a2.main(cfg)
             else:
-                r = train(*run)
+                r = train_a2.main(cfg)
                 assert r["interrupted"] and r["step"] == 1
     assert_as_found(before)
 
@@ -81,7 +89,6 @@ def test_infer_main_leaves_nothing(exit_path, tmp_path, monkeypatch):
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     exit_on_signal("the videos written so far are kept")
     try:
-        before = state()
         drawn_person((40, 28)).save(tmp_path / "me.png")
         argv = ["--model", "tiny", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2", "--device", "cpu",
                 "--elements", str(tmp_path / "me.png"), "--out", str(tmp_path / "v.mp4")]
@@ -96,7 +103,8 @@ def test_infer_main_leaves_nothing(exit_path, tmp_path, monkeypatch):
         monkeypatch.setattr(pipeline, "decode_vae", decode if exit_path in ("failure", "stop") else real)
         if exit_path == "input error":
             argv += ["--lora", str(tmp_path / "missing.safetensors")]
-        cfg = parse_cli(InferConfig, args=argv)
+        cfg = parse_cli(InferConfig, args=argv)  # (tyro's cache draws from `random`: parsed before)
+        before = state()
         if exit_path == "return":
             assert infer.main(cfg) == 0
         else:
@@ -107,3 +115,36 @@ def test_infer_main_leaves_nothing(exit_path, tmp_path, monkeypatch):
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def _infer_rank(rank: int, port: int, argv: list[str], out: str) -> None:
+    """One of two ranks as torchrun starts them (its environment variables): infer.main samples one video split over
+    both, in the process group it starts, and leaves the process as it found it."""
+    import infer
+    from a2.cli import parse_cli
+    from config import InferConfig
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = parse_cli(InferConfig, args=argv + ["--out", f"{out}/v{rank}.mp4"])
+    before = state()
+    assert infer.main(cfg) == 0
+    assert_as_found(before)
+    open(f"{out}/done{rank}", "w").close()
+
+
+def test_infer_main_under_torchrun_closes_its_process_group(tmp_path):
+    """infer.py under torchrun (WORLD_SIZE 2) starts a gloo group to split the video's tokens (a2/parallel.py
+    sampling_group); main destroys it as it returns on each rank, and leaves the rest as found."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    drawn_person((40, 28)).save(tmp_path / "me.png")
+    argv = ["--model", "tiny", "--resolution", "32", "48", "--num-frames", "9", "--steps", "2", "--device", "cpu",
+            "--elements", str(tmp_path / "me.png")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_infer_rank, args=(port, argv, str(tmp_path)), nprocs=2)
+    assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists() and (tmp_path / "v0.mp4").exists()

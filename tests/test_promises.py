@@ -14,10 +14,12 @@ size is 32x48 (a tiny model; the size is not a sampling default) and the frames 
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageOps
 
 from tests.conftest import drawn_person
 from tests.spy import run_infer, video_file
@@ -34,6 +36,64 @@ A2_NEG = ("Bright tones, overexposed, static, blurred details, subtitles, style,
           "background, three legs, many people in the background, walking backwards")
 H, W = 32, 48  # the video's size (non-square: a swapped height and width shows)
 REF_SIZE = (40, 28)  # the element images' (h, w): another aspect than the video's, so the framing shows
+BACKGROUND_SIZE = (28, 40)  # a third image's (SkyReels-A2's background, cropped): wider, yet narrower than the video
+
+
+def a2_pad_resize(image, height, width):
+    """SkyReels-A2's _crop_and_resize_pad (models/utils.py:5-20), written out: pad with white to the target aspect,
+    the image centred and the pad truncated (int), then PIL's default resize; its subjects and objects (infer.py:
+    65-66) and every CLIP image at 512x512 (:61)."""
+    image = np.array(image)
+    ih, iw, _ = image.shape
+    if ih / iw < height / width:
+        pad = int((((height / width) * iw) - ih) / 2.)
+        padded = np.ones((ih + pad * 2, iw, 3), dtype=np.uint8) * 255
+        padded[pad:pad + ih, :] = image
+    else:
+        pad = int((((width / height) * ih) - iw) / 2.)
+        padded = np.ones((ih, iw + pad * 2, 3), dtype=np.uint8) * 255
+        padded[:, pad:pad + iw] = image
+    return Image.fromarray(padded).resize((width, height))
+
+
+def a2_crop_resize(image, height, width):
+    """SkyReels-A2's _crop_and_resize (models/utils.py:23-37), written out: the middle cropped to the target aspect
+    (int), then PIL's default resize; its background, the third image (infer.py:67-68)."""
+    image = np.array(image)
+    ih, iw, _ = image.shape
+    if ih / iw < height / width:
+        cw = int(ih / height * width)
+        left = (iw - cw) // 2
+        image = image[:, left:left + cw]
+    else:
+        ch = int(iw / width * height)
+        top = (ih - ch) // 2
+        image = image[top:top + ch, :]
+    return Image.fromarray(image).resize((width, height))
+
+
+def magref_canvas_lab(images, height, width, rng):
+    """MAGREF's process_refimg (magref/subject2video.py:133-220) with its resize_and_pad (:286-335), written out for
+    up to 3 images: one white canvas of the video's size (its video is its canvas's: :389-393), cut into
+    len(images) columns, the last taking the remainder (:162-172); the images' order and the blocks shuffled
+    (:203-205, rng: a2 seeds MAGREF's unseeded shuffle with the seed, docs/kinds.md); each Lanczos-fit to its block
+    (sides truncated), centred on white, the odd pixel right / bottom (:303-327), pasted at the block's corner."""
+    assert 1 <= len(images) <= 3
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    bw = width // len(images)
+    blocks = [(i * bw, 0, width if i == len(images) - 1 else (i + 1) * bw, height) for i in range(len(images))]
+    indices = list(range(len(images)))
+    rng.shuffle(indices)
+    rng.shuffle(blocks)
+    for i, (x0, y0, x1, y1) in zip(indices, blocks):
+        img, tw, th = images[i].convert("RGB"), x1 - x0, y1 - y0
+        ratio = img.width / img.height
+        nw, nh = (tw, int(tw / ratio)) if ratio > tw / th else (int(th * ratio), th)
+        img = img.resize((nw, nh), Image.Resampling.LANCZOS)
+        pw, ph = tw - nw, th - nh
+        canvas.paste(ImageOps.expand(img, (pw // 2, ph // 2, pw - pw // 2, ph - ph // 2), fill=(255, 255, 255)),
+                     (x0, y0))
+    return canvas
 
 
 def flow_unipc(steps):
@@ -77,7 +137,7 @@ LABS = {
         seed=42,  # infer.py:24
         fps=15,  # infer.py:117 write_mp4(..., fps=15)
         latent_frames=21,  # infer.py:83 num_frames=81 -> (81 - 1) / 4 + 1 latents, the references among them
-        framing=None)),
+        framing="a2")),  # infer.py:58-72: subject, object padded; the background cropped; CLIP padded at 512
     "phantom": ("tiny-phantom", [], dict(  # svjack/Phantom @ 51ef427
         scheduler="UniPCMultistepScheduler", shift=5.0,  # generate.py:63 sample_shift 5.0
         schedule=flow_unipc, grid=flow_unipc,  # subject2video.py:252-257 FlowUniPC(shift=1).set_timesteps(shift=)
@@ -107,7 +167,7 @@ LABS = {
         seed=3407,  # generate.py:77 --base_seed 3407
         fps=15,  # configs/shared_config.py:17
         latent_frames=21,  # generate.py:25 --frame_num 81 (the canvas is its first frame)
-        framing=None)),
+        framing="canvas")),  # subject2video.py:133-220, 286-335 (magref_canvas_lab)
     "standin": ("tiny-t2v", ["--reference-layout", "standin"], dict(  # WeChatCV/Stand-In @ cceec58
         scheduler="FlowMatchEulerDiscreteScheduler", shift=5.0,  # pipelines/wan_video.py:85 FlowMatchScheduler(5)
         schedule=flowmatch, grid=flowmatch,
@@ -157,9 +217,9 @@ LABS = {
 def element_paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("promised_elements")
     paths = []
-    for i in range(2):
+    for i, size in enumerate((REF_SIZE, REF_SIZE, BACKGROUND_SIZE)):
         p = d / f"person{i}.png"
-        drawn_person(REF_SIZE, seed=i).save(p)
+        drawn_person(size, seed=i).save(p)
         paths.append(str(p))
     return paths
 
@@ -196,7 +256,7 @@ def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch, re
 
     name, flags, lab = LABS[kind]
     model = request.getfixturevalue("a2_dir") if name == "a2" else model_path(name)
-    n_refs = 1 if kind == "standin" else 2
+    n_refs = dict(standin=1, prefix=3).get(kind, 2)  # (A2's three: its background framed apart)
     out = tmp_path / "out.mp4"
     rec = run_infer(monkeypatch, ["--model", str(model), "--resolution", str(H), str(W), "--device", "cpu",
                                   "--prompt", "a man is holding a teddy bear", "--out", str(out),
@@ -235,10 +295,18 @@ def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch, re
     assert fps == lab["fps"] and height == H
     # the references as the lab frames each image, at the video's (H, W)
     if lab["framing"] is not None:
-        from PIL import Image
-
-        images = [Image.open(p) for p in element_paths[:n_refs]]
-        if lab["framing"] == "512x512":  # a2 fits the image on white at Stand-In's size (its face crop is not done)
+        images = [Image.open(p).convert("RGB") for p in element_paths[:n_refs]]
+        if lab["framing"] == "a2":  # the same uint8 pixels scaled alike
+            subjects, background = images[:2], images[2]
+            want = torch.stack([pixels(a2_pad_resize(im, H, W)) for im in subjects]
+                               + [pixels(a2_crop_resize(background, H, W))])
+            clip = torch.stack([pixels(a2_pad_resize(im, 512, 512)) for im in images])
+            torch.testing.assert_close(rec.clip_references[0].float(), clip, atol=1e-6, rtol=0)
+            tol = 1e-6
+        elif lab["framing"] == "canvas":  # one frame: the canvas
+            want = pixels(magref_canvas_lab(images, H, W, random.Random(lab["seed"])))[None]
+            tol = 1e-6
+        elif lab["framing"] == "512x512":  # a2 fits the image on white at Stand-In's size (its face crop is not done)
             want = torch.stack([pixels(fit_pad_white(im, 512, 512)) for im in images])
             tol = 1e-6
         elif lab["framing"] == "fit_pad_white":
@@ -385,7 +453,7 @@ def test_a_library_call_samples_as_infer_does(element_paths, monkeypatch):
     from a2.tiny import model_path
 
     pipe = A2Pipeline.from_pretrained(model_path("tiny-phantom"))
-    refs, clips, repeats, _ = load_references(list(zip(RELEASED_ELEMENTS, element_paths)), (H, W))
+    refs, clips, repeats, _ = load_references(list(zip(RELEASED_ELEMENTS, element_paths[:2])), (H, W))
     layout = pipe.plan(9, repeats)
     out = pipe("a man", refs, clips, layout=layout, height=H, width=W, decode="none", progress=False)
     lab, own = LABS["phantom"][2], out["sampling"]
