@@ -515,7 +515,7 @@ class IndexHumoSet:
 class IndexKaleido:
     """Index Kaleido's training layout (zai-org/Kaleido data_video.py SFTDataset): videos/<id>.mp4, labels/<id>.txt
     (its first line the caption), references/<id>/ref1.png, ref2.png, ref3.png. OUT/index.jsonl is a manifest
-    (--manifest OUT/index.jsonl, no --dataset-type) whose references are the kaleido kind's, in that order."""
+    (--manifest OUT/index.jsonl, no --dataset-type) whose references are the model's, in that order."""
 
     root: tyro.conf.Positional[str]
     """The dataset dir (videos/, labels/, references/)."""
