@@ -178,16 +178,16 @@ class ModelConfig:
     (TrainConfig's and InferConfig's first flags)."""
 
     model: str = "tiny"
-    """The model to train or sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B
-    T2V/I2V, Wan 2.2 TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B; a Wan 2.2 pair samples with both
-    experts); a Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each in its own layout, as V3 and
-    VACE), or Wan-AI's Wan2.1-VACE / alibaba-pai's Wan2.2-VACE-Fun as released; a Hugging Face Hub id
-    (Skywork/SkyReels-A2, downloaded once into the Hub cache; HF_HUB_OFFLINE is respected); a built-in offline tiny
-    model, trained and sampled at its own size (RECIPES; infer.py: 64x64, 33 frames, 10 steps): tiny (A2-shaped),
+    """The model to train or sample: a diffusers-format model dir (SkyReels-A2, Wan2.1 I2V or T2V, Wan 2.2 A14B T2V/I2V,
+    Wan 2.2 TI2V-5B, SkyReels-V3 R2V, Wan2.1-VACE, Wan2.2-VACE-Fun A14B; a Wan 2.2 pair samples with both experts); a
+    Phantom-Wan or RefAlign checkpoint (file or dir, RefAlign's named so; each in its own layout, as V3 and VACE), or
+    Wan-AI's Wan2.1-VACE / alibaba-pai's Wan2.2-VACE-Fun / zai-org's Kaleido-14B-S2V (SAT) as released; a Hugging Face
+    Hub id (Skywork/SkyReels-A2, downloaded once into the Hub cache; HF_HUB_OFFLINE is respected); a built-in offline
+    tiny model, trained and sampled at its own size (RECIPES; infer.py: 64x64, 33 frames, 10 steps): tiny (A2-shaped),
     tiny-t2v, tiny-wan22-t2v, tiny-wan22-i2v, tiny-ti2v, tiny-phantom, tiny-v3, tiny-magref, tiny-refalign, tiny-vace,
-    tiny-vace-fun (its expert pair); or a real-size model with random weights built on the GPU, for speed and memory
-    at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B), random-5B
-    (Wan 2.2 TI2V-5B)."""
+    tiny-vace-fun (its expert pair), tiny-kaleido; or a real-size model with random weights built on the GPU, for speed
+    and memory at real shapes without a download: random-1.3B (Wan2.1 T2V 1.3B), random-14B (A2 / Wan2.1 I2V 14B),
+    random-5B (Wan 2.2 TI2V-5B)."""
     image_encoder: str | None = None
     """A dir (or Hub id) with image_encoder/ + image_processor/ (CLIP ViT-H/14) that gives a T2V base expanded to E2V
     (a transformer with an image branch whose model dir has none) its image branch."""

@@ -48,7 +48,8 @@ def test_bench_runs_each_memory_piece_on_cpu():
 # counted in them or beside them (Stand-In's 512x512 image: 32x32 tokens), by hand from each lab's layout
 KIND_TOKENS = {"t2v": (12, 0), "prefix": (12, 4), "inplace": (12, 0), "incontext": (20, 8), "phantom": (20, 8),
                "refalign": (20, 8), "v3": (12 + 4 * V3_SLOTS, 4 * V3_SLOTS), "magref": (12, 4), "standin": (12, 1024),
-               "clean": (3, 0), "vace": (20, 8)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
+               "clean": (3, 0), "vace": (20, 8),
+               "kaleido": (20, 8)}  # (on tiny-ti2v: 16x VAE, 1 token a frame)
 
 
 @pytest.mark.parametrize("kind", KINDS)
