@@ -1,0 +1,140 @@
+"""Promises of the code that landed with the one planner, Kaleido and left_as_found that a planted-mutation audit
+(/work/audit2) found unheld: each value is the user's flag, the lab's file or an independent count, not a2's table."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from a2.cli import ConfigError
+from a2.dataset_config import VaeProcessorConfig, check_sides
+from a2.plan import check_extra_options, check_reference_options, plan_layout, preset_info, validation_layout
+from a2.sections import ObjectiveConfig, OptimConfig, ReferencesConfig, ValidationConfig
+from a2.transformer import preset_config
+from tests.conftest import args, train_config
+
+
+def ti2v_info():
+    return preset_info("tiny-ti2v", preset_config("tiny-ti2v"))
+
+
+@pytest.mark.parametrize("prefix, frames", [(9, 9), (13, 9)])
+def test_ti2v_prefix_frames_leave_frames_to_generate(prefix, frames):
+    """--prefix-frames N on TI2V-5B: N clean frames given, so a clip of N (or fewer) frames has nothing left to
+    sample; the flag's help says "fewer than the clip's frames"."""
+    vae = VaeProcessorConfig(frame_conditioning="prefix", prefix_frames=prefix)
+    with pytest.raises(ConfigError, match="--prefix-frames"):
+        plan_layout(ti2v_info(), (), vae, frames)
+    assert plan_layout(ti2v_info(), (), VaeProcessorConfig(frame_conditioning="prefix", prefix_frames=5), 9)
+
+
+def test_validation_of_a_prefix_run_samples_from_its_one_image():
+    """A TI2V run trained with --prefix-frames 5 (two clean latent frames) validates from the one --val-elements image
+    (validation_inputs takes exactly one): one clean latent frame, not the run's two."""
+    layout = plan_layout(ti2v_info(), (), VaeProcessorConfig(frame_conditioning="prefix", prefix_frames=5), 9)
+    assert layout.clean_frames == 5 and validation_layout(layout).clean_frames == 1
+
+
+@pytest.mark.parametrize("text, ref, joint", [(0.5, 0.2, 0.4), (0.2, 0.5, 0.4), (0.2, 0.4, 0.5)])
+def test_dropouts_over_one_are_refused_whichever_is_large(text, ref, joint):
+    """--text-dropout, --reference-dropout, --joint-dropout are exclusive cases of one draw: each member can push
+    the sum (here 1.1) over 1."""
+    r = ReferencesConfig(text_dropout=text, reference_dropout=ref, joint_dropout=joint)
+    with pytest.raises(ConfigError, match="summing to at most 1"):
+        check_reference_options(r, None, None, None, None)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5])
+def test_ema_decay_outside_zero_one_is_refused(decay):
+    """--ema-decay 1 would keep the EMA at the initial weights forever; the flag's help: a decay in [0, 1)."""
+    with pytest.raises(ConfigError, match="--ema-decay"):
+        check_extra_options(OptimConfig(ema_decay=decay), ValidationConfig(), ObjectiveConfig())
+    check_extra_options(OptimConfig(ema_decay=0.999), ValidationConfig(), ObjectiveConfig())
+
+
+def test_text_to_video_run_with_val_every_renders_validation(data_dir, tmp_path):
+    """A T2V run given --val-every renders a validation video from the prompt alone (the flag's help); the Run
+    train_a2.main plans from the user's flags says it validates."""
+    import train_a2
+
+    cfg = train_config(args(data_dir, tmp_path, "t", "--dataset-type", "t2v", "--num-frames", "17",
+                            "--val-every", "2", model="tiny-t2v"))
+    run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu"))
+    assert run.layout.images == "none" and run.validates
+    cfg = train_config(args(data_dir, tmp_path, "t", "--dataset-type", "t2v", "--num-frames", "17", model="tiny-t2v"))
+    assert not train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), torch.device("cpu")).validates
+
+
+@pytest.mark.parametrize("kind", ["incontext", "kaleido"])
+def test_bench_refs_below_a_kinds_minimum_take_one_reference(kind):
+    """bench.py --refs 0 with a kind whose every sample holds a reference (in-context, Kaleido: 1 to 3 subjects)
+    benches one reference, not none."""
+    from a2.plan import bench_plan
+    from config import BenchConfig
+
+    run, _, _ = bench_plan(BenchConfig(preset="tiny", frames=9, height=32, width=32, refs=0, layout=kind))
+    assert len(run.elements) == 1
+
+
+@pytest.mark.parametrize("sides", [(0, 64), (64, 0), (-16, 64), (64, -16), (48, 40), (40, 48)])
+def test_sides_not_positive_multiples_are_refused(sides):
+    """Both sides, each rule (positive, a multiple of 16), non-square: one ConfigError naming the flag."""
+    with pytest.raises(ConfigError, match="--resolution"):
+        check_sides("--resolution", sides)
+    check_sides("--resolution", (48, 64))
+
+
+def test_kaleido_release_recipe_is_their_training_yaml():
+    """zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6 and sat's warmup 0.01 of its 5000
+    iterations (= 50 steps)."""
+    from a2.tiny import model_path
+    from config import from_flags
+
+    release = from_flags(model=str(model_path("tiny-kaleido")))
+    assert release.optim.lr == 5e-6 and release.optim.warmup_steps == round(0.01 * 5000)
+
+
+def test_kaleido_rows_read_all_three_references(tmp_path):
+    """data_video.py SFTDataset reads references/<id>/ref1.png, ref2.png, ref3.png: three references, in order."""
+    from a2.kaleido import dataset_rows
+
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "a.mp4").write_bytes(b"")
+    (tmp_path / "references" / "a").mkdir(parents=True)
+    for i in (1, 2, 3):
+        (tmp_path / "references" / "a" / f"ref{i}.png").write_bytes(b"")
+    (row,) = dataset_rows(tmp_path)
+    assert [Path(row[f"ref{i}"]).name for i in range(3)] == ["ref1.png", "ref2.png", "ref3.png"]
+
+
+def test_standin_lora_is_refused_on_a_36_channel_model_without_image_branch(tmp_path):
+    """Stand-In is a LoRA on Wan T2V (16 input channels); Wan 2.2 I2V A14B takes 36 channels with no CLIP image
+    branch and must be refused too, not only the models with one."""
+    from diffusers import WanTransformer3DModel
+
+    from a2 import standin
+
+    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=36,
+                              out_channels=16, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, image_dim=None)
+    rank, dim = 4, 16
+    sd = {f"blocks.0.self_attn.{p}_loras.{part}.weight": torch.zeros((rank, dim) if part == "down" else (dim, rank))
+          for p in "qkv" for part in ("down", "up")}
+    torch.save({"state_dict": sd}, tmp_path / "standin.ckpt")
+    with pytest.raises(ValueError, match="36 input channels"):
+        standin.load_lora(m, tmp_path / "standin.ckpt")
+
+
+def test_left_as_found_keeps_a_process_group_its_caller_made(tmp_path):
+    """A caller (a notebook, torchrun's script) that made its process group before main keeps it after main."""
+    import torch.distributed as dist
+
+    from a2.cli import left_as_found
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with left_as_found():
+            pass
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
