@@ -138,3 +138,56 @@ def test_left_as_found_keeps_a_process_group_its_caller_made(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_kaleido_caption_is_the_label_files_first_line(tmp_path):
+    """data_video.py SFTDataset takes labels/<id>.txt's first line as the caption, not the whole file."""
+    from a2.kaleido import dataset_rows
+
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "a.mp4").write_bytes(b"")
+    (tmp_path / "labels").mkdir()
+    (tmp_path / "labels" / "a.txt").write_text("a man walks a dog\nshot on a phone\n")
+    assert dataset_rows(tmp_path)[0]["caption"] == "a man walks a dog"
+
+
+def test_face_embedder_feeds_the_exported_model_rgb_in_zero_one():
+    """An exported face model takes (B, 3, H, W) RGB in [0, 1]: a white uint8 image (255) reaches it as 1.0, a
+    black one as 0, channels in the image's order."""
+    import numpy as np
+
+    from a2.opens2v import Embedder
+
+    seen = []
+
+    def model(x):
+        seen.append(x)
+        return torch.ones(len(x), 4)
+
+    images = np.zeros((2, 8, 6, 3), np.uint8)
+    images[0] = 255
+    images[1, ..., 2] = 51
+    Embedder(model)(images)
+    (x,) = seen
+    assert x.shape == (2, 3, 8, 6)
+    assert x[0].min() == 1.0 and x[1, :2].max() == 0.0 and torch.allclose(x[1, 2], torch.full((8, 6), 0.2))
+
+
+def test_infer_under_torchrun_refuses_a_list_of_videos(tmp_path):
+    """infer.py under torchrun samples one video split over the ranks; a list of rows (--prompts-file, --eval-set:
+    load_pipeline's repeats None) is refused before any weights load."""
+    import torch.distributed as dist
+
+    import infer
+    from a2.dataset_config import ConditioningConfig
+    from a2.plan import sampling_plan
+
+    cfg, source, info, _ = infer.check_inputs(infer.InferConfig(model="tiny", height=32, width=32, num_frames=9,
+                                                                steps=2, device="cpu"))
+    row = {"layout": sampling_plan(info, (1,), ConditioningConfig(), 9), "elements": []}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="under torchrun"):
+            infer.load_pipeline(cfg, info, source, [row, row], repeats=None)
+    finally:
+        dist.destroy_process_group()
