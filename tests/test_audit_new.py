@@ -191,3 +191,64 @@ def test_infer_under_torchrun_refuses_a_list_of_videos(tmp_path):
             infer.load_pipeline(cfg, info, source, [row, row], repeats=None)
     finally:
         dist.destroy_process_group()
+
+
+def cache_run(use_clip):
+    """The fields of a Run with_cache reads (a dataclass, as Run is, so that a cache taken gives a run back)."""
+    from dataclasses import make_dataclass
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(use_clip=use_clip, clip_frames=9, e2v_type="dual", prefix_frames=0, kind="prefix")
+    run = make_dataclass("CacheRun", ["info", "layout", "compute_dtype", ("cache", object, None)], frozen=True)
+    return run(SimpleNamespace(image_encoder_dir=Path("enc"), parts_dir=Path("model")), layout, torch.float32)
+
+
+def test_a_precompute_cache_without_done_is_not_used(tmp_path, monkeypatch):
+    """A cache dir a --precompute left unfinished (no `done` file) is no cache: the run asks for --precompute; the
+    key hashes the --image-encoder dir's files when the kind takes CLIP tokens, and not otherwise."""
+    from a2 import plan
+    from a2.dataset_config import DataConfig
+
+    seen = []
+    monkeypatch.setattr(plan, "cache_key", lambda model_dir, image_src, *a, **k: seen.append(image_src) or "key")
+    (tmp_path / "key").mkdir()  # written up to its last sample, never finished
+    data = DataConfig(data_root="unused", cache_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--precompute"):
+        plan.with_cache(data, ReferencesConfig(), cache_run(True), None)
+    with pytest.raises(FileNotFoundError, match="--precompute"):
+        plan.with_cache(data, ReferencesConfig(), cache_run(False), None)
+    assert seen == [Path("enc"), None]
+
+
+@pytest.mark.parametrize("timestep", ["zero"])
+def test_a_released_model_refuses_another_reference_timestep(timestep):
+    """A released model (Kaleido, Phantom, ...) gives its references the sample's timestep: --reference-timestep
+    zero asks for another layout and is refused, naming the flag."""
+    from types import SimpleNamespace
+
+    from a2.elements import Element
+    from a2.plan import check_native_flags
+
+    info = SimpleNamespace(native_kind="kaleido", path="kaleido-dir", name="Kaleido")
+    with pytest.raises(ConfigError, match=f"--reference-timestep {timestep}"):
+        check_native_flags(info, VaeProcessorConfig(reference_timestep=timestep), (Element("ref0", ("_r.png",)),),
+                           "auto")
+
+
+def test_ti2v_image_is_one_clean_first_frame():
+    """infer.py --image on TI2V-5B: the image is the video's first frame (frame conditioning first: one clean latent
+    frame), not a prefix of several."""
+    from a2.dataset_config import ConditioningConfig
+    from a2.plan import sampling_plan
+
+    layout = sampling_plan(ti2v_info(), (), ConditioningConfig(), 9, first_frame=True)
+    assert (layout.frame_conditioning, layout.clean_frames) == ("first", 1)
+
+
+@pytest.mark.parametrize("flag, device, on", [(None, "cuda", True), (None, "cpu", False), (False, "cuda", False),
+                                              (True, "cpu", True)])
+def test_compile_flag_wins_over_the_device(flag, device, on):
+    """--compile / --no-compile as the user gives it; left out, on with CUDA only."""
+    from a2.sections import resolve_compile
+
+    assert resolve_compile(flag, device) is on
