@@ -252,3 +252,37 @@ def test_compile_flag_wins_over_the_device(flag, device, on):
     from a2.sections import resolve_compile
 
     assert resolve_compile(flag, device) is on
+
+
+def standin_state(rank=4, dim=16, layers=1):
+    return {f"blocks.{i}.self_attn.{p}_loras.{part}.weight":
+            torch.randn((rank, dim) if part == "down" else (dim, rank)) for i in range(layers) for p in "qkv"
+            for part in ("down", "up")}
+
+
+def test_a_legacy_torch_pickle_is_read(tmp_path):
+    """A torch file saved in the legacy (non-zip) format, as older releases are, cannot be memory-mapped and is read
+    whole: the same tensors under "state_dict"."""
+    from a2.transformer import weights_in
+
+    sd = standin_state()
+    torch.save({"state_dict": sd}, tmp_path / "old.ckpt", _use_new_zipfile_serialization=False)
+    got = weights_in(tmp_path / "old.ckpt")
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_a_standin_lora_as_safetensors_installs_its_reference_lora(tmp_path):
+    """infer.py --lora with Stand-In's keys in a .safetensors file (is_lora_file takes both) installs Stand-In's
+    reference LoRA, as its .ckpt does, not an ordinary LoRA."""
+    from types import SimpleNamespace
+
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from a2 import lora, standin
+
+    model = WanTransformer3DModel(**preset_config("tiny", e2v=False)).eval()
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    save_file(standin_state(dim=width, layers=len(model.blocks)), tmp_path / "standin.safetensors")
+    said = lora.load_lora(SimpleNamespace(transformer=model), str(tmp_path / "standin.safetensors"))
+    assert said.startswith("Stand-In LoRA") and standin.installed(model)
