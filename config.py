@@ -25,10 +25,12 @@ from a2.dataset_config import (
     height_width,
 )
 from a2.sections import (
+    ADAMW,
     LORA_TARGETS,
     EvalConfig,
     ExportElements,
     IndexHumoSet,
+    IndexKaleido,
     IndexOpenS2V,
     IndexPhantom,
     LoraSection,
@@ -90,19 +92,24 @@ class DemoConfig:
 # demo.png): its blocks add their outputs through gates of ~0.1 and its output head is random, so the LoRA takes a
 # larger alpha and the head (proj_out); its sampler spends most of its steps at high noise (its scheduler's shift is
 # 8, A2's), where the shapes are placed, so training draws its sigmas the same way; a rate ten times a real model's.
+# Both take a2's AdamW (ADAMW: torch's betas, no weight decay, clipping at 1).
 RECIPES = {
     "model": dict(resolution=(480, 832), num_frames=81, lora_alpha=32.0, lora_target=LORA_TARGETS,
-                  sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None),
+                  sigma_sampling="logit_normal", sigma_shift=5.0, lr=1e-4, warmup_steps=100, val_steps=None, **ADAMW),
     "tiny": dict(resolution=(64, 64), num_frames=33, lora_alpha=320.0, lora_target=LORA_TARGETS + r"|proj_out",
-                 sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10),
+                 sigma_sampling="shifted", sigma_shift=8.0, lr=1e-3, warmup_steps=10, val_steps=10, **ADAMW),
 }  # val_steps: a tiny model samples in 10 steps, as infer.py samples it (None: the kind's own)
 # Kaleido's training yaml (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6, sat's warmup 0.01 of
-# its 5000 iterations, 480x832, 81 frames) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size:
-# rf_shift, filled in TrainConfig.__post_init__)
+# its 5000 iterations, 480x832, 81 frames; AdamW betas (0.9, 0.95) and weight decay 1e-4 :84-91, gradient clipping
+# 0.1 :65) and RFLoss (logit-normal(0, 1) sigmas, shifted by the run's size: rf_shift, filled in
+# TrainConfig.__post_init__). Its tiny model takes the same optimizer at the tiny rate. Not taken: its gradient
+# accumulation 8 (:63), a global batch that also scales with its GPUs (--grad-accum is the user's), and sat's
+# weight-decay groups (biases and norms undecayed: sat/training/deepspeed_training.py:698-726), 5e-10 a step here.
+KALEIDO_ADAMW = dict(adam_betas=(0.9, 0.95), weight_decay=1e-4, max_grad_norm=0.1)
 RECIPES["kaleido"] = {k: v for k, v in dict(RECIPES["model"], sigma_sampling="logit_normal_shifted", lr=5e-6,
-                                             warmup_steps=50).items() if k != "sigma_shift"}
-RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted").items()
-                           if k != "sigma_shift"}
+                                             warmup_steps=50, **KALEIDO_ADAMW).items() if k != "sigma_shift"}
+RECIPES["tiny-kaleido"] = {k: v for k, v in dict(RECIPES["tiny"], sigma_sampling="logit_normal_shifted",
+                                                  **KALEIDO_ADAMW).items() if k != "sigma_shift"}
 
 
 def rf_shift(height: int, width: int) -> float:
@@ -189,14 +196,21 @@ SECTIONS = dict(model=TrainModelConfig, lora=LoraSection, parallel=ParallelConfi
 SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}  # flag's field -> its section
 
 
+def sectioned(cls, sections: dict, flags: dict):
+    """A cls from its flags' names, as the CLI takes them: a field of one of `sections` (its field name -> its class)
+    goes to that section, the others to cls itself, as does a section given whole (sampling=InferSampling(...))."""
+    section_of = {f.name: name for name, sec in sections.items() for f in fields(sec)}
+    parts = {name: {} for name in sections}
+    rest = {}
+    for k, v in flags.items():
+        (parts[section_of[k]] if k in section_of else rest)[k] = v
+    return cls(**{name: sections[name](**kw) for name, kw in parts.items() if kw or name not in rest}, **rest)
+
+
 def from_flags(**flags) -> TrainConfig:
     """A TrainConfig from its flags' names (lr=1e-3, memory=MemoryConfig(...)), as the CLI takes them: each goes
     to its section; for Python callers and tests."""
-    parts = {name: {} for name in SECTIONS}
-    rest = {}
-    for k, v in flags.items():
-        (parts[SECTION_OF[k]] if k in SECTION_OF else rest)[k] = v
-    return TrainConfig(**{name: SECTIONS[name](**kw) for name, kw in parts.items()}, **rest)
+    return sectioned(TrainConfig, SECTIONS, flags)
 
 
 def with_flags(cfg: TrainConfig, **flags) -> TrainConfig:
@@ -230,18 +244,24 @@ def run_datasets(cfg: TrainConfig) -> list[DatasetConfig]:
 
 
 @dataclass
-class InferConfig(ModelConfig):
-    """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
-    runs, or compare a LoRA with its base model over a prompt list or an eval set."""
+class InferWeights:
+    """The transformer weights that replace the model's own (a full fine-tune, a Wan 2.2 pair's experts) and the
+    dtype every weight is loaded in and computes in."""
 
     transformer: str | None = None
     """A transformer dir that replaces the model's own: a full fine-tune (train_a2.py's runs/<run>/transformer), e.g. a
     T2V model trained as E2V after expansion; with a Wan 2.2 pair, the high-noise expert."""
     transformer_2: str | None = None
     """A low-noise expert dir that replaces a Wan 2.2 A14B model's transformer_2 (runs/<run>/transformer_2)."""
-    elements: tuple[str, ...] = ()
-    """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
-    subject=me.png). Leave it empty for a T2V model (text only)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype of all model weights and of the computation."""
+
+
+@dataclass
+class InferControls:
+    """What the video is conditioned on besides the prompt and --elements: the elements' specs, VACE's control
+    video and its mask, TI2V-5B's first frame."""
+
     control_video: str | None = None
     """A VACE model's video to condition on beside the references (a pose, depth or masked clip, Wan's src_video): its
     first --num-frames frames (a video file, or a .npz of uint8 `frames`), centre-cropped to the size and resized.
@@ -258,6 +278,13 @@ class InferConfig(ModelConfig):
     (a2.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
+
+
+@dataclass
+class InferSampling:
+    """How the video is sampled: every flag left out is the model's own sampler's (its kind's Sampling, docs/kinds.md)
+    or a --preset's."""
+
     preset: Literal["v3-cfg", "diffusers"] | None = None
     """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-cfg: SkyReels-V3's
     pipeline class's own defaults (WanSkyReelsA2WanT2VPipeline.__call__), 50 steps, guidance 7.5 / 5 (three forwards a
@@ -271,21 +298,9 @@ class InferConfig(ModelConfig):
     linspace(1, 0), shift 5, 20 steps, seed 0, the noise on the CPU, 25 fps; Wan's VACE code, UniPC from sigma 0.999,
     shift 16, Wan's negative prompt, seed 2025 (VACE's script), 16 fps (Wan2.2-VACE-Fun: VideoX-Fun's Euler at shift 12,
     seed 43); and the references' VAE encode as each lab's."""
-    prompt: str = "A man is holding a teddy bear in the forest."
-    """The text prompt of the video."""
     negative_prompt: str | None = None
     """The negative prompt of classifier-free guidance (default: the model's own sampler's: A2's English one, Wan's
     Chinese one, MAGREF's, V3's empty one)."""
-    height: int | None = None
-    """The video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
-    width: int | None = None
-    """The video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
-    resolution: tuple[int, int] | None = None
-    """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
-    num_frames: int | None = None
-    """The pixel frames (4k+1) generated in all, reference frames included where the kind places them in the sequence
-    (A2: 12 of the default 81); Wan VACE's reference frames come on top (its --num-frames is the video). Left out:
-    81; SkyReels-V3 121, its generate_video.py's 5 s; a built-in tiny model 33; --preset v3-cfg 105."""
     steps: int | None = None
     """The sampler's denoising steps (default: the model's own sampler's, 50, MAGREF 40, Stand-In 20, SkyReels-V3 8; a
     built-in tiny model: 10; a --preset's own)."""
@@ -313,13 +328,59 @@ class InferConfig(ModelConfig):
     """The sampler's unshifted sigmas. model: the model's (its kind's own: a released model's, else diffusers');
     flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with, linspace(1,
     0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
-    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
-    """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
-    flags it trained with."""
     decode: Literal["drop_refs", "video_only", "all", "none"] | None = None
     """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2, MAGREF); video_only: the
     video latents alone (VACE); all: every frame, the references' included; none: no decode, the latents only (e.g.
     for --save-latents). Default: the kind's own sampler's."""
+    fps: int | None = None
+    """The frames per second of the written mp4. Left out: the kind's own (docs/kinds.md): A2 and MAGREF 15,
+    Phantom-Wan, RefAlign and Wan VACE 16, SkyReels-V3 24, Stand-In 25."""
+
+
+@dataclass
+class InferParity:
+    """Parity between runs: keep this run's final latents and condition, or compare them with a kept run's."""
+
+    save_latents: str | None = None
+    """Writes the final latents and the condition tensor here (a parity reference)."""
+    compare: str | None = None
+    """Compares this run's latents and condition with a --save-latents file; exits 1 when max |Δ| > --tolerance."""
+    tolerance: float = 1e-4
+    """The largest max |Δ| per tensor that passes --compare."""
+
+
+@dataclass
+class InferConfig(ModelConfig):
+    """Generate a video from element images and a prompt (or a prompt alone on a T2V model), check parity between
+    runs, or compare a LoRA with its base model over a prompt list or an eval set."""
+
+    weights: tyro.conf.OmitArgPrefixes[InferWeights] = field(default_factory=InferWeights)
+    """The transformer weights that replace the model's own (a full fine-tune, a Wan 2.2 pair's experts) and the
+    dtype every weight is loaded in and computes in."""
+    elements: tuple[str, ...] = ()
+    """The element images in position order, each `path` or `name=path` (the name from --element-specs, e.g.
+    subject=me.png). Leave it empty for a T2V model (text only)."""
+    controls: tyro.conf.OmitArgPrefixes[InferControls] = field(default_factory=InferControls)
+    """What the video is conditioned on besides the prompt and --elements: the elements' specs, VACE's control
+    video and its mask, TI2V-5B's first frame."""
+    sampling: tyro.conf.OmitArgPrefixes[InferSampling] = field(default_factory=InferSampling)
+    """How the video is sampled: every flag left out is the model's own sampler's (its kind's Sampling, docs/kinds.md)
+    or a --preset's."""
+    prompt: str = "A man is holding a teddy bear in the forest."
+    """The text prompt of the video."""
+    height: int | None = None
+    """The video height in pixels, a multiple of 16 (default 480; a built-in tiny model: 64)."""
+    width: int | None = None
+    """The video width in pixels, a multiple of 16 (default 832; a built-in tiny model: 64)."""
+    resolution: tuple[int, int] | None = None
+    """The (height, width) in pixels: train_a2.py's name for --height H --width W (give one form or the other)."""
+    num_frames: int | None = None
+    """The pixel frames (4k+1) generated in all, reference frames included where the kind places them in the sequence
+    (A2: 12 of the default 81); Wan VACE's reference frames come on top (its --num-frames is the video). Left out:
+    81; SkyReels-V3 121, its generate_video.py's 5 s; a built-in tiny model 33; --preset v3-cfg 105."""
+    conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
+    """How the element images condition the model: train_a2.py's conditioning flags, so a run samples with the
+    flags it trained with."""
     lora: tuple[str, ...] = ()
     """The LoRA files or dirs to load (several compose): diffusers keys (train_a2.py's
     pytorch_lora_weights.safetensors), original Wan / ComfyUI keys (`diffusion_model.`, e.g.
@@ -336,23 +397,14 @@ class InferConfig(ModelConfig):
     force: bool = False
     """Loads a LoRA whose pairs do not all fit the model (trained on another base): the pairs that fit load and the rest
     are skipped. Without it such a file is refused."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """The dtype of all model weights and of the computation."""
     device: str = "auto"
     """Torch device to run on (cuda, cuda:1, cpu). auto: the GPU when there is one, else the CPU."""
     out: str = "outputs/a2.mp4"
     """The output mp4 path."""
-    fps: int | None = None
-    """The frames per second of the written mp4. Left out: the kind's own (docs/kinds.md): A2 and MAGREF 15,
-    Phantom-Wan, RefAlign and Wan VACE 16, SkyReels-V3 24, Stand-In 25."""
     side_by_side: bool = True
     """Shows the reference images left of each frame, as A2's infer.py does."""
-    save_latents: str | None = None
-    """Writes the final latents and the condition tensor here (a parity reference)."""
-    compare: str | None = None
-    """Compares this run's latents and condition with a --save-latents file; exits 1 when max |Δ| > --tolerance."""
-    tolerance: float = 1e-4
-    """The largest max |Δ| per tensor that passes --compare."""
+    parity: tyro.conf.OmitArgPrefixes[InferParity] = field(default_factory=InferParity)
+    """Parity between runs: keep this run's final latents and condition, or compare them with a kept run's."""
     prompts_file: str | None = None
     """Evaluates a LoRA: renders every prompt of this file (one per line, or .jsonl rows with a `prompt` field, e.g. a
     train.jsonl; rows may carry elements and a seed as in --eval-set) without and with --lora, same seed, side by side
@@ -377,6 +429,16 @@ class InferConfig(ModelConfig):
         height_width(self.height, self.width, self.resolution, (0, 0))  # --resolution and --height/--width agree
         if self.num_frames is not None:
             check_frames(self.num_frames)
+
+    @classmethod
+    def from_flags(cls, **flags) -> InferConfig:
+        """An InferConfig from its flags' names (steps=10, lora="x.safetensors"), as the CLI takes them: each goes to
+        its section; for Python callers and tests."""
+        return sectioned(cls, INFER_SECTIONS, flags)
+
+
+# the sections of InferConfig whose flags take no prefix, by name (conditioning and eval are given whole)
+INFER_SECTIONS = dict(weights=InferWeights, controls=InferControls, sampling=InferSampling, parity=InferParity)
 
 
 # ---------------------------------------------------------------- benchmark (bench.py)
@@ -542,14 +604,17 @@ class Validate(TrainConfig):
     makes the global batch that each bucket must fill to be trained."""
 
 
-IndexCommand = Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")] | \
-    Annotated[IndexPhantom, tyro.conf.subcommand("phantom")] | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+IndexCommand = (Annotated[IndexOpenS2V, tyro.conf.subcommand("opens2v")]
+                | Annotated[IndexPhantom, tyro.conf.subcommand("phantom")]
+                | Annotated[IndexHumoSet, tyro.conf.subcommand("humoset")]
+                | Annotated[IndexKaleido, tyro.conf.subcommand("kaleido")])
 
 # `data.py COMMAND ...` (as tyro.extras.subcommand_cli_from_dict builds it, parsed by parse_cli)
 DataCommand = (Annotated[Any, tyro.conf.subcommand("make-sample", constructor=MakeSample)]
                | Annotated[Any, tyro.conf.subcommand("validate", constructor=Validate)]
                | Annotated[Any, tyro.conf.subcommand("index", constructor=IndexCommand, description=(
-                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet) for training."))]
+                   "Index a public S2V dataset as published (OpenS2V-5M, Phantom-Data, HuMoSet), or Kaleido's training "
+                   "layout, for training."))]
                | Annotated[Any, tyro.conf.subcommand("export-elements", constructor=ExportElements)])
 
 

@@ -12,6 +12,7 @@ arrays' layout). A file that fails later anyway does not end the run: see a2/loa
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
     python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
     python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (a2/public_index.py)
+    python data.py index kaleido ROOT OUT                    # Kaleido's videos/ labels/ references/ as a manifest
     python data.py export-elements --manifest OUT/index.jsonl --out DIR
 """
 

@@ -183,10 +183,10 @@ def run(cfg: DemoConfig) -> dict:
     if prompt is None and cfg.clip and Path(cfg.clip).with_suffix(".txt").is_file():
         prompt = Path(cfg.clip).with_suffix(".txt").read_text().strip()
     h, w = config["resolution"]
-    icfg, _ = infer.resolve(infer.InferConfig(model=config["model"], elements=elements, height=h, width=w,
-                                              num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
-                                              steps=cfg.steps, guidance_scale=cfg.guidance_scale,
-                                              **({"prompt": prompt} if prompt else {})))
+    icfg, _ = infer.resolve(infer.InferConfig.from_flags(model=config["model"], elements=elements, height=h, width=w,
+                                                         num_frames=config["num_frames"], seed=cfg.seed, device="cpu",
+                                                         steps=cfg.steps, guidance_scale=cfg.guidance_scale,
+                                                         **({"prompt": prompt} if prompt else {})))
     info = as_input_error(detect_model, model_path(icfg.model))
     refs = as_input_error(infer.read_references, icfg, icfg.elements, info)
     images = [as_input_error(read_image, p) for p in elements]

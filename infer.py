@@ -67,27 +67,28 @@ def resolve(cfg: InferConfig) -> tuple[InferConfig, dict[str, str]]:
     steps came from when the flags left it out. The sampler's other defaults are the kind's, which A2Pipeline fills."""
     tiny = is_tiny(cfg.model)  # a smoke test: at a real model's 480x832, 81 frames, 50 steps ~30 min on a CPU
     recipe = RECIPES["tiny" if tiny else "model"]  # the size and frames training takes on the model (config.py)
-    mode = next((s for k in KIND_DEFS.values() for n, s in k.modes if n == cfg.preset), None)
+    mode = next((s for k in KIND_DEFS.values() for n, s in k.modes if n == cfg.sampling.preset), None)
     given_size = cfg.resolution is not None or (cfg.height is not None and cfg.width is not None)
     size = recipe["resolution"]
     height, width = height_width(cfg.height, cfg.width, cfg.resolution, size)
     source = {}
     if not given_size:
         source["size"] = "tiny model's default" if tiny else "default"
-    num_frames, steps = cfg.num_frames, cfg.steps
+    num_frames, steps = cfg.num_frames, cfg.sampling.steps
     if num_frames is None:
-        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.preset}") if mode and mode.num_frames else
+        num_frames, source["frames"] = ((mode.num_frames, f"--preset {cfg.sampling.preset}")
+                                        if mode and mode.num_frames else
                                         (recipe["num_frames"], "tiny model's default") if tiny else
                                         (recipe["num_frames"], "default"))
     if steps is None and tiny and mode is None:  # a preset's steps are its own (A2Pipeline fills them)
         steps, source["steps"] = recipe["val_steps"], "tiny model's default"
     elif steps is None and mode is not None:
-        source["steps"] = f"--preset {cfg.preset}"
+        source["steps"] = f"--preset {cfg.sampling.preset}"
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here (--device cpu, or auto)")
-    return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames, steps=steps,
-                   device=device), source
+    return replace(cfg, height=height, width=width, resolution=(height, width), num_frames=num_frames,
+                   sampling=replace(cfg.sampling, steps=steps), device=device), source
 
 
 def own_frames(cfg: InferConfig, source: dict[str, str], info) -> tuple[InferConfig, dict[str, str]]:
@@ -216,7 +217,7 @@ def paired(cfg: InferConfig, info, images, flag: str, first_frame: bool = False)
         raise InputError(f"--model {cfg.model} ({info.name}) makes a video of reference images: give --elements "
                          f"IMAGE [IMAGE ...] (1 to {min(KIND_DEFS[kind].references[1], len(specs))})")
     if len(images) > len(specs):
-        if cfg.element_specs:
+        if cfg.controls.element_specs:
             raise InputError(f"{flag}: {len(images)} images but --element-specs names {len(specs)} elements: give "
                              "one spec per image, or fewer images")
         most = KIND_DEFS[kind].references[1] if kind else len(specs)
@@ -230,8 +231,8 @@ def paired(cfg: InferConfig, info, images, flag: str, first_frame: bool = False)
 def element_specs(cfg: InferConfig, info) -> tuple:
     """--element-specs, else the specs the model's kind takes, as training takes them (a2.conditioning:
     kind_elements)."""
-    if cfg.element_specs:
-        return parse_elements(cfg.element_specs)
+    if cfg.controls.element_specs:
+        return parse_elements(cfg.controls.element_specs)
     return A2_ELEMENTS if info is None else kind_elements(element_kind(info, cfg.conditioning))
 
 
@@ -246,9 +247,9 @@ def check_layout(cfg: InferConfig, info, specs, first_frame: bool, seed: int | N
     if c.frame_conditioning not in ("full", "first") or c.frame_conditioning == "first" and not first_frame:
         raise ConfigError(f"--frame-conditioning {c.frame_conditioning}: infer.py conditions on element images "
                           "(full), or on a first frame given with --image (first, Wan 2.2 TI2V-5B)")
-    return sampling_plan(info, specs, c, cfg.num_frames, first_frame=first_frame, preset=cfg.preset,
+    return sampling_plan(info, specs, c, cfg.num_frames, first_frame=first_frame, preset=cfg.sampling.preset,
                          reference_lora=any(map(standin.is_lora_file, lora_paths(cfg))),
-                         seed=cfg.seed if seed is None else seed)
+                         seed=cfg.sampling.seed if seed is None else seed)
 
 
 def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -256,13 +257,14 @@ def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.T
     prepare_source reads it) as a VACE layout takes them: the first F = clip_frames frames of each (a mask may be one
     image, for every frame), centre-cropped to the size and resized (a2.images.resize_frames). (None, None) without
     them; a mistake is a ValueError naming the flag and file."""
-    if cfg.control_video is None and cfg.mask is None:
+    if cfg.controls.control_video is None and cfg.controls.mask is None:
         return None, None
     if layout is None or not layout.context_blocks:
         raise ValueError(f"--control-video / --mask condition a VACE model; the {layout and layout.kind} kind takes "
                          "none: drop them")
-    if cfg.control_video is None:
-        raise ValueError(f"--mask {cfg.mask}: it says where in --control-video VACE generates: give the video too")
+    if cfg.controls.control_video is None:
+        raise ValueError(f"--mask {cfg.controls.mask}: it says where in --control-video VACE generates: give the video "
+                         "too")
     frames, size = layout.clip_frames, (cfg.height, cfg.width)
 
     def read(flag, path):
@@ -276,8 +278,9 @@ def read_control(cfg: InferConfig, layout) -> tuple[torch.Tensor | None, torch.T
         except Exception as e:  # PyAV, numpy and zip raise many types
             raise ValueError(f"{flag} {path}: its first {frames} frames are not readable ({e})") from e
 
-    video = resize_frames(read("--control-video", cfg.control_video), "center_crop", size)[None]
-    mask = None if cfg.mask is None else resize_frames(read("--mask", cfg.mask), "center_crop", size)[:1] * 0.5 + 0.5
+    video = resize_frames(read("--control-video", cfg.controls.control_video), "center_crop", size)[None]
+    mask = (None if cfg.controls.mask is None
+            else resize_frames(read("--mask", cfg.controls.mask), "center_crop", size)[:1] * 0.5 + 0.5)
     return video, mask
 
 
@@ -286,13 +289,15 @@ def generate(cfg: InferConfig, pipe: A2Pipeline, prompt: str, refs, clip_refs, l
     """One video in `layout` (check_layout's, the one plan) with the sampling flags the user set: A2Pipeline fills
     every one left out (None) with the kind's own. seed: the row's (else --seed). control: VACE's (control video,
     mask) (read_control)."""
-    return pipe(prompt, refs, clip_refs, layout=layout, first_frame=first_frame, negative_prompt=cfg.negative_prompt,
-                height=cfg.height, width=cfg.width, num_inference_steps=cfg.steps, guidance_scale=cfg.guidance_scale,
-                guidance_scale_2=cfg.guidance_scale_2, guidance_scale_img=cfg.guidance_scale_img,
-                scheduler=cfg.scheduler, schedule=None if cfg.schedule == "model" else cfg.schedule,
-                flow_shift=cfg.flow_shift, sample_mode=cfg.conditioning.vae_sample_mode,
-                seed=cfg.seed if seed is None else seed, fps=cfg.fps, preset=cfg.preset, decode=cfg.decode,
-                region=region, control_video=control[0], mask=control[1])
+    sampling = cfg.sampling
+    return pipe(prompt, refs, clip_refs, layout=layout, first_frame=first_frame,
+                negative_prompt=sampling.negative_prompt, height=cfg.height, width=cfg.width,
+                num_inference_steps=sampling.steps, guidance_scale=sampling.guidance_scale,
+                guidance_scale_2=sampling.guidance_scale_2, guidance_scale_img=sampling.guidance_scale_img,
+                scheduler=sampling.scheduler, schedule=None if sampling.schedule == "model" else sampling.schedule,
+                flow_shift=sampling.flow_shift, sample_mode=cfg.conditioning.vae_sample_mode,
+                seed=sampling.seed if seed is None else seed, fps=sampling.fps, preset=sampling.preset,
+                decode=sampling.decode, region=region, control_video=control[0], mask=control[1])
 
 
 def set_lora(pipe: A2Pipeline, on: bool) -> None:
@@ -312,7 +317,7 @@ def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=No
     models = ("base", "lora") if lora_paths(cfg) else ("base",)
     paths, index, scores = [], [], []
     for i, row in enumerate(rows):
-        refs, seed = row["refs"], row.get("seed", cfg.seed)
+        refs, seed = row["refs"], row.get("seed", cfg.sampling.seed)
         name = f"{i:03d}_{re.sub(r'[^a-z0-9]+', '-', row['prompt'].lower()).strip('-')[:48]}.mp4"
         halves = []
         for model in models:
@@ -406,12 +411,12 @@ def write_metrics(out_dir: Path, scores: list[dict]) -> list[dict]:
 
 def read_first_frame(cfg: InferConfig, info) -> torch.Tensor | None:
     """--image as the (1, 3, H, W) first frame of TI2V-5B's image-to-video; errors name the file."""
-    if cfg.image is None:
+    if cfg.controls.image is None:
         return None
     if not info.ti2v:
         raise ValueError(f"--image is Wan 2.2 TI2V-5B's image-to-video; {info.path} is {info.name} (I2V / E2V "
                          "models take their images as --elements)")
-    return load_first_frame(cfg.image, (cfg.height, cfg.width))
+    return load_first_frame(cfg.controls.image, (cfg.height, cfg.width))
 
 
 def check_inputs(cfg: InferConfig):
@@ -420,19 +425,19 @@ def check_inputs(cfg: InferConfig):
     cfg, source = resolve(cfg)
     check_size(cfg.height, cfg.width, cfg.num_frames)
     for flag, path in (*(("--lora", p) for p in cfg.lora), ("--lora-high", cfg.lora_high), ("--lora-low", cfg.lora_low),
-                       ("--transformer", cfg.transformer), ("--transformer-2", cfg.transformer_2),
-                       ("--compare", cfg.compare)):
+                       ("--transformer", cfg.weights.transformer), ("--transformer-2", cfg.weights.transformer_2),
+                       ("--compare", cfg.parity.compare)):
         if path and not Path(path).exists():
             raise MissingInput(f"{flag} {path}: no such file or dir")
         if path and flag.startswith("--lora") and (why := lora_file_problem(path)):
             raise InputError(f"{flag} {path}: this {'dir' if Path(path).is_dir() else 'file'} is not a LoRA ({why}): "
                              f"give {LORA_FILES}")
-    if cfg.compare:
-        read_saved(cfg.compare)
+    if cfg.parity.compare:
+        read_saved(cfg.parity.compare)
     if cfg.out and Path(cfg.out).suffix.lower() not in VIDEO_SUFFIXES:  # found now, not once the video is rendered
         raise InputError(f"--out {cfg.out}: writes an H.264 video: name it {' / '.join(VIDEO_SUFFIXES)} (e.g. "
                          f"{Path(cfg.out).with_suffix('.mp4')})")
-    for flag, path in (("--out", cfg.out), ("--save-latents", cfg.save_latents), ("--out-dir", cfg.out_dir)):
+    for flag, path in (("--out", cfg.out), ("--save-latents", cfg.parity.save_latents), ("--out-dir", cfg.out_dir)):
         if path:  # found now, not once the video is rendered
             check_dir_to_write(flag, path, itself=flag == "--out-dir")
     info = as_input_error(lambda: detect_model(model_path(cfg.model), cfg.image_encoder
@@ -457,7 +462,8 @@ def check_inputs(cfg: InferConfig):
         if cfg.prompts_file and not lora_paths(cfg):
             raise InputError("--prompts-file renders each prompt without and with a LoRA: give --lora (a Wan 2.2 pair: "
                              "--lora-high / --lora-low)")
-        if cfg.save_latents or cfg.compare or cfg.decode == "none" or cfg.control_video or cfg.mask:
+        if (cfg.parity.save_latents or cfg.parity.compare or cfg.sampling.decode == "none"
+                or cfg.controls.control_video or cfg.controls.mask):
             raise InputError("--prompts-file / --eval-set write videos from their rows' elements: they take no "
                              "--save-latents / --compare / --decode none / --control-video / --mask")
     return cfg, source, info, first_frame
@@ -469,17 +475,18 @@ def load_pipeline(cfg: InferConfig, info, source, rows: list[dict], repeats=None
     rendered. repeats: one video's element frames (said beside them), None for several videos."""
     layouts, items = [row["layout"] for row in rows], [n for row in rows for n in row["elements"]]
     expanded = bool(cfg.lora) and not info.e2v and expansion_file(cfg.lora[0]).is_file()
-    if any(lay.expand for lay in layouts) and not (expanded or cfg.transformer):
+    if any(lay.expand for lay in layouts) and not (expanded or cfg.weights.transformer):
         raise InputError(f"{cfg.model} is a T2V model (in_channels {info.in_channels}): it takes a prompt only, "
                          "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, cfg.weights.dtype)
     rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
     # Stand-In's packed reference tokens (its K/V cache) are not split: one process
     if dist.is_initialized() and (repeats is None or any(lay.reference_grid is not None for lay in layouts)):
         raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
                          "run --prompts-file / --eval-set / Stand-In in one process")
-    transformers = [None if d is None else load_transformer(d, dtype) for d in (cfg.transformer, cfg.transformer_2)]
+    transformers = [None if d is None else load_transformer(d, dtype)
+                    for d in (cfg.weights.transformer, cfg.weights.transformer_2)]
     if expanded and transformers[0] is None:
         # a LoRA trained on this T2V base expanded to the E2V inputs: expand it with the run's expansion weights
         transformers[0] = load_expanded(load_transformer(info.path, dtype), cfg.lora[0])
@@ -489,15 +496,17 @@ def load_pipeline(cfg: InferConfig, info, source, rows: list[dict], repeats=None
                                       components=cfg.components)
     params = sum(p.numel() for p in pipe.transformer.parameters()) / 1e6
     print(f"model {info.path}: {info.name}, transformer {params:.1f}M params"
-          + (f" from {cfg.transformer}" if cfg.transformer else "")
+          + (f" from {cfg.weights.transformer}" if cfg.weights.transformer else "")
           + (f"; two experts: transformer for sigma >= {info.boundary_ratio}, transformer_2 below"
-             + (f" (from {cfg.transformer_2})" if cfg.transformer_2 else "") if pipe.transformer_2 is not None else "")
+             + (f" (from {cfg.weights.transformer_2})" if cfg.weights.transformer_2 else "")
+             if pipe.transformer_2 is not None else "")
           + (f"; image encoder {info.image_encoder_dir}" if pipe.image_encoder is not None else "; no image encoder"))
     if items:  # what each element's image became: its name (and, for one video, the frames it fills)
         print("elements: " + ", ".join(dict.fromkeys(items)) + (f" (repeats {repeats})" if repeats is not None else ""))
     lay = layouts[0] if layouts else None
     if source and cfg.model in TINY_MODELS:  # what it renders, once the kind's own sampler set the steps
-        steps = cfg.steps or (kind_sampling(lay.kind, info.name, cfg.preset).steps if lay is not None else None)
+        steps = cfg.sampling.steps or (kind_sampling(lay.kind, info.name, cfg.sampling.preset).steps
+                                       if lay is not None else None)
         print(size_banner(cfg, steps, source))
     if repeats is not None and lay is not None and cfg.num_frames > lay.video_frames:  # the references are frames
         print(f"video: {lay.video_frames} frames: --num-frames {cfg.num_frames} is the whole sequence, of which the "
@@ -556,12 +565,12 @@ def one_video(cfg: InferConfig, info, source, first_frame) -> int:
         print(f"wrote {path} ({n} frames, {cfg.height}x{cfg.width}"
               + (f"; --num-frames {cfg.num_frames} less the {cfg.num_frames - n} the references take" if n <
                  cfg.num_frames else "") + ")")
-    if cfg.save_latents:
-        Path(cfg.save_latents).parent.mkdir(parents=True, exist_ok=True)
+    if cfg.parity.save_latents:
+        Path(cfg.parity.save_latents).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"latents": out["latents"].cpu(), "condition": None if out["condition"] is None
-                    else out["condition"].cpu(), "config": asdict(cfg)}, cfg.save_latents)
-        print(f"wrote {cfg.save_latents}")
-    if cfg.compare and not compare_runs(out, read_saved(cfg.compare), cfg.tolerance):
+                    else out["condition"].cpu(), "config": asdict(cfg)}, cfg.parity.save_latents)
+        print(f"wrote {cfg.parity.save_latents}")
+    if cfg.parity.compare and not compare_runs(out, read_saved(cfg.parity.compare), cfg.parity.tolerance):
         return 1
     return 0
 

@@ -15,13 +15,11 @@ What is particular to it, read from the lab's code (zai-org/Kaleido @ 4c6c757):
   original-Wan checkpoint (diffusers' converter);
 - training: RFLoss's sigma, sigmoid(N(0, 1)) shifted by exp(mu) with mu linear in the latent tokens per frame
   (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): --sigma-sampling logit_normal_shifted at config.py's rf_shift;
-  their data layout: dataset_rows / write_manifest below.
+  their data layout: `data.py index kaleido ROOT OUT` (a2/public_index.py).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -172,36 +170,3 @@ def read(file: Path) -> dict:
     if any(k.startswith(PREFIX) for k in sd):  # the DiT of SAT's engine, not its VAE or text encoder if saved
         sd = {k: v for k, v in sd.items() if k.startswith(PREFIX)}
     return sat_to_original(sd)
-
-
-
-# ---------------------------------------------------------------- the training data
-
-def dataset_rows(root) -> list[dict]:
-    """Kaleido's training data (data_video.py SFTDataset:365-406): videos/<id>.mp4 in sorted order, labels/<id>.txt's
-    first line the caption ("" without one), references/<id>/ref1.png, ref2.png, ref3.png those present, in that
-    order: as the rows of an a2 manifest (`video`, `caption`, the references as ref0.. by position: the kind's
-    elements), absolute paths."""
-    root = Path(root).absolute()
-    rows = []
-    for video in sorted((root / "videos").glob("*.mp4")):
-        label = root / "labels" / f"{video.stem}.txt"
-        caption = label.read_text().splitlines()[0] if label.exists() and label.read_text() else ""
-        refs = [root / "references" / video.stem / f"ref{i}.png" for i in range(1, 4)]
-        rows.append({"id": video.stem, "video": str(video), "caption": caption,
-                     **{f"ref{i}": str(p) for i, p in enumerate(p for p in refs if p.exists())}})
-    return rows
-
-
-def write_manifest(root, out) -> Path:
-    """dataset_rows(root) as a JSONL manifest at `out`, which train_a2.py and data.py validate read (--manifest)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in dataset_rows(root)))
-    return out
-
-
-if __name__ == "__main__":  # python -m a2.kaleido manifest ROOT OUT.jsonl
-    if len(sys.argv) != 4 or sys.argv[1] != "manifest":
-        sys.exit("usage: python -m a2.kaleido manifest ROOT OUT.jsonl  (ROOT: Kaleido's videos/ labels/ references/)")
-    print(write_manifest(sys.argv[2], sys.argv[3]))

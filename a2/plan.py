@@ -39,7 +39,15 @@ from a2.elements import RELEASED_ELEMENTS, Element, pair_elements
 from a2.images import MAGREF_GRIDS, load_first_frame, load_references
 from a2.kinds import KIND_DEFS, kind_elements, kind_sampling, largest_element_set
 from a2.memory import check_flags
-from a2.sections import LoraSection, ObjectiveConfig, OptimConfig, ParallelConfig, ReferencesConfig, resolve_compile
+from a2.sections import (
+    ADAMW,
+    LoraSection,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    ReferencesConfig,
+    resolve_compile,
+)
 from a2.tiny import TINY_MODELS, model_path
 from a2.transformer import (
     TI2V_Z_DIM,
@@ -492,7 +500,7 @@ def bench_plan(b) -> tuple[Run, tuple, dict]:
               encode_mode=kind_sampling(kind).encode_mode)
     sections = (b.memory, ParallelConfig(fsdp=b.fsdp, context_parallel=b.context_parallel),
                 LoraSection(training_type=b.mode, lora_rank=b.lora_rank, lora_alpha=b.lora_rank),
-                OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay),
+                OptimConfig(lr=1e-4, micro_batch=b.batch, ema_decay=b.ema_decay, **ADAMW),
                 ObjectiveConfig(sigma_sampling="logit_normal"),
                 ReferencesConfig(align_loss=b.align_loss and b.align_refs > 0))
     return run, sections, cfg

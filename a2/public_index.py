@@ -1,4 +1,5 @@
-"""The public subject-to-video datasets as published: OpenS2V-5M, Phantom-Data, HuMoSet.
+"""The public subject-to-video datasets as published: OpenS2V-5M, Phantom-Data, HuMoSet; and Kaleido's training
+layout (a manifest of its clips and their references, read without --dataset-type).
 
 A one-time streaming index turns a downloaded dataset into OUT/index.jsonl (one clip per line: video, caption,
 frame range, crop, and for each a2 element where its image comes from) plus OUT/report.txt (what was kept, what each
@@ -9,6 +10,7 @@ from the published annotations, exactly as `export-elements` writes them.
     python data.py index opens2v ROOT OUT [--cross-pairs ROOT/Jsons/cross_video_pairs/cluster_videos.json]
     python data.py index phantom ROOT OUT --videos DIR      # ROOT holds koala36M_multi_ref_merged_filtered.parquet
     python data.py index humoset ROOT OUT                   # ROOT holds video/, reference_image/, video_caption.parquet
+    python data.py index kaleido ROOT OUT                   # ROOT holds videos/, labels/, references/
     python data.py export-elements --manifest OUT/index.jsonl --out DIR [--sam DIR]
 
 The element images are those of a2/public_read.py (load_sample). synthetic_opens2v writes a synthetic OpenS2V-5M part
@@ -43,7 +45,7 @@ from a2.public_read import (
     more_than_kinds_take,
     rle_of,
 )
-from a2.sections import ExportElements, IndexHumoSet, IndexOpenS2V, IndexPhantom
+from a2.sections import ExportElements, IndexHumoSet, IndexKaleido, IndexOpenS2V, IndexPhantom
 
 PHANTOM_PARQUET = "koala36M_multi_ref_merged_filtered.parquet"
 # Phantom-Data names no element: a phrase of these words (or a box of these classes) is the person, A2's subject
@@ -471,6 +473,62 @@ def index_humoset(a: IndexHumoSet):
     return write_index(out, "humoset", [(path.stem, records_of(rows, clip, path))], a.rule())
 
 
+# ---------------------------------------------------------------- Kaleido's training layout
+
+
+def index_kaleido(a: IndexKaleido):
+    """Kaleido's training data as its SFTDataset lists it (zai-org/Kaleido data_video.py:365-406): videos/<id>.mp4 in
+    sorted order, labels/<id>.txt's first line the caption, references/<id>/ref1.png, ref2.png, ref3.png those
+    present, in that order. Each clip is a manifest row (`id`, `video`, `caption`, the references as ref0.. by
+    position: the kaleido kind's elements), absolute paths. Where a2 differs, the clip is dropped and said: no label
+    or an empty one (SFTDataset trains the empty caption; a2 refuses one), no reference at all (SFTDataset's
+    torch.stack of none fails). A reference missing before a present one, and a label or reference dir of no video,
+    are said too."""
+    root, out = Path(a.root).absolute(), Path(a.out)
+    videos = root / "videos"
+    if not videos.is_dir():
+        raise IndexError_(f"{videos}: not a directory (Kaleido's layout: videos/<id>.mp4, labels/<id>.txt, "
+                          "references/<id>/ref1..3.png)")
+    ids = {p.stem for p in videos.glob("*.mp4")}
+
+    def rows(counts: Counter, lines: Lines):
+        yield from ((p.stem, p) for p in sorted(videos.glob("*.mp4")))
+        orphans = [(f.stem, f) for f in (root / "labels").glob("*.txt")] + \
+            [(f.name, f) for f in (root / "references").glob("*") if f.is_dir()]
+        for key, f in sorted(orphans):
+            if key not in ids:
+                lines.add(f"{f.parent.name} of no video (not indexed)", key, f, f"no videos/{key}.mp4: not indexed")
+
+    def clip(key: str, video: Path, counts: Counter, lines: Lines) -> dict | None:
+        label = root / "labels" / f"{key}.txt"
+        try:
+            caption = (label.read_text().splitlines() or [""])[0].strip()
+        except FileNotFoundError:
+            lines.add("clips dropped: label missing", key, label, "label not found (a2 trains no empty caption): "
+                      "write the clip's caption there")
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            lines.add("clips dropped: label unreadable", key, label, f"label unreadable ({e})")
+            return None
+        if not caption:
+            lines.add("clips dropped: empty label", key, label, "the label's first line is empty (a2 trains no empty "
+                      "caption)")
+            return None
+        refs = [root / "references" / key / f"ref{i}.png" for i in range(1, 4)]
+        present = [p for p in refs if p.is_file()]
+        if not present:
+            lines.add("clips dropped: no reference", key, refs[0], "no ref1.png, ref2.png or ref3.png in "
+                      f"references/{key}/" + ("" if refs[0].parent.is_dir() else " (no such dir)"))
+            return None
+        for p in refs[:refs.index(present[-1])]:
+            if p not in present:
+                lines.add("references missing before a present one (the later ones move up)", key, p,
+                          f"not found: those present are taken in order ({', '.join(q.name for q in present)})")
+        counts[f"clips with {len(present)} reference(s)"] += 1
+        return dict(id=key, video=str(video), caption=caption, **{f"ref{i}": str(p) for i, p in enumerate(present)})
+    return write_index(out, "kaleido", [("kaleido", records_of(rows, clip, root))], a.rule())
+
+
 # ---------------------------------------------------------------- export-elements
 
 
@@ -514,7 +572,7 @@ def export_elements(a: ExportElements) -> dict:
 def run(a) -> object:
     """data.py's `index ...` and `export-elements` commands."""
     fn = {IndexOpenS2V: index_opens2v, IndexPhantom: index_phantom, IndexHumoSet: index_humoset,
-          ExportElements: export_elements}[type(a)]
+          IndexKaleido: index_kaleido, ExportElements: export_elements}[type(a)]
     return run_cli(fn, a)
 
 

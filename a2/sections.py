@@ -332,8 +332,12 @@ class OptimConfig:
 
     lr: float | None = None
     """The AdamW peak learning rate (after warmup). Left out: the model's recipe (RECIPES)."""
-    weight_decay: float = 0.0
-    """The AdamW decoupled weight decay (per step, multiplied by the learning rate)."""
+    weight_decay: float | None = None
+    """The AdamW decoupled weight decay (per step, multiplied by the learning rate), on every trainable weight.
+    Left out: the model's recipe (RECIPES): 0; Kaleido's 1e-4."""
+    adam_betas: tuple[float, float] | None = None
+    """The AdamW betas (the moments' decays), e.g. --adam-betas 0.9 0.95. Left out: the model's recipe (RECIPES):
+    torch's (0.9, 0.999); Kaleido's (0.9, 0.95)."""
     adam_eps: float = 1e-8
     """The AdamW epsilon. Components whose gradient is below it are pure rounding noise (q/k null directions), which
     Adam would scale up to ~lr; equivalence tests raise it to 1e-4 to compare runs to 1e-6."""
@@ -342,8 +346,9 @@ class OptimConfig:
     Left out: the model's recipe (RECIPES)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """The learning rate after warmup: constant, or cosine decay to 0 at --max-steps."""
-    max_grad_norm: float = 1.0
-    """Clips the global gradient L2 norm to this (the norm is logged as grad_norm, before clipping)."""
+    max_grad_norm: float | None = None
+    """Clips the global gradient L2 norm to this (the norm is logged as grad_norm, before clipping). Left out: the
+    model's recipe (RECIPES): 1; Kaleido's 0.1."""
     max_nonfinite_steps: int = 3
     """Stops a diverged run: a step whose loss or gradient norm is not finite has its optimizer step skipped (on the
     device, no extra sync), and after this many in a row the run stops (exit 1) naming its last checkpoint with finite
@@ -366,6 +371,11 @@ class OptimConfig:
     overfit_batches: int = 0
     """A debug check: trains on the first N global batches only, each coming back with the same sigma, noise and
     dropout. The loss must fall far towards 0; a loop or conditioning bug shows here first."""
+
+
+# a2's AdamW, the recipe of every model whose own names no other (config.py RECIPES): torch's betas, no weight decay,
+# clipping at 1; and what a step built outside a run (bench.py, its dry run) takes
+ADAMW = dict(adam_betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
 
 
 @dataclass
@@ -499,6 +509,23 @@ class IndexHumoSet:
 
     def rule(self) -> str:
         return "reference_image/<video stem>.<png|jpg|jpeg|webp> (or the parquet's reference column) -> subject"
+
+
+@dataclass
+class IndexKaleido:
+    """Index Kaleido's training layout (zai-org/Kaleido data_video.py SFTDataset): videos/<id>.mp4, labels/<id>.txt
+    (its first line the caption), references/<id>/ref1.png, ref2.png, ref3.png. OUT/index.jsonl is a manifest
+    (--manifest OUT/index.jsonl, no --dataset-type) whose references are the model's, in that order."""
+
+    root: tyro.conf.Positional[str]
+    """The dataset dir (videos/, labels/, references/)."""
+    out: tyro.conf.Positional[str]
+    """The dir for index.jsonl, report.txt and the per-part files."""
+
+    def rule(self) -> str:
+        return ("videos/<id>.mp4, caption: labels/<id>.txt's first line; references: references/<id>/ref1..3.png "
+                "those present, in that order (ref0.. of the manifest); a clip without a label or a reference is "
+                "dropped")
 
 
 @dataclass

@@ -177,7 +177,7 @@ def forward_loss(model, inputs: dict, objective: ObjectiveConfig, references: Re
 def make_optimizer(optim: OptimConfig, params, device) -> tuple[torch.optim.Optimizer, NonFiniteSteps]:
     """AdamW over the trainable weights and its non-finite guard (fused: a non-finite step is skipped through its
     found_inf, on the device)."""
-    opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=(0.9, 0.999),
+    opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.adam_betas,
                             eps=optim.adam_eps, fused=True)
     return opt, NonFiniteSteps(opt, device)
 

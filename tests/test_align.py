@@ -395,9 +395,10 @@ def test_refalign_samples_as_its_code_through_infer_defaults(tmp_path, monkeypat
             handle.remove()
 
     monkeypatch.setattr(A2Pipeline, "__call__", recorded)
-    assert infer.main(infer.InferConfig(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt,
-                                        height=32, width=48, num_frames=9, device="cpu", out=str(tmp_path / "v.mp4"),
-                                        save_latents=str(out), decode="none")) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=str(model), elements=tuple(str(f) for _, f in items),
+                                                   prompt=prompt, height=32, width=48, num_frames=9, device="cpu",
+                                                   out=str(tmp_path / "v.mp4"), save_latents=str(out),
+                                                   decode="none")) == 0
     ours = torch.load(out)
     pipe = A2Pipeline.from_pretrained(model)
     text, null = (encode_prompt(pipe.tokenizer, pipe.text_encoder, [p]) for p in (prompt, WAN_NEGATIVE_PROMPT))
@@ -436,8 +437,9 @@ def test_refalign_trains_lora_and_full_with_the_loss_and_round_trips(data_dir, t
     base = dict(model=str(model_path("tiny-refalign")), height=32, width=32, num_frames=9, steps=2, device="cpu",
                 elements=tuple(str(data_dir / f"000{e}") for e in ("_person.png", "_object.png")),
                 out=str(tmp_path / "v.mp4"))
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
-    assert infer.main(infer.InferConfig(**base, lora=str(lora["weights"]), compare=str(tmp_path / "base.pt"))) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(lora["weights"]),
+                                                   compare=str(tmp_path / "base.pt"))) == 1
     full = train(*args(data_dir, tmp_path, "full", *flags, "--training-type", "full", model="tiny-refalign"))
     original = full["run_dir"] / "transformer_original"
     assert detect_model(original, components=model_path("tiny-refalign")).native_kind == "refalign"

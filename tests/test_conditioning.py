@@ -134,7 +134,8 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     refs = clips = region = None
     repeats, first_frame = (), None
     if run.layout.takes_references:  # infer.py's specs for the sample's files (a user's --elements on both sides)
-        specs = infer.element_specs(infer.InferConfig(element_specs=cfg.data.elements, conditioning=cfg.conditioning),
+        specs = infer.element_specs(infer.InferConfig.from_flags(element_specs=cfg.data.elements,
+                                                                 conditioning=cfg.conditioning),
                                     run.info)
         files = pair_elements(batch["files"], specs)
         refs, clips, repeats, region = load_references(files, (h, w), (cfg.model.clip_size, cfg.model.clip_size),
@@ -389,8 +390,9 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
                                           r"'argmax', None\)$"):
         load_dataset_config(cfg_file)
     with pytest.raises(ConfigError, match=r"^--frame-conditioning index: infer.py conditions on element images"):
-        infer.main(infer.InferConfig(model="tiny", elements=(str(data_dir / "000_person.png"),), height=32, width=32,
-                                     num_frames=21, conditioning=ConditioningConfig(frame_conditioning="index")))
+        infer.main(infer.InferConfig.from_flags(model="tiny", elements=(str(data_dir / "000_person.png"),), height=32,
+                                                width=32, num_frames=21,
+                                                conditioning=ConditioningConfig(frame_conditioning="index")))
 
 
 def tyro_help(cli) -> str:

@@ -61,6 +61,7 @@ def cli_flags() -> dict[str, set[str]]:
             "a2.opens2v": of(config.OpenS2VConfig), "data.py make-sample": of(config.MakeSample),
             "data.py validate": of(config.Validate), "data.py index opens2v": of(config.IndexOpenS2V),
             "data.py index phantom": of(config.IndexPhantom), "data.py index humoset": of(config.IndexHumoSet),
+            "data.py index kaleido": of(config.IndexKaleido),
             "data.py export-elements": of(config.ExportElements),
             "torchrun": {o for a in get_args_parser()._actions for o in a.option_strings}}
 

@@ -78,13 +78,14 @@ def test_ema_lora_export_loads_in_infer(data_dir, tmp_path, tiny_dir):
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     base = dict(model=str(tiny_dir), elements=els, height=32, width=32, num_frames=21, steps=2, device="cpu",
                 decode="none")
-    infer.main(infer.InferConfig(**base, lora=str(r["weights"]), save_latents=str(tmp_path / "plain.pt")))
+    infer.main(infer.InferConfig.from_flags(**base, lora=str(r["weights"]), save_latents=str(tmp_path / "plain.pt")))
     for f in (r["ema_weights"], r["run_dir"] / "pytorch_lora_weights_ema_comfy.safetensors"):
         # loads, adapts the model, and is not the plain LoRA (infer exits 1 when the latents differ)
-        assert infer.main(infer.InferConfig(**base, lora=str(f), compare=str(tmp_path / "plain.pt"))) == 1
-    infer.main(infer.InferConfig(**base, lora=str(r["ema_weights"]), save_latents=str(tmp_path / "ema.pt")))
-    assert infer.main(infer.InferConfig(**base, lora=str(r["run_dir"] / "pytorch_lora_weights_ema_comfy.safetensors"),
-                                        compare=str(tmp_path / "ema.pt"))) == 0  # both formats: one EMA
+        assert infer.main(infer.InferConfig.from_flags(**base, lora=str(f), compare=str(tmp_path / "plain.pt"))) == 1
+    infer.main(infer.InferConfig.from_flags(**base, lora=str(r["ema_weights"]), save_latents=str(tmp_path / "ema.pt")))
+    comfy = r["run_dir"] / "pytorch_lora_weights_ema_comfy.safetensors"
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(comfy),
+                                                   compare=str(tmp_path / "ema.pt"))) == 0  # both formats: one EMA
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +129,10 @@ def test_fsdp_ema_is_sharded_equals_ddp_and_resumes(full_runs, data_dir, tmp_pat
     assert max_diff(ema_dir(cut), ema_dir(fsdp)) <= 1e-6
     import infer  # the EMA transformer dir is a full fine-tune infer.py loads
 
-    out = infer.main(infer.InferConfig(model="tiny", transformer=str(fsdp / "transformer_ema"), height=32, width=32,
-                                       num_frames=21, steps=2, device="cpu", decode="none",
-                                       elements=(str(data_dir / "000_person.png"),),
-                                       save_latents=str(tmp_path / "ema.pt")))
+    out = infer.main(infer.InferConfig.from_flags(model="tiny", transformer=str(fsdp / "transformer_ema"), height=32,
+                                                  width=32, num_frames=21, steps=2, device="cpu", decode="none",
+                                                  elements=(str(data_dir / "000_person.png"),),
+                                                  save_latents=str(tmp_path / "ema.pt")))
     assert out == 0 and (tmp_path / "ema.pt").exists()
 
 

@@ -218,7 +218,7 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     # the scores are those of the rendered video: recompute row 0's base half from the written tensor
     both = written[video_row["file"]]
     assert both.shape == (3, 5, 32, 96)  # 17 frames - 12 reference frames; base | LoRA
-    refs = infer.read_references(infer.InferConfig(height=32, width=48, num_frames=17), infer.read_rows(
+    refs = infer.read_references(infer.InferConfig.from_flags(height=32, width=48, num_frames=17), infer.read_rows(
         str(eval_set))[0]["images"])
     again = evaluate_video(both[..., :48], refs["elements"], rows[0]["prompt"],
                            load_evaluators(EvalConfig(dino=str(dirs["dino"]), clip_text=str(dirs["clip_text"])),

@@ -278,10 +278,11 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
 
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     base = dict(model=str(tiny_dir), elements=els, height=32, width=32, num_frames=21, steps=2, device="cpu")
-    assert infer.main(infer.InferConfig(**base, decode="none", save_latents=str(tmp_path / "plain.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, decode="none", save_latents=str(tmp_path / "plain.pt"))) == 0
     out = tmp_path / "lora.mp4"
-    assert infer.main(infer.InferConfig(**base, lora=str(r["weights"]), out=str(out),
-                                        compare=str(tmp_path / "plain.pt"))) == 1  # the LoRA changed the latents
+    # the LoRA changed the latents
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(r["weights"]), out=str(out),
+                                                   compare=str(tmp_path / "plain.pt"))) == 1
     assert iio.imread(out, plugin="pyav").shape[0] == 21 - 12  # 3 reference latents (12 frames) dropped
     with pytest.raises(ConfigError, match="--fp8-base stores the frozen weights of a LoRA run"):
         train(*args(data_dir, tmp_path, "full", "--training-type", "full", "--fp8-base"))

@@ -80,9 +80,10 @@ def test_vace_lora_over_fp8_base_trains_and_infers(data_dir, tmp_path):
     assert all(v == v for v in ref.values()) and close(fp8, ref, 0.1), (fp8, ref)
     base = dict(model="tiny-vace", elements=(str(data_dir / "000_person.png"),), height=64, width=64,
                 num_frames=17, steps=3, device="cuda", dtype="bfloat16")
-    infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "plain.pt")))
-    assert infer.main(infer.InferConfig(**base, lora=str(bf16["weights"]), out=str(tmp_path / "lora.mp4"),
-                                        compare=str(tmp_path / "plain.pt"))) == 1  # the LoRA changes the output
+    infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "plain.pt")))
+    # the LoRA changes the output
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(bf16["weights"]), out=str(tmp_path / "lora.mp4"),
+                                                   compare=str(tmp_path / "plain.pt"))) == 1
 
 
 def test_lora_bf16_trains_and_infers(data_dir, tmp_path, tiny_dir):
@@ -96,9 +97,10 @@ def test_lora_bf16_trains_and_infers(data_dir, tmp_path, tiny_dir):
     out = tmp_path / "lora.mp4"
     base = dict(model=str(tiny_dir), elements=els, height=64, width=64, num_frames=21, steps=3, device="cuda",
                 dtype="bfloat16")
-    infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "plain.pt")))
-    assert infer.main(infer.InferConfig(**base, lora=str(r["weights"]), out=str(out),
-                                        compare=str(tmp_path / "plain.pt"))) == 1  # the LoRA changes the output
+    infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "plain.pt")))
+    # the LoRA changes the output
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(r["weights"]), out=str(out),
+                                                   compare=str(tmp_path / "plain.pt"))) == 1
     import imageio.v3 as iio
 
     assert iio.imread(out).shape[1] == 64  # frames of the generated height (references beside them)

@@ -148,18 +148,20 @@ def test_train_lora_export_infer_round_trip(data_dir, tmp_path):  # noqa: F811
     base = dict(model="tiny-t2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
                 conditioning=ConditioningConfig(reference_layout="incontext", reference_timestep="zero"),
                 out=str(tmp_path / "v.mp4"))
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape == (1, 16, 3, 4, 4)
     lora = dict(base, lora=str(r["weights"]))
-    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"), compare=str(
+    assert infer.main(infer.InferConfig.from_flags(**lora, save_latents=str(tmp_path / "lora.pt"), compare=str(
         tmp_path / "base.pt"))) == 1  # the LoRA changes the video...
-    assert infer.main(infer.InferConfig(**lora, compare=str(tmp_path / "lora.pt"), tolerance=0.0)) == 0  # repeatably
+    # repeatably
+    assert infer.main(infer.InferConfig.from_flags(**lora, compare=str(tmp_path / "lora.pt"), tolerance=0.0)) == 0
     other = dict(lora, elements=tuple(str(data_dir / f"001{s}") for s in ("_person.png", "_object.png",
                                                                           "_background.png")))
-    assert infer.main(infer.InferConfig(**other, compare=str(tmp_path / "lora.pt"))) == 1  # ...and so do the refs
+    # ...and so do the refs
+    assert infer.main(infer.InferConfig.from_flags(**other, compare=str(tmp_path / "lora.pt"))) == 1
     with pytest.raises(ConfigError, match="36 input channels .* incontext is for T2V models"):
-        infer.main(infer.InferConfig(**dict(base, model="tiny")))
+        infer.main(infer.InferConfig.from_flags(**dict(base, model="tiny")))
 
 
 def test_cached_training_equals_live_training(data_dir, tmp_path):  # noqa: F811

@@ -29,7 +29,7 @@ def infer_main(tiny_dir, **kw):
     import infer
 
     base = dict(model=str(tiny_dir), height=32, width=48, num_frames=17, steps=2, device="cpu")
-    return infer.main(infer.InferConfig(**{**base, **kw}))
+    return infer.main(infer.InferConfig.from_flags(**{**base, **kw}))
 
 
 def run_infer(tiny_dir, tmp_path, *args):
@@ -108,16 +108,16 @@ def test_size_defaults_of_built_in_tiny_models_and_model_help(capsys):
         return infer.resolve(tyro.cli(infer.InferConfig, args=list(argv)))
 
     tiny, source = parsed("--model", "tiny-t2v")
-    assert (tiny.height, tiny.width, tiny.num_frames, tiny.steps) == (64, 64, 33, 10)
-    assert infer.size_banner(tiny, tiny.steps, source).startswith(
+    assert (tiny.height, tiny.width, tiny.num_frames, tiny.sampling.steps) == (64, 64, 33, 10)
+    assert infer.size_banner(tiny, tiny.sampling.steps, source).startswith(
         "--model tiny-t2v: a built-in model, sampled at 64x64 (tiny model's default), 33 frames (tiny model's "
         "default), 10 steps (tiny model's default);")
     given, source = parsed("--resolution", "32", "48", "--num-frames", "17", "--steps", "2")
-    assert (given.height, given.width, given.num_frames, given.steps, source) == (32, 48, 17, 2, {})
+    assert (given.height, given.width, given.num_frames, given.sampling.steps, source) == (32, 48, 17, 2, {})
     for model in ("random-1.3B", "/models/SkyReels-A2"):
         real, source = parsed("--model", model)
         # the steps: the model's own sampler's, filled by A2Pipeline
-        assert (real.height, real.width, real.num_frames, real.steps) == (480, 832, 81, None)
+        assert (real.height, real.width, real.num_frames, real.sampling.steps) == (480, 832, 81, None)
         assert source == dict(size="default", frames="default")
     for cls in (infer.InferConfig, TrainConfig):
         with pytest.raises(SystemExit):

@@ -26,7 +26,7 @@ def one_line_exit_2(capsys, cfg: dict) -> str:
     """infer.py's main on InferConfig(**cfg), as its __main__ runs it (a flag's own check, in the config, included):
     must exit 2 with one line on stderr and nothing else."""
     with pytest.raises(SystemExit) as e:
-        run_cli(lambda: infer.main(infer.InferConfig(**cfg)))
+        run_cli(lambda: infer.main(infer.InferConfig.from_flags(**cfg)))
     assert e.value.code == 2
     err = capsys.readouterr().err
     lines = [line for line in err.split("\n") if line and not line.startswith("\r")]  # progress bars aside
@@ -174,7 +174,7 @@ def test_no_such_model_names_every_built_in_model(capsys):
 def test_a_missing_element_is_still_a_file_not_found_error(tmp_path, data_dir):
     """The one-line error keeps its kind: callers that catch FileNotFoundError still do."""
     with pytest.raises(FileNotFoundError, match="image not found"):
-        infer.main(infer.InferConfig(model="tiny", device="cpu", elements=(str(tmp_path / "nope.png"),)))
+        infer.main(infer.InferConfig.from_flags(model="tiny", device="cpu", elements=(str(tmp_path / "nope.png"),)))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -251,7 +251,7 @@ def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.
     info = detect_model(model_path(model))
     transformer = load_transformer(info.path)
     transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(targets)))
-    cfg = infer.InferConfig(model=model, height=32, width=32, num_frames=17, device="cpu")
+    cfg = infer.InferConfig.from_flags(model=model, height=32, width=32, num_frames=17, device="cpu")
     kind = infer.read_references(cfg, elements(data_dir, model), info)["layout"].kind
     out.mkdir(parents=True)
     return export_lora(out, transformer, metadata=base_metadata(transformer.config, info.name, kind,
@@ -285,17 +285,17 @@ def test_a_lora_on_another_base_is_named_in_one_line(tmp_path, capsys, data_dir,
                device="cpu", elements=elements(data_dir, loaded_into), out=str(tmp_path / "o.mp4"))
     if says.startswith("error"):
         assert one_line_exit_2(capsys, cfg).startswith(says.format(lora=lora))
-        assert infer.main(infer.InferConfig(**cfg, force=True)) == 0
+        assert infer.main(infer.InferConfig.from_flags(**cfg, force=True)) == 0
         assert "34 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched), 1 pairs skipped" in \
             capsys.readouterr().out
         return
-    assert infer.main(infer.InferConfig(**cfg)) == 0
+    assert infer.main(infer.InferConfig.from_flags(**cfg)) == 0
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("warning: --lora")]
     assert len(warnings) == 1 and warnings[0].startswith(says.format(lora=lora)), out
     assert "32 lora_A/lora_B weights, 16 modules of transformer adapted (32 weights matched)" in out
     own = dict(cfg, model=trained_on, elements=elements(data_dir, trained_on))
-    assert infer.main(infer.InferConfig(**own)) == 0
+    assert infer.main(infer.InferConfig.from_flags(**own)) == 0
     assert "warning" not in capsys.readouterr().out
 
 
@@ -464,8 +464,8 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
         said = option_help(help_text(capsys, monkeypatch, lambda a, cls=cls: tyro.cli(cls, args=a), []), "--model")
         names = set(re.findall(r"\b(?:tiny|random)(?:-[A-Za-z0-9.]*[A-Za-z0-9])+|\btiny\b", said))
         assert names == set(TINY_MODELS), (cls.__name__, names ^ set(TINY_MODELS))
-    cfg, source = infer.resolve(infer.InferConfig(model="tiny-t2v"))
-    assert infer.size_banner(cfg, cfg.steps, source).startswith(
+    cfg, source = infer.resolve(infer.InferConfig.from_flags(model="tiny-t2v"))
+    assert infer.size_banner(cfg, cfg.sampling.steps, source).startswith(
         "--model tiny-t2v: a built-in model, sampled at 64x64 (tiny model's default), 33 frames (tiny model's "
         "default), 10 steps (tiny model's default)")
 
@@ -490,8 +490,8 @@ def test_the_preset_banner_says_what_is_rendered(data_dir, tmp_path, capsys, mon
 
     monkeypatch.setattr(infer, "generate", recorded)
     out = tmp_path / "v3.pt"
-    assert infer.main(infer.InferConfig(model=model, preset=preset, resolution=(32, 32), decode="none",
-                                        elements=elements(data_dir, model)[:1], save_latents=str(out))) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=model, preset=preset, resolution=(32, 32), decode="none",
+                                                   elements=elements(data_dir, model)[:1], save_latents=str(out))) == 0
     printed = capsys.readouterr().out
     assert f"--model {model}: a built-in model, sampled at 32x32, {said};" in printed, printed
     assert asked == [50] and torch.load(out)["latents"].shape[2] == latents
@@ -519,8 +519,8 @@ def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir, mo
     video frames and what the references took (A2: 3 reference latents, 12 frames; MAGREF: its canvas's latent
     frame, decoded to 4 frames and dropped as MAGREF's sampler drops them)."""
     els = elements(data_dir, model)
-    assert infer.main(infer.InferConfig(model=model, elements=els, height=32, width=32, num_frames=17, steps=1,
-                                        device="cpu", out=str(tmp_path / "v.mp4"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=model, elements=els, height=32, width=32, num_frames=17,
+                                                   steps=1, device="cpu", out=str(tmp_path / "v.mp4"))) == 0
     out = capsys.readouterr().out
     assert f"video: {frames} frames: --num-frames 17 is the whole sequence, of which the references take {refs}" in out
     assert (f"wrote {tmp_path / 'v.mp4'} ({frames} frames, 32x32; --num-frames 17 less the {refs} the references "

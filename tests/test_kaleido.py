@@ -5,6 +5,7 @@ their sample_video.py samples, and a2's training loss as their RFLoss."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,9 +110,10 @@ def test_infer_samples_as_their_sample_video(kaleido_dir, tmp_path, monkeypatch)
             handle.remove()
 
     monkeypatch.setattr(A2Pipeline, "__call__", recorded)
-    cfg = infer.InferConfig(model=str(kaleido_dir), elements=tuple(str(tmp_path / f"ref{i}.png") for i in range(3)),
-                            prompt=prompt, height=height, width=width, num_frames=frames, device="cpu",
-                            decode="none", save_latents=str(tmp_path / "a2.pt"))
+    cfg = infer.InferConfig.from_flags(model=str(kaleido_dir),
+                                       elements=tuple(str(tmp_path / f"ref{i}.png") for i in range(3)),
+                                       prompt=prompt, height=height, width=width, num_frames=frames, device="cpu",
+                                       decode="none", save_latents=str(tmp_path / "a2.pt"))
     assert infer.main(cfg) == 0
     ours = torch.load(tmp_path / "a2.pt")
     pipe = A2Pipeline.from_pretrained(kaleido_dir)
@@ -235,24 +237,61 @@ def kaleido_layout(data_dir, root):
     return root
 
 
-@pytest.mark.parametrize("training", ["lora", "full"])
-def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
-    """Kaleido's data layout through a2/kaleido.py's manifest (the caption: labels' first line; the references:
-    ref1.. in order, as ref0..), then train_a2.py on the tiny release in its kind: the run is the kaleido kind with
-    the clips' references before the video (3, and 2 for the clip that has two), its recipe's shifted logit-normal,
-    and the loss falls over the steps on one clip (the same draws every step, --overfit-batches 1)."""
-    from tests.conftest import args, train
+# their training yaml's optimizer (zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml): deepspeed's AdamW
+# betas [0.9, 0.95], eps 1e-8, weight_decay 1e-4 (:89-91), gradient_clipping 0.1 (:65)
+THEIR_ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=1e-4)
+THEIR_GRAD_CLIP = 0.1
+
+
+def index_their_layout(data_dir, tmp_path) -> Path:
+    """kaleido_layout through `data.py index kaleido ROOT OUT` (its CLI, as a user runs it): OUT/index.jsonl."""
+    import data
 
     root = kaleido_layout(data_dir, tmp_path / "kaleido-data")
-    rows = kaleido.dataset_rows(root)
+    data._cli(["index", "kaleido", str(root), str(tmp_path / "index")])
+    return tmp_path / "index" / "index.jsonl"
+
+
+def spy_optimizer(monkeypatch) -> dict:
+    """What train_a2.main builds: the optimizer of its make_optimizer and the max_norm of each clip_grad_norm_."""
+    import train_a2
+    from a2 import step
+
+    built = {"clip": []}
+
+    def make_optimizer(*a, **kw):
+        built["opt"], guard = step.make_optimizer(*a, **kw)
+        return built["opt"], guard
+
+    def clip(params, max_norm, *a, **kw):
+        built["clip"].append(max_norm)
+        return clip_grad_norm(params, max_norm, *a, **kw)
+
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(train_a2, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    return built
+
+
+@pytest.mark.parametrize("training", ["lora", "full"])
+def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training, monkeypatch):
+    """Kaleido's data layout through `data.py index kaleido` (the caption: labels' first line; the references:
+    ref1.. in order, as ref0..), then train_a2.py on the tiny release in its kind: the run is the kaleido kind with
+    the clips' references before the video (3, and 2 for the clip that has two), its recipe's shifted logit-normal
+    and their yaml's AdamW and gradient clipping, and the loss falls over the steps on one clip (the same draws every
+    step, --overfit-batches 1)."""
+    from tests.conftest import args, train
+
+    manifest = index_their_layout(data_dir, tmp_path)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     assert [r["id"] for r in rows] == sorted(p.stem for p in data_dir.glob("*.mp4"))
     assert rows[0]["caption"] == (data_dir / f"{rows[0]['id']}.txt").read_text().splitlines()[0]
     assert [k for k in rows[1] if k.startswith("ref")] == ["ref0", "ref1"]
-    manifest = kaleido.write_manifest(root, tmp_path / "kaleido.jsonl")
     flags = args(data_dir, tmp_path, training, "--manifest", str(manifest), "--num-frames", "9", "--max-steps", "6",
                  "--warmup-steps", "0", "--lr", "1e-3" if training == "lora" else "1e-4", "--overfit-batches", "1",
                  "--val-every", "0", *(["--training-type", "full"] if training == "full" else []),
                  model=str(kaleido_dir))
+    built = spy_optimizer(monkeypatch)
     r = train(*flags)
     run = json.loads((r["run_dir"] / "run.json").read_text())
     assert run["layout"]["kind"] == "kaleido" and run["layout"]["ref_latents"] in (2, 3)
@@ -261,6 +300,8 @@ def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
     losses = [json.loads(line)["loss"] for line in (r["run_dir"] / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert len(losses) == 6 and losses[-1] < losses[0]
+    group = built["opt"].param_groups[0]
+    assert {k: group[k] for k in THEIR_ADAMW} == THEIR_ADAMW and built["clip"] == [THEIR_GRAD_CLIP] * 6
     if training == "full":  # the trained DiT also as Kaleido's SAT load dir, which a2 (and their --load) reads back
         from a2.transformer import detect_model, load_transformer
 
@@ -269,6 +310,79 @@ def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training):
         assert detect_model(original, components=kaleido_dir).native_kind == "kaleido"
         trained, back = load_transformer(r["weights"]).state_dict(), load_transformer(original).state_dict()
         assert trained.keys() == back.keys() and all(torch.equal(trained[k], back[k]) for k in trained)
+
+
+class Built(Exception):
+    """Stops train_a2.main once its optimizer is built: what follows is the training the test above runs."""
+
+
+def test_a_typed_optimizer_flag_wins_over_the_recipe(kaleido_dir, data_dir, tmp_path, monkeypatch):
+    """--adam-betas, --weight-decay and --max-grad-norm typed on a kaleido run are the optimizer main builds (the
+    recipe fills only what is left out); every other kind left out keeps what a2 had before the recipe held them:
+    torch's AdamW betas, no weight decay, clipping at 1 (main 2b54b6f: a2/step.py:202, a2/sections.py OptimConfig)."""
+    import inspect
+
+    import train_a2
+    from a2 import step
+    from config import from_flags
+    from tests.conftest import args, train_config
+
+    def make_optimizer(optim, *a, **kw):
+        built["opt"] = step.make_optimizer(optim, *a, **kw)[0]
+        built["clip"] = optim.max_grad_norm  # the value optimizer_step clips at, read from the same section
+        raise Built
+
+    built = {}
+    monkeypatch.setattr(train_a2, "make_optimizer", make_optimizer)
+    manifest = index_their_layout(data_dir, tmp_path)
+    flags = args(data_dir, tmp_path, "typed", "--manifest", str(manifest), "--num-frames", "9", "--adam-betas", "0.8",
+                 "0.99", "--weight-decay", "0.01", "--max-grad-norm", "2", model=str(kaleido_dir))
+    with pytest.raises(Built):
+        train_a2.main(train_config(flags))
+    group = built["opt"].param_groups[0]
+    assert (group["betas"], group["weight_decay"], built["clip"]) == ((0.8, 0.99), 0.01, 2.0)
+    torch_betas = inspect.signature(torch.optim.AdamW).parameters["betas"].default
+    for model in ("tiny", "tiny-t2v", "Skywork/SkyReels-A2"):
+        o = from_flags(model=model).optim
+        assert (o.adam_betas, o.weight_decay, o.max_grad_norm) == (torch_betas, 0.0, 1.0), model
+
+
+def test_index_says_what_it_cannot_read(data_dir, tmp_path):
+    """Their layout gone wrong, one report line each naming the clip and the file: a video without a label and one
+    with an empty label (dropped: a2 trains no empty caption), a video without any reference (dropped), ref2.png
+    missing before ref3.png (kept, the references present in order), a label and a references dir of no video."""
+    import shutil
+
+    root = kaleido_layout(data_dir, tmp_path / "kaleido-data")
+    ids = sorted(p.stem for p in (root / "videos").glob("*.mp4"))
+    video = root / "videos" / f"{ids[0]}.mp4"
+    for i in ("900", "901", "902"):
+        shutil.copy(video, root / "videos" / f"{i}.mp4")
+    shutil.copytree(root / "references" / ids[0], root / "references" / "900")  # 900: no label
+    shutil.copytree(root / "references" / ids[0], root / "references" / "901")
+    (root / "labels" / "901.txt").write_text("\n")  # 901: an empty first line
+    (root / "labels" / "902.txt").write_text("a clip without references\n")  # 902: no references/902
+    (root / "labels" / "903.txt").write_text("a label of no video\n")
+    shutil.copytree(root / "references" / ids[0], root / "references" / "904")  # a references dir of no video
+    gap = root / "references" / ids[2] / "ref2.png"
+    gap.unlink()
+    from a2.public_index import index_kaleido
+    from a2.sections import IndexKaleido
+
+    counts = index_kaleido(IndexKaleido(str(root), str(tmp_path / "index")))
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "index" / "index.jsonl").read_text().splitlines())}
+    assert sorted(rows) == ids and counts["clips read"] == len(ids) + 3 and counts["clips kept"] == len(ids)
+    refs = root / "references" / ids[2]
+    assert (rows[ids[2]]["ref0"], rows[ids[2]]["ref1"]) == (str(refs / "ref1.png"), str(refs / "ref3.png"))
+    assert "ref2" not in rows[ids[2]]
+    report = (tmp_path / "index" / "report.txt").read_text().splitlines()
+    problems = report[report.index("problems (one line each: clip key: file: problem):") + 1:]
+    want = {"900": root / "labels" / "900.txt", "901": root / "labels" / "901.txt",
+            "902": root / "references" / "902" / "ref1.png", ids[2]: gap,
+            "903": root / "labels" / "903.txt", "904": root / "references" / "904"}
+    assert len(problems) == len(want), problems
+    for key, file in want.items():
+        assert sum(line.startswith(f"{key}: {file}: ") for line in problems) == 1, (key, problems)
 
 
 def test_fsdp_and_context_parallel_train_as_one_process(kaleido_dir, data_dir, tmp_path):

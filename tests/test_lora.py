@@ -191,7 +191,7 @@ def t2v_infer(model, **kw):
 
     base = dict(model=str(model), prompt="a white square moving right", height=32, width=32, num_frames=9, steps=2,
                 device="cpu")
-    return infer.main(infer.InferConfig(**{**base, **kw}))
+    return infer.main(infer.InferConfig.from_flags(**{**base, **kw}))
 
 
 def test_t2v_only_training_then_text_only_generation(t2v_run, tiny_t2v_dir, tmp_path):

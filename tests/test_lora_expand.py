@@ -64,8 +64,9 @@ def test_e2v_lora_from_t2v_base_round_trip(data_dir, tmp_path, tiny_t2v_dir, tin
     # infer.py on the T2V base with the run's LoRA: expands, loads, samples
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     kw = dict(image_encoder=str(tiny_dir)) if clip else {}
-    assert infer.main(infer.InferConfig(model=str(tiny_t2v_dir), lora=str(lora), elements=els, height=32, width=32,
-                                        num_frames=21, steps=2, device="cpu", decode="none", **kw)) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=str(tiny_t2v_dir), lora=str(lora), elements=els, height=32,
+                                                   width=32, num_frames=21, steps=2, device="cpu", decode="none",
+                                                   **kw)) == 0
 
 
 def test_e2v_lora_from_t2v_base_resumes(data_dir, tmp_path, tiny_t2v_dir):  # noqa: F811

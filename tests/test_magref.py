@@ -222,9 +222,9 @@ def test_infer_samples_as_magref(magref_parts, n, seed, tmp_path):
         want = their_magref_sample(pipe.transformer, pipe.vae, pipe.image_encoder, proc.image_mean, proc.image_std,
                                    [read_image(p) for p in files], text, null, f, h, w,
                                    seed=THEIR_SEED if seed is None else seed)
-    cfg = infer.InferConfig(model=str(pipe.info.path), elements=tuple(map(str, files)), prompt=prompt, height=h,
-                            width=w, num_frames=f, seed=seed, device="cpu", decode="none",
-                            save_latents=str(tmp_path / "ours.pt"))
+    cfg = infer.InferConfig.from_flags(model=str(pipe.info.path), elements=tuple(map(str, files)), prompt=prompt,
+                                       height=h, width=w, num_frames=f, seed=seed, device="cpu", decode="none",
+                                       save_latents=str(tmp_path / "ours.pt"))
     assert infer.main(cfg) == 0
     got = torch.load(tmp_path / "ours.pt")
     assert torch.equal(got["condition"], want["condition"])
@@ -232,7 +232,7 @@ def test_infer_samples_as_magref(magref_parts, n, seed, tmp_path):
     diff = (got["latents"] - want["latents"]).abs().max().item()
     assert diff <= 1e-5, diff
     if seed == 5 and n == 3:  # and it can fail: another seed moves the canvas and the noise
-        cfg.seed, cfg.save_latents = seed + 1, str(tmp_path / "other.pt")
+        cfg.sampling.seed, cfg.parity.save_latents = seed + 1, str(tmp_path / "other.pt")
         assert infer.main(cfg) == 0
         assert (torch.load(tmp_path / "other.pt")["latents"] - want["latents"]).abs().max() > 1e-2
 
@@ -323,8 +323,8 @@ def test_a_canvas_that_cannot_hold_an_element_is_refused_in_one_line(data_dir, t
 
     monkeypatch.setattr(A2Pipeline, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=rf"^{line}, under 16 px: .*fewer references$") as e:
-        infer.main(infer.InferConfig(model="tiny-magref", elements=(person, str(strip)), height=32, width=32,
-                                     num_frames=9, device="cpu", conditioning=MAGREF))
+        infer.main(infer.InferConfig.from_flags(model="tiny-magref", elements=(person, str(strip)), height=32, width=32,
+                                                num_frames=9, device="cpu", conditioning=MAGREF))
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=rf"^--val-elements: {line}"):
         plan(with_flags(cfg, val_elements=(person, str(strip))))
@@ -382,13 +382,14 @@ def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):
     assert (layout["kind"], layout["clip_frames"], layout["use_clip"]) == ("magref", 8, True)
     base = dict(model="tiny-magref", elements=els, element_specs=MAGREF_ELEMENTS, height=32, width=32, num_frames=9,
                 steps=2, device="cpu", conditioning=MAGREF, out=str(tmp_path / "v.mp4"))
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape == (1, 20, 3, 4, 4)
     lora = dict(base, lora=str(r["weights"]))
-    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"),
-                                        compare=str(tmp_path / "base.pt"))) == 1  # the LoRA changes the video
-    assert infer.main(infer.InferConfig(**lora, compare=str(tmp_path / "lora.pt"), tolerance=0.0)) == 0
+    # the LoRA changes the video
+    assert infer.main(infer.InferConfig.from_flags(**lora, save_latents=str(tmp_path / "lora.pt"),
+                                                   compare=str(tmp_path / "base.pt"))) == 1
+    assert infer.main(infer.InferConfig.from_flags(**lora, compare=str(tmp_path / "lora.pt"), tolerance=0.0)) == 0
     full = train(*args(data_dir, tmp_path, "full", "--max-steps", "1", "--training-type", "full", *kind,
                        model="tiny-magref"))
     rec = [json.loads(line) for line in (full["run_dir"] / "metrics.jsonl").read_text().splitlines()]

@@ -255,12 +255,12 @@ def test_wan22_expert_training_export_and_sampling(wan22_i2v_dir, data_dir, tmp_
                         classmethod(lambda cls, *a, **k: pipes.append(real_from_pretrained(cls, *a, **k)) or pipes[-1]))
     base = dict(model=str(wan22_i2v_dir), elements=els, height=32, width=32, num_frames=21, steps=3, device="cpu",
                 decode="none", guidance_scale_2=3.0)
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "plain.pt"))) == 0
-    assert infer.main(infer.InferConfig(**base, lora_low=str(lora), compare=str(tmp_path / "plain.pt"))) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "plain.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, lora_low=str(lora), compare=str(tmp_path / "plain.pt"))) == 1
     p = pipes[-1]
     assert "low" in getattr(p.transformer_2, "peft_config", {}) and not getattr(p.transformer, "peft_config", None)
     with pytest.raises(ValueError, match="expert pair: give --lora-high and/or --lora-low, not --lora"):
-        infer.main(infer.InferConfig(**base, lora=str(lora)))
+        infer.main(infer.InferConfig.from_flags(**base, lora=str(lora)))
 
 
 def test_wan22_t2v_training_and_bad_combinations(wan22_t2v_dir, wan22_i2v_dir, tiny_dir, data_dir, tmp_path,
@@ -315,10 +315,10 @@ def test_t2v_base_e2v_vae_only(tiny_t2v_dir, tiny_dir, data_dir, tmp_path, monke
 
     els = tuple(str(sorted(data_dir.glob(f"*{s}"))[0]) for s in ("_person.png", "_object.png", "_background.png"))
     out = tmp_path / "e2v.pt"
-    assert infer.main(infer.InferConfig(model=str(tiny_t2v_dir), transformer=str(run["weights"]),
-                                        image_encoder=str(tiny_dir), elements=els, height=32, width=32,
-                                        num_frames=21, steps=2, device="cpu", decode="none",
-                                        save_latents=str(out))) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=str(tiny_t2v_dir), transformer=str(run["weights"]),
+                                                   image_encoder=str(tiny_dir), elements=els, height=32, width=32,
+                                                   num_frames=21, steps=2, device="cpu", decode="none",
+                                                   save_latents=str(out))) == 0
     assert torch.load(out)["condition"].shape[1] == 20  # mask | reference latents: the E2V path ran
     with pytest.raises(UnsupportedModel, match=r"is a T2V model: E2V training expands it and needs a CLIP"):
         train(*args(data_dir, tmp_path, "none", "--max-steps", "1", model=tiny_t2v_dir))

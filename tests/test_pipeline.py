@@ -377,9 +377,9 @@ def test_pipeline_equals_a2s_own_sampling(tiny_dir, n, tmp_path):
                                              encoder_hidden_states_image=image_tokens, return_dict=False)[0]
                             for e in text)
             latents = sched.step(uncond + A2_GUIDE * (cond - uncond), t, latents, return_dict=False)[0]
-    assert infer.main(infer.InferConfig(model=str(model), elements=tuple(map(str, paths)), prompt=prompt, height=h,
-                                        width=w, num_frames=f, device="cpu", decode="none",
-                                        save_latents=str(tmp_path / "a2.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=str(model), elements=tuple(map(str, paths)), prompt=prompt,
+                                                   height=h, width=w, num_frames=f, device="cpu", decode="none",
+                                                   save_latents=str(tmp_path / "a2.pt"))) == 0
     out = torch.load(tmp_path / "a2.pt")
     assert torch.equal(out["condition"], condition)
     assert torch.equal(out["latents"], latents)

@@ -235,9 +235,9 @@ def test_components_flag_names_the_wan_parts(phantom_dir, tmp_path, monkeypatch)
     assert detect_model(ckpt, components=str(phantom_dir)).components_dir == phantom_dir
     element = tmp_path / "ref.png"
     Image.new("RGB", (40, 24), (200, 30, 30)).save(element)
-    out = infer.main(infer.InferConfig(model=str(ckpt), components=str(phantom_dir), elements=(str(element),),
-                                       height=32, width=32, num_frames=9, steps=1, device="cpu", decode="none",
-                                       save_latents=str(tmp_path / "x.pt")))
+    out = infer.main(infer.InferConfig.from_flags(model=str(ckpt), components=str(phantom_dir),
+                                                  elements=(str(element),), height=32, width=32, num_frames=9, steps=1,
+                                                  device="cpu", decode="none", save_latents=str(tmp_path / "x.pt")))
     assert out == 0 and (tmp_path / "x.pt").exists()
 
 
@@ -450,10 +450,10 @@ def test_a2_samples_as_their_code_bit_for_bit(kind, phantom_dir, v3_dir, tmp_pat
             handle.remove()
 
     monkeypatch.setattr(A2Pipeline, "__call__", recorded)
-    cfg = infer.InferConfig(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt, height=32,
-                            width=48, num_frames=frames, seed=3 if kind == "phantom" else None, device="cpu",
-                            decode="none", save_latents=str(tmp_path / "a2.pt"),
-                            preset="v3-cfg" if kind == "v3-cfg" else None)
+    cfg = infer.InferConfig.from_flags(model=str(model), elements=tuple(str(f) for _, f in items), prompt=prompt,
+                                       height=32, width=48, num_frames=frames, seed=3 if kind == "phantom" else None,
+                                       device="cpu", decode="none", save_latents=str(tmp_path / "a2.pt"),
+                                       preset="v3-cfg" if kind == "v3-cfg" else None)
     assert infer.main(cfg) == 0
     ours, a2_calls, seen[:] = torch.load(tmp_path / "a2.pt"), list(seen), []
     pipe = A2Pipeline.from_pretrained(model)
@@ -552,15 +552,16 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
     diffusers_file, comfy_file = r["weights"], r["run_dir"] / "pytorch_lora_weights_comfy.safetensors"
     base = dict(model=model, elements=els, element_specs=FIT, height=32, width=32, num_frames=9, steps=2,
                 device="cpu", out=str(tmp_path / "v.mp4"), preset=None)
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt")
     assert saved["latents"].shape == (1, 16, 3, 4, 4) and saved["condition"].shape[2] == run["layout"]["ref_latents"]
     lora = dict(base, lora=str(diffusers_file))
-    assert infer.main(infer.InferConfig(**lora, save_latents=str(tmp_path / "lora.pt"),
-                                        compare=str(tmp_path / "base.pt"))) == 1  # the LoRA changes the video
+    # the LoRA changes the video
+    assert infer.main(infer.InferConfig.from_flags(**lora, save_latents=str(tmp_path / "lora.pt"),
+                                                   compare=str(tmp_path / "base.pt"))) == 1
     for f in (diffusers_file, comfy_file):  # repeatably, from either file
-        assert infer.main(infer.InferConfig(**dict(lora, lora=str(f)), compare=str(tmp_path / "lora.pt"),
-                                            tolerance=0.0)) == 0
+        assert infer.main(infer.InferConfig.from_flags(**dict(lora, lora=str(f)), compare=str(tmp_path / "lora.pt"),
+                                                       tolerance=0.0)) == 0
 
     pipe = A2Pipeline.from_pretrained(model)
     load_lora(pipe, str(diffusers_file))
@@ -604,9 +605,10 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png"))
     base = dict(model=str(v3_dir), elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
                 out=str(tmp_path / "v.mp4"), save_latents=str(tmp_path / "a.pt"))
-    assert infer.main(infer.InferConfig(**base)) == 0
-    assert infer.main(infer.InferConfig(**dict(base, transformer=str(r["weights"]), save_latents=None),
-                                        compare=str(tmp_path / "a.pt"))) == 1  # the fine-tuned weights sample
+    assert infer.main(infer.InferConfig.from_flags(**base)) == 0
+    # the fine-tuned weights sample
+    assert infer.main(infer.InferConfig.from_flags(**dict(base, transformer=str(r["weights"]), save_latents=None),
+                                                   compare=str(tmp_path / "a.pt"))) == 1
 
     # Phantom: the full fine-tune also in original-Wan keys, as Phantom's code loads a checkpoint; a2 reads it back
     from a2.transformer import load_transformer
@@ -649,15 +651,16 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     from a2.transformer import detect_model
 
     def own(model, **flags):
-        cfg = infer.resolve(infer.InferConfig(model=str(model), elements=("a.png",), num_frames=9, **flags))[0]
+        cfg = infer.resolve(infer.InferConfig.from_flags(model=str(model), elements=("a.png",), num_frames=9,
+                                                         **flags))[0]
         info = detect_model(model)
         layout = infer.check_layout(cfg, info, RELEASED_ELEMENTS[:1], False)
-        return cfg, layout, kind_sampling(layout.kind, info.name, cfg.preset)
+        return cfg, layout, kind_sampling(layout.kind, info.name, cfg.sampling.preset)
 
     _, _, d = own(v3_dir)  # generate_video.py: 8 steps, guidance 1 (one pass: no reference guidance), 24 fps
     assert (d.steps, d.guidance_scale, d.guidance_scale_img, d.fps, d.negative_prompt) == (
         theirs.V3_DISTILLED_STEPS, 1.0, None, 24, "")
-    frames = lambda model, **f: infer.own_frames(*infer.resolve(infer.InferConfig(model=str(model), **f)),  # noqa: E731
+    frames = lambda model, **f: infer.own_frames(*infer.resolve(infer.InferConfig.from_flags(model=str(model), **f)),
                                                  detect_model(model))[0].num_frames
     assert frames(v3_dir) == 5 * 24 + 1  # generate_video.py: --duration 5 at 24 fps
     assert frames(v3_dir, num_frames=9) == 9 and frames(phantom_dir) == 81
@@ -675,7 +678,7 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
                                           "scheduler", "schedule", "flow_shift", "sample_mode"))
     with pytest.raises(ValueError, match="--preset v3-cfg: the phantom kind samples in its own way"):
         own(phantom_dir, preset="v3-cfg")
-    nine = infer.resolve(infer.InferConfig(num_frames=9))[0]
+    nine = infer.resolve(infer.InferConfig.from_flags(num_frames=9))[0]
     five = parse_elements([f"r{i}=_r{i}.png" for i in range(5)])  # infer.py takes any count the kind takes, no other
     with pytest.raises(ValueError, match="the phantom kind takes 1 to 4 element image.s. a sample, this one has 5"):
         infer.check_layout(nine, detect_model(phantom_dir), five, False)

@@ -425,14 +425,14 @@ def test_train_export_load_in_theirs_infer_and_compose(data_dir, tmp_path):
     runs = {}
     for name, lora in (("base", ()), ("standin", (str(r["weights"]),)), ("both", (str(r["weights"]), str(wan)))):
         runs[name] = str(tmp_path / f"{name}.pt")
-        assert infer.main(infer.InferConfig(**base, lora=lora, save_latents=runs[name])) == 0
-    assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["base"])) == 1
+        assert infer.main(infer.InferConfig.from_flags(**base, lora=lora, save_latents=runs[name])) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=(str(r["weights"]),), compare=runs["base"])) == 1
     chosen = {k: v for k, v in base.items() if k != "reference_layout"}  # the file chooses its kind and sampler
-    assert infer.main(infer.InferConfig(**chosen, lora=(str(r["weights"]),), compare=runs["standin"],
-                                        tolerance=0.0)) == 0
-    assert infer.main(infer.InferConfig(**base, lora=(str(r["weights"]),), compare=runs["both"])) == 1
-    assert infer.main(infer.InferConfig(**base, lora=(str(wan), str(r["weights"])), compare=runs["both"],
-                                        tolerance=0.0)) == 0
+    assert infer.main(infer.InferConfig.from_flags(**chosen, lora=(str(r["weights"]),), compare=runs["standin"],
+                                                   tolerance=0.0)) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=(str(r["weights"]),), compare=runs["both"])) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=(str(wan), str(r["weights"])), compare=runs["both"],
+                                                   tolerance=0.0)) == 0
     with pytest.raises(ValueError, match=r"standin_lora.ckpt: a Stand-In LoRA on a model of 36 input channels"):
         standin.load_lora(A2Pipeline.from_pretrained("tiny").transformer, r["weights"])
 
@@ -502,9 +502,9 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, monkeypatch):
 
     monkeypatch.setattr(A2Pipeline, "__call__", recorded)
     loras = dict(lora=(files[0],)) if base == "wan21" else dict(lora_high=files[0], lora_low=files[1])
-    assert infer.main(infer.InferConfig(model=str(model), elements=(str(photo),), prompt=prompt, height=h, width=w,
-                                        num_frames=frames, steps=steps, device="cpu", decode="none",
-                                        save_latents=str(tmp_path / "a2.pt"), **loras)) == 0
+    assert infer.main(infer.InferConfig.from_flags(model=str(model), elements=(str(photo),), prompt=prompt, height=h,
+                                                   width=w, num_frames=frames, steps=steps, device="cpu", decode="none",
+                                                   save_latents=str(tmp_path / "a2.pt"), **loras)) == 0
     ours, calls = torch.load(tmp_path / "a2.pt"), list(seen)
     computed = [n > 3 * (h // 16) * (w // 16) for n in lengths]
     with torch.no_grad():
@@ -570,29 +570,30 @@ def test_wan22_experts_train_export_infer_and_base_rows(data_dir, tmp_path, monk
     for name, loras in (("base", {}), ("high", dict(lora_high=str(files["high"]))),
                         ("both", dict(lora_high=str(files["high"]), lora_low=str(files["low"])))):
         runs[name] = str(tmp_path / f"{name}.pt")
-        assert infer.main(infer.InferConfig(**base, **loras, save_latents=runs[name])) == 0
+        assert infer.main(infer.InferConfig.from_flags(**base, **loras, save_latents=runs[name])) == 0
     both = dict(lora_high=str(files["high"]), lora_low=str(files["low"]))
-    assert infer.main(infer.InferConfig(**base, lora_high=str(files["high"]), compare=runs["base"])) == 1
-    assert infer.main(infer.InferConfig(**base, **both, compare=runs["high"])) == 1
-    assert infer.main(infer.InferConfig(**base, **both, compare=runs["both"], tolerance=0.0)) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, lora_high=str(files["high"]), compare=runs["base"])) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, **both, compare=runs["high"])) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, **both, compare=runs["both"], tolerance=0.0)) == 0
 
     rendered = []  # the latents of each --prompts-file render: base, LoRA
     generate = infer.generate
     monkeypatch.setattr(infer, "generate", lambda *a, **k: rendered.append(generate(*a, **k)) or rendered[-1])
     (tmp_path / "prompts.txt").write_text(infer.InferConfig.prompt + "\n")
-    assert infer.main(infer.InferConfig(**base, **both, prompts_file=str(tmp_path / "prompts.txt"),
-                                        out_dir=str(tmp_path / "eval"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, **both, prompts_file=str(tmp_path / "prompts.txt"),
+                                                   out_dir=str(tmp_path / "eval"))) == 0
     assert len(rendered) == 2
     assert torch.equal(rendered[0]["latents"], torch.load(runs["base"])["latents"])
     assert torch.equal(rendered[1]["latents"], torch.load(runs["both"])["latents"])
 
     with pytest.raises(ValueError, match=r"^\S*standin_lora_high\.ckpt: a Stand-In LoRA on \S*tiny-wan22-i2v\S* "
                                          r"\(.*\); Stand-In is a LoRA on Wan T2V: load it on its base \(Stand-In_wan"):
-        infer.main(infer.InferConfig(**{**base, "model": "tiny-wan22-i2v", "conditioning": ConditioningConfig()},
-                                     lora_high=str(files["high"])))
+        infer.main(infer.InferConfig.from_flags(**{**base, "model": "tiny-wan22-i2v",
+                                                   "conditioning": ConditioningConfig()},
+                                                lora_high=str(files["high"])))
     deep = WanTransformer3DModel(**{**preset_config("tiny", e2v=False), "num_layers": 3})
     standin.install(deep, rank=RANK)
     their_file(deep, tmp_path / "deep.ckpt")
     with pytest.raises(ValueError, match=r"deep\.ckpt: a Stand-In LoRA for a 3-layer, 128-wide Wan on this 2-layer, "
                                          r"128-wide model: load it on its base"):
-        infer.main(infer.InferConfig(**base, lora_low=str(tmp_path / "deep.ckpt")))
+        infer.main(infer.InferConfig.from_flags(**base, lora_low=str(tmp_path / "deep.ckpt")))

@@ -264,11 +264,12 @@ def test_lora_first_frame_and_t2v_round_trip(ti2v_dir, data_dir, tmp_path):
     base = dict(model="tiny-ti2v", height=32, width=32, num_frames=17, steps=2, device="cpu")
     for name, r, extra in (("i2v", i2v, dict(image=str(image))), ("t2v", t2v, {})):
         plain, mp4 = tmp_path / f"{name}.pt", tmp_path / f"{name}.mp4"
-        assert infer.main(infer.InferConfig(**base, **extra, out=str(mp4), save_latents=str(plain))) == 0
+        assert infer.main(infer.InferConfig.from_flags(**base, **extra, out=str(mp4), save_latents=str(plain))) == 0
         assert iio.imread(mp4, plugin="pyav").shape == (17, 32, 32, 3)
-        assert infer.main(infer.InferConfig(**base, **extra, decode="none", compare=str(plain), tolerance=0.0)) == 0
-        assert infer.main(infer.InferConfig(**base, **extra, decode="none", lora=str(r["weights"]),
-                                            compare=str(plain))) == 1
+        assert infer.main(infer.InferConfig.from_flags(**base, **extra, decode="none", compare=str(plain),
+                                                       tolerance=0.0)) == 0
+        assert infer.main(infer.InferConfig.from_flags(**base, **extra, decode="none", lora=str(r["weights"]),
+                                                       compare=str(plain))) == 1
     saved = torch.load(tmp_path / "i2v.pt", weights_only=True)
     assert saved["condition"].shape == (1, 48, 1, 2, 2) and torch.equal(saved["latents"][:, :, :1],
                                                                         saved["condition"])
@@ -290,8 +291,9 @@ def test_full_fine_tune_exports_a_transformer_infer_loads(ti2v_dir, data_dir, tm
     assert out.name == "transformer" and json.loads((out / "config.json").read_text())["in_channels"] == 48
     base = dict(model="tiny-ti2v", height=32, width=32, num_frames=17, steps=2, device="cpu", decode="none",
                 image=str(data_dir / "000_person.png"))
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
-    assert infer.main(infer.InferConfig(**base, transformer=str(out), compare=str(tmp_path / "base.pt"))) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, transformer=str(out),
+                                                   compare=str(tmp_path / "base.pt"))) == 1
 
 
 def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
@@ -308,12 +310,13 @@ def test_e2v_incontext_lora_round_trip(data_dir, tmp_path):
     assert (r["run_dir"] / "samples" / "step-0000003.mp4").exists()
     base = dict(model="tiny-ti2v", elements=els, height=32, width=32, num_frames=9, steps=2, device="cpu",
                 conditioning=ConditioningConfig(reference_layout="incontext", reference_timestep="zero"), decode="none")
-    assert infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "base.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "base.pt"))) == 0
     saved = torch.load(tmp_path / "base.pt", weights_only=True)
     assert saved["latents"].shape == (1, 48, 3, 2, 2) and saved["condition"].shape == (1, 48, 3, 2, 2)
-    assert infer.main(infer.InferConfig(**base, lora=str(r["weights"]), compare=str(tmp_path / "base.pt"))) == 1
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(r["weights"]),
+                                                   compare=str(tmp_path / "base.pt"))) == 1
     # a first frame and references together: the first latent is the image's, the rest moves
-    assert infer.main(infer.InferConfig(**base, image=els[2], save_latents=str(tmp_path / "both.pt"))) == 0
+    assert infer.main(infer.InferConfig.from_flags(**base, image=els[2], save_latents=str(tmp_path / "both.pt"))) == 0
     both = torch.load(tmp_path / "both.pt", weights_only=True)
     assert (both["latents"] - saved["latents"]).abs().max() > 1e-3
 
@@ -335,7 +338,7 @@ def test_ti2v_refusals(data_dir, tmp_path):
     with pytest.raises(ValueError, match="multiples of 32, got 48x32"):
         train(*ti2v_args(data_dir, tmp_path, "r48", "--resolution", "48", "32"))
     with pytest.raises(ValueError, match="--image is Wan 2.2 TI2V-5B's image-to-video"):
-        infer.main(infer.InferConfig(model="tiny-t2v", image=str(data_dir / "000_person.png"), device="cpu"))
+        infer.main(infer.InferConfig.from_flags(model="tiny-t2v", image=str(data_dir / "000_person.png"), device="cpu"))
     assert not any(p.name in ("e2v", "fl", "p3", "r48", "v1", "v2") for p in tmp_path.iterdir())
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from a2.trace import GB, LiveBytes, fake_tensors, trace_steps
-from config import OptimConfig
+from config import ADAMW, OptimConfig
 
 
 def test_live_bytes_match_a_hand_count():
@@ -66,7 +66,7 @@ def tiny_lora_step(tracer):
         out = model(x, torch.full((1,), 500.0), text, encoder_hidden_states_image=image, return_dict=False)[0]
         return out.pow(2).mean()
 
-    trace_steps(tracer, model, forward, OptimConfig(lr=1e-3))
+    trace_steps(tracer, model, forward, OptimConfig(lr=1e-3, **ADAMW))
     return model
 
 

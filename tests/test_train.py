@@ -264,8 +264,8 @@ def test_lora_export_loads_in_infer_and_diffusers(data_dir, tmp_path, tiny_dir):
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     base = dict(model=str(tiny_dir), elements=els, height=32, width=32, num_frames=21, steps=2, device="cpu",
                 decode="none")
-    infer.main(infer.InferConfig(**base, save_latents=str(tmp_path / "plain.pt")))
-    assert infer.main(infer.InferConfig(**base, lora=str(lora), compare=str(tmp_path / "plain.pt"))) == 1
+    infer.main(infer.InferConfig.from_flags(**base, save_latents=str(tmp_path / "plain.pt")))
+    assert infer.main(infer.InferConfig.from_flags(**base, lora=str(lora), compare=str(tmp_path / "plain.pt"))) == 1
     pipe = WanImageToVideoPipeline.from_pretrained(tiny_dir)
     pipe.set_progress_bar_config(disable=True)
     image = Image.open(els[0]).convert("RGB").resize((32, 32))
