@@ -94,16 +94,31 @@ def test_kaleido_release_recipe_is_their_training_yaml():
     assert release.optim.lr == 5e-6 and release.optim.warmup_steps == round(0.01 * 5000)
 
 
+def kaleido_index(root, out):
+    """data.py index kaleido ROOT OUT's manifest rows."""
+    import json
+
+    from a2.public_index import index_kaleido
+    from a2.sections import IndexKaleido
+
+    index_kaleido(IndexKaleido(str(root), str(out)))
+    return [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+
+
+def kaleido_clip(root, label="a man walks a dog\n", refs=(1, 2, 3)):
+    (root / "videos").mkdir(parents=True)
+    (root / "videos" / "a.mp4").write_bytes(b"")
+    (root / "labels").mkdir()
+    (root / "labels" / "a.txt").write_text(label)
+    (root / "references" / "a").mkdir(parents=True)
+    for i in refs:
+        (root / "references" / "a" / f"ref{i}.png").write_bytes(b"")
+
+
 def test_kaleido_rows_read_all_three_references(tmp_path):
     """data_video.py SFTDataset reads references/<id>/ref1.png, ref2.png, ref3.png: three references, in order."""
-    from a2.kaleido import dataset_rows
-
-    (tmp_path / "videos").mkdir()
-    (tmp_path / "videos" / "a.mp4").write_bytes(b"")
-    (tmp_path / "references" / "a").mkdir(parents=True)
-    for i in (1, 2, 3):
-        (tmp_path / "references" / "a" / f"ref{i}.png").write_bytes(b"")
-    (row,) = dataset_rows(tmp_path)
+    kaleido_clip(tmp_path / "root")
+    (row,) = kaleido_index(tmp_path / "root", tmp_path / "index")
     assert [Path(row[f"ref{i}"]).name for i in range(3)] == ["ref1.png", "ref2.png", "ref3.png"]
 
 
@@ -142,13 +157,8 @@ def test_left_as_found_keeps_a_process_group_its_caller_made(tmp_path):
 
 def test_kaleido_caption_is_the_label_files_first_line(tmp_path):
     """data_video.py SFTDataset takes labels/<id>.txt's first line as the caption, not the whole file."""
-    from a2.kaleido import dataset_rows
-
-    (tmp_path / "videos").mkdir()
-    (tmp_path / "videos" / "a.mp4").write_bytes(b"")
-    (tmp_path / "labels").mkdir()
-    (tmp_path / "labels" / "a.txt").write_text("a man walks a dog\nshot on a phone\n")
-    assert dataset_rows(tmp_path)[0]["caption"] == "a man walks a dog"
+    kaleido_clip(tmp_path / "root", label="a man walks a dog\nshot on a phone\n")
+    assert kaleido_index(tmp_path / "root", tmp_path / "index")[0]["caption"] == "a man walks a dog"
 
 
 def test_face_embedder_feeds_the_exported_model_rgb_in_zero_one():
@@ -182,8 +192,8 @@ def test_infer_under_torchrun_refuses_a_list_of_videos(tmp_path):
     from a2.dataset_config import ConditioningConfig
     from a2.plan import sampling_plan
 
-    cfg, source, info, _ = infer.check_inputs(infer.InferConfig(model="tiny", height=32, width=32, num_frames=9,
-                                                                steps=2, device="cpu"))
+    cfg, source, info, _ = infer.check_inputs(infer.InferConfig.from_flags(
+        model="tiny", height=32, width=32, num_frames=9, steps=2, device="cpu"))
     row = {"layout": sampling_plan(info, (1,), ConditioningConfig(), 9), "elements": []}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
