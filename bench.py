@@ -3,7 +3,7 @@
     python bench.py --preset tiny --frames 21 --height 64 --width 64            # CPU smoke
     python bench.py --preset 14B --frames 81 --height 480 --width 832 --refs 3 --mode lora   # one H100
 
-Prints the memory plan (a2/memory.py: recomputation, activation offload, fp8 frozen weights, swapped blocks; the
+Prints the memory plan (a2/memory/memory.py: recomputation, activation offload, fp8 frozen weights, swapped blocks; the
 rule's under --memory auto, the flags' otherwise), step time, tokens/s, achieved TFLOP/s, MFU, peak GPU memory and
 host memory (resident set, pinned buffers included). --max-memory-gb N plans for an N GB card and caps the CUDA
 allocator there for the timed steps (set_per_process_memory_fraction): a smaller card, emulated.
@@ -19,16 +19,16 @@ A2-14B at 81×480×832 with 3 refs: F ≈ 1.70 PFLOP. Model FLOPs per step (reco
 full fine-tuning 3·F; LoRA 2·(linear FLOPs) + 3·(attention-core FLOPs) (forward + input gradients only
 for the frozen linears, the attention core's backward needs both of its inputs' gradients). HFU adds what
 checkpointing recomputes: the forward of each recomputed block, less its self-attention core with --save-attention.
-The step is train_a2.py's (a2/step.py: model_inputs + forward_loss, the kind's conditioning, its loss, --align-refs'
-alignment loss, then optimizer_step: clipping, AdamW, --ema-decay's EMA) on the batch a precompute cache of the run
-would hold (a2/trace.py synthetic_batch, zero posteriors and tokens): --layout any kind of a2/conditioning.py, planned
-by a2/plan.py as a training run is (bench_plan); the model made trainable by a2/lora.py make_trainable.
---layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas a frame of --frames.
---layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the video's size) per
-layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d (video queries
-on reference keys) + 4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d (reference queries
-on video keys).
---align-refs N: RefAlign's alignment loss (a2/align.py) on N reference latent frames appended after the video (the
+The step is train_a2.py's (a2/train/step.py: model_inputs + forward_loss, the kind's conditioning, its loss,
+--align-refs' alignment loss, then optimizer_step: clipping, AdamW, --ema-decay's EMA) on the batch a precompute cache
+of the run would hold (a2/train/trace.py synthetic_batch, zero posteriors and tokens): --layout any kind of
+a2/kinds/conditioning.py, planned by a2/plan.py as a training run is (bench_plan); the model made trainable by
+a2/train/lora.py make_trainable. --layout magref: one CLIP image (the canvas, 257 tokens) of --refs elements, the canvas
+a frame of --frames. --layout standin (T2V): + Lr = 1024 reference tokens (Stand-In's 512x512 image, whatever the
+video's size) per layer: projections 8·Lr·d², FFN 4·Lr·d·f, reference LoRA 12·Lr·d·r, no cross-attention; cores 4·L·Lr·d
+(video queries on reference keys) + 4·Lr²·d (reference on reference); unrestricted attention would add 4·Lr·L·d
+(reference queries on video keys).
+--align-refs N: RefAlign's alignment loss (a2/kinds/align.py) on N reference latent frames appended after the video (the
 phantom kind's tokens, or those of the --layout kind given), its projectors on --align-blocks trained with the run,
 and a random DINOv3 ViT of --align-dim (768: ViT-B/16, 1024: ViT-L/16) computing the targets of N reference images
 each step (training without a cache); the memory plan counts both. Its cost: against `--align-refs N
@@ -54,20 +54,20 @@ from pathlib import Path
 
 import torch
 
-from a2 import align
 from a2.cli import run_cli
-from a2.conditioning import lora_target, num_latent_frames
-from a2.lora import make_trainable
-from a2.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
-from a2.plan import bench_datasets, bench_plan, preset_info
-from a2.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
-from a2.trace import align_zeros, dry_run, synthetic_batch, zero_batch
-from a2.transformer import (
+from a2.kinds import align
+from a2.kinds.conditioning import lora_target, num_latent_frames
+from a2.memory.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
+from a2.model.transformer import (
     CLIP_TOKENS,
     TEXT_TOKENS,
     preset_config,
     random_transformer,
 )
+from a2.plan import bench_datasets, bench_plan, preset_info
+from a2.train.lora import make_trainable
+from a2.train.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.train.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from config import (
     LORA_TARGETS,
     BenchConfig,
@@ -129,7 +129,7 @@ def check_backends(b: BenchConfig) -> dict:
 
 
 def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str = "e2v") -> dict:
-    from a2.loader import WorkerContext, collate
+    from a2.data.loader import WorkerContext, collate
     from data import BucketBatchSampler, E2VDataset
 
     cfgs, frames = bench_datasets(b, manifest, dataset_type)
@@ -158,7 +158,7 @@ def bench_loader(b: BenchConfig, manifest: str | None = None, dataset_type: str 
 
 def bench_opens2v(b: BenchConfig) -> dict:
     """Index throughput on a synthetic OpenS2V-5M part, then the loader on its index (BenchConfig.opens2v)."""
-    from a2 import public_index
+    from a2.data import public_index
 
     root = Path(b.opens2v)
     part = public_index.synthetic_part(root, b.clips, Path(__file__).resolve().parent / "tests" / "media" / "hiker.mp4")
@@ -189,9 +189,9 @@ def loop_overhead(run_dir: str, bench_s: float) -> dict:
 
 
 def bench_dry_run(b: BenchConfig, layers: int | None = None, trace: bool = True, log=print) -> dict:
-    """bench.py --dry-run (MemoryConfig.dry_run): a2/trace.py's dry run of bench's step, the one train_a2.py --dry-run
-    runs. layers: the model cut to this many blocks, planned as the whole (a2/memory.py cut_plan: the rule is per
-    block; a quick check). trace False: the plan alone."""
+    """bench.py --dry-run (MemoryConfig.dry_run): a2/train/trace.py's dry run of bench's step, the one train_a2.py
+    --dry-run runs. layers: the model cut to this many blocks, planned as the whole (a2/memory/memory.py cut_plan: the
+    rule is per block; a quick check). trace False: the plan alone."""
     run, sections, cfg = bench_plan(b)
     cut = cut_config(cfg, layers or cfg["num_layers"])
     # (the target model of --align-refs runs beside the step, not in the trace)
@@ -240,11 +240,11 @@ MEMORY_GRID = (
 
 
 def memory_table(b: BenchConfig, traced: dict[int, float] | None = None) -> list[str]:
-    """bench.py --memory-table: docs/memory.md's memory table, MEMORY_GRID planned by the rule (a2/memory.py, compiled
-    blocks as on CUDA; the plan made on the model cut to 3 blocks, which plans as the whole: the rule is per block)
-    and, with --dry-run, each plan traced at full size (a2/trace.py: its compiled accounting and exit status; minutes
-    a row on a CPU). traced: the dry-run column to print as given, by row (what the README holds: a test checks the
-    rest of the table against the rule without tracing)."""
+    """bench.py --memory-table: docs/memory.md's memory table, MEMORY_GRID planned by the rule (a2/memory/memory.py,
+    compiled blocks as on CUDA; the plan made on the model cut to 3 blocks, which plans as the whole: the rule is per
+    block) and, with --dry-run, each plan traced at full size (a2/train/trace.py: its compiled accounting and exit
+    status; minutes a row on a CPU). traced: the dry-run column to print as given, by row (what the README holds: a test
+    checks the rest of the table against the rule without tracing)."""
     lines = ["| model, shape | GPUs x GiB | tokens per rank | plan (`--memory auto`, compiled) | rule, GiB | "
              "dry run, GiB | rule - dry run |", "|---|---|---|---|---|---|---|"]
     for i, (name, fields, gpus, card) in enumerate(MEMORY_GRID):
@@ -265,7 +265,8 @@ def memory_table(b: BenchConfig, traced: dict[int, float] | None = None) -> list
 
 
 def reference_grid(run: Run, h: int, w: int) -> tuple[int, int]:
-    """The references' token grid (rows, cols) at h x w pixels: DINOv3's targets are resized to it (a2/align.py)."""
+    """The references' token grid (rows, cols) at h x w pixels: DINOv3's targets are resized to it
+    (a2/kinds/align.py)."""
     s, patch = run.info.vae_scale, run.info.patch_size
     return align.reference_spans(run.layout, (h // s // patch[1], w // s // patch[2]), patch)[2]
 

@@ -1,9 +1,9 @@
 """Every CLI's config (tyro): TrainConfig, InferConfig, BenchConfig, DemoConfig, data.py's commands, made of the
-sections library code reads (a2/sections.py; the data and conditioning sections beside the dataset file,
-a2/dataset_config.py), the model's recipe (RECIPES) and a TrainConfig's datasets (run_datasets). It imports tyro,
+sections library code reads (a2/config/sections.py; the data and conditioning sections beside the dataset file,
+a2/config/dataset_config.py), the model's recipe (RECIPES) and a TrainConfig's datasets (run_datasets). It imports tyro,
 the standard library and a2 modules that import only those (a2/cli.py: parse_cli and the one-line errors;
-a2/dataset_config.py, a2/sections.py), so that each script parses its flags (parse_cli) before its heavy imports:
---help, a typo or a config error answer at once.
+a2/config/dataset_config.py, a2/config/sections.py), so that each script parses its flags (parse_cli) before its heavy
+imports: --help, a typo or a config error answer at once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from a2.cli import ConfigError, check_dir_to_write, help_from_docstrings
-from a2.dataset_config import (
+from a2.config.dataset_config import (
     ConditioningConfig,
     DataConfig,
     DatasetConfig,
@@ -24,7 +24,7 @@ from a2.dataset_config import (
     dataset_configs,
     height_width,
 )
-from a2.sections import (
+from a2.config.sections import (
     ADAMW,
     LORA_TARGETS,
     EvalConfig,
@@ -44,10 +44,10 @@ from a2.sections import (
     TrainModelConfig,
     ValidationConfig,
 )
-from a2.sections import OpenS2VConfig as OpenS2VConfig  # a2.opens2v's CLI, listed with the others
-from a2.sections import resolve_compile as resolve_compile  # for train_a2.py and bench.py
+from a2.config.sections import OpenS2VConfig as OpenS2VConfig  # a2.eval.opens2v's CLI, listed with the others
+from a2.config.sections import resolve_compile as resolve_compile  # for train_a2.py and bench.py
 
-# a2/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
+# a2/kinds/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
 KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",
               "standin", "kaleido")
 
@@ -134,7 +134,7 @@ def recipe_of(model: str) -> dict:
 
 
 def is_tiny(model: str) -> bool:
-    """A built-in tiny model (a2/tiny.py: tiny, tiny-t2v, ...), not a real-size random one (random-14B)."""
+    """A built-in tiny model (a2/model/tiny.py: tiny, tiny-t2v, ...), not a real-size random one (random-14B)."""
     return model == "tiny" or model.startswith("tiny-")
 
 
@@ -152,8 +152,8 @@ class TrainConfig:
     parallel: tyro.conf.OmitArgPrefixes[ParallelConfig] = field(default_factory=ParallelConfig)
     """Where a run computes and how it splits over ranks."""
     memory: tyro.conf.OmitArgPrefixes[MemoryConfig] = field(default_factory=MemoryConfig)
-    """How the step fits on each GPU (a2/memory.py): the plan, recomputation, offload, fp8, block swap, compilation,
-    the dry run."""
+    """How the step fits on each GPU (a2/memory/memory.py): the plan, recomputation, offload, fp8, block swap,
+    compilation, the dry run."""
     data: tyro.conf.OmitArgPrefixes[DataConfig] = field(default_factory=DataConfig)
     """The training data: where it is, what it is, how its clips are cut and sized, how it is loaded and cached."""
     conditioning: tyro.conf.OmitArgPrefixes[ConditioningConfig] = field(default_factory=ConditioningConfig)
@@ -172,7 +172,7 @@ class TrainConfig:
     """The eval loss on held-out samples and the validation videos."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """The local encoder dirs that score validation videos (--eval.clip-image, --eval.dino, --eval.clip-text,
-    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
+    --eval.face; a2/eval/evaluate.py); a metric whose encoder is not given is skipped with one message."""
 
     def __post_init__(self):
         # the fields left out (None) take the model's recipe (RECIPES) here, the one place it is applied: every
@@ -275,7 +275,7 @@ class InferControls:
     VideoProcessor); its clean latent replaces the first latent frame at timestep 0."""
     element_specs: tuple[str, ...] = ()
     """The element specs (train_a2.py's --elements grammar). Default: the kind's, as train_a2.py takes them
-    (a2.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
+    (a2.kinds.kinds.kind_elements): SkyReels-A2's subject/object/background; on the released S2V models (Phantom-Wan,
     SkyReels-V3 R2V, RefAlign, MAGREF) ref0, ref1, ... framed as their labs frame references (one frame each,
     fit_pad_white)."""
 
@@ -286,7 +286,7 @@ class InferSampling:
     or a --preset's."""
 
     preset: Literal["v3-cfg", "diffusers"] | None = None
-    """Samples as another of the lab's own entry points for its model (a2.kinds.Kind.modes). v3-cfg: SkyReels-V3's
+    """Samples as another of the lab's own entry points for its model (a2.kinds.kinds.Kind.modes). v3-cfg: SkyReels-V3's
     pipeline class's own defaults (WanSkyReelsA2WanT2VPipeline.__call__), 50 steps, guidance 7.5 / 5 (three forwards a
     step), 105 frames; without it V3 samples as its generate_video.py does. diffusers (VACE): diffusers'
     WanVACEPipeline, the model dir's shift, UniPC from sigma 1 - 1e-6, no negative prompt, the references resized to
@@ -411,16 +411,16 @@ class InferConfig(ModelConfig):
     (left: base, right: LoRA), one mp4 per prompt."""
     eval_set: str | None = None
     """Renders and scores an eval set. An OpenS2V-Eval set as downloaded (`OpenS2V-Eval/Open-Domain_Eval.json`, beside
-    its Images/) renders one <sample id>.mp4 per sample into --out-dir (resumable), scored by `python3 -m a2.opens2v`. A
-    .jsonl file scores the model (and a --lora against it) on a2's own metrics, one video per row: {"prompt": "...",
-    "elements": {"subject": "me.png", ...} or ["me.png", ...] (by position; paths relative to the file), "seed": 1,
-    "faces": ["subject"]}; elements, seed and faces are optional (default --elements, --seed, --eval.faces). Each row is
-    rendered (without | with the LoRA, same seed, side by side) and scored by a2/evaluate.py into --out-dir's
-    metrics.csv and metrics.jsonl (a row per video and element, plus the means), and the means are printed with the base
-    vs LoRA deltas."""
+    its Images/) renders one <sample id>.mp4 per sample into --out-dir (resumable), scored by
+    `python3 -m a2.eval.opens2v`. A .jsonl file scores the model (and a --lora against it) on a2's own metrics, one
+    video per row: {"prompt": "...", "elements": {"subject": "me.png", ...} or ["me.png", ...] (by position; paths
+    relative to the file), "seed": 1, "faces": ["subject"]}; elements, seed and faces are optional (default --elements,
+    --seed, --eval.faces). Each row is rendered (without | with the LoRA, same seed, side by side) and scored by
+    a2/eval/evaluate.py into --out-dir's metrics.csv and metrics.jsonl (a row per video and element, plus the means),
+    and the means are printed with the base vs LoRA deltas."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """The local encoder dirs that score --eval-set videos (--eval.clip-image, --eval.dino, --eval.clip-text,
-    --eval.face; a2/evaluate.py); a metric whose encoder is not given is skipped with one message."""
+    --eval.face; a2/eval/evaluate.py); a metric whose encoder is not given is skipped with one message."""
     out_dir: str = "outputs/eval"
     """Where --prompts-file and --eval-set write <index>_<prompt>.mp4 and prompts.jsonl (file -> prompt)."""
 
@@ -495,12 +495,12 @@ class BenchConfig:
     refs: int = 3
     """The number of reference images (257 CLIP tokens each); 0 for T2V."""
     layout: Literal[("default",) + KIND_NAMES] = "default"
-    """The conditioning kind of a2/conditioning.py whose step is timed, as train_a2.py's (model_inputs + forward_loss)
-    on a synthetic batch: --refs element images clipped to what the kind holds, its first --frame-conditioning mode, and
-    a 36-channel model where the kind conditions on channels. default: A2's prefix kind (--refs CLIP images; the
-    reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N. E.g. magref: MAGREF's
-    canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its reference LoRA (rank
-    --lora-rank) trained instead of a peft LoRA."""
+    """The conditioning kind of a2/kinds/conditioning.py whose step is timed, as train_a2.py's (model_inputs +
+    forward_loss) on a synthetic batch: --refs element images clipped to what the kind holds, its first
+    --frame-conditioning mode, and a 36-channel model where the kind conditions on channels. default: A2's prefix kind
+    (--refs CLIP images; the reference frames are part of --frames), t2v with --refs 0, phantom with --align-refs N.
+    E.g. magref: MAGREF's canvas, one CLIP image; standin: Stand-In on T2V, one reference's tokens appended, its
+    reference LoRA (rank --lora-rank) trained instead of a peft LoRA."""
     mode: Annotated[Literal["lora", "full"], tyro.conf.arg(aliases=("--training-type",))] = "lora"
     """What trains. lora: a LoRA on the frozen transformer; full: all weights (fp32 master weights, bf16 autocast)."""
     lora_rank: int = 32
@@ -535,7 +535,7 @@ class BenchConfig:
     clips: int = 20000
     """The records in --opens2v's part JSON."""
     context_parallel: int = 1
-    """With --dry-run: plans and traces one rank of a context-parallel group of N (a2/parallel.py, emulated in one
+    """With --dry-run: plans and traces one rank of a context-parallel group of N (a2/model/parallel.py, emulated in one
     process), at its share of the tokens (the whole sequence for heads / N in self-attention), with the rank's attention
     FLOPs and all-to-all bytes per block. The timed step is one process: time context parallel under torchrun with
     train_a2.py --context-parallel N."""
@@ -568,7 +568,8 @@ class BenchConfig:
         return height_width(self.height, self.width, self.resolution, (64, 64))
 
 
-# ---------------------------------------------------------------- data.py's commands (a2/public_index.py's indexes)
+# ---------------------------------------------------------------- data.py's commands (a2/data/public_index.py's
+# indexes)
 
 
 @dataclass

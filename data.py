@@ -7,13 +7,13 @@ and the T2V workflow's `train.jsonl` of `.npz` clips (uint8 frames (F, H, W, 3) 
 `prompt`). Files are read as they mean: EXIF orientation, video rotation metadata, transparency on white.
 
 Validation reads what training will read (every frame index a clip can be asked for, every image fully, the clip
-arrays' layout). A file that fails later anyway does not end the run: see a2/loader.py LoadFailures.
+arrays' layout). A file that fails later anyway does not end the run: see a2/data/loader.py LoadFailures.
 
     python data.py make-sample sample_data          # a tiny synthetic E2V dataset (no downloads)
     python data.py validate --data-root DIR [any train_a2.py flag: --manifest, --elements, --num-frames, ...]
-    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published (a2/public_index.py)
-    python data.py index kaleido ROOT OUT                    # Kaleido's videos/ labels/ references/ as a manifest
-    python data.py export-elements --manifest OUT/index.jsonl --out DIR
+    python data.py index opens2v|phantom|humoset ROOT OUT    # a public S2V dataset as published
+    (a2/data/public_index.py) python data.py index kaleido ROOT OUT                    # Kaleido's videos/ labels/
+    references/ as a manifest python data.py export-elements --manifest OUT/index.jsonl --out DIR
 """
 
 from __future__ import annotations
@@ -43,15 +43,11 @@ import torch.distributed as dist
 from PIL import Image
 from tqdm import tqdm
 
-from a2 import public_index, public_read
 from a2.cli import exit_on_signal, parse_cli, read_text, run_cli
-from a2.conditioning import clip_frames, element_layout, element_refusal
-from a2.dataset_config import PUBLIC_TYPES, DatasetConfig
-from a2.elements import A2_ELEMENTS, Element
-from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
-from a2.kinds import KIND_DEFS
-from a2.loader import collate
-from a2.media import (
+from a2.config.dataset_config import PUBLIC_TYPES, DatasetConfig
+from a2.data import public_index, public_read
+from a2.data.loader import collate
+from a2.data.media import (
     VIDEO_EXTS,
     DatasetError,
     Problem,
@@ -69,8 +65,12 @@ from a2.media import (
     read_clip,
     resampled_frames,
 )
+from a2.elements import A2_ELEMENTS, Element
+from a2.images import IMAGE_EXTS, canvas_refusal, read_image, reference_pixels, resize_frames
+from a2.kinds.conditioning import clip_frames, element_layout, element_refusal
+from a2.kinds.kinds import KIND_DEFS
+from a2.model.transformer import TEXT_TOKENS
 from a2.plan import training_layout
-from a2.transformer import TEXT_TOKENS
 from config import DataCommand, MakeSample, Validate, run_datasets
 
 # a VACE run's clip mask, beside the clip: white where VACE generates, the same for every frame (docs/dataset.md)
@@ -302,7 +302,7 @@ class E2VDataset(torch.utils.data.Dataset):
     """Samples for training. Items are picked by (index, seed) pairs from BucketBatchSampler so that
     random frame windows are a function of the data order seed, not of the worker.
 
-    num_frames: the clip length (a2.conditioning.clip_frames); with auto_frame_buckets a shorter clip goes to the
+    num_frames: the clip length (a2.kinds.conditioning.clip_frames); with auto_frame_buckets a shorter clip goes to the
     largest 4k+1 bucket it fills. global_batch: only for the summary (buckets that never fill one).
     size_multiple: what aspect buckets' height and width are multiples of (the model's VAE x patch: 16, TI2V-5B 32)."""
 
@@ -311,7 +311,8 @@ class E2VDataset(torch.utils.data.Dataset):
                  size_multiple: int = 16, layout=None):
         self.cfgs, self.num_frames, self.frame_sampling = cfgs, num_frames, frame_sampling
         self.size_multiple = size_multiple
-        self.layout = layout  # the run's a2.conditioning.Layout: how element images become references (None: framed)
+        # the run's a2.kinds.conditioning.Layout: how element images become references (None: framed)
+        self.layout = layout
         # set to a precompute cache dir (train_a2.py --cache-dir): items then hold the encoders' outputs, not pixels
         self.cache_dir: Path | None = None
         # pixel frames the references take of --num-frames (VACE's come on top of it)
@@ -329,7 +330,7 @@ class E2VDataset(torch.utils.data.Dataset):
                                    + "\n(--skip-bad-samples drops the samples with a problem instead)")
         self.samples = [s for s in samples if not s.bad]
         self.buckets = [self.bucket_of(s) for s in self.samples]
-        # what the run's kind cannot take, named and left out before step 1: the element set (a2.kinds.Kind
+        # what the run's kind cannot take, named and left out before step 1: the element set (a2.kinds.kinds.Kind
         # .references), and images MAGREF's canvas cannot hold at the bucket's size
         refusals = [layout and (element_refusal(layout, len(s.elements)) or self.canvas_refusal(s, b))
                     for s, b in zip(self.samples, self.buckets)]
@@ -451,7 +452,7 @@ class E2VDataset(torch.utils.data.Dataset):
             vae, clip, region = reference_pixels(self.layout, [images[e.name] for e in elements], elements, (h, w),
                                                  tuple(cfg.clip.resolution), files)
             video = resize_frames(raw, cfg.reshape_mode, (h, w))  # (3, F, H, W)
-            if s.mask is not None:  # VACE's: framed as the clip, 1 where it generates (a2.conditioning.encode)
+            if s.mask is not None:  # VACE's: framed as the clip, 1 where it generates (a2.kinds.conditioning.encode)
                 file = s.mask
                 mask = np.repeat(np.asarray(read_image(s.mask))[None], len(raw), axis=0)
                 region = (resize_frames(mask, cfg.reshape_mode, (h, w))[0] > 0).float()  # (F, H, W)

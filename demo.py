@@ -32,11 +32,11 @@ from PIL import Image, ImageDraw
 import infer
 from a2.cli import InputError, MissingInput, as_input_error, run_cli
 from a2.images import read_image, tensor_to_uint8
-from a2.kinds import KIND_DEFS
-from a2.lora import load_lora
+from a2.kinds.kinds import KIND_DEFS
+from a2.model.tiny import model_path
+from a2.model.transformer import detect_model
 from a2.pipeline import A2Pipeline
-from a2.tiny import model_path
-from a2.transformer import detect_model
+from a2.train.lora import load_lora
 from config import DemoConfig
 
 

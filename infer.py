@@ -35,14 +35,21 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from a2 import standin
 from a2.cli import ConfigError, InputError, MissingInput, as_input_error, check_dir_to_write, left_as_found, run_cli
-from a2.dataset_config import check_size, element_kind, height_width
+from a2.config.dataset_config import check_size, element_kind, height_width
+from a2.data.media import read_clip
 from a2.elements import A2_ELEMENTS, pair_elements, parse_elements
-from a2.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
+from a2.eval.evaluate import evaluate_video, format_table, load_evaluators, mean_rows, metric_rows, named_references
+from a2.eval.opens2v import read_eval_set
 from a2.images import IMAGE_EXTS, load_first_frame, load_references, read_image, resize_frames
-from a2.kinds import KIND_DEFS, kind_elements, kind_sampling
-from a2.lora import (
+from a2.kinds import standin
+from a2.kinds.kinds import KIND_DEFS, kind_elements, kind_sampling
+from a2.model.parallel import context_parallel, sampling_group
+from a2.model.tiny import TINY_MODELS, model_path
+from a2.model.transformer import detect_model, load_transformer
+from a2.pipeline import A2Pipeline, save_video
+from a2.plan import sampling_plan
+from a2.train.lora import (
     LORA_FILES,
     base_mismatch,
     expansion_file,
@@ -51,13 +58,6 @@ from a2.lora import (
     lora_file_problem,
     read_base_metadata,
 )
-from a2.media import read_clip
-from a2.opens2v import read_eval_set
-from a2.parallel import context_parallel, sampling_group
-from a2.pipeline import A2Pipeline, save_video
-from a2.plan import sampling_plan
-from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import detect_model, load_transformer
 from config import RECIPES, InferConfig, is_tiny
 
 
@@ -229,7 +229,7 @@ def paired(cfg: InferConfig, info, images, flag: str, first_frame: bool = False)
 
 
 def element_specs(cfg: InferConfig, info) -> tuple:
-    """--element-specs, else the specs the model's kind takes, as training takes them (a2.conditioning:
+    """--element-specs, else the specs the model's kind takes, as training takes them (a2.kinds.conditioning:
     kind_elements)."""
     if cfg.controls.element_specs:
         return parse_elements(cfg.controls.element_specs)
@@ -312,7 +312,8 @@ def set_lora(pipe: A2Pipeline, on: bool) -> None:
 
 def evaluate(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], evaluators=None) -> list[dict]:
     """Each row without and (a LoRA loaded) with the LoRA, from the row's seed, side by side in one mp4 per row;
-    with `evaluators`, each render scored (a2/evaluate.py). Returns the metric rows (a2.evaluate.metric_rows)."""
+    with `evaluators`, each render scored (a2/eval/evaluate.py). Returns the metric rows
+    (a2.eval.evaluate.metric_rows)."""
     out_dir = Path(cfg.out_dir)
     models = ("base", "lora") if lora_paths(cfg) else ("base",)
     paths, index, scores = [], [], []
@@ -391,7 +392,7 @@ def render_opens2v_set(cfg: InferConfig, pipe: A2Pipeline, rows: list[dict], inf
         print(f"[{i}/{len(rows)}] {row['id']}: wrote {path}", flush=True)
     if partial.is_dir() and not any(partial.iterdir()):
         partial.rmdir()
-    print(f"score them: python3 -m a2.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
+    print(f"score them: python3 -m a2.eval.opens2v --videos {out_dir} --eval-set {cfg.eval_set} (encoder flags: "
           "--eval.aes-clip/--eval.aes-mlp, --eval.facesim, --eval.gme; docs/evaluation.md)")
 
 
@@ -480,7 +481,8 @@ def load_pipeline(cfg: InferConfig, info, source, rows: list[dict], repeats=None
                          "or --elements with --reference-layout incontext, or a LoRA / --transformer trained on it "
                          "expanded to the E2V inputs")
     dtype = getattr(torch, cfg.weights.dtype)
-    rank = sampling_group(cfg.device)  # torchrun: every rank samples the same video, its tokens split (a2/parallel.py)
+    # torchrun: every rank samples the same video, its tokens split (a2/model/parallel.py)
+    rank = sampling_group(cfg.device)
     # Stand-In's packed reference tokens (its K/V cache) are not split: one process
     if dist.is_initialized() and (repeats is None or any(lay.reference_grid is not None for lay in layouts)):
         raise ValueError("infer.py under torchrun samples one video of a kind other than standin (context parallel); "
@@ -583,8 +585,8 @@ def prompt_list(cfg: InferConfig, info, source) -> int:
 
 
 def eval_set(cfg: InferConfig, info, source) -> int:
-    """--eval-set: an OpenS2V-Eval set rendered one video per sample (scored by a2.opens2v), or a2's .jsonl rendered
-    without and with the LoRA and scored by a2/evaluate.py into --out-dir's metrics.csv / .jsonl."""
+    """--eval-set: an OpenS2V-Eval set rendered one video per sample (scored by a2.eval.opens2v), or a2's .jsonl
+    rendered without and with the LoRA and scored by a2/eval/evaluate.py into --out-dir's metrics.csv / .jsonl."""
     if opens2v_set(cfg):
         rows = read_opens2v_set(cfg, info)
         render_opens2v_set(cfg, load_pipeline(cfg, info, source, rows)[0], rows, info)

@@ -8,8 +8,8 @@
 
 Everything random in a step (sigma, noise, dropout, VAE posterior) is drawn from a generator seeded by
 (seed, step, index of the sample in the global batch), so N ranks, gradient accumulation and one process
-compute the same update, and a resumed run continues the same loss curve. The objective is in a2/flow.py,
-the conditioning in a2/conditioning.py (prepare_latents, shared with inference through A2Pipeline).
+compute the same update, and a resumed run continues the same loss curve. The objective is in a2/train/flow.py,
+the conditioning in a2/kinds/conditioning.py (prepare_latents, shared with inference through A2Pipeline).
 """
 
 from __future__ import annotations
@@ -40,17 +40,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from a2 import align
 from a2.cli import ConfigError, exit_on_signal, left_as_found, run_cli
-from a2.conditioning import (
-    PosteriorCache,
-    element_layout,
-    encode,
-    lora_target,
-    vae_scale,
-)
-from a2.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
-from a2.loader import (
+from a2.data.loader import (
     LoaderError,
     LoadFailures,
     WorkerContext,
@@ -60,9 +51,17 @@ from a2.loader import (
     stop_signals_blocked,
     stop_workers,
 )
-from a2.lora import export, make_trainable
-from a2.memory import apply_plan, memory_plan, step_shape, use_expandable_segments
-from a2.parallel import (
+from a2.eval.evaluate import evaluate_held_out, load_val_evaluators, validate, visualize
+from a2.kinds import align
+from a2.kinds.conditioning import (
+    PosteriorCache,
+    element_layout,
+    encode,
+    lora_target,
+    vae_scale,
+)
+from a2.memory.memory import apply_plan, memory_plan, step_shape, use_expandable_segments
+from a2.model.parallel import (
     context_parallel,
     data_parallel,
     grad_scale,
@@ -70,13 +69,21 @@ from a2.parallel import (
     setup_distributed,
     shard_from_rank0,
 )
+from a2.model.tiny import TINY_MODELS, model_path
+from a2.model.transformer import (
+    allow_recompiles,
+    expand_to_e2v,
+    is_e2v,
+    load_transformer,
+)
 from a2.pipeline import (
     encode_prompt,
     image_tokens,
     load_encoders,
 )
 from a2.plan import Run, plan_training, with_cache
-from a2.runs import (
+from a2.train.lora import export, make_trainable
+from a2.train.runs import (
     EXIT_RESUMABLE,
     CheckpointError,
     Diverged,
@@ -89,7 +96,7 @@ from a2.runs import (
     record_start,
     save_checkpoint,
 )
-from a2.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
+from a2.train.step import (  # the step: the loop, the eval loss, both dry runs and bench.py run it
     Encoders,
     Process,
     TrainState,
@@ -99,14 +106,7 @@ from a2.step import (  # the step: the loop, the eval loss, both dry runs and be
     model_inputs,
     optimizer_step,
 )
-from a2.tiny import TINY_MODELS, model_path
-from a2.trace import dry_run
-from a2.transformer import (
-    allow_recompiles,
-    expand_to_e2v,
-    is_e2v,
-    load_transformer,
-)
+from a2.train.trace import dry_run
 from config import OptimConfig, TrainConfig, flat_config, is_tiny, run_datasets, with_flags
 from data import (
     BucketBatchSampler,
@@ -165,14 +165,14 @@ def plan_run(cfg: TrainConfig, world: int, datasets, device) -> Run:
 
 
 def step_sections(cfg: TrainConfig) -> tuple:
-    """The sections a training step reads (a2/trace.py dry_run's): memory, parallel, LoRA, optim, objective,
+    """The sections a training step reads (a2/train/trace.py dry_run's): memory, parallel, LoRA, optim, objective,
     references."""
     return cfg.memory, cfg.parallel, cfg.lora, cfg.optim, cfg.objective, cfg.references
 
 
 def validation_sections(cfg: TrainConfig) -> tuple:
-    """What a validation video reads (a2/evaluate.py validate's): its section, eval's, parallel's, the size, the CLIP
-    size and the expert."""
+    """What a validation video reads (a2/eval/evaluate.py validate's): its section, eval's, parallel's, the size, the
+    CLIP size and the expert."""
     return cfg.validation, cfg.eval, cfg.parallel, cfg.data.resolution, cfg.model.clip_size, cfg.model.expert
 
 
@@ -261,7 +261,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
     """The transformer to train: loaded (a LoRA's frozen weights in the compute dtype; norms and time embedding stay
     fp32, as diffusers loads them), expanded (a T2V base), made trainable (make_trainable). --fsdp: rank 0 alone
     reads the weights; every rank gets a meta-device replica made trainable alike, and rank 0 also the weights to
-    broadcast once it is sharded (a2/parallel.py shard_from_rank0). Returns (transformer, rank 0's weights or
+    broadcast once it is sharded (a2/model/parallel.py shard_from_rank0). Returns (transformer, rank 0's weights or
     None)."""
     torch.manual_seed(cfg.optim.seed)  # LoRA's A matrices (and an expansion's new weights) start from this seed
     transformer = None
@@ -280,7 +280,7 @@ def build_transformer(cfg: TrainConfig, run: Run, rank: int):
 
 
 def prepare_trainable(transformer, cfg: TrainConfig, run: Run):
-    """What the run trains of `transformer`, in place (a2/lora.py make_trainable; --align-loss: its projectors, a
+    """What the run trains of `transformer`, in place (a2/train/lora.py make_trainable; --align-loss: its projectors, a
     trainable fp32 submodule: optimised, reduced, checkpointed, planned, never exported), in training mode."""
     lora, r = cfg.lora, cfg.references
     try:
@@ -352,7 +352,7 @@ def skip_step(step: int, state: TrainState, cfg: TrainConfig, run_dir: Path) -> 
 
 
 def checkpoint(run_dir: Path, step: int, state: TrainState, cfg: TrainConfig) -> Path:
-    """Write ckpt-<step> (a2/runs.py: save_checkpoint), on every rank alike: DDP's rank 0 writes it and the others
+    """Write ckpt-<step> (a2/train/runs.py: save_checkpoint), on every rank alike: DDP's rank 0 writes it and the others
     wait for it, and a write that fails (CheckpointError: a full disk) stops every rank, not rank 0 alone."""
     def save():
         path = save_checkpoint(run_dir, step, state.transformer, state.opt, flat_config(cfg, nested=True),
@@ -391,7 +391,7 @@ def place_transformer(cfg: TrainConfig, run: Run, proc: Process, shapes: int):
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f}M params, "
         f"{sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6:.3f}M trainable "
         f"({cfg.lora.training_type}{', FSDP2' if cfg.parallel.fsdp else ''})")
-    # decided before the weights move to the GPU (a2/memory.py), for a rank's share of the tokens
+    # decided before the weights move to the GPU (a2/memory/memory.py), for a rank's share of the tokens
     shape = step_shape(run.layout, run.info, cfg.data.resolution, cfg.optim.micro_batch, cfg.parallel.context_parallel)
     plan = memory_plan(cfg.memory, transformer, shape, cfg.lora.training_type == "full", cfg.parallel.fsdp, device,
                        run.compile, ema=cfg.optim.ema_decay > 0)
@@ -549,8 +549,8 @@ def train_state(cfg: TrainConfig, transformer, model, dataset, point: ResumePoin
 
 def start_process(cfg: TrainConfig) -> tuple[int, int, Process]:
     """The process group (torchrun's, or this process alone) and this rank's Process: its device, autocast and, with
-    context parallel, the group of ranks that shares each sample (a2/parallel.py; data and batch count dp ranks only).
-    Returns (world, local rank, Process)."""
+    context parallel, the group of ranks that shares each sample (a2/model/parallel.py; data and batch count dp ranks
+    only). Returns (world, local rank, Process)."""
     global RANK
     if cfg.model.model in TINY_MODELS:  # built on each node's disk before the process group exists (transformers writes
         # weights on global rank 0 alone once it does); its file lock lets the node's first rank build it
@@ -565,8 +565,8 @@ def start_process(cfg: TrainConfig) -> tuple[int, int, Process]:
 
 
 def trace_step(cfg: TrainConfig, run: Run) -> dict:
-    """--dry-run: one rank's step traced at real size (a2/trace.py; the harness shards with --fsdp); exit 3 when the
-    plan does not fit."""
+    """--dry-run: one rank's step traced at real size (a2/train/trace.py; the harness shards with --fsdp); exit 3 when
+    the plan does not fit."""
     result = dry_run(*step_sections(cfg), cfg.data.resolution, run,
                      lambda run: build_transformer(with_flags(cfg, fsdp=False), run, 0)[0], log=log)
     if not result["fits"]:
@@ -635,7 +635,7 @@ def main(cfg: TrainConfig) -> dict:
         precompute(run, dataset, load_run_encoders(cfg, run, device, True), rank, world)
         lock.release()
         return dict(cache=run.cache)
-    # where to start, with the checkpoint checked against this config (a2/runs.py), before any model loads
+    # where to start, with the checkpoint checked against this config (a2/train/runs.py), before any model loads
     point = on_rank0(plan_resume, cfg.rundir.resume, run_dir, flat_config(cfg, nested=True), run.world,
                      named=cfg.rundir.run_name is not None)
     for line in [f"skipping {p}: {why}" for p, why in point.skipped] + point.notes:

@@ -8,7 +8,7 @@ position = order given unless pos= is set):
     subject=_person.png,_mask.png:required,repeat=1,clip=pad_white
     background=_background.png:repeat=4,vae=center_crop
 
-A dataset file lists the same elements as JSON (a2/dataset_config.py). It imports the standard library and
+A dataset file lists the same elements as JSON (a2/config/dataset_config.py). It imports the standard library and
 a2/cli.py only."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ A2_ELEMENTS: tuple[Element, ...] = (
 
 
 # The released S2V models' references (Phantom-Wan, SkyReels-V3 R2V, RefAlign, MAGREF: their kinds' element specs,
-# a2.kinds.kind_elements): one frame each, framed as their labs frame one (Lanczos fit, white pad), no CLIP
+# a2.kinds.kinds.kind_elements): one frame each, framed as their labs frame one (Lanczos fit, white pad), no CLIP
 # path; ref0..ref2 also read A2's subject / object / background files, so one dataset dir trains every kind
 RELEASED_ELEMENTS: tuple[Element, ...] = tuple(
     Element(f"ref{i}", (f"_ref{i}.png",) + (A2_ELEMENTS[i].suffixes if i < len(A2_ELEMENTS) else ()), False, 1, i,

@@ -118,8 +118,8 @@ def magref_places(sizes: list[tuple[int, int]], size: tuple[int, int], rng=None,
 def canvas_refusal(layout, sizes: list[tuple[int, int]], size: tuple[int, int], names=None) -> str | None:
     """Why MAGREF's canvas at the video's size=(H, W) cannot hold one sample's element images of these (width,
     height) sizes, in position order (magref_places: a reference under a token once placed), else None; None for the
-    other kinds (`layout`: a2.conditioning.Layout), which frame each image to the video's size. `names` (the files)
-    say which."""
+    other kinds (`layout`: a2.kinds.conditioning.Layout), which frame each image to the video's size. `names` (the
+    files) say which."""
     if not layout.takes_region:
         return None
     rng = None if layout.placement_seed is None else random.Random(layout.placement_seed)

@@ -5,7 +5,7 @@ What is particular to it, read from the lab's code (zai-org/Kaleido @ 4c6c757):
 - the references, each its own 1-frame clip, posterior mean, framed at the video's size (Lanczos fit on white:
   sample_video.py:212-230), are prepended to x_t on the time axis (dit_video_crossattn.py:1198), share the sample's
   timestep, attend the text like the video tokens (image_cross_text, the model yaml :102), and their output is
-  dropped before the head (:610-611); the conditioning rows of that (a2/conditioning.py) are the table's;
+  dropped before the head (:610-611); the conditioning rows of that (a2/kinds/conditioning.py) are the table's;
 - RoPE (Rotary3DPositionEmbeddingMixin, :470-528 with the yaml's shiftT/H/W, overloop, max_h = max_w = 80): video
   frame f at (t=f, y, x) and reference i at (t=i, 80 + y, 80 + x), so reference i shares its time with video frame i
   and sits past a 80x80-token grid in height and width: KaleidoRope, installed by `prepare`;
@@ -15,7 +15,7 @@ What is particular to it, read from the lab's code (zai-org/Kaleido @ 4c6c757):
   original-Wan checkpoint (diffusers' converter);
 - training: RFLoss's sigma, sigmoid(N(0, 1)) shifted by exp(mu) with mu linear in the latent tokens per frame
   (sgm/modules/diffusionmodules/loss.py:16-29, 579-583): --sigma-sampling logit_normal_shifted at config.py's rf_shift;
-  their data layout: `data.py index kaleido ROOT OUT` (a2/public_index.py).
+  their data layout: `data.py index kaleido ROOT OUT` (a2/data/public_index.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A2Pipeline: Elements-to-Video inference on Wan: element images, prompt and image encoding, the denoising loop,
-decoding, video files. The conditioning (what the transformer is given, per kind) is a2/conditioning.py's, shared
+decoding, video files. The conditioning (what the transformer is given, per kind) is a2/kinds/conditioning.py's, shared
 with training, and so is how element images become references (a2/images.py: reference_pixels, load_references).
 """
 
@@ -14,8 +14,10 @@ from diffusers.loaders import WanLoraLoaderMixin
 from PIL import Image
 from tqdm import tqdm
 
-from a2 import standin
-from a2.conditioning import (
+from a2.config.dataset_config import ConditioningConfig, check_size
+from a2.images import preprocess_image, tensor_to_uint8
+from a2.kinds import standin
+from a2.kinds.conditioning import (
     VAE_T,
     Layout,
     drop,
@@ -29,12 +31,10 @@ from a2.conditioning import (
     vae_scale,
     video_prediction,
 )
-from a2.dataset_config import ConditioningConfig, check_size
-from a2.images import preprocess_image, tensor_to_uint8
-from a2.kinds import kind_sampling, model_flow_shift, schedule_sigmas
+from a2.kinds.kinds import kind_sampling, model_flow_shift, schedule_sigmas
+from a2.model.tiny import model_path
+from a2.model.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
 from a2.plan import sampling_plan
-from a2.tiny import model_path
-from a2.transformer import TEXT_TOKENS, detect_model, expert_for_timestep, load_transformer
 
 # ---------------------------------------------------------------- text and image encoders
 
@@ -164,8 +164,8 @@ class A2Pipeline(WanLoraLoaderMixin):
         self.transformer_2, self.boundary_ratio = transformer_2, boundary_ratio
         self.flow_shift = flow_shift  # the sampler shift when a call gives none (from_pretrained: the model's)
         self.expand_timesteps = expand_timesteps  # Wan 2.2 TI2V-5B: per-token timesteps, first frame replaced
-        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.kinds.kind_sampling)
-        self.info = info  # a2.transformer.ModelInfo (from_pretrained): what `plan` plans for
+        self.model = model  # ModelInfo.name: whose sampler a kind's defaults are (a2.kinds.kinds.kind_sampling)
+        self.info = info  # a2.model.transformer.ModelInfo (from_pretrained): what `plan` plans for
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device="cpu", transformer=None,
@@ -214,7 +214,7 @@ class A2Pipeline(WanLoraLoaderMixin):
         a TI2V-5B image-to-video call; seed: the call's, which MAGREF's canvas placement follows."""
         if self.info is None:
             raise ValueError("A2Pipeline.plan needs the model's ModelInfo: build it with from_pretrained, or pass "
-                             "info=a2.transformer.detect_model(...)")
+                             "info=a2.model.transformer.detect_model(...)")
         return sampling_plan(self.info, elements, conditioning or ConditioningConfig(), num_frames,
                              first_frame=first_frame, image_branch=self.image_encoder is not None, seed=seed,
                              reference_lora=standin.installed(self.transformer))
@@ -258,17 +258,17 @@ class A2Pipeline(WanLoraLoaderMixin):
         the CLIP-path ones (None for models without an image branch), as load_references gives them for the kind
         (the magref kind: its one canvas, and `region` (1, H, W) where the element images are on it). Noise is drawn
         first, then the posterior is sampled with the same generator (A2's order, needed for bit-parity).
-        layout: the conditioning kind and its shapes (a2/conditioning.py), planned once: infer.py's and training's
+        layout: the conditioning kind and its shapes (a2/kinds/conditioning.py), planned once: infer.py's and training's
         plan, or `self.plan(...)` for a library caller. `first_frame` (1, 3, H, W) is a TI2V-5B image-to-video call's
         first frame (its clean latent replaces the first latent frame at timestep 0). VACE (layout kind vace):
         `control_video` (1, 3, F, H, W) in [-1, 1], F the layout's clip_frames, and its `mask` (1, F, H, W), 1 where
-        VACE generates (none: all of it); neither: R2V, the references alone (a2/vace.py: encode).
+        VACE generates (none: all of it); neither: R2V, the references alone (a2/kinds/vace.py: encode).
 
-        Every sampling setting left out (None) is the kind's own sampler's on this model (a2.kinds.Sampling,
+        Every sampling setting left out (None) is the kind's own sampler's on this model (a2.kinds.kinds.Sampling,
         kind_sampling; `preset`: another of the lab's entry points, infer.py --preset): this is the one place they are
         filled, so infer.py, a run's validation and a library call sample alike. negative_prompt, num_inference_steps,
         guidance_scale, guidance_scale_img, scheduler (unipc | euler), schedule (the unshifted sigmas,
-        a2.kinds.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
+        a2.kinds.kinds.SCHEDULES; `sigmas`: an ndarray of num_inference_steps values instead), flow_shift (a kind
         without its own: the model dir's, `self.flow_shift`), sample_mode (the VAE encode: sample | argmax), seed (the
         noise generator's, on the CPU or the device as the kind draws it; `generator` instead: a library caller's own),
         fps (returned for the writer), decode. Returns them as `sampling`.

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-from a2 import align
 from a2.cli import ConfigError, check_dir_to_write
-from a2.conditioning import VAE_T, Layout, clip_frames, element_layout, element_refusal, make_layout
-from a2.dataset_config import (
+from a2.config.dataset_config import (
     CONDITIONING_CHOICES,
     PUBLIC_TYPES,
     ConditioningConfig,
@@ -35,11 +33,7 @@ from a2.dataset_config import (
     element_kind,
     kind_of,
 )
-from a2.elements import RELEASED_ELEMENTS, Element, pair_elements
-from a2.images import MAGREF_GRIDS, load_first_frame, load_references
-from a2.kinds import KIND_DEFS, kind_elements, kind_sampling, largest_element_set
-from a2.memory import check_flags
-from a2.sections import (
+from a2.config.sections import (
     ADAMW,
     LoraSection,
     ObjectiveConfig,
@@ -48,8 +42,14 @@ from a2.sections import (
     ReferencesConfig,
     resolve_compile,
 )
-from a2.tiny import TINY_MODELS, model_path
-from a2.transformer import (
+from a2.elements import RELEASED_ELEMENTS, Element, pair_elements
+from a2.images import MAGREF_GRIDS, load_first_frame, load_references
+from a2.kinds import align
+from a2.kinds.conditioning import VAE_T, Layout, clip_frames, element_layout, element_refusal, make_layout
+from a2.kinds.kinds import KIND_DEFS, kind_elements, kind_sampling, largest_element_set
+from a2.memory.memory import check_flags
+from a2.model.tiny import TINY_MODELS, model_path
+from a2.model.transformer import (
     TI2V_Z_DIM,
     ModelInfo,
     UnsupportedModel,
@@ -86,7 +86,7 @@ class Run:
 
 def plan_layout(info, elements, vae, num_frames: int, e2v_type: str = "auto") -> Layout:
     """The run's Layout, or a ConfigError (one line naming the model dir, the kind and the fix) when the model cannot
-    take it. info: a2.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
+    take it. info: a2.model.transformer.ModelInfo; elements: the datasets' Elements; vae: their VaeProcessorConfig."""
     kind = kind_of(vae, elements, info.ti2v)
     where = f"{info.path} ({info.name})"
     if vae.vace_scale != 1.0 and not (info.native_kind and KIND_DEFS[info.native_kind].context):
@@ -288,7 +288,7 @@ def validation_inputs(val_elements: tuple[str, ...], size: tuple[int, int], clip
 def kind_datasets(cfgs: list[DatasetConfig], info, given: bool) -> tuple[list[DatasetConfig], tuple[Element, ...]]:
     """The datasets as the model's kind (element_kind; info: its ModelInfo) reads them, and the element
     set a run plans for. With no elements given (--elements or a dataset config), each dataset of element images
-    takes the specs its kind takes when sampling too (a2.kinds.kind_elements: SkyReels-A2's roles, a released
+    takes the specs its kind takes when sampling too (a2.kinds.kinds.kind_elements: SkyReels-A2's roles, a released
     model's references framed as its lab's; on a public-dataset index a kind without roles takes every kept mask of a
     clip, largest first, up to its maximum, and the background png where it uses one: index_elements), and the run
     plans the largest set one sample holds (largest_element_set). Given elements: `cfgs` and theirs unchanged."""
@@ -458,8 +458,8 @@ def cache_key(model_dir: Path, image_src: Path | None, dataset, clip_frames: int
 
 
 def preset_info(preset: str, cfg: dict, native_kind: str | None = None) -> ModelInfo:
-    """The ModelInfo of a random model of `preset` (its transformer config `cfg`, a2.transformer.preset_config), as
-    detect_model would read its dir: no image encoder, one expert; Wan 2.2's 48-channel VAE (5B) compresses 16x."""
+    """The ModelInfo of a random model of `preset` (its transformer config `cfg`, a2.model.transformer.preset_config),
+    as detect_model would read its dir: no image encoder, one expert; Wan 2.2's 48-channel VAE (5B) compresses 16x."""
     ti2v = cfg["out_channels"] == TI2V_Z_DIM
     return ModelInfo(Path(f"random-{preset}"), f"random {preset}", cfg["in_channels"], cfg["image_dim"] is not None,
                      None, cfg["image_dim"], None, z_dim=cfg["out_channels"], vae_scale=16 if ti2v else 8,

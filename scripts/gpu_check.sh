@@ -96,7 +96,7 @@ case "${1:-quick}" in
       python3 bench.py "$@" --steps 3 --warmup 2 --out "$OUT/bench.jsonl" 2>&1 | tail -4
     }
     A14=(--preset 14B --refs 3 --mode lora --frames 81)
-    # the rule plans eager and compiled steps differently (a2/memory.py); compiled is the CUDA default, and its dry
+    # the rule plans eager and compiled steps differently (a2/memory/memory.py); compiled is the CUDA default, and its dry
     # run prints the compiled accounting beside the eager trace
     for mode in "--compile False" ""; do
       both "${A14[@]}" --height 720 --width 1280 --attention-backend _native_cudnn $mode

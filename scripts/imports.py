@@ -1,10 +1,18 @@
-"""Import graph of the project's own modules (tests and scripts/ left out): edges, floors, cycles.
+"""Import graph of the project's own modules (tests and scripts/ left out): edges, floors, cycles, counted twice.
 
 An edge is "module A imports project module B", at any depth of A's code (a function-level import is a dependency
-too); `from a2 import x` is a2.x, and the empty package a2 is no module. Floors are the longest-path layering: a
-module that imports no project module is on floor 0, any other one floor above the highest module it imports.
+too); `from a2.kinds import align` is a2.kinds.align, and an empty package (a2, a2/kinds/, ...) is no module. Floors
+are the longest-path layering: a module that imports no project module is on floor 0, any other one floor above the
+highest module it imports.
 
-    python scripts/imports.py [--edges]
+The graph is printed at two grains:
+- modules: every file is a node;
+- folders: each concern folder of a2/ (a2/kinds/, a2/model/, ...) is ONE node, standing for all its modules, and an
+  edge is "some module of A imports some module of B" (imports inside a folder are not counted). The modules at
+  a2/'s root and the top-level scripts stay nodes of their own. The layout's target (edges, no cycle) is stated at
+  this grain (the design review's "modules or folders"); the module count is the finer, larger one.
+
+    python scripts/imports.py [--edges] [--modules]   (--edges: each node's imports; --modules: at module grain)
 """
 
 import ast
@@ -33,6 +41,20 @@ def graph() -> dict[str, set[str]]:
     return g
 
 
+def folder(module: str) -> str:
+    """The node a module counts as at folder grain: a2.kinds.align -> a2.kinds; a2.cli, config -> themselves."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "a2" and len(parts) > 2 else module
+
+
+def folders(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph with each folder of a2/ as one node: an edge wherever some module of one imports some of the other."""
+    out = {}
+    for m, deps in g.items():
+        out.setdefault(folder(m), set()).update(folder(d) for d in deps)
+    return {m: deps - {m} for m, deps in out.items()}
+
+
 def floors(g: dict[str, set[str]]) -> tuple[dict[str, int], list[list[str]]]:
     """Each module's floor, and the cycles met (each as the path that closes it)."""
     floor, cycles = {}, []
@@ -50,19 +72,26 @@ def floors(g: dict[str, set[str]]) -> tuple[dict[str, int], list[list[str]]]:
     return floor, cycles
 
 
+def summary(g: dict[str, set[str]], grain: str, note: str = "") -> str:
+    f, cycles = floors(g)
+    return (f"{grain} {len(g)}  edges {sum(map(len, g.values()))}  floors {max(f.values()) + 1}  cycles {len(cycles)}"
+            + note + "".join("\n  cycle: " + " -> ".join(c) for c in cycles))
+
+
 def main():
     g = graph()
-    f, cycles = floors(g)
-    print(f"modules {len(g)}  edges {sum(map(len, g.values()))}  floors {max(f.values()) + 1}  cycles {len(cycles)}")
-    for c in cycles:
-        print("  cycle: " + " -> ".join(c))
+    fg = folders(g)
+    print(summary(g, "modules"))
+    print(summary(fg, "folders", "   (a folder of a2/ counted as one node)"))
     up = sorted(f"{m} -> {d}" for m in g if m.startswith("a2.") for d in g[m] if not d.startswith("a2."))
     print(f"library imports of a top-level module (config, the scripts): {len(up)}  " + ", ".join(up))
+    shown = g if "--modules" in sys.argv else fg
+    f = floors(shown)[0]
     for level in range(max(f.values()) + 1):
         print(f"floor {level}: " + " ".join(sorted(m for m in f if f[m] == level)))
     if "--edges" in sys.argv:
-        for m in sorted(g, key=lambda m: (f[m], m)):
-            print(f"{m} ({f[m]}) -> " + " ".join(sorted(g[m], key=lambda w: (f[w], w))))
+        for m in sorted(shown, key=lambda m: (f[m], m)):
+            print(f"{m} ({f[m]}) -> " + " ".join(sorted(shown[m], key=lambda w: (f[w], w))))
 
 
 if __name__ == "__main__":

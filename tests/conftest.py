@@ -99,14 +99,14 @@ def _a2_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from a2.tiny import save_tiny
+    from a2.model.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_t2v_dir(tmp_path_factory):
-    from a2.tiny import save_tiny
+    from a2.model.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny_t2v") / "model", seed=0, t2v=True)
 

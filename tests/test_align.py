@@ -1,6 +1,6 @@
-"""RefAlign's reference-alignment loss (a2/align.py), reference augmentation (a2/align.py too) and the joint dropout:
-the loss against a hand computation, the DINOv3 targets on the DiT's grid (a tiny random DINOv3ViTModel), where each
-kind's reference tokens are, and in training: weight 0 trains bit for bit as without it, the loss reaches only the
+"""RefAlign's reference-alignment loss (a2/kinds/align.py), reference augmentation (a2/kinds/align.py too) and the joint
+dropout: the loss against a hand computation, the DINOv3 targets on the DiT's grid (a tiny random DINOv3ViTModel), where
+each kind's reference tokens are, and in training: weight 0 trains bit for bit as without it, the loss reaches only the
 chosen blocks and the projectors, DDP == one process, resume == uninterrupted, the cache == the pixels, the export has
 no projector."""
 
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import train_a2
-from a2 import align
 from a2.cli import ConfigError
+from a2.kinds import align
 from tests.conftest import args, assert_rounding, launch, losses, max_diff, params, train, train_config
 
 FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_white",
@@ -23,7 +23,7 @@ FIT = ("subject=_person.png:vae=fit_pad_white", "object=_object.png:vae=fit_pad_
 
 @pytest.fixture(scope="module")
 def phantom_dir():
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     return model_path("tiny-phantom")
 
@@ -84,7 +84,7 @@ def test_gated_loss_is_refaligns_training_loss(data_dir, dino_dir, monkeypatch):
     training_align_loss, from diffsynth/pipelines/wan_video_new6.py, whose training_loss gates it with
     gate_from_timestep(timestep, 0, 1000, beta=3.0), min_val 0: (t/1000)^3) within 1e-4 relative, per sample."""
 
-    from a2.loader import collate
+    from a2.data.loader import collate
     from data import E2VDataset
     from tests.their_refalign import training_align_loss
 
@@ -137,7 +137,7 @@ def test_dino_targets_are_the_last_layer_patch_tokens_on_the_dit_grid(dino_dir):
 def test_reference_spans_find_each_kinds_reference_tokens(kind):
     """In a block output laid out as each kind's model input (video frames, then reference frames or tokens), the
     spans pick exactly the tokens of each reference: token ids written in by frame and reference."""
-    from a2.conditioning import make_layout
+    from a2.kinds.conditioning import make_layout
 
     repeats = {"phantom": (1, 1, 1), "v3": (1, 1), "incontext": (1, 5, 1), "standin": (1,)}[kind]
     layout = make_layout(kind, 9, repeats)
@@ -196,7 +196,7 @@ def test_the_loss_reaches_only_the_chosen_blocks_and_projectors(data_dir, dino_d
     """The alignment loss of block 0 alone: gradients in block 0, the patch embedding and time/text embedders before
     it, and its projector; none in block 1 nor the output head (the model's later weights are the flow loss's)."""
 
-    from a2.loader import collate
+    from a2.data.loader import collate
     from data import E2VDataset
 
     cfg = train_config(phantom(data_dir, data_dir.parent / "unused", "g",
@@ -239,7 +239,7 @@ def test_full_resume_equals_uninterrupted_and_export_has_no_projectors(data_dir,
     """A full fine-tune with the loss, stopped after step 1 and resumed, ends where the uninterrupted run does
     (projectors and their Adam state restored from the checkpoint); the exported transformer dir, its ComfyUI file and
     Phantom's original-key file hold the model's keys alone."""
-    from a2.transformer import diffusers_to_original, load_transformer
+    from a2.model.transformer import diffusers_to_original, load_transformer
 
     steps = ["--training-type", "full", "--ckpt-every", "1", *align_flags(dino_dir)]
     whole = train(*phantom(data_dir, tmp_path, "whole", "--max-steps", "2", *steps))
@@ -304,9 +304,9 @@ def test_reference_augmentation_is_the_samples_own_and_fills_white(data_dir):
     """Augmentation draws from the sample's own stream (the same images at the same (seed, step, sample), others at
     another step), leaves the other draws (noise, sigma) unchanged, fills with white, and the VAE sees its result."""
 
-    from a2.align import augment_image, augment_references
-    from a2.flow import sample_generator
-    from a2.loader import collate
+    from a2.data.loader import collate
+    from a2.kinds.align import augment_image, augment_references
+    from a2.train.flow import sample_generator
     from data import E2VDataset
 
     # a white reference stays one flat colour whatever is drawn (the colour jitter may dim it): warps fill with white
@@ -338,7 +338,7 @@ def test_joint_dropout_is_refaligns_three_exclusive_cases():
     after; 0: the two draws decide independently as before."""
     from types import SimpleNamespace
 
-    from a2.step import dropouts
+    from a2.train.step import dropouts
 
     cfg = SimpleNamespace(text_dropout=0.1, reference_dropout=0.1, joint_dropout=0.1)
     u = [0.05, 0.15, 0.25, 0.35]
@@ -371,10 +371,10 @@ def test_refalign_samples_as_its_code_through_infer_defaults(tmp_path, monkeypat
     linspace(1, 0) for 50 steps, U + 5 (I - U) + 7.5 (C - I), seed 0, CPU noise for the video frames only), float32:
     the references' latents and the final latents within 1e-5, 3 passes x 50 steps at its timesteps."""
     import infer
-    from a2.kinds import WAN_NEGATIVE_PROMPT
+    from a2.kinds.kinds import WAN_NEGATIVE_PROMPT
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model, load_transformer
     from a2.pipeline import A2Pipeline, encode_prompt
-    from a2.tiny import model_path
-    from a2.transformer import detect_model, load_transformer
     from tests import their_refalign
     from tests.test_released_models import reference_files
 
@@ -424,8 +424,8 @@ def test_refalign_trains_lora_and_full_with_the_loss_and_round_trips(data_dir, t
     """train_a2.py --model <RefAlign> --align-loss trains a LoRA and a full fine-tune in its layout; the full one's
     export in its own keys (transformer_original/refalign_model.safetensors, the safetensors its pipeline reads) is
     detected as RefAlign again and holds the exported transformer's weights, without projectors."""
-    from a2.tiny import model_path
-    from a2.transformer import detect_model, diffusers_to_original, load_transformer
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model, diffusers_to_original, load_transformer
 
     flags = ["--num-frames", "9", "--elements", *FIT[:2], *align_flags(dino_dir), "--max-steps", "1"]
     lora = train(*args(data_dir, tmp_path, "lora", *flags, model="tiny-refalign"))

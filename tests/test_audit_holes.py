@@ -173,8 +173,8 @@ def test_the_heads_kept_bytes_are_its_tensors(dry_runs):
     LoRA step keeps for the backward) is norm_out's input and proj_out's output (16 latent channels x a 1x2x2 patch
     per token) at 4 bytes a value: the element counts here are the tiny model's own tensors in a forward at the dry
     run's 24 tokens, not the rule's formula (the 4-byte width is the rule's fp32 accounting). Exact: whole tensors."""
-    from a2.tiny import model_path
-    from a2.transformer import load_transformer
+    from a2.model.tiny import model_path
+    from a2.model.transformer import load_transformer
 
     _, rule = dry_runs()
     model = load_transformer(model_path("tiny"), torch.float32)
@@ -226,14 +226,14 @@ def test_training_reads_a_grey_clip_mask_as_wan_thresholds_it(tmp_path, monkeypa
 
 def test_vaces_mask_channels_are_wans_for_a_mask_off_the_8px_grid():
     """VACE's context of a control video and a mask whose edges do not fall on the 8x8 pixel cells (each pixel drawn
-    at random): a2's (a2/vace.py encode) is Wan's (vace_encode_frames + vace_encode_masks, wan/vace.py:139-207,
+    at random): a2's (a2/kinds/vace.py encode) is Wan's (vace_encode_frames + vace_encode_masks, wan/vace.py:139-207,
     written out in tests/their_vace.py wan_context: each 8x8 cell row-major as 64 channels). A box on the cell grid
     makes every cell uniform, so the order of a cell's pixels in the channels shows only off it. Within 1e-5 of
     latents of size ~1: the same VAE encodes of the same pixels; the mask channels exact."""
-    from a2 import vace
-    from a2.conditioning import encode_vae
+    from a2.kinds import vace
+    from a2.kinds.conditioning import encode_vae
+    from a2.model.tiny import model_path
     from a2.pipeline import A2Pipeline
-    from a2.tiny import model_path
     from tests import their_vace as theirs
 
     vae = A2Pipeline.from_pretrained(model_path("tiny-vace")).vae

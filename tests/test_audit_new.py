@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from a2.cli import ConfigError
-from a2.dataset_config import VaeProcessorConfig, check_sides
+from a2.config.dataset_config import VaeProcessorConfig, check_sides
+from a2.config.sections import ObjectiveConfig, OptimConfig, ReferencesConfig, ValidationConfig
+from a2.model.transformer import preset_config
 from a2.plan import check_extra_options, check_reference_options, plan_layout, preset_info, validation_layout
-from a2.sections import ObjectiveConfig, OptimConfig, ReferencesConfig, ValidationConfig
-from a2.transformer import preset_config
 from tests.conftest import args, train_config
 
 
@@ -87,7 +87,7 @@ def test_sides_not_positive_multiples_are_refused(sides):
 def test_kaleido_release_recipe_is_their_training_yaml():
     """zai-org/Kaleido configs/training/video_wanx_14B_concat.yaml: lr 5e-6 and sat's warmup 0.01 of its 5000
     iterations (= 50 steps)."""
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
     from config import from_flags
 
     release = from_flags(model=str(model_path("tiny-kaleido")))
@@ -98,8 +98,8 @@ def kaleido_index(root, out):
     """data.py index kaleido ROOT OUT's manifest rows."""
     import json
 
-    from a2.public_index import index_kaleido
-    from a2.sections import IndexKaleido
+    from a2.config.sections import IndexKaleido
+    from a2.data.public_index import index_kaleido
 
     index_kaleido(IndexKaleido(str(root), str(out)))
     return [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
@@ -127,7 +127,7 @@ def test_standin_lora_is_refused_on_a_36_channel_model_without_image_branch(tmp_
     branch and must be refused too, not only the models with one."""
     from diffusers import WanTransformer3DModel
 
-    from a2 import standin
+    from a2.kinds import standin
 
     m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=36,
                               out_channels=16, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, image_dim=None)
@@ -166,7 +166,7 @@ def test_face_embedder_feeds_the_exported_model_rgb_in_zero_one():
     black one as 0, channels in the image's order."""
     import numpy as np
 
-    from a2.opens2v import Embedder
+    from a2.eval.opens2v import Embedder
 
     seen = []
 
@@ -189,7 +189,7 @@ def test_infer_under_torchrun_refuses_a_list_of_videos(tmp_path):
     import torch.distributed as dist
 
     import infer
-    from a2.dataset_config import ConditioningConfig
+    from a2.config.dataset_config import ConditioningConfig
     from a2.plan import sampling_plan
 
     cfg, source, info, _ = infer.check_inputs(infer.InferConfig.from_flags(
@@ -217,7 +217,7 @@ def test_a_precompute_cache_without_done_is_not_used(tmp_path, monkeypatch):
     """A cache dir a --precompute left unfinished (no `done` file) is no cache: the run asks for --precompute; the
     key hashes the --image-encoder dir's files when the kind takes CLIP tokens, and not otherwise."""
     from a2 import plan
-    from a2.dataset_config import DataConfig
+    from a2.config.dataset_config import DataConfig
 
     seen = []
     monkeypatch.setattr(plan, "cache_key", lambda model_dir, image_src, *a, **k: seen.append(image_src) or "key")
@@ -248,7 +248,7 @@ def test_a_released_model_refuses_another_reference_timestep(timestep):
 def test_ti2v_image_is_one_clean_first_frame():
     """infer.py --image on TI2V-5B: the image is the video's first frame (frame conditioning first: one clean latent
     frame), not a prefix of several."""
-    from a2.dataset_config import ConditioningConfig
+    from a2.config.dataset_config import ConditioningConfig
     from a2.plan import sampling_plan
 
     layout = sampling_plan(ti2v_info(), (), ConditioningConfig(), 9, first_frame=True)
@@ -259,7 +259,7 @@ def test_ti2v_image_is_one_clean_first_frame():
                                               (True, "cpu", True)])
 def test_compile_flag_wins_over_the_device(flag, device, on):
     """--compile / --no-compile as the user gives it; left out, on with CUDA only."""
-    from a2.sections import resolve_compile
+    from a2.config.sections import resolve_compile
 
     assert resolve_compile(flag, device) is on
 
@@ -273,7 +273,7 @@ def standin_state(rank=4, dim=16, layers=1):
 def test_a_legacy_torch_pickle_is_read(tmp_path):
     """A torch file saved in the legacy (non-zip) format, as older releases are, cannot be memory-mapped and is read
     whole: the same tensors under "state_dict"."""
-    from a2.transformer import weights_in
+    from a2.model.transformer import weights_in
 
     sd = standin_state()
     torch.save({"state_dict": sd}, tmp_path / "old.ckpt", _use_new_zipfile_serialization=False)
@@ -289,7 +289,8 @@ def test_a_standin_lora_as_safetensors_installs_its_reference_lora(tmp_path):
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
-    from a2 import lora, standin
+    from a2.kinds import standin
+    from a2.train import lora
 
     model = WanTransformer3DModel(**preset_config("tiny", e2v=False)).eval()
     width = model.config.num_attention_heads * model.config.attention_head_dim

@@ -8,9 +8,9 @@ import torch
 
 import bench
 from a2.cli import run_cli
-from a2.kinds import KINDS, V3_SLOTS
-from a2.step import forward_loss, optimizer_step
-from a2.transformer import preset_config
+from a2.kinds.kinds import KINDS, V3_SLOTS
+from a2.model.transformer import preset_config
+from a2.train.step import forward_loss, optimizer_step
 from bench import BenchConfig, forward_flops, main
 from config import BenchTiming, MemoryConfig
 
@@ -77,7 +77,7 @@ def test_bench_vace_trains_its_context_blocks_and_refuses_what_misses_them(capsy
 
 
 def test_bench_times_train_a2s_step(monkeypatch):
-    """The timed step is the trainer's (a2/step.py): forward_loss on model_inputs' batch, a change to the loss
+    """The timed step is the trainer's (a2/train/step.py): forward_loss on model_inputs' batch, a change to the loss
     reaches bench, the alignment loss (--align-refs) included; and its optimizer_step, which keeps --ema-decay's
     EMA."""
     seen, updates = [], []
@@ -111,7 +111,8 @@ def test_bench_refuses_what_the_kind_cannot_take(capsys):
 
 
 def test_bench_compares_no_kind_name():
-    """What differs between kinds is read from their definitions (a2/conditioning.py), not compared in bench.py."""
+    """What differs between kinds is read from their definitions (a2/kinds/conditioning.py), not compared in
+    bench.py."""
     names = "|".join(KINDS)
     source = (Path(bench.__file__)).read_text()
     assert not re.findall(rf'[=!]=\s*"({names})"|"({names})"\s*[=!]=|in\s*\([^)]*"({names})"', source)

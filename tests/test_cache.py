@@ -53,7 +53,7 @@ def test_cache_key_covers_the_preprocessing(tmp_path):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from a2.dataset_config import DatasetConfig
+    from a2.config.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
     from a2.plan import cache_key
 

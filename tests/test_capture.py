@@ -41,7 +41,7 @@ def odd_data(data_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_main_trains_and_validates_as_infer_samples(kind, odd_data, tmp_path, monkeypatch):
-    import a2.evaluate
+    import a2.eval.evaluate
     import infer
     import train_a2
 
@@ -60,7 +60,7 @@ def test_main_trains_and_validates_as_infer_samples(kind, odd_data, tmp_path, mo
     first = sorted(odd_data.glob("*.mp4"))[0].stem
     files = [str(odd_data / f"{first}{s}") for s in ("_person.png", "_object.png", "_background.png")]
     monkeypatch.setattr(train_a2, "E2VDataset", Captured)
-    monkeypatch.setattr(a2.evaluate, "save_video", save("validation"))
+    monkeypatch.setattr(a2.eval.evaluate, "save_video", save("validation"))
     monkeypatch.setattr(infer, "save_video", save("infer"))
     r = train(*args(odd_data, tmp_path, "run", *SIZE, *flags, "--max-steps", "1", "--lr", "0", "--val-every", "1",
                     "--val-steps", "2", "--val-elements", *files[:n], model=model))
@@ -87,9 +87,9 @@ def test_main_trains_and_validates_as_infer_samples(kind, odd_data, tmp_path, mo
 def phantom_validation(odd_data, tmp_path_factory):
     """validate() of a tiny Phantom-Wan run planned from train_a2.py's flags (the model and encoders loaded once):
     returns a function of the extra flags -> the video validation writes."""
-    import a2.evaluate
+    import a2.eval.evaluate
     import train_a2
-    from a2.step import Process
+    from a2.train.step import Process
     from tests.conftest import train_config
 
     first = sorted(odd_data.glob("*.mp4"))[0].stem
@@ -107,14 +107,14 @@ def phantom_validation(odd_data, tmp_path_factory):
         if flags in made:
             return made[flags]
         written = []
-        real = a2.evaluate.save_video
-        a2.evaluate.save_video = lambda path, v, fps=15, references=None: written.append(v) or path
+        real = a2.eval.evaluate.save_video
+        a2.eval.evaluate.save_video = lambda path, v, fps=15, references=None: written.append(v) or path
         try:
             cfg = train_config([*shared, *flags])
-            a2.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, out, {},
+            a2.eval.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, out, {},
                                     Process(0, 0, 1, device), log=lambda *_: 0)
         finally:
-            a2.evaluate.save_video = real
+            a2.eval.evaluate.save_video = real
         made[flags] = written[0]
         return written[0]
     return video

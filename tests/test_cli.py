@@ -10,9 +10,9 @@ import tyro
 
 from tests.conftest import ROOT
 
-# the dataclasses tyro parses (every CLI's, a2/public_index.py's indexes among them), and every config dataclass
+# the dataclasses tyro parses (every CLI's, a2/data/public_index.py's indexes among them), and every config dataclass
 # (the JSON dataset config's fields too): in config.py and the modules below it, which import no torch
-CLI_CLASSES = {"config.py": None, "a2/dataset_config.py": None, "a2/elements.py": None}
+CLI_CLASSES = {"config.py": None, "a2/config/dataset_config.py": None, "a2/elements.py": None}
 
 
 def undocumented_fields(path, classes=None):
@@ -82,8 +82,8 @@ def test_help(capsys, monkeypatch):
 
 
 def test_bench_layout_choices_are_the_kinds():
-    """config.KIND_NAMES (bench.py --layout's choices, read before torch is imported) are a2/kinds.py's kinds."""
-    from a2.kinds import KIND_DEFS
+    """config.KIND_NAMES (bench.py --layout's choices, read before torch is imported) are a2/kinds/kinds.py's kinds."""
+    from a2.kinds.kinds import KIND_DEFS
     from config import KIND_NAMES
 
     assert KIND_NAMES == tuple(KIND_DEFS)
@@ -109,7 +109,9 @@ def test_resolution_is_one_name_across_clis():
 
 HEAVY = ("torch", "diffusers", "transformers", "peft", "a2")  # what a script imports after parsing its flags
 # config.py's own modules: tyro and the standard library only (anything heavy they imported would be listed above)
-LIGHT = ("a2", "a2.cli", "a2.elements", "a2.dataset_config", "a2.sections")
+# the folders' __init__.py are empty: importing one costs nothing
+LIGHT = ("a2", "a2.config", "a2.data", "a2.eval", "a2.kinds", "a2.memory", "a2.model", "a2.train", "a2.cli",
+         "a2.elements", "a2.config.dataset_config", "a2.config.sections")
 
 
 @pytest.mark.parametrize("script, argv, typo, mistakes", [
@@ -123,8 +125,8 @@ LIGHT = ("a2", "a2.cli", "a2.elements", "a2.dataset_config", "a2.sections")
     ("data.py", ["validate"], "--data-roo", [["--data-root", "x", "--resolution", "30", "30"],
                                              ["--data-root", "x", "--num-frames", "32"]]),
     ("demo.py", ["runs/x"], "--clp", [["--frames", "0"]]),
-    ("-m a2.opens2v", [], "--vidoes", [["--videos", "x"],  # --eval-set missing
-                                       ["--videos", "x", "--eval-set", "y", "--eval.dino", "z"]]),  # not theirs
+    ("-m a2.eval.opens2v", [], "--vidoes", [["--videos", "x"],  # --eval-set missing
+                                            ["--videos", "x", "--eval-set", "y", "--eval.dino", "z"]]),  # not theirs
 ])
 def test_help_a_typo_and_a_config_error_answer_before_the_heavy_imports(script, argv, typo, mistakes):
     """--help, a flag typo (one line naming the closest flag) and a config error (one line: a value the model cannot
@@ -197,11 +199,11 @@ def test_help_reads_as_paragraphs(capsys, monkeypatch):
 
 
 def test_the_tiny_model_builder_answers_help_and_a_wrong_argument_before_torch(tmp_path):
-    """python -m a2.tiny --help prints its usage, exit 0 (it built a model dir named "--help"); an argument it does not
-    take: the usage, exit 2; both before torch is imported."""
+    """python -m a2.model.tiny --help prints its usage, exit 0 (it built a model dir named "--help"); an argument it
+    does not take: the usage, exit 2; both before torch is imported."""
     for args, code in ((["--help"], 0), (["out", "--nope"], 2)):
-        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "a2.tiny", *args], capture_output=True,
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "a2.model.tiny", *args], capture_output=True,
                            text=True, timeout=120, cwd=ROOT)
         heavy = [ln for ln in r.stderr.splitlines() if ln.startswith("import time:") and "torch" in ln]
-        assert r.returncode == code and "python -m a2.tiny OUT_DIR" in r.stdout and heavy == [], r.stderr[-500:]
+        assert r.returncode == code and "python -m a2.model.tiny OUT_DIR" in r.stdout and heavy == [], r.stderr[-500:]
     assert not (ROOT / "--help").exists() and not (ROOT / "out").exists()

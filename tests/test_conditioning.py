@@ -1,5 +1,5 @@
-"""a2/conditioning.py, per kind: the transformer receives in training exactly what it receives in sampling; training
-from a precompute cache equals training from pixels; the plan's refusals."""
+"""a2/kinds/conditioning.py, per kind: the transformer receives in training exactly what it receives in sampling;
+training from a precompute cache equals training from pixels; the plan's refusals."""
 
 import json
 
@@ -8,22 +8,22 @@ import pytest
 import torch
 import tyro
 
-import a2.evaluate
+import a2.eval.evaluate
 import infer
 import train_a2
 from a2.cli import ConfigError
-from a2.dataset_config import ConditioningConfig
+from a2.config.dataset_config import ConditioningConfig
+from a2.data.loader import collate
 from a2.elements import pair_elements
 from a2.images import load_references
-from a2.loader import collate
 from a2.pipeline import A2Pipeline
 from a2.plan import validation_layout
-from a2.step import Process
+from a2.train.step import Process
 from config import TrainConfig, from_flags, with_flags
 from data import E2VDataset
 from tests.conftest import args, losses, max_diff, params, train, train_config
 
-# kind -> (model, flags, the frame count the sampler renders); every kind of a2/conditioning.py
+# kind -> (model, flags, the frame count the sampler renders); every kind of a2/kinds/conditioning.py
 KINDS = {
     "t2v": ("tiny-t2v", ["--dataset-type", "t2v", "--num-frames", "17"]),
     "prefix": ("tiny", ["--num-frames", "21"]),  # A2: 3 elements (1/4/4) as the leading latents, CLIP tokens
@@ -115,7 +115,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     the same --elements, else none): the same images framed alike. Where that mode draws from the posterior (A2's,
     in-context, V3) the draws come from each side's own generator, so the tensors are compared with the posterior
     mean on both."""
-    from a2 import conditioning
+    from a2.kinds import conditioning
 
     modes = []
     encode_vae = conditioning.encode_vae
@@ -190,7 +190,7 @@ def test_training_feeds_what_the_sampler_feeds(data_dir, name, n, monkeypatch, t
     if kind in ("incontext", "phantom", "v3"):
         assert x.shape[2] == t + (4 if kind == "v3" else n or 3)  # the sample's 3 (n), V3's 4 slots
     if kind == "standin":  # Stand-In's 512x512 reference (64x64 latents) packed in 4x8-latent frames: 128 of them
-        from a2.standin import unpack_reference
+        from a2.kinds.standin import unpack_reference
 
         assert x.shape[2] == t + 128 and unpack_reference(x, run.layout.reference_grid)[1].shape == (1, 16, 1, 64, 64)
     if name == "prefix":
@@ -225,9 +225,9 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     element images, each on its CLI's defaults (no sampling flag, no element specs; the size, frames and 2 steps
     given to both alike): the same tensor, bit for bit, written at the kind's own fps. Both fill what their user
     left out in one place, A2Pipeline (the kind's guidance, reference guidance, negative prompt, seed, noise
-    device, schedule), and frame the images with the specs the kind takes (a2.kinds.kind_elements)."""
+    device, schedule), and frame the images with the specs the kind takes (a2.kinds.kinds.kind_elements)."""
 
-    from a2.kinds import kind_sampling
+    from a2.kinds.kinds import kind_sampling
 
     model, extra, n = VALIDATION[name]
     sample = sorted(data_dir.glob("*.mp4"))[0].stem
@@ -238,7 +238,7 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     def save(key):
         return lambda path, video, fps=15, references=None: written.setdefault(key, (video, fps)) and path
 
-    monkeypatch.setattr(a2.evaluate, "save_video", save("validation"))
+    monkeypatch.setattr(a2.eval.evaluate, "save_video", save("validation"))
     monkeypatch.setattr(infer, "save_video", save("infer"))
     cfg = train_config([*shared, "--data-root", str(data_dir), "--val-steps", "2", "--val-every", "1",
                                       *(["--val-elements", *images] if n else ["--dataset-type", "t2v"])])
@@ -246,8 +246,8 @@ def test_validation_video_is_infers(data_dir, tmp_path, name, monkeypatch):
     run = train_a2.plan_run(cfg, 1, train_a2.run_datasets(cfg), device)
     enc = train_a2.load_run_encoders(cfg, run, device, needed=True)
     transformer = train_a2.load_transformer(run.info.path, torch.float32, run.subfolder)
-    a2.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, tmp_path, {},
-                         Process(0, 0, 1, device))
+    a2.eval.evaluate.validate(1, *train_a2.validation_sections(cfg), run, transformer, enc, tmp_path, {},
+                              Process(0, 0, 1, device))
     given = ["--image", images[0]] if name == "clean" else ["--elements", *images] if n else []
     assert infer.main(tyro.cli(infer.InferConfig, args=[*shared, "--steps", "2", "--out", str(tmp_path / "v.mp4"),
                                                         *given])) == 0
@@ -293,7 +293,7 @@ def test_training_from_the_cache_equals_training_from_pixels(data_dir, tmp_path,
 
 def test_the_cache_replays_the_runs_conditioning_frames(data_dir, tmp_path):
     """The cache of a 5-frame prefix run holds the 5 frames' encoding: its condition differs from a 1-frame one."""
-    from a2.conditioning import PosteriorCache, encode
+    from a2.kinds.conditioning import PosteriorCache, encode
 
     _, run, enc, batch = setup(data_dir, "inplace")  # tiny-wan22-i2v, first frame
     rec = PosteriorCache(dict(enc.vae.config), vae=enc.vae)
@@ -351,7 +351,7 @@ def test_one_conditioning_section_for_the_flags_both_clis_and_a_dataset_file(dat
 
     import infer
     from a2.cli import option_names
-    from a2.dataset_config import VaeProcessorConfig, load_dataset_config
+    from a2.config.dataset_config import VaeProcessorConfig, load_dataset_config
 
     names = [f.name for f in fields(ConditioningConfig)]
     assert [f.name for f in fields(VaeProcessorConfig)][:len(names)] == names
@@ -471,23 +471,24 @@ def test_clips_of_different_element_sets_train_and_one_the_kind_cannot_take_is_l
 
 
 def test_no_kind_name_is_compared_outside_the_kind_definitions():
-    """Every kind's defaults come from its definition (a2/kinds.py: KIND_DEFS; a2/conditioning.py: the Layout's
-    properties; a2/plan.py: which kind a model takes from which flags): no project module outside those compares a
-    kind name, or a kind set, except the weights' detection (a2/transformer.py names the released layouts it reads;
-    a2/tiny.py builds them) and bench.py's own --layout flag (its choices, config.KIND_NAMES, are held equal to
-    KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is not a kind."""
+    """Every kind's defaults come from its definition (a2/kinds/kinds.py: KIND_DEFS; a2/kinds/conditioning.py: the
+    Layout's properties; a2/plan.py: which kind a model takes from which flags): no project module outside those
+    compares a kind name, or a kind set, except the weights' detection (a2/model/transformer.py names the released
+    layouts it reads; a2/model/tiny.py builds them) and bench.py's own --layout flag (its choices, config.KIND_NAMES,
+    are held equal to KIND_DEFS by tests/test_cli.py). A dataset type that shares a name (t2v) is not a kind."""
     import re
     from pathlib import Path
 
-    from a2.kinds import KIND_DEFS
+    from a2.kinds.kinds import KIND_DEFS
 
     names = "|".join(KIND_DEFS)
     compared = re.compile(rf"""(==|!=)\s*["']({names})["']|["']({names})["']\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b"""
                           r"|\b[A-Z_]*KINDS\b")
     root = Path(__file__).resolve().parents[1]
-    allowed = {"a2/conditioning.py", "a2/plan.py", "a2/kinds.py", "a2/transformer.py", "a2/tiny.py", "bench.py"}
+    allowed = {"a2/kinds/conditioning.py", "a2/plan.py", "a2/kinds/kinds.py", "a2/model/transformer.py",
+               "a2/model/tiny.py", "bench.py"}
     found = [f"{f.relative_to(root)}:{i}: {line.strip()}"
-             for f in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) if str(f.relative_to(root)) not in allowed
+             for f in sorted([*root.glob("*.py"), *root.glob("a2/**/*.py")]) if str(f.relative_to(root)) not in allowed
              for i, line in enumerate(f.read_text().splitlines(), 1)
              if compared.search(re.sub(r"dataset_type\s*==\s*\S+", "", line.split("#")[0]))]
     assert not found, "\n".join(found)
@@ -504,15 +505,17 @@ def test_no_import_cycle_among_the_projects_modules():
     """The modules import each other in layers (scripts/imports.py's graph, imports inside functions counted: images,
     fake, media at the bottom; conditioning below the pipeline; the tracer above the production modules it
     measures): no cycle, and no library module imports a top-level module (data.py, train_a2.py, ..., and config.py:
-    the sections library code takes are a2/sections.py's)."""
-    from scripts.imports import floors, graph
+    the sections library code takes are a2/config/sections.py's)."""
+    from scripts.imports import floors, folders, graph
 
     g = graph()
     assert floors(g)[1] == []
+    assert floors(folders(g))[1] == []  # and none between a2/'s folders
     scripts = [f"{m} -> {d}" for m in g if m.startswith("a2.") for d in g[m] if "." not in d]
     assert scripts == []
     # and it can fail: an arrow back up is a cycle
     assert floors(g | {"a2.images": g["a2.images"] | {"a2.pipeline"}})[1]
+    assert floors(folders(g | {"a2.model.tiny": g["a2.model.tiny"] | {"a2.kinds.kinds"}}))[1]
 
 
 def late_imports(path, root) -> list[str]:
@@ -552,7 +555,7 @@ def test_no_function_imports_a_module_it_could_import_at_the_top(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    found = [f for path in sorted([*root.glob("*.py"), *root.glob("a2/*.py")]) for f in late_imports(path, root)]
+    found = [f for path in sorted([*root.glob("*.py"), *root.glob("a2/**/*.py")]) for f in late_imports(path, root)]
     assert found == []
     # and it can fail: a stdlib module, a module imported at the top, an a2 submodule beside another one
     (tmp_path / "a2").mkdir()

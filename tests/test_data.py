@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from a2.cli import ConfigError
-from a2.dataset_config import DatasetConfig, load_dataset_config
+from a2.config.dataset_config import DatasetConfig, load_dataset_config
+from a2.data.loader import collate
+from a2.data.media import clean_caption
 from a2.elements import A2_ELEMENTS, Element, parse_elements
-from a2.loader import collate
-from a2.media import clean_caption
 from data import BucketBatchSampler, DatasetError, E2VDataset, make_synthetic_dataset, rank_slice
 
 

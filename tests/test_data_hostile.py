@@ -17,12 +17,12 @@ import torch
 from PIL import Image
 
 from a2.cli import ConfigError
-from a2.conditioning import clip_frames
-from a2.dataset_config import DatasetConfig, load_dataset_config
+from a2.config.dataset_config import DatasetConfig, load_dataset_config
+from a2.data.loader import LoadFailures, collate
+from a2.data.media import read_frames
 from a2.elements import A2_ELEMENTS
 from a2.images import read_image
-from a2.loader import LoadFailures, collate
-from a2.media import read_frames
+from a2.kinds.conditioning import clip_frames
 from data import DatasetError, E2VDataset, make_synthetic_dataset
 from tests.conftest import ROOT, drawn_person
 from tests.test_data import copy_of

@@ -58,7 +58,7 @@ def cli_flags() -> dict[str, set[str]]:
 
     return {"train_a2.py": of(config.TrainConfig), "scripts/multinode.sbatch": of(config.TrainConfig),
             "infer.py": of(config.InferConfig), "bench.py": of(config.BenchConfig), "demo.py": of(config.DemoConfig),
-            "a2.opens2v": of(config.OpenS2VConfig), "data.py make-sample": of(config.MakeSample),
+            "a2.eval.opens2v": of(config.OpenS2VConfig), "data.py make-sample": of(config.MakeSample),
             "data.py validate": of(config.Validate), "data.py index opens2v": of(config.IndexOpenS2V),
             "data.py index phantom": of(config.IndexPhantom), "data.py index humoset": of(config.IndexHumoSet),
             "data.py index kaleido": of(config.IndexKaleido),
@@ -84,7 +84,7 @@ def commands(tokens: list[str]) -> list[tuple[str, list[str]]]:
             cmd = "torchrun"
             out.append((cmd, []))
         elif t in ("train_a2.py", "infer.py", "bench.py", "demo.py", "scripts/multinode.sbatch") or \
-                t == "a2.opens2v" and tokens[i - 1] == "-m":
+                t == "a2.eval.opens2v" and tokens[i - 1] == "-m":
             cmd = t
             out.append((cmd, []))
         elif t == "data.py":
@@ -131,7 +131,7 @@ def test_the_flag_check_catches_a_flag_that_does_not_exist():
     torch_cmd, script = commands(words("torchrun --nnodes 2 --nproc_per_node 8 train_a2.py --fsdp --nnodes 2"))
     assert torch_cmd == ("torchrun", ["--nnodes", "--nproc_per_node"]) and script == ("train_a2.py", ["--fsdp",
                                                                                                       "--nnodes"])
-    assert not known("--nnodes", clis["train_a2.py"]) and known("--eval.no-motion-fb", clis["a2.opens2v"])
+    assert not known("--nnodes", clis["train_a2.py"]) and known("--eval.no-motion-fb", clis["a2.eval.opens2v"])
 
 
 # ---------------------------------------------------------------- links, and nothing outside the project
@@ -188,7 +188,7 @@ def table(section: str) -> dict[str, list[str]]:
 def allowed_keys(tmp_path, dataset: dict) -> set[str]:
     """The keys the loader allows where `dataset` puts an unknown one, from its one-line error."""
     from a2.cli import ConfigError
-    from a2.dataset_config import load_dataset_config
+    from a2.config.dataset_config import load_dataset_config
 
     f = tmp_path / "keys.json"
     f.write_text(json.dumps({"datasets": [dataset]}))
@@ -210,7 +210,7 @@ def test_the_json_format_tables_are_the_loaders_keys_and_defaults(tmp_path):
     """Every key docs/dataset.md lists is a key the loader takes, and every key the loader takes is listed (a dataset,
     processors.vae / .clip, an element in both forms, visualization); each JSON default it states is the loaded
     value of a file that leaves the key out."""
-    from a2.dataset_config import VisualizationConfig, load_dataset_config
+    from a2.config.dataset_config import VisualizationConfig, load_dataset_config
 
     z = {"zzz": 1}
     dataset, vae, clip = table("### A dataset"), table("### `processors.vae`: the conditioning"), \
@@ -334,7 +334,7 @@ def test_the_json_dataset_example_validates_and_trains(work, capsys):
     """docs/dataset.md's complete example: written as e2v.json, its data made, `data.py validate` and a 2-step run
     with it as the doc gives them: three datasets (one held out), the buckets the text promises, the visualisations
     its block asks for, and the eval loss of the held-out clip."""
-    from a2.dataset_config import load_dataset_config
+    from a2.config.dataset_config import load_dataset_config
 
     ran = run_doc("dataset-example", "dataset.md", work)
     assert [c.split()[1] for c in ran] == ["data.py"] * 4 + ["train_a2.py"]
@@ -355,20 +355,20 @@ def test_the_json_dataset_example_validates_and_trains(work, capsys):
 
 
 def test_every_visualized_tensor_is_one_training_writes(tmp_path):
-    """a2.dataset_config.VISUALIZED, which the loader checks a visualization block's `data` against, names exactly
-    the tensors the training step (a2/step.py: forward_loss) hands to the visualisations."""
+    """a2.config.dataset_config.VISUALIZED, which the loader checks a visualization block's `data` against, names
+    exactly the tensors the training step (a2/train/step.py: forward_loss) hands to the visualisations."""
     import ast
 
-    from a2.dataset_config import VISUALIZED
+    from a2.config.dataset_config import VISUALIZED
 
-    tree = ast.parse((ROOT / "a2" / "step.py").read_text())
+    tree = ast.parse((ROOT / "a2" / "train" / "step.py").read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "forward_loss")
     viz = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id == "viz" for t in n.targets))
     assert sorted(k.arg for k in viz.keywords) == sorted(VISUALIZED)
 
 
-# docs/howto.md's sections: each built-in tiny model's (a2/tiny.py TINY_MODELS) and the kinds its heading names
+# docs/howto.md's sections: each built-in tiny model's (a2/model/tiny.py TINY_MODELS) and the kinds its heading names
 HOWTOS = {"howto-tiny": {"prefix"}, "howto-tiny-t2v": {"t2v"}, "howto-tiny-phantom": {"phantom"},
           "howto-tiny-v3": {"v3"}, "howto-tiny-magref": {"magref"}, "howto-tiny-refalign": {"refalign"},
           "howto-tiny-ti2v": {"clean"}, "howto-tiny-wan22": {"t2v", "prefix"}, "howto-tiny-vace": {"vace"},
@@ -376,9 +376,10 @@ HOWTOS = {"howto-tiny": {"prefix"}, "howto-tiny-t2v": {"t2v"}, "howto-tiny-phant
 
 
 def test_every_tiny_model_has_a_howto():
-    """Every built-in tiny model (a2/tiny.py's TINY_MODELS, the real-size random ones aside) is trained and sampled by
-    a how-to section of docs/howto.md that the test below runs; each section's heading names the kinds it trains."""
-    from a2.tiny import TINY_MODELS
+    """Every built-in tiny model (a2/model/tiny.py's TINY_MODELS, the real-size random ones aside) is trained and
+    sampled by a how-to section of docs/howto.md that the test below runs; each section's heading names the kinds it
+    trains."""
+    from a2.model.tiny import TINY_MODELS
 
     text = (ROOT / "docs" / "howto.md").read_text()
     blocks = {m[1]: m[4] for m in MARKED.finditer(text)}
@@ -565,8 +566,8 @@ def test_a_dry_run_plans_for_an_80_gib_card_by_default():
 def test_lora_scale_scales_an_ordinary_lora(tmp_path):
     """docs/interop.md: "`--lora-scale` scales the ordinary ones": at 0 the LoRA adds exact zeros (the base model's
     latents bit for bit: the same ops on the same values), at 1 and at 0.5 it changes them, each differently."""
-    from a2.lora import export_lora
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
+    from a2.train.lora import export_lora
     from config import LORA_TARGETS
     from tests.conftest import drawn_person
     from tests.test_lora import adapted_pipe

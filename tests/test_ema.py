@@ -21,7 +21,7 @@ FULL = ["--training-type", "full", "--grad-accum", "2", "--lr", "1e-2", "--adam-
 def test_ema_recurrence_and_swap():
     """After optimizer step t: ema = lerp(ema, w, 1 - min(d, (1+t)/(10+t))), starting at the weights after the first
     step; ema_weights puts the EMA in and the trained weights back, bit for bit."""
-    from a2.step import ema_decay, ema_weights, update_ema
+    from a2.train.step import ema_decay, ema_weights, update_ema
 
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 4)
@@ -143,7 +143,7 @@ def test_the_loops_ema_follows_the_warm_up_schedule(data_dir, tmp_path):
     train(*args(data_dir, tmp_path, "ema", "--max-steps", "3", "--ckpt-every", "1", "--keep-last", "5", "--lr",
                 "1e-2", "--warmup-steps", "0", *EMA))
     run = tmp_path / "ema"
-    from a2.lora import read_base_metadata
+    from a2.train.lora import read_base_metadata
 
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors",
                  "pytorch_lora_weights_ema_comfy.safetensors"):  # every export records its base and kind

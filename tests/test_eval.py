@@ -26,7 +26,7 @@ def one_process(data_dir, tmp_path_factory):
 
 
 def test_eval_loss_is_the_same_across_evals_and_ranks(one_process, data_dir, tmp_path):
-    from a2.flow import sigma_quantile
+    from a2.train.flow import sigma_quantile
 
     got = evals(one_process)
     assert sorted(got) == [1, 2] and got[1] == got[2]  # the same weights: the same numbers, bit for bit
@@ -44,7 +44,7 @@ def test_eval_loss_is_the_same_across_evals_and_ranks(one_process, data_dir, tmp
 
 def test_held_out_clips_are_never_trained_on(data_dir):
     """--eval-split takes whole clips (all their windows), drawn with the seed, and the sampler never yields them."""
-    from a2.dataset_config import DatasetConfig
+    from a2.config.dataset_config import DatasetConfig
     from data import BucketBatchSampler, E2VDataset, held_out
 
     cfg = DatasetConfig(str(data_dir), target_resolution=(32, 32), frame_extraction="slide", frame_stride=4)

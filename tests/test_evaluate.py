@@ -1,4 +1,4 @@
-"""a2/evaluate.py with tiny random encoders built offline: reference similarity ranks the pasted reference above an
+"""a2/eval/evaluate.py with tiny random encoders built offline: reference similarity ranks the pasted reference above an
 unrelated image, motion is zero when still and grows with displacement, shapes and a 1-frame video; infer.py
 --eval-set writes its renders, metrics.csv/.jsonl and the base vs LoRA table."""
 
@@ -15,16 +15,16 @@ import torch.nn.functional as F
 from PIL import Image
 
 from a2.elements import Element
-from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
+from a2.eval.evaluate import evaluate_video, flat_metrics, load_evaluators, motion_magnitude, video_frames
+from a2.eval.opens2v import flows, tiny_encoder_note
 from a2.images import load_references
-from a2.opens2v import flows, tiny_encoder_note
 from config import EvalConfig, LoraSection
 
 
 @pytest.fixture(scope="module")
 def evaluators(tiny_dir, tmp_path_factory):
     """CLIP-I from the tiny A2 model dir's own image encoder (the default), tiny CLIPModel (CLIP-T), tiny DINOv2."""
-    from a2.tiny import save_tiny_evaluators
+    from a2.model.tiny import save_tiny_evaluators
 
     dirs = save_tiny_evaluators(tmp_path_factory.mktemp("evaluators"))
     return load_evaluators(EvalConfig(clip_text=str(dirs["clip_text"]), dino=str(dirs["dino"])), tiny_dir)
@@ -137,7 +137,7 @@ def test_face_similarity_with_an_exported_model(evaluators, tmp_path, fmt):
     """The face interface: model.pt2 (torch.export) / model.pt (TorchScript) maps (B, 3, H, W) in [0, 1] to
     embeddings, NaN rows where it finds no face. This stand-in 'finds a face' in mostly red images and embeds their
     mean colour."""
-    from a2.evaluate import load_embedder
+    from a2.eval.evaluate import load_embedder
 
     class Face(torch.nn.Module):
         def forward(self, x):
@@ -173,8 +173,8 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
     import tyro
 
     import infer
-    from a2.lora import export_weights
-    from a2.tiny import save_tiny_evaluators
+    from a2.model.tiny import save_tiny_evaluators
+    from a2.train.lora import export_weights
     from config import LORA_TARGETS
     from tests.test_lora import adapted_pipe
 
@@ -255,7 +255,7 @@ def test_eval_set_writes_renders_metrics_and_the_delta_table(tiny_dir, tmp_path,
 def test_validation_logs_the_metrics_next_to_the_loss(tiny_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from a2.tiny import save_tiny_evaluators
+    from a2.model.tiny import save_tiny_evaluators
     from data import make_synthetic_dataset
     from tests.conftest import args, train
 

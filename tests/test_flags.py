@@ -11,7 +11,7 @@ import tyro
 from config import BenchConfig, DataCommand, DemoConfig, InferConfig, OpenS2VConfig, TrainConfig, flat_config
 
 CLIS = {"train_a2.py": TrainConfig, "infer.py": InferConfig, "bench.py": BenchConfig, "data.py": DataCommand,
-        "demo.py": DemoConfig, "a2.opens2v": OpenS2VConfig}
+        "demo.py": DemoConfig, "a2.eval.opens2v": OpenS2VConfig}
 
 # every (sub)command's option strings, sorted, as tyro's parser built them at 31ef74e, and those added since on purpose:
 # --adam-betas (a recipe can fill the AdamW betas: Kaleido's), data.py index kaleido
@@ -98,7 +98,7 @@ FLAGS = {
         --cross-video --help --limit --manifest --no-cross-video --out --sam -h""",
     "demo.py": """
         --clip --elements --frames --guidance-scale --help --out --prompt --seed --steps -h""",
-    "a2.opens2v": """
+    "a2.eval.opens2v": """
         --device --eval-set --eval.aes-clip --eval.aes-mlp --eval.clip-image --eval.clip-text --eval.dino --eval.face
         --eval.faces --eval.facesim --eval.gme --eval.max-frames --eval.motion-fb --eval.no-motion-fb --gme-dtype --help
         --json-dir --leaderboard --no-redo --redo --videos -h""",
@@ -140,8 +140,8 @@ def test_help_groups_are_sections_of_at_most_25(command):
 
 
 # the top-level keys of a run's config.json (and a checkpoint's) as 31ef74e wrote them (a tiny run's, read back):
-# a2/runs.py compares a resumed run's config with a checkpoint's key by key, so a run dir written before the config
-# had sections still resumes; adam_betas is added since (a key a checkpoint lacks is not compared)
+# a2/train/runs.py compares a resumed run's config with a checkpoint's key by key, so a run dir written before the
+# config had sections still resumes; adam_betas is added since (a key a checkpoint lacks is not compared)
 CONFIG_JSON_KEYS = """
     adam_betas
     adam_eps align_blocks align_gate_floor align_gate_power align_loss align_model align_weight cache_dir ckpt_every
@@ -163,14 +163,14 @@ def test_a_runs_config_json_keeps_the_flat_layout():
 
 
 def test_library_functions_take_sections_not_the_whole_config():
-    """A function of a2/ takes the sections of TrainConfig it reads (a2/step.py the optim, objective and references
-    sections, ...), never the whole config: no parameter of a2/ is annotated TrainConfig, and a2/ imports no
+    """A function of a2/ takes the sections of TrainConfig it reads (a2/train/step.py the optim, objective and
+    references sections, ...), never the whole config: no parameter of a2/ is annotated TrainConfig, and a2/ imports no
     TrainConfig."""
     import ast
     from pathlib import Path
 
     whole = []
-    for path in sorted((Path(__file__).parents[1] / "a2").glob("*.py")):
+    for path in sorted((Path(__file__).parents[1] / "a2").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and any(a.name == "TrainConfig" for a in node.names):

@@ -1,4 +1,4 @@
-"""fp8 frozen base weights (a2/fp8.py): the e4m3 rounding bound, gradients within a stated bound of the
+"""fp8 frozen base weights (a2/memory/fp8.py): the e4m3 rounding bound, gradients within a stated bound of the
 unquantized model's on the tiny model and on one real-shaped A2-14B block, and a LoRA trained over fp8 weights
 loading in infer.py on the unquantized model."""
 
@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from a2.fp8 import E4M3, Fp8Linear, base_linears, dequantize, fp8_bytes_saved, quantize_base_weights, quantize_rows
+from a2.memory.fp8 import (
+    E4M3,
+    Fp8Linear,
+    base_linears,
+    dequantize,
+    fp8_bytes_saved,
+    quantize_base_weights,
+    quantize_rows,
+)
 from config import LORA_TARGETS
 
 
@@ -76,7 +84,7 @@ def test_scaled_mm_path_rounds_only_the_input_more():
     through torch's CPU _scaled_mm: its output is the dequantizing path's up to the input's e4m3 rounding (2.6% RMS
     relative, as the weights'; measured 2.6%), asserted <= 5%; its backward is the same bf16 computation, asserted
     equal. On CUDA (H100) the same call runs cuBLAS's fp8 kernel: tests/test_gpu.py, its speed unmeasured."""
-    from a2.fp8 import _DequantLinear, _ScaledMMLinear
+    from a2.memory.fp8 import _DequantLinear, _ScaledMMLinear
 
     g = torch.Generator().manual_seed(0)
     q, scale = quantize_rows(0.02 * torch.randn(96, 64, generator=g))
@@ -107,7 +115,7 @@ def tiny_lora_models(tiny_dir):
     that lora_A gets gradients too."""
     from peft import LoraConfig
 
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     torch.manual_seed(0)
     model = load_transformer(tiny_dir, torch.float32)
@@ -166,7 +174,7 @@ def test_tiny_model_lora_gradients_over_fp8_weights(tiny_dir):
 
 def test_real_shaped_a2_14b_block():
     """One A2-14B (Wan2.1-I2V-14B) block, real shape: dim 5120, FFN 13824, 40 heads, cross-attention over 512 text
-    + 257 image tokens (image K/V), 288 video tokens, weights N(0, 0.02) (as a2.transformer's random_transformer)
+    + 257 image tokens (image K/V), 288 video tokens, weights N(0, 0.02) (as a2.model.transformer's random_transformer)
     rounded to bf16 values as a released checkpoint holds them, computed in fp32 on the CPU, a rank-16 LoRA on the
     default targets (lora_B random). fp8 against that bf16 model, measured: input gradient 2.5%, LoRA gradients 3.5%
     (all together), worst single LoRA tensor 6.4%. Asserted with ~2x margin: 5%, 7%, 14%. ~40-90 s (shared CPU),
@@ -259,8 +267,8 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
 
     import infer
     from a2.cli import ConfigError
-    from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import load_lora
     from tests.conftest import args, train
 
     r = train(*args(data_dir, tmp_path, "fp8", "--max-steps", "3", "--lr", "5e-2", "--warmup-steps", "0",
@@ -293,9 +301,9 @@ def test_lora_trained_over_fp8_loads_on_the_unquantized_model(data_dir, tmp_path
 
 
 def test_recomputed_blocks_over_fp8_give_the_same_gradients(tiny_dir):
-    """Selective recomputation (a2.transformer.configure_blocks, the default on CUDA) re-runs the fp8 linears in
+    """Selective recomputation (a2.model.transformer.configure_blocks, the default on CUDA) re-runs the fp8 linears in
     backward: the LoRA gradients equal the un-recomputed run's (the dequantization is deterministic)."""
-    from a2.transformer import configure_blocks
+    from a2.model.transformer import configure_blocks
 
     _, fp8 = tiny_lora_models(tiny_dir)
     quantize_base_weights(fp8)
@@ -314,9 +322,9 @@ def test_recomputed_blocks_over_fp8_give_the_same_gradients(tiny_dir):
 
 
 def test_memory_rule_counts_what_fp8_stores(tiny_dir):
-    """a2.memory's estimate of fp8 blocks (ModelBytes.block_fp8, read from the unquantized model) is the bytes the
-    quantized blocks really hold, and its saving is fp8_bytes_saved's."""
-    from a2.memory import model_bytes
+    """a2.memory.memory's estimate of fp8 blocks (ModelBytes.block_fp8, read from the unquantized model) is the bytes
+    the quantized blocks really hold, and its saving is fp8_bytes_saved's."""
+    from a2.memory.memory import model_bytes
 
     ref, fp8 = tiny_lora_models(tiny_dir)
     before = model_bytes(ref, full=False, fsdp=False)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from a2.dataset_config import DatasetConfig
+from a2.config.dataset_config import DatasetConfig
+from a2.data.media import _decode, displayed
 from a2.images import resize_frames
-from a2.media import _decode, displayed
 from a2.plan import cache_key
 from data import DatasetError, E2VDataset
 from tests.conftest import args, losses, train

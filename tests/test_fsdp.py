@@ -66,7 +66,7 @@ def test_fsdp_equals_ddp(runs):
     for key, tol in (("loss", 1e-6), ("grad_norm", 1e-5)):  # grad_norm: the total norm clipped over DTensor grads
         got, want = metrics(fsdp, key), metrics(ddp, key)
         assert sorted(got) == [1, 2, 3, 4] and max(abs(got[s] - want[s]) for s in want) <= tol, (key, got, want)
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     load_transformer(fsdp)  # the export is a loadable transformer dir
 
@@ -107,8 +107,8 @@ def _replica_rank(rank: int, init_file: str, out: str, preset: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    from a2.parallel import meta_replica, shard_from_rank0
-    from a2.transformer import preset_config, transformer_class
+    from a2.model.parallel import meta_replica, shard_from_rank0
+    from a2.model.transformer import preset_config, transformer_class
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     model = None
@@ -253,7 +253,7 @@ def test_fsdp_on_mixed_element_sets_equals_one_process(tmp_path):
     diff = max_diff(exported(fsdp), exported(one))
     print(f"FSDP on mixed element sets vs one process after 3 steps: max |param diff| {diff:.3g}")
     assert diff <= 1e-6
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     assert max_diff(exported(one), exported(model_path("tiny"))) > 1e-4  # the weights did move
     got, want = metrics(fsdp, "loss"), metrics(one, "loss")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a2.runs import EXIT_RESUMABLE
+from a2.train.runs import EXIT_RESUMABLE
 from tests.conftest import args as cpu_args
 from tests.conftest import launch, losses, max_diff, params, train, wait_for
 
@@ -178,13 +178,13 @@ def test_memory_auto_fits_wan_13b_lora_in_12gb(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="row-wise fp8 torch._scaled_mm needs compute capability 9.0+ (H100)")
 def test_fp8_scaled_mm_linear_against_the_dequantizing_path():
-    """--fp8-matmul's linear (a2/fp8.py _ScaledMMLinear) on an A2-14B FFN shape: its output is the dequantizing
+    """--fp8-matmul's linear (a2/memory/fp8.py _ScaledMMLinear) on an A2-14B FFN shape: its output is the dequantizing
     path's up to the input's e4m3 rounding (2.6% RMS relative per element, as the weights'), asserted <= 5%; its
     input gradient is the same computation (bf16 on the dequantized weight), asserted equal. Prints both forward
     times (not a bench: bench.py measures the step)."""
     from torch import nn
 
-    from a2.fp8 import quantize_base_weights
+    from a2.memory.fp8 import quantize_base_weights
 
     torch.manual_seed(0)
     model = nn.Module()
@@ -241,8 +241,8 @@ def offload_step(activations: bool, swap: int, compile: bool):
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    from a2.offload import apply_offload, swap_bytes
-    from a2.transformer import configure_blocks, preset_config
+    from a2.memory.offload import apply_offload, swap_bytes
+    from a2.model.transformer import configure_blocks, preset_config
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**{**preset_config("1.3B"), "num_layers": 6}).to(torch.bfloat16)

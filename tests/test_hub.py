@@ -12,7 +12,7 @@ REV = "0123456789abcdef0123456789abcdef01234567"
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
     """The Hub cache's own layout: models--org--name/{refs/main, snapshots/<rev>/...}, holding the tiny A2 model."""
-    from a2.tiny import save_tiny
+    from a2.model.tiny import save_tiny
 
     cache = tmp_path_factory.mktemp("hf_hub")
     repo = cache / "models--Skywork--SkyReels-A2"
@@ -30,8 +30,8 @@ def offline(hub_cache, monkeypatch):
 
 
 def test_hub_id_resolves_to_the_cached_snapshot(offline, tiny_t2v_dir, tmp_path, monkeypatch):
-    from a2.tiny import model_path
-    from a2.transformer import detect_model
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model
 
     assert model_path("Skywork/SkyReels-A2") == offline
     info = detect_model(model_path("Skywork/SkyReels-A2"))
@@ -45,8 +45,8 @@ def test_hub_id_resolves_to_the_cached_snapshot(offline, tiny_t2v_dir, tmp_path,
 
 
 def test_offline_and_absent_is_one_clear_line(offline):
-    from a2.tiny import model_path
-    from a2.transformer import UnsupportedModel
+    from a2.model.tiny import model_path
+    from a2.model.transformer import UnsupportedModel
 
     with pytest.raises(UnsupportedModel) as e:
         model_path("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")

@@ -9,9 +9,9 @@ import torch
 
 import train_a2
 from a2.cli import ConfigError
-from a2.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
-from a2.dataset_config import ConditioningConfig, load_dataset_config
-from a2.loader import collate
+from a2.config.dataset_config import ConditioningConfig, load_dataset_config
+from a2.data.loader import collate
+from a2.kinds.conditioning import Conditioning, make_layout, model_input, prepare_latents, video_prediction
 from a2.pipeline import A2Pipeline
 from config import from_flags
 from data import E2VDataset

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import infer
 import train_a2
 from a2.cli import run_cli
-from a2.kinds import index_elements
+from a2.kinds.kinds import index_elements
 from config import DataConfig, Validate
 from tests.conftest import ROOT
 
@@ -162,9 +162,9 @@ def test_too_many_or_no_references_name_the_model_its_most_and_the_fix(tmp_path,
 
 
 def test_no_such_model_names_every_built_in_model(capsys):
-    """--model at no dir, no Hub id and no built-in name: the line lists the built-in models (a2/tiny.py's registry,
-    every one of them)."""
-    from a2.tiny import TINY_MODELS
+    """--model at no dir, no Hub id and no built-in name: the line lists the built-in models (a2/model/tiny.py's
+    registry, every one of them)."""
+    from a2.model.tiny import TINY_MODELS
 
     err = one_line_exit_2(capsys, dict(model="tiny_v3", device="cpu", prompt="x"))
     assert err.endswith("or the name of a built-in model: " + ", ".join(TINY_MODELS) + ")"), err
@@ -244,9 +244,9 @@ def lora_of(model: str, out, data_dir, targets=("to_q", "to_k", "to_v", "to_out.
     records (the kind: what infer.py plans for the demo's elements on it)."""
     from peft import LoraConfig
 
-    from a2.lora import base_metadata, export_lora
-    from a2.tiny import model_path
-    from a2.transformer import detect_model, load_transformer
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model, load_transformer
+    from a2.train.lora import base_metadata, export_lora
 
     info = detect_model(model_path(model))
     transformer = load_transformer(info.path)
@@ -311,7 +311,7 @@ def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(
 
     import numpy as np
 
-    import a2.media
+    import a2.data.media
     import data
 
     frames = (np.random.default_rng(0).random((17, 32, 32, 3)) * 255).astype(np.uint8)
@@ -321,7 +321,7 @@ def test_validate_reports_every_bad_npz_row_from_its_header_and_a_utf16_caption(
         np.savez(tmp_path / f"{name}.npz", **arr)
     rows = [dict(path=f"{n}.npz", prompt="a clip") for n in [*arrays, "missing"]]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(a2.media, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
+    monkeypatch.setattr(a2.data.media, "read_npz", lambda p: pytest.fail(f"{p}: frames read, not the header"))
     with pytest.raises(SystemExit) as e:
         data._cli(["validate", "--model", "tiny-t2v", "--dataset-type", "t2v", "--manifest",
                    str(tmp_path / "train.jsonl"), "--resolution", "32", "32", "--num-frames", "17"])
@@ -369,7 +369,7 @@ def test_resume_on_a_changed_dataset_says_so_and_finds_dropped_samples_by_path()
     the same data the dropped sample is named; on changed data (a clip added before the dropped one, or the dropped
     one gone) one line says the dataset changed, and the dropped sample is dropped again where it now is, or named
     as gone. tests/test_resume_data.py runs these through train_a2.main."""
-    from a2.loader import LoadFailures
+    from a2.data.loader import LoadFailures
 
     before = LoadFailures(True, ["a.mp4 (a)", "b.mp4 (b)", "c.mp4 (c)"])
     before.dropped = {1: "b: b.mp4: unreadable video"}
@@ -456,7 +456,7 @@ def test_every_built_in_model_is_listed_and_the_size_banner_is_true(capsys, monk
 
     import tyro
 
-    from a2.tiny import TINY_MODELS
+    from a2.model.tiny import TINY_MODELS
     from config import InferConfig, TrainConfig
     from tests.test_cli import help_text, option_help
 
@@ -530,8 +530,8 @@ def test_infer_says_how_long_the_video_is_and_why(tmp_path, capsys, data_dir, mo
 def test_a_stand_in_export_records_its_base_and_still_loads(tmp_path):
     """Stand-In's .ckpt carries the base metadata beside its "state_dict" (their loader reads that key alone); a2
     reads both back."""
-    from a2 import standin
-    from a2.lora import base_metadata, read_base_metadata
+    from a2.kinds import standin
+    from a2.train.lora import base_metadata, read_base_metadata
     from tests.test_standin import tiny_t2v
 
     model = tiny_t2v()
@@ -562,11 +562,11 @@ def test_a_clip_magrefs_canvas_cannot_hold_is_named_by_validate_and_never_traine
     The sizes the scan reads are the images the loader makes; `data.py validate` names the clip (left out) and
     training leaves it out before step 1 (it stopped the run at the step that drew it); the clip without the
     background (2 references, 32x64 blocks) trains."""
-    import a2.public_index as pi
-    import a2.public_read as pr
+    import a2.data.public_index as pi
+    import a2.data.public_read as pr
     import data
-    from a2 import public_index as pf
-    from a2.media import read_frames
+    from a2.data import public_index as pf
+    from a2.data.media import read_frames
     from tests.conftest import train
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))
@@ -684,7 +684,7 @@ def test_infer_help_names_vaces_defaults_and_what_its_frames_count(capsys, monke
 
     import tyro
 
-    from a2.kinds import kind_sampling
+    from a2.kinds.kinds import kind_sampling
     from config import InferConfig
     from tests.test_cli import help_text, option_help
 
@@ -748,7 +748,7 @@ def test_a_bad_flag_value_says_what_the_flag_takes(capsys, argv, want):
 def test_resume_at_a_dir_that_is_no_checkpoint_says_what_to_give(data_dir, tmp_path):
     """--resume at a dir that holds no run, and at a run dir instead of one of its checkpoints: one line saying what
     --resume takes (it said "incomplete: its writer was stopped", of a dir no writer wrote)."""
-    from a2.runs import ResumeError
+    from a2.train.runs import ResumeError
     from tests.conftest import args, train
 
     flags = args(data_dir, tmp_path, "r", "--max-steps", "1", "--num-frames", "17")
@@ -788,7 +788,7 @@ def test_a_hub_id_that_cannot_be_downloaded_reads_as_a_sentence(monkeypatch):
     "...as a Hugging Face Hub model it is could not be downloaded...")."""
     import huggingface_hub
 
-    from a2.transformer import UnsupportedModel, hub_snapshot
+    from a2.model.transformer import UnsupportedModel, hub_snapshot
 
     def refuse(repo, **kw):
         raise ConnectionError("Name or service not known")
@@ -807,10 +807,10 @@ def test_an_index_clip_is_checked_against_the_frames_its_video_holds(tmp_path, m
     replaced file): the clip is checked against the frames the file holds from its start, not the index's count, so
     a bucket longer than the file is refused before step 1 naming both (it passed, and failed at load), and a bucket
     the file fills trains on its own frames."""
-    import a2.public_read as pr
+    import a2.data.public_read as pr
     import train_a2
-    from a2.media import read_frames
-    from a2.public_index import index_opens2v, synthetic_opens2v
+    from a2.data.media import read_frames
+    from a2.data.public_index import index_opens2v, synthetic_opens2v
     from config import DataConfig, IndexOpenS2V
 
     f = read_frames(media / "hiker_tiny.mp4", list(range(20)))

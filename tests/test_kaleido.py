@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from a2 import kaleido
-from a2.tiny import model_path
+from a2.model.tiny import model_path
 
 # float32 rounding of their numerics against diffusers' (the float64 sinusoid, float32 RoPE angles, their own
 # LayerNorm / RMSNorm order) on values of size ~1: a few float32 steps, relative
@@ -35,7 +35,7 @@ def sat(kaleido_dir):
 def test_release_layout_is_detected_and_its_fused_tensors_split(kaleido_dir, sat):
     """The tiny release holds SAT's names as their converter writes them (fused q|k|v of 3·dim rows, k|v of 2·dim),
     and a2 reads the dir as Kaleido with those tensors split back into the blocks' own."""
-    from a2.transformer import detect_model, load_transformer
+    from a2.model.transformer import detect_model, load_transformer
 
     assert (kaleido_dir / "model" / "latest").read_text() == "1"
     qkv = sat["model.diffusion_model.transformer.layers.0.attention.query_key_value.weight"]
@@ -57,8 +57,8 @@ def test_converted_weights_forward_as_their_model(kaleido_dir, sat, n):
     """a2's transformer loaded from the release, given the kind's model input (the references before the video,
     prepare_model's RoPE), against their DiffusionTransformer.forward on the SAT tensors themselves: the video's
     velocity within FORWARD_RTOL of its size, for 1 and 3 references and two timesteps in one batch."""
-    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model, video_prediction
-    from a2.transformer import load_transformer
+    from a2.kinds.conditioning import Conditioning, make_layout, model_input, prepare_model, video_prediction
+    from a2.model.transformer import load_transformer
 
     m = load_transformer(kaleido_dir)
     heads = m.config.num_attention_heads
@@ -135,7 +135,7 @@ def test_negative_prompt_and_schedule_are_theirs():
     """The kind's sampling as their yaml and RFSampler say: the negative prompt is their yaml's (Wan's without
     "poorly drawn faces"), and the sigmas a2's Euler scheduler steps through (schedule kaleido, shift 7) are their
     make_hunyuan_timesteps' within float32 rounding, from 1 to exactly 0."""
-    from a2.kinds import kind_sampling, schedule_sigmas
+    from a2.kinds.kinds import kind_sampling, schedule_sigmas
     from a2.pipeline import make_scheduler
 
     own = kind_sampling("kaleido")
@@ -167,16 +167,16 @@ def test_tiny_release_config_is_the_tiny_t2v(kaleido_dir):
 
 
 def test_training_loss_is_their_rfloss(kaleido_dir, sat):
-    """a2's training loss (a2/step.py forward_loss) on tiny-kaleido with the objective its recipe fills (config.py:
-    logit_normal_shifted at the 64x64 shift) against their RFLoss on the same clip, references, text and noise:
-    each sample's sigma drawn by a2's sample_sigma from its generator and by their RFSampling (LogisticNormal) from
-    the same seed, then shifted by each, and the loss within 1e-5 relative (float32: the forward's rounding)."""
+    """a2's training loss (a2/train/step.py forward_loss) on tiny-kaleido with the objective its recipe fills
+    (config.py: logit_normal_shifted at the 64x64 shift) against their RFLoss on the same clip, references, text and
+    noise: each sample's sigma drawn by a2's sample_sigma from its generator and by their RFSampling (LogisticNormal)
+    from the same seed, then shifted by each, and the loss within 1e-5 relative (float32: the forward's rounding)."""
     from contextlib import nullcontext
 
-    from a2.conditioning import Conditioning, make_layout
-    from a2.flow import sample_sigma
-    from a2.step import forward_loss
-    from a2.transformer import load_transformer
+    from a2.kinds.conditioning import Conditioning, make_layout
+    from a2.model.transformer import load_transformer
+    from a2.train.flow import sample_sigma
+    from a2.train.step import forward_loss
     from config import ReferencesConfig, from_flags
 
     objective = from_flags(model="tiny-kaleido").objective
@@ -255,7 +255,7 @@ def index_their_layout(data_dir, tmp_path) -> Path:
 def spy_optimizer(monkeypatch) -> dict:
     """What train_a2.main builds: the optimizer of its make_optimizer and the max_norm of each clip_grad_norm_."""
     import train_a2
-    from a2 import step
+    from a2.train import step
 
     built = {"clip": []}
 
@@ -303,7 +303,7 @@ def test_trains_on_their_data_layout(kaleido_dir, data_dir, tmp_path, training, 
     group = built["opt"].param_groups[0]
     assert {k: group[k] for k in THEIR_ADAMW} == THEIR_ADAMW and built["clip"] == [THEIR_GRAD_CLIP] * 6
     if training == "full":  # the trained DiT also as Kaleido's SAT load dir, which a2 (and their --load) reads back
-        from a2.transformer import detect_model, load_transformer
+        from a2.model.transformer import detect_model, load_transformer
 
         original = r["run_dir"] / "transformer_original"
         assert (original / "latest").read_text() == "1"
@@ -319,11 +319,12 @@ class Built(Exception):
 def test_a_typed_optimizer_flag_wins_over_the_recipe(kaleido_dir, data_dir, tmp_path, monkeypatch):
     """--adam-betas, --weight-decay and --max-grad-norm typed on a kaleido run are the optimizer main builds (the
     recipe fills only what is left out); every other kind left out keeps what a2 had before the recipe held them:
-    torch's AdamW betas, no weight decay, clipping at 1 (main 2b54b6f: a2/step.py:202, a2/sections.py OptimConfig)."""
+    torch's AdamW betas, no weight decay, clipping at 1 (main 2b54b6f: a2/train/step.py:202, a2/config/sections.py
+    OptimConfig)."""
     import inspect
 
     import train_a2
-    from a2 import step
+    from a2.train import step
     from config import from_flags
     from tests.conftest import args, train_config
 
@@ -366,8 +367,8 @@ def test_index_says_what_it_cannot_read(data_dir, tmp_path):
     shutil.copytree(root / "references" / ids[0], root / "references" / "904")  # a references dir of no video
     gap = root / "references" / ids[2] / "ref2.png"
     gap.unlink()
-    from a2.public_index import index_kaleido
-    from a2.sections import IndexKaleido
+    from a2.config.sections import IndexKaleido
+    from a2.data.public_index import index_kaleido
 
     counts = index_kaleido(IndexKaleido(str(root), str(tmp_path / "index")))
     rows = {r["id"]: r for r in map(json.loads, (tmp_path / "index" / "index.jsonl").read_text().splitlines())}

@@ -47,7 +47,7 @@ def adapted_pipe(tiny_dir, target):
 
 def musubi_from_original(sd):
     """musubi-tuner keys (lora_unet_blocks_0_self_attn_q.lora_down.weight + .alpha), written from the original-key
-    file independently of a2/lora.py; alpha = 2·rank with the down matrix halved, so the alpha must be applied."""
+    file independently of a2/train/lora.py; alpha = 2·rank with the down matrix halved, so the alpha must be applied."""
     out = {}
     for key, value in sd.items():
         module, kind = key.removeprefix("diffusion_model.").rsplit(".", 2)[0], key.split(".")[-2]
@@ -59,8 +59,8 @@ def musubi_from_original(sd):
 
 
 def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
-    from a2.lora import COMFY_NAME, export_weights, load_lora
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import COMFY_NAME, export_weights, load_lora
     from config import LORA_TARGETS
 
     pipe = adapted_pipe(tiny_dir, LORA_TARGETS)  # the training default: block attention (+ image K/V) and FFN
@@ -93,8 +93,8 @@ def test_lora_round_trip_through_every_key_format(tiny_dir, tmp_path):
 
 
 def test_original_keys_cover_the_modules_outside_the_blocks(tiny_dir, tmp_path):
-    from a2.lora import export_lora, load_lora, to_original
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import export_lora, load_lora, to_original
 
     pipe = adapted_pipe(tiny_dir, TOP_TARGETS + r"|blocks\.0\.attn1\.to_q")
     want = transformer_out(pipe.transformer)
@@ -115,8 +115,8 @@ def test_peft_save_pretrained_dir_loads(tiny_dir, tmp_path, extra):
     a dir of adapter_config.json + adapter_model.safetensors (keys base_model.model.*, alpha in the config)."""
     from peft import LoraConfig, get_peft_model
 
-    from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import load_lora
 
     transformer = A2Pipeline.from_pretrained(tiny_dir).transformer
     torch.manual_seed(0)
@@ -139,8 +139,8 @@ def test_peft_save_pretrained_dir_loads(tiny_dir, tmp_path, extra):
 
 
 def test_unusable_lora_files_fail(tiny_dir, tmp_path):
-    from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import load_lora
 
     pipe = A2Pipeline.from_pretrained(tiny_dir)
     save_file({"unet.down.lora_A.weight": torch.zeros(2, 2)}, tmp_path / "other.safetensors")
@@ -195,7 +195,7 @@ def t2v_infer(model, **kw):
 
 
 def test_t2v_only_training_then_text_only_generation(t2v_run, tiny_t2v_dir, tmp_path):
-    from a2.lora import COMFY_NAME
+    from a2.train.lora import COMFY_NAME
 
     run_dir = t2v_run["run_dir"]
     assert t2v_run["step"] == 3 and all(np.isfinite(t2v_run["losses"]))
@@ -286,7 +286,7 @@ def test_lora_files_say_which_loader_they_are_for(tiny_dir, tmp_path, capsys):
     safetensors metadata, and export prints the file for ComfyUI."""
     from safetensors import safe_open
 
-    from a2.lora import export_lora
+    from a2.train.lora import export_lora
 
     pipe = adapted_pipe(tiny_dir, r"blocks\.\d+\.attn1\.to_q")
     diffusers_file, comfy = export_lora(tmp_path, pipe.transformer)
@@ -330,7 +330,7 @@ def test_full_model_in_original_wan_keys(tiny_dir, tiny_t2v_dir, tmp_path, t2v):
     counted over blocks.N, in_dim from patch_embedding, I2V iff img_emb.proj.0.bias is there."""
     from diffusers import WanTransformer3DModel
 
-    from a2.transformer import diffusers_to_original, original_to_diffusers, save_wan_checkpoint
+    from a2.model.transformer import diffusers_to_original, original_to_diffusers, save_wan_checkpoint
 
     model = WanTransformer3DModel.from_pretrained(tiny_t2v_dir if t2v else tiny_dir, subfolder="transformer")
     sd = model.state_dict()

@@ -12,7 +12,7 @@ def trained_model(t2v_dir, ckpt, image_dim):
     """The run's transformer rebuilt as build_transformer makes it, with the checkpoint's trainable weights."""
     from peft import LoraConfig
 
-    from a2.transformer import expand_to_e2v, load_transformer
+    from a2.model.transformer import expand_to_e2v, load_transformer
     from config import LORA_TARGETS
 
     model = expand_to_e2v(load_transformer(t2v_dir, torch.float32), image_dim=image_dim)
@@ -36,9 +36,9 @@ def forward(model, image_dim):
 @pytest.mark.parametrize("clip", [False, True], ids=["vae", "dual"])
 def test_e2v_lora_from_t2v_base_round_trip(data_dir, tmp_path, tiny_t2v_dir, tiny_dir, clip):  # noqa: F811
     import infer
-    from a2.lora import E2V_NAME, load_expanded, load_lora
+    from a2.model.transformer import expand_to_e2v, load_transformer
     from a2.pipeline import A2Pipeline
-    from a2.transformer import expand_to_e2v, load_transformer
+    from a2.train.lora import E2V_NAME, load_expanded, load_lora
 
     paths = ["--e2v-type", "dual", "--image-encoder", str(tiny_dir)] if clip else ["--e2v-type", "vae"]
     r = train(*args(data_dir, tmp_path, "run", "--max-steps", "3", "--ckpt-every", "3", "--lr", "5e-2",

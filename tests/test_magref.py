@@ -11,9 +11,9 @@ import torch
 from PIL import Image, ImageOps
 
 import train_a2
-from a2.dataset_config import ConditioningConfig
+from a2.config.dataset_config import ConditioningConfig
 from a2.images import magref_canvas
-from a2.kinds import kind_sampling
+from a2.kinds.kinds import kind_sampling
 from config import from_flags, with_flags
 from tests.conftest import drawn_person
 
@@ -202,7 +202,7 @@ def test_infer_samples_as_magref(magref_parts, n, seed, tmp_path):
     name's smoke-test defaults) with only the flags MAGREF's generate.py takes (the prompt, the images, the size and
     frame count, and --seed or not) == MAGREF's sampler written out at generate.py's defaults: the same condition
     (mask | canvas latents) and final latents for 1, 2 and 3 references, with its --base_seed 3407 when no --seed is
-    given. Everything MAGREF fixes comes from the kind (a2.kinds.KIND_DEFS["magref"]): its UniPC from sigma
+    given. Everything MAGREF fixes comes from the kind (a2.kinds.kinds.KIND_DEFS["magref"]): its UniPC from sigma
     0.999, shift 3, 40 steps, its negative prompt, the posterior mean of the canvas, the seed's placement (of the
     noise's seed). The references are synthetic photos of other aspects than their blocks' and the video's, read by
     infer.py and given to theirs as read."""
@@ -254,9 +254,9 @@ def test_magref_checkpoint_loads_and_refusals(tmp_path, data_dir):
     import shutil
 
     from a2.cli import ConfigError
+    from a2.model.tiny import model_path
+    from a2.model.transformer import UnsupportedModel, detect_model, load_transformer
     from a2.plan import sampling_plan
-    from a2.tiny import model_path
-    from a2.transformer import UnsupportedModel, detect_model, load_transformer
 
     d = model_path("tiny-magref")
     info = detect_model(d)
@@ -345,10 +345,10 @@ def test_a_portrait_reference_on_a_landscape_video_covers_what_magref_covers(tmp
     mask are MAGREF's rule's on the picture as read (fitted to the height, aspect kept: 27x48 px in the middle), the
     same from the dataset (training) as from load_references (sampling); not the whole canvas, which the picture framed
     to the video's size first would cover."""
-    from a2.conditioning import make_layout
-    from a2.dataset_config import DatasetConfig
+    from a2.config.dataset_config import DatasetConfig
     from a2.elements import A2_ELEMENTS
     from a2.images import load_references, pil_to_tensor, read_image
+    from a2.kinds.conditioning import make_layout
     from data import E2VDataset, make_synthetic_dataset
 
     subject = A2_ELEMENTS[0]
@@ -402,10 +402,10 @@ def test_train_lora_export_infer_round_trip_and_full(data_dir, tmp_path):
 
 def test_a2_lora_in_magrefs_checkpoint(tmp_path):
     """A LoRA trained in a2 on MAGREF (peft on diffusers names, train_a2.py's default targets: attention with the
-    image K/V, FFN) and exported by a2/lora.py: MAGREF's code loads no LoRA; its original-key file (ComfyUI's / Wan's
-    loaders) merged into MAGREF's original-Wan checkpoint as W + up·down and read back gives a2's forward within 1e-5
-    of its largest value (merging re-associates (W + BA)x as Wx + B(Ax) in float32: a few ulps per product, through 2
-    blocks); diffusers' loader of the same file gives it bit for bit.
+    image K/V, FFN) and exported by a2/train/lora.py: MAGREF's code loads no LoRA; its original-key file (ComfyUI's /
+    Wan's loaders) merged into MAGREF's original-Wan checkpoint as W + up·down and read back gives a2's forward within
+    1e-5 of its largest value (merging re-associates (W + BA)x as Wx + B(Ax) in float32: a few ulps per product, through
+    2 blocks); diffusers' loader of the same file gives it bit for bit.
 
     MAGREF's own class (magref/modules/model.py WanModel, MAGREF-Video/MAGREF e3c71b2) was run once outside the suite
     (tests/their_magref_check.py: it needs their code, which calls flash_attention directly, and that asserts CUDA;
@@ -420,9 +420,9 @@ def test_a2_lora_in_magrefs_checkpoint(tmp_path):
     from peft import LoraConfig
     from safetensors.torch import load_file
 
-    from a2.lora import export_lora
-    from a2.tiny import model_path
-    from a2.transformer import load_transformer
+    from a2.model.tiny import model_path
+    from a2.model.transformer import load_transformer
+    from a2.train.lora import export_lora
     from config import LORA_TARGETS
     from tests.test_released_models import merged_original
 

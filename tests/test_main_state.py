@@ -134,7 +134,7 @@ def _infer_rank(rank: int, port: int, argv: list[str], out: str) -> None:
 
 
 def test_infer_main_under_torchrun_closes_its_process_group(tmp_path):
-    """infer.py under torchrun (WORLD_SIZE 2) starts a gloo group to split the video's tokens (a2/parallel.py
+    """infer.py under torchrun (WORLD_SIZE 2) starts a gloo group to split the video's tokens (a2/model/parallel.py
     sampling_group); main destroys it as it returns on each rank, and leaves the rest as found."""
     import socket
 

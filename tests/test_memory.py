@@ -1,4 +1,4 @@
-"""The --memory auto rule (a2/memory.py): which plan it picks for the target shapes and cards, what it counts
+"""The --memory auto rule (a2/memory/memory.py): which plan it picks for the target shapes and cards, what it counts
 of a model, that it says DOES NOT FIT (and why) rather than picking a plan that cannot run, and that docs/memory.md's
 memory table is the rule's (bench.py --memory-table)."""
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from a2.memory import (
+from a2.memory.memory import (
     GB,
     MARGIN,
     MARGIN_GB,
@@ -22,7 +22,7 @@ from a2.memory import (
     recomputed_keep,
     step_estimate,
 )
-from a2.transformer import preset_config
+from a2.model.transformer import preset_config
 from tests.conftest import ROOT
 
 A2_14B, WAN_13B = preset_config("14B"), preset_config("1.3B")
@@ -144,7 +144,7 @@ def test_model_bytes_counts_a_lora_model():
     frozen weights outside the blocks and what else is allocated, the trainable weights."""
     from peft import LoraConfig
 
-    from a2.transformer import random_transformer
+    from a2.model.transformer import random_transformer
     from config import LORA_TARGETS
 
     cfg = {**preset_config("tiny"), "num_layers": 2}
@@ -172,16 +172,16 @@ def test_model_bytes_counts_a_lora_model():
 
 def test_vace_context_blocks_counted_quantized_and_never_offloaded():
     """A VACE model (tiny-vace) with its LoRA on the context blocks: model_bytes counts their frozen weights apart
-    from the weights outside the blocks (and their fp8 bytes: a2/fp8.py quantizes them as the blocks'), its blocks
-    compute "frozen", a model cut to fewer blocks is planned as the whole (cut_config); the rule plans neither
+    from the weights outside the blocks (and their fp8 bytes: a2/memory/fp8.py quantizes them as the blocks'), its
+    blocks compute "frozen", a model cut to fewer blocks is planned as the whole (cut_config); the rule plans neither
     activation offload nor block swap for it, whose hooks do not reach the context blocks, and --swap-blocks /
     --offload-activations are refused in one line."""
     from peft import LoraConfig
 
-    from a2.fp8 import Fp8Linear, quantize_base_weights
-    from a2.memory import check_flags, cut_config
-    from a2.transformer import random_transformer
-    from a2.vace import lora_target
+    from a2.kinds.vace import lora_target
+    from a2.memory.fp8 import Fp8Linear, quantize_base_weights
+    from a2.memory.memory import check_flags, cut_config
+    from a2.model.transformer import random_transformer
     from config import LORA_TARGETS, ConfigError, MemoryConfig
 
     cfg = preset_config("tiny-vace")
@@ -255,8 +255,9 @@ def test_readme_memory_table_is_the_commands_output():
         assert traced[i] <= card * (1 - MARGIN) - MARGIN_GB and abs(float(cells[5]) / traced[i] - 1) <= 0.03, cells
 
 
-# Each term of the rule (a2/memory.py step_memory) held against the dry run's trace (a2/trace.py: every storage
-# counted from the op that made it to its last reference), at a phase where the term is larger than the tolerance:
+# Each term of the rule (a2/memory/memory.py step_memory) held against the dry run's trace (a2/train/trace.py: every
+# storage counted from the op that made it to its last reference), at a phase where the term is larger than the
+# tolerance:
 # on Wan 1.3B's blocks (a few of them: the rule is per block) at a shape where that term is a large part of its phase.
 # Case: (bench.py's fields, the memory flags (--memory manual, eager), blocks traced, the phases held, the terms
 # these phases hold). A phase not held is one where the rule is known to differ (the backward through recomputed

@@ -10,21 +10,21 @@ import pytest
 import torch
 from PIL import Image
 
-from a2.transformer import UnsupportedModel, detect_model
+from a2.model.transformer import UnsupportedModel, detect_model
 from config import from_flags
 from tests.conftest import args, assert_rounding, train
 
 
 @pytest.fixture(scope="module")
 def wan22_t2v_dir(tmp_path_factory):
-    from a2.tiny import save_tiny
+    from a2.model.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("wan22_t2v") / "model", t2v=True, wan22=True)
 
 
 @pytest.fixture(scope="module")
 def wan22_i2v_dir(tmp_path_factory):
-    from a2.tiny import save_tiny
+    from a2.model.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("wan22_i2v") / "model", wan22=True)
 
@@ -70,7 +70,7 @@ def test_detects_each_supported_model(tiny_dir, tiny_t2v_dir, wan22_t2v_dir, wan
     # a T2V base with another dir's CLIP (expansion to E2V), and the built-in tiny names
     with_clip = detect_model(tiny_t2v_dir, image_encoder=tiny_dir)
     assert with_clip.image_encoder_dir == tiny_dir and with_clip.image_encoder_dim == 32
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     assert detect_model(model_path("tiny-wan22-i2v")).name == "Wan2.2 I2V A14B"
     # which transformer each expert trains
@@ -170,7 +170,7 @@ def test_unsupported_pairs_and_paths(wan22_i2v_dir, tiny_dir, tmp_path):
 def test_expert_sigma_is_the_truncated_distribution(sampling):
     """Each expert's sigmas stay in its range and follow the configured distribution restricted to it: the same
     as rejection sampling from the unrestricted sampler (two-sample Kolmogorov-Smirnov)."""
-    from a2.flow import sample_generator, sample_sigma
+    from a2.train.flow import sample_generator, sample_sigma
 
     cfg = from_flags(sigma_sampling=sampling).objective
     b, n = 0.875, 3000
@@ -194,7 +194,7 @@ def test_expert_sigma_is_the_truncated_distribution(sampling):
 def record_loads(monkeypatch):
     """Wrap load_transformer (training's and validation's): which subfolders were loaded, and the timesteps each
     model saw."""
-    import a2.evaluate
+    import a2.eval.evaluate
     import train_a2
 
     seen = []
@@ -209,14 +209,14 @@ def record_loads(monkeypatch):
         return model
 
     monkeypatch.setattr(train_a2, "load_transformer", load)
-    monkeypatch.setattr(a2.evaluate, "load_transformer", load)
+    monkeypatch.setattr(a2.eval.evaluate, "load_transformer", load)
     return seen
 
 
 def test_wan22_expert_training_export_and_sampling(wan22_i2v_dir, data_dir, tmp_path, monkeypatch):
     import infer
+    from a2.model.transformer import load_transformer
     from a2.pipeline import A2Pipeline
-    from a2.transformer import load_transformer
 
     els = tuple(str(data_dir / f"000{s}") for s in ("_person.png", "_object.png", "_background.png"))
     # low expert, LoRA, with a validation video at the end (which needs the other expert too)
@@ -289,7 +289,7 @@ def test_wan22_t2v_training_and_bad_combinations(wan22_t2v_dir, wan22_i2v_dir, t
 def test_t2v_base_e2v_vae_only(tiny_t2v_dir, tiny_dir, data_dir, tmp_path, monkeypatch):
     """A T2V base for E2V without CLIP (--e2v-type vae): expanded to 36 channels with no image branch, output
     unchanged at init, and it trains; with --image-encoder, the branch gets that CLIP's width (tiny: 32)."""
-    from a2.transformer import expand_to_e2v, load_transformer
+    from a2.model.transformer import expand_to_e2v, load_transformer
 
     base = load_transformer(tiny_t2v_dir).eval()
     e2v = expand_to_e2v(base, image_dim=None).eval()

@@ -1,4 +1,4 @@
-"""Activation offload and block swap (a2/offload.py): a LoRA model's training steps with what they move to host
+"""Activation offload and block swap (a2/memory/offload.py): a LoRA model's training steps with what they move to host
 memory give exactly (bit for bit) the plain steps' losses and LoRA gradients, with and without recomputation and
 kept attention, and the swapped blocks' weights are really gone from the device between their uses."""
 
@@ -7,9 +7,9 @@ import torch
 from diffusers import WanTransformer3DModel
 from peft import LoraConfig
 
-from a2.fp8 import quantize_base_weights
-from a2.offload import apply_offload
-from a2.transformer import configure_blocks, preset_config
+from a2.memory.fp8 import quantize_base_weights
+from a2.memory.offload import apply_offload
+from a2.model.transformer import configure_blocks, preset_config
 
 LAYERS = 4
 
@@ -64,7 +64,7 @@ class Watch:
 
 def steps(fraction, save_attention, offload, swap, compile=False, n=2, fp8=False):
     model = lora_model()
-    if fp8:  # e4m3 weight parameters and fp32 scale buffers (a2/fp8.py): swapped like any frozen tensor
+    if fp8:  # e4m3 weight parameters and fp32 scale buffers (a2/memory/fp8.py): swapped like any frozen tensor
         quantize_base_weights(model)
     swapped = apply_offload(model, offload, swap, "cpu", min_bytes=0)  # before configure_blocks, as in train_a2
     configure_blocks(model, fraction, save_attention, compile)

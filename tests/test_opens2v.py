@@ -1,4 +1,4 @@
-"""a2/opens2v.py on OpenS2V-Eval v1.1's own material (tests/media/opens2v_eval/, Apache-2.0): motion_fb of the two
+"""a2/eval/opens2v.py on OpenS2V-Eval v1.1's own material (tests/media/opens2v_eval/, Apache-2.0): motion_fb of the two
 demo videos to the digits their JSON gives, their merge of the demo JSON files, the v1.1 merge output's total,
 every published leaderboard row's TotalScore from its columns; the encoders' code paths on tiny random stand-ins
 of their architectures (no weights are reachable here); the command on a video dir; infer.py --eval-set writing
@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from a2 import opens2v
+from a2.eval import opens2v
 from tests.conftest import assert_their_motion, locked_opencv
 
 MEDIA = Path(__file__).parent / "media" / "opens2v_eval"
@@ -111,7 +111,7 @@ def test_read_eval_sets_as_downloaded():
 
 
 def command(*argv) -> int:
-    """`python3 -m a2.opens2v ARGV` as its __main__ runs it (parse_cli, run_cli): its exit status."""
+    """`python3 -m a2.eval.opens2v ARGV` as its __main__ runs it (parse_cli, run_cli): its exit status."""
     from a2.cli import parse_cli, run_cli
     from config import OpenS2VConfig
 
@@ -173,7 +173,7 @@ SET = str(MEDIA / "Open-Domain_Eval.json")
      "--leaderboard {tmp}/none.csv: no such file"),
 ])
 def test_the_commands_input_mistakes_are_one_line_exit_2(tmp_path, capsys, argv, says):
-    """As `python3 -m a2.opens2v` runs: an input mistake is one line, exit 2 (a video that does not decode, nothing
+    """As `python3 -m a2.eval.opens2v` runs: an input mistake is one line, exit 2 (a video that does not decode, nothing
     to score: said, not a table of nan)."""
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "singleobj_1.mp4").write_bytes(b"not a video")
@@ -235,7 +235,7 @@ def test_aesthetic_mlp_loads_their_state_dict_names_and_scores_as_defined():
 def test_validation_videos_get_their_metrics_under_their_names():
     import tyro
 
-    from a2.evaluate import evaluate_video, flat_metrics, load_evaluators, video_frames
+    from a2.eval.evaluate import evaluate_video, flat_metrics, load_evaluators, video_frames
     from config import EvalConfig, TrainConfig
 
     assert tyro.cli(TrainConfig, args=["--eval.motion-fb", "--eval.aes-clip", "c", "--eval.aes-mlp", "m"]).eval == \
@@ -323,7 +323,7 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
 
     # the same face model, cosines and "no face" as a2's face_sim (--eval.face takes an OpenS2V-Weight dir), read by
     # the one path: face_sim over the frames with a face, cur_score of OpenS2V on the same cosines
-    from a2.evaluate import Evaluators, evaluate_video
+    from a2.eval.evaluate import Evaluators, evaluate_video
 
     ev = Evaluators(face=sim, opens2v=opens2v.Scorers(face=sim, motion=False))
     reference = torch.from_numpy(face).permute(2, 0, 1).float() / 127.5 - 1  # the CLIP path's [-1, 1]
@@ -337,7 +337,7 @@ def test_curricularface_backbone_has_their_ir101_names_and_facesim_aggregates_as
     assert r["video"]["cur_score"] == pytest.approx((16 + c_other) / 17 if c_other > 0 else 1.0, abs=1e-6)
 
     # --eval.face takes an OpenS2V-Weight dir (face_extractor/ beside the backbone): their face model for face_sim
-    from a2.evaluate import load_evaluators
+    from a2.eval.evaluate import load_evaluators
     from config import EvalConfig
 
     (tmp_path / "face_extractor").mkdir()
@@ -427,7 +427,7 @@ def test_infer_renders_an_opens2v_set_by_sample_id_and_resumes(tiny_dir, tmp_pat
     frames = opens2v.read_video(out / "singleface_1.mp4")
     assert frames.shape[1:] == (32, 32, 3)  # the video alone, no references beside it
     printed = capsys.readouterr().out
-    assert "[2/2] humanobj_2: wrote" in printed and "python3 -m a2.opens2v" in printed
+    assert "[2/2] humanobj_2: wrote" in printed and "python3 -m a2.eval.opens2v" in printed
     before = (out / "singleface_1.mp4").stat().st_mtime_ns
     (out / "humanobj_2.mp4").unlink()
     assert infer.main(tyro.cli(infer.InferConfig, args=argv)) == 0

@@ -1,5 +1,5 @@
-"""Context parallel (a2/parallel.py) on CPU/gloo: the forward and the gradients of a model split over 2 and 4 ranks
-equal one process's, for every way the references enter the sequence (t2v, A2's channel prefix with CLIP tokens,
+"""Context parallel (a2/model/parallel.py) on CPU/gloo: the forward and the gradients of a model split over 2 and 4
+ranks equal one process's, for every way the references enter the sequence (t2v, A2's channel prefix with CLIP tokens,
 Phantom's and SkyReels-V3's frames, Kaleido's before the video at their own RoPE positions, in-context references at
 timestep 0 (per-token timesteps), Stand-In's reference tokens with their attention restriction and LoRA) and a token
 count no rank count divides. One process group per size runs all of them (a group costs more to start than the tiny
@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from a2 import kaleido, standin
-from a2.conditioning import Conditioning, model_input
-from a2.parallel import context_parallel
-from a2.tiny import TINY_BUILD
-from a2.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
+from a2 import kaleido
+from a2.kinds import standin
+from a2.kinds.conditioning import Conditioning, model_input
+from a2.model.parallel import context_parallel
+from a2.model.tiny import TINY_BUILD
+from a2.model.transformer import CLIP_TOKENS, TEXT_TOKENS, configure_blocks, preset_config, random_transformer
 from tests.conftest import ROOT, args, launch, max_diff, params
 
 FORWARD = 1e-6  # |CP - one process| / max(1, |one process|): summation order of the attention over fewer heads

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from a2.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
 from a2.images import pil_to_tensor, preprocess_image
+from a2.kinds.conditioning import conditioning_frame_indices, encode_vae, frame_mask, make_layout, prepare_latents
 from tests.conftest import a2_photos, assert_rounding, drawn_person
 
 H, W = 32, 48
@@ -82,8 +82,8 @@ def test_prefix_after_encodes_each_element_alone(vae):
 
 def test_before_and_after_differ(vae):
     """Encoding the references together (before) lets the VAE's causal temporal convolutions mix the elements;
-    alone (after) does not. The tiny model's VAE is set to per-frame block means (a2/tiny.py invertible_init), which
-    mix nothing: a randomly initialised VAE of its shape does."""
+    alone (after) does not. The tiny model's VAE is set to per-frame block means (a2/model/tiny.py invertible_init),
+    which mix nothing: a randomly initialised VAE of its shape does."""
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def test_frame_mask_matches_diffusers_rule():
 
 
 def test_expanded_t2v_equals_base(tiny_t2v_dir):
-    from a2.transformer import expand_to_e2v, load_transformer
+    from a2.model.transformer import expand_to_e2v, load_transformer
 
     base = load_transformer(tiny_t2v_dir).eval()
     e2v = expand_to_e2v(base, image_dim=32).eval()
@@ -221,7 +221,7 @@ def test_a2_checkpoint_extra_norm_added_q_is_ignored(tiny_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     src = tiny_dir / "transformer"
     dst = tmp_path / "transformer"

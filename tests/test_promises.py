@@ -231,7 +231,7 @@ def a2_dir(tmp_path_factory):
     A2's, so that the 8 A2's infer.py hard-codes shows as the kind's own."""
     import json
 
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     tiny, d = model_path("tiny"), tmp_path_factory.mktemp("skyreels_a2") / "SkyReels-A2"
     d.mkdir()
@@ -252,7 +252,7 @@ def shift(sigmas, s):
 
 @pytest.mark.parametrize("kind", list(LABS))
 def test_infer_samples_as_the_lab(kind, element_paths, tmp_path, monkeypatch, request):
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     name, flags, lab = LABS[kind]
     model = request.getfixturevalue("a2_dir") if name == "a2" else model_path(name)
@@ -427,8 +427,8 @@ def test_a_soft_resized_mask_is_its_binarised_self(default_runs, flag_sources, t
 def test_a_local_dir_named_like_a_hub_id_wins(tmp_path, monkeypatch):
     """README: `--model` takes a Hub id, "a local dir of the same name wins": with the Hub offline and nothing cached,
     a dir at ./Skywork/SkyReels-A2 is the model infer.py reads, not a download."""
-    from a2.tiny import model_path
-    from a2.transformer import detect_model
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model
 
     (tmp_path / "Skywork").mkdir()
     (tmp_path / "Skywork" / "SkyReels-A2").symlink_to(model_path("tiny"), target_is_directory=True)
@@ -437,7 +437,7 @@ def test_a_local_dir_named_like_a_hub_id_wins(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     assert model_path("Skywork/SkyReels-A2") == tmp_path.joinpath("Skywork", "SkyReels-A2").relative_to(tmp_path)
     assert detect_model(model_path("Skywork/SkyReels-A2")).name == "Wan2.1 I2V"
-    from a2.transformer import UnsupportedModel
+    from a2.model.transformer import UnsupportedModel
 
     with pytest.raises(UnsupportedModel, match="SkyReels-A3: no such local dir, and the Hugging Face Hub model"):
         model_path("Skywork/SkyReels-A3")  # the same id without the dir: the Hub, offline
@@ -449,8 +449,8 @@ def test_a_library_call_samples_as_infer_does(element_paths, monkeypatch):
     references and the layout."""
     from a2.elements import RELEASED_ELEMENTS
     from a2.images import load_references
+    from a2.model.tiny import model_path
     from a2.pipeline import A2Pipeline
-    from a2.tiny import model_path
 
     pipe = A2Pipeline.from_pretrained(model_path("tiny-phantom"))
     refs, clips, repeats, _ = load_references(list(zip(RELEASED_ELEMENTS, element_paths[:2])), (H, W))

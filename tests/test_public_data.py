@@ -1,5 +1,5 @@
-"""Public S2V datasets as published (a2/public_read.py, public_index.py with its synthetic_opens2v): fixtures in each
-dataset's exact schema, built here from real media (the hiker clip of tests/media, a drawn person composited under
+"""Public S2V datasets as published (a2/data/public_read.py, public_index.py with its synthetic_opens2v): fixtures in
+each dataset's exact schema, built here from real media (the hiker clip of tests/media, a drawn person composited under
 known masks), RLE-encoded with pycocotools. The element images training builds must equal the ones built by hand
 from the decoded frame (the published rule: the mask's tight box, its pixels on white), the clip must be the
 face_cut range of the cropped frames, every filter and bad record is counted or named in one line, and a multi-MB
@@ -18,15 +18,15 @@ import torch
 import tyro
 from PIL import Image
 
-import a2.public_index as pi
-import a2.public_read as pr
+import a2.data.public_index as pi
+import a2.data.public_read as pr
 import train_a2
-from a2 import public_index as pf
-from a2.dataset_config import DatasetConfig
+from a2.config.dataset_config import DatasetConfig
+from a2.data import public_index as pf
+from a2.data.media import read_frames
 from a2.elements import A2_ELEMENTS
 from a2.images import read_image, reference_pixels, resize_frames
-from a2.kinds import KIND_DEFS, index_elements, largest_element_set
-from a2.media import read_frames
+from a2.kinds.kinds import KIND_DEFS, index_elements, largest_element_set
 from config import DataConfig, from_flags
 from data import E2VDataset, Validate, validate
 from tests.conftest import MEDIA, drawn_person

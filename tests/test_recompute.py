@@ -1,4 +1,4 @@
-"""Block recomputation and compilation (a2.transformer.configure_blocks): every setting computes the same
+"""Block recomputation and compilation (a2.model.transformer.configure_blocks): every setting computes the same
 gradients, and each recomputes exactly the attention it should in backward (counted at the aten op level, which
 sees compiled code's attention kernels too)."""
 
@@ -7,7 +7,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from a2.transformer import configure_blocks, preset_config
+from a2.model.transformer import configure_blocks, preset_config
 
 LAYERS = 4
 
@@ -85,13 +85,13 @@ def test_training_with_save_attention_and_compile(tmp_path, monkeypatch):
     (1e-5); a recomputation that sees other inputs or dtypes (bf16 rounding alone is ~4e-3) is far outside it. Only
     the first step is compared: after it, AdamW's normalised update (about lr x sign(g) where |g| is tiny) turns
     rounding-level gradient differences into lr-sized weight differences."""
-    import a2.memory
+    import a2.memory.memory
     from data import make_synthetic_dataset
     from tests.conftest import args, losses, train
 
     setups, grads = [], []
-    # train_a2 sets its blocks up through a2.memory.apply_plan, which calls configure_blocks
-    monkeypatch.setattr(a2.memory, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
+    # train_a2 sets its blocks up through a2.memory.memory.apply_plan, which calls configure_blocks
+    monkeypatch.setattr(a2.memory.memory, "configure_blocks", lambda *a: (setups.append(a[1:]), configure_blocks(*a)))
     clip = torch.nn.utils.clip_grad_norm_
 
     def record(params, max_norm):  # the step's gradients, as the optimizer gets them
@@ -115,7 +115,7 @@ def test_recompile_limit_covers_the_runs_shapes():
     would run eager in a plan made for compiled blocks. The limit is raised to 2 per shape + 8, never lowered."""
     import torch._dynamo.config as dynamo_config
 
-    from a2.transformer import allow_recompiles
+    from a2.model.transformer import allow_recompiles
 
     # (config.patch restores it; monkeypatch's undo leaves the config module without the name on torch 2.14)
     with dynamo_config.patch(recompile_limit=8):

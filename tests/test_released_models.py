@@ -13,21 +13,21 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import train_a2
-from a2.transformer import UnsupportedModel, detect_model, diffusers_to_original, original_to_diffusers
+from a2.model.transformer import UnsupportedModel, detect_model, diffusers_to_original, original_to_diffusers
 from tests import their_samplers as theirs
 from tests.conftest import train_config
 
 
 @pytest.fixture(scope="module")
 def phantom_dir():
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     return model_path("tiny-phantom")
 
 
 @pytest.fixture(scope="module")
 def v3_dir():
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     return model_path("tiny-v3")
 
@@ -48,7 +48,7 @@ def test_original_keys_round_trip(e2v):
     """diffusers -> original -> diffusers -> load -> original is the identity, every tensor bit for bit."""
     from diffusers import WanTransformer3DModel
 
-    from a2.transformer import preset_config
+    from a2.model.transformer import preset_config
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**preset_config("tiny", e2v=e2v))
@@ -77,7 +77,7 @@ def test_original_keys_round_trip(e2v):
 
 
 def test_tiny_phantom_and_v3_are_detected_and_load_the_tiny_t2v_weights(phantom_dir, v3_dir, tiny_t2v_dir):
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     p = detect_model(phantom_dir)
     assert (p.name, p.native_kind, p.in_channels, p.image_branch) == ("Phantom-Wan", "phantom", 16, False)
@@ -103,7 +103,7 @@ def test_phantom_checkpoint_as_released(phantom_dir, tmp_path):
     """Phantom-Wan-1.3B ships one .pth with no config (heads then default to Wan's 128 wide: with the tiny 32-wide
     heads the config.json is needed, and a wrong one is named); ComfyUI's files carry a `diffusion_model.` prefix;
     the Hub repo holds both sizes, so a dir with two checkpoints asks for one."""
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     sd = original_sd(phantom_dir)
     d = tmp_path / "release"
@@ -157,7 +157,7 @@ def test_bad_phantom_checkpoints_fail_in_one_line_before_loading(phantom_dir, tm
 
 
 def test_other_checkpoints_fail_in_one_line(phantom_dir, tiny_dir, tmp_path):
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     f = tmp_path / "diffusers_named.safetensors"  # a diffusers transformer's file on its own
     save_file({k: v.contiguous() for k, v in load_transformer(tiny_dir).state_dict().items()}, f)
@@ -201,7 +201,7 @@ def hub_snapshot(cache, repo_id, src, files=None):
 def test_hub_ids(phantom_dir, v3_dir, tiny_t2v_dir, tmp_path, monkeypatch):
     """bytedance-research/Phantom holds the checkpoints only: the Wan parts come from Wan2.1-T2V-1.3B-Diffusers,
     from the cache, or one line saying how to get them."""
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -290,7 +290,7 @@ def test_fit_pad_white_geometry():
 def tiny_parts(tiny_t2v_dir):
     from diffusers import AutoencoderKLWan
 
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     g = torch.Generator().manual_seed(7)
     text, null = torch.randn(2, 1, 512, 32, generator=g)
@@ -341,7 +341,7 @@ def merged_original(model_dir, comfy_file, as_state_dict=False):
     (ComfyUI) LoRA merged in as W + up·down, as Wan and ComfyUI loaders apply it: that state dict in original keys
     (as_state_dict), or converted into WanTransformer3DModel (Phantom's WanModel needs CUDA flash-attn; its forward
     was checked against this conversion outside the suite, see the spec; MAGREF's: tests/test_magref.py)."""
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     merged, lora = original_sd(model_dir), load_file(comfy_file)
     for key in [k for k in lora if k.endswith(".lora_down.weight")]:
@@ -355,7 +355,7 @@ def merged_original(model_dir, comfy_file, as_state_dict=False):
 
 
 def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
-    """A LoRA trained in a2 (peft on diffusers names) and exported by a2/lora.py:
+    """A LoRA trained in a2 (peft on diffusers names) and exported by a2/train/lora.py:
     - Phantom-Wan: its code loads no LoRA; the original-key file (ComfyUI's / Wan's loaders) merged into the
       original-Wan checkpoint as W + up·down, that checkpoint converted into WanTransformer3DModel (Phantom's WanModel
       needs CUDA flash-attn; its forward was checked against this conversion outside the suite, see the spec), gives
@@ -366,8 +366,8 @@ def test_a2_lora_in_their_model_layouts(phantom_dir, v3_dir, tmp_path):
     from diffusers.loaders import WanLoraLoaderMixin
     from peft import LoraConfig
 
-    from a2.lora import export_lora
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
+    from a2.train.lora import export_lora
 
     model = load_transformer(phantom_dir)
     torch.manual_seed(0)
@@ -491,7 +491,7 @@ def test_native_kinds_refuse_other_layouts_in_one_line(phantom_dir, v3_dir, tiny
     """A released model takes its own layout: another one, text alone, or a 5th V3 reference fails in one line naming
     the model dir, the kind and the fix, before any weights load; sampling refuses the same."""
     from a2.cli import ConfigError
-    from a2.dataset_config import ConditioningConfig, VaeProcessorConfig
+    from a2.config.dataset_config import ConditioningConfig, VaeProcessorConfig
     from a2.elements import A2_ELEMENTS, Element
     from a2.plan import plan_layout, sampling_plan
 
@@ -535,9 +535,9 @@ def test_train_lora_export_infer_round_trip(kind, phantom_dir, v3_dir, data_dir,
     file merged in (W + up·down, as Wan/ComfyUI loaders apply it), and SkyReels-V3's transformer (diffusers' module
     names: its pipeline's load_lora_weights) with the diffusers file, give a2's forward with the LoRA."""
     import infer
-    from a2.lora import load_lora
+    from a2.model.transformer import load_transformer
     from a2.pipeline import A2Pipeline
-    from a2.transformer import load_transformer
+    from a2.train.lora import load_lora
     from tests.conftest import args, train
 
     model = str(phantom_dir if kind == "phantom" else v3_dir)
@@ -595,7 +595,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
     (both papers' unconditional: the references' latents all zero, the video's untouched)."""
 
     import infer
-    from a2.loader import collate
+    from a2.data.loader import collate
     from data import E2VDataset
     from tests.conftest import args, train
 
@@ -611,7 +611,7 @@ def test_full_fine_tuning_and_reference_dropout(v3_dir, phantom_dir, data_dir, t
                                                    compare=str(tmp_path / "a.pt"))) == 1
 
     # Phantom: the full fine-tune also in original-Wan keys, as Phantom's code loads a checkpoint; a2 reads it back
-    from a2.transformer import load_transformer
+    from a2.model.transformer import load_transformer
 
     r = train(*args(data_dir, tmp_path, "full-p", "--max-steps", "1", "--training-type", "full", "--num-frames", "9",
                     "--elements", *FIT, model=str(phantom_dir)))
@@ -647,8 +647,8 @@ def test_presets_and_fit_pad_white(phantom_dir, v3_dir, tiny_t2v_dir):
     import infer
     from a2.elements import RELEASED_ELEMENTS, parse_elements
     from a2.images import preprocess_image
-    from a2.kinds import kind_sampling
-    from a2.transformer import detect_model
+    from a2.kinds.kinds import kind_sampling
+    from a2.model.transformer import detect_model
 
     def own(model, **flags):
         cfg = infer.resolve(infer.InferConfig.from_flags(model=str(model), elements=("a.png",), num_frames=9,

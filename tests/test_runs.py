@@ -1,5 +1,5 @@
-"""a2/runs.py: the run-dir lock, checkpoint manifests and what counts as complete, choosing the checkpoint to resume
-and checking it against the run before any model loads, config/metrics bookkeeping on resume, skipped non-finite
+"""a2/train/runs.py: the run-dir lock, checkpoint manifests and what counts as complete, choosing the checkpoint to
+resume and checking it against the run before any model loads, config/metrics bookkeeping on resume, skipped non-finite
 steps; data.py: loader workers that survive a SIGTERM/SIGINT to the process group."""
 
 import json
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import Metadata
 
-from a2.runs import (
+from a2.train.runs import (
     MANIFEST,
     Diverged,
     NonFiniteSteps,
@@ -62,7 +62,7 @@ def make_ckpt(run_dir, step, cfg=None, world=1, sharded=False, keep_last=100):
 
 
 def test_lock_refuses_a_second_run_names_the_holder_and_is_free_once_it_dies(tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from a2.runs import RunLock; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from a2.train.runs import RunLock; "
             "RunLock(sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)")
     p = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -275,7 +275,7 @@ class Pids(torch.utils.data.Dataset):
 
 
 def test_loader_workers_survive_stop_signals():
-    from a2.loader import ignore_stop_signals, stop_signals_blocked
+    from a2.data.loader import ignore_stop_signals, stop_signals_blocked
 
     def loader(init):
         return torch.utils.data.DataLoader(Pids(), batch_size=1, num_workers=1, worker_init_fn=init,
@@ -302,7 +302,7 @@ def test_loader_workers_survive_stop_signals():
 
 
 def test_signals_blocked_while_workers_start_are_delivered_after():
-    from a2.loader import stop_signals_blocked
+    from a2.data.loader import stop_signals_blocked
 
     got = []
     old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
@@ -324,8 +324,8 @@ def test_save_checkpoint_checks_free_space_first_and_its_size_estimate_holds(tmp
     nothing and leaving the earlier checkpoints as they were."""
     import shutil
 
-    import a2.runs
-    from a2.runs import CheckpointError, checkpoint_bytes, checkpoint_problem, load_checkpoint, save_checkpoint
+    import a2.train.runs
+    from a2.train.runs import CheckpointError, checkpoint_bytes, checkpoint_problem, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
@@ -338,11 +338,11 @@ def test_save_checkpoint_checks_free_space_first_and_its_size_estimate_holds(tmp
     need = checkpoint_bytes(model, opt)
     tensors = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) * 3 + 4 * 2  # weights, exp_avg,
     # exp_avg_sq (float32), and the fused AdamW's step of each of the 2 parameters
-    assert need == tensors + a2.runs.checkpoint_margin(tensors)  # a tenth of the tensors' bytes + 256 KiB
+    assert need == tensors + a2.train.runs.checkpoint_margin(tensors)  # a tenth of the tensors' bytes + 256 KiB
     assert written <= need < 1.1 * written + 2**18  # what it writes fits, and a small checkpoint asks for about that
     before = {f: f.read_bytes() for f in first.rglob("*") if f.is_file()}
     usage = shutil.disk_usage
-    monkeypatch.setattr(a2.runs.shutil, "disk_usage", lambda p: usage(p)._replace(free=need - 1))
+    monkeypatch.setattr(a2.train.runs.shutil, "disk_usage", lambda p: usage(p)._replace(free=need - 1))
     with pytest.raises(CheckpointError) as e:
         save_checkpoint(tmp_path, 2, model, opt, dict(model="m"), 3, dict(dropped={}, skipped_steps=0))
     free, needed = f"{(need - 1) / 2**30:.2f} GiB ({need - 1} bytes)", f"{need / 2**30:.2f} GiB ({need} bytes)"
@@ -386,7 +386,7 @@ def test_resuming_a_checkpoint_whose_pickles_hold_code_refuses_it_and_runs_nothi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from a2.runs import load_checkpoint
+    from a2.train.runs import load_checkpoint
 
     marker = tmp_path / "code-ran"
     ckpt = make_ckpt(tmp_path / "run", 3)

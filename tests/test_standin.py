@@ -1,6 +1,6 @@
-"""Stand-In's reference tokens (a2/standin.py) on a tiny T2V Wan: the split attention is the masked full attention,
-cached K/V sampling is the uncached one, a2's forward is Stand-In's (tests/their_standin.py, written from their
-code), the restriction costs less than the extra tokens, and Stand-In's LoRA file loads with clear errors."""
+"""Stand-In's reference tokens (a2/kinds/standin.py) on a tiny T2V Wan: the split attention is the masked full
+attention, cached K/V sampling is the uncached one, a2's forward is Stand-In's (tests/their_standin.py, written from
+their code), the restriction costs less than the extra tokens, and Stand-In's LoRA file loads with clear errors."""
 
 
 import numpy as np
@@ -11,10 +11,10 @@ from diffusers import WanTransformer3DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from a2 import standin
-from a2.dataset_config import ConditioningConfig
+from a2.config.dataset_config import ConditioningConfig
 from a2.elements import Element
-from a2.transformer import TEXT_TOKENS, preset_config
+from a2.kinds import standin
+from a2.model.transformer import TEXT_TOKENS, preset_config
 from tests.conftest import drawn_person
 from tests.their_standin import TheirStandIn, their_sampling
 
@@ -115,7 +115,7 @@ def test_split_attention_equals_masked_attention():
 
 
 def a2_sampling(model, latents, reference, text, negative, sigmas, cache: bool, cfg=5.0):
-    """The same loop as their_sampling through a2.standin.forward: with the cache ("fill" at the first positive
+    """The same loop as their_sampling through a2.kinds.standin.forward: with the cache ("fill" at the first positive
     pass, "use" after), or the reference recomputed in every pass."""
     standin.clear_cache(model)
     for k, sigma in enumerate(sigmas[:-1]):
@@ -163,8 +163,8 @@ def test_cached_sampling_equals_uncached():
 
 @torch.no_grad()
 def test_forward_is_stand_ins():
-    """a2.standin.forward == Stand-In's forward written out (their_standin.py) on the same weights and LoRA, bit for
-    bit, when the reference's FFN is one matrix product with the video's (diffusers' block, a2) and diffusers'
+    """a2.kinds.standin.forward == Stand-In's forward written out (their_standin.py) on the same weights and LoRA, bit
+    for bit, when the reference's FFN is one matrix product with the video's (diffusers' block, a2) and diffusers'
     rounding of the time embedding, RoPE and RMSNorm is used. Stand-In's FFN of the reference alone, and its own
     roundings (float64 sinusoid and complex128 RoPE cast to float32, x*rsqrt(mean+eps)), are the whole residual:
     within BOUND. Without the reference the output is far off."""
@@ -235,10 +235,10 @@ def test_reference_is_stand_ins_1024_tokens_at_any_video_size():
     packed after the video's 60x104 ones in one latent frame (zero padded) and read back exactly, 32x32 = 1024
     reference tokens (at time -1, past the 30x52 token grid), as their model was trained.
     A reference latent that does not fit in whole frames of a small video takes several (4x6 latents: 171 frames)."""
-    from a2.conditioning import Conditioning, make_layout, model_input, prepare_model
+    from a2.kinds.conditioning import Conditioning, make_layout, model_input, prepare_model
+    from a2.model.tiny import model_path
+    from a2.model.transformer import detect_model
     from a2.plan import sampling_plan
-    from a2.tiny import model_path
-    from a2.transformer import detect_model
 
     layout = sampling_plan(detect_model(model_path("tiny-t2v")), (1,), STANDIN, 1)  # a 480x832 Wan T2V video's
     assert layout == make_layout("standin", 1, (1,), e2v_type="vae")
@@ -339,8 +339,8 @@ def test_pipeline_samples_stand_in_with_the_kv_cache(tmp_path):
     another reference gives other latents; a second call with another reference does not reuse the first's K/V.
     The reference is Stand-In's 512x512 image (1024 tokens) at this 32x48 video; one of the video's size is refused.
     The references are two drawn persons, a landscape and a square picture (framed to 512x512 as read)."""
-    from a2.conditioning import make_layout
     from a2.images import load_references
+    from a2.kinds.conditioning import make_layout
     from a2.pipeline import A2Pipeline
 
     pipe = A2Pipeline.from_pretrained("tiny-t2v")
@@ -464,9 +464,9 @@ def test_a2_samples_as_stand_ins_pipeline(base, tmp_path, monkeypatch):
     last one zero padded)."""
     import infer
     from a2.images import pil_to_tensor, preprocess_image, read_image
-    from a2.kinds import WAN_NEGATIVE_PROMPT
+    from a2.kinds.kinds import WAN_NEGATIVE_PROMPT
+    from a2.model.tiny import model_path
     from a2.pipeline import A2Pipeline, encode_prompt, schedule_sigmas
-    from a2.tiny import model_path
     from tests.their_standin import flow_match_sigmas, their_pipeline
 
     model = model_path("tiny-t2v" if base == "wan21" else "tiny-wan22-t2v")

@@ -8,9 +8,9 @@ import torch
 import tyro
 
 import train_a2
-from a2.flow import flow_loss, noisy_latents
-from a2.loader import collate
-from a2.transformer import preset_config
+from a2.data.loader import collate
+from a2.model.transformer import preset_config
+from a2.train.flow import flow_loss, noisy_latents
 from config import TrainConfig, from_flags
 from data import E2VDataset
 from tests.conftest import train_config
@@ -130,8 +130,8 @@ def test_random_real_size_model_dir(tmp_path):
     builds it in the compute dtype with diffusers' fp32-kept modules in fp32 (checked on a 2-block cut)."""
     import json
 
-    from a2.tiny import save_tiny
-    from a2.transformer import RANDOM_WEIGHTS, detect_model, random_transformer
+    from a2.model.tiny import save_tiny
+    from a2.model.transformer import RANDOM_WEIGHTS, detect_model, random_transformer
 
     d = save_tiny(tmp_path / "random14b", preset="14B")
     info = detect_model(d)

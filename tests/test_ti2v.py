@@ -14,7 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_a2
-from a2.dataset_config import ConditioningConfig
+from a2.config.dataset_config import ConditioningConfig
 from config import from_flags
 from tests.conftest import args, train
 
@@ -23,7 +23,7 @@ H, W, F = 64, 96, 9  # latents (3, 4, 6); tokens 3 x 2 x 3
 
 @pytest.fixture(scope="module")
 def ti2v_dir():
-    from a2.tiny import model_path
+    from a2.model.tiny import model_path
 
     return model_path("tiny-ti2v")  # built into the session's A2_CACHE, as `--model tiny-ti2v` does
 
@@ -48,7 +48,7 @@ def random_image(seed=0, h=H, w=W):
 
 
 def test_detect_model_reads_the_5b_layout(ti2v_dir, tmp_path):
-    from a2.transformer import UnsupportedModel, detect_model
+    from a2.model.transformer import UnsupportedModel, detect_model
 
     info = detect_model(ti2v_dir)
     assert (info.name, info.in_channels, info.image_branch, info.boundary_ratio) == ("Wan2.2 TI2V 5B", 48, False,
@@ -79,7 +79,7 @@ def test_detect_model_reads_the_5b_layout(ti2v_dir, tmp_path):
 def test_model_input_matches_diffusers_formulas():
     """model_input on the 5B (clean frames, per-token timesteps) == diffusers' WanImageToVideoPipeline
     (expand_timesteps) / WanPipeline loop, written out."""
-    from a2.conditioning import Conditioning, model_input
+    from a2.kinds.conditioning import Conditioning, model_input
 
     def ti2v_model_input(x_t, clean, t, conditioned=None):
         return model_input(x_t, Conditioning("clean" if clean is not None else "t2v", clean=clean, keep=conditioned,
@@ -120,7 +120,7 @@ def test_model_input_matches_diffusers_formulas():
 def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
     """The image encoded alone (as inference encodes it) == the first latent of the whole clip (as x0 holds it):
     the causal Wan 2.2 VAE. Normalised with the VAE's 48 means/stds."""
-    from a2.conditioning import encode_vae, latent_stats, make_layout, prepare_latents
+    from a2.kinds.conditioning import encode_vae, latent_stats, make_layout, prepare_latents
     from a2.pipeline import A2Pipeline
 
     vae = A2Pipeline.from_pretrained(ti2v_dir).vae
@@ -142,8 +142,8 @@ def test_clean_frames_are_the_videos_leading_latents(ti2v_dir):
 def test_forward_loss_sees_the_clean_frame_at_timestep_0_and_leaves_it_out():
     """The training step feeds what inference feeds (clean frame 0, timestep 0 on its tokens) and the loss ignores
     the prediction there."""
-    from a2.conditioning import Conditioning, make_layout
-    from a2.flow import noisy_latents
+    from a2.kinds.conditioning import Conditioning, make_layout
+    from a2.train.flow import noisy_latents
 
     g = torch.Generator().manual_seed(2)
     x0, noise = torch.randn(2, 48, 3, 4, 6, generator=g), torch.randn(2, 48, 3, 4, 6, generator=g)
@@ -218,10 +218,10 @@ def test_t2v_and_i2v_match_diffusers_5b_pipelines(ti2v_dir):
 
 
 def test_train_infer_share_the_first_frame_conditioning(ti2v_dir, data_dir):
-    """The clean latent a training sample gets (a2.conditioning.encode) == what A2Pipeline builds from the same
+    """The clean latent a training sample gets (a2.kinds.conditioning.encode) == what A2Pipeline builds from the same
     first frame (posterior mode)."""
-    from a2.conditioning import encode
-    from a2.loader import collate
+    from a2.data.loader import collate
+    from a2.kinds.conditioning import encode
     from a2.pipeline import A2Pipeline
     from data import E2VDataset
 
@@ -344,7 +344,7 @@ def test_ti2v_refusals(data_dir, tmp_path):
 
 def test_aspect_buckets_fit_the_5b_grid(tmp_path):
     """Auto aspect buckets round height and width to the model's VAE x patch (TI2V-5B: 32, not 16)."""
-    from a2.dataset_config import DatasetConfig
+    from a2.config.dataset_config import DatasetConfig
     from data import E2VDataset, make_synthetic_dataset
 
     d = make_synthetic_dataset(tmp_path / "wide", num_samples=2, num_frames=17, size=(32, 48))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from a2.flow import sample_sigma, sigma_cdf, timestep_bucket
+from a2.train.flow import sample_sigma, sigma_cdf, timestep_bucket
 from tests.conftest import ROOT, args
 
 DISTRIBUTIONS = [dict(sigma_sampling="logit_normal", logit_mean=0.0, logit_std=1.0),

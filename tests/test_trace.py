@@ -1,10 +1,10 @@
-"""a2/trace.py: the live-bytes count of a step, checked against a hand count, and the same on fake tensors (no data)
-as on real ones."""
+"""a2/train/trace.py: the live-bytes count of a step, checked against a hand count, and the same on fake tensors (no
+data) as on real ones."""
 
 import pytest
 import torch
 
-from a2.trace import GB, LiveBytes, fake_tensors, trace_steps
+from a2.train.trace import GB, LiveBytes, fake_tensors, trace_steps
 from config import ADAMW, OptimConfig
 
 
@@ -50,7 +50,7 @@ def tiny_lora_step(tracer):
     """Two steps of the tiny Wan transformer with LoRA (fp32, CPU) under `tracer`; inputs made inside it."""
     from peft import LoraConfig
 
-    from a2.transformer import preset_config, random_transformer
+    from a2.model.transformer import preset_config, random_transformer
     from config import LORA_TARGETS
 
     cfg = preset_config("tiny")
@@ -97,8 +97,8 @@ def record_ops(device: str, layers: int, frames: int = 5, h: int = 16, w: int = 
     from peft import LoraConfig
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from a2.trace import emulated_cuda
-    from a2.transformer import configure_blocks, preset_config, random_transformer
+    from a2.model.transformer import configure_blocks, preset_config, random_transformer
+    from a2.train.trace import emulated_cuda
     from config import LORA_TARGETS
 
     class Record(TorchDispatchMode):
@@ -151,12 +151,12 @@ DRY_RUN_CASES = {  # bench.py's flags for the memory targets (docs/memory.md), L
 @pytest.mark.parametrize("case", DRY_RUN_CASES)
 def test_dry_run_within_the_rule(case):
     """bench.py --dry-run for each memory target, planned for the whole model at the real token count and width and
-    traced (two steps) on the model cut to 3 blocks with the plan's per-block choices (a2/memory.py cut_plan: the
+    traced (two steps) on the model cut to 3 blocks with the plan's per-block choices (a2/memory/memory.py cut_plan: the
     rule is per block; the whole grid at full size, within 3%, is docs/memory.md's table, tests/test_memory.py): the
     rule's estimate of the traced step within 10% of the trace (a cut model's terms outside the blocks and its
     first and last blocks weigh more; FSDP's gathers at a backward peak come and go), eager (the eager plan
     traced) and in the compiled accounting (the compiled plan traced, what compiled blocks keep and hold replaced by
-    the rule's compiled terms, the H100 measurement, not a trace: a2/trace.py compiled_peak), category by category
+    the rule's compiled terms, the H100 measurement, not a trace: a2/train/trace.py compiled_peak), category by category
     within 0.3 GiB + 10%, and the pinned host memory the cut plan's to the MiB. The context-parallel FSDP case
     emulates one rank of 8 (its collectives on a fake process group)."""
     from bench import BenchConfig, bench_dry_run
@@ -213,7 +213,7 @@ VACE_CASES = {  # bench.py --layout vace at 81x480x832 with 3 references (37,440
 
 @pytest.mark.parametrize("case", VACE_CASES)
 def test_dry_run_of_vace_within_the_rule(case):
-    """VACE's context blocks in the rule (a2/memory.py step_memory: their weights, what they keep, the hints and
+    """VACE's context blocks in the rule (a2/memory/memory.py step_memory: their weights, what they keep, the hints and
     their gradients, their backward, the phase "context"): the rule's estimate of the traced step within 3% at
     every phase, eager, and in the compiled accounting (what compiled blocks keep and hold, the blocks' and the
     context blocks', replaced by the rule's compiled terms), at the full token count and width, the LoRA on the

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a2.runs import EXIT_RESUMABLE
+from a2.train.runs import EXIT_RESUMABLE
 from tests.conftest import args, children, launch, losses, max_diff, params, train, wait_for
 
 
@@ -142,7 +142,7 @@ def test_main_leaves_the_process_as_it_found_it(data_dir, tmp_path, monkeypatch)
 
 def test_run_dir_lock_and_resume_refusals(data_dir, tmp_path, monkeypatch, capsys):
     import train_a2
-    from a2.runs import ResumeError, RunLocked
+    from a2.train.runs import ResumeError, RunLocked
 
     run = tmp_path / "busy"
     p = launch(args(data_dir, tmp_path, "busy", "--max-steps", "1000", "--ckpt-every", "1"))
@@ -176,7 +176,7 @@ def test_run_dir_lock_and_resume_refusals(data_dir, tmp_path, monkeypatch, capsy
 
 
 def test_divergence_stops_naming_the_last_finite_checkpoint(data_dir, tmp_path):
-    from a2.runs import Diverged
+    from a2.train.runs import Diverged
 
     run = tmp_path / "lr1e6"
     with pytest.raises(Diverged, match="3 times in a row") as e:
@@ -215,11 +215,11 @@ def test_a_non_finite_step_is_skipped(data_dir, tmp_path, monkeypatch):
 
 def test_train_and_infer_build_the_same_condition(data_dir, tiny_dir):
     """The condition a training sample gets == what A2Pipeline builds at inference from the same files."""
-    from a2.conditioning import make_layout, prepare_latents
-    from a2.dataset_config import DatasetConfig
+    from a2.config.dataset_config import DatasetConfig
+    from a2.data.loader import collate
     from a2.elements import A2_ELEMENTS
     from a2.images import load_references
-    from a2.loader import collate
+    from a2.kinds.conditioning import make_layout, prepare_latents
     from a2.pipeline import A2Pipeline
     from data import E2VDataset
 
@@ -311,7 +311,7 @@ def test_overfit_one_batch(data_dir, tmp_path):
     per_step = losses(run["run_dir"])
     assert per_step[1] / per_step[40] >= 5, per_step
     # the full model is exported twice: a diffusers transformer dir and one bf16 file in original Wan keys (ComfyUI)
-    from a2.transformer import original_to_diffusers
+    from a2.model.transformer import original_to_diffusers
 
     exported = load_file(run["weights"] / "diffusion_pytorch_model.safetensors")
     wan = original_to_diffusers(load_file(run["run_dir"] / "transformer_comfy.safetensors"))
@@ -325,17 +325,17 @@ def test_overfit_one_batch(data_dir, tmp_path):
 def test_offload_and_block_swap_equal_the_plain_run(data_dir, tmp_path, monkeypatch):
     """--offload-activations and --swap-blocks move tensors to host memory and back, and change nothing
     else: the same losses and LoRA weights, bit for bit, with recomputation keeping the attention."""
-    import a2.offload
+    import a2.memory.offload
     from a2.cli import ConfigError
 
-    monkeypatch.setattr(a2.offload, "MIN_BYTES", 0)  # the tiny model's tensors are all far below 1 MB
-    offloaded, prefetch = [], a2.offload.Offloaded.prefetch
+    monkeypatch.setattr(a2.memory.offload, "MIN_BYTES", 0)  # the tiny model's tensors are all far below 1 MB
+    offloaded, prefetch = [], a2.memory.offload.Offloaded.prefetch
 
     def counted(saved):  # each offloaded tensor comes back through here once
         offloaded.append(1)
         prefetch(saved)
 
-    monkeypatch.setattr(a2.offload.Offloaded, "prefetch", counted)
+    monkeypatch.setattr(a2.memory.offload.Offloaded, "prefetch", counted)
     steps = ("--max-steps", "2", "--save-attention", "--lr", "1e-2")
     plain = train(*args(data_dir, tmp_path, "plain", *steps))
     moved = train(*args(data_dir, tmp_path, "moved", *steps, "--swap-blocks", "1", "--offload-activations"))
@@ -364,24 +364,24 @@ sys.argv = ["train_a2.py", *sys.argv[1:]]
 runpy.run_path({root!r} + "/train_a2.py", run_name="__main__")
 """
 RAISE_AT_STEP_3 = """
-import a2.flow
-loss, calls = a2.flow.flow_loss, []
+import a2.train.flow
+loss, calls = a2.train.flow.flow_loss, []
 def flow_loss(*a, **k):
     calls.append(1)
     if len(calls) == 3:
         raise RuntimeError("injected: the step failed")
     return loss(*a, **k)
-a2.flow.flow_loss = flow_loss
+a2.train.flow.flow_loss = flow_loss
 """
 TWO_SIGNALS_AT_STEP_2 = RAISE_AT_STEP_3.replace(
     'raise RuntimeError("injected: the step failed")',
     "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)").replace("== 3", "== 2")
 SIGNAL_AT_EXPORT = """
-import a2.lora
+import a2.train.lora
 def export_lora(*a, **k):
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(3600)
-a2.lora.export_lora = export_lora
+a2.train.lora.export_lora = export_lora
 """
 DISK_FULL_AFTER_CKPT_1 = """
 import shutil
@@ -415,9 +415,9 @@ class SharedBatches(torch.utils.data.Dataset):
 def test_a_loader_worker_stopped_while_it_sends_a_batch_exits_cleanly():
     """The cause of `terminate called without an active exception` / `DataLoader worker (pid ...) is killed by
     signal: Aborted`: a spawned worker that finalizes the interpreter while its feeder thread is in C++ is aborted
-    (with multiprocessing's spawn context this worker exits -6, here on every try); a2.loader.WorkerContext's workers
-    leave with os._exit like forked ones."""
-    from a2.loader import WorkerContext, stop_workers
+    (with multiprocessing's spawn context this worker exits -6, here on every try); a2.data.loader.WorkerContext's
+    workers leave with os._exit like forked ones."""
+    from a2.data.loader import WorkerContext, stop_workers
 
     loader = torch.utils.data.DataLoader(SharedBatches(), batch_size=None, num_workers=1, prefetch_factor=4,
                                          multiprocessing_context=WorkerContext())
@@ -465,7 +465,7 @@ def test_a_loader_worker_raising_mid_epoch_ends_the_run_in_one_line(data_dir, tm
 def test_what_the_dataloader_raises_about_a_worker_is_one_line():
     """A worker killed (the OOM killer) or failing outside a sample: LoaderError, one line (exit 1 in train_a2.py),
     not the DataLoader's multi-line message; anything else is raised as it is."""
-    from a2.loader import LoaderError, next_batch
+    from a2.data.loader import LoaderError, next_batch
 
     def raising(e):
         raise e
@@ -484,7 +484,7 @@ def test_what_the_dataloader_raises_about_a_worker_is_one_line():
 
 
 def test_items_that_cannot_be_batched_fail_naming_each_sample_and_file():
-    from a2.loader import collate
+    from a2.data.loader import collate
 
     items = [dict(index=i, id=f"00{i}", file=f"/d/00{i}.mp4", bucket=(5, 8, 8, ()), prompt="p", element_names=(),
                   repeats=(), video=torch.zeros(3, 5, 8, 8 + i), ref_vae=torch.zeros(0, 3, 8, 8),
@@ -496,7 +496,7 @@ def test_items_that_cannot_be_batched_fail_naming_each_sample_and_file():
 
 @pytest.mark.parametrize("how", ["exception", "second-signal", "signal-at-export", "disk-full"])
 def test_a_failing_run_with_loader_workers_exits(data_dir, tmp_path, how):
-    from a2.runs import checkpoint_problem
+    from a2.train.runs import checkpoint_problem
 
     patch = dict(exception=RAISE_AT_STEP_3, **{"second-signal": TWO_SIGNALS_AT_STEP_2,
                  "signal-at-export": SIGNAL_AT_EXPORT, "disk-full": DISK_FULL_AFTER_CKPT_1})[how]
@@ -531,7 +531,7 @@ def test_checkpoint_write_failures_end_the_run_and_resume_continues(data_dir, tm
     """A write that fails midway (what a full disk does to torch.save): CheckpointError naming the run dir, the free
     space and the bytes needed; the partial temp dir removed; the earlier checkpoints untouched; --resume auto
     continues the same curve. (Too little free space, checked before writing: tests/test_runs.py.)"""
-    from a2.runs import CheckpointError, checkpoint_problem
+    from a2.train.runs import CheckpointError, checkpoint_problem
 
     run = tmp_path / "full"
     save = torch.save

@@ -1,6 +1,6 @@
-"""Wan VACE (a2/vace.py, detection and loading in a2/transformer.py, its LoRA keys in a2/lora.py) against Wan's own
-VACE sampler and ComfyUI's VACE model written out from their code (tests/their_vace.py) and diffusers'
-WanVACEPipeline, on the tiny VACE model (a2/tiny.py: tiny-vace, its Wan2.2-VACE-Fun pair and their original-key
+"""Wan VACE (a2/kinds/vace.py, detection and loading in a2/model/transformer.py, its LoRA keys in a2/train/lora.py)
+against Wan's own VACE sampler and ComfyUI's VACE model written out from their code (tests/their_vace.py) and diffusers'
+WanVACEPipeline, on the tiny VACE model (a2/model/tiny.py: tiny-vace, its Wan2.2-VACE-Fun pair and their original-key
 layouts)."""
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from safetensors.torch import load_file, save_file
 
 import infer
 import train_a2
-from a2 import vace
-from a2.dataset_config import VaeProcessorConfig
+from a2.config.dataset_config import VaeProcessorConfig
 from a2.elements import RELEASED_ELEMENTS
 from a2.images import read_image, vace_frame
-from a2.kinds import WAN_NEGATIVE_PROMPT
-from a2.lora import export_lora, read_original
-from a2.parallel import UlyssesAttnProcessor, context_parallel
-from a2.plan import plan_layout
-from a2.tiny import build_tiny, model_path, save_tiny, tiny_model_dir
-from a2.transformer import (
+from a2.kinds import vace
+from a2.kinds.kinds import WAN_NEGATIVE_PROMPT
+from a2.model.parallel import UlyssesAttnProcessor, context_parallel
+from a2.model.tiny import build_tiny, model_path, save_tiny, tiny_model_dir
+from a2.model.transformer import (
     UnsupportedModel,
     configure_blocks,
     detect_model,
@@ -39,6 +37,8 @@ from a2.transformer import (
     preset_config,
     random_transformer,
 )
+from a2.plan import plan_layout
+from a2.train.lora import export_lora, read_original
 from config import LORA_TARGETS
 from tests import their_vace as theirs
 from tests.their_samplers import phantom_sigmas
@@ -130,7 +130,7 @@ def sources(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_vace():
-    """The built-in tiny-vace model dir (a2/tiny.py) as diffusers' WanVACEPipeline loads it."""
+    """The built-in tiny-vace model dir (a2/model/tiny.py) as diffusers' WanVACEPipeline loads it."""
     p = WanVACEPipeline.from_pretrained(model_path("tiny-vace"))
     p.set_progress_bar_config(disable=True)
     return p
@@ -409,8 +409,8 @@ def test_training_adapts_the_context_blocks_by_default_and_exports_what_loads(va
     keys, which a2 reads back as Wan2.1 VACE."""
     from safetensors import safe_open
 
-    from a2.lora import load_lora
     from a2.pipeline import A2Pipeline
+    from a2.train.lora import load_lora
     from tests.conftest import args, train
 
     base = ["--num-frames", "9", "--max-steps", "1", "--text-dropout", "0"]
@@ -482,7 +482,7 @@ def test_wans_own_release_dir_names_its_missing_parts_and_fetches_them_alone(lay
 
     import huggingface_hub
 
-    from a2.transformer import UnsupportedModel, detect_model
+    from a2.model.transformer import UnsupportedModel, detect_model
 
     d = tmp_path / "Wan2.1-VACE-1.3B"
     d.mkdir()

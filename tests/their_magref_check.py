@@ -22,9 +22,9 @@ from diffusers import WanTransformer3DModel
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from a2.lora import export_lora
-from a2.tiny import model_path
-from a2.transformer import diffusers_to_original, load_transformer
+from a2.model.tiny import model_path
+from a2.model.transformer import diffusers_to_original, load_transformer
+from a2.train.lora import export_lora
 from config import LORA_TARGETS
 
 

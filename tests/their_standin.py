@@ -1,5 +1,5 @@
 """Stand-In's DiT forward with reference tokens, and its sampling loop's K/V cache, written out step by step on the
-weights of a diffusers WanTransformer3DModel: the reference a2.standin is tested against (tests/test_standin.py).
+weights of a diffusers WanTransformer3DModel: the reference a2.kinds.standin is tested against (tests/test_standin.py).
 
 Read from WeChatCV/Stand-In cceec58 (models/wan_video_dit.py: precompute_freqs_cis (positions from -1), rope_apply,
 RMSNorm, LoRALinearLayer, SelfAttention.forward, CrossAttention, DiTBlock.forward, Head; pipelines/wan_video.py:
