@@ -74,7 +74,7 @@ class Run:
     compute_dtype: torch.dtype  # frozen weights and encoders: bf16 on CUDA with --mixed-precision bf16, else fp32
     sigma_range: tuple[float, float]  # [lo, hi): all of [0, 1], or a Wan 2.2 expert's part
     cache: Path | None  # the precompute cache subdir of this data, encoders and preprocessing
-    compile: bool  # the blocks are compiled: --compile, else on CUDA (config.resolve_compile)
+    compile: bool  # the blocks are compiled: --compile, else on CUDA (resolve_compile)
     validates: bool = False  # it renders validation videos: from --val-elements, or from the prompt alone when it
     # trains T2V (with --val-every)
     encode_mode: str = "sample"  # the VAE encode of x0 and the condition: --vae-sample-mode, else the kind's own
@@ -335,7 +335,7 @@ def plan_training(model, data, rundir, optim, memory, lora, parallel, references
     if optim.micro_batch < 1 or optim.grad_accum < 1:
         raise ConfigError("micro_batch and grad_accum must be >= 1")
     check_dir_to_write("--output-dir", rundir.output_dir)
-    vae_cfg = datasets[0].vae  # every dataset's (config.load_dataset_config): the run's conditioning
+    vae_cfg = datasets[0].vae  # every dataset's (a2/config/dataset_config.py load_dataset_config): its conditioning
     # the kind, checked; none given: the element specs its kind samples with too
     info, datasets, elements, layout = model_layout(model, data, datasets)
     # (VACE: what reaches its context blocks)
@@ -508,7 +508,7 @@ def bench_plan(b) -> tuple[Run, tuple, dict]:
 
 def bench_datasets(b, manifest: str | None = None, dataset_type: str = "e2v") -> tuple[list[DatasetConfig], int]:
     """bench.py's loader data (--data-root, or a public dataset's index `manifest`) as training reads it from these
-    data flags (config.dataset_configs: A2's elements, --frames x --height x --width), and the clip length it reads: a
+    data flags (dataset_configs: A2's elements, --frames x --height x --width), and the clip length it reads: a
     public dataset's is what A2's reference latents leave of --frames (81 -> 69)."""
     data = DataConfig(data_root=b.data_root, manifest=manifest, dataset_type=dataset_type, resolution=b.size,
                       num_frames=b.frames)

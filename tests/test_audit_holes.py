@@ -146,7 +146,7 @@ def dry_runs(data_dir, tmp_path_factory):
 
 
 def test_the_ema_copy_is_in_the_rule_as_the_trace_holds_it(dry_runs):
-    """--ema-decay keeps an fp32 copy of every trainable weight in the optimizer's state (a2/ema.py): the traced
+    """--ema-decay keeps an fp32 copy of every trainable weight in the optimizer's state (a2/train/step.py): the traced
     step's "state" at the optimizer step grows by exactly those bytes, and the rule's by the same (both count whole
     fp32 tensors of the same weights; the tiny model's 219k LoRA weights give 0.9 MB, a term no per-phase tolerance
     of the real-size checks would see go)."""

@@ -362,7 +362,7 @@ def element_layout(layout: Layout, repeats, sampled: bool = False) -> Layout:
     """The run's layout for one element set (a bucket's: its elements' repeats, in position order), from the same
     plan: the same clip and settings, the references, their latents and the tokens of the set. A prefix sequence
     keeps its clip and holds the set's reference latents before it (fewer elements: a shorter sequence), as a bucket
-    trains it. sampled: as a video is sampled instead (validation, infer.py's sampling_plan): --num-frames stays the
+    trains it. sampled: as a video is sampled instead (validation, a2/plan.py sampling_plan): --num-frames stays the
     whole sequence, so fewer references leave more video frames (SkyReels-A2's infer.py renders its 81 frames
     whatever the references). Raises ValueError when the kind cannot take the set (element_refusal)."""
     repeats = tuple(repeats)

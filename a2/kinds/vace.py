@@ -54,8 +54,8 @@ LORA_BLOCKS = {"vace": r"vace_blocks\.", "base": r"blocks\.", "both": r"(vace_)?
 
 
 def lora_target(target: str, blocks: str = "vace") -> str:
-    """`target`, a regex over module names (peft's full match, e.g. config.LORA_TARGETS, whose `.*blocks` matches
-    both kinds of block), narrowed to the modules of the `blocks` LORA_BLOCKS names."""
+    """`target`, a regex over module names (peft's full match, e.g. a2/config/sections.py LORA_TARGETS, whose
+    `.*blocks` matches both kinds of block), narrowed to the modules of the `blocks` LORA_BLOCKS names."""
     return rf"(?={LORA_BLOCKS[blocks]})(?:{target})"
 
 
