@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from a2.cli import run_cli
+from a2.config.sections import resolve_compile
 from a2.kinds import align
 from a2.kinds.conditioning import lora_target, num_latent_frames
 from a2.memory.memory import apply_plan, cut_config, memory_plan, proc_bytes, step_shape, use_expandable_segments
@@ -64,15 +65,14 @@ from a2.model.transformer import (
     preset_config,
     random_transformer,
 )
-from a2.plan import bench_datasets, bench_plan, preset_info
+from a2.plan import Run, bench_datasets, bench_plan, preset_info
 from a2.train.lora import make_trainable
-from a2.train.step import Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.train.step import forward_loss, make_optimizer, model_inputs, optimizer_step
 from a2.train.trace import align_zeros, dry_run, synthetic_batch, zero_batch
 from config import (
     LORA_TARGETS,
     BenchConfig,
     MemoryConfig,
-    resolve_compile,
 )
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16

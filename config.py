@@ -45,7 +45,6 @@ from a2.config.sections import (
     ValidationConfig,
 )
 from a2.config.sections import OpenS2VConfig as OpenS2VConfig  # a2.eval.opens2v's CLI, listed with the others
-from a2.config.sections import resolve_compile as resolve_compile  # for train_a2.py and bench.py
 
 # a2/kinds/kinds.py's KIND_DEFS names, in its order (a test holds them equal): bench.py --layout's choices
 KIND_NAMES = ("t2v", "prefix", "inplace", "incontext", "clean", "phantom", "v3", "magref", "refalign", "vace",

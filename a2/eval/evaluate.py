@@ -59,9 +59,9 @@ from a2.images import tensor_to_uint8
 from a2.kinds.kinds import model_flow_shift
 from a2.model.transformer import EXPERTS, load_transformer
 from a2.pipeline import A2Pipeline, decode_vae, save_video
-from a2.plan import validation_inputs
+from a2.plan import Run, validation_inputs
 from a2.train.flow import sigma_cdf, sigma_quantile
-from a2.train.step import Encoders, Process, Run, TrainState, ema_weights, forward_loss, model_inputs
+from a2.train.step import Encoders, Process, TrainState, ema_weights, forward_loss, model_inputs
 
 
 @dataclass

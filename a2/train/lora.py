@@ -56,7 +56,8 @@ from a2.model.transformer import (
     wan_module_name,
     weights_in,
 )
-from a2.train.step import Run, TrainState, ema_weights
+from a2.plan import Run
+from a2.train.step import TrainState, ema_weights
 
 DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"
 E2V_NAME = "e2v_weights.safetensors"  # the expansion's full weights (module docstring); not *pytorch_lora_weights

@@ -91,7 +91,8 @@ from a2.memory.memory import (
 )
 from a2.model.parallel import context_parallel, emulated_ranks, shard, step_costs
 from a2.model.transformer import CLIP_TOKENS, TEXT_TOKENS
-from a2.train.step import Encoders, Run, forward_loss, make_optimizer, model_inputs, optimizer_step
+from a2.plan import Run
+from a2.train.step import Encoders, forward_loss, make_optimizer, model_inputs, optimizer_step
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
 
