@@ -326,7 +326,7 @@ class InferSampling:
     schedule: Literal["model", "flowmatch"] = "model"
     """The sampler's unshifted sigmas. model: the model's (its kind's own: a released model's, else diffusers');
     flowmatch: DiffSynth's FlowMatchScheduler(sigma_min=0, extra_one_step=True) that Stand-In samples with, linspace(1,
-    0, steps + 1) without the 0 (a2/pipeline.py schedule_sigmas)."""
+    0, steps + 1) without the 0 (a2/kinds/kinds.py schedule_sigmas)."""
     decode: Literal["drop_refs", "video_only", "all", "none"] | None = None
     """What is decoded. drop_refs: all latents, then the reference frames are dropped (A2, MAGREF); video_only: the
     video latents alone (VACE); all: every frame, the references' included; none: no decode, the latents only (e.g.
