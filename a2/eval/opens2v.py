@@ -774,8 +774,8 @@ its README gives), run on the same dirs; their JSON files land next to a2's and 
 
 
 def main(cfg) -> int:
-    """`python3 -m a2.eval.opens2v` on a config.OpenS2VConfig: score, merge, print the table. An input mistake is an
-    InputError (one line, exit 2 under run_cli)."""
+    """`python3 -m a2.eval.opens2v` on an OpenS2VConfig (a2/config/sections.py): score, merge, print the table. An
+    input mistake is an InputError (one line, exit 2 under run_cli)."""
     domain = domain_of(cfg.eval_set)
     samples = read_eval_set(cfg.eval_set)
     videos = Path(cfg.videos)
