@@ -496,7 +496,7 @@ def test_no_kind_name_is_compared_outside_the_kind_definitions():
     assert compared.search('if layout.kind == "magref":') and compared.search("kind not in CHANNEL_KINDS")
     # inside the definitions a kind is named only where it is particular (A2's mini-video, MAGREF's canvas, the
     # frame kinds' validation layout): what differs as data is read from its Kind row
-    inside = [line for f in ("conditioning.py", "plan.py") for line in (root / "a2" / f).read_text().splitlines()
+    inside = [line for f in ("kinds/conditioning.py", "plan.py") for line in (root / "a2" / f).read_text().splitlines()
               if re.search(r"""\bkind\b\s*(==|!=)|\bkind\b\S*\s+(not\s+)?in\b|\b[A-Z_]+_KINDS\b""", line.split("#")[0])]
     assert len(inside) <= 20, "\n".join(inside)
 
