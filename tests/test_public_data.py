@@ -400,10 +400,11 @@ def test_references_are_every_kept_mask_largest_first_up_to_the_kind_maximum(tmp
     c = pi.index_opens2v(pi.IndexOpenS2V(str(tmp_path), str(out)))
     assert c["clips read"] == c["clips kept"] == 4
     assert c["clips without a background png (kept without a background)"] == 1
-    # the one clip of 4 masks (and a background png) has more than V3 (3 beside the png) and RefAlign (3) take
+    # the one clip of 4 masks (and a background png) has more than V3 (3 beside the png), RefAlign (3) and Kaleido
+    # (3: ref1..ref3, zai-org/Kaleido data_video.py) take
     more = {k: v for k, v in c.items() if k.startswith("clips with more kept masks than")}
     assert more == {f"clips with more kept masks than the {k} kind takes with default flags (the 3 largest used)": 1
-                    for k in ("v3", "refalign")}
+                    for k in ("v3", "refalign", "kaleido")}
     assert (c["clips with 1 kept mask(s)"], c["clips with 2 kept mask(s)"], c["clips with 4 kept mask(s)"]) == (2, 1, 1)
     report = (out / "report.txt").read_text()
     assert f"{fx['keys'][3]}: " in report and "background png not found" in report
